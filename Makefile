@@ -1,0 +1,36 @@
+# Every target creates .venv when missing, so a fresh machine needs only `make demo` or `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test check bench system-deps clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first, pinned: an unpinned torch pulls gigabytes of CUDA packages.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+# Debian packages the test suite runs for real: redis-server (remote tier) and chromium (dashboard).
+system-deps:
+	@bash scripts/install-system-deps.sh
+
+demo: $(STAMP)
+	$(BIN)/kvtier demo
+
+test: $(STAMP) system-deps
+	$(BIN)/python -m pytest -q
+
+check: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/kvtier bench cpu
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,197 @@
+"""The :class:`Config` dataclass and its loader."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvtier.config.schema import KEYS, KEYS_BY_NAME, KNOWN_LMCACHE_ONLY
+from kvtier.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_NOT_KEYS = {"CONFIG_FILE", "LOG_LEVEL"}  # KVTIER_* variables that are not config keys
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Resolved kvtier configuration. Build it with :meth:`load`; never mutate it."""
+
+    chunk_size: int = 256
+    local_cpu: bool = True
+    max_local_cpu_size: int = 5 * 1024**3
+    local_disk: str | None = None
+    max_local_disk_size: int = 0
+    remote_url: str | None = None
+    save_unfull_chunk: bool = False
+    pre_caching_hash_algorithm: str = "xxh3_128"
+    cache_policy: str = "LRU"
+    use_only_staging_buffer: bool = False
+    enable_pd: bool = False
+    pd_role: str | None = None
+    pd_buffer_size: int | None = None
+    pd_buffer_device: str | None = None
+    pd_peer_host: str | None = None
+    pd_peer_init_port: tuple[int, ...] | None = None
+    pd_peer_alloc_port: tuple[int, ...] | None = None
+    pd_proxy_host: str | None = None
+    pd_proxy_port: tuple[int, ...] | None = None
+    pd_allocation_timeout_sec: float = 10.0
+    transfer_channel: str | None = None
+    blocking_timeout_secs: float = 10.0
+    internal_api_server_enabled: bool = False
+    internal_api_server_host: str = "127.0.0.1"
+    internal_api_server_port_start: int = 6999
+    admin_token: str | None = None
+    cache_salt: str = ""
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    # Where each non-default value came from ("file /x.yaml", "env KVTIER_CHUNK_SIZE", ...).
+    origin: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_combinations(self)
+
+    # -- loading ---------------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        overrides: Mapping[str, object] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> Config:
+        """Resolve a config from defaults, a YAML file, the environment and ``overrides``."""
+        env = os.environ if env is None else env
+        raw: dict[str, object] = {}
+        origin: dict[str, str] = {}
+        unknown: list[str] = []
+
+        file_path = path or env.get("KVTIER_CONFIG_FILE") or env.get("LMCACHE_CONFIG_FILE")
+        if file_path:
+            for key, value in _read_yaml(Path(file_path)).items():
+                _take(key, value, f"file {file_path}", raw, origin, unknown)
+
+        for prefix, lmcache_only in (("LMCACHE_", True), ("KVTIER_", False)):
+            for name, value in sorted(env.items()):
+                if not name.startswith(prefix) or name[len(prefix) :] in _NOT_KEYS:
+                    continue
+                key = name[len(prefix) :].lower()
+                spec = KEYS_BY_NAME.get(key)
+                if lmcache_only and spec is not None and not spec.lmcache:
+                    continue  # kvtier's own keys are read from KVTIER_* only
+                _take(key, _env_value(value), f"env {name}", raw, origin, unknown)
+
+        for key, value in (overrides or {}).items():
+            _take(key, value, "override", raw, origin, unknown)
+
+        if unknown:
+            log.warning(
+                "ignoring config keys kvtier does not implement: %s", ", ".join(sorted(unknown))
+            )
+        values = {spec.name: spec.parse(spec.name, raw.get(spec.name, spec.default)) for spec in KEYS}
+        return cls(**values, origin=origin)
+
+    @classmethod
+    def default(cls) -> Config:
+        """The defaults alone, ignoring files and the environment."""
+        return cls.load(env={})
+
+    def with_overrides(self, **overrides: object) -> Config:
+        """A copy with some keys replaced, each parsed and validated like any other source."""
+        parsed: dict[str, Any] = {}
+        for key, value in overrides.items():
+            spec = KEYS_BY_NAME.get(key)
+            if spec is None:
+                raise ConfigError(key, value, "not a kvtier config key")
+            parsed[key] = spec.parse(key, value)
+        origin = {**self.origin, **dict.fromkeys(overrides, "override")}
+        return replace(self, **parsed, origin=origin)
+
+    def as_dict(self, *, mask_secrets: bool = True) -> dict[str, Any]:
+        """Key -> value for every key; secrets shown as ``'***'`` unless asked otherwise."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name == "origin":
+                continue
+            value = getattr(self, f.name)
+            if mask_secrets and KEYS_BY_NAME[f.name].secret and value:
+                value = "***"
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @property
+    def lower_tiers_configured(self) -> bool:
+        """True when some tier below CPU (disk, remote) is configured."""
+        return bool(self.local_disk or self.remote_url)
+
+
+def _take(
+    key: str,
+    value: object,
+    source: str,
+    raw: dict[str, object],
+    origin: dict[str, str],
+    unknown: list[str],
+) -> None:
+    if key in KEYS_BY_NAME:
+        raw[key] = value
+        origin[key] = source
+    else:
+        note = " (an LMCache key)" if key in KNOWN_LMCACHE_ONLY else ""
+        unknown.append(f"{key}{note} from {source}")
+
+
+def _read_yaml(path: Path) -> dict[str, object]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError("config file", str(path), f"a readable YAML file ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("config file", str(path), f"valid YAML ({exc})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise ConfigError(
+            "config file", str(path), f"a YAML mapping of key: value, got {type(data).__name__}"
+        )
+    return data
+
+
+def _env_value(text: str) -> object:
+    """Environment values are YAML scalars: 'true', '5.0', '[8100, 8101]', '512MiB'."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _check_combinations(cfg: Config) -> None:
+    """Rules that involve more than one key."""
+    if cfg.max_local_cpu_size <= 0:
+        raise ConfigError(
+            "max_local_cpu_size",
+            cfg.max_local_cpu_size,
+            "above 0: CPU memory is the cache or, with local_cpu false, the staging buffer",
+        )
+    if cfg.local_disk and cfg.max_local_disk_size <= 0:
+        raise ConfigError(
+            "max_local_disk_size", cfg.max_local_disk_size, "above 0 when local_disk is set"
+        )
+    if cfg.use_only_staging_buffer and not cfg.local_cpu and not cfg.lower_tiers_configured:
+        raise ConfigError(
+            "use_only_staging_buffer",
+            True,
+            "false unless local_disk or remote_url is set (staging needs a tier to stage for)",
+        )
+    if cfg.enable_pd and cfg.pd_role is None:
+        raise ConfigError("pd_role", None, "'sender' or 'receiver' when enable_pd is true")
+    if cfg.enable_pd and cfg.pd_role == "receiver" and cfg.pd_buffer_size is None:
+        raise ConfigError("pd_buffer_size", None, "a size in bytes for a PD receiver")

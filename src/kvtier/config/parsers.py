@@ -1,0 +1,119 @@
+"""Value parsers for config keys. Each takes ``(key, raw)`` and returns the typed value or
+raises :class:`ConfigError` naming the key, the value and what is allowed."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvtier.config.sizes import parse_size
+from kvtier.errors import ConfigError
+
+Parser = Callable[[str, object], Any]
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def boolean(key: str, raw: object) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, int) and raw in (0, 1):
+        return bool(raw)
+    if isinstance(raw, str) and raw.strip().lower() in _TRUE | _FALSE:
+        return raw.strip().lower() in _TRUE
+    raise ConfigError(key, raw, "a boolean (true/false)")
+
+
+def integer(low: int, high: int) -> Parser:
+    def parse(key: str, raw: object) -> int:
+        allowed = f"an integer from {low} to {high}"
+        if isinstance(raw, bool):
+            raise ConfigError(key, raw, allowed)
+        if isinstance(raw, float) and raw.is_integer():
+            raw = int(raw)
+        if isinstance(raw, str):
+            try:
+                raw = int(raw.strip())
+            except ValueError:
+                raise ConfigError(key, raw, allowed) from None
+        if not isinstance(raw, int) or not low <= raw <= high:
+            raise ConfigError(key, raw, allowed)
+        return raw
+
+    return parse
+
+
+def positive_float(high: float) -> Parser:
+    def parse(key: str, raw: object) -> float:
+        allowed = f"a finite number above 0 and at most {high:g}"
+        if isinstance(raw, bool):
+            raise ConfigError(key, raw, allowed)
+        try:
+            value = float(raw)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ConfigError(key, raw, allowed) from None
+        if not math.isfinite(value) or not 0 < value <= high:
+            raise ConfigError(key, raw, allowed)
+        return value
+
+    return parse
+
+
+def size(number_unit: int, *, optional: bool = False) -> Parser:
+    def parse(key: str, raw: object) -> int | None:
+        if raw is None and optional:
+            return None
+        return parse_size(key, raw, number_unit)
+
+    return parse
+
+
+def choice(options: Sequence[str], *, optional: bool = False, fold_case: bool = True) -> Parser:
+    def parse(key: str, raw: object) -> str | None:
+        if raw is None and optional:
+            return None
+        shown = ", ".join(repr(o) for o in options) + (" or null" if optional else "")
+        if not isinstance(raw, str):
+            raise ConfigError(key, raw, f"one of {shown}")
+        for option in options:
+            if raw == option or (fold_case and raw.lower() == option.lower()):
+                return option
+        raise ConfigError(key, raw, f"one of {shown}")
+
+    return parse
+
+
+def text(*, optional: bool = True, max_len: int = 4096) -> Parser:
+    def parse(key: str, raw: object) -> str | None:
+        if raw is None and optional:
+            return None
+        if not isinstance(raw, str) or len(raw) > max_len:
+            raise ConfigError(key, raw, f"a string of at most {max_len} characters")
+        return raw
+
+    return parse
+
+
+def ports(key: str, raw: object) -> tuple[int, ...] | None:
+    """One TCP port, or a list of them (LMCache lists one port per tensor-parallel rank)."""
+    if raw is None:
+        return None
+    items = raw if isinstance(raw, list | tuple) else [raw]
+    port = integer(1, 65535)
+    try:
+        parsed = tuple(port(key, item) for item in items)
+    except ConfigError:
+        raise ConfigError(key, raw, "a TCP port (1-65535) or a list of ports") from None
+    if not parsed:
+        raise ConfigError(key, raw, "a TCP port (1-65535) or a non-empty list of ports")
+    return parsed
+
+
+def mapping(key: str, raw: object) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
+        raise ConfigError(key, raw, "a mapping of string keys to values")
+    return dict(raw)

@@ -1,0 +1,137 @@
+"""The table of config keys: name, parser, default, and the line the README shows.
+
+Names follow LMCache where it has the key (``lmcache=True``: its YAML and ``LMCACHE_<KEY>``
+environment variables are read unchanged); kvtier's own keys have ``lmcache=False``.
+Adding a key means one row here and one field on :class:`kvtier.config.Config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.config import parsers as p
+from kvtier.config.sizes import GIB
+
+HASH_ALGORITHMS = ("xxh3_128", "blake3", "sha256")
+TRANSFER_CHANNELS = ("tcp", "shm", "nixl")
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpec:
+    name: str
+    parse: p.Parser
+    default: object
+    doc: str
+    lmcache: bool = True
+    secret: bool = False
+
+
+KEYS: tuple[KeySpec, ...] = (
+    KeySpec("chunk_size", p.integer(1, 1 << 20), 256, "Tokens per KV chunk (the unit of caching)."),
+    KeySpec("local_cpu", p.boolean, True, "CPU memory is a cache tier (see the tier-role table)."),
+    KeySpec(
+        "max_local_cpu_size",
+        p.size(GIB),
+        5.0,
+        "CPU buffer ceiling; GB number or '512MiB'; rounded down to whole chunks.",
+    ),
+    KeySpec("local_disk", p.text(), None, "Disk tier directory, a path or file:// URL."),
+    KeySpec("max_local_disk_size", p.size(GIB), 0.0, "Disk tier capacity; GB number or '20GiB'."),
+    KeySpec(
+        "remote_url",
+        p.text(),
+        None,
+        "redis://, rediss://, unix://, redis-cluster:// or valkey:// URL of a shared store.",
+    ),
+    KeySpec("save_unfull_chunk", p.boolean, False, "Also store the last partial chunk."),
+    KeySpec(
+        "pre_caching_hash_algorithm",
+        p.choice(HASH_ALGORITHMS),
+        "xxh3_128",
+        "Chunk-key hash: xxh3_128, blake3 or sha256 (never Python's salted hash()).",
+    ),
+    KeySpec("cache_policy", p.choice(("LRU",)), "LRU", "Eviction policy of every tier."),
+    KeySpec(
+        "use_only_staging_buffer",
+        p.boolean,
+        False,
+        "With local_cpu false: CPU only stages writes, freed once the lower tier has them.",
+    ),
+    KeySpec("enable_pd", p.boolean, False, "Prefill/decode disaggregation on."),
+    KeySpec(
+        "pd_role", p.choice(("sender", "receiver"), optional=True), None, "sender or receiver."
+    ),
+    KeySpec(
+        "pd_buffer_size",
+        p.size(1, optional=True),
+        None,
+        "Receiver buffer ceiling in bytes or '1GiB'; rounded down to whole chunks.",
+    ),
+    KeySpec(
+        "pd_buffer_device", p.choice(("cpu", "cuda"), optional=True), None, "cpu or cuda."
+    ),
+    KeySpec("pd_peer_host", p.text(), None, "Receiver host the sender connects to."),
+    KeySpec("pd_peer_init_port", p.ports, None, "Receiver handshake port (or one per rank)."),
+    KeySpec("pd_peer_alloc_port", p.ports, None, "Receiver allocation port (or one per rank)."),
+    KeySpec("pd_proxy_host", p.text(), None, "Proxy host notified when a transfer is done."),
+    KeySpec("pd_proxy_port", p.ports, None, "Proxy port."),
+    KeySpec(
+        "pd_allocation_timeout_sec",
+        p.positive_float(3600.0),
+        10.0,
+        "How long a sender waits for room in the receiver's buffer before failing the request.",
+    ),
+    KeySpec(
+        "transfer_channel",
+        p.choice(TRANSFER_CHANNELS, optional=True),
+        None,
+        "PD transport: tcp, shm (same host) or nixl.",
+    ),
+    KeySpec(
+        "blocking_timeout_secs",
+        p.positive_float(3600.0),
+        10.0,
+        "Longest a tier call may block before it counts as a miss.",
+    ),
+    KeySpec(
+        "internal_api_server_enabled", p.boolean, False, "Serve the HTTP admin API and dashboard."
+    ),
+    KeySpec("internal_api_server_host", p.text(optional=False), "127.0.0.1", "Admin API host."),
+    KeySpec("internal_api_server_port_start", p.integer(0, 65535), 6999, "Admin API port."),
+    KeySpec(
+        "admin_token",
+        p.text(),
+        None,
+        "Bearer token required by every admin endpoint but /health.",
+        lmcache=False,
+        secret=True,
+    ),
+    KeySpec(
+        "cache_salt",
+        p.text(optional=False, max_len=128),
+        "",
+        "Tenant salt: caches with different salts never share a chunk.",
+        lmcache=False,
+    ),
+    KeySpec("extra_config", p.mapping, None, "Free-form mapping of tier options (see README)."),
+)
+
+KEYS_BY_NAME = {spec.name: spec for spec in KEYS}
+
+# LMCache keys kvtier does not implement, named (not silently dropped) when a file sets them.
+KNOWN_LMCACHE_ONLY = frozenset(
+    {
+        "local_cpu_use_hugepages",
+        "reserve_local_cpu_size",
+        "local_disk_path_sharding",
+        "remote_serde",
+        "use_layerwise",
+        "save_decode_cache",
+        "enable_blending",
+        "enable_p2p",
+        "enable_controller",
+        "pd_backend_mode",
+        "pin_timeout_sec",
+        "pin_check_interval_sec",
+    }
+)

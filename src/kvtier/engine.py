@@ -1,0 +1,364 @@
+"""The public entry point: :class:`Engine`.
+
+Who calls what::
+
+    engine.lookup(tokens, request_id)       -> hit tokens; pins the hit prefix in the lease
+    engine.retrieve(tokens, request_id)     -> KV of the hit prefix (loads lower-tier chunks)
+    engine.store(tokens, kv)                -> stores the chunks not yet held (never blocks)
+    engine.end_request(request_id)          -> releases everything the request holds; again: no-op
+
+Every reference a request takes lives in its lease until ``end_request``. Call it on every
+path that ends a request (finished, aborted, failed, timed out): a ``try/finally`` in the
+caller, or the :meth:`request` context manager that does it for you.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from kvtier.config import Config
+from kvtier.errors import ConfigError, InputError, StateError
+from kvtier.keys import ChunkSpan, Fingerprint, KeyChain
+from kvtier.layout import KVLayout
+from kvtier.lease import LeaseInfo, LeaseTable
+from kvtier.memory.block_pool import BlockPool, pages_for_capacity
+from kvtier.stats import EngineCounters
+from kvtier.storage.base import Tier
+from kvtier.storage.cpu import CpuTier
+from kvtier.storage.factory import build_lower_tiers
+from kvtier.storage.manager import LookupPlan, StorageManager
+
+log = logging.getLogger(__name__)
+
+
+class EngineState(enum.Enum):
+    NEW = "new"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class Engine:
+    """A tiered KV cache for one model (one tensor-parallel rank).
+
+    Construction validates and sizes everything but allocates nothing and starts no thread;
+    :meth:`open` (or ``with Engine(...) as engine``) does. :meth:`close` is idempotent.
+    """
+
+    def __init__(
+        self,
+        config: Config | None,
+        layout: KVLayout,
+        *,
+        model_name: str,
+        tp_rank: int = 0,
+        tp_world_size: int = 1,
+    ) -> None:
+        if not isinstance(layout, KVLayout):
+            raise InputError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        self.config = config if config is not None else Config.load()
+        self.layout = layout
+        self.fingerprint = Fingerprint(
+            model_name=model_name,
+            layout=layout,
+            chunk_size=self.config.chunk_size,
+            hash_algorithm=self.config.pre_caching_hash_algorithm,
+            tp_rank=tp_rank,
+            tp_world_size=tp_world_size,
+            cache_salt=self.config.cache_salt,
+        )
+        self.chunk_bytes = layout.chunk_bytes(self.config.chunk_size)
+        self.num_pages = pages_for_capacity(
+            "max_local_cpu_size", self.config.max_local_cpu_size, self.chunk_bytes
+        )
+        _check_fits_in_memory("max_local_cpu_size", self.num_pages * self.chunk_bytes)
+        self.keychain = KeyChain(self.fingerprint)
+        self.counters = EngineCounters()
+        self._state = EngineState.NEW
+        self._state_lock = threading.Lock()
+        self._pool: BlockPool | None = None
+        self._manager: StorageManager | None = None
+        self._leases: LeaseTable | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def open(self) -> Engine:
+        with self._state_lock:
+            if self._state is EngineState.OPEN:
+                return self
+            if self._state is EngineState.CLOSED:
+                raise StateError("this Engine is closed; create a new one")
+            pool = BlockPool(self.num_pages, self.chunk_bytes)
+            lower: list[Tier] = []
+            try:
+                lower = build_lower_tiers(self.config, self.layout, self.fingerprint)
+                for tier in lower:
+                    tier.open()
+            except BaseException:
+                for tier in lower:
+                    tier.close()
+                pool.close()
+                raise
+            cpu = CpuTier(pool, self.layout.token_bytes())
+            self._pool = pool
+            self._leases = LeaseTable(pool)
+            self._manager = StorageManager(self.config, self.layout, pool, cpu, lower, self.counters)
+            self._state = EngineState.OPEN
+            log.info(
+                "kvtier engine open: %s, %d CPU pages of %d bytes, tiers %s",
+                self.layout.describe(),
+                self.num_pages,
+                self.chunk_bytes,
+                [t.name for t in self._manager.tiers],
+            )
+            return self
+
+    def close(self) -> None:
+        """End every open request, drain in-flight writes, close tiers, free memory."""
+        with self._state_lock:
+            if self._state is not EngineState.OPEN:
+                self._state = EngineState.CLOSED
+                return
+            self._state = EngineState.CLOSED
+        assert self._leases is not None and self._manager is not None and self._pool is not None
+        still_open = self._leases.end_all()
+        if still_open:
+            log.warning("closing with %d requests still open; their leases were released", still_open)
+        try:
+            self._manager.flush(self.config.blocking_timeout_secs)
+            self._manager.close()
+        finally:
+            self._pool.close()
+
+    def __enter__(self) -> Engine:
+        return self.open()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    def _open_parts(self) -> tuple[StorageManager, LeaseTable]:
+        if self._state is not EngineState.OPEN:
+            hint = "call open() or use `with Engine(...)`" if self._state is EngineState.NEW else "it was closed"
+            raise StateError(f"Engine is {self._state.value}: {hint}")
+        assert self._manager is not None and self._leases is not None
+        return self._manager, self._leases
+
+    # -- the request API -------------------------------------------------------------------
+    def lookup(self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0) -> int:
+        """Tokens of the longest cached prefix (including ``skip_leading_tokens`` the engine
+        already holds), pinned for ``request_id`` until :meth:`end_request`."""
+        manager, leases = self._open_parts()
+        _check_request_id(request_id)
+        spans = self._spans(tokens, skip_leading_tokens)
+        lease = leases.open(request_id)
+        plan = manager.locate(spans, lease, skip_leading_tokens // self.config.chunk_size)
+        lease.plan = plan
+        self.counters.lookups += 1
+        self.counters.lookup_tokens += spans[-1].end if spans else 0
+        self.counters.hit_tokens += plan.hit_tokens
+        return plan.hit_tokens
+
+    def retrieve(self, tokens: object, request_id: str) -> torch.Tensor:
+        """KV of the cached prefix, shape ``[2, layers, hit, kv_heads*head_dim]``.
+
+        ``hit`` may be shorter than :meth:`lookup` said when a lower-tier entry vanished or
+        failed its checksum since; the engine recomputes from there.
+        """
+        plan = self._plan(tokens, request_id, 0)
+        out = torch.empty(self.layout.kv_shape(plan.hit_tokens), dtype=self.layout.dtype)
+        loaded = self._load(plan, request_id, out, 0)
+        return out[:, :, :loaded, :]
+
+    def retrieve_into(
+        self, tokens: object, request_id: str, out: torch.Tensor, *, skip_leading_tokens: int = 0
+    ) -> int:
+        """Write the cached prefix into ``out`` (``[2, layers, >=hit, hidden]``, indexed by
+        token position; any device) without an intermediate copy. Chunks wholly inside
+        ``skip_leading_tokens`` are not written. Returns the end of the loaded prefix."""
+        plan = self._plan(tokens, request_id, skip_leading_tokens)
+        lay = self.layout
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.dtype != lay.dtype
+            or out.dim() != 4
+            or tuple(out.shape[:2]) != (2, lay.num_layers)
+            or out.shape[3] != lay.hidden
+            or out.shape[2] < plan.hit_tokens
+        ):
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise InputError(
+                f"out must be a {lay.dtype} tensor of shape [2, {lay.num_layers}, >={plan.hit_tokens}, "
+                f"{lay.hidden}], got {shape}"
+            )
+        start = (skip_leading_tokens // self.config.chunk_size) * self.config.chunk_size
+        return self._load(plan, request_id, out, start)
+
+    def store(self, tokens: object, kv: torch.Tensor, *, skip_leading_tokens: int = 0) -> int:
+        """Store the KV of ``tokens`` (``[2, layers, len(tokens), kv_heads*head_dim]``).
+
+        Chunks already held are skipped without taking anything; chunks wholly inside
+        ``skip_leading_tokens`` are hashed but not stored. Returns chunks newly stored. When
+        memory is full of pinned pages, the rest is dropped and counted (never waits).
+        """
+        manager, _ = self._open_parts()
+        spans = self._spans(tokens, skip_leading_tokens)
+        self._check_kv(kv, spans[-1].end if spans else 0, tokens)
+        self.counters.stores += 1
+        return manager.store(spans[skip_leading_tokens // self.config.chunk_size :], kv)
+
+    def end_request(self, request_id: str) -> bool:
+        """Release everything ``request_id`` holds. Returns False if it held nothing (already
+        ended, or never started): calling it twice is safe and never releases twice."""
+        _, leases = self._open_parts()
+        ended = leases.end(request_id)
+        if ended:
+            self.counters.requests += 1
+        return ended
+
+    @contextmanager
+    def request(self, request_id: str) -> Iterator[str]:
+        """``with engine.request(rid):`` ends the request on every way out of the block."""
+        try:
+            yield request_id
+        finally:
+            if self._state is EngineState.OPEN:
+                self.end_request(request_id)
+
+    # -- inspection ------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        manager, leases = self._open_parts()
+        pool = manager.pool
+        lease_infos = leases.snapshot()
+        tiers: dict[str, Any] = {}
+        for tier in manager.tiers:
+            usage = tier.usage()
+            tiers[tier.name] = {
+                "used_bytes": usage.used_bytes,
+                "capacity_bytes": usage.capacity_bytes,
+                "entries": usage.entries,
+                **tier.counters.as_dict(),
+            }
+        return {
+            "open_requests": len(lease_infos),
+            "pinned_pages": sum(i.pinned_pages for i in lease_infos),
+            "pinned_bytes": sum(i.pinned_bytes for i in lease_infos),
+            "pinned_by_request": {
+                i.request_id: {"pages": i.pinned_pages, "bytes": i.pinned_bytes} for i in lease_infos
+            },
+            "allocator": {
+                "page_bytes": pool.page_bytes,
+                "pages_total": pool.num_pages,
+                "pages_free": pool.free_pages,
+                "pages_used": pool.used_pages,
+            },
+            "tiers": tiers,
+            **self.counters.as_dict(),
+        }
+
+    def leaks(self) -> list[LeaseInfo]:
+        """Every request still holding something, with what and for how long."""
+        _, leases = self._open_parts()
+        return [info for info in leases.snapshot() if info.pinned_pages or info.holds]
+
+    def check_invariants(self) -> list[str]:
+        """Problems with reference counts, as sentences; empty when all is well.
+
+        With no request open: every page is free or owned by exactly one CPU cache entry,
+        except pages still being written to a lower tier (call :meth:`flush` first).
+        """
+        manager, leases = self._open_parts()
+        pool = manager.pool
+        refs = pool.refcounts()
+        problems = [f"page {p} has negative refcount {r}" for p, r in enumerate(refs) if r < 0]
+        held_by_leases: dict[int, int] = {}
+        for info_lease in leases._leases.values():  # noqa: SLF001 - same package, read-only
+            for page in info_lease.pages:
+                held_by_leases[page] = held_by_leases.get(page, 0) + 1
+        cached = manager.cpu.owned_pages()
+        for page, ref in enumerate(refs):
+            expected = held_by_leases.get(page, 0) + (1 if page in cached else 0)
+            if ref < expected:
+                problems.append(f"page {page}: refcount {ref} < {expected} owners (freed while in use)")
+            if not len(leases) and ref > expected:
+                problems.append(f"page {page}: refcount {ref} but only {expected} owners (leaked)")
+        if pool.free_pages != sum(1 for r in refs if r == 0):
+            problems.append("free list does not match the pages with refcount 0")
+        return problems
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for in-flight lower-tier writes. True when all landed."""
+        manager, _ = self._open_parts()
+        return manager.flush(timeout)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _spans(self, tokens: object, skip_leading_tokens: int) -> list[ChunkSpan]:
+        if isinstance(skip_leading_tokens, bool) or not isinstance(skip_leading_tokens, int) or skip_leading_tokens < 0:
+            raise InputError(f"skip_leading_tokens must be an int >= 0, got {skip_leading_tokens!r}")
+        return self.keychain.keys(tokens, include_partial=self.config.save_unfull_chunk)
+
+    def _plan(self, tokens: object, request_id: str, skip_leading_tokens: int) -> LookupPlan:
+        _, leases = self._open_parts()
+        _check_request_id(request_id)
+        lease = leases.get(request_id)
+        if lease is not None and isinstance(lease.plan, LookupPlan):
+            spans = self._spans(tokens, skip_leading_tokens)
+            keys = tuple(s.key for s in spans)
+            plan = lease.plan
+            if keys[: len(plan.hits)] == plan.keys[: len(plan.hits)]:
+                return plan
+        self.lookup(tokens, request_id, skip_leading_tokens=skip_leading_tokens)
+        lease = leases.get(request_id)
+        assert lease is not None and isinstance(lease.plan, LookupPlan)
+        return lease.plan
+
+    def _load(self, plan: LookupPlan, request_id: str, out: torch.Tensor, start: int) -> int:
+        manager, leases = self._open_parts()
+        lease = leases.get(request_id)
+        if lease is None:
+            raise StateError(f"request {request_id!r} ended before its retrieve")
+        loaded = manager.load(plan, lease, out, start)
+        self.counters.retrieved_tokens += max(0, loaded - start)
+        return loaded
+
+    def _check_kv(self, kv: torch.Tensor, num_tokens: int, tokens: object) -> None:
+        lay = self.layout
+        expected = lay.kv_shape(num_tokens)
+        if not isinstance(kv, torch.Tensor):
+            raise InputError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        if kv.dtype != lay.dtype:
+            raise InputError(f"kv dtype is {kv.dtype}, but the layout says {lay.dtype}")
+        if kv.dim() != 4 or tuple(kv.shape[:2]) != expected[:2] or kv.shape[3] != expected[3]:
+            raise InputError(
+                f"kv shape is {tuple(kv.shape)}; expected [2, num_layers={lay.num_layers}, tokens, "
+                f"kv_heads*head_dim={lay.hidden}]"
+            )
+        n_tokens = len(tokens) if hasattr(tokens, "__len__") else -1  # type: ignore[arg-type]
+        if kv.shape[2] != n_tokens:
+            raise InputError(f"kv holds {kv.shape[2]} tokens but {n_tokens} tokens were given")
+
+
+def _check_request_id(request_id: object) -> None:
+    if not isinstance(request_id, str) or not request_id:
+        raise InputError(f"request_id must be a non-empty string, got {request_id!r}")
+
+
+def _check_fits_in_memory(key: str, nbytes: int) -> None:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return
+    if nbytes > total:
+        raise ConfigError(key, nbytes, f"at most this machine's memory ({total} bytes)")

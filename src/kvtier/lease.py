@@ -1,0 +1,171 @@
+"""Request leases: everything a request holds, released together, exactly once.
+
+Seeds 001 and 003 are both "a reference taken on one path and given back on none, or on two".
+kvtier makes that impossible by construction: a request never touches a reference count
+itself. Whatever it holds (pinned CPU pages, pins on lower-tier entries, PD reservations) is
+recorded in its :class:`Lease` when taken, and :meth:`Lease.release` gives each back once.
+``Engine.end_request`` releases the lease on every path (finished, aborted, failed, timed
+out); a second call finds no lease and does nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvtier.errors import StateError
+from kvtier.memory.block_pool import BlockPool
+
+
+class Hold(Protocol):
+    """Something other than CPU pages that a lease holds (a lower-tier pin, a reservation)."""
+
+    nbytes: int
+
+    def release(self) -> None: ...
+
+    def describe(self) -> str: ...
+
+
+@dataclass
+class CallbackHold:
+    """A hold released by calling ``release_fn`` once."""
+
+    nbytes: int
+    description: str
+    release_fn: Callable[[], None]
+    _done: bool = False
+
+    def release(self) -> None:
+        if not self._done:
+            self._done = True
+            self.release_fn()
+
+    def describe(self) -> str:
+        return self.description
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseInfo:
+    """A snapshot of one lease for stats, ``leaks()`` and the admin API."""
+
+    request_id: str
+    age_s: float
+    pinned_pages: int
+    pinned_bytes: int
+    holds: tuple[str, ...]
+
+
+@dataclass
+class Lease:
+    """All references one request holds. Only the engine's lease table creates these."""
+
+    request_id: str
+    pool: BlockPool
+    created: float = field(default_factory=time.monotonic)
+    pages: list[int] = field(default_factory=list)
+    holds: list[Hold] = field(default_factory=list)
+    released: bool = False
+    # The last lookup of this request, reused by retrieve (see StorageManager.locate).
+    plan: object | None = None
+
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def take_pages(self, pages: list[int]) -> None:
+        """Record pages the caller holds one reference to each (ownership moves here).
+
+        If the request ended meanwhile (another thread called ``end_request``), the pages are
+        given back at once and the caller gets a :class:`StateError`: nothing leaks.
+        """
+        with self._lock:
+            if not self.released:
+                self.pages.extend(pages)
+                return
+        self.pool.release(pages)
+        raise StateError(f"request {self.request_id!r} ended while it was taking pages")
+
+    def take_hold(self, hold: Hold) -> None:
+        with self._lock:
+            if not self.released:
+                self.holds.append(hold)
+                return
+        hold.release()
+        raise StateError(f"request {self.request_id!r} ended while it was taking a hold")
+
+    def release(self) -> None:
+        """Give back everything, once. Safe to call again (no-op)."""
+        with self._lock:
+            if self.released:
+                return
+            self.released = True
+            pages, self.pages = self.pages, []
+            holds, self.holds = self.holds, []
+            self.plan = None
+        try:
+            for hold in holds:
+                hold.release()
+        finally:
+            self.pool.release(pages)
+
+    def info(self) -> LeaseInfo:
+        with self._lock:
+            return self._info()
+
+    def _info(self) -> LeaseInfo:
+        hold_bytes = sum(h.nbytes for h in self.holds)
+        return LeaseInfo(
+            request_id=self.request_id,
+            age_s=time.monotonic() - self.created,
+            pinned_pages=len(self.pages),
+            pinned_bytes=len(self.pages) * self.pool.page_bytes + hold_bytes,
+            holds=tuple(h.describe() for h in self.holds),
+        )
+
+
+class LeaseTable:
+    """request_id -> Lease, thread-safe."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+        self._leases: dict[str, Lease] = {}
+        self._lock = threading.Lock()
+
+    def open(self, request_id: str) -> Lease:
+        """The live lease of ``request_id``, created on first use."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                lease = self._leases[request_id] = Lease(request_id, self._pool)
+            return lease
+
+    def get(self, request_id: str) -> Lease | None:
+        with self._lock:
+            return self._leases.get(request_id)
+
+    def end(self, request_id: str) -> bool:
+        """Release the request's lease. Returns False when it had none (already ended)."""
+        with self._lock:
+            lease = self._leases.pop(request_id, None)
+        if lease is None:
+            return False
+        lease.release()
+        return True
+
+    def end_all(self) -> int:
+        with self._lock:
+            leases = list(self._leases.values())
+            self._leases.clear()
+        for lease in leases:
+            lease.release()
+        return len(leases)
+
+    def snapshot(self) -> list[LeaseInfo]:
+        with self._lock:
+            leases = list(self._leases.values())
+        return [lease.info() for lease in leases]
+
+    def __len__(self) -> int:
+        return len(self._leases)

@@ -1,0 +1,1 @@
+"""Storage tiers behind one small interface, and the manager that chains them."""

@@ -1,0 +1,125 @@
+"""The interface every storage tier implements, and the types it speaks.
+
+Protocol (who calls what, who owns what):
+
+* The :class:`~kvtier.storage.manager.StorageManager` is the only caller. It opens a tier once
+  (``open``) and closes it once (``close``, which drains in-flight writes and is idempotent).
+* ``contains(keys)`` answers for a whole batch in one call (one round trip for a remote
+  tier). It takes no reference: a later ``get_into`` may still miss.
+* ``pin(key)`` keeps an entry from being evicted until ``unpin(key)``; a tier that cannot
+  pin (a remote store shared with other clients) returns False and the manager tolerates a
+  later miss. Pins are counted per key; the manager pairs every successful pin with exactly
+  one unpin through a request lease.
+* ``get_into(key, out)`` writes the chunk's bytes into ``out`` (a uint8 view of an allocator
+  page, so reads land in their final place with no intermediate copy) after checking the
+  checksum, and returns the chunk's token count, or None for a miss. A corrupt entry is a
+  miss: logged, removed and counted, never returned.
+* ``put(key, payload, num_tokens, on_done)`` may return before the write lands. ``payload``
+  (a uint8 view of an allocator page) stays valid and unchanged until ``on_done`` runs;
+  ``on_done`` runs exactly once per put, also on failure, from any thread, and must not
+  block. A tier that is busy or full may drop the write: it reports that outcome.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.keys import ChunkKey
+
+
+class PutOutcome(enum.Enum):
+    STORED = "stored"
+    EXISTS = "exists"  # already held: nothing written, nothing taken
+    DROPPED = "dropped"  # no room, or too many bytes in flight: counted, not an error
+    FAILED = "failed"  # I/O or server error: counted and logged
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    key: ChunkKey
+    outcome: PutOutcome
+    detail: str = ""
+
+
+OnDone = Callable[[PutResult], None]
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    used_bytes: int
+    capacity_bytes: int
+    entries: int
+
+
+@dataclass
+class TierCounters:
+    """Per-tier event counts, reported in ``Engine.stats()``."""
+
+    hits: int = 0
+    misses: int = 0
+    stored: int = 0
+    dropped: int = 0
+    failed: int = 0
+    evicted: int = 0
+    corrupt: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, int]:
+        out = {k: v for k, v in vars(self).items() if k != "extra"}
+        out.update(self.extra)
+        return out
+
+
+class Tier(ABC):
+    """A place chunks can live. See the module docstring for the protocol."""
+
+    name: str = "tier"
+
+    def __init__(self) -> None:
+        self.counters = TierCounters()
+
+    @abstractmethod
+    def open(self) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @abstractmethod
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
+
+    @abstractmethod
+    def get_into(self, key: ChunkKey, out: torch.Tensor) -> int | None: ...
+
+    def get_many_into(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[int | None]:
+        """Batch form of :meth:`get_into`; tiers override it to overlap or pipeline reads."""
+        return [self.get_into(key, out) for key, out in items]
+
+    @abstractmethod
+    def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None: ...
+
+    @abstractmethod
+    def remove(self, key: ChunkKey) -> bool: ...
+
+    def pin(self, key: ChunkKey) -> bool:
+        return False
+
+    def unpin(self, key: ChunkKey) -> None:
+        return None
+
+    @abstractmethod
+    def usage(self) -> TierUsage: ...
+
+    @abstractmethod
+    def clear(self) -> int:
+        """Remove every unpinned entry; return how many were removed."""
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until writes submitted so far have landed. True when nothing is in flight."""
+        return True

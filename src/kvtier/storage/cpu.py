@@ -1,0 +1,172 @@
+"""The CPU tier: an LRU index of chunk keys to pages of the block pool.
+
+Each cached entry owns exactly one reference to its page. Requests that hit an entry take
+their own reference (held by their lease), so an entry can be dropped from the index while a
+request still reads its page: the page is freed only when the last reference goes.
+Eviction takes entries from the least recently used end and skips every page with a
+reference besides the cache's own (pinned by a request, or being written to a lower tier).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.keys import ChunkKey
+from kvtier.memory.block_pool import BlockPool
+from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
+
+
+@dataclass(slots=True)
+class CpuEntry:
+    page: int
+    num_tokens: int
+    nbytes: int
+
+
+class CpuTier(Tier):
+    name = "cpu"
+
+    def __init__(self, pool: BlockPool, token_bytes: int) -> None:
+        super().__init__()
+        self.pool = pool
+        self.token_bytes = token_bytes
+        self._index: OrderedDict[ChunkKey, CpuEntry] = OrderedDict()
+        self._lock = threading.RLock()
+
+    # -- page-level API used by the storage manager ----------------------------------------
+    def allocate(self, count: int) -> list[int] | None:
+        """``count`` pages with one reference each for the caller, evicting LRU entries that
+        nobody else holds when the pool is short. None when even that cannot make room."""
+        with self._lock:
+            pages = self.pool.allocate(count)
+            if pages is None:
+                self._evict(count - self.pool.free_pages)
+                pages = self.pool.allocate(count)
+            return pages
+
+    def insert(self, key: ChunkKey, page: int, num_tokens: int) -> bool:
+        """Cache ``page`` under ``key``, taking over the caller's reference to it.
+
+        Returns False (and takes nothing) when ``key`` is already cached: the caller keeps its
+        reference and must release it. First writer wins; a duplicate never takes a reference
+        nobody would give back (seed 001).
+        """
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                return False
+            self._index[key] = CpuEntry(page, num_tokens, num_tokens * self.token_bytes)
+            self.counters.stored += 1
+            self.counters.bytes_written += num_tokens * self.token_bytes
+            return True
+
+    def pin_keys(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, CpuEntry]:
+        """The cached entries among ``keys``, each with one new page reference for the caller
+        (its lease to hold), marked most recently used. Atomic with respect to eviction."""
+        found: dict[ChunkKey, CpuEntry] = {}
+        with self._lock:
+            index = self._index
+            for key in keys:
+                entry = index.get(key)
+                if entry is not None and key not in found:
+                    index.move_to_end(key)
+                    found[key] = entry
+            self.pool.retain(e.page for e in found.values())
+        return found
+
+    def entries(self, keys: Sequence[ChunkKey]) -> list[CpuEntry | None]:
+        with self._lock:
+            return [self._index.get(k) for k in keys]
+
+    def _evict(self, needed: int) -> int:
+        if needed <= 0:
+            return 0
+        victims: list[ChunkKey] = []
+        for key, entry in self._index.items():  # oldest first
+            if not self.pool.is_shared(entry.page):
+                victims.append(key)
+                if len(victims) >= needed:
+                    break
+        pages = [self._index.pop(key).page for key in victims]
+        self.pool.release(pages)
+        self.counters.evicted += len(pages)
+        return len(pages)
+
+    def page_tensor(self, entry: CpuEntry) -> torch.Tensor:
+        return self.pool.page_bytes_view(entry.page, entry.nbytes)
+
+    def owned_pages(self) -> set[int]:
+        with self._lock:
+            return {e.page for e in self._index.values()}
+
+    # -- the common tier interface -----------------------------------------------------------
+    def open(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.clear(force=True)
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        with self._lock:
+            return [k in self._index for k in keys]
+
+    def get_into(self, key: ChunkKey, out: torch.Tensor) -> int | None:
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                self.counters.misses += 1
+                return None
+            self.pool.retain([entry.page])
+        try:
+            out[: entry.nbytes].copy_(self.page_tensor(entry))
+        finally:
+            self.pool.release([entry.page])
+        self.counters.hits += 1
+        self.counters.bytes_read += entry.nbytes
+        return entry.num_tokens
+
+    def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
+        if self.contains([key])[0]:
+            on_done(PutResult(key, PutOutcome.EXISTS))
+            return
+        pages = self.allocate(1)
+        if pages is None:
+            self.counters.dropped += 1
+            on_done(PutResult(key, PutOutcome.DROPPED, "no evictable page"))
+            return
+        self.pool.page_bytes_view(pages[0], payload.numel()).copy_(payload)
+        if not self.insert(key, pages[0], num_tokens):
+            self.pool.release(pages)
+            on_done(PutResult(key, PutOutcome.EXISTS))
+            return
+        on_done(PutResult(key, PutOutcome.STORED))
+
+    def remove(self, key: ChunkKey) -> bool:
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is None:
+                return False
+            self.pool.release([entry.page])
+            return True
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            entries = len(self._index)
+        return TierUsage(entries * self.pool.page_bytes, self.pool.num_pages * self.pool.page_bytes, entries)
+
+    def clear(self, *, force: bool = False) -> int:
+        """Drop unpinned entries (all entries with ``force``; pinned pages stay alive until
+        their leases end, because the leases hold their own references)."""
+        with self._lock:
+            victims = [k for k, e in self._index.items() if force or not self.pool.is_shared(e.page)]
+            pages = [self._index.pop(k).page for k in victims]
+            self.pool.release(pages)
+        return len(pages)
+
+    def __len__(self) -> int:
+        return len(self._index)

@@ -1,0 +1,290 @@
+"""The storage manager: one chained-prefix lookup across tiers, and the tier roles.
+
+Lookup (``locate``): chunk ``i`` counts only if chunks ``0..i-1`` count, and a chunk counts
+when *some* tier holds it::
+
+    chunk:     0    1    2    3    4
+    cpu:       x    .    x    .    x
+    disk:      .    x    .    .    x
+    counts:    x    x    x    .    .      -> hit = 3 chunks (3 is nowhere, so 4 cannot count)
+
+Every counted chunk is pinned for the request in its lease: a CPU page reference, or a pin on
+the lower-tier entry (a tier that cannot pin, such as a shared remote store, may still miss
+at retrieve; the hit then ends there and the engine recomputes the rest).
+
+Tier roles (LMCache change #2370, see README)::
+
+    local_cpu  use_only_staging_buffer   CPU index visible   disk/remote hit copied to CPU
+    true       (ignored)                 yes                 yes
+    false      false                     yes                 no
+    false      true                      no (staging only)   no
+
+Store: each new chunk is copied once into a page; the CPU index (when visible) and each lower
+tier write own one reference each. A write's reference comes back through its completion
+callback, exactly once (``_WriteTicket``), so staging pages return to the free list as soon
+as the lower tier has the bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.config import Config
+from kvtier.errors import KVTierError, StateError
+from kvtier.keys import ChunkKey, ChunkSpan
+from kvtier.layout import KVLayout
+from kvtier.lease import CallbackHold, Lease
+from kvtier.memory.block_pool import BlockPool
+from kvtier.stats import EngineCounters
+from kvtier.storage.base import PutOutcome, PutResult, Tier
+from kvtier.storage.cpu import CpuTier
+
+log = logging.getLogger(__name__)
+
+ENGINE = "engine"  # chunks the engine already holds (skip_leading_tokens): hashed, not loaded
+
+
+@dataclass(slots=True)
+class ChunkHit:
+    span: ChunkSpan
+    tier: str
+    page: int | None = None  # set once the chunk's bytes are in a page this request holds
+
+
+@dataclass(slots=True)
+class LookupPlan:
+    """The hit prefix of one lookup, pinned in the request's lease."""
+
+    keys: tuple[ChunkKey, ...]
+    hits: list[ChunkHit]
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.hits[-1].span.end if self.hits else 0
+
+
+class _WriteTicket:
+    """Owns one page reference for one lower-tier write; gives it back exactly once."""
+
+    __slots__ = ("_done", "_lock", "manager", "page", "tier")
+
+    def __init__(self, manager: StorageManager, tier: Tier, page: int) -> None:
+        self.manager = manager
+        self.tier = tier
+        self.page = page
+        self._done = False
+        self._lock = threading.Lock()
+
+    def __call__(self, result: PutResult) -> None:
+        with self._lock:
+            if self._done:
+                log.error("tier %s completed a write twice; ignoring the second", self.tier.name)
+                return
+            self._done = True
+        self.manager.pool.release([self.page])
+        self.manager.counters.count_write(self.tier.name, result.outcome)
+
+
+class StorageManager:
+    def __init__(
+        self,
+        config: Config,
+        layout: KVLayout,
+        pool: BlockPool,
+        cpu: CpuTier,
+        lower: Sequence[Tier],
+        counters: EngineCounters,
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.pool = pool
+        self.cpu = cpu
+        self.lower = list(lower)
+        self.counters = counters
+        self.cpu_visible = config.local_cpu or not config.use_only_staging_buffer
+        self.promote_to_cpu = config.local_cpu
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return [self.cpu, *self.lower]
+
+    # -- lookup ----------------------------------------------------------------------------
+    def locate(self, spans: Sequence[ChunkSpan], lease: Lease, skip_chunks: int) -> LookupPlan:
+        """Find and pin the longest prefix of ``spans`` held by the engine or some tier."""
+        hits = [ChunkHit(span, ENGINE) for span in spans[:skip_chunks]]
+        rest = spans[skip_chunks:]
+        keys = [s.key for s in rest]
+        where: list[Tier | None] = [None] * len(rest)
+        if self.cpu_visible:
+            for i, present in enumerate(self.cpu.contains(keys)):
+                if present:
+                    where[i] = self.cpu
+        for tier in self.lower:
+            missing = [i for i, w in enumerate(where) if w is None]
+            if not missing:
+                break
+            try:
+                answers = tier.contains([keys[i] for i in missing])
+            except KVTierError as exc:
+                log.warning("tier %s lookup failed, counting it as a miss: %s", tier.name, exc)
+                continue
+            for i, present in zip(missing, answers, strict=True):
+                if present:
+                    where[i] = tier
+        prefix = _prefix_len(where)
+        hits.extend(self._pin(rest[:prefix], where[:prefix], lease))
+        return LookupPlan(tuple(s.key for s in spans), hits)
+
+    def _pin(self, spans: Sequence[ChunkSpan], where: Sequence[Tier | None], lease: Lease) -> list[ChunkHit]:
+        """Pin each located chunk in order; stop at the first that vanished meanwhile."""
+        hits: list[ChunkHit] = []
+        cpu_run = [s.key for s, w in zip(spans, where, strict=True) if w is self.cpu]
+        cpu_entries = self.cpu.pin_keys(cpu_run) if cpu_run else {}
+        lease.take_pages([e.page for e in cpu_entries.values()])
+        for span, tier in zip(spans, where, strict=True):
+            assert tier is not None
+            if tier is self.cpu:
+                entry = cpu_entries.get(span.key)
+                if entry is None:
+                    break
+                hits.append(ChunkHit(span, "cpu", entry.page))
+                continue
+            if not tier.pin(span.key):
+                break
+            lease.take_hold(
+                CallbackHold(0, f"{tier.name} pin {span.key.hex()}", _unpinner(tier, span.key))
+            )
+            hits.append(ChunkHit(span, tier.name))
+        return hits
+
+    # -- retrieve --------------------------------------------------------------------------
+    def load(self, plan: LookupPlan, lease: Lease, out: torch.Tensor, start_token: int) -> int:
+        """Copy the plan's chunks from ``start_token`` on into ``out`` (indexed by absolute
+        token position). Returns the end of what was loaded: a lower-tier miss or no free page
+        ends the hit early, and the engine recomputes from there."""
+        loaded_end = 0
+        for hit in plan.hits:
+            span = hit.span
+            if hit.tier != ENGINE and span.end > start_token:
+                if hit.page is None and not self._fetch(hit, lease):
+                    break
+                assert hit.page is not None
+                self._copy_out(hit.page, span, out)
+                self.counters.count_hit(hit.tier, span.num_tokens)
+            loaded_end = span.end
+        # Chunks after a failed fetch are no longer usable: drop them from the plan.
+        plan.hits = [h for h in plan.hits if h.span.end <= loaded_end]
+        return loaded_end
+
+    def _fetch(self, hit: ChunkHit, lease: Lease) -> bool:
+        """Read a lower-tier chunk into a fresh page that ``lease`` holds."""
+        tier = next(t for t in self.lower if t.name == hit.tier)
+        pages = self.cpu.allocate(1)
+        if pages is None:
+            log.warning("no free CPU page to load a %s hit into; recomputing from here", tier.name)
+            self.counters.load_failures += 1
+            return False
+        page = pages[0]
+        try:
+            tokens = tier.get_into(hit.span.key, self.pool.page_bytes_view(page))
+        except KVTierError as exc:
+            log.warning("tier %s read failed, counting it as a miss: %s", tier.name, exc)
+            tokens = None
+        if tokens != hit.span.num_tokens:
+            self.pool.release(pages)
+            self.counters.load_failures += 1
+            return False
+        if self.promote_to_cpu:
+            self.pool.retain(pages)  # one reference for the cache entry, one for the lease
+            if not self.cpu.insert(hit.span.key, page, tokens):
+                self.pool.release(pages)
+        lease.take_pages(pages)
+        hit.page = page
+        return True
+
+    def _copy_out(self, page: int, span: ChunkSpan, out: torch.Tensor) -> None:
+        lay = self.layout
+        nbytes = span.num_tokens * lay.token_bytes()
+        src = self.pool.page_bytes_view(page, nbytes).view(lay.dtype).view(lay.kv_shape(span.num_tokens))
+        out[:, :, span.start : span.end, :].copy_(src)
+
+    # -- store -----------------------------------------------------------------------------
+    def store(self, spans: Sequence[ChunkSpan], kv: torch.Tensor) -> int:
+        """Copy each chunk not yet held into a page and hand it to the tiers that lack it.
+        Returns the number of chunks newly stored somewhere. When no page can be freed, the
+        rest is dropped (counted): a store never waits."""
+        if not spans:
+            return 0
+        keys = [s.key for s in spans]
+        cpu_has = self.cpu.contains(keys) if self.cpu_visible else [True] * len(keys)
+        lower_has = [self._contains_or_none(tier, keys) for tier in self.lower]
+        stored = 0
+        for i, span in enumerate(spans):
+            writers = [t for t, has in zip(self.lower, lower_has, strict=True) if has is not None and not has[i]]
+            to_cpu = not cpu_has[i]
+            if not writers and not to_cpu:
+                continue
+            pages = self.cpu.allocate(1)
+            if pages is None:
+                self.counters.dropped_chunks += len(spans) - i
+                log.debug("store dropped %d chunks: every CPU page is in use", len(spans) - i)
+                break
+            page = pages[0]
+            self._copy_in(kv, span, page)
+            payload = self.pool.page_bytes_view(page, span.num_tokens * self.layout.token_bytes())
+            # References: the allocation's, plus one per extra owner; taken before anyone can
+            # release theirs, so the page cannot be freed or evicted between two hand-offs.
+            owners = len(writers) + (1 if to_cpu else 0)
+            if owners > 1:
+                self.pool.retain([page] * (owners - 1))
+            if to_cpu and not self.cpu.insert(span.key, page, span.num_tokens):
+                self.pool.release([page])  # raced with another store of the same key
+            for tier in writers:
+                tier.put(span.key, payload, span.num_tokens, _WriteTicket(self, tier, page))
+            stored += 1
+        self.counters.stored_chunks += stored
+        return stored
+
+    def _contains_or_none(self, tier: Tier, keys: list[ChunkKey]) -> list[bool] | None:
+        try:
+            return tier.contains(keys)
+        except KVTierError as exc:
+            log.warning("tier %s is unavailable, not writing to it: %s", tier.name, exc)
+            return None
+
+    def _copy_in(self, kv: torch.Tensor, span: ChunkSpan, page: int) -> None:
+        lay = self.layout
+        nbytes = span.num_tokens * lay.token_bytes()
+        dst = self.pool.page_bytes_view(page, nbytes).view(lay.dtype).view(lay.kv_shape(span.num_tokens))
+        dst.copy_(kv[:, :, span.start : span.end, :])
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        return all(tier.flush(timeout) for tier in self.lower)
+
+    def close(self) -> None:
+        errors: list[str] = []
+        for tier in self.lower:
+            try:
+                tier.close()
+            except KVTierError as exc:
+                errors.append(f"{tier.name}: {exc}")
+        self.cpu.close()
+        if errors:
+            raise StateError("tiers failed to close cleanly: " + "; ".join(errors))
+
+
+def _prefix_len(where: Sequence[object | None]) -> int:
+    for i, w in enumerate(where):
+        if w is None:
+            return i
+    return len(where)
+
+
+def _unpinner(tier: Tier, key: ChunkKey) -> Callable[[], None]:
+    return lambda: tier.unpin(key)
