@@ -37,6 +37,9 @@ class CpuTier(Tier):
         self.token_bytes = token_bytes
         self._index: OrderedDict[ChunkKey, CpuEntry] = OrderedDict()
         self._lock = threading.RLock()
+        # Key-level pins (the Tier interface); each holds one page reference. The engine's own
+        # requests pin through pin_keys and their leases instead.
+        self._key_pins: dict[ChunkKey, list[int]] = {}
 
     # -- page-level API used by the storage manager ----------------------------------------
     def allocate(self, count: int) -> list[int] | None:
@@ -145,6 +148,25 @@ class CpuTier(Tier):
             on_done(PutResult(key, PutOutcome.EXISTS))
             return
         on_done(PutResult(key, PutOutcome.STORED))
+
+    def pin(self, key: ChunkKey) -> bool:
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                return False
+            self.pool.retain([entry.page])
+            self._key_pins.setdefault(key, []).append(entry.page)
+            return True
+
+    def unpin(self, key: ChunkKey) -> None:
+        with self._lock:
+            pages = self._key_pins.get(key)
+            if not pages:
+                return  # nothing pinned under this key: never a second release
+            page = pages.pop()
+            if not pages:
+                del self._key_pins[key]
+        self.pool.release([page])
 
     def remove(self, key: ChunkKey) -> bool:
         with self._lock:

@@ -1,0 +1,1 @@
+"""The ``kvtier`` command line."""

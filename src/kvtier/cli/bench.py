@@ -1,0 +1,53 @@
+"""``kvtier bench NAME [--json]``: a tier measured against its physical baseline.
+
+Each benchmark is a module ``kvtier.bench.<name>`` with ``add_arguments(parser)`` and
+``run(args) -> dict`` (the JSON fields); this command prints them as a table or JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from typing import Any
+
+BENCHMARKS: dict[str, str] = {
+    "cpu": "CPU tier store/retrieve vs memcpy, lookup cost of a 128k-token prompt",
+    "disk": "disk tier write/read vs raw file I/O with fsync",
+    "redis": "redis tier put/get vs raw redis-py SET/GET",
+    "ttft": "time to first token with 0/50/90% of the prompt cached (transformers)",
+    "pd": "prefill-to-decode transfer per transport vs memcpy and a raw socket",
+}
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for name, help_text in BENCHMARKS.items():
+        try:
+            module = importlib.import_module(f"kvtier.bench.{name}")
+        except ModuleNotFoundError as exc:
+            if not (exc.name or "").startswith(f"kvtier.bench.{name}"):
+                raise
+            continue
+        bench = sub.add_parser(name, help=help_text, description=help_text)
+        bench.add_argument("--json", action="store_true", help="print one JSON object")
+        module.add_arguments(bench)
+        bench.set_defaults(_bench=module.run)
+
+
+def run(args: argparse.Namespace) -> int:
+    result: dict[str, Any] = args._bench(args)
+    if args.json:
+        print(json.dumps(result, sort_keys=False))
+    else:
+        print(format_table(result))
+    return 0
+
+
+def format_table(result: dict[str, Any]) -> str:
+    width = max(len(k) for k in result)
+    lines = []
+    for key, value in result.items():
+        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
+        lines.append(f"{key:<{width}}  {shown}")
+    return "\n".join(lines)

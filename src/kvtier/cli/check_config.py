@@ -1,0 +1,66 @@
+"""``kvtier check-config [FILE]``: the resolved config, where each value came from, and the
+sizes that follow from it for a given layout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from kvtier.config import Config
+from kvtier.config.schema import KEYS
+from kvtier.config.sizes import format_size
+from kvtier.layout import KVLayout
+from kvtier.memory.block_pool import pages_for_capacity
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", nargs="?", help="YAML file (default: $KVTIER_CONFIG_FILE or $LMCACHE_CONFIG_FILE)")
+    parser.add_argument("--layers", type=int, default=32, help="model layers for derived sizes (32)")
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (8)")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dim (128)")
+    parser.add_argument("--dtype", default="bfloat16", help="KV dtype (bfloat16)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--table", action="store_true", help="print the config-key table (Markdown)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.table:
+        print(key_table())
+        return 0
+    config = Config.load(args.file)
+    layout = KVLayout(args.layers, args.kv_heads, args.head_dim, getattr(torch, args.dtype))
+    chunk_bytes = layout.chunk_bytes(config.chunk_size)
+    derived: dict[str, object] = {"layout": layout.describe(), "chunk_bytes": chunk_bytes}
+    cpu_pages = pages_for_capacity("max_local_cpu_size", config.max_local_cpu_size, chunk_bytes)
+    derived["cpu_chunks"] = cpu_pages
+    derived["cpu_bytes_used"] = cpu_pages * chunk_bytes
+    if config.local_disk:
+        derived["disk_chunks"] = config.max_local_disk_size // chunk_bytes
+    if config.enable_pd and config.pd_buffer_size is not None:
+        pd_pages = pages_for_capacity("pd_buffer_size", config.pd_buffer_size, chunk_bytes)
+        derived["pd_buffer_chunks"] = pd_pages
+        derived["pd_buffer_bytes_used"] = pd_pages * chunk_bytes
+    values = config.as_dict()
+    if args.json:
+        print(json.dumps({"config": values, "origin": dict(config.origin), "derived": derived}, default=str))
+        return 0
+    width = max(len(k) for k in values)
+    for key, value in values.items():
+        source = config.origin.get(key, "default")
+        shown = f"{value} ({format_size(value)})" if key.startswith("max_") else repr(value)
+        print(f"{key:<{width}}  {shown:<32} {source}")
+    print()
+    for key, value in derived.items():
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def key_table() -> str:
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for spec in KEYS:
+        default = "(none)" if spec.default is None else f"`{spec.default}`"
+        name = spec.name if spec.lmcache else f"{spec.name} (kvtier)"
+        rows.append(f"| `{name}` | {default} | {spec.doc} |")
+    return "\n".join(rows)

@@ -1,0 +1,63 @@
+"""``kvtier``: the command-line entry point.
+
+Each command lives in its own module with ``add_parser(subparsers)`` and a ``run(args)``
+returning an exit code; :data:`COMMANDS` lists them, imported only when used, so a command
+whose optional pieces are missing cannot break the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from kvtier.errors import KVTierError
+
+# command name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "check-config": ("kvtier.cli.check_config", "print the resolved config and derived sizes"),
+    "bench": ("kvtier.cli.bench", "measure a tier against its physical baseline"),
+    "demo": ("kvtier.cli.demo", "multi-round chat workload: TTFT with and without kvtier"),
+    "pd-demo": ("kvtier.cli.pd_demo", "prefill/decode disaggregation between two processes"),
+    "serve-admin": ("kvtier.cli.serve_admin", "run an engine with the admin API and dashboard"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtier", description="A tiered KV-cache layer for LLM inference."
+    )
+    parser.add_argument("--log-level", default=os.environ.get("KVTIER_LOG_LEVEL", "WARNING"))
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if not (exc.name or "").startswith(module_name):
+                raise
+            continue  # not built in this tree
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_parser(command)
+        command.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(args._run(args))
+    except KVTierError as exc:
+        print(f"kvtier: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

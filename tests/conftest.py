@@ -1,0 +1,59 @@
+"""Fixtures shared by the whole suite."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from kvtier import Config, Engine, KVLayout
+
+SMALL_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+SMALL_CHUNK = 16  # tokens; chunk_bytes = 2*2*16*16*4 = 4096
+
+
+@pytest.fixture
+def layout() -> KVLayout:
+    return SMALL_LAYOUT
+
+
+def small_config(**overrides: object) -> Config:
+    """A config for tests: small chunks, a buffer of ``cpu_chunks`` pages, no env/file."""
+    cpu_chunks = int(overrides.pop("cpu_chunks", 8))  # type: ignore[call-overload]
+    values: dict[str, object] = {
+        "chunk_size": SMALL_CHUNK,
+        "max_local_cpu_size": f"{cpu_chunks * SMALL_LAYOUT.chunk_bytes(SMALL_CHUNK)}B",
+    }
+    values.update(overrides)
+    return Config.load(overrides=values, env={})
+
+
+def make_kv(num_tokens: int, seed: int = 0, layout: KVLayout = SMALL_LAYOUT) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(layout.kv_shape(num_tokens), generator=gen).to(layout.dtype)
+
+
+def make_tokens(num_tokens: int, seed: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(seed + 1000)
+    return torch.randint(0, 32000, (num_tokens,), generator=gen).tolist()
+
+
+@pytest.fixture
+def engine_factory() -> Iterator[Callable[..., Engine]]:
+    """Opens engines and closes them at teardown, checking nothing leaked."""
+    engines: list[Engine] = []
+
+    def make(layout: KVLayout = SMALL_LAYOUT, model_name: str = "test-model", **overrides: object) -> Engine:
+        engine = Engine(small_config(**overrides), layout, model_name=model_name).open()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+@pytest.fixture
+def engine(engine_factory: Callable[..., Engine]) -> Engine:
+    return engine_factory()

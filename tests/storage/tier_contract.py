@@ -1,0 +1,150 @@
+"""The contract every storage tier passes.
+
+A tier's test module subclasses :class:`TierContract` and provides a ``tier`` fixture that
+yields an open tier for :data:`CONTRACT_LAYOUT` and :data:`CONTRACT_CHUNK`, closing it at
+teardown. Every test here runs against every tier (CPU, disk, redis, redis cluster, ...).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from kvtier.keys import ChunkKey
+from kvtier.layout import KVLayout
+from kvtier.storage.base import PutOutcome, PutResult, Tier
+
+CONTRACT_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+CONTRACT_CHUNK = 16
+TOKEN_BYTES = CONTRACT_LAYOUT.token_bytes()
+PAGE_BYTES = CONTRACT_LAYOUT.chunk_bytes(CONTRACT_CHUNK)
+
+
+def random_key() -> ChunkKey:
+    return os.urandom(16)
+
+
+def payload(num_tokens: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (num_tokens * TOKEN_BYTES,), dtype=torch.uint8, generator=gen)
+
+
+class Outcomes:
+    """Collects put completions; each put must complete exactly once."""
+
+    def __init__(self) -> None:
+        self.results: list[PutResult] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, result: PutResult) -> None:
+        with self._cond:
+            self.results.append(result)
+            self._cond.notify_all()
+
+    def wait(self, count: int, timeout: float = 10.0) -> list[PutResult]:
+        with self._cond:
+            assert self._cond.wait_for(lambda: len(self.results) >= count, timeout), (
+                f"only {len(self.results)} of {count} puts completed"
+            )
+        return self.results
+
+
+def put_and_wait(tier: Tier, key: ChunkKey, data: torch.Tensor, num_tokens: int) -> PutResult:
+    done = Outcomes()
+    tier.put(key, data, num_tokens, done)
+    result = done.wait(1)[0]
+    tier.flush(10.0)
+    return result
+
+
+class TierContract:
+    @pytest.fixture
+    def tier(self) -> Tier:  # pragma: no cover - overridden by every subclass
+        raise NotImplementedError
+
+    def test_put_then_get_returns_the_same_bytes(self, tier: Tier) -> None:
+        key, data = random_key(), payload(CONTRACT_CHUNK, 1)
+        assert put_and_wait(tier, key, data, CONTRACT_CHUNK).outcome is PutOutcome.STORED
+        assert tier.contains([key]) == [True]
+        out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+        assert tier.get_into(key, out) == CONTRACT_CHUNK
+        assert torch.equal(out[: data.numel()], data)
+
+    def test_partial_chunk_round_trips_with_its_token_count(self, tier: Tier) -> None:
+        key, data = random_key(), payload(5, 2)
+        put_and_wait(tier, key, data, 5)
+        out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+        assert tier.get_into(key, out) == 5
+        assert torch.equal(out[: data.numel()], data)
+
+    def test_unknown_key_is_a_miss(self, tier: Tier) -> None:
+        key = random_key()
+        assert tier.contains([key]) == [False]
+        assert tier.get_into(key, torch.zeros(PAGE_BYTES, dtype=torch.uint8)) is None
+
+    def test_contains_answers_a_batch_in_order(self, tier: Tier) -> None:
+        keys = [random_key() for _ in range(5)]
+        for i in (0, 2, 3):
+            put_and_wait(tier, keys[i], payload(CONTRACT_CHUNK, i), CONTRACT_CHUNK)
+        assert tier.contains(keys) == [True, False, True, True, False]
+
+    def test_second_put_of_a_key_keeps_the_first_bytes(self, tier: Tier) -> None:
+        key = random_key()
+        first, second = payload(CONTRACT_CHUNK, 3), payload(CONTRACT_CHUNK, 4)
+        put_and_wait(tier, key, first, CONTRACT_CHUNK)
+        result = put_and_wait(tier, key, second, CONTRACT_CHUNK)
+        assert result.outcome in (PutOutcome.EXISTS, PutOutcome.STORED)
+        out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+        tier.get_into(key, out)
+        expected = first if result.outcome is PutOutcome.EXISTS else second
+        assert torch.equal(out[: first.numel()], expected)
+
+    def test_every_put_completes_exactly_once(self, tier: Tier) -> None:
+        done = Outcomes()
+        keys = [random_key() for _ in range(6)]
+        for i, key in enumerate(keys):
+            tier.put(key, payload(CONTRACT_CHUNK, 10 + i), CONTRACT_CHUNK, done)
+        results = done.wait(len(keys))
+        tier.flush(10.0)
+        assert sorted(r.key for r in results) == sorted(keys)
+        assert len(done.results) == len(keys)
+
+    def test_remove_makes_a_miss(self, tier: Tier) -> None:
+        key = random_key()
+        put_and_wait(tier, key, payload(CONTRACT_CHUNK, 5), CONTRACT_CHUNK)
+        assert tier.remove(key) is True
+        assert tier.contains([key]) == [False]
+        assert tier.remove(key) is False
+
+    def test_usage_counts_entries(self, tier: Tier) -> None:
+        before = tier.usage().entries
+        for i in range(3):
+            put_and_wait(tier, random_key(), payload(CONTRACT_CHUNK, 20 + i), CONTRACT_CHUNK)
+        usage = tier.usage()
+        assert usage.entries == before + 3
+        assert usage.used_bytes >= 3 * CONTRACT_CHUNK * TOKEN_BYTES
+        assert usage.capacity_bytes >= usage.used_bytes
+
+    def test_clear_removes_unpinned_entries(self, tier: Tier) -> None:
+        keys = [random_key() for _ in range(3)]
+        for i, key in enumerate(keys):
+            put_and_wait(tier, key, payload(CONTRACT_CHUNK, 30 + i), CONTRACT_CHUNK)
+        pinned = tier.pin(keys[0])
+        tier.clear()
+        expected = [pinned, False, False]
+        assert tier.contains(keys) == expected
+        if pinned:
+            tier.unpin(keys[0])
+
+    def test_pin_keeps_an_entry_until_unpinned(self, tier: Tier) -> None:
+        key = random_key()
+        put_and_wait(tier, key, payload(CONTRACT_CHUNK, 40), CONTRACT_CHUNK)
+        if not tier.pin(key):
+            pytest.skip(f"{tier.name} cannot pin (a shared store); misses are tolerated instead")
+        assert tier.clear() == 0 or tier.contains([key]) == [True]
+        tier.unpin(key)
+        tier.clear()
+        assert tier.contains([key]) == [False]
