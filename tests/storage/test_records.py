@@ -1,0 +1,146 @@
+from __future__ import annotations
+
+import dataclasses
+import os
+import struct
+
+import pytest
+import torch
+
+from kvtier.errors import CorruptRecord
+from kvtier.keys import Fingerprint
+from kvtier.layout import KVLayout
+from kvtier.storage import records
+from kvtier.storage.records import (
+    HEADER_SIZE,
+    RECORD_MAGIC,
+    decode_header,
+    decode_record_into,
+    encode_header,
+    encode_record,
+    header_size,
+    verify_payload,
+)
+from tests.storage.tier_contract import CONTRACT_CHUNK, CONTRACT_LAYOUT, PAGE_BYTES, payload
+
+FP = Fingerprint("test-model", CONTRACT_LAYOUT, CONTRACT_CHUNK)
+KEY = bytes(range(16))
+
+
+def test_round_trip_in_memory() -> None:
+    data = payload(CONTRACT_CHUNK, 1)
+    record = encode_record(KEY, FP, CONTRACT_CHUNK, data)
+    assert len(record) == header_size() + data.numel()
+    assert record.startswith(RECORD_MAGIC)
+    out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+    assert decode_record_into(record, FP, KEY, out) == CONTRACT_CHUNK
+    assert torch.equal(out, data)
+
+
+def test_partial_chunk_round_trips_and_header_describes_it() -> None:
+    data = payload(3, 2)
+    record = encode_record(KEY, FP, 3, data)
+    header = decode_header(record, FP, None)
+    assert (header.key, header.num_tokens, header.payload_len) == (KEY, 3, data.numel())
+    verify_payload(header, memoryview(record)[HEADER_SIZE:])
+    out = torch.full((PAGE_BYTES,), 7, dtype=torch.uint8)
+    assert decode_record_into(memoryview(record), FP, KEY, out) == 3
+    assert torch.equal(out[: data.numel()], data)
+    assert bool((out[data.numel() :] == 7).all())  # nothing past the payload is written
+
+
+def test_header_is_page_aligned_for_odirect() -> None:
+    assert header_size() % 4096 == 0
+
+
+# Every header field, by its offset and size (see the table in records.py).
+FIELDS = {
+    "magic": (0, 8),
+    "version": (8, 2),
+    "header_size": (10, 2),
+    "key": (12, 16),
+    "fingerprint": (28, 16),
+    "num_layers": (44, 4),
+    "num_kv_heads": (48, 4),
+    "head_dim": (52, 4),
+    "dtype": (56, 16),
+    "chunk_size": (72, 4),
+    "num_tokens": (76, 4),
+    "payload_len": (80, 8),
+    "payload_checksum": (88, 16),
+    "header_checksum": (104, 8),
+}
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_every_corrupted_header_field_is_refused(field: str) -> None:
+    record = bytearray(encode_record(KEY, FP, CONTRACT_CHUNK, payload(CONTRACT_CHUNK, 3)))
+    offset, size = FIELDS[field]
+    record[offset + size // 2] ^= 0x01
+    out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+    with pytest.raises(CorruptRecord):
+        decode_record_into(record, FP, KEY, out)
+    assert not bool(out.any())  # a refused record writes nothing
+
+
+def test_a_consistently_rewritten_header_is_still_checked_against_the_fingerprint() -> None:
+    """Someone rewrote fields and fixed the header checksum: the semantic checks still hold."""
+    import xxhash
+
+    record = bytearray(encode_record(KEY, FP, CONTRACT_CHUNK, payload(CONTRACT_CHUNK, 4)))
+    struct.pack_into("<I", record, 76, CONTRACT_CHUNK - 1)  # num_tokens no longer fits payload_len
+    struct.pack_into("<Q", record, 104, xxhash.xxh3_64_intdigest(bytes(record[:104])))
+    with pytest.raises(CorruptRecord, match="payload length"):
+        decode_header(record, FP, KEY)
+
+
+def test_other_fingerprints_and_layouts_are_refused() -> None:
+    record = encode_record(KEY, FP, CONTRACT_CHUNK, payload(CONTRACT_CHUNK, 5))
+    other_model = dataclasses.replace(FP, model_name="other")
+    other_rank = dataclasses.replace(FP, tp_rank=1, tp_world_size=2)
+    other_layout = dataclasses.replace(FP, layout=KVLayout(2, 2, 8, torch.float16))
+    for fp in (other_model, other_rank, other_layout):
+        with pytest.raises(CorruptRecord):
+            decode_header(record, fp, KEY)
+
+
+def test_wrong_expected_key_is_refused() -> None:
+    record = encode_record(KEY, FP, CONTRACT_CHUNK, payload(CONTRACT_CHUNK, 6))
+    with pytest.raises(CorruptRecord, match="key"):
+        decode_header(record, FP, os.urandom(16))
+
+
+@pytest.mark.parametrize("position", [0, 1, PAGE_BYTES // 2, PAGE_BYTES - 1])
+def test_bit_flip_in_payload_is_detected(position: int) -> None:
+    record = bytearray(encode_record(KEY, FP, CONTRACT_CHUNK, payload(CONTRACT_CHUNK, 7)))
+    record[HEADER_SIZE + position] ^= 0x10
+    header = decode_header(record, FP, KEY)  # the header alone is intact
+    with pytest.raises(CorruptRecord, match="checksum"):
+        verify_payload(header, memoryview(record)[HEADER_SIZE:])
+    with pytest.raises(CorruptRecord):
+        decode_record_into(record, FP, KEY, torch.zeros(PAGE_BYTES, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("length", [0, 10, 111, HEADER_SIZE, HEADER_SIZE + PAGE_BYTES - 1])
+def test_truncated_records_are_refused(length: int) -> None:
+    record = encode_record(KEY, FP, CONTRACT_CHUNK, payload(CONTRACT_CHUNK, 8))
+    with pytest.raises(CorruptRecord):
+        decode_record_into(record[:length], FP, KEY, torch.zeros(PAGE_BYTES, dtype=torch.uint8))
+
+
+def test_trailing_bytes_are_refused() -> None:
+    record = encode_record(KEY, FP, CONTRACT_CHUNK, payload(CONTRACT_CHUNK, 9)) + b"x"
+    with pytest.raises(CorruptRecord, match="bytes"):
+        decode_record_into(record, FP, KEY, torch.zeros(PAGE_BYTES, dtype=torch.uint8))
+
+
+def test_encode_refuses_a_payload_that_does_not_match_its_token_count() -> None:
+    with pytest.raises(ValueError, match="payload"):
+        encode_header(KEY, FP, 4, payload(5, 1))
+    with pytest.raises(ValueError, match="num_tokens"):
+        encode_header(KEY, FP, CONTRACT_CHUNK + 1, payload(CONTRACT_CHUNK + 1, 1))
+
+
+def test_checksum_reads_tensor_memory_without_a_copy() -> None:
+    data = payload(CONTRACT_CHUNK, 10)
+    assert records.payload_checksum(data) == records.payload_checksum(data.numpy().tobytes())
