@@ -294,8 +294,26 @@ class Engine:
                 problems.append(f"page {page}: refcount {ref} < {expected} owners (freed while in use)")
             if not len(leases) and ref > expected:
                 problems.append(f"page {page}: refcount {ref} but only {expected} owners (leaked)")
+        problems.extend(self._pinned_cpu_hits_still_cached(manager, leases))
         if pool.free_pages != sum(1 for r in refs if r == 0):
             problems.append("free list does not match the pages with refcount 0")
+        return problems
+
+    @staticmethod
+    def _pinned_cpu_hits_still_cached(manager: StorageManager, leases: LeaseTable) -> list[str]:
+        """Invariant 3: a chunk a request pinned in the CPU tier is never evicted meanwhile."""
+        problems = []
+        for lease in list(leases._leases.values()):  # noqa: SLF001 - same package, read-only
+            plan = lease.plan
+            if not isinstance(plan, LookupPlan):
+                continue
+            cpu_hits = [h for h in plan.hits if h.tier == "cpu"]
+            entries = manager.cpu.entries([h.span.key for h in cpu_hits])
+            for hit, entry in zip(cpu_hits, entries, strict=True):
+                if entry is None or entry.page != hit.page:
+                    problems.append(
+                        f"request {lease.request_id}: pinned CPU chunk {hit.span.index} was evicted"
+                    )
         return problems
 
     def flush(self, timeout: float | None = None) -> bool:

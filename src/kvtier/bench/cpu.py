@@ -1,0 +1,130 @@
+"""``kvtier bench cpu``: store and retrieve through the CPU tier against a plain tensor copy.
+
+Baseline: ``memcpy_gbps`` is one ``Tensor.copy_`` of the same bytes into memory that was
+touched beforehand, measured in the same run, the same way (best of N). A store is a hash of
+the tokens, a page allocation and one copy per chunk into the page; a retrieve is a lookup,
+pins and one copy per chunk out of the page, so the ratios show the cost kvtier adds.
+
+``lookup_128k_ms`` uses a small layout (lookup cost must not depend on chunk bytes): hashing
+plus index probe plus pinning of a fully cached 131072-token prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.bench.timing import best_interleaved, best_seconds, gbps
+from kvtier.config import Config
+from kvtier.engine import Engine
+from kvtier.keys import Fingerprint, KeyChain
+from kvtier.layout import KVLayout
+
+BIG_LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+LOOKUP_LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=16, dtype=torch.bfloat16)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chunks", type=int, default=16, help="chunks per store (16 = 512 MiB)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs; best is reported")
+    parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    chunk_size: int = args.chunk_size
+    chunks: int = args.chunks
+    repeats: int = args.repeats
+    layout = BIG_LAYOUT
+    chunk_bytes = layout.chunk_bytes(chunk_size)
+    num_tokens = chunks * chunk_size
+    nbytes = chunks * chunk_bytes
+
+    kv = torch.randn(layout.kv_shape(num_tokens), dtype=torch.float32).to(layout.dtype)
+    dst = torch.empty_like(kv)
+    dst.copy_(kv)  # touch the destination once, as the engine's buffer is touched at open
+
+    config = Config.load(
+        env={}, overrides={"chunk_size": chunk_size, "max_local_cpu_size": f"{nbytes}B"}
+    )
+    rng = np.random.default_rng(0)
+    with Engine(config, layout, model_name="bench-cpu") as engine:
+        counter = iter(range(1 << 30))
+
+        def store_fresh() -> None:
+            # New tokens each time so every chunk is really stored (the old ones are evicted).
+            tokens = rng.integers(0, 32000, num_tokens, dtype=np.int32)
+            tokens[0] = next(counter)
+            stored = engine.store(tokens, kv)
+            assert stored == chunks, f"stored {stored} of {chunks} chunks"
+
+        tokens = rng.integers(0, 32000, num_tokens, dtype=np.int32)
+        out = torch.empty_like(kv)
+        out.copy_(kv)
+
+        def retrieve_once() -> None:
+            rid = f"r{next(counter)}"
+            engine.lookup(tokens, rid)
+            loaded = engine.retrieve_into(tokens, rid, out)
+            engine.end_request(rid)
+            assert loaded == num_tokens
+
+        # Half the buffer holds the retrieve's chunks, half the fresh stores' (see max size).
+        store_s = best_interleaved({"memcpy": lambda: dst.copy_(kv), "store": store_fresh}, repeats)
+        engine.store(tokens, kv)
+        timed = best_interleaved({"memcpy": lambda: dst.copy_(kv), "retrieve": retrieve_once}, repeats)
+        memcpy_s = min(store_s["memcpy"], timed["memcpy"])
+        store_s, retrieve_s = store_s["store"], timed["retrieve"]
+        if not torch.equal(out, kv):
+            raise AssertionError("retrieved bytes differ from the stored bytes")
+
+    lookup_ms, hash_rate = _lookup_cost(chunk_size, repeats)
+    memcpy = gbps(nbytes, memcpy_s)
+    store = gbps(nbytes, store_s)
+    retrieve = gbps(nbytes, retrieve_s)
+    return {
+        "chunk_bytes": chunk_bytes,
+        "chunks": chunks,
+        "bytes": nbytes,
+        "memcpy_gbps": round(memcpy, 3),
+        "store_gbps": round(store, 3),
+        "retrieve_gbps": round(retrieve, 3),
+        "store_ratio": round(store / memcpy, 3),
+        "retrieve_ratio": round(retrieve / memcpy, 3),
+        "lookup_128k_ms": round(lookup_ms, 4),
+        "hash_tokens_per_s": round(hash_rate),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _lookup_cost(chunk_size: int, repeats: int) -> tuple[float, float]:
+    """(ms per lookup of a fully cached 131072-token prompt, tokens hashed per second)."""
+    num_tokens = 131072
+    layout = LOOKUP_LAYOUT
+    chunks = num_tokens // chunk_size
+    config = Config.load(
+        env={},
+        overrides={
+            "chunk_size": chunk_size,
+            "max_local_cpu_size": f"{chunks * layout.chunk_bytes(chunk_size)}B",
+        },
+    )
+    tokens = np.random.default_rng(1).integers(0, 32000, num_tokens, dtype=np.int32)
+    tokens_tensor = torch.from_numpy(tokens)
+    with Engine(config, layout, model_name="bench-lookup") as engine:
+        engine.store(tokens, torch.zeros(layout.kv_shape(num_tokens), dtype=layout.dtype))
+        counter = iter(range(1 << 30))
+        timings = []
+        for _ in range(max(repeats, 20)):
+            rid = f"l{next(counter)}"
+            start = time.perf_counter()
+            hit = engine.lookup(tokens_tensor, rid)
+            timings.append(time.perf_counter() - start)
+            engine.end_request(rid)
+            assert hit == num_tokens, f"lookup hit {hit} of {num_tokens}"
+    chain = KeyChain(Fingerprint("bench-hash", layout, chunk_size))
+    hash_s = best_seconds(lambda: chain.keys(tokens, include_partial=False), max(repeats, 20))
+    return float(np.median(timings)) * 1e3, num_tokens / hash_s

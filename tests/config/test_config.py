@@ -1,0 +1,172 @@
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from kvtier import Config, ConfigError
+from kvtier.config.schema import KEYS
+
+
+def test_defaults_follow_lmcache() -> None:
+    cfg = Config.default()
+    assert cfg.chunk_size == 256
+    assert cfg.local_cpu is True
+    assert cfg.max_local_cpu_size == 5 * 1024**3
+    assert cfg.save_unfull_chunk is False
+    assert cfg.cache_policy == "LRU"
+    assert cfg.blocking_timeout_secs == 10.0
+
+
+def test_every_schema_key_is_a_config_field_with_the_same_default() -> None:
+    fields = Config.__dataclass_fields__
+    default = Config.default()
+    for spec in KEYS:
+        assert spec.name in fields, spec.name
+        assert getattr(default, spec.name) == spec.parse(spec.name, spec.default)
+
+
+def test_sources_apply_in_order_file_env_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("chunk_size: 128\nmax_local_cpu_size: 2\nsave_unfull_chunk: true\n")
+    env = {
+        "KVTIER_CONFIG_FILE": str(path),
+        "LMCACHE_CHUNK_SIZE": "64",
+        "KVTIER_MAX_LOCAL_CPU_SIZE": "512MiB",
+    }
+    cfg = Config.load(env=env, overrides={"save_unfull_chunk": False})
+    assert cfg.chunk_size == 64
+    assert cfg.max_local_cpu_size == 512 * 1024**2
+    assert cfg.save_unfull_chunk is False
+    assert cfg.origin["chunk_size"] == "env LMCACHE_CHUNK_SIZE"
+    assert cfg.origin["save_unfull_chunk"] == "override"
+
+
+def test_kvtier_env_wins_over_lmcache_env() -> None:
+    cfg = Config.load(env={"LMCACHE_CHUNK_SIZE": "64", "KVTIER_CHUNK_SIZE": "32"})
+    assert cfg.chunk_size == 32
+
+
+def test_lmcache_config_file_is_read_when_no_kvtier_file(tmp_path: Path) -> None:
+    path = tmp_path / "lmcache.yaml"
+    path.write_text("chunk_size: 512\nlocal_cpu: false\nmax_local_cpu_size: 0.5\n")
+    cfg = Config.load(env={"LMCACHE_CONFIG_FILE": str(path)})
+    assert (cfg.chunk_size, cfg.local_cpu, cfg.max_local_cpu_size) == (512, False, 512 * 1024**2)
+
+
+def test_lmcache_env_does_not_set_kvtier_only_keys() -> None:
+    cfg = Config.load(env={"LMCACHE_CACHE_SALT": "tenant-a"})
+    assert cfg.cache_salt == ""
+    assert Config.load(env={"KVTIER_CACHE_SALT": "tenant-a"}).cache_salt == "tenant-a"
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (5.0, 5 * 1024**3),
+        (0.25, 256 * 1024**2),
+        ("512MiB", 512 * 1024**2),
+        ("2GB", 2_000_000_000),
+        ("1.5 GiB", int(1.5 * 1024**3)),
+        ("4096", 4096 * 1024**3),
+    ],
+)
+def test_cpu_size_units(raw: object, expected: int) -> None:
+    assert Config.load(env={}, overrides={"max_local_cpu_size": raw}).max_local_cpu_size == expected
+
+
+def test_pd_buffer_size_numbers_are_bytes() -> None:
+    cfg = Config.load(
+        env={}, overrides={"enable_pd": True, "pd_role": "receiver", "pd_buffer_size": 1048576}
+    )
+    assert cfg.pd_buffer_size == 1048576
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"),
+    [
+        ("chunk_size", 0, "integer from 1"),
+        ("chunk_size", "many", "integer from 1"),
+        ("max_local_cpu_size", -1, "between 0 and 1 PiB"),
+        ("max_local_cpu_size", "12 parsecs", "'512MiB'"),
+        ("max_local_cpu_size", "1e30", "1 PiB"),
+        ("local_cpu", "maybe", "boolean"),
+        ("pre_caching_hash_algorithm", "builtin", "'xxh3_128'"),
+        ("cache_policy", "LFU", "'LRU'"),
+        ("pd_role", "both", "'sender', 'receiver'"),
+        ("blocking_timeout_secs", float("inf"), "finite"),
+        ("pd_peer_init_port", 70000, "TCP port"),
+        ("extra_config", [1, 2], "mapping"),
+    ],
+)
+def test_bad_values_name_key_value_and_what_is_allowed(key: str, value: object, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Config.load(env={}, overrides={key: value})
+    message = str(info.value)
+    assert repr(key) in message and repr(value) in message and fragment in message
+    assert info.value.key == key
+
+
+def test_combination_rules() -> None:
+    with pytest.raises(ConfigError, match="max_local_disk_size"):
+        Config.load(env={}, overrides={"local_disk": "/tmp/x"})
+    with pytest.raises(ConfigError, match="use_only_staging_buffer"):
+        Config.load(env={}, overrides={"local_cpu": False, "use_only_staging_buffer": True})
+    with pytest.raises(ConfigError, match="pd_role"):
+        Config.load(env={}, overrides={"enable_pd": True})
+    with pytest.raises(ConfigError, match="max_local_cpu_size"):
+        Config.load(env={}, overrides={"max_local_cpu_size": 0})
+
+
+def test_unknown_keys_are_named_in_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("chunk_size: 64\nenable_blending: true\nbogus_key: 1\n")
+    with caplog.at_level(logging.WARNING, logger="kvtier.config.model"):
+        cfg = Config.load(path, env={"KVTIER_ALSO_BOGUS": "1"})
+    assert cfg.chunk_size == 64
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    for name in ("enable_blending (an LMCache key)", "bogus_key", "also_bogus"):
+        assert name in warnings[0]
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "42\n"])
+def test_yaml_that_is_not_a_mapping_is_a_config_error(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="YAML mapping"):
+        Config.load(path, env={})
+
+
+def test_missing_or_broken_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="readable"):
+        Config.load(tmp_path / "nope.yaml", env={})
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("chunk_size: [1, 2\n")
+    with pytest.raises(ConfigError, match="valid YAML"):
+        Config.load(broken, env={})
+
+
+def test_config_is_frozen_and_with_overrides_validates() -> None:
+    cfg = Config.default()
+    with pytest.raises(AttributeError):
+        cfg.chunk_size = 1  # type: ignore[misc]
+    assert cfg.with_overrides(chunk_size=64).chunk_size == 64
+    with pytest.raises(ConfigError):
+        cfg.with_overrides(chunk_size=-1)
+    with pytest.raises(ConfigError, match="not a kvtier config key"):
+        cfg.with_overrides(nonsense=1)
+
+
+def test_secrets_are_masked() -> None:
+    cfg = Config.load(env={"KVTIER_ADMIN_TOKEN": "s3cret"})
+    assert cfg.admin_token == "s3cret"
+    assert cfg.as_dict()["admin_token"] == "***"
+    assert cfg.as_dict(mask_secrets=False)["admin_token"] == "s3cret"
+
+
+def test_ports_take_one_or_a_list() -> None:
+    cfg = Config.load(env={"LMCACHE_PD_PEER_INIT_PORT": "[8100, 8101]"}, overrides={"pd_peer_alloc_port": 8200})
+    assert cfg.pd_peer_init_port == (8100, 8101)
+    assert cfg.pd_peer_alloc_port == (8200,)

@@ -1,0 +1,221 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier import ConfigError, Engine, InputError, KVLayout, StateError
+from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
+
+EngineFactory = Callable[..., Engine]
+
+
+def test_retrieve_returns_exactly_the_stored_bytes(engine: Engine) -> None:
+    tokens, kv = make_tokens(64), make_kv(64)
+    assert engine.store(tokens, kv) == 4
+    with engine.request("r"):
+        assert engine.lookup(tokens + [1, 2, 3], "r") == 64
+        out = engine.retrieve(tokens + [1, 2, 3], "r")
+    assert out.shape == kv.shape and torch.equal(out, kv)
+    assert engine.leaks() == [] and engine.check_invariants() == []
+
+
+def test_hit_stops_at_the_first_divergent_chunk(engine: Engine) -> None:
+    tokens = make_tokens(64)
+    engine.store(tokens, make_kv(64))
+    other = tokens[:40] + [7] * 24  # diverges inside chunk 2
+    assert engine.lookup(other, "r") == 32
+    engine.end_request("r")
+
+
+def test_lookup_pins_until_end_request_and_a_second_end_is_a_no_op(engine: Engine) -> None:
+    tokens = make_tokens(48)
+    engine.store(tokens, make_kv(48))
+    engine.lookup(tokens, "r")
+    stats = engine.stats()
+    assert stats["pinned_pages"] == 3 and stats["pinned_by_request"]["r"]["pages"] == 3
+    assert [leak.request_id for leak in engine.leaks()] == ["r"]
+    assert engine.end_request("r") is True
+    assert engine.end_request("r") is False
+    assert engine.stats()["pinned_pages"] == 0 and engine.check_invariants() == []
+
+
+def test_storing_a_present_key_takes_no_reference(engine: Engine) -> None:
+    tokens, kv = make_tokens(32), make_kv(32)
+    engine.store(tokens, kv)
+    used = engine.stats()["allocator"]["pages_used"]
+    assert engine.store(tokens, kv) == 0
+    assert engine.stats()["allocator"]["pages_used"] == used
+    assert engine.check_invariants() == []
+
+
+def test_retrieve_into_writes_in_place_and_honours_skip(engine: Engine) -> None:
+    tokens, kv = make_tokens(64), make_kv(64)
+    engine.store(tokens, kv)
+    out = torch.zeros(SMALL_LAYOUT.kv_shape(80))
+    with engine.request("r"):
+        assert engine.lookup(tokens, "r", skip_leading_tokens=20) == 64
+        assert engine.retrieve_into(tokens, "r", out, skip_leading_tokens=20) == 64
+    assert torch.equal(out[:, :, 16:64], kv[:, :, 16:64])  # from the chunk holding token 20
+    assert not out[:, :, :16].any()  # chunks the engine already holds are not loaded
+    with pytest.raises(InputError, match="out must be"):
+        engine.retrieve_into(tokens, "r2", torch.zeros(2, 2, 10, 16))
+    engine.end_request("r2")
+
+
+def test_skip_leading_tokens_chunks_are_hashed_but_not_stored(engine: Engine) -> None:
+    tokens, kv = make_tokens(64), make_kv(64)
+    assert engine.store(tokens, kv, skip_leading_tokens=32) == 2
+    assert engine.lookup(tokens, "r") == 0  # chunk 0 is not cached
+    assert engine.lookup(tokens, "s", skip_leading_tokens=32) == 64
+    with engine.request("t"):
+        out = torch.zeros_like(kv)
+        engine.retrieve_into(tokens, "t", out, skip_leading_tokens=32)
+        assert torch.equal(out[:, :, 32:], kv[:, :, 32:])
+    engine.end_request("r")
+    engine.end_request("s")
+
+
+def test_partial_chunk_only_with_save_unfull_chunk(engine_factory: EngineFactory) -> None:
+    tokens, kv = make_tokens(40), make_kv(40)
+    plain = engine_factory()
+    plain.store(tokens, kv)
+    assert plain.lookup(tokens, "r") == 32
+    plain.end_request("r")
+    unfull = engine_factory(save_unfull_chunk=True)
+    assert unfull.store(tokens, kv) == 3
+    with unfull.request("r"):
+        assert unfull.lookup(tokens, "r") == 40
+        assert torch.equal(unfull.retrieve(tokens, "r"), kv)
+
+
+def test_another_model_never_matches(engine_factory: EngineFactory) -> None:
+    a = engine_factory(model_name="a")
+    tokens = make_tokens(32)
+    a.store(tokens, make_kv(32))
+    b = engine_factory(model_name="b")
+    b.store(make_tokens(32, seed=5), make_kv(32))
+    assert b.lookup(tokens, "r") == 0
+    b.end_request("r")
+
+
+def test_full_of_pinned_pages_store_drops_and_retrieve_fails_cleanly(engine_factory: EngineFactory) -> None:
+    engine = engine_factory(cpu_chunks=2)
+    first = make_tokens(32, seed=1)
+    engine.store(first, make_kv(32, seed=1))
+    assert engine.lookup(first, "holder") == 32  # both pages pinned
+    assert engine.store(make_tokens(32, seed=2), make_kv(32, seed=2)) == 0
+    assert engine.stats()["dropped_chunks"] == 2
+    engine.end_request("holder")
+    assert engine.store(make_tokens(32, seed=2), make_kv(32, seed=2)) == 2  # evicts now
+    assert engine.check_invariants() == []
+
+
+def test_cpu_buffer_is_rounded_down_to_whole_chunks(layout: KVLayout) -> None:
+    chunk = layout.chunk_bytes(SMALL_CHUNK)
+    cfg = small_config(max_local_cpu_size=f"{3 * chunk + chunk - 1}B")
+    assert Engine(cfg, layout, model_name="m").num_pages == 3
+    with pytest.raises(ConfigError) as info:
+        Engine(small_config(max_local_cpu_size=f"{chunk - 1}B"), layout, model_name="m")
+    assert info.value.key == "max_local_cpu_size"
+
+
+def test_absurd_cpu_size_is_refused_before_allocating(layout: KVLayout) -> None:
+    with pytest.raises(ConfigError, match="machine's memory"):
+        Engine(small_config(max_local_cpu_size="900TiB"), layout, model_name="m")
+
+
+@pytest.mark.parametrize(
+    ("kv", "tokens", "fragment"),
+    [
+        (torch.zeros(2, 2, 16, 16, dtype=torch.float64), 16, "dtype"),
+        (torch.zeros(2, 3, 16, 16), 16, "shape"),
+        (torch.zeros(2, 2, 16, 15), 16, "shape"),
+        (torch.zeros(2, 2, 15, 16), 16, "holds 15 tokens but 16"),
+        (np.zeros((2, 2, 16, 16), dtype=np.float32), 16, "torch.Tensor"),
+    ],
+)
+def test_bad_kv_is_an_input_error_and_nothing_stored_is_lost(
+    engine: Engine, kv: object, tokens: int, fragment: str
+) -> None:
+    kept_tokens, kept_kv = make_tokens(32, seed=9), make_kv(32, seed=9)
+    engine.store(kept_tokens, kept_kv)
+    with pytest.raises(InputError, match=fragment):
+        engine.store(make_tokens(tokens), kv)  # type: ignore[arg-type]
+    with engine.request("r"):
+        assert torch.equal(engine.retrieve(kept_tokens, "r"), kept_kv)
+
+
+@pytest.mark.parametrize("request_id", ["", None, 3])
+def test_bad_request_id(engine: Engine, request_id: object) -> None:
+    with pytest.raises(InputError, match="request_id"):
+        engine.lookup(make_tokens(16), request_id)  # type: ignore[arg-type]
+
+
+def test_bad_tokens_are_input_errors(engine: Engine) -> None:
+    with pytest.raises(InputError, match="empty"):
+        engine.lookup([], "r")
+    with pytest.raises(InputError, match="integers"):
+        engine.store([1.5] * 16, make_kv(16))
+    with pytest.raises(InputError, match="skip_leading_tokens"):
+        engine.lookup(make_tokens(16), "r", skip_leading_tokens=-1)
+
+
+def test_lifecycle_states(layout: KVLayout) -> None:
+    engine = Engine(small_config(), layout, model_name="m")
+    with pytest.raises(StateError, match="call open"):
+        engine.lookup(make_tokens(16), "r")
+    with engine:
+        engine.store(make_tokens(16), make_kv(16))
+        engine.lookup(make_tokens(16), "left-open")
+    engine.close()  # idempotent
+    with pytest.raises(StateError, match="closed"):
+        engine.stats()
+    with pytest.raises(StateError, match="closed"):
+        engine.open()
+
+
+def test_request_context_ends_the_lease_on_exceptions(engine: Engine) -> None:
+    tokens = make_tokens(32)
+    engine.store(tokens, make_kv(32))
+    with pytest.raises(RuntimeError), engine.request("r"):
+        engine.lookup(tokens, "r")
+        raise RuntimeError("model crashed")
+    assert engine.leaks() == []
+
+
+def test_retrieve_without_lookup_looks_up_itself(engine: Engine) -> None:
+    tokens, kv = make_tokens(32), make_kv(32)
+    engine.store(tokens, kv)
+    assert torch.equal(engine.retrieve(tokens, "r"), kv)
+    assert engine.stats()["pinned_by_request"]["r"]["pages"] == 2
+    engine.end_request("r")
+
+
+def test_stats_report_hits_and_allocator(engine: Engine) -> None:
+    tokens = make_tokens(48)
+    engine.store(tokens, make_kv(48))
+    engine.lookup(tokens[:40], "r")
+    engine.retrieve(tokens[:40], "r")
+    engine.end_request("r")
+    stats = engine.stats()
+    assert stats["lookups"] == 1 and stats["lookup_tokens"] == 32 and stats["hit_tokens"] == 32
+    assert stats["hit_tokens_by_tier"] == {"cpu": 32}
+    assert stats["allocator"] == {"page_bytes": 4096, "pages_total": 8, "pages_free": 5, "pages_used": 3}
+    assert stats["tiers"]["cpu"]["entries"] == 3 and stats["requests"] == 1
+
+
+def test_gpu_tensors_round_trip(engine: Engine) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")  # the gpu marker's skip: runs only where a GPU exists
+    tokens, kv = make_tokens(32), make_kv(32).cuda()
+    engine.store(tokens, kv)
+    out = torch.zeros_like(kv)
+    with engine.request("r"):
+        engine.retrieve_into(tokens, "r", out)
+    assert torch.equal(out, kv)
+
+
+test_gpu_tensors_round_trip = pytest.mark.gpu(test_gpu_tensors_round_trip)

@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier import InputError, KVLayout
+from kvtier.keys import Fingerprint, KeyChain
+
+LAYOUT = KVLayout(2, 2, 8, torch.float32)
+
+
+def chain(**kw: object) -> KeyChain:
+    values: dict[str, object] = {"model_name": "m", "layout": LAYOUT, "chunk_size": 4}
+    values.update(kw)
+    return KeyChain(Fingerprint(**values))  # type: ignore[arg-type]
+
+
+def test_keys_name_whole_prefixes() -> None:
+    c = chain()
+    a = c.keys(list(range(12)), include_partial=False)
+    b = c.keys([*range(8), 99, 9, 10, 11], include_partial=False)
+    assert [s.key for s in a[:2]] == [s.key for s in b[:2]]
+    assert a[2].key != b[2].key
+    assert [(s.start, s.end) for s in a] == [(0, 4), (4, 8), (8, 12)]
+
+
+def test_same_chunk_after_a_different_prefix_gets_a_different_key() -> None:
+    c = chain()
+    a = c.keys([1, 2, 3, 4, 5, 6, 7, 8], include_partial=False)
+    b = c.keys([9, 9, 9, 9, 5, 6, 7, 8], include_partial=False)
+    assert a[1].key != b[1].key
+
+
+def test_partial_chunk_only_when_asked() -> None:
+    c = chain()
+    assert len(c.keys(list(range(10)), include_partial=False)) == 2
+    spans = c.keys(list(range(10)), include_partial=True)
+    assert len(spans) == 3 and (spans[2].start, spans[2].end) == (8, 10)
+    longer = c.keys(list(range(12)), include_partial=False)
+    assert longer[2].key != spans[2].key  # a partial chunk never matches the full one
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model_name": "other"},
+        {"layout": KVLayout(3, 2, 8, torch.float32)},
+        {"layout": KVLayout(2, 2, 8, torch.bfloat16)},
+        {"chunk_size": 2},
+        {"hash_algorithm": "sha256"},
+        {"hash_algorithm": "blake3"},
+        {"tp_rank": 1, "tp_world_size": 2},
+        {"cache_salt": "tenant-b"},
+    ],
+)
+def test_every_fingerprint_field_changes_every_key(change: dict[str, object]) -> None:
+    tokens = list(range(8))
+    base = chain().keys(tokens, include_partial=True)
+    other = chain(**change).keys(tokens, include_partial=True)
+    assert not {s.key for s in base} & {s.key for s in other}
+
+
+def test_list_numpy_and_tensor_tokens_give_the_same_keys() -> None:
+    c = chain()
+    tokens = [5, 1, 4, 1, 5, 9, 2, 6]
+    expected = c.keys(tokens, include_partial=False)
+    for variant in (np.array(tokens, dtype=np.int64), np.array(tokens, dtype=np.int32), torch.tensor(tokens)):
+        assert c.keys(variant, include_partial=False) == expected
+
+
+def test_keys_are_the_same_in_another_process() -> None:
+    code = (
+        "import torch; from kvtier import KVLayout; from kvtier.keys import Fingerprint, KeyChain;"
+        "c = KeyChain(Fingerprint('m', KVLayout(2, 2, 8, torch.float32), 4));"
+        "print(','.join(s.key.hex() for s in c.keys(list(range(12)), include_partial=False)))"
+    )
+    env = {"PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    here = ",".join(s.key.hex() for s in chain().keys(list(range(12)), include_partial=False))
+    assert out.stdout.strip() == here
+
+
+@pytest.mark.parametrize(
+    ("tokens", "fragment"),
+    [
+        ([], "empty"),
+        ([1, 2.5], "integers"),
+        ([1, True], "integers"),
+        ("abc", "sequence"),
+        (np.zeros((2, 2), dtype=np.int32), "1-D"),
+        (torch.ones(3), "integer tensor"),
+        ([2**40], "int32"),
+    ],
+)
+def test_bad_tokens_are_input_errors(tokens: object, fragment: str) -> None:
+    with pytest.raises(InputError, match=fragment):
+        chain().keys(tokens, include_partial=False)
+
+
+def test_fingerprint_validation() -> None:
+    with pytest.raises(InputError, match="model_name"):
+        Fingerprint("", LAYOUT, 4)
+    with pytest.raises(InputError, match="tp_rank"):
+        Fingerprint("m", LAYOUT, 4, tp_rank=2, tp_world_size=2)

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvtier import StateError
+from kvtier.lease import CallbackHold, LeaseTable
+from kvtier.memory import BlockPool
+
+
+@pytest.fixture
+def pool() -> Iterator[BlockPool]:
+    p = BlockPool(4, 4096)
+    yield p
+    p.close()
+
+
+def test_end_releases_everything_once(pool: BlockPool) -> None:
+    table = LeaseTable(pool)
+    released: list[str] = []
+    lease = table.open("r1")
+    lease.take_pages(pool.allocate(2) or [])
+    lease.take_hold(CallbackHold(10, "pin x", lambda: released.append("x")))
+    assert table.end("r1") is True
+    assert pool.free_pages == 4 and released == ["x"]
+    assert table.end("r1") is False  # second end: no-op, no second decrement
+    lease.release()  # releasing the object again is a no-op too
+    assert pool.free_pages == 4 and released == ["x"]
+
+
+def test_taking_into_an_ended_lease_gives_it_back(pool: BlockPool) -> None:
+    table = LeaseTable(pool)
+    lease = table.open("r1")
+    table.end("r1")
+    pages = pool.allocate(2) or []
+    with pytest.raises(StateError, match="ended"):
+        lease.take_pages(pages)
+    assert pool.free_pages == 4
+    released: list[int] = []
+    with pytest.raises(StateError):
+        lease.take_hold(CallbackHold(0, "h", lambda: released.append(1)))
+    assert released == [1]
+
+
+def test_snapshot_reports_who_holds_what(pool: BlockPool) -> None:
+    table = LeaseTable(pool)
+    table.open("a").take_pages(pool.allocate(1) or [])
+    table.open("b").take_hold(CallbackHold(100, "disk pin k", lambda: None))
+    infos = {i.request_id: i for i in table.snapshot()}
+    assert infos["a"].pinned_pages == 1 and infos["a"].pinned_bytes == 4096
+    assert infos["b"].holds == ("disk pin k",) and infos["b"].pinned_bytes == 100
+    assert table.end_all() == 2 and pool.free_pages == 4
