@@ -44,7 +44,9 @@ def engine_factory() -> Iterator[Callable[..., Engine]]:
     """Opens engines and closes them at teardown, checking nothing leaked."""
     engines: list[Engine] = []
 
-    def make(layout: KVLayout = SMALL_LAYOUT, model_name: str = "test-model", **overrides: object) -> Engine:
+    def make(
+        layout: KVLayout = SMALL_LAYOUT, model_name: str = "test-model", **overrides: object
+    ) -> Engine:
         engine = Engine(small_config(**overrides), layout, model_name=model_name).open()
         engines.append(engine)
         return engine

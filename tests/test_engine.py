@@ -101,7 +101,9 @@ def test_another_model_never_matches(engine_factory: EngineFactory) -> None:
     b.end_request("r")
 
 
-def test_full_of_pinned_pages_store_drops_and_retrieve_fails_cleanly(engine_factory: EngineFactory) -> None:
+def test_full_of_pinned_pages_store_drops_and_retrieve_fails_cleanly(
+    engine_factory: EngineFactory,
+) -> None:
     engine = engine_factory(cpu_chunks=2)
     first = make_tokens(32, seed=1)
     engine.store(first, make_kv(32, seed=1))
@@ -203,7 +205,12 @@ def test_stats_report_hits_and_allocator(engine: Engine) -> None:
     stats = engine.stats()
     assert stats["lookups"] == 1 and stats["lookup_tokens"] == 32 and stats["hit_tokens"] == 32
     assert stats["hit_tokens_by_tier"] == {"cpu": 32}
-    assert stats["allocator"] == {"page_bytes": 4096, "pages_total": 8, "pages_free": 5, "pages_used": 3}
+    assert stats["allocator"] == {
+        "page_bytes": 4096,
+        "pages_total": 8,
+        "pages_free": 5,
+        "pages_used": 3,
+    }
     assert stats["tiers"]["cpu"]["entries"] == 3 and stats["requests"] == 1
 
 

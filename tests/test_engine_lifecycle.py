@@ -34,7 +34,9 @@ class EngineLifecycle(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.engine = Engine(small_config(cpu_chunks=4, save_unfull_chunk=True), SMALL_LAYOUT, model_name="m").open()
+        self.engine = Engine(
+            small_config(cpu_chunks=4, save_unfull_chunk=True), SMALL_LAYOUT, model_name="m"
+        ).open()
         self.counter = 0
         self.live: dict[str, list[int]] = {}
         self.stored: dict[tuple[int, ...], torch.Tensor] = {}
@@ -105,6 +107,9 @@ class EngineLifecycle(RuleBasedStateMachine):
 
 
 EngineLifecycle.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 TestEngineLifecycle = EngineLifecycle.TestCase

@@ -68,7 +68,11 @@ def test_list_numpy_and_tensor_tokens_give_the_same_keys() -> None:
     c = chain()
     tokens = [5, 1, 4, 1, 5, 9, 2, 6]
     expected = c.keys(tokens, include_partial=False)
-    for variant in (np.array(tokens, dtype=np.int64), np.array(tokens, dtype=np.int32), torch.tensor(tokens)):
+    for variant in (
+        np.array(tokens, dtype=np.int64),
+        np.array(tokens, dtype=np.int32),
+        torch.tensor(tokens),
+    ):
         assert c.keys(variant, include_partial=False) == expected
 
 
@@ -79,7 +83,9 @@ def test_keys_are_the_same_in_another_process() -> None:
         "print(','.join(s.key.hex() for s in c.keys(list(range(12)), include_partial=False)))"
     )
     env = {"PYTHONHASHSEED": "12345"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
     here = ",".join(s.key.hex() for s in chain().keys(list(range(12)), include_partial=False))
     assert out.stdout.strip() == here
 

@@ -27,9 +27,9 @@ import torch
 
 from kvtier.config import Config
 from kvtier.errors import ConfigError, InputError, StateError
-from kvtier.keys import ChunkSpan, Fingerprint, KeyChain
+from kvtier.keys import ChunkSpan, Fingerprint, KeyChain, as_token_array
 from kvtier.layout import KVLayout
-from kvtier.lease import LeaseInfo, LeaseTable
+from kvtier.lease import Hold, LeaseInfo, LeaseTable
 from kvtier.memory.block_pool import BlockPool, pages_for_capacity
 from kvtier.stats import EngineCounters
 from kvtier.storage.base import Tier
@@ -109,7 +109,9 @@ class Engine:
             cpu = CpuTier(pool, self.layout.token_bytes())
             self._pool = pool
             self._leases = LeaseTable(pool)
-            self._manager = StorageManager(self.config, self.layout, pool, cpu, lower, self.counters)
+            self._manager = StorageManager(
+                self.config, self.layout, pool, cpu, lower, self.counters
+            )
             self._state = EngineState.OPEN
             log.info(
                 "kvtier engine open: %s, %d CPU pages of %d bytes, tiers %s",
@@ -130,7 +132,9 @@ class Engine:
         assert self._leases is not None and self._manager is not None and self._pool is not None
         still_open = self._leases.end_all()
         if still_open:
-            log.warning("closing with %d requests still open; their leases were released", still_open)
+            log.warning(
+                "closing with %d requests still open; their leases were released", still_open
+            )
         try:
             self._manager.flush(self.config.blocking_timeout_secs)
             self._manager.close()
@@ -141,7 +145,10 @@ class Engine:
         return self.open()
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.close()
 
@@ -151,7 +158,11 @@ class Engine:
 
     def _open_parts(self) -> tuple[StorageManager, LeaseTable]:
         if self._state is not EngineState.OPEN:
-            hint = "call open() or use `with Engine(...)`" if self._state is EngineState.NEW else "it was closed"
+            hint = (
+                "call open() or use `with Engine(...)`"
+                if self._state is EngineState.NEW
+                else "it was closed"
+            )
             raise StateError(f"Engine is {self._state.value}: {hint}")
         assert self._manager is not None and self._leases is not None
         return self._manager, self._leases
@@ -200,8 +211,8 @@ class Engine:
         ):
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise InputError(
-                f"out must be a {lay.dtype} tensor of shape [2, {lay.num_layers}, >={plan.hit_tokens}, "
-                f"{lay.hidden}], got {shape}"
+                f"out must be a {lay.dtype} tensor of shape "
+                f"[2, {lay.num_layers}, >={plan.hit_tokens}, {lay.hidden}], got {shape}"
             )
         start = (skip_leading_tokens // self.config.chunk_size) * self.config.chunk_size
         return self._load(plan, request_id, out, start)
@@ -214,8 +225,9 @@ class Engine:
         memory is full of pinned pages, the rest is dropped and counted (never waits).
         """
         manager, _ = self._open_parts()
-        spans = self._spans(tokens, skip_leading_tokens)
-        self._check_kv(kv, spans[-1].end if spans else 0, tokens)
+        array = as_token_array(tokens)
+        spans = self._spans(array, skip_leading_tokens)
+        self._check_kv(kv, len(array))
         self.counters.stores += 1
         return manager.store(spans[skip_leading_tokens // self.config.chunk_size :], kv)
 
@@ -256,7 +268,8 @@ class Engine:
             "pinned_pages": sum(i.pinned_pages for i in lease_infos),
             "pinned_bytes": sum(i.pinned_bytes for i in lease_infos),
             "pinned_by_request": {
-                i.request_id: {"pages": i.pinned_pages, "bytes": i.pinned_bytes} for i in lease_infos
+                i.request_id: {"pages": i.pinned_pages, "bytes": i.pinned_bytes}
+                for i in lease_infos
             },
             "allocator": {
                 "page_bytes": pool.page_bytes,
@@ -284,14 +297,16 @@ class Engine:
         refs = pool.refcounts()
         problems = [f"page {p} has negative refcount {r}" for p, r in enumerate(refs) if r < 0]
         held_by_leases: dict[int, int] = {}
-        for info_lease in leases._leases.values():  # noqa: SLF001 - same package, read-only
+        for info_lease in leases._leases.values():
             for page in info_lease.pages:
                 held_by_leases[page] = held_by_leases.get(page, 0) + 1
         cached = manager.cpu.owned_pages()
         for page, ref in enumerate(refs):
             expected = held_by_leases.get(page, 0) + (1 if page in cached else 0)
             if ref < expected:
-                problems.append(f"page {page}: refcount {ref} < {expected} owners (freed while in use)")
+                problems.append(
+                    f"page {page}: refcount {ref} < {expected} owners (freed while in use)"
+                )
             if not len(leases) and ref > expected:
                 problems.append(f"page {page}: refcount {ref} but only {expected} owners (leaked)")
         problems.extend(self._pinned_cpu_hits_still_cached(manager, leases))
@@ -303,7 +318,7 @@ class Engine:
     def _pinned_cpu_hits_still_cached(manager: StorageManager, leases: LeaseTable) -> list[str]:
         """Invariant 3: a chunk a request pinned in the CPU tier is never evicted meanwhile."""
         problems = []
-        for lease in list(leases._leases.values()):  # noqa: SLF001 - same package, read-only
+        for lease in list(leases._leases.values()):
             plan = lease.plan
             if not isinstance(plan, LookupPlan):
                 continue
@@ -321,10 +336,29 @@ class Engine:
         manager, _ = self._open_parts()
         return manager.flush(timeout)
 
+    def tier(self, name: str) -> Tier | None:
+        """The open tier called ``name`` (``"cpu"``, ``"disk"``, ``"pd"``, ...), or None."""
+        manager, _ = self._open_parts()
+        return next((t for t in manager.tiers if t.name == name), None)
+
+    def attach_hold(self, request_id: str, hold: Hold) -> None:
+        """Put ``hold`` (e.g. a PD reservation) into ``request_id``'s lease: released, once,
+        by :meth:`end_request`. Raises StateError (the hold already released) if the lease
+        ended meanwhile."""
+        _, leases = self._open_parts()
+        _check_request_id(request_id)
+        leases.open(request_id).take_hold(hold)
+
     # -- helpers ---------------------------------------------------------------------------
     def _spans(self, tokens: object, skip_leading_tokens: int) -> list[ChunkSpan]:
-        if isinstance(skip_leading_tokens, bool) or not isinstance(skip_leading_tokens, int) or skip_leading_tokens < 0:
-            raise InputError(f"skip_leading_tokens must be an int >= 0, got {skip_leading_tokens!r}")
+        if (
+            isinstance(skip_leading_tokens, bool)
+            or not isinstance(skip_leading_tokens, int)
+            or skip_leading_tokens < 0
+        ):
+            raise InputError(
+                f"skip_leading_tokens must be an int >= 0, got {skip_leading_tokens!r}"
+            )
         return self.keychain.keys(tokens, include_partial=self.config.save_unfull_chunk)
 
     def _plan(self, tokens: object, request_id: str, skip_leading_tokens: int) -> LookupPlan:
@@ -351,7 +385,7 @@ class Engine:
         self.counters.retrieved_tokens += max(0, loaded - start)
         return loaded
 
-    def _check_kv(self, kv: torch.Tensor, num_tokens: int, tokens: object) -> None:
+    def _check_kv(self, kv: torch.Tensor, num_tokens: int) -> None:
         lay = self.layout
         expected = lay.kv_shape(num_tokens)
         if not isinstance(kv, torch.Tensor):
@@ -363,9 +397,8 @@ class Engine:
                 f"kv shape is {tuple(kv.shape)}; expected [2, num_layers={lay.num_layers}, tokens, "
                 f"kv_heads*head_dim={lay.hidden}]"
             )
-        n_tokens = len(tokens) if hasattr(tokens, "__len__") else -1  # type: ignore[arg-type]
-        if kv.shape[2] != n_tokens:
-            raise InputError(f"kv holds {kv.shape[2]} tokens but {n_tokens} tokens were given")
+        if kv.shape[2] != num_tokens:
+            raise InputError(f"kv holds {kv.shape[2]} tokens but {num_tokens} tokens were given")
 
 
 def _check_request_id(request_id: object) -> None:

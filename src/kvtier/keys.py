@@ -102,14 +102,22 @@ def as_token_array(tokens: object) -> np.ndarray:
     elif isinstance(tokens, np.ndarray):
         array = tokens
     elif isinstance(tokens, Sequence) and not isinstance(tokens, str | bytes):
-        if tokens and not all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in tokens):
-            bad = next(t for t in tokens if not isinstance(t, int | np.integer) or isinstance(t, bool))
+        if tokens and not all(
+            isinstance(t, int | np.integer) and not isinstance(t, bool) for t in tokens
+        ):
+            bad = next(
+                t for t in tokens if not isinstance(t, int | np.integer) or isinstance(t, bool)
+            )
             raise InputError(f"tokens must be integers, found {bad!r} ({type(bad).__name__})")
         array = np.asarray(tokens, dtype=np.int64)
     else:
-        raise InputError(f"tokens must be a sequence, array or tensor of ints, got {type(tokens).__name__}")
+        raise InputError(
+            f"tokens must be a sequence, array or tensor of ints, got {type(tokens).__name__}"
+        )
     if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
-        raise InputError(f"tokens must be a 1-D integer array, got shape {array.shape} dtype {array.dtype}")
+        raise InputError(
+            f"tokens must be a 1-D integer array, got shape {array.shape} dtype {array.dtype}"
+        )
     if array.size == 0:
         raise InputError("tokens is empty: there is nothing to look up or store")
     if array.dtype != np.int32:

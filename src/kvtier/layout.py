@@ -39,7 +39,8 @@ def dtype_from_name(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise InputError(f"KV dtype {name!r} is not supported; use one of {', '.join(_DTYPES)}")
+        allowed = ", ".join(_DTYPES)
+        raise InputError(f"KV dtype {name!r} is not supported; use one of {allowed}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +56,9 @@ class KVLayout:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 1 << 16:
-                raise InputError(f"KVLayout.{name} must be an integer from 1 to 65536, got {value!r}")
+                raise InputError(
+                    f"KVLayout.{name} must be an integer from 1 to 65536, got {value!r}"
+                )
         if isinstance(self.dtype, str):  # allow KVLayout(..., dtype="bfloat16")
             object.__setattr__(self, "dtype", dtype_from_name(self.dtype))
         dtype_name(self.dtype)

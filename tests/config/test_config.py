@@ -100,7 +100,9 @@ def test_pd_buffer_size_numbers_are_bytes() -> None:
         ("extra_config", [1, 2], "mapping"),
     ],
 )
-def test_bad_values_name_key_value_and_what_is_allowed(key: str, value: object, fragment: str) -> None:
+def test_bad_values_name_key_value_and_what_is_allowed(
+    key: str, value: object, fragment: str
+) -> None:
     with pytest.raises(ConfigError) as info:
         Config.load(env={}, overrides={key: value})
     message = str(info.value)
@@ -119,7 +121,9 @@ def test_combination_rules() -> None:
         Config.load(env={}, overrides={"max_local_cpu_size": 0})
 
 
-def test_unknown_keys_are_named_in_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_unknown_keys_are_named_in_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("chunk_size: 64\nenable_blending: true\nbogus_key: 1\n")
     with caplog.at_level(logging.WARNING, logger="kvtier.config.model"):
@@ -167,6 +171,8 @@ def test_secrets_are_masked() -> None:
 
 
 def test_ports_take_one_or_a_list() -> None:
-    cfg = Config.load(env={"LMCACHE_PD_PEER_INIT_PORT": "[8100, 8101]"}, overrides={"pd_peer_alloc_port": 8200})
+    cfg = Config.load(
+        env={"LMCACHE_PD_PEER_INIT_PORT": "[8100, 8101]"}, overrides={"pd_peer_alloc_port": 8200}
+    )
     assert cfg.pd_peer_init_port == (8100, 8101)
     assert cfg.pd_peer_alloc_port == (8200,)

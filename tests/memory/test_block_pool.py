@@ -52,7 +52,12 @@ def test_retain_keeps_a_page_until_the_last_release(pool: BlockPool) -> None:
 
 @pytest.mark.parametrize(
     ("capacity", "chunk", "pages"),
-    [(10 * 4096, 4096, 10), (10 * 4096 + 4095, 4096, 10), (4096, 4096, 1), (33554432 * 3 - 1, 33554432, 2)],
+    [
+        (10 * 4096, 4096, 10),
+        (10 * 4096 + 4095, 4096, 10),
+        (4096, 4096, 1),
+        (33554432 * 3 - 1, 33554432, 2),
+    ],
 )
 def test_capacity_is_a_ceiling_rounded_down(capacity: int, chunk: int, pages: int) -> None:
     assert pages_for_capacity("max_local_cpu_size", capacity, chunk) == pages
@@ -64,10 +69,15 @@ def test_capacity_cut_is_logged_once_with_the_figures(caplog: pytest.LogCaptureF
         pages_for_capacity("pd_buffer_size", 8192, 4096)
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1
-    assert "asked 5000 bytes, using 4096 bytes (1 chunks of 4096 bytes; 904 bytes unused)" in messages[0]
+    assert (
+        "asked 5000 bytes, using 4096 bytes (1 chunks of 4096 bytes; 904 bytes unused)"
+        in messages[0]
+    )
 
 
 def test_below_one_chunk_is_a_config_error_naming_the_key() -> None:
     with pytest.raises(ConfigError) as info:
         pages_for_capacity("pd_buffer_size", 4095, 4096)
-    assert info.value.key == "pd_buffer_size" and "at least one chunk (4096 bytes" in str(info.value)
+    assert info.value.key == "pd_buffer_size" and "at least one chunk (4096 bytes" in str(
+        info.value
+    )

@@ -6,7 +6,13 @@ import pytest
 
 from kvtier.memory.block_pool import BlockPool
 from kvtier.storage.cpu import CpuTier
-from tests.storage.tier_contract import CONTRACT_CHUNK, PAGE_BYTES, TOKEN_BYTES, TierContract, random_key
+from tests.storage.tier_contract import (
+    CONTRACT_CHUNK,
+    PAGE_BYTES,
+    TOKEN_BYTES,
+    TierContract,
+    random_key,
+)
 
 
 class TestCpuTierContract(TierContract):

@@ -73,11 +73,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             assert loaded == num_tokens
 
         # Half the buffer holds the retrieve's chunks, half the fresh stores' (see max size).
-        store_s = best_interleaved({"memcpy": lambda: dst.copy_(kv), "store": store_fresh}, repeats)
+        stores = best_interleaved({"memcpy": lambda: dst.copy_(kv), "store": store_fresh}, repeats)
         engine.store(tokens, kv)
-        timed = best_interleaved({"memcpy": lambda: dst.copy_(kv), "retrieve": retrieve_once}, repeats)
-        memcpy_s = min(store_s["memcpy"], timed["memcpy"])
-        store_s, retrieve_s = store_s["store"], timed["retrieve"]
+        retrieves = best_interleaved(
+            {"memcpy": lambda: dst.copy_(kv), "retrieve": retrieve_once}, repeats
+        )
+        memcpy_s = min(stores["memcpy"], retrieves["memcpy"])
+        store_s, retrieve_s = stores["store"], retrieves["retrieve"]
         if not torch.equal(out, kv):
             raise AssertionError("retrieved bytes differ from the stored bytes")
 

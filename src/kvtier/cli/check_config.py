@@ -16,13 +16,19 @@ from kvtier.memory.block_pool import pages_for_capacity
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", nargs="?", help="YAML file (default: $KVTIER_CONFIG_FILE or $LMCACHE_CONFIG_FILE)")
-    parser.add_argument("--layers", type=int, default=32, help="model layers for derived sizes (32)")
+    parser.add_argument(
+        "file", nargs="?", help="YAML file (default: $KVTIER_CONFIG_FILE or $LMCACHE_CONFIG_FILE)"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=32, help="model layers for derived sizes (32)"
+    )
     parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (8)")
     parser.add_argument("--head-dim", type=int, default=128, help="head dim (128)")
     parser.add_argument("--dtype", default="bfloat16", help="KV dtype (bfloat16)")
     parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument("--table", action="store_true", help="print the config-key table (Markdown)")
+    parser.add_argument(
+        "--table", action="store_true", help="print the config-key table (Markdown)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,7 +50,11 @@ def run(args: argparse.Namespace) -> int:
         derived["pd_buffer_bytes_used"] = pd_pages * chunk_bytes
     values = config.as_dict()
     if args.json:
-        print(json.dumps({"config": values, "origin": dict(config.origin), "derived": derived}, default=str))
+        print(
+            json.dumps(
+                {"config": values, "origin": dict(config.origin), "derived": derived}, default=str
+            )
+        )
         return 0
     width = max(len(k) for k in values)
     for key, value in values.items():

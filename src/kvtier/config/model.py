@@ -94,7 +94,9 @@ class Config:
             log.warning(
                 "ignoring config keys kvtier does not implement: %s", ", ".join(sorted(unknown))
             )
-        values = {spec.name: spec.parse(spec.name, raw.get(spec.name, spec.default)) for spec in KEYS}
+        values = {
+            spec.name: spec.parse(spec.name, raw.get(spec.name, spec.default)) for spec in KEYS
+        }
         return cls(**values, origin=origin)
 
     @classmethod
@@ -151,7 +153,9 @@ def _read_yaml(path: Path) -> dict[str, object]:
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ConfigError("config file", str(path), f"a readable YAML file ({exc.strerror})") from None
+        raise ConfigError(
+            "config file", str(path), f"a readable YAML file ({exc.strerror})"
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -102,7 +102,9 @@ class Tier(ABC):
         return [self.get_into(key, out) for key, out in items]
 
     @abstractmethod
-    def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None: ...
+    def put(
+        self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone
+    ) -> None: ...
 
     @abstractmethod
     def remove(self, key: ChunkKey) -> bool: ...

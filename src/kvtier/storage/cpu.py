@@ -179,13 +179,17 @@ class CpuTier(Tier):
     def usage(self) -> TierUsage:
         with self._lock:
             entries = len(self._index)
-        return TierUsage(entries * self.pool.page_bytes, self.pool.num_pages * self.pool.page_bytes, entries)
+        return TierUsage(
+            entries * self.pool.page_bytes, self.pool.num_pages * self.pool.page_bytes, entries
+        )
 
     def clear(self, *, force: bool = False) -> int:
         """Drop unpinned entries (all entries with ``force``; pinned pages stay alive until
         their leases end, because the leases hold their own references)."""
         with self._lock:
-            victims = [k for k, e in self._index.items() if force or not self.pool.is_shared(e.page)]
+            victims = [
+                k for k, e in self._index.items() if force or not self.pool.is_shared(e.page)
+            ]
             pages = [self._index.pop(k).page for k in victims]
             self.pool.release(pages)
         return len(pages)
