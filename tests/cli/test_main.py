@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli.main import COMMANDS, build_parser, main
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_every_registered_command_has_help(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command")
+    available = set(subparsers.choices)  # type: ignore[arg-type]
+    assert {"check-config", "bench"} <= available <= set(COMMANDS)
+    for name in available:
+        with pytest.raises(SystemExit) as info:
+            main([name, "--help"])
+        assert info.value.code == 0
+        assert "usage: kvtier" in capsys.readouterr().out
+
+
+def test_check_config_shows_values_sources_and_derived_sizes(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("chunk_size: 256\nmax_local_cpu_size: '100MiB'\n")
+    result = run_cli("check-config", str(path), "--json", env={"PATH": "/usr/bin"})
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["config"]["max_local_cpu_size"] == 100 * 1024**2
+    assert data["origin"]["chunk_size"] == f"file {path}"
+    assert data["derived"]["chunk_bytes"] == 32 * 1024**2  # 8B-like layout, bf16
+    assert data["derived"]["cpu_chunks"] == 3  # 100 MiB rounded down to whole 32 MiB chunks
+    assert data["derived"]["cpu_bytes_used"] == 96 * 1024**2
+
+
+def test_check_config_bad_value_exits_2_with_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("chunk_size: -3\n")
+    result = run_cli("check-config", str(path), env={"PATH": "/usr/bin"})
+    assert result.returncode == 2
+    assert "'chunk_size'" in result.stderr and "-3" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_check_config_table_lists_every_key() -> None:
+    result = run_cli("check-config", "--table", env={"PATH": "/usr/bin"})
+    assert result.returncode == 0
+    for key in ("chunk_size", "max_local_cpu_size", "pd_buffer_size", "remote_url"):
+        assert f"`{key}" in result.stdout
+
+
+def test_bench_cpu_prints_every_field() -> None:
+    result = run_cli("bench", "cpu", "--json", "--chunks", "2", "--repeats", "1", "--chunk-size", "16")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    for field in (
+        "chunk_bytes",
+        "store_gbps",
+        "retrieve_gbps",
+        "memcpy_gbps",
+        "store_ratio",
+        "retrieve_ratio",
+        "lookup_128k_ms",
+        "hash_tokens_per_s",
+    ):
+        assert field in data
+    assert data["chunk_bytes"] == 2 * 32 * 16 * 1024 * 2
+    assert data["store_ratio"] > 0 and data["retrieve_ratio"] > 0 and data["lookup_128k_ms"] > 0
