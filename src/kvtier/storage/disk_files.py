@@ -1,0 +1,195 @@
+"""Chunk files on disk: names, the crash-safe write, the zero-copy read, the startup scan.
+
+Names (one directory may hold several fingerprints: TP ranks, models, tenants)::
+
+    <fp16hex>-<key32hex>.kvc              a complete record (header + payload)
+    .<fp16hex>-<key32hex>.<n>.tmp         a write in progress; a leftover after a crash
+
+A write goes to the temporary name, is fsynced, renamed over the final name, and the
+directory is fsynced, so after a crash a final name holds either nothing or a complete
+record (rename is atomic), and a temporary name is garbage to delete at the next open.
+Every function takes the directory's file descriptor (``dir_fd``): names are resolved
+relative to it, and a directory renamed away under us cannot redirect writes.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.errors import CorruptRecord
+from kvtier.keys import KEY_BYTES, ChunkKey, Fingerprint
+from kvtier.storage.records import HEADER_SIZE, RecordHeader, decode_header
+
+SUFFIX = ".kvc"
+TMP_SUFFIX = ".tmp"
+_tmp_counter = itertools.count()
+
+
+def final_name(fp_hex: str, key: ChunkKey) -> str:
+    return f"{fp_hex}-{key.hex()}{SUFFIX}"
+
+
+def temp_name(fp_hex: str, key: ChunkKey) -> str:
+    # pid and a counter: two writes of one key (two processes) never share a temp file.
+    return f".{fp_hex}-{key.hex()}.{os.getpid()}-{next(_tmp_counter)}{TMP_SUFFIX}"
+
+
+def write_record(
+    dir_fd: int, key: ChunkKey, fp_hex: str, header: bytes, payload: memoryview
+) -> None:
+    """Write ``header + payload`` durably under the key's final name. Raises OSError (the
+    temporary file is removed first); the final name is then untouched."""
+    tmp = temp_name(fp_hex, key)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+    try:
+        try:
+            _write_all(fd, [memoryview(header), payload])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, final_name(fp_hex, key), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        unlink_quietly(dir_fd, tmp)
+        raise
+    os.fsync(dir_fd)  # makes the rename itself durable
+
+
+def _write_all(fd: int, buffers: list[memoryview]) -> None:
+    pending = [b for b in buffers if b.nbytes]
+    while pending:
+        written = os.writev(fd, pending)
+        if written == 0:
+            raise OSError(errno.EIO, "writev wrote nothing")
+        while written and pending:  # drop what was written, keep the rest
+            head = pending[0]
+            if written >= head.nbytes:
+                written -= head.nbytes
+                pending.pop(0)
+            else:
+                pending[0] = head[written:]
+                written = 0
+
+
+def read_record_into(
+    dir_fd: int, key: ChunkKey, fingerprint: Fingerprint, fp_hex: str, out: torch.Tensor
+) -> RecordHeader | None:
+    """Read the key's record: header into a small buffer, payload straight into ``out``
+    (flat uint8) with one ``preadv``. Returns the checked header (the caller verifies the
+    payload checksum), None when the file is gone, or raises CorruptRecord."""
+    try:
+        fd = os.open(final_name(fp_hex, key), os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    try:
+        header_buf = bytearray(HEADER_SIZE)
+        out_view = memoryview(out.numpy())  # type: ignore[arg-type]
+        got = _read_all(fd, [memoryview(header_buf), out_view], 0)
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    header = decode_header(header_buf, fingerprint, key)
+    if size != header.record_len or got != header.record_len:
+        raise CorruptRecord(f"file of {size} bytes, its header says {header.record_len}")
+    return header
+
+
+def _read_all(fd: int, buffers: list[memoryview], offset: int) -> int:
+    """preadv until the buffers are full or the file ends; returns bytes read."""
+    total = 0
+    pending = [b for b in buffers if b.nbytes]
+    while pending:
+        got = os.preadv(fd, pending, offset + total)
+        if got == 0:
+            break
+        total += got
+        while got and pending:
+            head = pending[0]
+            if got >= head.nbytes:
+                got -= head.nbytes
+                pending.pop(0)
+            else:
+                pending[0] = head[got:]
+                got = 0
+    return total
+
+
+def unlink_quietly(dir_fd: int, name: str) -> bool:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class FoundRecord:
+    key: ChunkKey
+    header: RecordHeader
+    mtime_ns: int
+
+
+@dataclass
+class ScanResult:
+    records: list[FoundRecord]
+    temp_removed: int = 0
+    bad_removed: int = 0
+
+
+def scan(dir_fd: int, fingerprint: Fingerprint, fp_hex: str) -> ScanResult:
+    """Find this fingerprint's records by reading headers only, oldest first. Removes this
+    fingerprint's temporary leftovers and every record with a bad name, header or length.
+    Files of other fingerprints and foreign files are left alone."""
+    result = ScanResult([])
+    prefix, tmp_prefix = f"{fp_hex}-", f".{fp_hex}-"
+    for name in _names(dir_fd):
+        if name.startswith(tmp_prefix) and name.endswith(TMP_SUFFIX):
+            result.temp_removed += unlink_quietly(dir_fd, name)
+            continue
+        if not (name.startswith(prefix) and name.endswith(SUFFIX)):
+            continue
+        found = _check_file(dir_fd, name, fingerprint, prefix)
+        if found is None:
+            result.bad_removed += unlink_quietly(dir_fd, name)
+        else:
+            result.records.append(found)
+    result.records.sort(key=lambda r: r.mtime_ns)
+    return result
+
+
+def _names(dir_fd: int) -> Iterator[str]:
+    with os.scandir(dir_fd) as entries:
+        for entry in entries:
+            if entry.is_file(follow_symlinks=False):
+                yield entry.name
+
+
+def _check_file(
+    dir_fd: int, name: str, fingerprint: Fingerprint, prefix: str
+) -> FoundRecord | None:
+    key_hex = name[len(prefix) : -len(SUFFIX)]
+    try:
+        key = bytes.fromhex(key_hex)
+    except ValueError:
+        return None
+    if len(key) != KEY_BYTES:
+        return None
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    try:
+        stat = os.fstat(fd)
+        header = decode_header(os.pread(fd, HEADER_SIZE, 0), fingerprint, key)
+    except CorruptRecord:
+        return None
+    finally:
+        os.close(fd)
+    if stat.st_size != header.record_len:
+        return None
+    return FoundRecord(key, header, stat.st_mtime_ns)
