@@ -1,0 +1,135 @@
+"""Parsing ``remote_url``: which Redis (or Valkey) deployment the remote tier talks to.
+
+Accepted forms (LMCache's, plus Valkey aliases)::
+
+    redis://[[user]:password@]host:port[/db]     one server, plain TCP
+    rediss://[[user]:password@]host:port[/db]    one server, TLS
+    unix:///path/to/redis.sock[?db=N]            one server on a Unix socket
+    redis-cluster://host1:port1,host2:port2,...  Redis Cluster (any subset of its masters)
+    valkey://, valkeys://, valkey-cluster://     the same as redis://, rediss://, redis-cluster://
+
+A bad URL raises :class:`~kvtier.errors.ConfigError` naming ``remote_url``, the value (with
+any password masked) and the accepted forms. Parsing has no side effects: nothing connects.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from kvtier.errors import ConfigError
+
+ACCEPTED_FORMS = (
+    "one of redis://host:port[/db], rediss://host:port[/db], unix:///path/to.sock, "
+    "redis-cluster://host1:port1,host2:port2,... (valkey://, valkeys://, valkey-cluster:// "
+    "are aliases)"
+)
+
+_SCHEMES = {
+    "redis": ("single", False),
+    "valkey": ("single", False),
+    "rediss": ("single", True),
+    "valkeys": ("single", True),
+    "unix": ("unix", False),
+    "redis-cluster": ("cluster", False),
+    "valkey-cluster": ("cluster", False),
+}
+_HOST_PORT = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteTarget:
+    """Where the remote tier connects. ``kind`` is ``single``, ``unix`` or ``cluster``."""
+
+    kind: str
+    nodes: tuple[tuple[str, int], ...] = ()  # (host, port): one for single, >= 1 for cluster
+    path: str = ""  # unix socket path
+    db: int = 0
+    tls: bool = False
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    def describe(self) -> str:
+        """A printable form with no password (for logs and errors)."""
+        if self.kind == "unix":
+            return f"unix://{self.path} db {self.db}"
+        nodes = ",".join(f"{h}:{p}" for h, p in self.nodes)
+        if self.kind == "cluster":
+            return f"redis-cluster://{nodes}"
+        return f"{'rediss' if self.tls else 'redis'}://{nodes}/{self.db}"
+
+
+def mask_password(url: str) -> str:
+    """``url`` with the password part of ``user:password@`` replaced by ``***``."""
+    return re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", url)
+
+
+def parse_remote_url(url: object) -> RemoteTarget:
+    """Parse ``remote_url``; see the module docstring for the forms."""
+    if not isinstance(url, str) or "://" not in url:
+        raise _bad(url, "not a URL")
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in _SCHEMES:
+        raise _bad(url, f"unknown scheme {scheme!r}")
+    kind, tls = _SCHEMES[scheme]
+    if kind == "unix":
+        return _parse_unix(url)
+    rest = url.split("://", 1)[1]
+    username, password, rest = _split_credentials(url, rest)
+    netloc, _, path = rest.partition("/")
+    if kind == "cluster":
+        if path.strip("/"):
+            raise _bad(url, "a cluster has only database 0; drop the /path")
+        nodes = tuple(_host_port(url, part) for part in netloc.split(","))
+        return RemoteTarget("cluster", nodes, username=username, password=password)
+    if "," in netloc:
+        raise _bad(url, "several hosts need the redis-cluster:// scheme")
+    return RemoteTarget(
+        "single",
+        (_host_port(url, netloc),),
+        db=_db_number(url, path.strip("/") or "0"),
+        tls=tls,
+        username=username,
+        password=password,
+    )
+
+
+def _split_credentials(url: str, rest: str) -> tuple[str | None, str | None, str]:
+    if "@" not in rest.split("/", 1)[0]:
+        return None, None, rest
+    creds, rest = rest.split("@", 1)
+    user, sep, password = creds.partition(":")
+    if not sep:
+        raise _bad(url, "credentials must be user:password@ or :password@")
+    return unquote(user) or None, unquote(password), rest
+
+
+def _host_port(url: str, text: str) -> tuple[str, int]:
+    match = _HOST_PORT.match(text.strip())
+    if match is None:
+        raise _bad(url, f"{text!r} is not host:port")
+    port = int(match["port"])
+    if not 0 < port < 65536:
+        raise _bad(url, f"port {port} outside 1..65535")
+    return match["host"].strip("[]"), port
+
+
+def _db_number(url: str, text: str) -> int:
+    if not text.isdigit() or int(text) > 10_000:
+        raise _bad(url, f"database {text!r} is not a number from 0")
+    return int(text)
+
+
+def _parse_unix(url: str) -> RemoteTarget:
+    parts = urlsplit(url)
+    if parts.netloc or not parts.path.startswith("/") or parts.path == "/":
+        raise _bad(url, "a unix socket URL needs an absolute path: unix:///path/to.sock")
+    query = parse_qs(parts.query)
+    db = _db_number(url, query.get("db", ["0"])[0])
+    return RemoteTarget("unix", path=unquote(parts.path), db=db)
+
+
+def _bad(url: object, why: str) -> ConfigError:
+    shown = mask_password(url) if isinstance(url, str) else url
+    return ConfigError("remote_url", shown, f"{why}; use {ACCEPTED_FORMS}")

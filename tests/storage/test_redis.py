@@ -1,0 +1,252 @@
+"""The redis tier against a real redis-server (started once for this module)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier import Engine
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.keys import Fingerprint
+from kvtier.storage import records
+from kvtier.storage.base import PutOutcome
+from kvtier.storage.redis import RedisTier
+from kvtier.storage.redis_options import RedisOptions
+from kvtier.storage.remote_url import parse_remote_url
+from tests.conftest import SMALL_LAYOUT, make_kv, make_tokens, small_config
+from tests.redis_servers import RedisServer
+from tests.storage.tier_contract import (
+    CONTRACT_CHUNK,
+    CONTRACT_LAYOUT,
+    PAGE_BYTES,
+    Outcomes,
+    TierContract,
+    payload,
+    put_and_wait,
+    random_key,
+)
+
+FINGERPRINT = Fingerprint("contract-model", CONTRACT_LAYOUT, CONTRACT_CHUNK)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    srv = RedisServer().start()
+    try:
+        yield srv
+    finally:
+        srv.cleanup()
+
+
+def open_tier(url: str, fingerprint: Fingerprint = FINGERPRINT, **options: object) -> RedisTier:
+    opts = RedisOptions(**{"timeout_s": 2.0, **options})  # type: ignore[arg-type]
+    tier = RedisTier(parse_remote_url(url), fingerprint.layout, fingerprint, opts)
+    tier.open()
+    return tier
+
+
+class TestRedisTierContract(TierContract):
+    @pytest.fixture
+    def tier(self, server: RedisServer) -> Iterator[RedisTier]:
+        tier = open_tier(server.url)
+        yield tier
+        tier.clear()
+        tier.close()
+
+
+@pytest.fixture
+def tier(server: RedisServer) -> Iterator[RedisTier]:
+    tier = open_tier(server.url)
+    yield tier
+    tier.clear()
+    tier.close()
+
+
+def test_value_is_a_checksummed_record_under_a_fingerprinted_name(
+    tier: RedisTier, server: RedisServer
+) -> None:
+    key, data = random_key(), payload(CONTRACT_CHUNK, 7)
+    put_and_wait(tier, key, data, CONTRACT_CHUNK)
+    name = f"kvtier:{FINGERPRINT.hex()}:{key.hex()}".encode()
+    assert tier.redis_name(key) == name
+    with server.client() as raw:
+        value = raw.get(name)
+    assert value is not None
+    assert len(value) == records.header_size() + data.numel()
+    out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+    assert records.decode_record_into(value, FINGERPRINT, key, out) == CONTRACT_CHUNK
+    assert torch.equal(out[: data.numel()], data)
+
+
+def test_two_models_never_share_a_chunk(server: RedisServer) -> None:
+    other_fp = Fingerprint("another-model", CONTRACT_LAYOUT, CONTRACT_CHUNK)
+    first, second = open_tier(server.url), open_tier(server.url, other_fp)
+    try:
+        key = random_key()
+        put_and_wait(first, key, payload(CONTRACT_CHUNK, 1), CONTRACT_CHUNK)
+        assert first.contains([key]) == [True]
+        assert second.contains([key]) == [False]
+        assert second.clear() == 0  # clear touches only its own fingerprint's names
+        assert first.contains([key]) == [True]
+    finally:
+        first.clear()
+        first.close()
+        second.close()
+
+
+def test_corrupt_record_is_a_miss_deleted_and_counted(tier: RedisTier, server: RedisServer) -> None:
+    key, data = random_key(), payload(CONTRACT_CHUNK, 8)
+    put_and_wait(tier, key, data, CONTRACT_CHUNK)
+    name = tier.redis_name(key)
+    with server.client() as raw:
+        raw.setrange(name, records.header_size() + 100, b"\xff\x00\xff")  # flip payload bytes
+        out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+        assert tier.get_into(key, out) is None
+        assert raw.exists(name) == 0
+    assert tier.counters.corrupt == 1
+    # A value too short to hold a header, and one with a garbage header: same outcome.
+    for junk in (b"short", b"x" * (records.header_size() + data.numel())):
+        with server.client() as raw:
+            raw.set(name, junk)
+        assert tier.get_into(key, out) is None
+        assert tier.contains([key]) == [False]
+    assert tier.counters.corrupt == 3
+    # The connection pool stays usable after refusing those replies.
+    put_and_wait(tier, key, data, CONTRACT_CHUNK)
+    assert tier.get_into(key, out) == CONTRACT_CHUNK
+
+
+def test_ttl_expires_chunks(server: RedisServer) -> None:
+    tier = open_tier(server.url, ttl_s=30.0)
+    try:
+        key = random_key()
+        put_and_wait(tier, key, payload(CONTRACT_CHUNK, 9), CONTRACT_CHUNK)
+        with server.client() as raw:
+            ttl_ms = raw.pttl(tier.redis_name(key))
+        assert 0 < ttl_ms <= 30_000
+    finally:
+        tier.clear()
+        tier.close()
+
+
+def test_bad_ttl_names_its_key(server: RedisServer) -> None:
+    for bad in (-1, 0, "soon", 1e12, 0.0001):
+        config = small_config(remote_url=server.url, extra_config={"remote_ttl_secs": bad})
+        with pytest.raises(ConfigError, match=r"extra_config\.remote_ttl_secs"):
+            RedisOptions.from_config(config)
+    config = small_config(remote_url=server.url, extra_config={"remote_inflight_bytes": "lots"})
+    with pytest.raises(ConfigError, match=r"extra_config\.remote_inflight_bytes"):
+        RedisOptions.from_config(config)
+
+
+def test_puts_over_the_inflight_bound_are_dropped_at_once(server: RedisServer) -> None:
+    # One put fits (the first is always accepted); while it is queued, the next is dropped.
+    tier = open_tier(server.url, inflight_bytes=1, put_threads=1)
+    try:
+        done = Outcomes()
+        keys = [random_key() for _ in range(20)]
+        for i, key in enumerate(keys):
+            tier.put(key, payload(CONTRACT_CHUNK, i), CONTRACT_CHUNK, done)
+        results = done.wait(len(keys))
+        assert tier.flush(10.0)
+        outcomes = [r.outcome for r in results]
+        assert PutOutcome.DROPPED in outcomes and PutOutcome.STORED in outcomes
+        assert tier.counters.dropped == outcomes.count(PutOutcome.DROPPED)
+        assert len(results) == len(keys)
+    finally:
+        tier.clear()
+        tier.close()
+
+
+def test_a_page_view_is_stored_whole(tier: RedisTier, server: RedisServer) -> None:
+    # A multi-dimensional memoryview was once stored as 2 bytes; every byte must be sent.
+    key, data = random_key(), payload(CONTRACT_CHUNK, 11)
+    pages = torch.zeros(3 * PAGE_BYTES, dtype=torch.uint8)
+    pages[PAGE_BYTES : PAGE_BYTES + data.numel()] = data
+    put_and_wait(tier, key, pages[PAGE_BYTES : PAGE_BYTES + data.numel()], CONTRACT_CHUNK)
+    with server.client() as raw:
+        assert raw.strlen(tier.redis_name(key)) == records.header_size() + data.numel()
+    out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+    assert tier.get_into(key, out) == CONTRACT_CHUNK
+    assert torch.equal(out, data)
+
+
+def test_closed_tier_refuses_calls(server: RedisServer) -> None:
+    tier = open_tier(server.url)
+    tier.close()
+    tier.close()  # idempotent
+    with pytest.raises(KVTierError):
+        tier.contains([random_key()])
+
+
+# -- engine level ------------------------------------------------------------------------
+
+
+def _engine(url: str, **overrides: object) -> Engine:
+    return Engine(small_config(remote_url=url, **overrides), SMALL_LAYOUT, model_name="m").open()
+
+
+@pytest.mark.parametrize("local_cpu", [True, False])
+def test_remote_hit_is_copied_to_cpu_as_the_tier_roles_say(
+    server: RedisServer, local_cpu: bool
+) -> None:
+    tokens, kv = make_tokens(64, seed=3), make_kv(64, seed=3)
+    with _engine(server.url) as writer:
+        assert writer.store(tokens, kv) == 4
+        assert writer.flush(10.0)
+    with _engine(server.url, local_cpu=local_cpu) as reader:
+        assert reader.lookup(tokens, "r1") == 64
+        got = reader.retrieve(tokens, "r1")
+        assert torch.equal(got, kv)
+        reader.end_request("r1")
+        cpu_entries = reader.stats()["tiers"]["cpu"]["entries"]
+        assert cpu_entries == (4 if local_cpu else 0)
+        assert reader.stats()["tiers"]["redis"]["hits"] == 4
+        assert reader.check_invariants() == [] and reader.leaks() == []
+        _clear_redis(reader)
+
+
+def _clear_redis(engine: Engine) -> None:
+    assert engine._manager is not None
+    for tier in engine._manager.lower:
+        tier.clear()
+
+
+def _store_in_child(url: str, out_path: str) -> None:
+    """Runs in a separate (spawned) process: store a prompt, flush, report what was stored."""
+    with _engine(url) as engine:
+        tokens, kv = make_tokens(80, seed=5), make_kv(80, seed=5)
+        stored = engine.store(tokens, kv)
+        ok = engine.flush(20.0)
+        Path(out_path).write_text(f"{stored} {ok}")
+
+
+def test_two_engine_processes_share_a_cache(server: RedisServer, tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    report = tmp_path / "child.txt"
+    child = ctx.Process(target=_store_in_child, args=(server.url, str(report)))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0, f"storing process failed with {child.exitcode}"
+    assert report.read_text() == "5 True"
+    tokens, kv = make_tokens(80, seed=5), make_kv(80, seed=5)
+    with _engine(server.url) as engine:
+        assert engine.lookup(tokens, "r") == 80
+        got = engine.retrieve(tokens, "r")
+        assert got.numpy().tobytes() == kv.numpy().tobytes()  # bytes identical
+        engine.end_request("r")
+        assert engine.check_invariants() == [] and engine.leaks() == []
+        _clear_redis(engine)
+
+
+def test_factory_builds_the_tier_from_remote_url(
+    server: RedisServer, caplog: pytest.LogCaptureFixture, engine_factory: Callable[..., Engine]
+) -> None:
+    caplog.set_level(logging.INFO)
+    engine = engine_factory(remote_url=server.url.replace("redis://", "valkey://"))
+    assert "redis" in engine.stats()["tiers"]
