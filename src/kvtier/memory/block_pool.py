@@ -23,6 +23,7 @@ Capacity arithmetic (seed 000: sizes are ceilings, never hand-aligned)::
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 from collections.abc import Iterable
 
@@ -65,12 +66,17 @@ class BlockPool:
     Thread-safe: tier completion callbacks release references from I/O threads.
     """
 
-    def __init__(self, num_pages: int, page_bytes: int) -> None:
+    def __init__(
+        self, num_pages: int, page_bytes: int, *, mapping: mmap.mmap | None = None
+    ) -> None:
+        """``mapping``: optional existing memory to page (see :class:`HostBuffer`)."""
         if num_pages < 1 or page_bytes < 1:
-            raise ValueError(f"BlockPool needs pages >= 1 and page_bytes >= 1, got {num_pages}, {page_bytes}")
+            raise ValueError(
+                f"BlockPool needs pages >= 1 and page_bytes >= 1, got {num_pages}, {page_bytes}"
+            )
         self.num_pages = num_pages
         self.page_bytes = page_bytes
-        self._buffer = HostBuffer(num_pages * page_bytes)
+        self._buffer = HostBuffer(num_pages * page_bytes, mapping)
         self._refs = [0] * num_pages
         # LIFO free list: the most recently freed page is reused first (warm in cache).
         self._free = list(range(num_pages - 1, -1, -1))

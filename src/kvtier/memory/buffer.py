@@ -24,11 +24,13 @@ log = logging.getLogger(__name__)
 class HostBuffer:
     """Owns ``nbytes`` of page-aligned host memory as a flat uint8 tensor."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, mapping: mmap.mmap | None = None) -> None:
+        """``mapping``: an existing mapping of at least ``nbytes`` (e.g. a shared-memory file
+        for the PD shm transport) to use instead of a fresh anonymous one; closed by release."""
         if nbytes <= 0:
             raise ValueError(f"HostBuffer needs a positive size, got {nbytes}")
         try:
-            self._map: mmap.mmap | None = mmap.mmap(-1, nbytes)
+            self._map: mmap.mmap | None = mapping if mapping is not None else mmap.mmap(-1, nbytes)
         except (OSError, OverflowError) as exc:
             raise CapacityError(f"cannot map {nbytes} bytes of host memory: {exc}") from None
         self.nbytes = nbytes
@@ -39,7 +41,7 @@ class HostBuffer:
     def _pin(self) -> bool:
         if not torch.cuda.is_available():
             return False
-        cudart = torch.cuda.cudart()
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
         err = cudart.cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
         if int(err) != 0:
             log.warning("could not pin %d bytes of host memory (cuda error %s)", self.nbytes, err)
@@ -55,7 +57,7 @@ class HostBuffer:
         if self._map is None:
             return
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())  # type: ignore[no-untyped-call]
             self.pinned = False
         # The tensor holds an export of the mapping; drop it before closing the map.
         del self.tensor

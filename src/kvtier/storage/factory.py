@@ -10,6 +10,11 @@ from kvtier.storage.base import Tier
 
 def build_lower_tiers(config: Config, layout: KVLayout, fingerprint: Fingerprint) -> list[Tier]:
     tiers: list[Tier] = []
+    if config.enable_pd and config.pd_role == "receiver":
+        # First below CPU: what the prefiller sent is what this decoder request needs.
+        from kvtier.storage.pd import PDTier
+
+        tiers.append(PDTier.from_config(config, layout, fingerprint))
     if config.local_disk:
         from kvtier.storage.disk import DiskTier
 

@@ -1,0 +1,109 @@
+"""The PD data plane behind one small interface: how chunk bytes get into the receiver's pages.
+
+The control messages (:mod:`kvtier.transfer.protocol`) are the same on every transport; a
+channel only decides
+
+* on the receiver: what memory the receive buffer is (``make_pool``), what a sender needs to
+  reach it (``shm_path`` in the HelloReply) and how a chunk's bytes land in its page
+  (``receive_chunk``: read straight from the socket into the page, or nothing to do because
+  the sender already wrote into shared memory);
+* on the sender: how to reach that memory (``attach``) and how one chunk travels
+  (``send_chunk``, which also computes the checksum the receiver verifies).
+
+Transports, chosen by ``transfer_channel``: ``tcp`` (default; any host), ``shm`` (same host:
+the buffer is a /dev/shm segment both processes map). ``nixl`` is not available in this build
+(see :func:`check_channel`).
+"""
+
+from __future__ import annotations
+
+import socket
+from abc import ABC, abstractmethod
+
+import torch
+import xxhash
+
+from kvtier.errors import ConfigError
+from kvtier.memory.block_pool import BlockPool
+from kvtier.transfer.protocol import HelloReply
+
+CHANNELS = ("tcp", "shm")
+NIXL_UNAVAILABLE = (
+    "tcp or shm: the nixl wheel on PyPI (1.5.1) is a meta-package that pulls nixl-cu12 and "
+    "nixl-cu13 (CUDA builds); the nixl transport is not implemented in this build"
+)
+
+
+def check_channel(name: str | None) -> str:
+    """The transport to use for ``transfer_channel`` (None means tcp)."""
+    chosen = name or "tcp"
+    if chosen == "nixl":
+        raise ConfigError("transfer_channel", name, NIXL_UNAVAILABLE)
+    if chosen not in CHANNELS:
+        raise ConfigError("transfer_channel", name, f"one of {CHANNELS}")
+    return chosen
+
+
+def checksum(data: torch.Tensor) -> int:
+    """xxh3-64 of a contiguous CPU tensor's bytes (no copy)."""
+    return int(xxhash.xxh3_64_intdigest(data.numpy().data.cast("B")))
+
+
+class ReceiverChannel(ABC):
+    name: str
+
+    @abstractmethod
+    def make_pool(self, num_pages: int, page_bytes: int) -> BlockPool:
+        """The receive buffer's pool (called once, at the tier's open)."""
+
+    @property
+    def shm_path(self) -> str:
+        return ""
+
+    @abstractmethod
+    def receive_chunk(self, sock: socket.socket, page_view: torch.Tensor) -> None:
+        """Make ``page_view`` (a uint8 view of exactly the chunk's bytes) hold the chunk."""
+
+    def close(self) -> None:
+        return None
+
+
+class SenderChannel(ABC):
+    name: str
+
+    @abstractmethod
+    def attach(self, reply: HelloReply) -> None:
+        """Reach the receiver's buffer described by its HelloReply."""
+
+    @abstractmethod
+    def send_chunk(
+        self, sock: socket.socket, request_id: str, index: int, page: int, data: torch.Tensor
+    ) -> int:
+        """Move ``data`` (any shape; its bytes in canonical order are the chunk) into the
+        receiver's ``page`` and send the ChunkSent message (with the xxh3 of those bytes) for
+        it. Returns the bytes moved."""
+
+    def close(self) -> None:
+        return None
+
+
+def receiver_channel(name: str | None) -> ReceiverChannel:
+    chosen = check_channel(name)
+    if chosen == "shm":
+        from kvtier.transfer.shm import ShmReceiver
+
+        return ShmReceiver()
+    from kvtier.transfer.tcp import TcpReceiver
+
+    return TcpReceiver()
+
+
+def sender_channel(name: str | None) -> SenderChannel:
+    chosen = check_channel(name)
+    if chosen == "shm":
+        from kvtier.transfer.shm import ShmSender
+
+        return ShmSender()
+    from kvtier.transfer.tcp import TcpSender
+
+    return TcpSender()

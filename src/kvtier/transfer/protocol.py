@@ -1,0 +1,191 @@
+"""The PD control protocol: framed, versioned, size-bounded msgspec messages (never pickle).
+
+A frame on the wire::
+
+    +---------+---------+-------------+----------------------------+
+    | "KVP"   | version | body length | body: msgpack of a message |
+    | 3 bytes | 1 byte  | u32 (BE)    | <= MAX_BODY_BYTES          |
+    +---------+---------+-------------+----------------------------+
+
+A bad magic, an unknown version, a length above :data:`MAX_BODY_BYTES`, a truncated frame
+or a body that is not one of the messages below raises :class:`ProtocolError`; the receiver
+then closes that connection (and releases what it reserved for it) and keeps serving others.
+
+One connection carries one sender's requests, one at a time::
+
+    sender                                   receiver
+    Hello(fingerprint, page_bytes, ...) ->
+                                         <-  HelloReply(num_pages, page_bytes, shm_path)
+    AllocRequest(rid, keys, num_tokens) ->   reserve every missing chunk at once, or wait
+                                         <-  AllocReply(held, pages) | ErrorReply(kind)
+    ChunkSent(rid, index, nbytes, xxh3) ->   tcp: the next nbytes on the socket are the chunk,
+      [tcp: nbytes of payload]               received straight into its page; shm: already
+                                             written into the page. Verified, then published.
+    ... one ChunkSent per chunk not held ...
+    RequestDone(rid)                    ->
+                                         <-  DoneReply(rid, ok, message)
+    Abort(rid, reason)                  ->   (instead of the rest) the reservation is released
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import msgspec
+
+from kvtier.errors import ProtocolError, TransferError, TransferTimeout
+
+MAGIC = b"KVP"
+VERSION = 1
+HEADER = struct.Struct("!3sBI")
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: an AllocRequest for ~30k chunks; anything bigger is abuse
+
+
+class Hello(msgspec.Struct, tag=True):
+    fingerprint: str
+    page_bytes: int
+    token_bytes: int
+    channel: str
+
+
+class HelloReply(msgspec.Struct, tag=True):
+    num_pages: int
+    page_bytes: int
+    shm_path: str = ""
+
+
+class AllocRequest(msgspec.Struct, tag=True):
+    request_id: str
+    keys: list[bytes]
+    num_tokens: list[int]
+
+
+class AllocReply(msgspec.Struct, tag=True):
+    request_id: str
+    held: list[int]  # positions in keys the receiver already holds: not sent again
+    pages: list[int]  # one page per position not held, in order
+
+
+class ErrorReply(msgspec.Struct, tag=True):
+    request_id: str
+    kind: str  # "timeout", "too_large", "rejected"
+    message: str
+
+
+class ChunkSent(msgspec.Struct, tag=True):
+    request_id: str
+    index: int  # position in the AllocRequest's keys
+    nbytes: int
+    checksum: int  # xxh3-64 of the payload
+
+
+class RequestDone(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class DoneReply(msgspec.Struct, tag=True):
+    request_id: str
+    ok: bool
+    message: str = ""
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_id: str
+    reason: str
+
+
+Message = (
+    Hello
+    | HelloReply
+    | AllocRequest
+    | AllocReply
+    | ErrorReply
+    | ChunkSent
+    | RequestDone
+    | DoneReply
+    | Abort
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    body = _encoder.encode(message)
+    if len(body) > MAX_BODY_BYTES:
+        raise ProtocolError(
+            f"{type(message).__name__} is {len(body)} bytes; the limit is {MAX_BODY_BYTES}"
+        )
+    return HEADER.pack(MAGIC, VERSION, len(body)) + body
+
+
+def parse_header(header: bytes) -> int:
+    """The body length announced by a frame header, after checking magic, version and bound."""
+    magic, version, length = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad frame magic {magic!r}")
+    if version != VERSION:
+        raise ProtocolError(f"unknown protocol version {version} (this side speaks {VERSION})")
+    if length > MAX_BODY_BYTES:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_BODY_BYTES}-byte limit")
+    return int(length)
+
+
+def decode_body(body: bytes) -> Message:
+    try:
+        message: Message = _decoder.decode(body)
+        return message
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed message: {exc}") from None
+
+
+def send_message(sock: socket.socket, message: Message) -> None:
+    try:
+        sock.sendall(encode(message))
+    except TimeoutError:
+        raise TransferTimeout("peer did not accept a control message in time") from None
+    except OSError as exc:
+        raise TransferError(f"connection lost while sending: {exc}") from None
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock`` (straight into it: no intermediate buffer)."""
+    got, want = 0, len(view)
+    try:
+        while got < want:
+            n = sock.recv_into(view[got:], want - got)
+            if n == 0:
+                raise TransferError(f"peer closed the connection ({got} of {want} bytes received)")
+            got += n
+    except TimeoutError:
+        raise TransferTimeout(f"peer stalled ({got} of {want} bytes received)") from None
+    except OSError as exc:
+        raise TransferError(f"connection lost while receiving: {exc}") from None
+
+
+def recv_message(sock: socket.socket) -> Message | None:
+    """The next message, or None when the peer closed the connection between frames."""
+    header = bytearray(HEADER.size)
+    try:
+        first = sock.recv_into(header, HEADER.size)
+    except TimeoutError:
+        raise TransferTimeout("peer sent nothing in time") from None
+    except OSError as exc:
+        raise TransferError(f"connection lost while receiving: {exc}") from None
+    if first == 0:
+        return None
+    if first < HEADER.size:
+        try:
+            recv_exact(sock, memoryview(header)[first:])
+        except TransferError as exc:
+            raise ProtocolError(f"truncated frame header: {exc}") from None
+    length = parse_header(bytes(header))
+    body = bytearray(length)
+    try:
+        recv_exact(sock, memoryview(body))
+    except TransferTimeout:
+        raise
+    except TransferError as exc:
+        raise ProtocolError(f"truncated frame body: {exc}") from None
+    return decode_body(bytes(body))
