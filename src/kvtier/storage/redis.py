@@ -313,15 +313,13 @@ class RedisTier(Tier):
         def delete_all(client: Any) -> int:
             removed = 0
             for server in _servers(client):
-                batch: list[bytes] = []
-                for name in server.scan_iter(match=pattern, count=1000):
-                    if name not in keep:
-                        batch.append(name)
-                    if len(batch) >= 500:
-                        removed += int(server.unlink(*batch))
-                        batch.clear()
-                if batch:
-                    removed += int(server.unlink(*batch))
+                names = [n for n in server.scan_iter(match=pattern, count=1000) if n not in keep]
+                # One UNLINK per name: a cluster refuses multi-key commands across slots.
+                for start in range(0, len(names), 1000):
+                    pipe = server.pipeline(transaction=False)
+                    for name in names[start : start + 1000]:
+                        pipe.unlink(name)
+                    removed += sum(int(n) for n in pipe.execute())
             return removed
 
         return self._call(delete_all)
