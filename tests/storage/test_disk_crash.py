@@ -151,7 +151,7 @@ def test_enospc_fails_that_chunk_only_and_the_engine_keeps_going(
     for i in range(12):  # 24 chunk files of 8 KiB on a 64 KiB filesystem
         engine.store(make_tokens(SEQ_TOKENS, 100 + i), make_kv(SEQ_TOKENS, 100 + i))
         assert engine.flush(10)
-    manager = engine._manager  # noqa: SLF001
+    manager = engine._manager  # tests look inside on purpose
     assert manager is not None
     disk = manager.lower[0]
     assert isinstance(disk, DiskTier)
