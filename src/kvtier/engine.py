@@ -18,6 +18,7 @@ import enum
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import TracebackType
@@ -31,6 +32,7 @@ from kvtier.keys import ChunkSpan, Fingerprint, KeyChain, as_token_array
 from kvtier.layout import KVLayout
 from kvtier.lease import Hold, LeaseInfo, LeaseTable
 from kvtier.memory.block_pool import BlockPool, pages_for_capacity
+from kvtier.observability.observer import Observer
 from kvtier.stats import EngineCounters
 from kvtier.storage.base import Tier
 from kvtier.storage.cpu import CpuTier
@@ -82,6 +84,8 @@ class Engine:
         _check_fits_in_memory("max_local_cpu_size", self.num_pages * self.chunk_bytes)
         self.keychain = KeyChain(self.fingerprint)
         self.counters = EngineCounters()
+        self.observer = Observer(self.fingerprint, self.config)  # metrics, explain (no I/O)
+        self.admin: Any = None  # kvtier.admin.server.AdminServer once open, when enabled
         self._state = EngineState.NEW
         self._state_lock = threading.Lock()
         self._pool: BlockPool | None = None
@@ -112,6 +116,7 @@ class Engine:
             self._manager = StorageManager(
                 self.config, self.layout, pool, cpu, lower, self.counters
             )
+            self.observer.attach(self._manager)
             self._state = EngineState.OPEN
             log.info(
                 "kvtier engine open: %s, %d CPU pages of %d bytes, tiers %s",
@@ -120,6 +125,10 @@ class Engine:
                 self.chunk_bytes,
                 [t.name for t in self._manager.tiers],
             )
+            if self.config.internal_api_server_enabled:
+                from kvtier.admin.server import start_for_engine  # http.server only when used
+
+                self.admin = start_for_engine(self)
             return self
 
     def close(self) -> None:
@@ -129,6 +138,8 @@ class Engine:
                 self._state = EngineState.CLOSED
                 return
             self._state = EngineState.CLOSED
+        if self.admin is not None:
+            self.admin.stop()
         assert self._leases is not None and self._manager is not None and self._pool is not None
         still_open = self._leases.end_all()
         if still_open:
@@ -171,6 +182,7 @@ class Engine:
     def lookup(self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0) -> int:
         """Tokens of the longest cached prefix (including ``skip_leading_tokens`` the engine
         already holds), pinned for ``request_id`` until :meth:`end_request`."""
+        started = time.perf_counter()
         manager, leases = self._open_parts()
         _check_request_id(request_id)
         spans = self._spans(tokens, skip_leading_tokens)
@@ -180,6 +192,7 @@ class Engine:
         self.counters.lookups += 1
         self.counters.lookup_tokens += spans[-1].end if spans else 0
         self.counters.hit_tokens += plan.hit_tokens
+        self.observer.on_lookup(request_id, tokens, spans, plan, started)
         return plan.hit_tokens
 
     def retrieve(self, tokens: object, request_id: str) -> torch.Tensor:
@@ -188,9 +201,11 @@ class Engine:
         ``hit`` may be shorter than :meth:`lookup` said when a lower-tier entry vanished or
         failed its checksum since; the engine recomputes from there.
         """
+        started = time.perf_counter()
         plan = self._plan(tokens, request_id, 0)
         out = torch.empty(self.layout.kv_shape(plan.hit_tokens), dtype=self.layout.dtype)
         loaded = self._load(plan, request_id, out, 0)
+        self.observer.on_retrieve(started)
         return out[:, :, :loaded, :]
 
     def retrieve_into(
@@ -199,6 +214,7 @@ class Engine:
         """Write the cached prefix into ``out`` (``[2, layers, >=hit, hidden]``, indexed by
         token position; any device) without an intermediate copy. Chunks wholly inside
         ``skip_leading_tokens`` are not written. Returns the end of the loaded prefix."""
+        started = time.perf_counter()
         plan = self._plan(tokens, request_id, skip_leading_tokens)
         lay = self.layout
         if (
@@ -215,7 +231,9 @@ class Engine:
                 f"[2, {lay.num_layers}, >={plan.hit_tokens}, {lay.hidden}], got {shape}"
             )
         start = (skip_leading_tokens // self.config.chunk_size) * self.config.chunk_size
-        return self._load(plan, request_id, out, start)
+        loaded_end = self._load(plan, request_id, out, start)
+        self.observer.on_retrieve(started)
+        return loaded_end
 
     def store(self, tokens: object, kv: torch.Tensor, *, skip_leading_tokens: int = 0) -> int:
         """Store the KV of ``tokens`` (``[2, layers, len(tokens), kv_heads*head_dim]``).
@@ -224,20 +242,28 @@ class Engine:
         ``skip_leading_tokens`` are hashed but not stored. Returns chunks newly stored. When
         memory is full of pinned pages, the rest is dropped and counted (never waits).
         """
+        started = time.perf_counter()
         manager, _ = self._open_parts()
         array = as_token_array(tokens)
         spans = self._spans(array, skip_leading_tokens)
         self._check_kv(kv, len(array))
         self.counters.stores += 1
-        return manager.store(spans[skip_leading_tokens // self.config.chunk_size :], kv)
+        offered = spans[skip_leading_tokens // self.config.chunk_size :]
+        dropped_before = self.counters.dropped_chunks
+        stored = manager.store(offered, kv)
+        dropped = self.counters.dropped_chunks - dropped_before
+        self.observer.on_store(tokens, offered, dropped, started)
+        return stored
 
     def end_request(self, request_id: str) -> bool:
         """Release everything ``request_id`` holds. Returns False if it held nothing (already
         ended, or never started): calling it twice is safe and never releases twice."""
         _, leases = self._open_parts()
+        lease = leases.get(request_id)
         ended = leases.end(request_id)
         if ended:
             self.counters.requests += 1
+            self.observer.on_request_end(lease)
         return ended
 
     @contextmanager
@@ -280,6 +306,21 @@ class Engine:
             "tiers": tiers,
             **self.counters.as_dict(),
         }
+
+    def leases(self) -> list[LeaseInfo]:
+        """Every open request: what it holds and for how long (the admin API's /leases)."""
+        _, leases = self._open_parts()
+        return leases.snapshot()
+
+    def record_ttft(self, seconds: float, *, prompt_tokens: int, hit_tokens: int) -> None:
+        """A connector reports a request's time to first token, for the TTFT metrics and the
+        dashboard's TTFT-saved estimate (see kvtier.observability.observer)."""
+        self.observer.record_ttft(seconds, prompt_tokens=prompt_tokens, hit_tokens=hit_tokens)
+
+    @property
+    def admin_url(self) -> str | None:
+        """Base URL of the admin API while it runs (``internal_api_server_enabled``)."""
+        return str(self.admin.url) if self.admin is not None else None
 
     def leaks(self) -> list[LeaseInfo]:
         """Every request still holding something, with what and for how long."""
@@ -331,6 +372,11 @@ class Engine:
                     )
         return problems
 
+    def clear(self) -> dict[str, int]:
+        """Drop every unpinned entry of every tier (pinned ones stay); tier -> entries dropped."""
+        manager, _ = self._open_parts()
+        return {tier.name: tier.clear() for tier in manager.tiers}
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for in-flight lower-tier writes. True when all landed."""
         manager, _ = self._open_parts()
@@ -381,7 +427,9 @@ class Engine:
         lease = leases.get(request_id)
         if lease is None:
             raise StateError(f"request {request_id!r} ended before its retrieve")
+        before = self.observer.before_load(plan)
         loaded = manager.load(plan, lease, out, start)
+        self.observer.after_load(request_id, before, loaded)
         self.counters.retrieved_tokens += max(0, loaded - start)
         return loaded
 

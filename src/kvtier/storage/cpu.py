@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +40,8 @@ class CpuTier(Tier):
         # Key-level pins (the Tier interface); each holds one page reference. The engine's own
         # requests pin through pin_keys and their leases instead.
         self._key_pins: dict[ChunkKey, list[int]] = {}
+        # Told which keys were evicted (the engine's explain log); called under the lock.
+        self.on_evict: Callable[[Sequence[ChunkKey]], None] | None = None
 
     # -- page-level API used by the storage manager ----------------------------------------
     def allocate(self, count: int) -> list[int] | None:
@@ -98,6 +100,8 @@ class CpuTier(Tier):
         pages = [self._index.pop(key).page for key in victims]
         self.pool.release(pages)
         self.counters.evicted += len(pages)
+        if self.on_evict is not None and victims:
+            self.on_evict(victims)
         return len(pages)
 
     def page_tensor(self, entry: CpuEntry) -> torch.Tensor:

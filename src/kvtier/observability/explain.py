@@ -1,0 +1,385 @@
+"""Why a request hit or missed, chunk by chunk: a bounded record of recent lookups.
+
+For each lookup the engine makes, :class:`ExplainLog` records one row per chunk of the prompt:
+where it hit, or the reason it missed. The reasons, and what each one means exactly:
+
+``not stored``
+    No tier holds the chunk, and this process has no record of it ever being stored, dropped,
+    evicted or found corrupt under this fingerprint or any other.
+``evicted``
+    No tier holds it now, but this process stored it earlier. With a tier that reports keys it
+    evicts (the CPU tier does, through ``on_evict``) the detail names the tier and when;
+    otherwise the chunk was evicted by a lower tier that does not report keys, or cleared.
+``store dropped``
+    The last store of this chunk was dropped because every CPU page was pinned (it never
+    reached a tier).
+``fingerprint mismatch``
+    The same tokens (same chunk boundaries) were stored in this process under another
+    fingerprint: another model name, layout, dtype, hash algorithm, tensor-parallel rank or
+    world size, or cache salt. The detail names the fields that differ. Only stores made in
+    this process are known; a fleet sharing a remote store sees ``not stored`` instead.
+``checksum failure``
+    The chunk failed its checksum when read (the tier removed it): at this request's retrieve,
+    or in an earlier read.
+``not contiguous``
+    A tier holds the chunk, but a chunk before it missed, so it cannot be used (chunk ``i``
+    needs chunks ``0..i-1``). Also: a hit dropped because an earlier chunk failed to load.
+``lost at retrieve``
+    The lookup found the chunk in a lower tier but the read at retrieve missed (removed
+    meanwhile, tier unreachable, or no free CPU page to load it into).
+``changed during lookup``
+    A tier holds it now but the lookup did not pin it (it appeared, or was evicted and stored
+    again, while the lookup ran).
+``partial chunk``
+    The last tokens do not fill a chunk and ``save_unfull_chunk`` is off: never cached.
+
+Hits name their tier; chunks inside ``skip_leading_tokens`` show tier ``engine`` (the engine
+already held them). Memory is bounded: the last ``capacity`` requests and the fate of the last
+``key_memory`` keys (oldest forgotten first).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import xxhash
+
+from kvtier.keys import ChunkKey, ChunkSpan, Fingerprint, as_token_array
+
+NOT_STORED = "not stored"
+EVICTED = "evicted"
+STORE_DROPPED = "store dropped"
+FINGERPRINT_MISMATCH = "fingerprint mismatch"
+CHECKSUM_FAILURE = "checksum failure"
+NOT_CONTIGUOUS = "not contiguous"
+LOST_AT_RETRIEVE = "lost at retrieve"
+CHANGED = "changed during lookup"
+PARTIAL = "partial chunk"
+REASONS = (
+    NOT_STORED,
+    EVICTED,
+    STORE_DROPPED,
+    FINGERPRINT_MISMATCH,
+    CHECKSUM_FAILURE,
+    NOT_CONTIGUOUS,
+    LOST_AT_RETRIEVE,
+    CHANGED,
+    PARTIAL,
+)
+
+# What the log remembers about a key: the last thing that happened to it.
+_STORED, _EVICTED, _DROPPED, _CORRUPT = "stored", "evicted", "dropped", "corrupt"
+
+# (first_index, last_index, hit, tier_or_reason, detail): consecutive chunks with the same
+# outcome share one run, so a 512-chunk prompt that misses from chunk 3 on is two runs.
+Run = tuple[int, int, bool, str, str]
+Probe = Callable[[Sequence[ChunkKey]], list[str | None]]
+
+
+def token_chain(tokens: object, chunk_size: int, count: int) -> list[bytes]:
+    """Fingerprint-free chain hashes of the first ``count`` chunks: equal tokens, equal hashes,
+    whatever the model. Used only to recognise a fingerprint mismatch."""
+    data = as_token_array(tokens).tobytes()
+    step = chunk_size * 4
+    prev = b"kvtier-token-chain"
+    out: list[bytes] = []
+    for i in range(count):
+        prev = xxhash.xxh3_128_digest(prev + data[i * step : (i + 1) * step])
+        out.append(prev)
+    return out
+
+
+class FingerprintRegistry:
+    """Process-wide: token-chain hash -> the fingerprints that stored those tokens (bounded)."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self.capacity = capacity
+        self._by_chain: OrderedDict[bytes, dict[bytes, Fingerprint]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, chains: Iterable[bytes], fingerprint: Fingerprint) -> None:
+        digest = fingerprint.digest()
+        with self._lock:
+            for chain in chains:
+                fps = self._by_chain.setdefault(chain, {})
+                fps[digest] = fingerprint
+                self._by_chain.move_to_end(chain)
+            while len(self._by_chain) > self.capacity:
+                self._by_chain.popitem(last=False)
+
+    def others(self, chain: bytes, fingerprint: Fingerprint) -> list[Fingerprint]:
+        digest = fingerprint.digest()
+        with self._lock:
+            fps = self._by_chain.get(chain, {})
+            return [fp for d, fp in fps.items() if d != digest]
+
+
+FINGERPRINTS = FingerprintRegistry()
+
+
+def fingerprint_diff(mine: Fingerprint, other: Fingerprint) -> str:
+    parts = []
+    for f in fields(Fingerprint):
+        a, b = getattr(mine, f.name), getattr(other, f.name)
+        if a != b:
+            parts.append(f"{f.name} {b!r} (this engine: {a!r})")
+    return "stored under " + ", ".join(parts) if parts else "stored under another fingerprint"
+
+
+@dataclass
+class RequestExplain:
+    request_id: str
+    fingerprint: str
+    chunk_size: int
+    prompt_tokens: int
+    hit_tokens: int
+    keys: bytes  # 16 bytes per chunk, concatenated
+    runs: list[Run]
+    time: float = field(default_factory=time.time)
+    lookups: int = 1
+
+    def chunk_rows(self) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        n_keys = len(self.keys) // 16
+        for first, last, hit, what, detail in self.runs:
+            for i in range(first, last + 1):
+                start = i * self.chunk_size
+                row: dict[str, Any] = {
+                    "index": i,
+                    "start": start,
+                    "end": min(start + self.chunk_size, self.prompt_tokens),
+                    "key": self.keys[i * 16 : (i + 1) * 16].hex() if i < n_keys else None,
+                    "hit": hit,
+                }
+                row["tier" if hit else "reason"] = what
+                if detail:
+                    row["detail"] = detail
+                rows.append(row)
+        return rows
+
+    def as_dict(self) -> dict[str, Any]:
+        hits: dict[str, int] = {}
+        misses: dict[str, int] = {}
+        for first, last, hit, what, _ in self.runs:
+            bucket = hits if hit else misses
+            bucket[what] = bucket.get(what, 0) + last - first + 1
+        return {
+            "request_id": self.request_id,
+            "time": self.time,
+            "lookups": self.lookups,
+            "fingerprint": self.fingerprint,
+            "chunk_size": self.chunk_size,
+            "prompt_tokens": self.prompt_tokens,
+            "hit_tokens": self.hit_tokens,
+            "summary": {"hit_chunks_by_tier": hits, "miss_chunks_by_reason": misses},
+            "chunks": self.chunk_rows(),
+        }
+
+
+def _append(runs: list[Run], index: int, hit: bool, what: str, detail: str) -> None:
+    if runs:
+        first, last, h, w, d = runs[-1]
+        if last == index - 1 and (h, w, d) == (hit, what, detail):
+            runs[-1] = (first, index, h, w, d)
+            return
+    runs.append((index, index, hit, what, detail))
+
+
+class ExplainLog:
+    """Bounded lookup records for one engine. Thread-safe; every method is O(chunks)."""
+
+    def __init__(
+        self,
+        fingerprint: Fingerprint,
+        *,
+        save_unfull_chunk: bool,
+        capacity: int = 1000,
+        key_memory: int = 100_000,
+        registry: FingerprintRegistry = FINGERPRINTS,
+    ) -> None:
+        self.fingerprint = fingerprint
+        self.chunk_size = fingerprint.chunk_size
+        self.save_unfull_chunk = save_unfull_chunk
+        self.capacity = capacity
+        self.key_memory = key_memory
+        self.registry = registry
+        self._records: OrderedDict[str, RequestExplain] = OrderedDict()
+        self._fate: OrderedDict[ChunkKey, tuple[str, str, float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    # -- events ----------------------------------------------------------------------------
+    def _note(self, keys: Iterable[ChunkKey], event: str, tier: str) -> None:
+        now = time.time()
+        with self._lock:
+            for key in keys:
+                self._fate[key] = (event, tier, now)
+                self._fate.move_to_end(key)
+            while len(self._fate) > self.key_memory:
+                self._fate.popitem(last=False)
+
+    def note_evicted(self, tier: str, keys: Sequence[ChunkKey]) -> None:
+        self._note(keys, _EVICTED, tier)
+
+    def note_corrupt(self, tier: str, keys: Sequence[ChunkKey]) -> None:
+        self._note(keys, _CORRUPT, tier)
+
+    def note_store(self, tokens: object, spans: Sequence[ChunkSpan], dropped: int) -> None:
+        """``spans`` were offered to the tiers; the last ``dropped`` of them found no page."""
+        if not self.enabled or not spans:
+            return
+        kept = spans[: len(spans) - dropped]
+        self._note((s.key for s in kept), _STORED, "")
+        self._note((s.key for s in spans[len(kept) :]), _DROPPED, "")
+        chains = token_chain(tokens, self.chunk_size, spans[-1].index + 1)
+        self.registry.add((chains[s.index] for s in kept), self.fingerprint)
+
+    def record_lookup(
+        self,
+        request_id: str,
+        tokens: object,
+        spans: Sequence[ChunkSpan],
+        hits: Sequence[tuple[ChunkSpan, str]],
+        probe: Probe,
+    ) -> None:
+        """Record one lookup. ``hits`` is the pinned prefix as (span, tier name); ``probe``
+        answers, for keys, which tier holds each now (one batched contains per tier)."""
+        if not self.enabled:
+            return
+        prompt_tokens = len(as_token_array(tokens))
+        runs: list[Run] = []
+        for span, tier in hits:
+            _append(runs, span.index, True, tier, "")
+        missing = spans[len(hits) :]
+        if missing:
+            self._explain_misses(tokens, missing, probe, runs)
+        full = len(spans)
+        if prompt_tokens > full * self.chunk_size:  # a tail that is not a stored chunk
+            detail = f"the last {prompt_tokens - full * self.chunk_size} tokens do not fill a chunk"
+            _append(runs, full, False, PARTIAL, detail + "; save_unfull_chunk is off")
+        hit_tokens = hits[-1][0].end if hits else 0
+        record = RequestExplain(
+            request_id,
+            self.fingerprint.hex(),
+            self.chunk_size,
+            prompt_tokens,
+            hit_tokens,
+            b"".join(s.key for s in spans),
+            runs,
+        )
+        with self._lock:
+            old = self._records.pop(request_id, None)
+            if old is not None:
+                record.lookups = old.lookups + 1
+            self._records[request_id] = record
+            while len(self._records) > self.capacity:
+                self._records.popitem(last=False)
+
+    def _explain_misses(
+        self, tokens: object, missing: Sequence[ChunkSpan], probe: Probe, runs: list[Run]
+    ) -> None:
+        where = probe([s.key for s in missing])
+        with self._lock:
+            fates = [self._fate.get(s.key) for s in missing]
+        chains: list[bytes] | None = None
+        first_missing = missing[0].index
+        for span, tier, fate in zip(missing, where, fates, strict=True):
+            if tier is not None:
+                if span.index == first_missing:
+                    _append(runs, span.index, False, CHANGED, f"held by {tier} now")
+                else:
+                    detail = f"held by {tier}, but chunk {first_missing} before it missed"
+                    _append(runs, span.index, False, NOT_CONTIGUOUS, detail)
+                continue
+            if fate is not None:
+                event, fate_tier, when = fate
+                _append(runs, span.index, False, *_fate_reason(event, fate_tier, when))
+                continue
+            if chains is None:
+                chains = token_chain(tokens, self.chunk_size, missing[-1].index + 1)
+            others = self.registry.others(chains[span.index], self.fingerprint)
+            if others:
+                detail = fingerprint_diff(self.fingerprint, others[0])
+                _append(runs, span.index, False, FINGERPRINT_MISMATCH, detail)
+            else:
+                _append(runs, span.index, False, NOT_STORED, "")
+
+    def record_load(
+        self,
+        request_id: str,
+        hits: Sequence[tuple[ChunkSpan, str]],
+        loaded_end: int,
+        corrupt_tiers: set[str],
+    ) -> None:
+        """A retrieve loaded up to ``loaded_end`` of the lookup's ``hits``: the first chunk
+        that did not load failed its checksum (when its tier counted one) or was lost."""
+        failed = [(span, tier) for span, tier in hits if span.end > loaded_end]
+        if not failed:
+            return
+        first_span, first_tier = failed[0]
+        corrupt = first_tier in corrupt_tiers
+        if corrupt:
+            self.note_corrupt(first_tier, [first_span.key])
+        with self._lock:
+            record = self._records.get(request_id)
+            if record is None:
+                return
+            rows = {i: (h, w, d) for f, last, h, w, d in record.runs for i in range(f, last + 1)}
+            for span, tier in failed:
+                if span is first_span:
+                    reason = CHECKSUM_FAILURE if corrupt else LOST_AT_RETRIEVE
+                    rows[span.index] = (
+                        False,
+                        reason,
+                        f"found in {tier} at lookup; its read failed",
+                    )
+                else:
+                    detail = f"held by {tier}, but chunk {first_span.index} failed to load"
+                    rows[span.index] = (False, NOT_CONTIGUOUS, detail)
+            runs: list[Run] = []
+            for i in sorted(rows):
+                _append(runs, i, *rows[i])
+            record.runs = runs
+            record.hit_tokens = min(record.hit_tokens, loaded_end)
+
+    # -- queries ---------------------------------------------------------------------------
+    def get(self, request_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            record = self._records.get(request_id)
+            return record.as_dict() if record is not None else None
+
+    def recent(self, limit: int) -> list[dict[str, Any]]:
+        """Newest first: id, time, prompt and hit tokens (no per-chunk rows)."""
+        with self._lock:
+            records = list(self._records.values())[-limit:] if limit > 0 else []
+        return [
+            {
+                "request_id": r.request_id,
+                "time": r.time,
+                "prompt_tokens": r.prompt_tokens,
+                "hit_tokens": r.hit_tokens,
+            }
+            for r in reversed(records)
+        ]
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+
+def _fate_reason(event: str, tier: str, when: float) -> tuple[str, str]:
+    stamp = time.strftime("%H:%M:%S", time.localtime(when))
+    if event == _EVICTED:
+        return EVICTED, f"evicted from {tier} at {stamp}"
+    if event == _CORRUPT:
+        return CHECKSUM_FAILURE, f"failed its checksum in {tier} at {stamp} and was removed"
+    if event == _DROPPED:
+        return STORE_DROPPED, f"store at {stamp} dropped: every CPU page was pinned"
+    return EVICTED, f"stored at {stamp}; no tier holds it now (evicted by a lower tier, or cleared)"

@@ -1,0 +1,217 @@
+"""The hooks the engine calls, feeding latency histograms, per-tier hit counts, lease
+durations, reported TTFTs and the :class:`~kvtier.observability.explain.ExplainLog`.
+
+Protocol: the engine creates one :class:`Observer` in its constructor (no threads, no I/O),
+calls :meth:`attach` once its tiers exist (``open``), then on every request:
+
+=====================  =======================================================================
+engine call            observer hook
+=====================  =======================================================================
+``lookup``             :meth:`on_lookup` (latency, hit tokens per tier, explain record)
+``store``              :meth:`on_store` (latency, which keys were stored or dropped)
+``retrieve[_into]``    :meth:`on_retrieve` (latency); ``_load`` brackets the copy with
+                       :meth:`before_load` / :meth:`after_load` (checksum failures at retrieve)
+``end_request``        :meth:`on_request_end` (how long the lease was held)
+``record_ttft``        :meth:`record_ttft` (a connector reports the time to first token)
+=====================  =======================================================================
+
+Readers (the Prometheus collector, the admin API) only read; hooks never raise into the
+engine for an observability problem.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.keys import ChunkKey, ChunkSpan, Fingerprint
+from kvtier.observability.explain import ExplainLog
+from kvtier.observability.histogram import LATENCY_BUCKETS, LEASE_BUCKETS, Histogram
+
+if TYPE_CHECKING:
+    from kvtier.config import Config
+    from kvtier.lease import Lease
+    from kvtier.storage.manager import LookupPlan, StorageManager
+
+OPERATIONS = ("lookup", "store", "retrieve")
+DEFAULT_EXPLAIN_REQUESTS = 1000
+
+
+@dataclass
+class TtftTotals:
+    """Sums over the TTFTs a connector reported (see :meth:`Observer.record_ttft`)."""
+
+    requests: int = 0
+    seconds: float = 0.0
+    computed_tokens: int = 0  # prompt tokens prefilled (not served from the cache)
+    hit_tokens: int = 0
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.seconds / self.computed_tokens if self.computed_tokens else 0.0
+
+    @property
+    def saved_seconds_estimate(self) -> float:
+        """Hit tokens times the measured prefill cost per computed token: what prefilling
+        the cached tokens would have added. An estimate (prefill is not exactly linear)."""
+        return self.hit_tokens * self.seconds_per_token
+
+
+class Observer:
+    def __init__(self, fingerprint: Fingerprint, config: Config) -> None:
+        capacity = _explain_capacity(config.extra_config)
+        self.explain = ExplainLog(
+            fingerprint, save_unfull_chunk=config.save_unfull_chunk, capacity=capacity
+        )
+        self.latency = {op: Histogram(LATENCY_BUCKETS) for op in OPERATIONS}
+        self.lease_seconds = Histogram(LEASE_BUCKETS)
+        self.ttft_seconds = Histogram(LATENCY_BUCKETS)
+        self.ttft = TtftTotals()
+        self.lookup_hit_tokens: Counter[str] = Counter()  # tier -> tokens found by lookups
+        self._manager: StorageManager | None = None
+        self._lock = threading.Lock()
+
+    def attach(self, manager: StorageManager) -> None:
+        """Called by ``Engine.open`` once the tiers exist: subscribe to eviction reports."""
+        self._manager = manager
+        for tier in manager.tiers:
+            if hasattr(tier, "on_evict"):
+                tier.on_evict = _evict_reporter(self.explain, tier.name)
+
+    # -- hooks -----------------------------------------------------------------------------
+    def on_lookup(
+        self,
+        request_id: str,
+        tokens: object,
+        spans: Sequence[ChunkSpan],
+        plan: LookupPlan,
+        started: float,
+    ) -> None:
+        hits = [(h.span, h.tier) for h in plan.hits]
+        with self._lock:
+            for span, tier in hits:
+                self.lookup_hit_tokens[tier] += span.num_tokens
+        self.explain.record_lookup(request_id, tokens, spans, hits, self._probe)
+        self.latency["lookup"].observe(time.perf_counter() - started)
+
+    def on_store(
+        self, tokens: object, spans: Sequence[ChunkSpan], dropped: int, started: float
+    ) -> None:
+        self.explain.note_store(tokens, spans, dropped)
+        self.latency["store"].observe(time.perf_counter() - started)
+
+    def on_retrieve(self, started: float) -> None:
+        self.latency["retrieve"].observe(time.perf_counter() - started)
+
+    def before_load(self, plan: LookupPlan) -> tuple[list[tuple[ChunkSpan, str]], dict[str, int]]:
+        hits = [(h.span, h.tier) for h in plan.hits]
+        return hits, self._corrupt_counts()
+
+    def after_load(
+        self,
+        request_id: str,
+        before: tuple[list[tuple[ChunkSpan, str]], dict[str, int]],
+        loaded_end: int,
+    ) -> None:
+        hits, corrupt_before = before
+        if hits and hits[-1][0].end > loaded_end:
+            now = self._corrupt_counts()
+            rose = {t for t, n in now.items() if n > corrupt_before.get(t, 0)}
+            self.explain.record_load(request_id, hits, loaded_end, rose)
+
+    def on_request_end(self, lease: Lease | None) -> None:
+        if lease is not None:
+            self.lease_seconds.observe(time.monotonic() - lease.created)
+
+    def record_ttft(self, seconds: float, *, prompt_tokens: int, hit_tokens: int) -> None:
+        """A connector reports one request's time to first token, its prompt length and how
+        many of those tokens came from the cache."""
+        if not (seconds >= 0 and 0 <= hit_tokens <= prompt_tokens):
+            raise ValueError(
+                f"record_ttft needs seconds >= 0 and 0 <= hit_tokens <= prompt_tokens, got "
+                f"{seconds!r}, {hit_tokens!r}, {prompt_tokens!r}"
+            )
+        self.ttft_seconds.observe(seconds)
+        with self._lock:
+            self.ttft.requests += 1
+            self.ttft.seconds += seconds
+            self.ttft.computed_tokens += prompt_tokens - hit_tokens
+            self.ttft.hit_tokens += hit_tokens
+
+    # -- reading ---------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-ready: latency quantile ceilings, per-tier lookup hits, TTFT totals."""
+        latency = {}
+        for op, hist in self.latency.items():
+            snap = hist.snapshot()
+            latency[op] = {
+                "count": snap.count,
+                "sum_s": snap.total,
+                # Bucket ceilings; None when the value is past the last bound (+Inf).
+                "p50_le_s": _finite(snap.quantile(0.5)),
+                "p99_le_s": _finite(snap.quantile(0.99)),
+            }
+        with self._lock:
+            ttft = TtftTotals(**vars(self.ttft))
+            hits = dict(self.lookup_hit_tokens)
+        return {
+            "latency": latency,
+            "lookup_hit_tokens_by_tier": hits,
+            "ttft": {
+                "reported_requests": ttft.requests,
+                "seconds_total": ttft.seconds,
+                "prefill_seconds_per_token": ttft.seconds_per_token,
+                "saved_seconds_estimate": ttft.saved_seconds_estimate,
+            },
+            "explain_records": len(self.explain),
+        }
+
+    def _probe(self, keys: Sequence[ChunkKey]) -> list[str | None]:
+        """Which tier holds each key now: one batched contains per tier, CPU first."""
+        manager = self._manager
+        where: list[str | None] = [None] * len(keys)
+        if manager is None:
+            return where
+        tiers = manager.tiers if manager.cpu_visible else manager.lower
+        for tier in tiers:
+            todo = [i for i, w in enumerate(where) if w is None]
+            if not todo:
+                break
+            try:
+                answers = tier.contains([keys[i] for i in todo])
+            except KVTierError:
+                continue  # an unreachable tier explains nothing; the lookup already warned
+            for i, present in zip(todo, answers, strict=True):
+                if present:
+                    where[i] = tier.name
+        return where
+
+    def _corrupt_counts(self) -> dict[str, int]:
+        manager = self._manager
+        return {t.name: t.counters.corrupt for t in manager.lower} if manager is not None else {}
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _evict_reporter(log: ExplainLog, tier: str) -> Any:
+    def report(keys: Sequence[ChunkKey]) -> None:
+        log.note_evicted(tier, keys)
+
+    return report
+
+
+def _explain_capacity(extra: dict[str, Any]) -> int:
+    value = extra.get("explain_requests", DEFAULT_EXPLAIN_REQUESTS)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1_000_000:
+        raise ConfigError(
+            "extra_config.explain_requests", value, "an int in [0, 1000000] (0 turns explain off)"
+        )
+    return value
