@@ -73,11 +73,15 @@ class Generation:
 
 
 class KVTierConnector:
-    """Connects one transformers causal LM to a kvtier :class:`~kvtier.Engine`."""
+    """Connects one transformers causal LM to a kvtier :class:`~kvtier.Engine`.
 
-    def __init__(self, engine: Engine, model: Any) -> None:
+    ``engine=None`` runs the very same prefill/decode loop with no cache at all: the baseline
+    that ``kvtier demo`` and ``kvtier bench ttft`` compare against.
+    """
+
+    def __init__(self, engine: Engine | None, model: Any) -> None:
         layout = layout_from_model(model)
-        if engine.layout != layout:
+        if engine is not None and engine.layout != layout:
             raise InputError(
                 f"the engine's layout ({engine.layout.describe()}) does not match the model's "
                 f"({layout.describe()}); build it with layout_from_model(model)"
@@ -85,7 +89,7 @@ class KVTierConnector:
         self.engine = engine
         self.model = model
         self.layout = layout
-        self.chunk_size = engine.config.chunk_size
+        self.chunk_size = engine.config.chunk_size if engine is not None else 1
         self.device = _model_device(model)
         self._scratch: torch.Tensor | None = None
         self._ids = itertools.count()
@@ -106,7 +110,7 @@ class KVTierConnector:
         start = time.perf_counter()
         hit = loaded = reused = 0
         cache = DynamicCache()
-        if use_cache:
+        if use_cache and self.engine is not None:
             try:
                 hit = self.engine.lookup(tokens, rid)
                 if hit:
@@ -136,6 +140,8 @@ class KVTierConnector:
         Reads the cache's first ``len(prompt)`` positions only, so it may be called after
         decoding has extended the cache.
         """
+        if self.engine is None:
+            return 0
         n = len(prefill.tokens)
         start = (prefill.loaded_tokens // self.chunk_size) * self.chunk_size
         if start >= n:
