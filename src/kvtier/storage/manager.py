@@ -54,6 +54,7 @@ class ChunkHit:
     span: ChunkSpan
     tier: str
     page: int | None = None  # set once the chunk's bytes are in a page this request holds
+    failed: bool = False  # a batched read of this chunk missed: the hit ends here
 
 
 @dataclass(slots=True)
@@ -168,10 +169,11 @@ class StorageManager:
         token position). Returns the end of what was loaded: a lower-tier miss or no free page
         ends the hit early, and the engine recomputes from there."""
         loaded_end = 0
+        self._prefetch(plan, lease, start_token)
         for hit in plan.hits:
             span = hit.span
             if hit.tier != ENGINE and span.end > start_token:
-                if hit.page is None and not self._fetch(hit, lease):
+                if hit.failed or (hit.page is None and not self._fetch(hit, lease)):
                     break
                 assert hit.page is not None
                 self._copy_out(hit.page, span, out)
@@ -180,6 +182,36 @@ class StorageManager:
         # Chunks after a failed fetch are no longer usable: drop them from the plan.
         plan.hits = [h for h in plan.hits if h.span.end <= loaded_end]
         return loaded_end
+
+    def _prefetch(self, plan: LookupPlan, lease: Lease, start_token: int) -> None:
+        """Read the plan's lower-tier chunks with one ``get_many_into`` per tier (the disk
+        tier overlaps the reads, a remote tier pipelines them). Hits that fail are marked
+        ``failed`` (``load`` stops there); when pages are short, ``_fetch`` reads one by one."""
+        todo: dict[str, list[ChunkHit]] = {}
+        for hit in plan.hits:
+            lower = hit.tier not in (ENGINE, "cpu") and hit.page is None
+            if lower and hit.span.end > start_token:
+                todo.setdefault(hit.tier, []).append(hit)
+        for name, hits in todo.items():
+            tier = next(t for t in self.lower if t.name == name)
+            pages = self.cpu.allocate(len(hits)) if len(hits) > 1 else None
+            if pages is None:
+                continue
+            try:
+                views = [self.pool.page_bytes_view(p) for p in pages]
+                items = [(h.span.key, v) for h, v in zip(hits, views, strict=True)]
+                results = tier.get_many_into(items)
+            except KVTierError as exc:
+                log.warning("tier %s batch read failed, reading one by one: %s", tier.name, exc)
+                self.pool.release(pages)
+                continue
+            for hit, page, tokens in zip(hits, pages, results, strict=True):
+                if tokens != hit.span.num_tokens:
+                    self.pool.release([page])
+                    self.counters.load_failures += 1
+                    hit.failed = True
+                else:
+                    self._adopt(hit, page, lease)
 
     def _fetch(self, hit: ChunkHit, lease: Lease) -> bool:
         """Read a lower-tier chunk into a fresh page that ``lease`` holds."""
@@ -199,13 +231,18 @@ class StorageManager:
             self.pool.release(pages)
             self.counters.load_failures += 1
             return False
-        if self.promote_to_cpu:
-            self.pool.retain(pages)  # one reference for the cache entry, one for the lease
-            if not self.cpu.insert(hit.span.key, page, tokens):
-                self.pool.release(pages)
-        lease.take_pages(pages)
-        hit.page = page
+        self._adopt(hit, page, lease)
         return True
+
+    def _adopt(self, hit: ChunkHit, page: int, lease: Lease) -> None:
+        """A page just filled from a lower tier: the lease takes the caller's reference, and
+        the CPU index one more when disk/remote hits are copied back (``promote_to_cpu``)."""
+        if self.promote_to_cpu:
+            self.pool.retain([page])  # one reference for the cache entry, one for the lease
+            if not self.cpu.insert(hit.span.key, page, hit.span.num_tokens):
+                self.pool.release([page])
+        lease.take_pages([page])
+        hit.page = page
 
     def _copy_out(self, page: int, span: ChunkSpan, out: torch.Tensor) -> None:
         lay = self.layout
