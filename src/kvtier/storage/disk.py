@@ -62,6 +62,7 @@ _EXTRA_COUNTERS = (
     "dropped_no_room",  # every file is pinned: nothing to evict
     "no_space",  # ENOSPC / EDQUOT / EFBIG while writing
     "read_errors",  # an OSError while reading (counted as a miss)
+    "batched_reads",  # chunks read through get_many_into (overlapped on the reader pool)
     "temp_removed",  # leftovers of interrupted writes, deleted at open
     "bad_removed_at_open",  # files with a bad header or length, deleted at open
     "pinned_keys",  # gauge: keys pinned now
@@ -347,6 +348,8 @@ class DiskTier(Tier):
         """Reads of one lookup, overlapped on the reader pool (I/O and hashing drop the GIL)."""
         if len(items) <= 1 or self._reader is None:
             return [self.get_into(key, out) for key, out in items]
+        with self._lock:
+            self.counters.extra["batched_reads"] += len(items)
         return list(self._reader.map(lambda item: self.get_into(*item), items))
 
     def _forget(self, key: ChunkKey, *, corrupt: bool) -> None:
