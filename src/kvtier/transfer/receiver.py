@@ -140,6 +140,9 @@ class PDReceiver:
             conns = list(self._conns)
             self._cond.notify_all()
         if self._listener is not None:
+            # close() alone does not wake a thread blocked in accept(); shutdown() does.
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
             self._listener.close()
         for conn in conns:
             with contextlib.suppress(OSError):
