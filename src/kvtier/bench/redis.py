@@ -1,0 +1,231 @@
+"""``kvtier bench redis``: the redis tier's put/get against plain redis-py SET/GET.
+
+Baseline, in the same run against the same server: ``raw_set_gbps`` / ``raw_get_gbps`` are
+plain redis-py ``SET`` of the same record bytes (prepared beforehand, so the baseline pays
+no encoding) and ``GET`` returning ``bytes``, one value after another on one connection.
+The tier's put includes the record header and checksum and the completion callbacks; its
+get includes the header check, the payload checksum and landing the bytes in a page. Each
+figure is the best of ``--repeats`` rounds, tier and baseline taking turns in every round.
+
+``lookup_ms`` is ``Engine.lookup`` of a 131072-token prompt (512 chunks of 256 tokens, a
+small layout) whose chunks are all in redis and not in CPU memory: hashing, one pipelined
+``EXISTS`` round trip and the pins. ``contains_ms`` is the tier's part alone.
+
+Without ``--url`` the benchmark starts its own redis-server on a free loopback port
+(persistence off) and stops it afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import redis
+import torch
+
+from kvtier.bench.timing import best_interleaved, gbps
+from kvtier.config import Config
+from kvtier.engine import Engine
+from kvtier.errors import ConfigError
+from kvtier.keys import Fingerprint
+from kvtier.layout import KVLayout
+from kvtier.storage import records
+from kvtier.storage.base import PutResult
+from kvtier.storage.redis import RedisTier
+from kvtier.storage.redis_options import RedisOptions
+from kvtier.storage.remote_url import parse_remote_url
+
+BIG_LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+LOOKUP_LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=16, dtype=torch.bfloat16)
+LOOKUP_TOKENS = 131072
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=None, help="an existing server (default: start one)")
+    parser.add_argument(
+        "--chunk-size", type=int, default=128, help="tokens per chunk (128 = 16 MiB values)"
+    )
+    parser.add_argument("--chunks", type=int, default=16, help="values per round")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds; best is reported")
+    parser.add_argument("--put-threads", type=int, default=2, help="tier writer threads")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    with _server(args.url) as url:
+        result = _throughput(url, args.chunk_size, args.chunks, args.repeats, args.put_threads)
+        result.update(_lookup(url))
+    return result
+
+
+def _throughput(
+    url: str, chunk_size: int, chunks: int, repeats: int, put_threads: int
+) -> dict[str, Any]:
+    layout = BIG_LAYOUT
+    fingerprint = Fingerprint("bench-redis", layout, chunk_size)
+    chunk_bytes = layout.chunk_bytes(chunk_size)
+    nbytes = chunks * chunk_bytes
+    rng = np.random.default_rng(0)
+    pages = torch.from_numpy(rng.integers(0, 256, (chunks, chunk_bytes), dtype=np.uint8))
+    out = torch.empty(chunk_bytes, dtype=torch.uint8)
+    out.fill_(0)  # touched once, as an engine's pages are
+    keys = [rng.bytes(16) for _ in range(chunks)]
+    options = RedisOptions(
+        timeout_s=60.0, put_threads=put_threads, inflight_bytes=2 * (nbytes + chunks * 4096)
+    )
+    tier = RedisTier(parse_remote_url(url), layout, fingerprint, options)
+    tier.open()
+    if not tier.link.wait_up(10.0):
+        tier.close()
+        raise ConfigError("remote_url", url, "a redis server that answers (bench --url)")
+    raw = redis.Redis.from_url(url, socket_timeout=60.0)
+    try:
+        values = [
+            records.encode_record(k, fingerprint, chunk_size, pages[i]) for i, k in enumerate(keys)
+        ]
+        raw_names = [b"kvtier-bench-raw:" + k.hex().encode() for k in keys]
+
+        def tier_put() -> None:
+            done = threading.Semaphore(0)
+            failures: list[PutResult] = []
+
+            def on_done(result: PutResult) -> None:
+                if result.outcome.value != "stored":
+                    failures.append(result)
+                done.release()
+
+            for i, key in enumerate(keys):
+                tier.put(key, pages[i], chunk_size, on_done)
+            for _ in keys:
+                done.acquire()
+            if failures:
+                raise RuntimeError(f"bench put failed: {failures[0]}")
+
+        def tier_get() -> None:
+            for key in keys:
+                if tier.get_into(key, out) != chunk_size:
+                    raise RuntimeError("bench get missed a chunk it had just stored")
+
+        def raw_set() -> None:
+            for name, value in zip(raw_names, values, strict=True):
+                raw.set(name, value)
+
+        def raw_get() -> None:
+            for name in raw_names:
+                if raw.get(name) is None:
+                    raise RuntimeError("raw get missed")
+
+        puts = best_interleaved({"tier": tier_put, "raw": raw_set}, repeats)
+        gets = best_interleaved({"tier": tier_get, "raw": raw_get}, repeats)
+        if not torch.equal(out, pages[-1]):
+            raise RuntimeError("bytes read back differ from the bytes stored")
+        tier.clear()
+        raw.delete(*raw_names)
+    finally:
+        raw.close()
+        tier.close()
+    put, get = gbps(nbytes, puts["tier"]), gbps(nbytes, gets["tier"])
+    raw_set_rate, raw_get_rate = gbps(nbytes, puts["raw"]), gbps(nbytes, gets["raw"])
+    return {
+        "value_bytes": chunk_bytes + records.header_size(),
+        "values": chunks,
+        "bytes": nbytes,
+        "put_threads": put_threads,
+        "put_gbps": round(put, 3),
+        "get_gbps": round(get, 3),
+        "raw_set_gbps": round(raw_set_rate, 3),
+        "raw_get_gbps": round(raw_get_rate, 3),
+        "put_ratio": round(put / raw_set_rate, 3),
+        "get_ratio": round(get / raw_get_rate, 3),
+    }
+
+
+def _lookup(url: str) -> dict[str, Any]:
+    layout, chunk_size = LOOKUP_LAYOUT, 256
+    chunks = LOOKUP_TOKENS // chunk_size
+    config = Config.load(
+        env={},
+        overrides={
+            "chunk_size": chunk_size,
+            "remote_url": url,
+            "local_cpu": False,
+            "use_only_staging_buffer": True,  # CPU only stages: every lookup asks redis
+            "max_local_cpu_size": f"{chunks * layout.chunk_bytes(chunk_size)}B",
+        },
+    )
+    tokens = torch.from_numpy(
+        np.random.default_rng(1).integers(0, 32000, LOOKUP_TOKENS, dtype=np.int32)
+    )
+    with Engine(config, layout, model_name="bench-redis-lookup") as engine:
+        engine.store(tokens, torch.zeros(layout.kv_shape(LOOKUP_TOKENS), dtype=layout.dtype))
+        engine.flush(60.0)
+        timings = []
+        for i in range(20):
+            start = time.perf_counter()
+            hit = engine.lookup(tokens, f"l{i}")
+            timings.append(time.perf_counter() - start)
+            engine.end_request(f"l{i}")
+            if hit != LOOKUP_TOKENS:
+                raise RuntimeError(f"lookup hit {hit} of {LOOKUP_TOKENS} tokens")
+        manager = engine._manager
+        assert manager is not None
+        tier = manager.lower[0]
+        keys = [s.key for s in engine._spans(tokens, 0)]
+        contains = []
+        for _ in range(20):
+            start = time.perf_counter()
+            tier.contains(keys)
+            contains.append(time.perf_counter() - start)
+        tier.clear()
+    return {
+        "lookup_chunks": chunks,
+        "lookup_ms": round(float(np.median(timings)) * 1e3, 3),
+        "contains_ms": round(float(np.median(contains)) * 1e3, 3),
+    }
+
+
+@contextmanager
+def _server(url: str | None) -> Iterator[str]:
+    """``url`` as is, or a redis-server of our own for the duration."""
+    if url is not None:
+        yield url
+        return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise ConfigError("remote_url", None, "--url, or redis-server installed on PATH")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    workdir = tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-")
+    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly"]
+    command += ["no", "--dir", workdir.name]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(port=port, socket_timeout=1.0, socket_connect_timeout=1.0)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.RedisError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the benchmark's redis-server did not start") from None
+                time.sleep(0.05)
+        client.close()
+        yield f"redis://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        workdir.cleanup()
