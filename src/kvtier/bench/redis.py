@@ -36,7 +36,7 @@ from kvtier.bench.timing import best_interleaved, gbps
 from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError
-from kvtier.keys import Fingerprint
+from kvtier.keys import Fingerprint, KeyChain
 from kvtier.layout import KVLayout
 from kvtier.storage import records
 from kvtier.storage.base import PutResult
@@ -175,16 +175,22 @@ def _lookup(url: str) -> dict[str, Any]:
             engine.end_request(f"l{i}")
             if hit != LOOKUP_TOKENS:
                 raise RuntimeError(f"lookup hit {hit} of {LOOKUP_TOKENS} tokens")
-        manager = engine._manager
-        assert manager is not None
-        tier = manager.lower[0]
-        keys = [s.key for s in engine._spans(tokens, 0)]
-        contains = []
-        for _ in range(20):
-            start = time.perf_counter()
-            tier.contains(keys)
-            contains.append(time.perf_counter() - start)
-        tier.clear()
+        keys = [
+            span.key for span in KeyChain(engine.fingerprint).keys(tokens, include_partial=False)
+        ]
+        tier = RedisTier.from_config(config, layout, engine.fingerprint)
+        tier.open()
+        try:
+            contains = []
+            for _ in range(20):
+                start = time.perf_counter()
+                found = tier.contains(keys)
+                contains.append(time.perf_counter() - start)
+            if not all(found):
+                raise RuntimeError("contains missed chunks the engine had stored")
+            tier.clear()
+        finally:
+            tier.close()
     return {
         "lookup_chunks": chunks,
         "lookup_ms": round(float(np.median(timings)) * 1e3, 3),
