@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 
 from kvtier import Engine
@@ -263,3 +264,23 @@ def test_bench_reports_every_field(server: RedisServer) -> None:
         assert result[field] > 0, field
     assert result["get_ratio"] > 0 and result["put_ratio"] > 0
     assert result["lookup_chunks"] == 512
+
+
+def test_unix_socket_url(tmp_path: Path) -> None:
+    sock = tmp_path / "redis.sock"
+    srv = RedisServer(extra_args=("--unixsocket", str(sock), "--unixsocketperm", "700"))
+    try:
+        srv.start()
+        tier = open_tier(f"unix://{sock}?db=2")
+        try:
+            key, data = random_key(), payload(CONTRACT_CHUNK, 12)
+            assert put_and_wait(tier, key, data, CONTRACT_CHUNK).outcome is PutOutcome.STORED
+            out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+            assert tier.get_into(key, out) == CONTRACT_CHUNK
+            assert torch.equal(out, data)
+            with redis.Redis(host="127.0.0.1", port=srv.port, db=2) as raw:
+                assert raw.exists(tier.redis_name(key)) == 1
+        finally:
+            tier.close()
+    finally:
+        srv.cleanup()
