@@ -1,0 +1,195 @@
+"""``kvtier bench disk``: the disk tier's writes and reads against plain file I/O.
+
+Layout: 32 layers, 8 KV heads, head dim 128, bf16 (an 8B-class model): 256-token chunks
+are 32 MiB. Every repeat, in the same run and the same directory:
+
+* ``write``: ``DiskTier.put`` of every chunk (checksum, temp file, fsync, rename, directory
+  fsync, on the writer pool) until every completion callback ran.
+  ``raw_write``: for each chunk, a plain ``write`` of the same bytes to a new file and
+  ``fsync``, one after another.
+* ``read`` (cold): ``get_many_into`` of every chunk into allocator pages (header check,
+  ``preadv`` into the page, payload checksum), after dropping the files from the page cache
+  (``posix_fadvise(DONTNEED)``). ``raw_read``: plain ``readinto`` of each raw file into the
+  same pages, after the same drop. ``read_cached`` / ``raw_read_cached``: the same again
+  with the files in the page cache (memory bound; the checksum shows there).
+* ``raw_parallel_*``: the same plain I/O spread over ``--threads`` threads, as the tier's
+  pools spread its I/O; ``*_ratio_parallel`` compare against those.
+
+Ratios are kvtier over raw (1.0 = no overhead). Best of ``--repeats``; GB/s are decimal and
+count payload bytes only. ``checksum_gbps`` is xxh3-128 over the same pages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.bench.timing import gbps
+from kvtier.keys import Fingerprint
+from kvtier.layout import KVLayout
+from kvtier.memory.block_pool import BlockPool
+from kvtier.storage.base import PutOutcome, PutResult
+from kvtier.storage.disk import DiskOptions, DiskTier
+from kvtier.storage.records import HEADER_SIZE, payload_checksum
+
+BIG_LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chunks", type=int, default=16, help="chunks per round (16 = 512 MiB)")
+    parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; the best is reported")
+    parser.add_argument("--threads", type=int, default=4, help="disk_io_threads of the tier")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+
+
+class _Completions:
+    def __init__(self) -> None:
+        self.results: list[PutResult] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, result: PutResult) -> None:
+        with self._cond:
+            self.results.append(result)
+            self._cond.notify_all()
+
+    def wait(self, count: int) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self.results) >= count, 600):
+                raise RuntimeError("disk writes did not complete in 10 minutes")
+
+
+def _drop_from_page_cache(directory: Path) -> None:
+    for path in directory.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    layout, chunks, chunk_size = BIG_LAYOUT, int(args.chunks), int(args.chunk_size)
+    chunk_bytes = layout.chunk_bytes(chunk_size)
+    nbytes = chunks * chunk_bytes
+    fingerprint = Fingerprint("bench-disk", layout, chunk_size)
+    root = Path(tempfile.mkdtemp(prefix="kvtier-bench-disk-", dir=args.dir))
+    tier_dir, raw_dir = root / "tier", root / "raw"
+    raw_dir.mkdir()
+    record = HEADER_SIZE + chunk_bytes
+    options = DiskOptions(str(tier_dir), (chunks + 1) * record, int(args.threads), chunks * record)
+    tier = DiskTier(options, layout, fingerprint)
+    pool = BlockPool(chunks, chunk_bytes)
+    best: dict[str, float] = {}
+    pages: list[torch.Tensor] = []
+    workers = ThreadPoolExecutor(int(args.threads))  # the parallel raw baselines
+
+    def raw_write(i: int, suffix: str = "") -> None:
+        with open(raw_dir / f"{i}.raw{suffix}", "wb", buffering=0) as f:
+            f.write(memoryview(pages[i].numpy()))  # type: ignore[arg-type]
+            os.fsync(f.fileno())
+
+    def raw_read(i: int, suffix: str = "") -> None:
+        with open(raw_dir / f"{i}.raw{suffix}", "rb", buffering=0) as f:
+            f.readinto(memoryview(pages[i].numpy()))  # type: ignore[arg-type]
+
+    def timed(name: str, start: float) -> None:
+        best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
+
+    try:
+        pages.extend(pool.page_bytes_view(i) for i in range(chunks))
+        gen = torch.Generator().manual_seed(0)
+        pages[0].copy_(torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8, generator=gen))
+        for i, page in enumerate(pages[1:], start=1):
+            page.copy_(pages[0])
+            page[:8] = torch.tensor(list(i.to_bytes(8, "little")), dtype=torch.uint8)
+        sources = [p.clone() for p in pages]
+        tier.open()
+        for _ in range(int(args.repeats)):
+            keys = [os.urandom(16) for _ in range(chunks)]
+            done = _Completions()
+            start = time.perf_counter()
+            for key, page in zip(keys, pages, strict=True):
+                tier.put(key, page, chunk_size, done)
+            done.wait(chunks)
+            timed("write", start)
+            if any(r.outcome is not PutOutcome.STORED for r in done.results):
+                raise RuntimeError(f"disk writes failed: {done.results}")
+
+            start = time.perf_counter()
+            for i in range(chunks):
+                raw_write(i)
+            timed("raw_write", start)
+            start = time.perf_counter()
+            list(workers.map(raw_write, range(chunks), [".par"] * chunks))
+            timed("raw_parallel_write", start)
+
+            for cached in (False, True):
+                if not cached:
+                    _drop_from_page_cache(tier_dir)
+                    _drop_from_page_cache(raw_dir)
+                suffix = "_cached" if cached else ""
+                for page in pages:
+                    page.zero_()
+                start = time.perf_counter()
+                got = tier.get_many_into(list(zip(keys, pages, strict=True)))
+                timed("read" + suffix, start)
+                if got != [chunk_size] * chunks or not all(
+                    torch.equal(p, s) for p, s in zip(pages, sources, strict=True)
+                ):
+                    raise RuntimeError("disk tier read back different bytes")
+                start = time.perf_counter()
+                for i in range(chunks):
+                    raw_read(i)
+                timed("raw_read" + suffix, start)
+                start = time.perf_counter()
+                list(workers.map(raw_read, range(chunks), [".par"] * chunks))
+                timed("raw_parallel_read" + suffix, start)
+            tier.clear()
+            for path in raw_dir.iterdir():
+                path.unlink()
+
+        for _ in range(int(args.repeats)):
+            start = time.perf_counter()
+            for page in pages:
+                payload_checksum(page)
+            timed("checksum", start)
+    finally:
+        workers.shutdown()
+        tier.close()
+        pool.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+    rate = {name: gbps(nbytes, seconds) for name, seconds in best.items()}
+    return {
+        "chunks": chunks,
+        "chunk_mib": chunk_bytes / 2**20,
+        "io_threads": int(args.threads),
+        "write_gbps": rate["write"],
+        "raw_write_gbps": rate["raw_write"],
+        "write_ratio": rate["write"] / rate["raw_write"],
+        "read_gbps": rate["read"],
+        "raw_read_gbps": rate["raw_read"],
+        "read_ratio": rate["read"] / rate["raw_read"],
+        "read_cached_gbps": rate["read_cached"],
+        "raw_read_cached_gbps": rate["raw_read_cached"],
+        "read_cached_ratio": rate["read_cached"] / rate["raw_read_cached"],
+        # The same plain I/O on as many threads as the tier uses: the ratios a tier with
+        # no overhead would reach 1.0 on, whatever its concurrency buys it.
+        "raw_parallel_write_gbps": rate["raw_parallel_write"],
+        "raw_parallel_read_gbps": rate["raw_parallel_read"],
+        "raw_parallel_read_cached_gbps": rate["raw_parallel_read_cached"],
+        "write_ratio_parallel": rate["write"] / rate["raw_parallel_write"],
+        "read_ratio_parallel": rate["read"] / rate["raw_parallel_read"],
+        "read_cached_ratio_parallel": rate["read_cached"] / rate["raw_parallel_read_cached"],
+        "checksum_gbps": rate["checksum"],
+    }
