@@ -281,6 +281,9 @@ def test_put_after_close_fails_once_and_reads_raise(tmp_path: Path) -> None:
     assert done.wait(1)[0].outcome is PutOutcome.FAILED
     with pytest.raises(StateError):
         tier.contains([random_key()])
+    outs = [(random_key(), torch.zeros(PAGE_BYTES, dtype=torch.uint8)) for _ in range(2)]
+    with pytest.raises(StateError):
+        tier.get_many_into(outs)
 
 
 def test_close_drains_queued_writes(tmp_path: Path) -> None:

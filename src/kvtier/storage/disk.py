@@ -346,10 +346,12 @@ class DiskTier(Tier):
 
     def get_many_into(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[int | None]:
         """Reads of one lookup, overlapped on the reader pool (I/O and hashing drop the GIL)."""
+        with self._lock:
+            self._check_open()
+            if len(items) > 1:
+                self.counters.extra["batched_reads"] += len(items)
         if len(items) <= 1 or self._reader is None:
             return [self.get_into(key, out) for key, out in items]
-        with self._lock:
-            self.counters.extra["batched_reads"] += len(items)
         return list(self._reader.map(lambda item: self.get_into(*item), items))
 
     def _forget(self, key: ChunkKey, *, corrupt: bool) -> None:

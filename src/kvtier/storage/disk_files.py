@@ -57,7 +57,13 @@ def write_record(
     except BaseException:
         unlink_quietly(dir_fd, tmp)
         raise
-    os.fsync(dir_fd)  # makes the rename itself durable
+    try:
+        os.fsync(dir_fd)  # makes the rename itself durable
+    except OSError:
+        # Not durable, so not stored: take the file back rather than leave one the index
+        # does not count.
+        unlink_quietly(dir_fd, final_name(fp_hex, key))
+        raise
 
 
 def _write_all(fd: int, buffers: list[memoryview]) -> None:
