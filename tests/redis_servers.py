@@ -232,3 +232,23 @@ class RedisClusterServers:
     def cleanup(self) -> None:
         for node in self.nodes:
             node.cleanup()
+
+
+def make_tls_files(directory: Path) -> dict[str, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1 signed by it (openssl CLI)."""
+    openssl = require_binary("openssl")
+    files = {name: directory / f"{name}.pem" for name in ("ca", "ca_key", "cert", "key")}
+    ext = directory / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    steps = [
+        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvtier-ca"]
+        + ["-keyout", str(files["ca_key"]), "-out", str(files["ca"])],
+        ["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1"]
+        + ["-keyout", str(files["key"]), "-out", str(directory / "server.csr")],
+        ["x509", "-req", "-in", str(directory / "server.csr"), "-CA", str(files["ca"])]
+        + ["-CAkey", str(files["ca_key"]), "-CAcreateserial", "-days", "1"]
+        + ["-extfile", str(ext), "-out", str(files["cert"])],
+    ]
+    for step in steps:
+        subprocess.run([openssl, *step], check=True, capture_output=True, timeout=60)
+    return files

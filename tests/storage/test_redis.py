@@ -20,7 +20,7 @@ from kvtier.storage.redis import RedisTier
 from kvtier.storage.redis_options import RedisOptions
 from kvtier.storage.remote_url import parse_remote_url
 from tests.conftest import SMALL_LAYOUT, make_kv, make_tokens, small_config
-from tests.redis_servers import RedisServer
+from tests.redis_servers import RedisServer, free_port, make_tls_files
 from tests.storage.tier_contract import (
     CONTRACT_CHUNK,
     CONTRACT_LAYOUT,
@@ -33,6 +33,7 @@ from tests.storage.tier_contract import (
 )
 
 FINGERPRINT = Fingerprint("contract-model", CONTRACT_LAYOUT, CONTRACT_CHUNK)
+FINGERPRINT_SMALL = Fingerprint("m", SMALL_LAYOUT, CONTRACT_CHUNK)
 
 
 @pytest.fixture(scope="module")
@@ -284,3 +285,45 @@ def test_unix_socket_url(tmp_path: Path) -> None:
             tier.close()
     finally:
         srv.cleanup()
+
+
+def test_rediss_url_talks_tls(tmp_path: Path) -> None:
+    tls = make_tls_files(tmp_path)
+    tls_port = free_port()
+    args = ("--tls-port", str(tls_port), "--tls-cert-file", str(tls["cert"]))
+    args += ("--tls-key-file", str(tls["key"]), "--tls-ca-cert-file", str(tls["ca"]))
+    srv = RedisServer(extra_args=(*args, "--tls-auth-clients", "no"))
+    try:
+        srv.start()
+        config = small_config(
+            remote_url=f"rediss://127.0.0.1:{tls_port}",
+            extra_config={"remote_tls_ca_file": str(tls["ca"])},
+        )
+        tier = RedisTier.from_config(config, SMALL_LAYOUT, FINGERPRINT_SMALL)
+        tier.open()
+        try:
+            assert tier.link.is_up
+            key, data = random_key(), payload(CONTRACT_CHUNK, 13)
+            assert put_and_wait(tier, key, data, CONTRACT_CHUNK).outcome is PutOutcome.STORED
+            out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+            assert tier.get_into(key, out) == CONTRACT_CHUNK
+            assert torch.equal(out, data)
+        finally:
+            tier.close()
+        # Without the CA the server's certificate is refused: the tier stays disabled.
+        untrusted = RedisTier.from_config(
+            config.with_overrides(extra_config={}), SMALL_LAYOUT, FINGERPRINT_SMALL
+        )
+        untrusted.open()
+        try:
+            assert not untrusted.link.is_up
+        finally:
+            untrusted.close()
+    finally:
+        srv.cleanup()
+
+
+def test_missing_ca_file_names_its_key() -> None:
+    config = small_config(extra_config={"remote_tls_ca_file": "/nonexistent/ca.pem"})
+    with pytest.raises(ConfigError, match=r"extra_config\.remote_tls_ca_file"):
+        RedisOptions.from_config(config)

@@ -94,7 +94,11 @@ class RedisTier(Tier):
         self.options = options
         self.prefix = f"kvtier:{fingerprint.hex()}:".encode()
         self.link = RedisLink(
-            target, options.timeout_s, max_connections=options.put_threads + 8, name=self.name
+            target,
+            options.timeout_s,
+            max_connections=options.put_threads + 8,
+            name=self.name,
+            tls_ca_file=options.tls_ca_file,
         )
         self._state = _State.NEW
         self._lock = threading.Lock()

@@ -56,7 +56,9 @@ UNREACHABLE: tuple[type[BaseException], ...] = (
 )
 
 
-def make_client(target: RemoteTarget, timeout_s: float, max_connections: int) -> Any:
+def make_client(
+    target: RemoteTarget, timeout_s: float, max_connections: int, tls_ca_file: str | None = None
+) -> Any:
     """A redis-py client for ``target`` with every socket bounded by ``timeout_s`` and no
     hidden retries (a retry would multiply the time a dead server costs each call).
 
@@ -82,9 +84,11 @@ def make_client(target: RemoteTarget, timeout_s: float, max_connections: int) ->
         )
     else:
         host, port = target.nodes[0]
-        connection_class = redis.SSLConnection if target.tls else redis.Connection
+        tls: dict[str, Any] = {}
+        if target.tls:
+            tls = {"connection_class": redis.SSLConnection, "ssl_ca_certs": tls_ca_file}
         pool = redis.ConnectionPool(
-            connection_class=connection_class,
+            **tls,
             host=host,
             port=port,
             db=target.db,
@@ -111,8 +115,10 @@ class RedisLink:
         timeout_s: float,
         max_connections: int = 16,
         name: str = "redis",
+        tls_ca_file: str | None = None,
     ) -> None:
         self.target = target
+        self.tls_ca_file = tls_ca_file
         self.timeout_s = timeout_s
         self.max_connections = max_connections
         self.name = name
@@ -204,7 +210,9 @@ class RedisLink:
         try:
             with self._lock:
                 if self._client is None:
-                    self._client = make_client(self.target, self.timeout_s, self.max_connections)
+                    self._client = make_client(
+                        self.target, self.timeout_s, self.max_connections, self.tls_ca_file
+                    )
                 client = self._client
             ping(client)
         except UNREACHABLE + (RedisError,) as exc:

@@ -9,11 +9,13 @@ key                    default   meaning
 remote_ttl_secs        none      expire each chunk this many seconds after it was written
 remote_put_threads     2         writer threads (each with its own connection)
 remote_inflight_bytes  256MiB    bytes queued or being sent; a put beyond it is DROPPED at once
+remote_tls_ca_file     none      CA bundle that signed the server's certificate (rediss://)
 ====================== ========= =================================================================
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from kvtier.config import Config
@@ -31,6 +33,7 @@ class RedisOptions:
     ttl_s: float | None = None
     put_threads: int = 2
     inflight_bytes: int = DEFAULT_INFLIGHT_BYTES
+    tls_ca_file: str | None = None
 
     @classmethod
     def from_config(cls, config: Config) -> RedisOptions:
@@ -55,7 +58,11 @@ class RedisOptions:
             raise ConfigError(
                 "extra_config.remote_inflight_bytes", 0, "a size above 0, e.g. '256MiB'"
             )
+        ca_file = extra.get("remote_tls_ca_file")
+        if ca_file is not None and (not isinstance(ca_file, str) or not os.path.isfile(ca_file)):
+            raise ConfigError("extra_config.remote_tls_ca_file", ca_file, "a readable PEM file")
         return cls(
+            tls_ca_file=ca_file,
             timeout_s=config.blocking_timeout_secs,
             ttl_s=ttl,
             put_threads=threads,
