@@ -320,7 +320,7 @@ class Engine:
     @property
     def admin_url(self) -> str | None:
         """Base URL of the admin API while it runs (``internal_api_server_enabled``)."""
-        return str(self.admin.url) if self.admin is not None else None
+        return str(self.admin.url) if self.admin is not None and self.admin.running else None
 
     def leaks(self) -> list[LeaseInfo]:
         """Every request still holding something, with what and for how long."""

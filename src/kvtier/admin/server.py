@@ -100,7 +100,7 @@ class AdminServer:
             self._stopping.clear()
             serve = threading.Thread(
                 target=self._httpd.serve_forever,
-                kwargs={"poll_interval": 0.2},
+                kwargs={"poll_interval": 0.1},
                 name="kvtier-admin",
                 daemon=True,
             )
@@ -131,6 +131,10 @@ class AdminServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    @property
+    def running(self) -> bool:
+        return self._httpd is not None
 
     @property
     def port(self) -> int:
@@ -306,7 +310,9 @@ class _Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if length is None:
             return
-        if not length.isdigit() or int(length) > MAX_BODY:
+        if not length.isdigit():
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad Content-Length {length!r}")
+        if int(length) > MAX_BODY:
             raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY} bytes")
         self.rfile.read(int(length))  # no endpoint takes a body; read it so the reply is clean
 
@@ -335,8 +341,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, body, "application/json", extra)
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        # Malformed request lines and oversized headers: JSON like everything else.
+        # Malformed request lines and oversized headers: JSON like everything else, with a
+        # status line even when the request line was too broken to name an HTTP version.
         self.close_connection = True
+        self.request_version = "HTTP/1.0"
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             self._send_json(HTTPStatus(code), {"error": message or HTTPStatus(code).phrase})
 

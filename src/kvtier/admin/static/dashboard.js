@@ -42,6 +42,7 @@ function pct(part, whole) {
 }
 
 function seconds(s) {
+  if (s === null || s === undefined) return "-";
   if (s < 1e-3) return (s * 1e6).toFixed(0) + " \u00b5s";
   if (s < 1) return (s * 1e3).toFixed(1) + " ms";
   return s.toFixed(2) + " s";
@@ -65,14 +66,13 @@ function replaceRows(tbody, rows, emptyText, columns) {
 }
 
 function lineChart(svg, series, opts) {
-  // series: [{name, color, points: [[t, v], ...]}]; one shared y scale from 0.
+  // series: [{color, points: [[t, v], ...]}]; one shared y scale from 0. The label is HTML
+  // beside the SVG: text inside a non-uniformly scaled SVG would be stretched.
   svg.replaceChildren();
+  const label = document.getElementById(svg.id + "-label");
   const all = series.flatMap((s) => s.points);
   if (all.length < 2) {
-    const text = document.createElementNS(SVG_NS, "text");
-    text.setAttribute("x", "8"); text.setAttribute("y", "20");
-    text.textContent = "collecting samples\u2026";
-    svg.append(text);
+    label.textContent = "collecting samples\u2026";
     return;
   }
   const t0 = Math.min(...all.map((p) => p[0])), t1 = Math.max(...all.map((p) => p[0]));
@@ -85,10 +85,8 @@ function lineChart(svg, series, opts) {
     line.setAttribute("stroke", s.color);
     svg.append(line);
   }
-  const label = document.createElementNS(SVG_NS, "text");
-  label.setAttribute("x", "6"); label.setAttribute("y", "14");
-  label.textContent = opts.format(vmax);
-  svg.append(label);
+  const span = Math.round(t1 - t0);
+  label.textContent = "max " + opts.format(vmax) + " \u00b7 last " + (span >= 120 ? Math.round(span / 60) + " min" : span + " s");
 }
 
 function renderTiers(stats, history) {
@@ -185,10 +183,11 @@ function renderCounters(stats) {
     ["chunks dropped (memory pinned)", stats.dropped_chunks], ["evictions", tierSum(stats, "evicted")],
     ["checksum failures", tierSum(stats, "corrupt")], ["load failures", stats.load_failures],
     ["requests ended", stats.requests],
-    ["lookup p50 / p99 \u2264", seconds(lat.lookup.p50_le_s) + " / " + seconds(lat.lookup.p99_le_s)],
-    ["store p50 / p99 \u2264", seconds(lat.store.p50_le_s) + " / " + seconds(lat.store.p99_le_s)],
-    ["retrieve p50 / p99 \u2264", seconds(lat.retrieve.p50_le_s) + " / " + seconds(lat.retrieve.p99_le_s)],
   ];
+  for (const op of ["lookup", "store", "retrieve"]) {
+    const l = lat[op];
+    rows.push([op + " p50 / p99 \u2264", l.count ? seconds(l.p50_le_s) + " / " + seconds(l.p99_le_s) : "-"]);
+  }
   replaceRows(document.querySelector("#counters tbody"),
     rows.map(([k, v]) => el("tr", {}, el("td", {}, k), el("td", {}, v))), "", 2);
 }

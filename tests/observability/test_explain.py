@@ -1,0 +1,183 @@
+"""Per-request explain: each chunk's hit tier or the reason it missed."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier import Engine
+from kvtier.errors import ConfigError
+from kvtier.observability import explain as ex
+from kvtier.storage.records import HEADER_SIZE
+from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
+
+CHUNK_BYTES = SMALL_LAYOUT.chunk_bytes(SMALL_CHUNK)
+
+
+def outcomes(engine: Engine, request_id: str) -> list[str]:
+    record = engine.observer.explain.get(request_id)
+    assert record is not None
+    return [f"hit:{c['tier']}" if c["hit"] else c["reason"] for c in record["chunks"]]
+
+
+def test_hit_tier_and_not_stored(engine: Engine) -> None:
+    tokens = make_tokens(32)
+    engine.store(tokens, make_kv(32))
+    prompt = tokens + make_tokens(40, seed=5)  # 2 hit chunks, 2 new chunks, 8 tail tokens
+    engine.lookup(prompt, "r")
+    assert outcomes(engine, "r") == ["hit:cpu", "hit:cpu", ex.NOT_STORED, ex.NOT_STORED, ex.PARTIAL]
+    record = engine.observer.explain.get("r")
+    assert record is not None
+    assert record["prompt_tokens"] == 72 and record["hit_tokens"] == 32
+    assert record["summary"] == {
+        "hit_chunks_by_tier": {"cpu": 2},
+        "miss_chunks_by_reason": {ex.NOT_STORED: 2, ex.PARTIAL: 1},
+    }
+    assert [(c["start"], c["end"]) for c in record["chunks"]][-1] == (64, 72)
+    spans = engine.keychain.keys(prompt, include_partial=False)
+    assert [c["key"] for c in record["chunks"][:4]] == [s.key.hex() for s in spans]
+    engine.end_request("r")
+
+
+def test_evicted_from_cpu(engine_factory: Callable[..., Engine]) -> None:
+    engine = engine_factory(cpu_chunks=2)
+    first = make_tokens(32, seed=1)
+    engine.store(first, make_kv(32, seed=1))
+    engine.store(make_tokens(32, seed=2), make_kv(32, seed=2))  # evicts both chunks of `first`
+    engine.lookup(first, "r")
+    assert outcomes(engine, "r") == [ex.EVICTED, ex.EVICTED]
+    record = engine.observer.explain.get("r")
+    assert record is not None and "evicted from cpu" in record["chunks"][0]["detail"]
+    engine.end_request("r")
+
+
+def test_not_contiguous_after_an_evicted_chunk(engine_factory: Callable[..., Engine]) -> None:
+    engine = engine_factory(cpu_chunks=4)
+    tokens = make_tokens(48)
+    engine.store(tokens, make_kv(48))  # chunks 0, 1, 2; one page left
+    engine.lookup(tokens[:16], "touch")  # chunk 0 becomes most recently used
+    engine.end_request("touch")
+    engine.store(make_tokens(32, seed=3), make_kv(32, seed=3))  # evicts the LRU: chunk 1
+    engine.lookup(tokens, "r")
+    assert outcomes(engine, "r") == ["hit:cpu", ex.EVICTED, ex.NOT_CONTIGUOUS]
+    record = engine.observer.explain.get("r")
+    assert record is not None
+    assert record["chunks"][1]["detail"].startswith("evicted from cpu at ")
+    assert record["chunks"][2]["detail"] == "held by cpu, but chunk 1 before it missed"
+    engine.end_request("r")
+
+
+def test_stored_then_cleared_reads_as_evicted(engine: Engine) -> None:
+    tokens = make_tokens(16, seed=11)
+    engine.store(tokens, make_kv(16, seed=11))
+    assert engine.clear() == {"cpu": 1}
+    engine.lookup(tokens, "r")
+    assert outcomes(engine, "r") == [ex.EVICTED]
+    record = engine.observer.explain.get("r")
+    assert record is not None and "no tier holds it now" in record["chunks"][0]["detail"]
+    engine.end_request("r")
+
+
+def test_fingerprint_mismatch_names_the_field(engine_factory: Callable[..., Engine]) -> None:
+    salted = engine_factory(cache_salt="tenant-a")
+    plain = engine_factory(model_name="test-model")
+    tokens = make_tokens(32, seed=7)
+    salted.store(tokens, make_kv(32, seed=7))
+    plain.lookup(tokens, "r")
+    assert outcomes(plain, "r") == [ex.FINGERPRINT_MISMATCH, ex.FINGERPRINT_MISMATCH]
+    record = plain.observer.explain.get("r")
+    assert record is not None
+    assert record["chunks"][0]["detail"] == "stored under cache_salt 'tenant-a' (this engine: '')"
+    plain.end_request("r")
+
+
+def test_store_dropped_when_every_page_is_pinned(engine_factory: Callable[..., Engine]) -> None:
+    engine = engine_factory(cpu_chunks=2)
+    held = make_tokens(32, seed=1)
+    engine.store(held, make_kv(32, seed=1))
+    engine.lookup(held, "holder")  # pins both pages
+    dropped = make_tokens(32, seed=2)
+    engine.store(dropped, make_kv(32, seed=2))
+    engine.lookup(dropped, "r")
+    assert outcomes(engine, "r") == [ex.STORE_DROPPED, ex.STORE_DROPPED]
+    engine.end_request("holder")
+    engine.end_request("r")
+
+
+def test_skip_leading_tokens_show_as_engine(engine: Engine) -> None:
+    tokens = make_tokens(48)
+    engine.store(tokens, make_kv(48))
+    engine.lookup(tokens, "r", skip_leading_tokens=16)
+    assert outcomes(engine, "r") == ["hit:engine", "hit:cpu", "hit:cpu"]
+    engine.end_request("r")
+
+
+def test_checksum_failure_at_retrieve(tmp_path: Path) -> None:
+    config = small_config(
+        cpu_chunks=4,
+        local_cpu=False,
+        use_only_staging_buffer=True,
+        local_disk=str(tmp_path),
+        max_local_disk_size=f"{16 * (CHUNK_BYTES + HEADER_SIZE)}B",
+    )
+    with Engine(config, SMALL_LAYOUT, model_name="test-model") as engine:
+        tokens = make_tokens(48)
+        engine.store(tokens, make_kv(48))
+        assert engine.flush(10)
+        second = engine.keychain.keys(tokens, include_partial=False)[1].key
+        for name in os.listdir(tmp_path):
+            if second.hex() in name:
+                with open(tmp_path / name, "r+b") as f:
+                    f.seek(HEADER_SIZE + 3)
+                    f.write(b"\x00\x01\x02\x03")
+        assert engine.lookup(tokens, "r") == 48
+        assert outcomes(engine, "r") == ["hit:disk", "hit:disk", "hit:disk"]
+        assert engine.retrieve(tokens, "r").shape[2] == 16
+        assert outcomes(engine, "r") == ["hit:disk", ex.CHECKSUM_FAILURE, ex.NOT_CONTIGUOUS]
+        engine.end_request("r")
+        # a later request is told the chunk failed its checksum (the tier removed it)
+        engine.lookup(tokens, "again")
+        assert outcomes(engine, "again") == ["hit:disk", ex.CHECKSUM_FAILURE, ex.NOT_CONTIGUOUS]
+        engine.end_request("again")
+
+
+def test_ring_is_bounded_and_keeps_the_newest(engine_factory: Callable[..., Engine]) -> None:
+    engine = engine_factory(extra_config={"explain_requests": 3})
+    tokens = make_tokens(16)
+    for i in range(5):
+        engine.lookup(tokens, f"r{i}")
+        engine.end_request(f"r{i}")
+    log = engine.observer.explain
+    assert len(log) == 3
+    assert log.get("r0") is None and log.get("r4") is not None
+    assert [r["request_id"] for r in log.recent(10)] == ["r4", "r3", "r2"]
+    engine.lookup(tokens, "r4")
+    record = log.get("r4")
+    assert record is not None and record["lookups"] == 2
+
+
+def test_explain_can_be_turned_off(engine_factory: Callable[..., Engine]) -> None:
+    engine = engine_factory(extra_config={"explain_requests": 0})
+    engine.lookup(make_tokens(16), "r")
+    assert engine.observer.explain.get("r") is None
+    engine.end_request("r")
+
+
+@pytest.mark.parametrize("bad", [-1, "10", 1.5, True, 10**7])
+def test_bad_explain_size_is_a_config_error(bad: Any) -> None:
+    with pytest.raises(ConfigError, match=r"extra_config\.explain_requests"):
+        Engine(small_config(extra_config={"explain_requests": bad}), SMALL_LAYOUT, model_name="m")
+
+
+def test_key_memory_is_bounded() -> None:
+    from kvtier.keys import Fingerprint
+
+    log = ex.ExplainLog(
+        Fingerprint("m", SMALL_LAYOUT, SMALL_CHUNK), save_unfull_chunk=False, key_memory=4
+    )
+    log.note_evicted("cpu", [bytes([i]) * 16 for i in range(10)])
+    assert len(log._fate) == 4
