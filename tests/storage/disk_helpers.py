@@ -6,7 +6,8 @@ import os
 from pathlib import Path
 
 from kvtier.keys import Fingerprint
-from kvtier.storage.disk import DiskOptions, DiskTier
+from kvtier.storage.disk import DiskTier
+from kvtier.storage.disk_config import DiskOptions
 from kvtier.storage.records import HEADER_SIZE
 from tests.storage.tier_contract import CONTRACT_CHUNK, CONTRACT_LAYOUT, PAGE_BYTES
 

@@ -13,7 +13,8 @@ import torch
 from kvtier.errors import ConfigError, StateError
 from kvtier.keys import Fingerprint
 from kvtier.storage.base import PutOutcome, PutResult
-from kvtier.storage.disk import DiskTier, parse_local_disk
+from kvtier.storage.disk import DiskTier
+from kvtier.storage.disk_config import parse_local_disk
 from kvtier.storage.records import HEADER_SIZE
 from tests.conftest import small_config
 from tests.storage.disk_helpers import FP, RECORD_BYTES, chunk_files, make_tier, temp_files

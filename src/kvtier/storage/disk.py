@@ -22,8 +22,7 @@ there; a mismatch, a bad header or a wrong length is a miss: logged, file remove
 by mtime), temporary leftovers of this fingerprint are deleted, and bad files are removed
 and counted. The index is never written anywhere: the files are the truth.
 
-Options (``extra_config``): ``disk_io_threads`` (writer and reader pool size, default 4),
-``disk_max_inflight_bytes`` (default 256 MiB, at least two records).
+Settings: :mod:`kvtier.storage.disk_config`.
 """
 
 from __future__ import annotations
@@ -35,26 +34,22 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from urllib.parse import unquote, urlparse
 
 import torch
 
 from kvtier.config import Config
-from kvtier.config import parsers as p
-from kvtier.config.sizes import format_size, parse_size
+from kvtier.config.sizes import format_size
 from kvtier.errors import ConfigError, CorruptRecord, StateError
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.storage import disk_files as files
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
+from kvtier.storage.disk_config import DiskOptions, open_directory, options_from_config
 from kvtier.storage.disk_index import DiskEntry, DiskIndex
 from kvtier.storage.records import HEADER_SIZE, encode_header, verify_payload
 
 log = logging.getLogger(__name__)
 
-DEFAULT_IO_THREADS = 4
-DEFAULT_MAX_INFLIGHT_BYTES = 256 * 1024**2
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _EXTRA_COUNTERS = (
     "dropped_inflight",  # bytes-in-flight bound reached: a slow disk throttles stores
@@ -74,24 +69,6 @@ class _State(enum.Enum):
     NEW = "new"
     OPEN = "open"
     CLOSED = "closed"
-
-
-@dataclass(frozen=True, slots=True)
-class DiskOptions:
-    path: str
-    capacity_bytes: int
-    io_threads: int = DEFAULT_IO_THREADS
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
-
-
-def parse_local_disk(raw: str) -> str:
-    """``local_disk`` as a filesystem path: a plain path or a ``file://`` URL."""
-    if "://" not in raw:
-        return os.path.abspath(os.path.expanduser(raw))
-    url = urlparse(raw)
-    if url.scheme != "file" or url.netloc not in ("", "localhost") or not url.path:
-        raise ConfigError("local_disk", raw, "a directory path or a file:// URL (file:///abs/dir)")
-    return os.path.abspath(unquote(url.path))
 
 
 class DiskTier(Tier):
@@ -117,31 +94,7 @@ class DiskTier(Tier):
     @classmethod
     def from_config(cls, config: Config, layout: KVLayout, fingerprint: Fingerprint) -> DiskTier:
         """Validate the disk keys (nothing touches the disk until :meth:`open`)."""
-        if not config.local_disk:
-            raise ConfigError("local_disk", config.local_disk, "a directory path or file:// URL")
-        extra = config.extra_config or {}
-        record_bytes = HEADER_SIZE + layout.chunk_bytes(fingerprint.chunk_size)
-        if config.max_local_disk_size < record_bytes:
-            raise ConfigError(
-                "max_local_disk_size",
-                config.max_local_disk_size,
-                f"at least one chunk file ({record_bytes} bytes = {format_size(record_bytes)}) "
-                "for this model layout and chunk_size",
-            )
-        threads = p.integer(1, 64)("extra_config.disk_io_threads", extra.get("disk_io_threads", 4))
-        inflight_key = "extra_config.disk_max_inflight_bytes"
-        if "disk_max_inflight_bytes" in extra:
-            inflight = parse_size(inflight_key, extra["disk_max_inflight_bytes"], 1)
-            if inflight < record_bytes:
-                raise ConfigError(
-                    inflight_key, inflight, f"at least one chunk file ({record_bytes} bytes)"
-                )
-        else:
-            inflight = max(DEFAULT_MAX_INFLIGHT_BYTES, 2 * record_bytes)
-        options = DiskOptions(
-            parse_local_disk(config.local_disk), config.max_local_disk_size, threads, inflight
-        )
-        return cls(options, layout, fingerprint)
+        return cls(options_from_config(config, layout, fingerprint.chunk_size), layout, fingerprint)
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> None:
@@ -149,7 +102,7 @@ class DiskTier(Tier):
         with self._lock:
             if self._state is not _State.NEW:
                 raise StateError(f"disk tier is {self._state.value}; open it once")
-            self._dir_fd = _open_directory(self.options.path, self.fp_hex)
+            self._dir_fd = open_directory(self.options.path, self.fp_hex)
             try:
                 self._rebuild_index()
             except OSError as exc:
@@ -411,23 +364,3 @@ def _complete(on_done: OnDone, result: PutResult) -> None:
         on_done(result)
     except Exception:  # a callback bug must not kill an I/O thread or skip accounting
         log.exception("disk put callback for %s raised", result.key.hex())
-
-
-def _open_directory(path: str, fp_hex: str) -> int:
-    """Create the directory if only its last component is missing; prove it is writable."""
-    try:
-        if not os.path.exists(path):
-            os.mkdir(path, 0o755)
-            log.info("disk tier created directory %s", path)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as exc:
-        reason = "its parent does not exist" if exc.errno == errno.ENOENT else exc.strerror
-        raise ConfigError("local_disk", path, f"a writable directory ({reason})") from None
-    probe = f".{fp_hex}-probe.{os.getpid()}{files.TMP_SUFFIX}"
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600, dir_fd=fd))
-        os.unlink(probe, dir_fd=fd)
-    except OSError as exc:
-        os.close(fd)
-        raise ConfigError("local_disk", path, f"a writable directory ({exc.strerror})") from None
-    return fd
