@@ -327,3 +327,30 @@ def test_missing_ca_file_names_its_key() -> None:
     config = small_config(extra_config={"remote_tls_ca_file": "/nonexistent/ca.pem"})
     with pytest.raises(ConfigError, match=r"extra_config\.remote_tls_ca_file"):
         RedisOptions.from_config(config)
+
+
+def test_a_foreign_value_under_a_chunk_name_is_a_miss(tier: RedisTier, server: RedisServer) -> None:
+    key = random_key()
+    with server.client() as raw:
+        raw.hset(tier.redis_name(key), "field", "value")  # WRONGTYPE for GET
+    out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+    assert tier.get_into(key, out) is None
+    assert tier.link.is_up  # a refused command is not an outage
+    assert tier.counters.misses == 1
+
+
+def test_lookup_without_scripting_falls_back_to_a_pipeline() -> None:
+    srv = RedisServer(extra_args=("--rename-command", "EVAL", ""))  # as some services do
+    try:
+        srv.start()
+        tier = open_tier(srv.url)
+        try:
+            keys = [random_key() for _ in range(3)]
+            put_and_wait(tier, keys[1], payload(CONTRACT_CHUNK, 14), CONTRACT_CHUNK)
+            assert tier.contains(keys) == [False, True, False]
+            assert not tier._use_script  # EVAL was refused; the pipeline answered
+            assert tier.contains(keys) == [False, True, False]
+        finally:
+            tier.close()
+    finally:
+        srv.cleanup()
