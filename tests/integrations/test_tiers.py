@@ -1,0 +1,77 @@
+"""The oracle per tier: KV served from disk (after a restart) and from Redis (shared by two
+engines) gives the same tokens and logits as recomputing it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier.integrations.transformers import KVTierConnector
+from tests.integrations.oracle import CHUNK, make_engine, reference, tiny_model, tokens
+from tests.redis_servers import RedisServer
+
+NEW = 10
+MODELS = [("llama", torch.float32, 1e-5), ("qwen2", torch.bfloat16, 6e-2)]
+IDS = ["llama-float32", "qwen2-bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+def warm_then_serve(model: Any, tol: float, tier: str, **overrides: object) -> None:
+    """Engine 1 computes and stores; engine 2 (a new process's view: empty CPU tier) must
+    serve the prefix from ``tier`` and generate exactly what recomputation generates."""
+    base = tokens(4 * CHUNK + 5, seed=21)
+    first = make_engine(model, **overrides)
+    try:
+        KVTierConnector(first, model).generate(base, 2)
+        assert first.flush(10)
+    finally:
+        first.close()  # drains writes: the data is in the lower tier, the CPU copy is gone
+
+    second = make_engine(model, **overrides)
+    try:
+        conn = KVTierConnector(second, model)
+        prompt = torch.cat([base, tokens(11, seed=22)])
+        want_tokens, want_logits = reference(model, prompt, NEW)
+        pre = conn.prefill(prompt)
+        assert pre.reused_tokens == 4 * CHUNK
+        assert second.stats()["hit_tokens_by_tier"] == {tier: 4 * CHUNK}
+        torch.testing.assert_close(pre.logits.float(), want_logits.float(), atol=tol, rtol=0)
+        assert conn.generate(prompt, NEW).tokens == want_tokens
+        assert second.leaks() == []
+        second.flush(10)
+        assert second.check_invariants() == []
+    finally:
+        second.close()
+
+
+@pytest.mark.parametrize(("family", "dtype", "tol"), MODELS, ids=IDS)
+def test_disk_tier_after_restart(
+    tmp_path: Path, family: str, dtype: torch.dtype, tol: float
+) -> None:
+    warm_then_serve(
+        tiny_model(family, dtype),
+        tol,
+        "disk",
+        local_disk=str(tmp_path),
+        max_local_disk_size="64MiB",
+    )
+
+
+@pytest.mark.parametrize(("family", "dtype", "tol"), MODELS, ids=IDS)
+def test_redis_tier_shared_by_two_engines(
+    redis_server: RedisServer, family: str, dtype: torch.dtype, tol: float
+) -> None:
+    redis_server.client().flushall()
+    warm_then_serve(tiny_model(family, dtype), tol, "redis", remote_url=redis_server.url)
