@@ -269,7 +269,12 @@ class RedisTier(Tier):
 
     def _write_loop(self) -> None:
         while (job := self._queue.get()) is not None:
-            result = self._write(job)
+            try:
+                result = self._write(job)
+            except Exception as exc:  # a bug must not kill the writer and hang flush/close
+                log.exception("redis write of %s failed unexpectedly", job.key.hex())
+                self._bump(failed=1)
+                result = PutResult(job.key, PutOutcome.FAILED, repr(exc))
             with self._lock:
                 self._inflight_bytes -= job.nbytes
                 self._pending -= 1
