@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-size", choices=sorted(SIZES), default="medium")
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--chunk-size", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
 
 
