@@ -84,6 +84,18 @@ def test_page_shows_occupancy_and_updates_after_a_store(
     engine.end_request("open-request")
 
 
+def test_explain_link_renders_the_chunk_table(engine: Engine) -> None:
+    tokens = make_tokens(32)
+    engine.store(tokens, make_kv(32))
+    engine.lookup(tokens + make_tokens(20, seed=3), "asked")
+    engine.end_request("asked")
+    dom = Dom(run_chromium(page_url(engine) + "#explain=asked", "--dump-dom", virtual_ms=1500))
+    text = dom.text["explain"]
+    assert "explain asked" in text
+    assert "0\u20131" in text and "hit in cpu" in text  # chunks 0-1 hit in the CPU tier
+    assert "not stored" in text and "partial chunk" in text
+
+
 def test_page_without_the_token_is_refused(engine: Engine) -> None:
     assert engine.admin_url is not None
     html = run_chromium(engine.admin_url + "/", "--dump-dom", virtual_ms=1000)

@@ -11,12 +11,13 @@ if (query.has("token")) {
   sessionStorage.setItem("kvtier-token", query.get("token"));
   query.delete("token");
   const rest = query.toString();
-  history.replaceState(null, "", location.pathname + (rest ? "?" + rest : ""));
+  history.replaceState(null, "", location.pathname + (rest ? "?" + rest : "") + location.hash);
 }
 const token = sessionStorage.getItem("kvtier-token");
 
 let previous = null;      // the last /stats answer, for the activity feed
-let selected = null;      // the request id being explained
+// The request id being explained: clicked, or linked as #explain=<request id>.
+let selected = new URLSearchParams(location.hash.slice(1)).get("explain");
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -212,7 +213,7 @@ function renderActivity(stats) {
 
 function renderRequests(requests) {
   replaceRows(document.querySelector("#requests tbody"), requests.map((r) =>
-    el("tr", { onclick: () => { selected = r.request_id; explain(); } },
+    el("tr", { onclick: () => { selected = r.request_id; history.replaceState(null, "", "#explain=" + encodeURIComponent(selected)); explain(); } },
       el("td", { title: r.request_id }, r.request_id), el("td", {}, r.prompt_tokens),
       el("td", {}, r.hit_tokens), el("td", {}, pct(r.hit_tokens, r.prompt_tokens)))), "no lookups yet", 4);
 }
@@ -260,6 +261,7 @@ async function poll() {
     renderCounters(stats);
     renderActivity(stats);
     renderRequests(requests.requests);
+    if (selected && !document.getElementById("explain").childElementCount) explain();
     status.textContent = "live \u00b7 updated " + new Date().toLocaleTimeString();
     status.className = "status live";
     document.body.setAttribute("data-polls", String(Number(document.body.getAttribute("data-polls") || 0) + 1));
