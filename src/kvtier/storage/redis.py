@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import enum
 import logging
-import queue
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -55,6 +53,7 @@ from kvtier.storage.redis_link import RedisLink
 from kvtier.storage.redis_options import RedisOptions
 from kvtier.storage.redis_wire import get_into, set_parts
 from kvtier.storage.remote_url import RemoteTarget, parse_remote_url
+from kvtier.storage.write_queue import Write, WriteQueue, complete
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +71,6 @@ class _State(enum.Enum):
     NEW = "new"
     OPEN = "open"
     CLOSED = "closed"
-
-
-@dataclass(slots=True)
-class _Write:
-    key: ChunkKey
-    payload: torch.Tensor
-    num_tokens: int
-    nbytes: int
-    on_done: OnDone
 
 
 class RedisTier(Tier):
@@ -108,14 +98,12 @@ class RedisTier(Tier):
             name=self.name,
             tls_ca_file=options.tls_ca_file,
         )
+        self.writes = WriteQueue(
+            options.put_threads, options.inflight_bytes, self._write, "kvtier-redis-writer"
+        )
         self._state = _State.NEW
         self._lock = threading.Lock()
-        self._drained = threading.Condition(self._lock)
-        self._inflight_bytes = 0
-        self._pending = 0
         self._pins: dict[ChunkKey, int] = {}
-        self._queue: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
-        self._writers: list[threading.Thread] = []
         self._last_usage = TierUsage(0, 0, 0)
         self._use_script = True  # until the server refuses EVAL
         self._set_options: tuple[bytes, ...] = (
@@ -136,12 +124,7 @@ class RedisTier(Tier):
         if self._state is not _State.NEW:
             raise StateError(f"redis tier is {self._state.value}; open it once")
         self.link.open()
-        for i in range(self.options.put_threads):
-            thread = threading.Thread(
-                target=self._write_loop, name=f"kvtier-redis-writer-{i}", daemon=True
-            )
-            thread.start()
-            self._writers.append(thread)
+        self.writes.start()
         self._state = _State.OPEN
 
     def close(self) -> None:
@@ -150,12 +133,7 @@ class RedisTier(Tier):
             self._state = _State.CLOSED
             return
         self._state = _State.CLOSED
-        self.flush(None)
-        for _ in self._writers:
-            self._queue.put(None)
-        for thread in self._writers:
-            thread.join()
-        self._writers.clear()
+        self.writes.close()
         self.link.close()
 
     def _check_open(self) -> None:
@@ -251,37 +229,13 @@ class RedisTier(Tier):
     def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
         self._check_open()
         nbytes = records.header_size() + payload.numel()
-        reason = ""
-        limit = self.options.inflight_bytes
-        with self._lock:
-            if not self.link.is_up:
-                reason = "remote tier is down"
-            elif self._inflight_bytes and self._inflight_bytes + nbytes > limit:
-                reason = f"over remote_inflight_bytes={limit}"
-            else:
-                self._inflight_bytes += nbytes
-                self._pending += 1
+        write = Write(key, payload, num_tokens, nbytes, on_done)
+        reason = "remote tier is down" if not self.link.is_up else self.writes.submit(write)
         if reason:
             self._bump(dropped=1)
-            _complete(on_done, PutResult(key, PutOutcome.DROPPED, reason))
-            return
-        self._queue.put(_Write(key, payload, num_tokens, nbytes, on_done))
+            complete(on_done, PutResult(key, PutOutcome.DROPPED, reason))
 
-    def _write_loop(self) -> None:
-        while (job := self._queue.get()) is not None:
-            try:
-                result = self._write(job)
-            except Exception as exc:  # a bug must not kill the writer and hang flush/close
-                log.exception("redis write of %s failed unexpectedly", job.key.hex())
-                self._bump(failed=1)
-                result = PutResult(job.key, PutOutcome.FAILED, repr(exc))
-            with self._lock:
-                self._inflight_bytes -= job.nbytes
-                self._pending -= 1
-                self._drained.notify_all()
-            _complete(job.on_done, result)
-
-    def _write(self, job: _Write) -> PutResult:
+    def _write(self, job: Write) -> PutResult:
         try:
             header = records.encode_header(job.key, self.fingerprint, job.num_tokens, job.payload)
             body = memoryview(job.payload.numpy()).cast("B")  # type: ignore[arg-type]  # flat bytes, never a 2-D view
@@ -305,8 +259,7 @@ class RedisTier(Tier):
             pool.release(conn)
 
     def flush(self, timeout: float | None = None) -> bool:
-        with self._lock:
-            return self._drained.wait_for(lambda: self._pending == 0, timeout)
+        return self.writes.flush(timeout)
 
     # -- management ------------------------------------------------------------------------
     def remove(self, key: ChunkKey) -> bool:
@@ -408,10 +361,3 @@ def _servers(client: Any) -> list[Any]:
 
 def _px(options: Sequence[bytes]) -> int | None:
     return int(options[1]) if options else None
-
-
-def _complete(on_done: OnDone, result: PutResult) -> None:
-    try:
-        on_done(result)
-    except Exception:  # a callback's bug must not kill a writer thread or skip the others
-        log.exception("put completion callback failed for %s", result.key.hex())
