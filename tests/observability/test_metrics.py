@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier import Engine
-from kvtier.observability.metrics import PD_FIELDS, engine_registry
+from kvtier.observability.metrics import PD_FIELDS, engine_registry, pd_view
 from kvtier.storage.records import HEADER_SIZE
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
 
@@ -189,3 +189,16 @@ def test_closed_engine_scrapes_empty() -> None:
     assert value(reg, "kvtier_lookups_total") == 0
     engine.close()
     assert generate_latest(reg) == b""
+
+
+def test_pd_view_reads_the_decoder_pd_tier() -> None:
+    assert pd_view({"tiers": {"cpu": {}}}) is None
+    tier = {"used_bytes": 4096, "capacity_bytes": 65536, "bytes_written": 12288}
+    assert pd_view({"tiers": {"pd": tier}}) == {
+        "buffer_used_bytes": 4096,
+        "buffer_capacity_bytes": 65536,
+        "received_bytes": 12288,
+    }
+    reported = {"sent_bytes": 5, "received_bytes": 99}
+    view = pd_view({"tiers": {"pd": tier}, "pd": reported})
+    assert view is not None and view["received_bytes"] == 99 and view["sent_bytes"] == 5

@@ -45,7 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvtier.admin.dashboard import dashboard_html
 from kvtier.errors import StateError
-from kvtier.observability.metrics import engine_registry
+from kvtier.observability.metrics import engine_registry, pd_view
 
 if TYPE_CHECKING:
     from kvtier.engine import Engine
@@ -173,6 +173,7 @@ class AdminServer:
             "layout": engine.layout.describe(),
         }
         stats["observability"] = engine.observer.snapshot()
+        stats["pd"] = pd_view(stats)
         stats["time"] = time.time()
         return stats
 
@@ -180,7 +181,7 @@ class AdminServer:
         """One point of the dashboard's history (also taken by the sampler thread)."""
         stats = self.engine.stats()
         ttft = self.engine.observer.snapshot()["ttft"]
-        pd = stats.get("pd") if isinstance(stats.get("pd"), dict) else {}
+        pd = pd_view(stats) or {}
         point = {
             "time": time.time(),
             "lookup_tokens": stats["lookup_tokens"],
@@ -189,7 +190,7 @@ class AdminServer:
             "pinned_bytes": stats["pinned_bytes"],
             "ttft_saved_seconds": ttft["saved_seconds_estimate"],
             "tier_used_bytes": {n: t["used_bytes"] for n, t in stats["tiers"].items()},
-            "pd_buffer_used_bytes": pd.get("buffer_used_bytes") if pd else None,
+            "pd_buffer_used_bytes": pd.get("buffer_used_bytes"),
         }
         with self._history_lock:
             self.history.append(point)

@@ -8,7 +8,8 @@ registries; nothing is registered globally.
 
 Metric names follow Prometheus conventions (``kvtier_`` prefix, base units in the name,
 ``_total`` for counters); docs/operations.md lists them all. PD metrics appear when
-``engine.stats()`` carries a ``"pd"`` mapping with the fields in :data:`PD_FIELDS`.
+``engine.stats()`` carries a ``"pd"`` mapping with the fields in :data:`PD_FIELDS`, or the
+engine has a ``pd`` tier (the decoder's receive buffer), see :func:`pd_view`.
 """
 
 from __future__ import annotations
@@ -69,6 +70,24 @@ PD_FIELDS: tuple[tuple[str, str, str, str], ...] = (
 )
 
 
+def pd_view(stats: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The PD figures of ``stats``: its ``"pd"`` mapping when the PD code reports one, with
+    the buffer occupancy and received bytes of the decoder's ``pd`` tier filled in where that
+    tier exists. None when PD is not in use."""
+    reported = stats.get("pd")
+    tier = stats.get("tiers", {}).get("pd")
+    if not isinstance(reported, Mapping) and tier is None:
+        return None
+    view: dict[str, Any] = {}
+    if tier is not None:
+        view["buffer_used_bytes"] = tier.get("used_bytes", 0)
+        view["buffer_capacity_bytes"] = tier.get("capacity_bytes", 0)
+        view["received_bytes"] = tier.get("bytes_written", 0)
+    if isinstance(reported, Mapping):
+        view.update(reported)
+    return view
+
+
 def engine_registry(engine: Engine) -> CollectorRegistry:
     """A registry with one collector reading ``engine`` at every scrape."""
     registry = CollectorRegistry(auto_describe=False)
@@ -90,8 +109,8 @@ class EngineCollector(Collector):
         yield from _tier_metrics(stats["tiers"], self.engine.layout.token_bytes(), stats)
         yield from _lease_metrics(stats, ages)
         yield from self._histograms()
-        pd = stats.get("pd")
-        if isinstance(pd, Mapping):
+        pd = pd_view(stats)
+        if pd is not None:
             yield from _pd_metrics(pd)
 
     def _histograms(self) -> Iterator[Metric]:
