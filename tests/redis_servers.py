@@ -204,19 +204,22 @@ class RedisClusterServers:
                 stderr=subprocess.PIPE,
                 timeout=60,
             )
-            wait_until(self._all_ok, 30, "cluster_state:ok on every node")
+            wait_until(self.all_ok, 30, "cluster_state:ok on every node")
         except BaseException:
             self.cleanup()
             raise
         return self
 
-    def _all_ok(self) -> bool:
+    def all_ok(self) -> bool:
         for node in self.nodes:
-            with node.client(timeout=1.0) as client:
-                info = client.execute_command("CLUSTER", "INFO")
-                text = info.decode() if isinstance(info, bytes) else str(info)
-                if "cluster_state:ok" not in text:
-                    return False
+            try:
+                with node.client(timeout=1.0) as client:
+                    info = client.execute_command("CLUSTER", "INFO")
+            except redis.RedisError:
+                return False
+            text = info.decode() if isinstance(info, bytes) else str(info)
+            if "cluster_state:ok" not in text:
+                return False
         return True
 
     def node_holding(self, key: bytes | str) -> RedisServer:

@@ -254,3 +254,33 @@ def test_cluster_with_all_nodes_killed_turns_into_misses() -> None:
         tier.close()
     finally:
         cluster.cleanup()
+
+
+def test_cluster_master_killed_then_restarted_recovers() -> None:
+    cluster = RedisClusterServers().start()
+    try:
+        tier = open_tier(cluster.url, timeout_s=TIMEOUT_S)
+        try:
+            key = random_key()
+            put_and_wait(tier, key, payload(CONTRACT_CHUNK, 7), CONTRACT_CHUNK)
+            holder = cluster.node_holding(tier.redis_name(key))
+            holder.kill()
+            out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+            answer, took = timed(lambda: tier.get_into(key, out))
+            assert answer is None and took < TIMEOUT_S + SLACK_S
+            holder.start()  # same directory: it rejoins with its nodes.conf, empty of data
+            wait_until(cluster.all_ok, 30, "the cluster to heal")
+            assert tier.link.wait_up(15.0), "tier did not reconnect to the healed cluster"
+            wait_until(
+                lambda: (
+                    put_and_wait(tier, key, payload(CONTRACT_CHUNK, 7), CONTRACT_CHUNK).outcome
+                    is PutOutcome.STORED
+                ),
+                15,
+                "a write to the restarted master",
+            )
+            assert tier.get_into(key, out) == CONTRACT_CHUNK
+        finally:
+            tier.close()
+    finally:
+        cluster.cleanup()
