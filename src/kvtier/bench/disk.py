@@ -27,7 +27,9 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +80,12 @@ def _drop_from_page_cache(directory: Path) -> None:
             os.close(fd)
 
 
+def _rotated(variants: dict[str, Any], shift: int) -> list[str]:
+    names = list(variants)
+    shift %= len(names)
+    return names[shift:] + names[:shift]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     layout, chunks, chunk_size = BIG_LAYOUT, int(args.chunks), int(args.chunk_size)
     chunk_bytes = layout.chunk_bytes(chunk_size)
@@ -103,6 +111,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with open(raw_dir / f"{i}.raw{suffix}", "rb", buffering=0) as f:
             f.readinto(memoryview(pages[i].numpy()))  # type: ignore[arg-type]
 
+    def tier_write(keys: list[bytes]) -> None:
+        done = _Completions()
+        for key, page in zip(keys, pages, strict=True):
+            tier.put(key, page, chunk_size, done)
+        done.wait(chunks)
+        if any(r.outcome is not PutOutcome.STORED for r in done.results):
+            raise RuntimeError(f"disk writes failed: {done.results}")
+
+    def tier_read(keys: list[bytes]) -> None:
+        if tier.get_many_into(list(zip(keys, pages, strict=True))) != [chunk_size] * chunks:
+            raise RuntimeError("disk tier missed a chunk it holds")
+
+    def each(fn: Callable[[int, str], None]) -> None:
+        for i in range(chunks):
+            fn(i, "")
+
+    def each_parallel(fn: Callable[[int, str], None]) -> None:
+        list(workers.map(fn, range(chunks), [".par"] * chunks))
+
     def timed(name: str, start: float) -> None:
         best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
 
@@ -115,46 +142,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             page[:8] = torch.tensor(list(i.to_bytes(8, "little")), dtype=torch.uint8)
         sources = [p.clone() for p in pages]
         tier.open()
-        for _ in range(int(args.repeats)):
+        for rep in range(int(args.repeats)):
             keys = [os.urandom(16) for _ in range(chunks)]
-            done = _Completions()
-            start = time.perf_counter()
-            for key, page in zip(keys, pages, strict=True):
-                tier.put(key, page, chunk_size, done)
-            done.wait(chunks)
-            timed("write", start)
-            if any(r.outcome is not PutOutcome.STORED for r in done.results):
-                raise RuntimeError(f"disk writes failed: {done.results}")
-
-            start = time.perf_counter()
-            for i in range(chunks):
-                raw_write(i)
-            timed("raw_write", start)
-            start = time.perf_counter()
-            list(workers.map(raw_write, range(chunks), [".par"] * chunks))
-            timed("raw_parallel_write", start)
-
-            for cached in (False, True):
-                if not cached:
+            # Each variant takes each position in turn across repeats, so a burst of load
+            # from other processes, or writeback of the previous round, favours none.
+            writes: dict[str, Callable[[], None]] = {
+                "write": partial(tier_write, keys),
+                "raw_write": partial(each, raw_write),
+                "raw_parallel_write": partial(each_parallel, raw_write),
+            }
+            reads: dict[str, Callable[[], None]] = {
+                "read": partial(tier_read, keys),
+                "raw_read": partial(each, raw_read),
+                "raw_parallel_read": partial(each_parallel, raw_read),
+            }
+            for name in _rotated(writes, rep):
+                start = time.perf_counter()
+                writes[name]()
+                timed(name, start)
+            for suffix in ("", "_cached"):
+                if not suffix:  # cold: each variant reads its own files from the disk
                     _drop_from_page_cache(tier_dir)
                     _drop_from_page_cache(raw_dir)
-                suffix = "_cached" if cached else ""
+                for name in _rotated(reads, rep):
+                    start = time.perf_counter()
+                    reads[name]()
+                    timed(name + suffix, start)
                 for page in pages:
                     page.zero_()
-                start = time.perf_counter()
-                got = tier.get_many_into(list(zip(keys, pages, strict=True)))
-                timed("read" + suffix, start)
-                if got != [chunk_size] * chunks or not all(
-                    torch.equal(p, s) for p, s in zip(pages, sources, strict=True)
-                ):
+                tier_read(keys)
+                if not all(torch.equal(p, s) for p, s in zip(pages, sources, strict=True)):
                     raise RuntimeError("disk tier read back different bytes")
-                start = time.perf_counter()
-                for i in range(chunks):
-                    raw_read(i)
-                timed("raw_read" + suffix, start)
-                start = time.perf_counter()
-                list(workers.map(raw_read, range(chunks), [".par"] * chunks))
-                timed("raw_parallel_read" + suffix, start)
             tier.clear()
             for path in raw_dir.iterdir():
                 path.unlink()
