@@ -284,3 +284,20 @@ def test_cluster_master_killed_then_restarted_recovers() -> None:
             tier.close()
     finally:
         cluster.cleanup()
+
+
+def test_engine_starts_with_its_redis_down_and_serves_from_cpu(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    url = f"redis://127.0.0.1:{free_port()}"
+    config = small_config(remote_url=url, blocking_timeout_secs=TIMEOUT_S)
+    tokens, kv = make_tokens(48, seed=4), make_kv(48, seed=4)
+    with Engine(config, SMALL_LAYOUT, model_name="m") as engine:
+        assert engine.store(tokens, kv) == 3  # into CPU; the redis writes are dropped
+        assert engine.lookup(tokens, "r") == 48
+        assert torch.equal(engine.retrieve(tokens, "r"), kv)
+        engine.end_request("r")
+        stats = engine.stats()["tiers"]["redis"]
+        assert stats["dropped"] == 3 and stats["stored"] == 0
+        assert engine.check_invariants() == [] and engine.leaks() == []
+    assert len(redis_warnings(caplog)) == 1, redis_warnings(caplog)
