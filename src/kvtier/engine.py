@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kvtier.config import Config
-from kvtier.errors import ConfigError, InputError, StateError
+from kvtier.errors import ConfigError, InputError, StateError, TierError
 from kvtier.keys import ChunkSpan, Fingerprint, KeyChain, as_token_array
 from kvtier.layout import KVLayout
 from kvtier.lease import Hold, LeaseInfo, LeaseTable
@@ -373,9 +373,19 @@ class Engine:
         return problems
 
     def clear(self) -> dict[str, int]:
-        """Drop every unpinned entry of every tier (pinned ones stay); tier -> entries dropped."""
+        """Drop every unpinned entry of every tier (pinned ones stay); tier -> entries dropped.
+        A tier that fails is skipped, the others are cleared, then :class:`TierError` names it."""
         manager, _ = self._open_parts()
-        return {tier.name: tier.clear() for tier in manager.tiers}
+        dropped: dict[str, int] = {}
+        failed: list[str] = []
+        for tier in manager.tiers:
+            try:
+                dropped[tier.name] = tier.clear()
+            except TierError as exc:
+                failed.append(f"{tier.name}: {exc}")
+        if failed:
+            raise TierError(f"clear dropped {dropped} but failed on " + "; ".join(failed))
+        return dropped
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for in-flight lower-tier writes. True when all landed."""

@@ -228,6 +228,26 @@ def test_clear_never_drops_pinned_entries(admin_engine: Engine, url: str) -> Non
     assert admin_engine.check_invariants() == []
 
 
+def test_clear_with_a_tier_down_is_503_and_clears_the_rest(
+    engine_factory: Callable[..., Engine],
+) -> None:
+    with socket.socket() as probe:  # a port nothing listens on: Redis is "down"
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    engine = engine_factory(
+        remote_url=f"redis://127.0.0.1:{port}",
+        blocking_timeout_secs=0.5,
+        internal_api_server_enabled=True,
+        internal_api_server_port_start=0,
+    )
+    assert engine.admin_url is not None
+    engine.store(make_tokens(16), make_kv(16))
+    reply = call(engine.admin_url, "/clear", method="POST")
+    assert reply.status == 503
+    assert reply.json()["error"].startswith("clear dropped {'cpu': 1} but failed on redis")
+    assert engine.stats()["tiers"]["cpu"]["entries"] == 0
+
+
 def test_dashboard_is_self_contained(url: str) -> None:
     reply = get(url, "/")
     assert reply.headers["Content-Type"].startswith("text/html")

@@ -44,7 +44,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvtier.admin.dashboard import dashboard_html
-from kvtier.errors import StateError
+from kvtier.errors import KVTierError, StateError
 from kvtier.observability.metrics import engine_registry, pd_view
 
 if TYPE_CHECKING:
@@ -300,6 +300,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(exc.status, {"error": exc.message})
         except StateError as exc:
             self._send_json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": f"engine not open: {exc}"})
+        except KVTierError as exc:  # a tier is down (e.g. Redis unreachable during /clear)
+            self._send_json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": str(exc)})
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client went away
         except Exception:

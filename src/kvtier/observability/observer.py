@@ -21,11 +21,12 @@ engine for an observability problem.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
     from kvtier.config import Config
     from kvtier.lease import Lease
     from kvtier.storage.manager import LookupPlan, StorageManager
+
+log = logging.getLogger(__name__)
 
 OPERATIONS = ("lookup", "store", "retrieve")
 DEFAULT_EXPLAIN_REQUESTS = 1000
@@ -97,13 +100,13 @@ class Observer:
         with self._lock:
             for span, tier in hits:
                 self.lookup_hit_tokens[tier] += span.num_tokens
-        self.explain.record_lookup(request_id, tokens, spans, hits, self._probe)
+        _guarded(self.explain.record_lookup, request_id, tokens, spans, hits, self._probe)
         self.latency["lookup"].observe(time.perf_counter() - started)
 
     def on_store(
         self, tokens: object, spans: Sequence[ChunkSpan], dropped: int, started: float
     ) -> None:
-        self.explain.note_store(tokens, spans, dropped)
+        _guarded(self.explain.note_store, tokens, spans, min(dropped, len(spans)))
         self.latency["store"].observe(time.perf_counter() - started)
 
     def on_retrieve(self, started: float) -> None:
@@ -123,7 +126,7 @@ class Observer:
         if hits and hits[-1][0].end > loaded_end:
             now = self._corrupt_counts()
             rose = {t for t, n in now.items() if n > corrupt_before.get(t, 0)}
-            self.explain.record_load(request_id, hits, loaded_end, rose)
+            _guarded(self.explain.record_load, request_id, hits, loaded_end, rose)
 
     def on_request_end(self, lease: Lease | None) -> None:
         if lease is not None:
@@ -195,6 +198,14 @@ class Observer:
     def _corrupt_counts(self) -> dict[str, int]:
         manager = self._manager
         return {t.name: t.counters.corrupt for t in manager.lower} if manager is not None else {}
+
+
+def _guarded(fn: Callable[..., None], *args: Any) -> None:
+    """Run an explain hook; a failure there is logged, never raised into a request."""
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("kvtier explain hook %s failed; the request is unaffected", fn.__name__)
 
 
 def _finite(value: float) -> float | None:
