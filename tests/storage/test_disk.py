@@ -127,7 +127,7 @@ def test_open_trims_to_a_smaller_capacity(tmp_path: Path) -> None:
 
 
 # -- corruption on read ----------------------------------------------------------------------
-@pytest.mark.parametrize("where", ["payload", "header", "truncate", "append", "delete"])
+@pytest.mark.parametrize("where", ["payload", "header", "truncate", "append", "delete", "swap"])
 def test_a_file_changed_under_us_is_a_miss_never_wrong_bytes(
     tier: DiskTier, tmp_path: Path, where: str
 ) -> None:
@@ -143,6 +143,10 @@ def test_a_file_changed_under_us_is_a_miss_never_wrong_bytes(
         data = data[:-1]
     elif where == "append":
         data += b"\0"
+    if where == "swap":  # a valid record of another key under this key's name
+        other = random_key()
+        put_and_wait(tier, other, payload(CONTRACT_CHUNK, 2), CONTRACT_CHUNK)
+        data = bytearray((tmp_path / f"{FP.hex()}-{other.hex()}.kvc").read_bytes())
     if where == "delete":
         path.unlink()
     else:
@@ -376,3 +380,55 @@ def test_unusable_directory_is_a_config_error_naming_the_path(tmp_path: Path, wh
     with pytest.raises(ConfigError) as info:
         tier.open()
     assert info.value.key == "local_disk" and str(path) in str(info.value)
+
+
+def test_engine_open_with_a_missing_parent_is_a_config_error(tmp_path: Path) -> None:
+    from kvtier import Engine, KVLayout
+
+    missing = tmp_path / "nowhere" / "cache"
+    cfg = small_config(local_disk=str(missing), max_local_disk_size="1MiB")
+    engine = Engine(cfg, KVLayout(2, 2, 8, torch.float32), model_name="m")
+    with pytest.raises(ConfigError) as info:
+        engine.open()
+    assert info.value.key == "local_disk" and str(missing) in str(info.value)
+
+
+def test_concurrent_puts_reads_pins_and_removes_never_serve_wrong_bytes(tmp_path: Path) -> None:
+    tier = make_tier(tmp_path, capacity_records=12, threads=3)
+    tier.open()
+    keys = [random_key() for _ in range(24)]
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+        for _ in range(150):
+            i = int(torch.randint(0, len(keys), (1,), generator=gen))
+            op = int(torch.randint(0, 5, (1,), generator=gen))
+            key = keys[i]
+            if op == 0:
+                tier.put(key, payload(CONTRACT_CHUNK, i), CONTRACT_CHUNK, lambda r: None)
+            elif op == 1 and tier.pin(key):
+                tier.unpin(key)
+            elif op == 2:
+                tier.remove(key)
+            else:
+                got = tier.get_into(key, out)
+                if got is not None and not torch.equal(out, payload(CONTRACT_CHUNK, i)):
+                    errors.append(f"wrong bytes for key {i}")
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert tier.flush(10)
+        assert errors == []
+        assert tier.counters.corrupt == 0
+        usage = tier.usage()
+        assert usage.used_bytes <= usage.capacity_bytes
+        assert usage.entries == len(chunk_files(tmp_path))
+        assert temp_files(tmp_path) == []
+    finally:
+        tier.close()

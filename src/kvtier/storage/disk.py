@@ -129,8 +129,7 @@ class DiskTier(Tier):
         # (reserving 0 bytes evicts until used <= capacity)
         trimmed = self._index.reserve(0) or []
         if trimmed:
-            for key in trimmed:
-                files.unlink_quietly(self._dir_fd, files.final_name(self.fp_hex, key))
+            self._unlink(trimmed)
             self.counters.evicted += len(trimmed)
         log.info(
             "disk tier %s: %d chunks (%s) found, %d evicted to fit %s, %d temporary and %d bad "
@@ -238,8 +237,7 @@ class DiskTier(Tier):
                 self.counters.extra["dropped_no_room"] += 1
                 return PutResult(key, PutOutcome.DROPPED, "disk tier is full of pinned chunks")
             self.counters.evicted += len(victims)
-        for victim in victims:
-            files.unlink_quietly(self._dir_fd, files.final_name(self.fp_hex, victim))
+            self._unlink(victims)
         try:
             files.write_record(self._dir_fd, key, self.fp_hex, header, memoryview(payload.numpy()))  # type: ignore[arg-type]
         except OSError as exc:
@@ -307,6 +305,12 @@ class DiskTier(Tier):
             return [self.get_into(key, out) for key, out in items]
         return list(self._reader.map(lambda item: self.get_into(*item), items))
 
+    def _unlink(self, keys: Sequence[ChunkKey]) -> None:
+        """Delete the files of keys just dropped from the index. Called under the lock, so no
+        put of the same key can start (and land its new file) before the old one is gone."""
+        for key in keys:
+            files.unlink_quietly(self._dir_fd, files.final_name(self.fp_hex, key))
+
     def _forget(self, key: ChunkKey, *, corrupt: bool) -> None:
         with self._lock:
             self._index.pop(key)
@@ -314,8 +318,8 @@ class DiskTier(Tier):
             if corrupt:
                 self.counters.corrupt += 1
             self.counters.extra["pinned_keys"] = self._index.pinned_keys
-        if corrupt:
-            files.unlink_quietly(self._dir_fd, files.final_name(self.fp_hex, key))
+            if corrupt:
+                self._unlink([key])
 
     # -- pins, removal, usage --------------------------------------------------------------
     def pin(self, key: ChunkKey) -> bool:
@@ -337,7 +341,7 @@ class DiskTier(Tier):
             if self._index.pop(key) is None:
                 return False
             self.counters.extra["pinned_keys"] = self._index.pinned_keys
-        files.unlink_quietly(self._dir_fd, files.final_name(self.fp_hex, key))
+            self._unlink([key])
         return True
 
     def usage(self) -> TierUsage:
@@ -350,8 +354,7 @@ class DiskTier(Tier):
             victims = self._index.unpinned_keys()
             for key in victims:
                 self._index.pop(key)
-        for key in victims:
-            files.unlink_quietly(self._dir_fd, files.final_name(self.fp_hex, key))
+            self._unlink(victims)
         return len(victims)
 
     def is_pinned(self, key: ChunkKey) -> bool:
