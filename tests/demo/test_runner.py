@@ -11,6 +11,7 @@ from kvtier.demo.plot import write_plot
 from kvtier.demo.report import format_table
 from kvtier.demo.runner import Options, disk_tier_available, run_demo
 from kvtier.demo.workload import Workload, conversations, schedule
+from kvtier.integrations.tiny_models import build_model
 
 TINY = Workload(
     users=2, rounds=3, system_tokens=40, context_tokens=70, question_tokens=9, answer_tokens=5
@@ -85,31 +86,20 @@ def test_workload_histories_grow_by_answer_and_question() -> None:
     assert schedule(TINY)[:3] == [(0, 0), (0, 1), (1, 0)]
 
 
-def test_cli_demo_exits_zero_and_writes_the_plot(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_cli_demo_on_a_local_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Any local Hugging Face checkpoint of a supported family, loaded without network access.
+    build_model("qwen2", "tiny", seed=3).save_pretrained(tmp_path / "ckpt")
     plot = tmp_path / "out.png"
-    argv = [
-        "demo",
-        "--model-size",
-        "tiny",
-        "--users",
-        "2",
-        "--rounds",
-        "2",
-        "--system-tokens",
-        "32",
-        "--context-tokens",
-        "40",
-        "--chunk-size",
-        "16",
-        "--answer-tokens",
-        "4",
-        "--no-progress",
-        "--plot",
-        str(plot),
-    ]
+    argv = ["demo", "--model-dir", str(tmp_path / "ckpt"), "--users", "2", "--rounds", "2"]
+    argv += ["--system-tokens", "32", "--context-tokens", "40", "--chunk-size", "16"]
+    argv += ["--answer-tokens", "4", "--no-progress", "--plot", str(plot)]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "tokens: identical in every configuration" in out and "speedup" in out
+    assert f"local:{tmp_path / 'ckpt'}" in out
     assert plot.exists()
+
+
+def test_cli_demo_refuses_a_missing_checkpoint(tmp_path: Path) -> None:
+    argv = ["demo", "--model-dir", str(tmp_path / "nothing"), "--no-progress"]
+    assert main([*argv, "--plot", str(tmp_path / "p.png")]) == 2  # a clear error, no traceback
