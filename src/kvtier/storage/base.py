@@ -6,10 +6,12 @@ Protocol (who calls what, who owns what):
   (``open``) and closes it once (``close``, which drains in-flight writes and is idempotent).
 * ``contains(keys)`` answers for a whole batch in one call (one round trip for a remote
   tier). It takes no reference: a later ``get_into`` may still miss.
-* ``pin(key)`` keeps an entry from being evicted until ``unpin(key)``; a tier that cannot
-  pin (a remote store shared with other clients) returns False and the manager tolerates a
-  later miss. Pins are counted per key; the manager pairs every successful pin with exactly
-  one unpin through a request lease.
+* ``pin(key)`` keeps an entry from being evicted until ``unpin(key)`` and returns True; it
+  returns False when the entry is gone (the manager then ends the hit there). A tier that
+  cannot pin against other clients (a shared remote store) returns True without a guarantee,
+  and a later ``get_into`` may miss: the manager ends the hit at that chunk and the engine
+  recomputes the rest. Pins are counted per key; the manager pairs every pin that returned
+  True with exactly one unpin, through a request lease.
 * ``get_into(key, out)`` writes the chunk's bytes into ``out`` (a uint8 view of an allocator
   page, so reads land in their final place with no intermediate copy) after checking the
   checksum, and returns the chunk's token count, or None for a miss. A corrupt entry is a
