@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -352,7 +352,34 @@ def test_bug_handler_answers_500_without_a_traceback(
     assert reply.json() == {"error": "internal error (logged)"}
 
 
-@pytest.fixture
-def _no_leaks(admin_engine: Engine) -> Iterator[None]:
-    yield
+def test_scrapes_during_traffic_see_consistent_state(admin_engine: Engine, url: str) -> None:
+    import threading
+
+    errors: list[str] = []
+    done = threading.Event()
+
+    def scrape() -> None:
+        while not done.is_set():
+            for path in ("/metrics", "/stats", "/leases", "/requests", "/history"):
+                reply = get(url, path)
+                if reply.status != 200:
+                    errors.append(f"{path}: {reply.status} {reply.body[:200]!r}")
+
+    scrapers = [threading.Thread(target=scrape) for _ in range(2)]
+    for t in scrapers:
+        t.start()
+    try:
+        for i in range(40):
+            tokens = make_tokens(48, seed=i % 5)
+            with admin_engine.request(f"w{i}") as rid:
+                admin_engine.lookup(tokens, rid)
+                admin_engine.retrieve(tokens, rid)
+                admin_engine.store(tokens, make_kv(48, seed=i % 5))
+    finally:
+        done.set()
+        for t in scrapers:
+            t.join()
+    assert errors == []
     assert admin_engine.check_invariants() == []
+    text = get(url, "/metrics").body.decode()
+    assert "kvtier_lookups_total 40.0" in text and "kvtier_requests_total 40.0" in text
