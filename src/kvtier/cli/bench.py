@@ -15,7 +15,7 @@ BENCHMARKS: dict[str, str] = {
     "cpu": "CPU tier store/retrieve vs memcpy, lookup cost of a 128k-token prompt",
     "disk": "disk tier write/read vs raw file I/O with fsync",
     "redis": "redis tier put/get vs raw redis-py SET/GET",
-    "ttft": "time to first token with 0/50/90% of the prompt cached (transformers)",
+    "ttft": "time to first token with 0, 50 and 90 percent of the prompt cached (transformers)",
     "pd": "prefill-to-decode transfer per transport vs memcpy and a raw socket",
 }
 
