@@ -1,0 +1,288 @@
+"""The admin API's request handler: routing, auth, query validation and the endpoints.
+
+Each request runs in its own thread of the :class:`~kvtier.admin.server.AdminServer`'s
+``ThreadingHTTPServer``. The dispatcher checks, in order: the path exists (404), the bearer
+token (401, except ``/health``), the query parameters (400: unknown, repeated, malformed or
+out of range), the method (405), then calls the endpoint. Errors are JSON
+``{"error": message}``; an exception no endpoint expects is logged with its traceback and
+answered as a bare 500.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlsplit
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvtier.admin.dashboard import dashboard_html
+from kvtier.errors import KVTierError, StateError
+
+if TYPE_CHECKING:
+    from kvtier.admin.server import AdminServer
+
+log = logging.getLogger("kvtier.admin.server")  # one logger for the whole admin API
+
+MAX_REQUEST_ID = 256
+MAX_BODY = 4096
+
+
+class BadRequest(Exception):
+    """A client error: answered with ``status`` and ``message``, never a traceback."""
+
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class AdminHTTPServer(ThreadingHTTPServer):
+    daemon_threads = False
+    block_on_close = True  # server_close waits for handlers, so stop() leaves nothing running
+
+    def __init__(self, address: tuple[str, int], admin: AdminServer) -> None:
+        self.admin = admin
+        super().__init__(address, Handler)
+
+
+# path -> (method, allowed query parameters, handler)
+Route = tuple[str, frozenset[str], Callable[["Handler", dict[str, str]], None]]
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: AdminHTTPServer
+    timeout = 10  # seconds a silent client may hold a handler thread
+    server_version = "kvtier-admin"
+    sys_version = ""
+
+    # -- dispatch ----------------------------------------------------------------------------
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    def do_PATCH(self) -> None:
+        self._dispatch("PATCH")
+
+    def do_HEAD(self) -> None:
+        self._send_json(HTTPStatus.METHOD_NOT_ALLOWED, {"error": "HEAD is not supported"})
+
+    def _dispatch(self, method: str) -> None:
+        try:
+            parts = urlsplit(self.path)
+            route = ROUTES.get(parts.path)
+            if route is None:
+                raise BadRequest(HTTPStatus.NOT_FOUND, f"no endpoint {parts.path!r}")
+            want_method, allowed, handler = route
+            params = _parse_query(parts.query, allowed | {"token"})
+            if parts.path != "/health" and not self.server.admin.authorized(
+                self.headers.get("Authorization"), params.get("token")
+            ):
+                self._send_json(
+                    HTTPStatus.UNAUTHORIZED,
+                    {"error": "missing or wrong bearer token"},
+                    {"WWW-Authenticate": 'Bearer realm="kvtier"'},
+                )
+                return
+            if method != want_method:
+                raise BadRequest(
+                    HTTPStatus.METHOD_NOT_ALLOWED, f"{parts.path} takes {want_method}, not {method}"
+                )
+            self._drain_body()
+            handler(self, params)
+        except BadRequest as exc:
+            self._send_json(exc.status, {"error": exc.message})
+        except StateError as exc:
+            self._send_json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": f"engine not open: {exc}"})
+        except KVTierError as exc:  # a tier is down (e.g. Redis unreachable during /clear)
+            self._send_json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": str(exc)})
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client went away
+        except Exception:
+            # A bug: logged here with its traceback, answered without one.
+            log.exception("admin API bug on %s %s", method, self.path)
+            self._send_json(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": "internal error (logged)"})
+
+    def _drain_body(self) -> None:
+        length = self.headers.get("Content-Length")
+        if length is None:
+            return
+        if not length.isdigit():
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad Content-Length {length!r}")
+        if int(length) > MAX_BODY:
+            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY} bytes")
+        self.rfile.read(int(length))  # no endpoint takes a body; read it so the reply is clean
+
+    # -- responses ---------------------------------------------------------------------------
+    def _send(
+        self,
+        status: HTTPStatus,
+        body: bytes,
+        content_type: str,
+        extra: dict[str, str] | None = None,
+    ) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        for name, value in (extra or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _send_json(
+        self, status: HTTPStatus, payload: object, extra: dict[str, str] | None = None
+    ) -> None:
+        body = json.dumps(payload, default=_json_default, allow_nan=False).encode()
+        self._send(status, body, "application/json", extra)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        # Malformed request lines and oversized headers: JSON like everything else, with a
+        # status line even when the request line was too broken to name an HTTP version.
+        self.close_connection = True
+        self.request_version = "HTTP/1.0"
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self._send_json(HTTPStatus(code), {"error": message or HTTPStatus(code).phrase})
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("admin %s - %s", self.address_string(), format % args)
+
+    # -- endpoints ---------------------------------------------------------------------------
+    def health(self, params: dict[str, str]) -> None:
+        state = self.server.admin.engine.state.value
+        status = HTTPStatus.OK if state == "open" else HTTPStatus.SERVICE_UNAVAILABLE
+        self._send_json(status, {"status": "ok" if state == "open" else state})
+
+    def metrics(self, params: dict[str, str]) -> None:
+        self._send(HTTPStatus.OK, generate_latest(self.server.admin.registry), CONTENT_TYPE_LATEST)
+
+    def stats(self, params: dict[str, str]) -> None:
+        self._send_json(HTTPStatus.OK, self.server.admin.stats_payload())
+
+    def history(self, params: dict[str, str]) -> None:
+        self._send_json(HTTPStatus.OK, {"points": self.server.admin.history_payload()})
+
+    def config(self, params: dict[str, str]) -> None:
+        cfg = self.server.admin.engine.config
+        self._send_json(HTTPStatus.OK, {"config": cfg.as_dict(), "origin": dict(cfg.origin)})
+
+    def leases(self, params: dict[str, str]) -> None:
+        now = time.time()
+        rows = [
+            {
+                "request_id": info.request_id,
+                "age_s": info.age_s,
+                "since": now - info.age_s,
+                "pinned_pages": info.pinned_pages,
+                "pinned_bytes": info.pinned_bytes,
+                "holds": list(info.holds),
+            }
+            for info in sorted(self.server.admin.engine.leases(), key=lambda i: -i.age_s)
+        ]
+        self._send_json(HTTPStatus.OK, {"leases": rows})
+
+    def requests(self, params: dict[str, str]) -> None:
+        limit = _int_param(params, "limit", default=50, low=1, high=1000)
+        recent = self.server.admin.engine.observer.explain.recent(limit)
+        self._send_json(HTTPStatus.OK, {"requests": recent})
+
+    def explain(self, params: dict[str, str]) -> None:
+        request_id = params.get("request_id")
+        if not request_id:
+            raise BadRequest(
+                HTTPStatus.BAD_REQUEST, "request_id is required: /explain?request_id=ID"
+            )
+        if len(request_id) > MAX_REQUEST_ID:
+            raise BadRequest(
+                HTTPStatus.BAD_REQUEST, f"request_id is over {MAX_REQUEST_ID} characters"
+            )
+        explain = self.server.admin.engine.observer.explain
+        if not explain.enabled:
+            raise BadRequest(
+                HTTPStatus.NOT_FOUND, "explain is off (extra_config.explain_requests: 0)"
+            )
+        record = explain.get(request_id)
+        if record is None:
+            raise BadRequest(
+                HTTPStatus.NOT_FOUND,
+                f"no recent lookup for request {request_id!r} "
+                f"(the last {explain.capacity} are kept)",
+            )
+        self._send_json(HTTPStatus.OK, record)
+
+    def clear(self, params: dict[str, str]) -> None:
+        dropped = self.server.admin.engine.clear()
+        self._send_json(HTTPStatus.OK, {"dropped": dropped})
+
+    def dashboard(self, params: dict[str, str]) -> None:
+        self._send(HTTPStatus.OK, dashboard_html(), "text/html; charset=utf-8")
+
+
+ROUTES: dict[str, Route] = {
+    "/health": ("GET", frozenset(), Handler.health),
+    "/metrics": ("GET", frozenset(), Handler.metrics),
+    "/stats": ("GET", frozenset(), Handler.stats),
+    "/history": ("GET", frozenset(), Handler.history),
+    "/config": ("GET", frozenset(), Handler.config),
+    "/leases": ("GET", frozenset(), Handler.leases),
+    "/requests": ("GET", frozenset({"limit"}), Handler.requests),
+    "/explain": ("GET", frozenset({"request_id"}), Handler.explain),
+    "/clear": ("POST", frozenset(), Handler.clear),
+    "/": ("GET", frozenset(), Handler.dashboard),
+}
+
+
+def _parse_query(query: str, allowed: frozenset[str]) -> dict[str, str]:
+    try:
+        pairs = parse_qs(
+            query, keep_blank_values=True, strict_parsing=bool(query), max_num_fields=16
+        )
+    except ValueError as exc:
+        raise BadRequest(HTTPStatus.BAD_REQUEST, f"malformed query string: {exc}") from None
+    out: dict[str, str] = {}
+    for name, values in pairs.items():
+        if name not in allowed:
+            accepted = ", ".join(sorted(allowed - {"token"})) or "none"
+            raise BadRequest(
+                HTTPStatus.BAD_REQUEST, f"unknown parameter {name!r} (accepted: {accepted})"
+            )
+        if len(values) != 1:
+            raise BadRequest(
+                HTTPStatus.BAD_REQUEST, f"parameter {name!r} given {len(values)} times"
+            )
+        out[name] = values[0]
+    return out
+
+
+def _int_param(params: dict[str, str], name: str, *, default: int, low: int, high: int) -> int:
+    raw = params.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or not low <= int(raw) <= high:
+        raise BadRequest(
+            HTTPStatus.BAD_REQUEST, f"{name} must be an integer in [{low}, {high}], got {raw!r}"
+        )
+    return int(raw)
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, tuple | set | frozenset):
+        return list(value)
+    return str(value)
