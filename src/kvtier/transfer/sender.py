@@ -57,7 +57,8 @@ class SendReport:
     sent: int  # chunks moved
     held: int  # chunks the decoder already had (not sent)
     nbytes: int
-    seconds: float
+    seconds: float  # the whole request, waiting for room included
+    alloc_s: float  # of which waiting for the AllocReply (room in the decoder's buffer)
 
 
 def chunks_from_kv(spans: Sequence[ChunkSpan], kv: torch.Tensor) -> list[OutChunk]:
@@ -158,7 +159,7 @@ class PDSender:
         """Transfer ``chunks`` for ``request_id``. ``abort_after=k`` gives up after k chunks
         (what a request aborted mid-transfer does): the decoder releases its reservation."""
         if not chunks:
-            return SendReport(0, 0, 0, 0.0)
+            return SendReport(0, 0, 0, 0.0, 0.0)
         self.open()
         sock, channel = self._sock, self._channel
         assert sock is not None and channel is not None
@@ -170,6 +171,7 @@ class PDSender:
             send_message(sock, request)
             sock.settimeout(self.alloc_timeout + self.io_timeout)
             reply = self._expect(sock, AllocReply)
+            allocated = time.perf_counter()
             sock.settimeout(self.io_timeout)
             held = set(reply.held)
             todo = [i for i in range(len(chunks)) if i not in held]
@@ -189,7 +191,8 @@ class PDSender:
             if not done.ok:
                 self._in_step = True
                 raise TransferError(f"decoder rejected request {request_id!r}: {done.message}")
-            return SendReport(len(todo), len(held), nbytes, time.perf_counter() - start)
+            end = time.perf_counter()
+            return SendReport(len(todo), len(held), nbytes, end - start, allocated - start)
         except TransferError:
             # After a refusal, an abort or a rejected Done the stream is still in step; after
             # anything else it may not be: start over on the next send.

@@ -1,0 +1,176 @@
+"""``kvtier bench pd``: prefill-to-decode transfer per transport, against its physical baseline.
+
+Two processes per transport: this one sends, a spawned decoder receives (a real Engine with
+the PD tier, ending each request as soon as its transfer is done, so the buffer cycles).
+Every transfer is a whole request: AllocRequest round trip, the chunk, its xxh3 checksum
+(computed by the sender, verified by the receiver), RequestDone round trip.
+
+Baselines, measured in the same run, interleaved with the transports (best of N each):
+``memcpy_gbps`` is one ``Tensor.copy_`` of the same bytes into touched memory; ``raw_socket_gbps``
+is the same bytes over a plain loopback socket into a touched buffer with ``recv_into`` in
+another process, one acknowledgement per chunk. Ratios: shm and nixl / memcpy, tcp / raw socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import signal
+import socket
+from typing import Any
+
+import torch
+
+from kvtier.bench.timing import best_interleaved, gbps
+from kvtier.config import Config
+from kvtier.engine import Engine
+from kvtier.layout import KVLayout
+from kvtier.transfer.channel import NIXL_UNAVAILABLE
+from kvtier.transfer.receiver import PDReceiver
+from kvtier.transfer.sender import OutChunk, PDSender
+
+# 32 layers x 8 KV heads x 128 head dim, fp16, 256-token chunks: 32 MiB per chunk.
+LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.float16)
+CHUNK_TOKENS = 256
+MODEL = "bench-pd"
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chunks", type=int, default=8, help="32 MiB chunks per timed run")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs; best is reported")
+    parser.add_argument("--pages", type=int, default=4, help="receive buffer, in chunks")
+
+
+def _config(channel: str, pages: int) -> Config:
+    chunk_bytes = LAYOUT.chunk_bytes(CHUNK_TOKENS)
+    return Config.load(
+        env={},
+        overrides={
+            "chunk_size": CHUNK_TOKENS,
+            "max_local_cpu_size": f"{chunk_bytes}B",
+            "enable_pd": True,
+            "pd_role": "receiver",
+            "pd_buffer_size": f"{pages * chunk_bytes}B",
+            "transfer_channel": channel,
+            "local_cpu": False,
+        },
+    )
+
+
+def decoder_process(channel: str, pages: int, ports: Any) -> None:
+    """Child: a decoder that ends every request once its transfer is done."""
+    with Engine(_config(channel, pages), LAYOUT, model_name=MODEL) as engine:
+        receiver = PDReceiver.for_engine(engine, host="127.0.0.1", port=0).start()
+        ports.put((engine.fingerprint.hex(), receiver.port))
+        i = 0
+        while receiver.wait_outcome(f"b{i}", 600.0) is not None:
+            engine.end_request(f"b{i}")
+            i += 1
+        receiver.close()
+
+
+def sink_process(chunk_bytes: int, ports: Any) -> None:
+    """Child: the raw-socket baseline's receiver (recv_into a touched buffer, ack per chunk)."""
+    buf = bytearray(chunk_bytes)
+    view = memoryview(buf)
+    server = socket.create_server(("127.0.0.1", 0))
+    ports.put(("", server.getsockname()[1]))
+    conn, _ = server.accept()
+    while True:
+        got = 0
+        while got < chunk_bytes:
+            n = conn.recv_into(view[got:], chunk_bytes - got)
+            if n == 0:
+                return
+            got += n
+        conn.sendall(b"k")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    chunks: int = args.chunks
+    chunk_bytes = LAYOUT.chunk_bytes(CHUNK_TOKENS)
+    nbytes = chunks * chunk_bytes
+    src = torch.randint(0, 255, (chunk_bytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    procs: list[multiprocessing.process.BaseProcess] = []
+    try:
+        ports = SPAWN.Queue()
+        procs.append(SPAWN.Process(target=sink_process, args=(chunk_bytes, ports), daemon=True))
+        for channel in ("tcp", "shm"):
+            procs.append(
+                SPAWN.Process(
+                    target=decoder_process, args=(channel, args.pages, ports), daemon=True
+                )
+            )
+        peers: dict[str, tuple[str, int]] = {}
+        for proc, name in zip(procs, ("raw", "tcp", "shm"), strict=True):
+            proc.start()
+            peers[name] = ports.get(timeout=120.0)  # started one at a time: ports in order
+        raw = socket.create_connection(("127.0.0.1", peers["raw"][1]))
+        senders = {
+            ch: PDSender(
+                fingerprint=peers[ch][0],
+                layout=LAYOUT,
+                chunk_size=CHUNK_TOKENS,
+                host="127.0.0.1",
+                port=peers[ch][1],
+                channel=ch,
+                alloc_timeout=60.0,
+            ).open()
+            for ch in ("tcp", "shm")
+        }
+
+        def memcpy() -> None:
+            for _ in range(chunks):
+                dst.copy_(src)
+
+        def raw_socket() -> None:
+            for _ in range(chunks):
+                raw.sendall(src.numpy().data)
+                raw.recv(1)
+
+        # Each decoder counts its own request ids from b0: one counter per sender.
+        counters = {ch: iter(range(1 << 40)) for ch in senders}
+
+        def pd(ch: str) -> None:
+            tx = senders[ch]
+            for _ in range(chunks):
+                tx.send(f"b{next(counters[ch])}", [OutChunk(os.urandom(16), CHUNK_TOKENS, src)])
+
+        best = best_interleaved(
+            {
+                "memcpy": memcpy,
+                "raw": raw_socket,
+                "tcp": lambda: pd("tcp"),
+                "shm": lambda: pd("shm"),
+            },
+            args.repeats,
+        )
+        for tx in senders.values():
+            tx.close()
+        raw.close()
+    finally:
+        for proc in procs:
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.join(10.0)
+    memcpy_gbps = gbps(nbytes, best["memcpy"])
+    raw_gbps = gbps(nbytes, best["raw"])
+    tcp_gbps = gbps(nbytes, best["tcp"])
+    shm_gbps = gbps(nbytes, best["shm"])
+    return {
+        "chunk_mib": chunk_bytes / 2**20,
+        "chunks_per_run": chunks,
+        "shm_gbps": shm_gbps,
+        "tcp_gbps": tcp_gbps,
+        "nixl_gbps": None,
+        "nixl_reason": NIXL_UNAVAILABLE,
+        "memcpy_gbps": memcpy_gbps,
+        "raw_socket_gbps": raw_gbps,
+        "shm_ratio": shm_gbps / memcpy_gbps,
+        "tcp_ratio": tcp_gbps / raw_gbps,
+        "nixl_ratio": None,
+    }
