@@ -185,6 +185,7 @@ class Engine:
         started = time.perf_counter()
         manager, leases = self._open_parts()
         _check_request_id(request_id)
+        tokens = as_token_array(tokens)  # once: the observer reuses the array
         spans = self._spans(tokens, skip_leading_tokens)
         lease = leases.open(request_id)
         plan = manager.locate(spans, lease, skip_leading_tokens // self.config.chunk_size)
@@ -252,7 +253,7 @@ class Engine:
         dropped_before = self.counters.dropped_chunks
         stored = manager.store(offered, kv)
         dropped = self.counters.dropped_chunks - dropped_before
-        self.observer.on_store(tokens, offered, dropped, started)
+        self.observer.on_store(array, offered, dropped, started)
         return stored
 
     def end_request(self, request_id: str) -> bool:

@@ -100,11 +100,12 @@ class FingerprintRegistry:
     def __init__(self, capacity: int = 100_000) -> None:
         self.capacity = capacity
         self._by_chain: OrderedDict[bytes, dict[bytes, Fingerprint]] = OrderedDict()
+        self._digests: set[bytes] = set()  # every fingerprint that ever stored here
         self._lock = threading.Lock()
 
-    def add(self, chains: Iterable[bytes], fingerprint: Fingerprint) -> None:
-        digest = fingerprint.digest()
+    def add(self, chains: Iterable[bytes], digest: bytes, fingerprint: Fingerprint) -> None:
         with self._lock:
+            self._digests.add(digest)
             for chain in chains:
                 fps = self._by_chain.setdefault(chain, {})
                 fps[digest] = fingerprint
@@ -112,8 +113,14 @@ class FingerprintRegistry:
             while len(self._by_chain) > self.capacity:
                 self._by_chain.popitem(last=False)
 
-    def others(self, chain: bytes, fingerprint: Fingerprint) -> list[Fingerprint]:
-        digest = fingerprint.digest()
+    def may_have_others(self, digest: bytes) -> bool:
+        """False while only ``digest`` ever stored (one engine per process): then no lookup
+        needs the token chain at all."""
+        with self._lock:
+            return bool(self._digests - {digest})
+
+    def others(self, chain: bytes, digest: bytes) -> list[Fingerprint]:
+        """Fingerprints other than ``digest`` that stored the tokens of ``chain``."""
         with self._lock:
             fps = self._by_chain.get(chain, {})
             return [fp for d, fp in fps.items() if d != digest]
@@ -203,6 +210,8 @@ class ExplainLog:
         registry: FingerprintRegistry = FINGERPRINTS,
     ) -> None:
         self.fingerprint = fingerprint
+        self._digest = fingerprint.digest()  # computed once: it is on every lookup's path
+        self._hex = fingerprint.hex()
         self.chunk_size = fingerprint.chunk_size
         self.save_unfull_chunk = save_unfull_chunk
         self.capacity = capacity
@@ -240,7 +249,7 @@ class ExplainLog:
         self._note((s.key for s in kept), _STORED, "")
         self._note((s.key for s in spans[len(kept) :]), _DROPPED, "")
         chains = token_chain(tokens, self.chunk_size, spans[-1].index + 1)
-        self.registry.add((chains[s.index] for s in kept), self.fingerprint)
+        self.registry.add((chains[s.index] for s in kept), self._digest, self.fingerprint)
 
     def record_lookup(
         self,
@@ -268,7 +277,7 @@ class ExplainLog:
         hit_tokens = hits[-1][0].end if hits else 0
         record = RequestExplain(
             request_id,
-            self.fingerprint.hex(),
+            self._hex,
             self.chunk_size,
             prompt_tokens,
             hit_tokens,
@@ -290,6 +299,7 @@ class ExplainLog:
         with self._lock:
             fates = [self._fate.get(s.key) for s in missing]
         chains: list[bytes] | None = None
+        check_fingerprints = self.registry.may_have_others(self._digest)
         first_missing = missing[0].index
         for span, tier, fate in zip(missing, where, fates, strict=True):
             if tier is not None:
@@ -303,9 +313,11 @@ class ExplainLog:
                 event, fate_tier, when = fate
                 _append(runs, span.index, False, *_fate_reason(event, fate_tier, when))
                 continue
-            if chains is None:
-                chains = token_chain(tokens, self.chunk_size, missing[-1].index + 1)
-            others = self.registry.others(chains[span.index], self.fingerprint)
+            others: list[Fingerprint] = []
+            if check_fingerprints:
+                if chains is None:
+                    chains = token_chain(tokens, self.chunk_size, missing[-1].index + 1)
+                others = self.registry.others(chains[span.index], self._digest)
             if others:
                 detail = fingerprint_diff(self.fingerprint, others[0])
                 _append(runs, span.index, False, FINGERPRINT_MISMATCH, detail)
