@@ -36,7 +36,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from kvtier.admin.endpoints import AdminHTTPServer
-from kvtier.errors import StateError
+from kvtier.errors import KVTierError, StateError
 from kvtier.observability.metrics import engine_registry, pd_view
 
 if TYPE_CHECKING:
@@ -185,9 +185,9 @@ class AdminServer:
         while not self._stopping.is_set():
             try:
                 self.sample()
-            except StateError:
-                pass  # engine closing: the server is about to stop
-            except Exception:  # a sampler must not die silently mid-run
+            except KVTierError as exc:  # engine closing, or a tier down: skip this sample
+                log.debug("admin history sample skipped: %s", exc)
+            except Exception:  # a bug: logged, and the sampler keeps going
                 log.exception("admin history sampler failed")
             self._stopping.wait(self.sample_interval)
 
