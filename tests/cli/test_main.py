@@ -62,7 +62,9 @@ def test_check_config_table_lists_every_key() -> None:
 
 
 def test_bench_cpu_prints_every_field() -> None:
-    result = run_cli("bench", "cpu", "--json", "--chunks", "2", "--repeats", "1", "--chunk-size", "16")
+    result = run_cli(
+        "bench", "cpu", "--json", "--chunks", "2", "--repeats", "1", "--chunk-size", "16"
+    )
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     for field in (
