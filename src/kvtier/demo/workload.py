@@ -26,11 +26,11 @@ from kvtier.errors import InputError
 @dataclass(frozen=True, slots=True)
 class Workload:
     users: int = 4
-    rounds: int = 5
+    rounds: int = 4
     system_tokens: int = 512
-    context_tokens: int = 1536
+    context_tokens: int = 1024
     question_tokens: int = 48
-    answer_tokens: int = 24
+    answer_tokens: int = 16
     vocab_size: int = 4096
     seed: int = 0
 
