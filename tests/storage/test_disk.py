@@ -79,6 +79,24 @@ def test_index_survives_a_restart_and_keeps_lru_order(tmp_path: Path) -> None:
         second.close()
 
 
+def test_read_hits_are_remembered_across_a_restart(tmp_path: Path) -> None:
+    first = make_tier(tmp_path, capacity_records=3)
+    first.open()
+    keys = [random_key() for _ in range(3)]
+    for i, key in enumerate(keys):
+        put_and_wait(first, key, payload(CONTRACT_CHUNK, i), CONTRACT_CHUNK)
+        os.utime(tmp_path / f"{FP.hex()}-{key.hex()}.kvc", ns=(i * 10**9, i * 10**9))
+    assert read(first, keys[0])[0] == CONTRACT_CHUNK  # the oldest write, used just now
+    first.close()
+    second = make_tier(tmp_path, capacity_records=3)
+    second.open()
+    try:
+        put_and_wait(second, random_key(), payload(CONTRACT_CHUNK, 9), CONTRACT_CHUNK)
+        assert second.contains(keys) == [True, False, True]  # keys[1] was least recently used
+    finally:
+        second.close()
+
+
 def test_open_removes_temp_leftovers_and_bad_files_and_counts_them(tmp_path: Path) -> None:
     first = make_tier(tmp_path)
     first.open()

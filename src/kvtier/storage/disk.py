@@ -19,8 +19,9 @@ The payload page is read, never written, until then.
 Reads go straight into the caller's page (``preadv``), then the payload checksum is checked
 there; a mismatch, a bad header or a wrong length is a miss: logged, file removed, counted in
 ``counters.corrupt``. At open the index is rebuilt from the headers alone (oldest file first,
-by mtime), temporary leftovers of this fingerprint are deleted, and bad files are removed
-and counted. The index is never written anywhere: the files are the truth.
+by mtime, which writes and read hits set), temporary leftovers of this fingerprint are
+deleted, and bad files are removed and counted. The index is never written anywhere: the
+files are the truth.
 
 Settings: :mod:`kvtier.storage.disk_config`.
 """
@@ -293,6 +294,7 @@ class DiskTier(Tier):
         with self._lock:
             self.counters.hits += 1
             self.counters.bytes_read += header.payload_len
+        files.touch(self._dir_fd, self.fp_hex, key)  # the next open restores this recency
         return header.num_tokens
 
     def get_many_into(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[int | None]:

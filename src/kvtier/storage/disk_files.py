@@ -14,6 +14,7 @@ relative to it, and a directory renamed away under us cannot redirect writes.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import os
@@ -123,6 +124,12 @@ def _read_all(fd: int, buffers: list[memoryview], offset: int) -> int:
                 pending[0] = head[got:]
                 got = 0
     return total
+
+
+def touch(dir_fd: int, fp_hex: str, key: ChunkKey) -> None:
+    """Set the file's mtime to now: the startup scan orders the LRU index by mtime."""
+    with contextlib.suppress(OSError):  # evicted or removed meanwhile: nothing to remember
+        os.utime(final_name(fp_hex, key), dir_fd=dir_fd)
 
 
 def unlink_quietly(dir_fd: int, name: str) -> bool:
