@@ -223,8 +223,8 @@ def test_a_bad_checksum_is_reported_and_never_served(make_decoder: Callable[...,
     assert isinstance(reply, AllocReply)
     for i, _page in zip(range(len(spans)), reply.pages, strict=True):
         data = kv[:, :, spans[i].start : spans[i].end, :].contiguous().view(-1).view(torch.uint8)
-        send_message(sock, ChunkSent("r", i, data.numel(), 42))  # wrong checksum
-        sock.sendall(data.numpy().tobytes())
+        send_message(sock, ChunkSent("r", i, data.numel(), 0))
+        sock.sendall(data.numpy().tobytes() + (42).to_bytes(8, "big"))  # a wrong checksum
     send_message(sock, RequestDone("r"))
     done = recv_message(sock)
     assert isinstance(done, DoneReply) and not done.ok and "checksum" in done.message

@@ -2,8 +2,9 @@
 
 Two processes per transport: this one sends, a spawned decoder receives (a real Engine with
 the PD tier, ending each request as soon as its transfer is done, so the buffer cycles).
-Every transfer is a whole request: AllocRequest round trip, the chunk, its xxh3 checksum
-(computed by the sender, verified by the receiver), RequestDone round trip.
+Every transfer is a whole request (``--request-chunks`` chunks, 4 by default: a 1024-token
+prompt): AllocRequest round trip, the chunks, each with its xxh3 checksum (computed by the
+sender, verified by the receiver), RequestDone round trip.
 
 Baselines, measured in the same run, interleaved with the transports (best of N each):
 ``memcpy_gbps`` is one ``Tensor.copy_`` of the same bytes into touched memory; ``raw_socket_gbps``
@@ -39,8 +40,9 @@ SPAWN = multiprocessing.get_context("spawn")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", type=int, default=8, help="32 MiB chunks per timed run")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs; best is reported")
-    parser.add_argument("--pages", type=int, default=4, help="receive buffer, in chunks")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs; best is reported")
+    parser.add_argument("--request-chunks", type=int, default=4, help="chunks per request")
+    parser.add_argument("--pages", type=int, default=8, help="receive buffer, in chunks")
 
 
 def _config(channel: str, pages: int) -> Config:
@@ -135,10 +137,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Each decoder counts its own request ids from b0: one counter per sender.
         counters = {ch: iter(range(1 << 40)) for ch in senders}
 
+        per_request = max(1, min(args.request_chunks, args.pages, chunks))
+
         def pd(ch: str) -> None:
             tx = senders[ch]
-            for _ in range(chunks):
-                tx.send(f"b{next(counters[ch])}", [OutChunk(os.urandom(16), CHUNK_TOKENS, src)])
+            for first in range(0, chunks, per_request):
+                n = min(per_request, chunks - first)
+                batch = [OutChunk(os.urandom(16), CHUNK_TOKENS, src) for _ in range(n)]
+                tx.send(f"b{next(counters[ch])}", batch)
 
         best = best_interleaved(
             {
@@ -164,6 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "chunk_mib": chunk_bytes / 2**20,
         "chunks_per_run": chunks,
+        "chunks_per_request": per_request,
         "shm_gbps": shm_gbps,
         "tcp_gbps": tcp_gbps,
         "nixl_gbps": None,

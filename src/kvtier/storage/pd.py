@@ -198,16 +198,21 @@ class PDTier(Tier):
     def page_view(self, page: int, nbytes: int) -> torch.Tensor:
         return self.pool.page_bytes_view(page, nbytes)
 
-    def publish(self, reservation: Reservation, page: int, expected: int) -> bool:
+    def publish(
+        self, reservation: Reservation, page: int, expected: int, actual: int | None = None
+    ) -> bool:
         """Verify a received chunk and make it visible to lookups. False (and the chunk is
-        dropped, counted as corrupt) when its bytes do not match the sender's checksum."""
+        dropped, counted as corrupt) when its bytes do not match the sender's checksum.
+        ``actual``: the checksum of the page's bytes when the transport hashed them as they
+        landed (tcp); otherwise the page is hashed here."""
         with self._cond:
             key = reservation.new[page]
             entry = self._index.get(key)
             if entry is None or entry.page != page or reservation.released:
                 return False
             nbytes = entry.num_tokens * self.token_bytes
-            actual = checksum(self.pool.page_bytes_view(page, nbytes))
+            if actual is None:
+                actual = checksum(self.pool.page_bytes_view(page, nbytes))
             if actual != expected:
                 log.error("PD chunk %s failed its checksum; dropped", key.hex())
                 self.counters.corrupt += 1

@@ -61,8 +61,15 @@ class ReceiverChannel(ABC):
         return ""
 
     @abstractmethod
-    def receive_chunk(self, sock: socket.socket, page_view: torch.Tensor) -> None:
-        """Make ``page_view`` (a uint8 view of exactly the chunk's bytes) hold the chunk."""
+    def receive_chunk(
+        self, sock: socket.socket, page_view: torch.Tensor, announced: int
+    ) -> tuple[int, int | None]:
+        """Make ``page_view`` (a uint8 view of exactly the chunk's bytes) hold the chunk.
+
+        Returns ``(sender's checksum, checksum of the bytes that landed)``; the second is None
+        when the channel did not hash while receiving (the tier then hashes the page).
+        ``announced`` is the checksum the ChunkSent header carried.
+        """
 
     def close(self) -> None:
         return None

@@ -19,8 +19,8 @@ One connection carries one sender's requests, one at a time::
     AllocRequest(rid, keys, num_tokens) ->   reserve every missing chunk at once, or wait
                                          <-  AllocReply(held, pages) | ErrorReply(kind)
     ChunkSent(rid, index, nbytes, xxh3) ->   tcp: the next nbytes on the socket are the chunk,
-      [tcp: nbytes of payload]               received straight into its page; shm: already
-                                             written into the page. Verified, then published.
+      [tcp: payload, then its xxh3 as        received straight into its page; shm: already
+       8 big-endian bytes]                   written into the page. Verified, then published.
     ... one ChunkSent per chunk not held ...
     RequestDone(rid)                    ->
                                          <-  DoneReply(rid, ok, message)

@@ -305,10 +305,11 @@ class PDReceiver:
             )
         conn.settimeout(self.io_timeout)
         try:
-            self.tier.channel.receive_chunk(conn, self.tier.page_view(page, expected))
+            view = self.tier.page_view(page, expected)
+            sent, landed = self.tier.channel.receive_chunk(conn, view, msg.checksum)
         finally:
             conn.settimeout(None)
-        if self.tier.publish(current.reservation, page, msg.checksum):
+        if self.tier.publish(current.reservation, page, sent, landed):
             current.chunks += 1
             current.nbytes += expected
         else:

@@ -55,8 +55,10 @@ class ShmReceiver(ReceiverChannel):
     def shm_path(self) -> str:
         return self._path
 
-    def receive_chunk(self, sock: socket.socket, page_view: torch.Tensor) -> None:
-        return None  # the sender already wrote the bytes into the page
+    def receive_chunk(
+        self, sock: socket.socket, page_view: torch.Tensor, announced: int
+    ) -> tuple[int, int | None]:
+        return announced, None  # the sender already wrote the bytes; the tier hashes the page
 
     def close(self) -> None:
         if self._path:
