@@ -199,3 +199,9 @@ def _check_combinations(cfg: Config) -> None:
         raise ConfigError("pd_role", None, "'sender' or 'receiver' when enable_pd is true")
     if cfg.enable_pd and cfg.pd_role == "receiver" and cfg.pd_buffer_size is None:
         raise ConfigError("pd_buffer_size", None, "a size in bytes for a PD receiver")
+    if cfg.enable_pd and cfg.pd_role == "sender" and not cfg.pd_peer_alloc_port:
+        raise ConfigError("pd_peer_alloc_port", None, "the decoder's port for a PD sender")
+    if cfg.enable_pd and cfg.transfer_channel == "nixl":
+        from kvtier.transfer.channel import check_channel
+
+        check_channel(cfg.transfer_channel)  # raises, naming why nixl is unavailable

@@ -1,0 +1,31 @@
+"""PD config rules: checked when the config loads, naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.config import Config
+from kvtier.errors import ConfigError
+
+
+def load(**overrides: object) -> Config:
+    return Config.load(env={}, overrides=overrides)
+
+
+def test_a_sender_needs_the_decoders_port() -> None:
+    with pytest.raises(ConfigError) as info:
+        load(enable_pd=True, pd_role="sender")
+    assert info.value.key == "pd_peer_alloc_port"
+    assert load(enable_pd=True, pd_role="sender", pd_peer_alloc_port=5555).pd_peer_alloc_port
+
+
+def test_a_receiver_needs_a_buffer_size() -> None:
+    with pytest.raises(ConfigError) as info:
+        load(enable_pd=True, pd_role="receiver")
+    assert info.value.key == "pd_buffer_size"
+
+
+def test_nixl_is_refused_at_load_with_the_reason() -> None:
+    with pytest.raises(ConfigError, match="nixl-cu12") as info:
+        load(enable_pd=True, pd_role="receiver", pd_buffer_size="1MiB", transfer_channel="nixl")
+    assert info.value.key == "transfer_channel"
