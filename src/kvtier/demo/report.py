@@ -30,7 +30,7 @@ def _tiers(run: ConfigRun) -> str:
 def format_table(result: DemoResult) -> str:
     base = result.configs[0]
     base_mean = float(np.mean(base.ttfts())) if base.records else 0.0
-    header = ("configuration", "TTFT p50", "TTFT p95", "speedup", "hit rate", "wall", "tiers")
+    header = ("configuration", "TTFT p50", "TTFT p95", "speedup", "hit rate", "busy", "tiers")
     rows = [header]
     for run in result.configs:
         mean = float(np.mean(run.ttfts())) if run.records else 0.0
@@ -62,5 +62,6 @@ def summary(result: DemoResult) -> str:
         f"model {result.model}; {w.users} users x {w.rounds} rounds; system prompt "
         f"{w.system_tokens} + context {w.context_tokens} tokens per user, question "
         f"{w.question_tokens}, answer {w.answer_tokens}; prompts up to {w.max_prompt_tokens()} "
-        "tokens; speedup = mean TTFT without kvtier / mean TTFT; hit rate = prompt tokens reused"
+        "tokens; speedup = mean TTFT without kvtier / mean TTFT; hit rate = prompt tokens reused; "
+        "busy = time spent in requests"
     )

@@ -3,7 +3,9 @@
 The configurations, in order::
 
     no-cache   the model alone: every prompt is prefilled from scratch
-    cpu        kvtier with the CPU tier (and, when the disk tier exists, writing through to it)
+    cpu        kvtier with the CPU tier (and, when the disk tier exists, writing through to it),
+               run request by request alternately with no-cache so that load from other
+               processes affects both alike
     restart    a new Engine after a restart: cold CPU tier, warm disk tier from the run before
 
 Each configuration starts the conversations afresh from the same seed, so with exact reuse
@@ -15,7 +17,6 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -65,7 +66,7 @@ class ConfigRun:
     records: list[RequestRecord] = field(default_factory=list)
     tier_bytes: dict[str, int] = field(default_factory=dict)  # used bytes per tier at the end
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    wall_s: float = 0.0
+    wall_s: float = 0.0  # sum of the requests' times, prefill to last token
 
     def ttfts(self) -> list[float]:
         return [r.ttft_s for r in self.records]
@@ -102,11 +103,9 @@ def run_demo(options: Options, *, on_engine: Callable[[Engine], None] | None = N
     _warm_up(model, workload)
     total = workload.requests * (3 if disk_tier_available() else 2)
     bar = tqdm(total=total, unit="req", disable=not options.progress, leave=False)
-    runs = []
+    baseline = ConfigRun("no-cache", "no kvtier")
+    runs = [baseline]
     try:
-        runs.append(
-            _run(ConfigRun("no-cache", "no kvtier"), KVTierConnector(None, model), workload, bar)
-        )
         with _disk_dir(options) as disk_dir:
             config = _config(options, workload, model, disk_dir)
             if disk_dir is None:
@@ -118,49 +117,56 @@ def run_demo(options: Options, *, on_engine: Callable[[Engine], None] | None = N
             with Engine(config, layout_from_model(model), model_name=model_name) as engine:
                 if on_engine is not None:
                     on_engine(engine)
-                runs.append(
-                    _run(ConfigRun("cpu", label), KVTierConnector(engine, model), workload, bar)
-                )
+                cpu = ConfigRun("cpu", label)
+                runs.append(cpu)
+                # Request by request, baseline then kvtier: a noisy neighbour slows both alike.
+                pairs = [
+                    (baseline, KVTierConnector(None, model)),
+                    (cpu, KVTierConnector(engine, model)),
+                ]
+                _run(pairs, workload, bar)
             if disk_dir is not None:
                 # A restart: a new Engine (empty CPU tier) over the disk tier's directory.
                 with Engine(config, layout_from_model(model), model_name=model_name) as engine:
                     if on_engine is not None:
                         on_engine(engine)
-                    run = ConfigRun("restart", "restart: cold CPU, warm disk")
-                    runs.append(_run(run, KVTierConnector(engine, model), workload, bar))
+                    restart = ConfigRun("restart", "restart: cold CPU, warm disk")
+                    runs.append(restart)
+                    _run([(restart, KVTierConnector(engine, model))], workload, bar)
     finally:
         bar.close()
     return DemoResult(workload, model_name, runs, notes)
 
 
-def _run(run: ConfigRun, conn: KVTierConnector, workload: Workload, bar: Any) -> ConfigRun:
-    bar.set_description(run.label)
-    convs = conversations(workload)
-    start = time.perf_counter()
+def _run(pairs: list[tuple[ConfigRun, KVTierConnector]], workload: Workload, bar: Any) -> None:
+    """Every request of the workload through each connector in turn (each its own history)."""
+    bar.set_description(" / ".join(run.label for run, _ in pairs))
+    convs = [conversations(workload) for _ in pairs]
     for round_index, user in schedule(workload):
-        conv = convs[user]
-        prompt = conv.prompt(round_index)
-        gen = conn.generate(prompt, workload.answer_tokens, use_cache=conn.engine is not None)
-        conv.answer(round_index, gen.tokens)
-        run.records.append(
-            RequestRecord(
-                round_index,
-                user,
-                len(prompt),
-                gen.hit_tokens,
-                gen.reused_tokens,
-                gen.ttft_s,
-                tuple(gen.tokens),
+        for (run, conn), conv_set in zip(pairs, convs, strict=True):
+            conv = conv_set[user]
+            prompt = conv.prompt(round_index)
+            gen = conn.generate(prompt, workload.answer_tokens, use_cache=conn.engine is not None)
+            conv.answer(round_index, gen.tokens)
+            run.wall_s += gen.total_s
+            run.records.append(
+                RequestRecord(
+                    round_index,
+                    user,
+                    len(prompt),
+                    gen.hit_tokens,
+                    gen.reused_tokens,
+                    gen.ttft_s,
+                    tuple(gen.tokens),
+                )
             )
-        )
-        bar.update(1)
-    run.wall_s = time.perf_counter() - start
-    if conn.engine is not None:
-        conn.engine.flush(60)
-        stats = conn.engine.stats()
-        run.tier_bytes = {name: t["used_bytes"] for name, t in stats["tiers"].items()}
-        run.hit_tokens_by_tier = dict(stats["hit_tokens_by_tier"])
-    return run
+            bar.update(1)
+    for run, conn in pairs:
+        if conn.engine is not None:
+            conn.engine.flush(60)
+            stats = conn.engine.stats()
+            run.tier_bytes = {name: t["used_bytes"] for name, t in stats["tiers"].items()}
+            run.hit_tokens_by_tier = dict(stats["hit_tokens_by_tier"])
 
 
 def _model(options: Options) -> tuple[Any, str]:
