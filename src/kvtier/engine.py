@@ -331,12 +331,15 @@ class Engine:
     def check_invariants(self) -> list[str]:
         """Problems with reference counts, as sentences; empty when all is well.
 
-        With no request open: every page is free or owned by exactly one CPU cache entry,
-        except pages still being written to a lower tier (call :meth:`flush` first).
+        Every reference has an owner (a CPU cache entry, a request lease, or a lower-tier write
+        still in flight); with no request open, none is left over. After :meth:`flush` and
+        with no request open, every page is free or owned by exactly one cache entry.
         """
         manager, leases = self._open_parts()
         pool = manager.pool
-        refs = pool.refcounts()
+        with manager.writes_in_flight.lock:  # refcounts and write counts from one instant
+            refs, free_pages = pool.snapshot()
+            writing = dict(manager.writes_in_flight.by_page)
         problems = [f"page {p} has negative refcount {r}" for p, r in enumerate(refs) if r < 0]
         held_by_leases: dict[int, int] = {}
         for info_lease in leases._leases.values():
@@ -344,7 +347,9 @@ class Engine:
                 held_by_leases[page] = held_by_leases.get(page, 0) + 1
         cached = manager.cpu.owned_pages()
         for page, ref in enumerate(refs):
-            expected = held_by_leases.get(page, 0) + (1 if page in cached else 0)
+            expected = (
+                held_by_leases.get(page, 0) + writing.get(page, 0) + (1 if page in cached else 0)
+            )
             if ref < expected:
                 problems.append(
                     f"page {page}: refcount {ref} < {expected} owners (freed while in use)"
@@ -352,7 +357,7 @@ class Engine:
             if not len(leases) and ref > expected:
                 problems.append(f"page {page}: refcount {ref} but only {expected} owners (leaked)")
         problems.extend(self._pinned_cpu_hits_still_cached(manager, leases))
-        if pool.free_pages != sum(1 for r in refs if r == 0):
+        if free_pages != sum(1 for r in refs if r == 0):
             problems.append("free list does not match the pages with refcount 0")
         return problems
 

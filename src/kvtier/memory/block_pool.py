@@ -140,6 +140,11 @@ class BlockPool:
         with self._lock:
             return list(self._refs)
 
+    def snapshot(self) -> tuple[list[int], int]:
+        """(refcount of every page, length of the free list), read at one instant."""
+        with self._lock:
+            return list(self._refs), len(self._free)
+
     # -- data ------------------------------------------------------------------------------
     def page_bytes_view(self, page: int, nbytes: int | None = None) -> torch.Tensor:
         """The first ``nbytes`` of ``page`` as a flat uint8 tensor (a view, no copy)."""

@@ -41,7 +41,7 @@ from kvtier.layout import KVLayout
 from kvtier.lease import CallbackHold, Lease
 from kvtier.memory.block_pool import BlockPool
 from kvtier.stats import EngineCounters
-from kvtier.storage.base import PutOutcome, PutResult, Tier
+from kvtier.storage.base import PutResult, Tier
 from kvtier.storage.cpu import CpuTier
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class _WriteTicket:
         self.page = page
         self._done = False
         self._lock = threading.Lock()
+        manager.writes_in_flight.open(page)
 
     def __call__(self, result: PutResult) -> None:
         with self._lock:
@@ -87,8 +88,31 @@ class _WriteTicket:
                 log.error("tier %s completed a write twice; ignoring the second", self.tier.name)
                 return
             self._done = True
-        self.manager.pool.release([self.page])
+        self.manager.writes_in_flight.close(self.page, self.manager.pool)
         self.manager.counters.count_write(self.tier.name, result.outcome)
+
+
+class WritesInFlight:
+    """Page references held by lower-tier writes, counted so that an invariant check can
+    account for every reference even while writes are still landing."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_page: dict[int, int] = {}
+
+    def open(self, page: int) -> None:
+        with self.lock:
+            self.by_page[page] = self.by_page.get(page, 0) + 1
+
+    def close(self, page: int, pool: BlockPool) -> None:
+        # Release under the lock: a checker holding it sees the count and the refcount agree.
+        with self.lock:
+            left = self.by_page[page] - 1
+            if left:
+                self.by_page[page] = left
+            else:
+                del self.by_page[page]
+            pool.release([page])
 
 
 class StorageManager:
@@ -107,6 +131,7 @@ class StorageManager:
         self.cpu = cpu
         self.lower = list(lower)
         self.counters = counters
+        self.writes_in_flight = WritesInFlight()
         self.cpu_visible = config.local_cpu or not config.use_only_staging_buffer
         self.promote_to_cpu = config.local_cpu
 
@@ -141,7 +166,9 @@ class StorageManager:
         hits.extend(self._pin(rest[:prefix], where[:prefix], lease))
         return LookupPlan(tuple(s.key for s in spans), hits)
 
-    def _pin(self, spans: Sequence[ChunkSpan], where: Sequence[Tier | None], lease: Lease) -> list[ChunkHit]:
+    def _pin(
+        self, spans: Sequence[ChunkSpan], where: Sequence[Tier | None], lease: Lease
+    ) -> list[ChunkHit]:
         """Pin each located chunk in order; stop at the first that vanished meanwhile."""
         hits: list[ChunkHit] = []
         cpu_run = [s.key for s, w in zip(spans, where, strict=True) if w is self.cpu]
@@ -205,13 +232,19 @@ class StorageManager:
                 log.warning("tier %s batch read failed, reading one by one: %s", tier.name, exc)
                 self.pool.release(pages)
                 continue
-            for hit, page, tokens in zip(hits, pages, results, strict=True):
+            for i, (hit, page, tokens) in enumerate(zip(hits, pages, results, strict=True)):
                 if tokens != hit.span.num_tokens:
                     self.pool.release([page])
                     self.counters.load_failures += 1
                     hit.failed = True
-                else:
+                    continue
+                try:
                     self._adopt(hit, page, lease)
+                except StateError:
+                    # The request ended meanwhile: _adopt gave this page back; give back the
+                    # rest of the batch too, then let the caller see the error.
+                    self.pool.release(pages[i + 1 :])
+                    raise
 
     def _fetch(self, hit: ChunkHit, lease: Lease) -> bool:
         """Read a lower-tier chunk into a fresh page that ``lease`` holds."""
@@ -247,7 +280,11 @@ class StorageManager:
     def _copy_out(self, page: int, span: ChunkSpan, out: torch.Tensor) -> None:
         lay = self.layout
         nbytes = span.num_tokens * lay.token_bytes()
-        src = self.pool.page_bytes_view(page, nbytes).view(lay.dtype).view(lay.kv_shape(span.num_tokens))
+        src = (
+            self.pool.page_bytes_view(page, nbytes)
+            .view(lay.dtype)
+            .view(lay.kv_shape(span.num_tokens))
+        )
         out[:, :, span.start : span.end, :].copy_(src)
 
     # -- store -----------------------------------------------------------------------------
@@ -262,7 +299,11 @@ class StorageManager:
         lower_has = [self._contains_or_none(tier, keys) for tier in self.lower]
         stored = 0
         for i, span in enumerate(spans):
-            writers = [t for t, has in zip(self.lower, lower_has, strict=True) if has is not None and not has[i]]
+            writers = [
+                t
+                for t, has in zip(self.lower, lower_has, strict=True)
+                if has is not None and not has[i]
+            ]
             to_cpu = not cpu_has[i]
             if not writers and not to_cpu:
                 continue
@@ -297,7 +338,11 @@ class StorageManager:
     def _copy_in(self, kv: torch.Tensor, span: ChunkSpan, page: int) -> None:
         lay = self.layout
         nbytes = span.num_tokens * lay.token_bytes()
-        dst = self.pool.page_bytes_view(page, nbytes).view(lay.dtype).view(lay.kv_shape(span.num_tokens))
+        dst = (
+            self.pool.page_bytes_view(page, nbytes)
+            .view(lay.dtype)
+            .view(lay.kv_shape(span.num_tokens))
+        )
         dst.copy_(kv[:, :, span.start : span.end, :])
 
     # -- lifecycle -------------------------------------------------------------------------
