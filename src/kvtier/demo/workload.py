@@ -28,7 +28,7 @@ class Workload:
     users: int = 4
     rounds: int = 4
     system_tokens: int = 512
-    context_tokens: int = 1024
+    context_tokens: int = 1536
     question_tokens: int = 48
     answer_tokens: int = 16
     vocab_size: int = 4096
