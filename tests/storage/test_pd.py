@@ -93,7 +93,10 @@ def test_below_one_chunk_is_a_config_error() -> None:
     assert info.value.key == "pd_buffer_size"
 
 
-def test_nixl_is_refused_with_the_reason() -> None:
+def test_nixl_without_the_package_is_refused_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("kvtier.transfer.channel.nixl_installed", lambda: False)
     with pytest.raises(ConfigError, match="nixl") as info:
         check_channel("nixl")
     assert info.value.key == "transfer_channel"

@@ -12,15 +12,21 @@ import random
 import signal
 import time
 
+import pytest
 import torch
 
 from kvtier import Engine
 from kvtier.keys import Fingerprint, KeyChain
+from kvtier.transfer.channel import nixl_installed
 from kvtier.transfer.receiver import PDReceiver
 from kvtier.transfer.sender import PDSender, chunks_from_kv
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, small_config
 
 MODEL = "pd-test-model"
+NIXL = pytest.param(
+    "nixl", marks=pytest.mark.skipif(not nixl_installed(), reason="optional nixl not installed")
+)
+CHANNELS = ["tcp", "shm", NIXL]
 PAGE_BYTES = SMALL_LAYOUT.chunk_bytes(SMALL_CHUNK)
 
 

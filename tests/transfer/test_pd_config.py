@@ -6,6 +6,7 @@ import pytest
 
 from kvtier.config import Config
 from kvtier.errors import ConfigError
+from kvtier.transfer.channel import nixl_installed
 
 
 def load(**overrides: object) -> Config:
@@ -25,7 +26,16 @@ def test_a_receiver_needs_a_buffer_size() -> None:
     assert info.value.key == "pd_buffer_size"
 
 
-def test_nixl_is_refused_at_load_with_the_reason() -> None:
+def test_nixl_without_the_package_is_refused_at_load_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("kvtier.transfer.channel.nixl_installed", lambda: False)
     with pytest.raises(ConfigError, match="nixl-cu12") as info:
         load(enable_pd=True, pd_role="receiver", pd_buffer_size="1MiB", transfer_channel="nixl")
     assert info.value.key == "transfer_channel"
+
+
+@pytest.mark.skipif(not nixl_installed(), reason="the optional nixl package is not installed")
+def test_nixl_with_the_package_loads() -> None:
+    cfg = load(enable_pd=True, pd_role="receiver", pd_buffer_size="1MiB", transfer_channel="nixl")
+    assert cfg.transfer_channel == "nixl"

@@ -19,6 +19,8 @@ from kvtier import Engine
 from kvtier.errors import TransferError
 from kvtier.storage.pd import PDTier
 from tests.transfer.pd_helpers import (
+    CHANNELS,
+    NIXL,
     decoder,
     fake_prefill,
     request_tokens,
@@ -55,7 +57,10 @@ def assert_all_free(engine: Engine) -> None:
     assert engine.check_invariants() == [] and tier.check_invariants() == []
 
 
-@pytest.mark.parametrize("channel, count", [("tcp", 500), ("shm", 100)])
+@pytest.mark.parametrize(
+    "channel, count",
+    [("tcp", 500), ("shm", 100), pytest.param(*NIXL.values, 100, marks=NIXL.marks)],
+)
 def test_many_requests_from_another_process_leave_nothing_behind(
     processes: list[multiprocessing.process.BaseProcess], channel: str, count: int
 ) -> None:
@@ -91,7 +96,7 @@ def test_many_requests_from_another_process_leave_nothing_behind(
         engine.close()
 
 
-@pytest.mark.parametrize("channel", ["tcp", "shm"])
+@pytest.mark.parametrize("channel", CHANNELS)
 def test_sigkilled_sender_gives_its_reservation_back(
     processes: list[multiprocessing.process.BaseProcess], channel: str
 ) -> None:

@@ -28,6 +28,7 @@ from kvtier.transfer.protocol import (
 from kvtier.transfer.receiver import PDReceiver
 from kvtier.transfer.sender import PDSender
 from tests.transfer.pd_helpers import (
+    CHANNELS,
     PAGE_BYTES,
     decoder,
     fake_prefill,
@@ -81,7 +82,7 @@ def decode(engine: Engine, receiver: PDReceiver, rid: str, tokens: list[int]) ->
         return hit
 
 
-@pytest.mark.parametrize("channel", ["tcp", "shm"])
+@pytest.mark.parametrize("channel", CHANNELS)
 def test_requests_with_shared_prefixes_arrive_and_free(
     make_decoder: Callable[..., Decoder], channel: str
 ) -> None:

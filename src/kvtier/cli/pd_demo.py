@@ -65,7 +65,7 @@ class EndState:
 def add_parser(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--requests", type=int, default=40)
-    add("--channel", choices=("tcp", "shm"), default="tcp", help="transfer_channel")
+    add("--channel", choices=("tcp", "shm", "nixl"), default="tcp", help="transfer_channel")
     add("--model-size", default="tiny", help="model built in code (tiny, small, medium)")
     add("--chunk-size", type=int, default=32, help="tokens per chunk")
     add("--buffer-chunks", type=float, default=8.5, help="pd_buffer_size, in chunks")

@@ -11,33 +11,39 @@ channel only decides
   (``send_chunk``, which also computes the checksum the receiver verifies).
 
 Transports, chosen by ``transfer_channel``: ``tcp`` (default; any host), ``shm`` (same host:
-the buffer is a /dev/shm segment both processes map). ``nixl`` is not available in this build
-(see :func:`check_channel`).
+the buffer is a /dev/shm segment both processes map), ``nixl`` (one-sided writes into the
+receiver's registered buffer through NIXL/UCX, when the ``nixl`` package is installed).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 import xxhash
 
 from kvtier.errors import ConfigError
 from kvtier.memory.block_pool import BlockPool
-from kvtier.transfer.protocol import HelloReply
+from kvtier.transfer.protocol import ChunkSent, Hello, HelloReply
 
-CHANNELS = ("tcp", "shm")
+CHANNELS = ("tcp", "shm", "nixl")
 NIXL_UNAVAILABLE = (
-    "tcp or shm: the nixl wheel on PyPI (1.5.1) is a meta-package that pulls nixl-cu12 and "
-    "nixl-cu13 (CUDA builds); the nixl transport is not implemented in this build"
+    "tcp or shm: the nixl package is not installed (pip install 'kvtier[nixl]', which is "
+    "nixl-cu12==1.5.1; it runs on CPU hosts too: DRAM registration over UCX)"
 )
+
+
+def nixl_installed() -> bool:
+    return any(importlib.util.find_spec(name) is not None for name in ("nixl", "nixl_cu12"))
 
 
 def check_channel(name: str | None) -> str:
     """The transport to use for ``transfer_channel`` (None means tcp)."""
     chosen = name or "tcp"
-    if chosen == "nixl":
+    if chosen == "nixl" and not nixl_installed():
         raise ConfigError("transfer_channel", name, NIXL_UNAVAILABLE)
     if chosen not in CHANNELS:
         raise ConfigError("transfer_channel", name, f"one of {CHANNELS}")
@@ -60,15 +66,18 @@ class ReceiverChannel(ABC):
     def shm_path(self) -> str:
         return ""
 
+    def greet(self, hello: Hello) -> dict[str, Any]:
+        """Take a sender's Hello; return the extra HelloReply fields it needs."""
+        return {"shm_path": self.shm_path}
+
     @abstractmethod
     def receive_chunk(
-        self, sock: socket.socket, page_view: torch.Tensor, announced: int
+        self, sock: socket.socket, page_view: torch.Tensor, msg: ChunkSent
     ) -> tuple[int, int | None]:
         """Make ``page_view`` (a uint8 view of exactly the chunk's bytes) hold the chunk.
 
         Returns ``(sender's checksum, checksum of the bytes that landed)``; the second is None
         when the channel did not hash while receiving (the tier then hashes the page).
-        ``announced`` is the checksum the ChunkSent header carried.
         """
 
     def close(self) -> None:
@@ -77,6 +86,10 @@ class ReceiverChannel(ABC):
 
 class SenderChannel(ABC):
     name: str
+
+    def hello_fields(self) -> dict[str, Any]:
+        """Extra Hello fields this transport sends (called before ``attach``)."""
+        return {}
 
     @abstractmethod
     def attach(self, reply: HelloReply) -> None:
@@ -96,6 +109,10 @@ class SenderChannel(ABC):
 
 def receiver_channel(name: str | None) -> ReceiverChannel:
     chosen = check_channel(name)
+    if chosen == "nixl":
+        from kvtier.transfer.nixl import NixlReceiver
+
+        return NixlReceiver()
     if chosen == "shm":
         from kvtier.transfer.shm import ShmReceiver
 
@@ -107,6 +124,10 @@ def receiver_channel(name: str | None) -> ReceiverChannel:
 
 def sender_channel(name: str | None) -> SenderChannel:
     chosen = check_channel(name)
+    if chosen == "nixl":
+        from kvtier.transfer.nixl import NixlSender
+
+        return NixlSender()
     if chosen == "shm":
         from kvtier.transfer.shm import ShmSender
 

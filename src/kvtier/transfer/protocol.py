@@ -15,7 +15,8 @@ One connection carries one sender's requests, one at a time::
 
     sender                                   receiver
     Hello(fingerprint, page_bytes, ...) ->
-                                         <-  HelloReply(num_pages, page_bytes, shm_path)
+                                         <-  HelloReply(num_pages, page_bytes, how to reach
+                                                 the buffer: shm path / nixl metadata)
     AllocRequest(rid, keys, num_tokens) ->   reserve every missing chunk at once, or wait
                                          <-  AllocReply(held, pages) | ErrorReply(kind)
     ChunkSent(rid, index, nbytes, xxh3) ->   tcp: the next nbytes on the socket are the chunk,
@@ -47,12 +48,15 @@ class Hello(msgspec.Struct, tag=True):
     page_bytes: int
     token_bytes: int
     channel: str
+    nixl_metadata: bytes = b""  # nixl: the sender's agent metadata
 
 
 class HelloReply(msgspec.Struct, tag=True):
     num_pages: int
     page_bytes: int
-    shm_path: str = ""
+    shm_path: str = ""  # shm: the segment to map
+    nixl_metadata: bytes = b""  # nixl: the receiver's agent metadata
+    base_address: int = 0  # nixl: address of page 0 in the receiver's registered buffer
 
 
 class AllocRequest(msgspec.Struct, tag=True):

@@ -234,7 +234,8 @@ class PDReceiver:
             raise ProtocolError(
                 f"sender uses transport {hello.channel!r}, receiver {tier.channel.name!r}"
             )
-        send_message(conn, HelloReply(tier.num_pages, tier.page_bytes, tier.channel.shm_path))
+        extra = tier.channel.greet(hello)
+        send_message(conn, HelloReply(tier.num_pages, tier.page_bytes, **extra))
 
     def _handle(
         self, conn: socket.socket, msg: Message, current: _InFlight | None
@@ -306,7 +307,7 @@ class PDReceiver:
         conn.settimeout(self.io_timeout)
         try:
             view = self.tier.page_view(page, expected)
-            sent, landed = self.tier.channel.receive_chunk(conn, view, msg.checksum)
+            sent, landed = self.tier.channel.receive_chunk(conn, view, msg)
         finally:
             conn.settimeout(None)
         if self.tier.publish(current.reservation, page, sent, landed):

@@ -125,7 +125,11 @@ class PDSender:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             hello = Hello(
-                self.fingerprint, self.page_bytes, self.layout.token_bytes(), channel.name
+                self.fingerprint,
+                self.page_bytes,
+                self.layout.token_bytes(),
+                channel.name,
+                **channel.hello_fields(),
             )
             send_message(sock, hello)
             reply = self._expect(sock, HelloReply)

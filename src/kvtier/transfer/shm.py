@@ -56,9 +56,9 @@ class ShmReceiver(ReceiverChannel):
         return self._path
 
     def receive_chunk(
-        self, sock: socket.socket, page_view: torch.Tensor, announced: int
+        self, sock: socket.socket, page_view: torch.Tensor, msg: ChunkSent
     ) -> tuple[int, int | None]:
-        return announced, None  # the sender already wrote the bytes; the tier hashes the page
+        return msg.checksum, None  # the sender already wrote the bytes; the tier hashes the page
 
     def close(self) -> None:
         if self._path:

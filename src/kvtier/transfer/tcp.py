@@ -33,7 +33,7 @@ class TcpReceiver(ReceiverChannel):
         return BlockPool(num_pages, page_bytes)
 
     def receive_chunk(
-        self, sock: socket.socket, page_view: torch.Tensor, announced: int
+        self, sock: socket.socket, page_view: torch.Tensor, msg: ChunkSent
     ) -> tuple[int, int | None]:
         view = page_view.numpy().data.cast("B")
         hasher = xxhash.xxh3_64()
