@@ -26,6 +26,7 @@ def test_demo_runner_same_tokens_with_hits(tmp_path: Path) -> None:
         ["no-cache", "cpu", "restart"] if disk_tier_available() else ["no-cache", "cpu"]
     )
     assert result.mismatches() == []
+    assert result.problems() == []
     for run in result.configs:
         assert len(run.records) == TINY.requests
         assert all(len(r.tokens) == TINY.answer_tokens for r in run.records)

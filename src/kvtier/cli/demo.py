@@ -86,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     print("tokens: identical in every configuration")
+    if result.problems():
+        print("FAILED: " + "; ".join(result.problems()), file=sys.stderr)
+        return 1
+    print("leases: none left open; reference counts consistent")
     return 0
 
 

@@ -67,6 +67,7 @@ class ConfigRun:
     tier_bytes: dict[str, int] = field(default_factory=dict)  # used bytes per tier at the end
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0  # sum of the requests' times, prefill to last token
+    problems: list[str] = field(default_factory=list)  # leaks / broken invariants afterwards
 
     def ttfts(self) -> list[float]:
         return [r.ttft_s for r in self.records]
@@ -82,6 +83,10 @@ class DemoResult:
     model: str
     configs: list[ConfigRun]
     notes: list[str]
+
+    def problems(self) -> list[str]:
+        """Leaked leases or broken reference counts once a configuration finished."""
+        return [f"{run.name}: {p}" for run in self.configs for p in run.problems]
 
     def mismatches(self) -> list[str]:
         """Requests whose tokens differ from the no-cache run (empty = all identical)."""
@@ -164,6 +169,8 @@ def _run(pairs: list[tuple[ConfigRun, KVTierConnector]], workload: Workload, bar
     for run, conn in pairs:
         if conn.engine is not None:
             conn.engine.flush(60)
+            run.problems = [f"leak: {info}" for info in conn.engine.leaks()]
+            run.problems += conn.engine.check_invariants()
             stats = conn.engine.stats()
             run.tier_bytes = {name: t["used_bytes"] for name, t in stats["tiers"].items()}
             run.hit_tokens_by_tier = dict(stats["hit_tokens_by_tier"])
