@@ -51,11 +51,12 @@ def reference(
 ) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens from transformers' own ``generate`` (no kvtier anywhere) and the prefill
     logits of a plain full forward pass."""
+    prompt = prompt.to(model.device)
     with torch.inference_mode():
-        full = model(prompt.unsqueeze(0)).logits[0, -1]
+        full = model(prompt.unsqueeze(0)).logits[0, -1].cpu()
         out = model.generate(
             prompt.unsqueeze(0),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=0,

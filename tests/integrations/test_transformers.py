@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,8 +48,8 @@ def check(conn: KVTierConnector, prompt: torch.Tensor, tol: float) -> Any:
     got = conn.generate(prompt, NEW)
     assert got.tokens == want_tokens
     pre = conn.prefill(prompt)
-    assert torch.argmax(pre.logits).item() == torch.argmax(want_logits).item()
-    torch.testing.assert_close(pre.logits.float(), want_logits.float(), atol=tol, rtol=0)
+    assert torch.argmax(pre.logits.cpu()).item() == torch.argmax(want_logits).item()
+    torch.testing.assert_close(pre.logits.float().cpu(), want_logits.float(), atol=tol, rtol=0)
     return got
 
 
@@ -189,3 +190,16 @@ def test_engine_for_another_layout_is_refused(engines: list[Engine]) -> None:
     with pytest.raises(InputError, match="does not match"):
         KVTierConnector(engine, model)
     assert isinstance(engine.layout, KVLayout)
+
+
+@pytest.mark.gpu
+def test_model_on_cuda_with_kv_from_the_cpu_tier(engines: list[Engine]) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")  # the gpu marker's skip: runs only where a GPU exists
+    cuda_model = copy.deepcopy(tiny_model("llama", torch.float32)).to("cuda")
+    conn = connect(engines, cuda_model)
+    base = tokens(3 * CHUNK + 4, seed=15)
+    want, _ = reference(cuda_model, base, NEW)
+    assert conn.generate(base, NEW).tokens == want
+    again = conn.generate(base, NEW)
+    assert again.reused_tokens == 3 * CHUNK and again.tokens == want
