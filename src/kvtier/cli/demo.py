@@ -16,6 +16,7 @@ from typing import Any
 from kvtier.demo.workload import Workload
 from kvtier.engine import Engine
 from kvtier.integrations.tiny_models import SIZES
+from kvtier.layout import dtype_from_name
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +26,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     add(
         "--model-dir", help="a local Hugging Face checkpoint (Llama/Mistral/Qwen2); never downloads"
     )
+    add("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     add("--users", type=int, default=d.users)
     add("--rounds", type=int, default=d.rounds)
     add("--system-tokens", type=int, default=d.system_tokens, help="shared system prompt")
@@ -58,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         workload=workload,
         model_size=args.model_size,
         model_dir=args.model_dir,
+        dtype=dtype_from_name(args.dtype),
         chunk_size=args.chunk_size,
         disk_dir=args.disk_dir,
         progress=not args.no_progress,

@@ -42,6 +42,9 @@ class Options:
     workload: Workload = field(default_factory=Workload)
     model_size: str = "small"
     model_dir: str | None = None
+    # fp32 by default: with bf16 a trained model's near-ties can flip a greedy token between
+    # cached and recomputed KV (rounding, not a cache error), and the demo checks equality.
+    dtype: torch.dtype = torch.float32
     chunk_size: int = 256
     disk_dir: str | None = None  # None: a temporary directory, removed afterwards
     progress: bool = True
@@ -178,8 +181,9 @@ def _run(pairs: list[tuple[ConfigRun, KVTierConnector]], workload: Workload, bar
 
 def _model(options: Options) -> tuple[Any, str]:
     if options.model_dir:
-        return load_local_model(options.model_dir), f"local:{options.model_dir}"
-    model = build_model("llama", options.model_size, seed=options.seed)
+        model = load_local_model(options.model_dir, dtype=options.dtype)
+        return model, f"local:{options.model_dir}"
+    model = build_model("llama", options.model_size, dtype=options.dtype, seed=options.seed)
     return model, f"kvtier-demo-llama-{options.model_size}-seed{options.seed}"
 
 
