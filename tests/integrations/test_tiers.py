@@ -75,3 +75,35 @@ def test_redis_tier_shared_by_two_engines(
 ) -> None:
     redis_server.client().flushall()
     warm_then_serve(tiny_model(family, dtype), tol, "redis", remote_url=redis_server.url)
+
+
+def test_corrupt_chunk_on_disk_is_recomputed_not_served(tmp_path: Path) -> None:
+    """A chunk whose bytes rotted on disk ends the hit there; the rest is recomputed and the
+    output is still exactly the reference."""
+    model = tiny_model("llama", torch.float32)
+    overrides = {"local_disk": str(tmp_path), "max_local_disk_size": "64MiB"}
+    base = tokens(4 * CHUNK + 5, seed=23)
+    first = make_engine(model, **overrides)
+    try:
+        KVTierConnector(first, model).generate(base, 2)
+        spans = first.keychain.keys(base, include_partial=False)
+        name = f"{first.fingerprint.hex()}-{spans[2].key.hex()}.kvc"
+    finally:
+        first.close()
+    with open(tmp_path / name, "r+b") as f:  # flip one payload byte near the end of the record
+        f.seek(-100, 2)
+        byte = f.read(1)
+        f.seek(-100, 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+    second = make_engine(model, **overrides)
+    try:
+        conn = KVTierConnector(second, model)
+        want_tokens, want_logits = reference(model, base, NEW)
+        pre = conn.prefill(base)
+        assert pre.loaded_tokens == 2 * CHUNK and pre.reused_tokens == 2 * CHUNK
+        torch.testing.assert_close(pre.logits, want_logits, atol=1e-5, rtol=0)
+        assert conn.generate(base, NEW).tokens == want_tokens
+        assert second.leaks() == []
+    finally:
+        second.close()
