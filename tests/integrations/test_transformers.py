@@ -203,3 +203,15 @@ def test_model_on_cuda_with_kv_from_the_cpu_tier(engines: list[Engine]) -> None:
     assert conn.generate(base, NEW).tokens == want
     again = conn.generate(base, NEW)
     assert again.reused_tokens == 3 * CHUNK and again.tokens == want
+
+
+def test_generate_reports_ttft_and_reused_tokens_to_the_engine(engines: list[Engine]) -> None:
+    conn = connect(engines, tiny_model("llama", torch.float32))
+    prompt = tokens(3 * CHUNK + 5, seed=11)
+    first = conn.generate(prompt, 2)
+    second = conn.generate(prompt, 2)
+    conn.generate(prompt, 2, use_cache=False)  # the baseline path reports nothing
+    totals = conn.engine.observer.ttft
+    assert totals.requests == 2
+    assert totals.hit_tokens == first.reused_tokens + second.reused_tokens == 3 * CHUNK
+    assert totals.seconds == pytest.approx(first.ttft_s + second.ttft_s)

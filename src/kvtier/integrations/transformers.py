@@ -178,6 +178,11 @@ class KVTierConnector:
         pre = self.prefill(prompt, request_id=request_id, use_cache=use_cache)
         new = [pick_token(pre.logits, sampling, generator)]
         ttft = time.perf_counter() - start
+        if self.engine is not None and use_cache:
+            # Feeds the admin dashboard's "TTFT saved" and kvtier_ttft_seconds.
+            self.engine.record_ttft(
+                ttft, prompt_tokens=len(pre.tokens), hit_tokens=pre.reused_tokens
+            )
         stored = self.store(pre) if store else 0
         stored_at = time.perf_counter()
         reason = "length"
