@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -127,9 +128,11 @@ def as_token_array(tokens: object) -> np.ndarray:
     return np.ascontiguousarray(array.astype("<i4", copy=False))
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkSpan:
-    """Chunk ``index`` covers tokens ``[start, end)`` and is named by ``key``."""
+class ChunkSpan(NamedTuple):
+    """Chunk ``index`` covers tokens ``[start, end)`` and is named by ``key``.
+
+    A NamedTuple rather than a frozen dataclass: a long prompt makes hundreds per lookup,
+    and a frozen dataclass's ``__init__`` costs several times a tuple's."""
 
     index: int
     start: int
@@ -158,11 +161,13 @@ class KeyChain:
         n_full = len(array) // self.chunk_size
         n_chunks = n_full + (1 if include_partial and len(array) % self.chunk_size else 0)
         hash_fn = self._hash
+        size = self.chunk_size
         spans: list[ChunkSpan] = []
         prev = self._seed
-        for i in range(n_chunks):
+        for i in range(n_full):
             prev = hash_fn(prev + data[i * step : (i + 1) * step])
-            spans.append(
-                ChunkSpan(i, i * self.chunk_size, min((i + 1) * self.chunk_size, len(array)), prev)
-            )
+            spans.append(ChunkSpan(i, i * size, (i + 1) * size, prev))
+        if n_chunks > n_full:  # the last, partial chunk
+            prev = hash_fn(prev + data[n_full * step :])
+            spans.append(ChunkSpan(n_full, n_full * size, len(array), prev))
         return spans

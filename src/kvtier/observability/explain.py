@@ -265,8 +265,11 @@ class ExplainLog:
             return
         prompt_tokens = len(as_token_array(tokens))
         runs: list[Run] = []
-        for span, tier in hits:
-            _append(runs, span.index, True, tier, "")
+        start = 0  # one run per stretch of hits in the same tier, without a call per chunk
+        for i in range(1, len(hits) + 1):
+            if i == len(hits) or hits[i][1] != hits[start][1]:
+                runs.append((hits[start][0].index, hits[i - 1][0].index, True, hits[start][1], ""))
+                start = i
         missing = spans[len(hits) :]
         if missing:
             self._explain_misses(tokens, missing, probe, runs)

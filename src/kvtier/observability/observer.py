@@ -97,9 +97,12 @@ class Observer:
         started: float,
     ) -> None:
         hits = [(h.span, h.tier) for h in plan.hits]
+        by_tier: dict[str, int] = {}
+        for span, tier in hits:
+            by_tier[tier] = by_tier.get(tier, 0) + span.end - span.start
         with self._lock:
-            for span, tier in hits:
-                self.lookup_hit_tokens[tier] += span.num_tokens
+            for tier, tokens_hit in by_tier.items():
+                self.lookup_hit_tokens[tier] += tokens_hit
         _guarded(self.explain.record_lookup, request_id, tokens, spans, hits, self._probe)
         self.latency["lookup"].observe(time.perf_counter() - started)
 
