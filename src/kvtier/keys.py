@@ -134,7 +134,7 @@ class ChunkSpan(NamedTuple):
     A NamedTuple rather than a frozen dataclass: a long prompt makes hundreds per lookup,
     and a frozen dataclass's ``__init__`` costs several times a tuple's."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index(), which nothing calls
     start: int
     end: int
     key: ChunkKey
