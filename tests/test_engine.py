@@ -226,3 +226,15 @@ def test_gpu_tensors_round_trip(engine: Engine) -> None:
 
 
 test_gpu_tensors_round_trip = pytest.mark.gpu(test_gpu_tensors_round_trip)
+
+
+def test_a_hold_for_an_ended_request_is_released_not_leaked(engine: Engine) -> None:
+    from kvtier.lease import CallbackHold
+
+    released: list[str] = []
+    engine.lookup(make_tokens(16), "decoder-request")
+    engine.end_request("decoder-request")  # the decoder gave up waiting and prefilled locally
+    late = CallbackHold(4096, "PD reservation", lambda: released.append("late"))
+    with pytest.raises(StateError, match="already ended"):
+        engine.attach_hold("decoder-request", late)
+    assert released == ["late"] and engine.leaks() == []

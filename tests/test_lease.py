@@ -51,3 +51,22 @@ def test_snapshot_reports_who_holds_what(pool: BlockPool) -> None:
     assert infos["a"].pinned_pages == 1 and infos["a"].pinned_bytes == 4096
     assert infos["b"].holds == ("disk pin k",) and infos["b"].pinned_bytes == 100
     assert table.end_all() == 2 and pool.free_pages == 4
+
+
+def test_joining_an_ended_request_is_refused_but_the_request_itself_may_start_over(
+    pool: BlockPool,
+) -> None:
+    table = LeaseTable(pool, ended_memory=2)
+    table.open("late")
+    table.end("late")
+    with pytest.raises(StateError, match="already ended"):
+        table.join("late")  # a late PD reservation: no lease nobody would end
+    assert table.snapshot() == []
+    table.open("late")  # the request id reused by a new request (a lookup) starts over
+    assert [i.request_id for i in table.snapshot()] == ["late"]
+    assert table.join("late") is table.get("late")
+    table.end("late")
+    for rid in ("a", "b"):  # the memory of ended ids is bounded
+        table.open(rid)
+        table.end(rid)
+    table.join("late").release()

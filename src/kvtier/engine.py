@@ -405,11 +405,17 @@ class Engine:
 
     def attach_hold(self, request_id: str, hold: Hold) -> None:
         """Put ``hold`` (e.g. a PD reservation) into ``request_id``'s lease: released, once,
-        by :meth:`end_request`. Raises StateError (the hold already released) if the lease
-        ended meanwhile."""
+        by :meth:`end_request`. Raises StateError, with the hold already released, if the
+        request ended before (or while) the hold arrived: a late transfer never opens a lease
+        that nobody would end."""
         _, leases = self._open_parts()
         _check_request_id(request_id)
-        leases.open(request_id).take_hold(hold)
+        try:
+            lease = leases.join(request_id)
+        except StateError:
+            hold.release()
+            raise
+        lease.take_hold(hold)
 
     # -- helpers ---------------------------------------------------------------------------
     def _spans(self, tokens: object, skip_leading_tokens: int) -> list[ChunkSpan]:

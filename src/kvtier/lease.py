@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -126,20 +127,41 @@ class Lease:
 
 
 class LeaseTable:
-    """request_id -> Lease, thread-safe."""
+    """request_id -> Lease, thread-safe.
 
-    def __init__(self, pool: BlockPool) -> None:
+    It also remembers the last ``ended_memory`` request ids that ended, so that something
+    arriving for a request after it ended (a PD transfer that was late, say) is refused
+    instead of opening a new lease that nobody would ever end (the leak of seed 001).
+    """
+
+    def __init__(self, pool: BlockPool, ended_memory: int = 65536) -> None:
         self._pool = pool
         self._leases: dict[str, Lease] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._ended_memory = ended_memory
         self._lock = threading.Lock()
 
     def open(self, request_id: str) -> Lease:
-        """The live lease of ``request_id``, created on first use."""
+        """The live lease of ``request_id``, created on first use. The caller is the request
+        itself (a lookup), so an id that ended before starts over as a new request."""
         with self._lock:
-            lease = self._leases.get(request_id)
-            if lease is None:
-                lease = self._leases[request_id] = Lease(request_id, self._pool)
-            return lease
+            self._ended.pop(request_id, None)
+            return self._open_locked(request_id)
+
+    def join(self, request_id: str) -> Lease:
+        """The live lease of ``request_id`` for something acting on the request's behalf
+        (a PD receiver attaching a reservation). Raises :class:`StateError` if the request
+        already ended: nobody would end a lease opened now."""
+        with self._lock:
+            if request_id in self._ended:
+                raise StateError(f"request {request_id!r} already ended")
+            return self._open_locked(request_id)
+
+    def _open_locked(self, request_id: str) -> Lease:
+        lease = self._leases.get(request_id)
+        if lease is None:
+            lease = self._leases[request_id] = Lease(request_id, self._pool)
+        return lease
 
     def get(self, request_id: str) -> Lease | None:
         with self._lock:
@@ -149,6 +171,10 @@ class LeaseTable:
         """Release the request's lease. Returns False when it had none (already ended)."""
         with self._lock:
             lease = self._leases.pop(request_id, None)
+            self._ended[request_id] = None
+            self._ended.move_to_end(request_id)
+            while len(self._ended) > self._ended_memory:
+                self._ended.popitem(last=False)
         if lease is None:
             return False
         lease.release()

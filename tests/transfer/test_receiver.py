@@ -255,3 +255,24 @@ def test_sender_reconnects_after_the_receiver_drops_it(
         decode(engine, receiver, "c", tokens)
     engine.end_request("b")
     assert_all_free(engine)
+
+
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_transfer_arriving_after_the_decoder_ended_the_request_is_refused(
+    make_decoder: Callable[..., Decoder], channel: str
+) -> None:
+    """The decoder gave up on a request (ended it, prefilled locally) before the prefiller's
+    transfer arrived: the late reservation must not open a lease nobody would ever end."""
+    engine, receiver = make_decoder(channel)
+    tokens = request_tokens(1)
+    engine.lookup(tokens, "late")
+    engine.end_request("late")
+    with sender(channel, receiver.port) as tx, pytest.raises(TransferError, match="ended"):
+        send_one(tx, "late", tokens)
+    outcome = receiver.wait_outcome("late", 5.0)
+    assert outcome is not None and not outcome.ok
+    assert_all_free(engine)
+    with sender(channel, receiver.port) as tx:  # and the receiver keeps serving
+        send_one(tx, "next", tokens)
+    assert decode(engine, receiver, "next", tokens) > 0
+    assert_all_free(engine)
