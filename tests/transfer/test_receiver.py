@@ -276,3 +276,19 @@ def test_transfer_arriving_after_the_decoder_ended_the_request_is_refused(
         send_one(tx, "next", tokens)
     assert decode(engine, receiver, "next", tokens) > 0
     assert_all_free(engine)
+
+
+def test_outcomes_nobody_collects_are_bounded(
+    make_decoder: Callable[..., Decoder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.transfer import receiver as receiver_module
+
+    monkeypatch.setattr(receiver_module, "MAX_UNCOLLECTED_OUTCOMES", 3)
+    engine, receiver = make_decoder("tcp")
+    with sender("tcp", receiver.port) as tx:
+        for i in range(5):
+            send_one(tx, f"uncollected-{i}", request_tokens(i))
+            engine.end_request(f"uncollected-{i}")
+    assert receiver.wait_outcome("uncollected-0", 0.1) is None  # the oldest were dropped
+    assert receiver.wait_outcome("uncollected-4", 0.1) is not None
+    assert_all_free(engine)

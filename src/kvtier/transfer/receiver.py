@@ -23,6 +23,7 @@ import contextlib
 import logging
 import socket
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -46,6 +47,8 @@ from kvtier.transfer.protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+MAX_UNCOLLECTED_OUTCOMES = 10_000
 
 Attach = Callable[[str, Hold], None]
 
@@ -94,7 +97,9 @@ class PDReceiver:
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._conns: set[socket.socket] = set()
-        self._outcomes: dict[str, TransferOutcome] = {}
+        # Outcomes wait here until the decoder asks (wait_outcome); one it never asks for
+        # (the request went away) must not stay forever, so only the newest are kept.
+        self._outcomes: OrderedDict[str, TransferOutcome] = OrderedDict()
         self._cond = threading.Condition()
         self._closed = False
         self.protocol_errors = 0
@@ -174,6 +179,9 @@ class PDReceiver:
     def _record(self, request_id: str, outcome: TransferOutcome) -> None:
         with self._cond:
             self._outcomes[request_id] = outcome
+            self._outcomes.move_to_end(request_id)
+            while len(self._outcomes) > MAX_UNCOLLECTED_OUTCOMES:
+                self._outcomes.popitem(last=False)
             self._cond.notify_all()
 
     # -- serving ---------------------------------------------------------------------------
