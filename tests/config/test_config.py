@@ -176,3 +176,12 @@ def test_ports_take_one_or_a_list() -> None:
     )
     assert cfg.pd_peer_init_port == (8100, 8101)
     assert cfg.pd_peer_alloc_port == (8200,)
+
+
+def test_remote_url_is_checked_at_load_and_its_password_masked() -> None:
+    with pytest.raises(ConfigError) as info:
+        Config.load(env={}, overrides={"remote_url": "redis:/localhost:6379"})
+    assert info.value.key == "remote_url" and "redis-cluster://" in str(info.value)
+    cfg = Config.load(env={}, overrides={"remote_url": "redis://user:hunter2@localhost:6379/1"})
+    assert cfg.remote_url == "redis://user:hunter2@localhost:6379/1"
+    assert "hunter2" not in str(cfg.as_dict()["remote_url"])

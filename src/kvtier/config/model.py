@@ -124,6 +124,10 @@ class Config:
             value = getattr(self, f.name)
             if mask_secrets and KEYS_BY_NAME[f.name].secret and value:
                 value = "***"
+            elif mask_secrets and f.name == "remote_url" and value:
+                from kvtier.storage.remote_url import mask_password
+
+                value = mask_password(value)
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 

@@ -117,3 +117,13 @@ def mapping(key: str, raw: object) -> dict[str, Any]:
     if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
         raise ConfigError(key, raw, "a mapping of string keys to values")
     return dict(raw)
+
+
+def remote_url(key: str, raw: object) -> str | None:
+    """A remote store URL, checked at load so ``kvtier check-config`` catches a typo."""
+    if raw is None:
+        return None
+    from kvtier.storage.remote_url import parse_remote_url  # its own module: the URL grammar
+
+    parse_remote_url(raw)  # raises ConfigError naming remote_url and the accepted forms
+    return str(raw)

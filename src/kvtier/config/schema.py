@@ -39,7 +39,7 @@ KEYS: tuple[KeySpec, ...] = (
     KeySpec("max_local_disk_size", p.size(GIB), 0.0, "Disk tier capacity; GB number or '20GiB'."),
     KeySpec(
         "remote_url",
-        p.text(),
+        p.remote_url,
         None,
         "redis://, rediss://, unix://, redis-cluster:// or valkey:// URL of a shared store.",
     ),
