@@ -14,7 +14,6 @@ caller, or the :meth:`request` context manager that does it for you.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import threading
@@ -31,6 +30,7 @@ from kvtier.errors import ConfigError, InputError, StateError, TierError
 from kvtier.keys import ChunkSpan, Fingerprint, KeyChain, as_token_array
 from kvtier.layout import KVLayout
 from kvtier.lease import Hold, LeaseInfo, LeaseTable
+from kvtier.lifecycle import Lifecycle
 from kvtier.memory.block_pool import BlockPool, pages_for_capacity
 from kvtier.observability.observer import Observer
 from kvtier.stats import EngineCounters
@@ -42,10 +42,7 @@ from kvtier.storage.manager import LookupPlan, StorageManager
 log = logging.getLogger(__name__)
 
 
-class EngineState(enum.Enum):
-    NEW = "new"
-    OPEN = "open"
-    CLOSED = "closed"
+EngineState = Lifecycle  # the public name of the engine's lifecycle states
 
 
 class Engine:

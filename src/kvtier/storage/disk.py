@@ -28,7 +28,6 @@ Settings: :mod:`kvtier.storage.disk_config`.
 
 from __future__ import annotations
 
-import enum
 import errno
 import logging
 import os
@@ -43,6 +42,7 @@ from kvtier.config.sizes import format_size
 from kvtier.errors import ConfigError, CorruptRecord, StateError
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.layout import KVLayout
+from kvtier.lifecycle import Lifecycle
 from kvtier.storage import disk_files as files
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
 from kvtier.storage.disk_config import DiskOptions, open_directory, options_from_config
@@ -66,12 +66,6 @@ _EXTRA_COUNTERS = (
 )
 
 
-class _State(enum.Enum):
-    NEW = "new"
-    OPEN = "open"
-    CLOSED = "closed"
-
-
 class DiskTier(Tier):
     name = "disk"
 
@@ -87,7 +81,7 @@ class DiskTier(Tier):
         self._inflight_bytes = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._state = _State.NEW
+        self._state = Lifecycle.NEW
         self._dir_fd = -1
         self._writer: ThreadPoolExecutor | None = None
         self._reader: ThreadPoolExecutor | None = None
@@ -101,7 +95,7 @@ class DiskTier(Tier):
     def open(self) -> None:
         """Check the directory, rebuild the index from headers, start the I/O threads."""
         with self._lock:
-            if self._state is not _State.NEW:
+            if self._state is not Lifecycle.NEW:
                 raise StateError(f"disk tier is {self._state.value}; open it once")
             self._dir_fd = open_directory(self.options.path, self.fp_hex)
             try:
@@ -114,7 +108,7 @@ class DiskTier(Tier):
             n = self.options.io_threads
             self._writer = ThreadPoolExecutor(n, thread_name_prefix="kvtier-disk-write")
             self._reader = ThreadPoolExecutor(n, thread_name_prefix="kvtier-disk-read")
-            self._state = _State.OPEN
+            self._state = Lifecycle.OPEN
 
     def _rebuild_index(self) -> None:
         found = files.scan(self._dir_fd, self.fingerprint, self.fp_hex)
@@ -149,10 +143,10 @@ class DiskTier(Tier):
     def close(self) -> None:
         """Drain queued writes (each still completes), stop the threads. Idempotent."""
         with self._lock:
-            if self._state is not _State.OPEN:
-                self._state = _State.CLOSED
+            if self._state is not Lifecycle.OPEN:
+                self._state = Lifecycle.CLOSED
                 return
-            self._state = _State.CLOSED
+            self._state = Lifecycle.CLOSED
         assert self._writer is not None and self._reader is not None
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
@@ -164,7 +158,7 @@ class DiskTier(Tier):
             return self._idle.wait_for(lambda: not self._pending, timeout)
 
     def _check_open(self) -> None:
-        if self._state is not _State.OPEN:
+        if self._state is not Lifecycle.OPEN:
             raise StateError(f"disk tier is {self._state.value}")
 
     # -- writes ----------------------------------------------------------------------------
@@ -173,7 +167,7 @@ class DiskTier(Tier):
         refused: PutResult | None = None
         with self._lock:
             extra = self.counters.extra
-            if self._state is not _State.OPEN:
+            if self._state is not Lifecycle.OPEN:
                 refused = PutResult(key, PutOutcome.FAILED, f"disk tier is {self._state.value}")
                 self.counters.failed += 1
             elif key in self._index or key in self._pending:

@@ -73,14 +73,7 @@ def _write_all(fd: int, buffers: list[memoryview]) -> None:
         written = os.writev(fd, pending)
         if written == 0:
             raise OSError(errno.EIO, "writev wrote nothing")
-        while written and pending:  # drop what was written, keep the rest
-            head = pending[0]
-            if written >= head.nbytes:
-                written -= head.nbytes
-                pending.pop(0)
-            else:
-                pending[0] = head[written:]
-                written = 0
+        _consume(pending, written)
 
 
 def read_record_into(
@@ -115,15 +108,20 @@ def _read_all(fd: int, buffers: list[memoryview], offset: int) -> int:
         if got == 0:
             break
         total += got
-        while got and pending:
-            head = pending[0]
-            if got >= head.nbytes:
-                got -= head.nbytes
-                pending.pop(0)
-            else:
-                pending[0] = head[got:]
-                got = 0
+        _consume(pending, got)
     return total
+
+
+def _consume(pending: list[memoryview], nbytes: int) -> None:
+    """Drop the first ``nbytes`` from a list of buffers (a short writev/preadv moved them)."""
+    while nbytes and pending:
+        head = pending[0]
+        if nbytes >= head.nbytes:
+            nbytes -= head.nbytes
+            pending.pop(0)
+        else:
+            pending[0] = head[nbytes:]
+            nbytes = 0
 
 
 def touch(dir_fd: int, fp_hex: str, key: ChunkKey) -> None:

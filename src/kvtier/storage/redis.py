@@ -33,7 +33,6 @@ Protocol (see :mod:`kvtier.storage.base`), and how each call behaves here:
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -47,6 +46,7 @@ from kvtier.config import Config
 from kvtier.errors import CorruptRecord, StateError, TierError, TierUnavailable
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.layout import KVLayout
+from kvtier.lifecycle import Lifecycle
 from kvtier.storage import records
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
 from kvtier.storage.redis_link import RedisLink
@@ -65,12 +65,6 @@ T = TypeVar("T")
 _EXISTS_EACH = (
     "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end return r"
 )
-
-
-class _State(enum.Enum):
-    NEW = "new"
-    OPEN = "open"
-    CLOSED = "closed"
 
 
 class RedisTier(Tier):
@@ -101,7 +95,7 @@ class RedisTier(Tier):
         self.writes = WriteQueue(
             options.put_threads, options.inflight_bytes, self._write, "kvtier-redis-writer"
         )
-        self._state = _State.NEW
+        self._state = Lifecycle.NEW
         self._lock = threading.Lock()
         self._pins: dict[ChunkKey, int] = {}
         self._last_usage = TierUsage(0, 0, 0)
@@ -121,24 +115,24 @@ class RedisTier(Tier):
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> None:
-        if self._state is not _State.NEW:
+        if self._state is not Lifecycle.NEW:
             raise StateError(f"redis tier is {self._state.value}; open it once")
         self.link.open()
         self.writes.start()
-        self._state = _State.OPEN
+        self._state = Lifecycle.OPEN
 
     def close(self) -> None:
         """Drain queued writes (each bounded by the timeout), stop the threads, disconnect."""
-        if self._state is not _State.OPEN:
-            self._state = _State.CLOSED
+        if self._state is not Lifecycle.OPEN:
+            self._state = Lifecycle.CLOSED
             return
-        self._state = _State.CLOSED
+        self._state = Lifecycle.CLOSED
         self.writes.close()
         self.link.close()
 
     def _check_open(self) -> None:
-        if self._state is not _State.OPEN:
-            hint = "call open() first" if self._state is _State.NEW else "it was closed"
+        if self._state is not Lifecycle.OPEN:
+            hint = "call open() first" if self._state is Lifecycle.NEW else "it was closed"
             raise StateError(f"redis tier is {self._state.value}: {hint}")
 
     # -- reads -----------------------------------------------------------------------------
