@@ -205,14 +205,21 @@ class PDTier(Tier):
         dropped, counted as corrupt) when its bytes do not match the sender's checksum.
         ``actual``: the checksum of the page's bytes when the transport hashed them as they
         landed (tcp); otherwise the page is hashed here."""
+        key = reservation.new[page]
         with self._cond:
-            key = reservation.new[page]
             entry = self._index.get(key)
             if entry is None or entry.page != page or reservation.released:
                 return False
             nbytes = entry.num_tokens * self.token_bytes
-            if actual is None:
-                actual = checksum(self.pool.page_bytes_view(page, nbytes))
+            view = self.pool.page_bytes_view(page, nbytes)
+        if actual is None:
+            # Hashed outside the lock (a 32 MiB page takes milliseconds, and other senders'
+            # reserve/publish wait on this lock). The reservation owns the page; if it was
+            # released meanwhile, the check below refuses the result whatever it was.
+            actual = checksum(view)
+        with self._cond:
+            if self._index.get(key) is not entry or reservation.released:
+                return False
             if actual != expected:
                 log.error("PD chunk %s failed its checksum; dropped", key.hex())
                 self.counters.corrupt += 1
