@@ -203,7 +203,8 @@ def test_stats_report_hits_and_allocator(engine: Engine) -> None:
     engine.retrieve(tokens[:40], "r")
     engine.end_request("r")
     stats = engine.stats()
-    assert stats["lookups"] == 1 and stats["lookup_tokens"] == 32 and stats["hit_tokens"] == 32
+    assert stats["lookups"] == 1 and stats["lookup_tokens"] == 40 and stats["hit_tokens"] == 32
+    assert stats["miss_tokens"] == 8
     assert stats["hit_tokens_by_tier"] == {"cpu": 32}
     assert stats["allocator"] == {
         "page_bytes": 4096,

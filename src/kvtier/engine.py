@@ -188,7 +188,7 @@ class Engine:
         plan = manager.locate(spans, lease, skip_leading_tokens // self.config.chunk_size)
         lease.plan = plan
         self.counters.lookups += 1
-        self.counters.lookup_tokens += spans[-1].end if spans else 0
+        self.counters.lookup_tokens += len(tokens)  # the whole prompt, partial tail included
         self.counters.hit_tokens += plan.hit_tokens
         self.observer.on_lookup(request_id, tokens, spans, plan, started)
         return plan.hit_tokens
@@ -287,6 +287,8 @@ class Engine:
                 "entries": usage.entries,
                 **tier.counters.as_dict(),
             }
+        counts = self.counters.as_dict()
+        counts["miss_tokens"] = counts["lookup_tokens"] - counts["hit_tokens"]
         return {
             "open_requests": len(lease_infos),
             "pinned_pages": sum(i.pinned_pages for i in lease_infos),
@@ -302,7 +304,7 @@ class Engine:
                 "pages_used": pool.used_pages,
             },
             "tiers": tiers,
-            **self.counters.as_dict(),
+            **counts,
         }
 
     def leases(self) -> list[LeaseInfo]:
