@@ -15,7 +15,6 @@ caller, or the :meth:`request` context manager that does it for you.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +25,8 @@ from typing import Any
 import torch
 
 from kvtier.config import Config
-from kvtier.errors import ConfigError, InputError, StateError, TierError
+from kvtier.errors import InputError, StateError, TierError
+from kvtier.invariants import audit_references
 from kvtier.keys import ChunkSpan, Fingerprint, KeyChain, as_token_array
 from kvtier.layout import KVLayout
 from kvtier.lease import Hold, LeaseInfo, LeaseTable
@@ -38,6 +38,7 @@ from kvtier.storage.base import Tier
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.factory import build_lower_tiers
 from kvtier.storage.manager import LookupPlan, StorageManager
+from kvtier.validation import check_fits_in_memory, check_kv, check_request_id, check_skip
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class Engine:
         self.num_pages = pages_for_capacity(
             "max_local_cpu_size", self.config.max_local_cpu_size, self.chunk_bytes
         )
-        _check_fits_in_memory("max_local_cpu_size", self.num_pages * self.chunk_bytes)
+        check_fits_in_memory("max_local_cpu_size", self.num_pages * self.chunk_bytes)
         self.keychain = KeyChain(self.fingerprint)
         self.counters = EngineCounters()
         self.observer = Observer(self.fingerprint, self.config)  # metrics, explain (no I/O)
@@ -181,7 +182,7 @@ class Engine:
         already holds), pinned for ``request_id`` until :meth:`end_request`."""
         started = time.perf_counter()
         manager, leases = self._open_parts()
-        _check_request_id(request_id)
+        check_request_id(request_id)
         tokens = as_token_array(tokens)  # once: the observer reuses the array
         spans = self._spans(tokens, skip_leading_tokens)
         lease = leases.open(request_id)
@@ -244,7 +245,7 @@ class Engine:
         manager, _ = self._open_parts()
         array = as_token_array(tokens)
         spans = self._spans(array, skip_leading_tokens)
-        self._check_kv(kv, len(array))
+        check_kv(kv, self.layout, len(array))
         self.counters.stores += 1
         offered = spans[skip_leading_tokens // self.config.chunk_size :]
         dropped_before = self.counters.dropped_chunks
@@ -335,47 +336,7 @@ class Engine:
         with no request open, every page is free or owned by exactly one cache entry.
         """
         manager, leases = self._open_parts()
-        pool = manager.pool
-        with manager.writes_in_flight.lock:  # refcounts and write counts from one instant
-            refs, free_pages = pool.snapshot()
-            writing = dict(manager.writes_in_flight.by_page)
-        problems = [f"page {p} has negative refcount {r}" for p, r in enumerate(refs) if r < 0]
-        held_by_leases: dict[int, int] = {}
-        for info_lease in leases._leases.values():
-            for page in info_lease.pages:
-                held_by_leases[page] = held_by_leases.get(page, 0) + 1
-        cached = manager.cpu.owned_pages()
-        for page, ref in enumerate(refs):
-            expected = (
-                held_by_leases.get(page, 0) + writing.get(page, 0) + (1 if page in cached else 0)
-            )
-            if ref < expected:
-                problems.append(
-                    f"page {page}: refcount {ref} < {expected} owners (freed while in use)"
-                )
-            if not len(leases) and ref > expected:
-                problems.append(f"page {page}: refcount {ref} but only {expected} owners (leaked)")
-        problems.extend(self._pinned_cpu_hits_still_cached(manager, leases))
-        if free_pages != sum(1 for r in refs if r == 0):
-            problems.append("free list does not match the pages with refcount 0")
-        return problems
-
-    @staticmethod
-    def _pinned_cpu_hits_still_cached(manager: StorageManager, leases: LeaseTable) -> list[str]:
-        """Invariant 3: a chunk a request pinned in the CPU tier is never evicted meanwhile."""
-        problems = []
-        for lease in list(leases._leases.values()):
-            plan = lease.plan
-            if not isinstance(plan, LookupPlan):
-                continue
-            cpu_hits = [h for h in plan.hits if h.tier == "cpu"]
-            entries = manager.cpu.entries([h.span.key for h in cpu_hits])
-            for hit, entry in zip(cpu_hits, entries, strict=True):
-                if entry is None or entry.page != hit.page:
-                    problems.append(
-                        f"request {lease.request_id}: pinned CPU chunk {hit.span.index} was evicted"
-                    )
-        return problems
+        return audit_references(manager, leases)
 
     def clear(self) -> dict[str, int]:
         """Drop every unpinned entry of every tier (pinned ones stay); tier -> entries dropped.
@@ -408,7 +369,7 @@ class Engine:
         request ended before (or while) the hold arrived: a late transfer never opens a lease
         that nobody would end."""
         _, leases = self._open_parts()
-        _check_request_id(request_id)
+        check_request_id(request_id)
         try:
             lease = leases.join(request_id)
         except StateError:
@@ -418,19 +379,12 @@ class Engine:
 
     # -- helpers ---------------------------------------------------------------------------
     def _spans(self, tokens: object, skip_leading_tokens: int) -> list[ChunkSpan]:
-        if (
-            isinstance(skip_leading_tokens, bool)
-            or not isinstance(skip_leading_tokens, int)
-            or skip_leading_tokens < 0
-        ):
-            raise InputError(
-                f"skip_leading_tokens must be an int >= 0, got {skip_leading_tokens!r}"
-            )
+        check_skip(skip_leading_tokens)
         return self.keychain.keys(tokens, include_partial=self.config.save_unfull_chunk)
 
     def _plan(self, tokens: object, request_id: str, skip_leading_tokens: int) -> LookupPlan:
         _, leases = self._open_parts()
-        _check_request_id(request_id)
+        check_request_id(request_id)
         lease = leases.get(request_id)
         if lease is not None and isinstance(lease.plan, LookupPlan):
             spans = self._spans(tokens, skip_leading_tokens)
@@ -453,32 +407,3 @@ class Engine:
         self.observer.after_load(request_id, before, loaded)
         self.counters.retrieved_tokens += max(0, loaded - start)
         return loaded
-
-    def _check_kv(self, kv: torch.Tensor, num_tokens: int) -> None:
-        lay = self.layout
-        expected = lay.kv_shape(num_tokens)
-        if not isinstance(kv, torch.Tensor):
-            raise InputError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
-        if kv.dtype != lay.dtype:
-            raise InputError(f"kv dtype is {kv.dtype}, but the layout says {lay.dtype}")
-        if kv.dim() != 4 or tuple(kv.shape[:2]) != expected[:2] or kv.shape[3] != expected[3]:
-            raise InputError(
-                f"kv shape is {tuple(kv.shape)}; expected [2, num_layers={lay.num_layers}, tokens, "
-                f"kv_heads*head_dim={lay.hidden}]"
-            )
-        if kv.shape[2] != num_tokens:
-            raise InputError(f"kv holds {kv.shape[2]} tokens but {num_tokens} tokens were given")
-
-
-def _check_request_id(request_id: object) -> None:
-    if not isinstance(request_id, str) or not request_id:
-        raise InputError(f"request_id must be a non-empty string, got {request_id!r}")
-
-
-def _check_fits_in_memory(key: str, nbytes: int) -> None:
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return
-    if nbytes > total:
-        raise ConfigError(key, nbytes, f"at most this machine's memory ({total} bytes)")

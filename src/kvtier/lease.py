@@ -188,6 +188,11 @@ class LeaseTable:
             lease.release()
         return len(leases)
 
+    def live(self) -> list[Lease]:
+        """The leases open now (a copy of the list; the leases themselves are live)."""
+        with self._lock:
+            return list(self._leases.values())
+
     def snapshot(self) -> list[LeaseInfo]:
         with self._lock:
             leases = list(self._leases.values())

@@ -1,0 +1,51 @@
+"""Checks of what callers pass to the engine: each failure is an InputError or ConfigError
+that names the value and what would be valid."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvtier.errors import ConfigError, InputError
+from kvtier.layout import KVLayout
+
+
+def check_kv(kv: object, layout: KVLayout, num_tokens: int) -> None:
+    """``kv`` must be ``[2, num_layers, num_tokens, kv_heads*head_dim]`` of the layout's dtype."""
+    expected = layout.kv_shape(num_tokens)
+    if not isinstance(kv, torch.Tensor):
+        raise InputError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+    if kv.dtype != layout.dtype:
+        raise InputError(f"kv dtype is {kv.dtype}, but the layout says {layout.dtype}")
+    if kv.dim() != 4 or tuple(kv.shape[:2]) != expected[:2] or kv.shape[3] != expected[3]:
+        raise InputError(
+            f"kv shape is {tuple(kv.shape)}; expected [2, num_layers={layout.num_layers}, "
+            f"tokens, kv_heads*head_dim={layout.hidden}]"
+        )
+    if kv.shape[2] != num_tokens:
+        raise InputError(f"kv holds {kv.shape[2]} tokens but {num_tokens} tokens were given")
+
+
+def check_request_id(request_id: object) -> None:
+    if not isinstance(request_id, str) or not request_id:
+        raise InputError(f"request_id must be a non-empty string, got {request_id!r}")
+
+
+def check_skip(skip_leading_tokens: object) -> None:
+    if (
+        isinstance(skip_leading_tokens, bool)
+        or not isinstance(skip_leading_tokens, int)
+        or skip_leading_tokens < 0
+    ):
+        raise InputError(f"skip_leading_tokens must be an int >= 0, got {skip_leading_tokens!r}")
+
+
+def check_fits_in_memory(key: str, nbytes: int) -> None:
+    """A buffer larger than the machine's memory is a typo, refused before allocating."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return
+    if nbytes > total:
+        raise ConfigError(key, nbytes, f"at most this machine's memory ({total} bytes)")

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier import ConfigError, InputError, KVLayout
+from kvtier.validation import check_fits_in_memory, check_kv, check_request_id, check_skip
+
+LAYOUT = KVLayout(2, 2, 8, torch.float32)
+
+
+def test_check_kv_accepts_the_exact_shape_and_dtype() -> None:
+    check_kv(torch.zeros(2, 2, 5, 16), LAYOUT, 5)
+    check_kv(torch.zeros(2, 2, 9, 16)[:, :, 2:7], LAYOUT, 5)  # a strided view is fine
+
+
+@pytest.mark.parametrize(
+    ("kv", "fragment"),
+    [
+        ([1, 2], "torch.Tensor"),
+        (torch.zeros(2, 2, 5, 16, dtype=torch.bfloat16), "dtype is torch.bfloat16"),
+        (torch.zeros(2, 5, 16), "expected [2, num_layers=2, tokens, kv_heads*head_dim=16]"),
+        (torch.zeros(2, 2, 4, 16), "holds 4 tokens but 5"),
+    ],
+)
+def test_check_kv_names_what_is_wrong(kv: object, fragment: str) -> None:
+    with pytest.raises(InputError) as info:
+        check_kv(kv, LAYOUT, 5)
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("bad", ["", None, 7, b"r"])
+def test_check_request_id(bad: object) -> None:
+    with pytest.raises(InputError, match="non-empty string"):
+        check_request_id(bad)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+def test_check_skip(bad: object) -> None:
+    with pytest.raises(InputError, match="skip_leading_tokens"):
+        check_skip(bad)
+
+
+def test_check_fits_in_memory() -> None:
+    check_fits_in_memory("max_local_cpu_size", 1 << 20)
+    with pytest.raises(ConfigError, match="machine's memory"):
+        check_fits_in_memory("max_local_cpu_size", 1 << 60)
