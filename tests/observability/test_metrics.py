@@ -154,7 +154,6 @@ def test_pd_fields_become_metrics() -> None:
         _PdEngine.pd = {
             "buffer_used_bytes": 8192,
             "buffer_capacity_bytes": 65536,
-            "sent_bytes": 0,
             "received_bytes": 123,
             "transfers": 4,
             "failures": 1,
@@ -165,7 +164,7 @@ def test_pd_fields_become_metrics() -> None:
         assert value(reg, "kvtier_pd_received_bytes_total") == 123
         assert value(reg, "kvtier_pd_transfers_total") == 4
         assert value(reg, "kvtier_pd_transfer_failures_total") == 1
-        assert len(PD_FIELDS) == 6
+        assert len(PD_FIELDS) == 5
 
 
 def test_every_metric_is_named_by_convention(engine: Engine) -> None:
@@ -194,11 +193,14 @@ def test_closed_engine_scrapes_empty() -> None:
 def test_pd_view_reads_the_decoder_pd_tier() -> None:
     assert pd_view({"tiers": {"cpu": {}}}) is None
     tier = {"used_bytes": 4096, "capacity_bytes": 65536, "bytes_written": 12288}
+    tier["transfers"], tier["transfer_failures"] = 3, 1
     assert pd_view({"tiers": {"pd": tier}}) == {
         "buffer_used_bytes": 4096,
         "buffer_capacity_bytes": 65536,
         "received_bytes": 12288,
+        "transfers": 3,
+        "failures": 1,
     }
-    reported = {"sent_bytes": 5, "received_bytes": 99}
+    reported = {"received_bytes": 99}
     view = pd_view({"tiers": {"pd": tier}, "pd": reported})
-    assert view is not None and view["received_bytes"] == 99 and view["sent_bytes"] == 5
+    assert view is not None and view["received_bytes"] == 99 and view["transfers"] == 3

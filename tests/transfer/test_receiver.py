@@ -292,3 +292,23 @@ def test_outcomes_nobody_collects_are_bounded(
     assert receiver.wait_outcome("uncollected-0", 0.1) is None  # the oldest were dropped
     assert receiver.wait_outcome("uncollected-4", 0.1) is not None
     assert_all_free(engine)
+
+
+def test_transfers_and_failures_reach_the_decoders_metrics(
+    make_decoder: Callable[..., Decoder],
+) -> None:
+    from kvtier.observability.metrics import engine_registry
+
+    engine, receiver = make_decoder("tcp", pages=4)
+    registry = engine_registry(engine)
+    tokens = request_tokens(2)
+    with sender("tcp", receiver.port) as tx:
+        send_one(tx, "ok", tokens)
+        with pytest.raises(TransferError):
+            send_one(tx, "too-big", request_tokens(49))  # 12 chunks into a 4-page buffer
+    decode(engine, receiver, "ok", tokens)
+    assert receiver.wait_outcome("too-big", 5.0) is not None
+    assert registry.get_sample_value("kvtier_pd_transfers_total") == 1
+    assert registry.get_sample_value("kvtier_pd_transfer_failures_total") == 1
+    assert registry.get_sample_value("kvtier_pd_received_bytes_total") > 0
+    assert_all_free(engine)

@@ -63,7 +63,6 @@ TIER_COUNTERS: tuple[tuple[str, str, str], ...] = (
 PD_FIELDS: tuple[tuple[str, str, str, str], ...] = (
     ("buffer_used_bytes", "kvtier_pd_buffer_used_bytes", "gauge", "PD receive buffer in use."),
     ("buffer_capacity_bytes", "kvtier_pd_buffer_capacity_bytes", "gauge", "PD buffer size."),
-    ("sent_bytes", "kvtier_pd_sent_bytes", "counter", "KV bytes sent to decoders."),
     ("received_bytes", "kvtier_pd_received_bytes", "counter", "KV bytes received."),
     ("transfers", "kvtier_pd_transfers", "counter", "Request transfers completed."),
     ("failures", "kvtier_pd_transfer_failures", "counter", "Request transfers failed."),
@@ -83,6 +82,8 @@ def pd_view(stats: Mapping[str, Any]) -> dict[str, Any] | None:
         view["buffer_used_bytes"] = tier.get("used_bytes", 0)
         view["buffer_capacity_bytes"] = tier.get("capacity_bytes", 0)
         view["received_bytes"] = tier.get("bytes_written", 0)
+        view["transfers"] = tier.get("transfers", 0)
+        view["failures"] = tier.get("transfer_failures", 0)
     if isinstance(reported, Mapping):
         view.update(reported)
     return view

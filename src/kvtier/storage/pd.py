@@ -231,6 +231,12 @@ class PDTier(Tier):
             self.counters.bytes_written += nbytes
             return True
 
+    def count_transfer(self, ok: bool) -> None:
+        """One request's transfer ended (the receiver reports it): ``kvtier_pd_transfers``."""
+        with self._cond:
+            name = "transfers" if ok else "transfer_failures"
+            self.counters.extra[name] = self.counters.extra.get(name, 0) + 1
+
     def _end_reservation(self, reservation: Reservation) -> None:
         with self._cond:
             if self._pool is None:

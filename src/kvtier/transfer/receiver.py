@@ -177,6 +177,7 @@ class PDReceiver:
             return self._outcomes.pop(request_id, None)
 
     def _record(self, request_id: str, outcome: TransferOutcome) -> None:
+        self.tier.count_transfer(outcome.ok)
         with self._cond:
             self._outcomes[request_id] = outcome
             self._outcomes.move_to_end(request_id)
