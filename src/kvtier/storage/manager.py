@@ -41,7 +41,7 @@ from kvtier.layout import KVLayout
 from kvtier.lease import CallbackHold, Lease
 from kvtier.memory.block_pool import BlockPool
 from kvtier.stats import EngineCounters
-from kvtier.storage.base import PutResult, Tier
+from kvtier.storage.base import PutOutcome, PutResult, Tier
 from kvtier.storage.cpu import CpuTier
 
 log = logging.getLogger(__name__)
@@ -260,6 +260,9 @@ class StorageManager:
         except KVTierError as exc:
             log.warning("tier %s read failed, counting it as a miss: %s", tier.name, exc)
             tokens = None
+        except BaseException:
+            self.pool.release(pages)  # a tier bug must not also leak the page
+            raise
         if tokens != hit.span.num_tokens:
             self.pool.release(pages)
             self.counters.load_failures += 1
@@ -313,7 +316,11 @@ class StorageManager:
                 log.debug("store dropped %d chunks: every CPU page is in use", len(spans) - i)
                 break
             page = pages[0]
-            self._copy_in(kv, span, page)
+            try:
+                self._copy_in(kv, span, page)
+            except BaseException:
+                self.pool.release(pages)  # e.g. a device copy failed: the page goes back
+                raise
             payload = self.pool.page_bytes_view(page, span.num_tokens * self.layout.token_bytes())
             # References: the allocation's, plus one per extra owner; taken before anyone can
             # release theirs, so the page cannot be freed or evicted between two hand-offs.
@@ -323,7 +330,13 @@ class StorageManager:
             if to_cpu and not self.cpu.insert(span.key, page, span.num_tokens):
                 self.pool.release([page])  # raced with another store of the same key
             for tier in writers:
-                tier.put(span.key, payload, span.num_tokens, _WriteTicket(self, tier, page))
+                ticket = _WriteTicket(self, tier, page)
+                try:
+                    tier.put(span.key, payload, span.num_tokens, ticket)
+                except Exception as exc:  # put must report through on_done; if it raised
+                    # instead, complete the ticket here so its page reference comes back.
+                    log.error("tier %s put raised instead of completing: %s", tier.name, exc)
+                    ticket(PutResult(span.key, PutOutcome.FAILED, str(exc)))
             stored += 1
         self.counters.stored_chunks += stored
         return stored
