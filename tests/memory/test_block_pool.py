@@ -81,3 +81,33 @@ def test_below_one_chunk_is_a_config_error_naming_the_key() -> None:
     assert info.value.key == "pd_buffer_size" and "at least one chunk (4096 bytes" in str(
         info.value
     )
+
+
+def test_a_view_that_outlives_its_pool_never_touches_other_memory() -> None:
+    """torch.frombuffer keeps no buffer export, so unmapping at close would leave views
+    (a transfer thread still receiving, a write still landing) pointing at memory the next
+    pool may be mapped at. Run in a subprocess: the bug was a crash or silent corruption."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from kvtier.memory import BlockPool
+stale = []
+for round in range(20):
+    old = BlockPool(64, 65536)
+    stale.append(old.page_bytes_view(3))
+    old.close()
+    new = BlockPool(64, 65536)
+    new.buffer.fill_(0)
+    for view in stale:
+        view.fill_(255)  # a late write through a view of a closed pool
+    assert int(new.buffer.max()) == 0, f"round {round}: a stale view wrote into a new pool"
+    new.close()
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (
+        done.returncode,
+        done.stderr[-500:],
+    )

@@ -53,17 +53,19 @@ class HostBuffer:
         return int(self.tensor.data_ptr())
 
     def release(self) -> None:
-        """Unpin and unmap. Views taken earlier must not be used afterwards."""
+        """Unpin, and give up this object's hold on the memory.
+
+        The mapping is never closed by hand: ``torch.frombuffer`` keeps a reference to the
+        mmap object but no buffer export, so ``mmap.close()`` would unmap the memory while
+        tensor views of it are still alive (a thread finishing a transfer, a tier finishing
+        a write) and they would write into unmapped memory, or into whatever mapping the
+        address is reused for next. Dropping the reference instead unmaps it when the last
+        view dies, and at once when there is none.
+        """
         if self._map is None:
             return
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())  # type: ignore[no-untyped-call]
             self.pinned = False
-        # The tensor holds an export of the mapping; drop it before closing the map.
         del self.tensor
-        try:
-            self._map.close()
-        except BufferError:
-            # A view of the buffer is still alive somewhere; the mapping is freed with it.
-            log.debug("host buffer still referenced at close; unmapped when the last view dies")
         self._map = None

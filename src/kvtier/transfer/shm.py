@@ -113,9 +113,7 @@ class ShmSender(SenderChannel):
         return nbytes
 
     def close(self) -> None:
+        # Not mmap.close(): torch views hold no buffer export, so closing would unmap memory
+        # a view may still use (see HostBuffer.release); the mapping goes with its last view.
         self._buffer = None
-        if self._map is not None:
-            # BufferError: a view is still alive; the mapping goes when it dies.
-            with contextlib.suppress(BufferError):
-                self._map.close()
-            self._map = None
+        self._map = None
