@@ -188,9 +188,8 @@ class Engine:
         lease = leases.open(request_id)
         plan = manager.locate(spans, lease, skip_leading_tokens // self.config.chunk_size)
         lease.plan = plan
-        self.counters.lookups += 1
-        self.counters.lookup_tokens += len(tokens)  # the whole prompt, partial tail included
-        self.counters.hit_tokens += plan.hit_tokens
+        # lookup_tokens: the whole prompt, partial tail included
+        self.counters.add(lookups=1, lookup_tokens=len(tokens), hit_tokens=plan.hit_tokens)
         self.observer.on_lookup(request_id, tokens, spans, plan, started)
         return plan.hit_tokens
 
@@ -246,11 +245,9 @@ class Engine:
         array = as_token_array(tokens)
         spans = self._spans(array, skip_leading_tokens)
         check_kv(kv, self.layout, len(array))
-        self.counters.stores += 1
+        self.counters.add(stores=1)
         offered = spans[skip_leading_tokens // self.config.chunk_size :]
-        dropped_before = self.counters.dropped_chunks
-        stored = manager.store(offered, kv)
-        dropped = self.counters.dropped_chunks - dropped_before
+        stored, dropped = manager.store(offered, kv)
         self.observer.on_store(array, offered, dropped, started)
         return stored
 
@@ -261,7 +258,7 @@ class Engine:
         lease = leases.get(request_id)
         ended = leases.end(request_id)
         if ended:
-            self.counters.requests += 1
+            self.counters.add(requests=1)
             self.observer.on_request_end(lease)
         return ended
 
@@ -405,5 +402,5 @@ class Engine:
         before = self.observer.before_load(plan)
         loaded = manager.load(plan, lease, out, start)
         self.observer.after_load(request_id, before, loaded)
-        self.counters.retrieved_tokens += max(0, loaded - start)
+        self.counters.add(retrieved_tokens=max(0, loaded - start))
         return loaded

@@ -25,8 +25,16 @@ class EngineCounters:
     writes_by_tier: dict[str, Counter[str]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def add(self, **amounts: int) -> None:
+        """Add to named counters under the lock: requests on several threads (and tier I/O
+        threads) count into one object, and ``+=`` on an attribute is not atomic."""
+        with self._lock:
+            for name, amount in amounts.items():
+                setattr(self, name, getattr(self, name) + amount)
+
     def count_hit(self, tier: str, tokens: int) -> None:
-        self.hit_tokens_by_tier[tier] += tokens
+        with self._lock:
+            self.hit_tokens_by_tier[tier] += tokens
 
     def count_write(self, tier: str, outcome: PutOutcome) -> None:
         # Called from tier I/O threads.

@@ -89,7 +89,7 @@ def test_a_put_that_raises_still_gives_its_page_back(setup) -> None:  # type: ig
     manager, lower, _, chain = setup
     lower.fail_put = True
     spans = chain.keys(make_tokens(32), include_partial=False)
-    assert manager.store(spans, make_kv(32)) == 2
+    assert manager.store(spans, make_kv(32)) == (2, 0)
     assert manager.pool.free_pages == 4  # staging pages returned although put raised
     assert manager.counters.writes_by_tier["dict"]["failed"] == 2
 

@@ -235,7 +235,7 @@ class StorageManager:
             for i, (hit, page, tokens) in enumerate(zip(hits, pages, results, strict=True)):
                 if tokens != hit.span.num_tokens:
                     self.pool.release([page])
-                    self.counters.load_failures += 1
+                    self.counters.add(load_failures=1)
                     hit.failed = True
                     continue
                 try:
@@ -252,7 +252,7 @@ class StorageManager:
         pages = self.cpu.allocate(1)
         if pages is None:
             log.warning("no free CPU page to load a %s hit into; recomputing from here", tier.name)
-            self.counters.load_failures += 1
+            self.counters.add(load_failures=1)
             return False
         page = pages[0]
         try:
@@ -265,7 +265,7 @@ class StorageManager:
             raise
         if tokens != hit.span.num_tokens:
             self.pool.release(pages)
-            self.counters.load_failures += 1
+            self.counters.add(load_failures=1)
             return False
         self._adopt(hit, page, lease)
         return True
@@ -291,16 +291,16 @@ class StorageManager:
         out[:, :, span.start : span.end, :].copy_(src)
 
     # -- store -----------------------------------------------------------------------------
-    def store(self, spans: Sequence[ChunkSpan], kv: torch.Tensor) -> int:
+    def store(self, spans: Sequence[ChunkSpan], kv: torch.Tensor) -> tuple[int, int]:
         """Copy each chunk not yet held into a page and hand it to the tiers that lack it.
-        Returns the number of chunks newly stored somewhere. When no page can be freed, the
-        rest is dropped (counted): a store never waits."""
+        Returns (chunks newly stored somewhere, chunks dropped). When no page can be freed,
+        the rest is dropped (counted): a store never waits."""
         if not spans:
-            return 0
+            return 0, 0
         keys = [s.key for s in spans]
         cpu_has = self.cpu.contains(keys) if self.cpu_visible else [True] * len(keys)
         lower_has = [self._contains_or_none(tier, keys) for tier in self.lower]
-        stored = 0
+        stored = dropped = 0
         for i, span in enumerate(spans):
             writers = [
                 t
@@ -312,8 +312,8 @@ class StorageManager:
                 continue
             pages = self.cpu.allocate(1)
             if pages is None:
-                self.counters.dropped_chunks += len(spans) - i
-                log.debug("store dropped %d chunks: every CPU page is in use", len(spans) - i)
+                dropped = len(spans) - i
+                log.debug("store dropped %d chunks: every CPU page is in use", dropped)
                 break
             page = pages[0]
             try:
@@ -338,8 +338,8 @@ class StorageManager:
                     log.error("tier %s put raised instead of completing: %s", tier.name, exc)
                     ticket(PutResult(span.key, PutOutcome.FAILED, str(exc)))
             stored += 1
-        self.counters.stored_chunks += stored
-        return stored
+        self.counters.add(stored_chunks=stored, dropped_chunks=dropped)
+        return stored, dropped
 
     def _contains_or_none(self, tier: Tier, keys: list[ChunkKey]) -> list[bool] | None:
         try:
