@@ -31,13 +31,16 @@ PAGE_BYTES = SMALL_LAYOUT.chunk_bytes(SMALL_CHUNK)
 
 
 def fake_prefill(tokens: list[int]) -> torch.Tensor:
+    """A stand-in for a model's KV: each position's values depend on its token and position
+    only (what prefix caching relies on), in exact integer arithmetic so that every process
+    computes the same bits. A float64 sin here once differed by one float32 ULP between the
+    test and a freshly spawned sender, failing the byte-for-byte comparison spuriously."""
     lay = SMALL_LAYOUT
-    t = torch.tensor(tokens, dtype=torch.float64)
-    pos = torch.arange(len(tokens), dtype=torch.float64)
-    base = (t * 0.0013 + pos * 0.37).view(1, 1, -1, 1)
-    mix = torch.arange(1, 2 * lay.num_layers * lay.hidden + 1, dtype=torch.float64)
-    kv = torch.sin(base * mix.view(2, lay.num_layers, 1, lay.hidden) * 0.01)
-    return kv.to(lay.dtype)
+    t = torch.tensor(tokens, dtype=torch.int64).view(1, 1, -1, 1)
+    pos = torch.arange(len(tokens), dtype=torch.int64).view(1, 1, -1, 1)
+    idx = torch.arange(2 * lay.num_layers * lay.hidden, dtype=torch.int64)
+    mixed = t * 1_000_003 + pos * 7_919 + idx.view(2, lay.num_layers, 1, lay.hidden) * 104_729
+    return ((mixed % 65_521).to(torch.float64) / 65_521.0 - 0.5).to(lay.dtype)
 
 
 def decoder(channel: str, pages: int, timeout: float = 2.0) -> tuple[Engine, PDReceiver]:
