@@ -17,6 +17,7 @@ import torch
 
 from kvtier import Engine
 from kvtier.keys import Fingerprint, KeyChain
+from kvtier.storage.pd import PDTier
 from kvtier.transfer.channel import nixl_installed
 from kvtier.transfer.receiver import PDReceiver
 from kvtier.transfer.sender import PDSender, chunks_from_kv
@@ -149,3 +150,19 @@ def run_stalling_sender(channel: str, port: int, ready: object) -> None:
         sock.sendall(b"\0" * (nbytes // 2))  # half a payload
     ready.set()  # type: ignore[attr-defined]
     signal.pause() if hasattr(signal, "pause") else time.sleep(3600)
+
+
+def pd_tier(engine: Engine) -> PDTier:
+    tier = engine.tier("pd")
+    assert isinstance(tier, PDTier)
+    return tier
+
+
+def assert_all_free(engine: Engine) -> None:
+    """After every request ended: the receive buffer is entirely free and indexes nothing,
+    nothing is pinned, and every reference is accounted for."""
+    tier = pd_tier(engine)
+    assert tier.pool.free_pages == tier.num_pages
+    assert tier.usage().entries == 0
+    assert engine.leaks() == [] and engine.stats()["pinned_pages"] == 0
+    assert engine.check_invariants() == [] and tier.check_invariants() == []

@@ -15,14 +15,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvtier import Engine
 from kvtier.errors import TransferError
-from kvtier.storage.pd import PDTier
 from tests.transfer.pd_helpers import (
     CHANNELS,
     NIXL,
+    assert_all_free,
     decoder,
     fake_prefill,
+    pd_tier,
     request_tokens,
     run_sender,
     run_stalling_sender,
@@ -41,20 +41,6 @@ def processes() -> Iterator[list[multiprocessing.process.BaseProcess]]:
         if proc.is_alive() and proc.pid is not None:
             os.kill(proc.pid, signal.SIGKILL)
         proc.join(10.0)
-
-
-def pd_tier(engine: Engine) -> PDTier:
-    tier = engine.tier("pd")
-    assert isinstance(tier, PDTier)
-    return tier
-
-
-def assert_all_free(engine: Engine) -> None:
-    tier = pd_tier(engine)
-    assert tier.pool.free_pages == tier.num_pages
-    assert tier.usage().entries == 0
-    assert engine.leaks() == [] and engine.stats()["pinned_pages"] == 0
-    assert engine.check_invariants() == [] and tier.check_invariants() == []
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,6 @@ import torch
 
 from kvtier import Engine
 from kvtier.errors import TransferError, TransferTimeout
-from kvtier.storage.pd import PDTier
 from kvtier.transfer.protocol import (
     AllocReply,
     AllocRequest,
@@ -30,9 +29,11 @@ from kvtier.transfer.sender import PDSender
 from tests.transfer.pd_helpers import (
     CHANNELS,
     PAGE_BYTES,
+    assert_all_free,
     decoder,
     fake_prefill,
     keychain,
+    pd_tier,
     request_tokens,
     send_one,
     sender,
@@ -53,19 +54,6 @@ def make_decoder() -> Iterator[Callable[..., Decoder]]:
     for engine, receiver in made:
         receiver.close()
         engine.close()
-
-
-def pd_tier(engine: Engine) -> PDTier:
-    tier = engine.tier("pd")
-    assert isinstance(tier, PDTier)
-    return tier
-
-
-def assert_all_free(engine: Engine) -> None:
-    tier = pd_tier(engine)
-    assert tier.pool.free_pages == tier.num_pages
-    assert engine.leaks() == []
-    assert engine.check_invariants() == [] and tier.check_invariants() == []
 
 
 def decode(engine: Engine, receiver: PDReceiver, rid: str, tokens: list[int]) -> int:
