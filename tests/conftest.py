@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from kvtier import Config, Engine, KVLayout
+from kvtier import Config, Engine, KVLayout, Service
 
 SMALL_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 SMALL_CHUNK = 16  # tokens; chunk_bytes = 2*2*16*16*4 = 4096
@@ -58,6 +58,23 @@ def engine_factory() -> Iterator[Callable[..., Engine]]:
     yield make
     for engine in engines:
         engine.close()
+
+
+@pytest.fixture
+def service_factory() -> Iterator[Callable[..., Service]]:
+    """Opens services (an engine with its admin API / PD receiver) and closes them."""
+    services: list[Service] = []
+
+    def make(
+        layout: KVLayout = SMALL_LAYOUT, model_name: str = "test-model", **overrides: object
+    ) -> Service:
+        service = Service(small_config(**overrides), layout, model_name=model_name).open()
+        services.append(service)
+        return service
+
+    yield make
+    for service in services:
+        service.close()
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from kvtier.errors import (
 )
 from kvtier.keys import Fingerprint, KeyChain
 from kvtier.layout import KVLayout
+from kvtier.service import Service
 
 __all__ = [
     "CapacityError",
@@ -42,6 +43,7 @@ __all__ = [
     "InputError",
     "KVLayout",
     "KVTierError",
+    "Service",
     "KeyChain",
     "ProtocolError",
     "StateError",

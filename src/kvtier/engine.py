@@ -26,15 +26,16 @@ import torch
 
 from kvtier.config import Config
 from kvtier.errors import InputError, StateError, TierError
-from kvtier.invariants import audit_references
 from kvtier.keys import ChunkSpan, Fingerprint, KeyChain, as_token_array
 from kvtier.layout import KVLayout
 from kvtier.lease import Hold, LeaseInfo, LeaseTable
 from kvtier.lifecycle import Lifecycle
 from kvtier.memory.block_pool import BlockPool, pages_for_capacity
 from kvtier.observability.observer import Observer
-from kvtier.stats import EngineCounters
+from kvtier.pd.buffer import PDBuffer
+from kvtier.storage.audit import audit_references
 from kvtier.storage.base import Tier
+from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.factory import build_lower_tiers
 from kvtier.storage.manager import LookupPlan, StorageManager
@@ -83,12 +84,12 @@ class Engine:
         self.keychain = KeyChain(self.fingerprint)
         self.counters = EngineCounters()
         self.observer = Observer(self.fingerprint, self.config)  # metrics, explain (no I/O)
-        self.admin: Any = None  # kvtier.admin.server.AdminServer once open, when enabled
         self._state = EngineState.NEW
         self._state_lock = threading.Lock()
         self._pool: BlockPool | None = None
         self._manager: StorageManager | None = None
-        self._leases: LeaseTable | None = None
+        self._leases: LeaseTable[LookupPlan] | None = None
+        self._pd_buffer: PDBuffer | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> Engine:
@@ -100,7 +101,10 @@ class Engine:
             pool = BlockPool(self.num_pages, self.chunk_bytes)
             lower: list[Tier] = []
             try:
-                lower = build_lower_tiers(self.config, self.layout, self.fingerprint)
+                if self.config.enable_pd and self.config.pd_role == "receiver":
+                    # First below CPU: what the prefiller sent is what this decoder needs.
+                    lower.append(PDBuffer.from_config(self.config, self.layout, self.fingerprint))
+                lower.extend(build_lower_tiers(self.config, self.layout, self.fingerprint))
                 for tier in lower:
                     tier.open()
             except BaseException:
@@ -110,7 +114,8 @@ class Engine:
                 raise
             cpu = CpuTier(pool, self.layout.token_bytes())
             self._pool = pool
-            self._leases = LeaseTable(pool)
+            self._pd_buffer = next((t for t in lower if isinstance(t, PDBuffer)), None)
+            self._leases = LeaseTable[LookupPlan](pool)
             self._manager = StorageManager(
                 self.config, self.layout, pool, cpu, lower, self.counters
             )
@@ -123,10 +128,6 @@ class Engine:
                 self.chunk_bytes,
                 [t.name for t in self._manager.tiers],
             )
-            if self.config.internal_api_server_enabled:
-                from kvtier.admin.server import start_for_engine  # http.server only when used
-
-                self.admin = start_for_engine(self)
             return self
 
     def close(self) -> None:
@@ -136,8 +137,6 @@ class Engine:
                 self._state = EngineState.CLOSED
                 return
             self._state = EngineState.CLOSED
-        if self.admin is not None:
-            self.admin.stop()
         assert self._leases is not None and self._manager is not None and self._pool is not None
         still_open = self._leases.end_all()
         if still_open:
@@ -165,7 +164,7 @@ class Engine:
     def state(self) -> EngineState:
         return self._state
 
-    def _open_parts(self) -> tuple[StorageManager, LeaseTable]:
+    def _open_parts(self) -> tuple[StorageManager, LeaseTable[LookupPlan]]:
         if self._state is not EngineState.OPEN:
             hint = (
                 "call open() or use `with Engine(...)`"
@@ -315,11 +314,6 @@ class Engine:
         dashboard's TTFT-saved estimate (see kvtier.observability.observer)."""
         self.observer.record_ttft(seconds, prompt_tokens=prompt_tokens, hit_tokens=hit_tokens)
 
-    @property
-    def admin_url(self) -> str | None:
-        """Base URL of the admin API while it runs (``internal_api_server_enabled``)."""
-        return str(self.admin.url) if self.admin is not None and self.admin.running else None
-
     def leaks(self) -> list[LeaseInfo]:
         """Every request still holding something, with what and for how long."""
         _, leases = self._open_parts()
@@ -333,7 +327,10 @@ class Engine:
         with no request open, every page is free or owned by exactly one cache entry.
         """
         manager, leases = self._open_parts()
-        return audit_references(manager, leases)
+        problems = audit_references(manager, leases)
+        if self._pd_buffer is not None:
+            problems.extend(self._pd_buffer.audit(leases))
+        return problems
 
     def clear(self) -> dict[str, int]:
         """Drop every unpinned entry of every tier (pinned ones stay); tier -> entries dropped.
@@ -354,6 +351,12 @@ class Engine:
         """Wait for in-flight lower-tier writes. True when all landed."""
         manager, _ = self._open_parts()
         return manager.flush(timeout)
+
+    @property
+    def pd_buffer(self) -> PDBuffer | None:
+        """The decoder's PD receive buffer (``enable_pd`` with ``pd_role: receiver``), or None."""
+        self._open_parts()
+        return self._pd_buffer
 
     def tier(self, name: str) -> Tier | None:
         """The open tier called ``name`` (``"cpu"``, ``"disk"``, ``"pd"``, ...), or None."""
@@ -383,7 +386,7 @@ class Engine:
         _, leases = self._open_parts()
         check_request_id(request_id)
         lease = leases.get(request_id)
-        if lease is not None and isinstance(lease.plan, LookupPlan):
+        if lease is not None and lease.plan is not None:
             spans = self._spans(tokens, skip_leading_tokens)
             keys = tuple(s.key for s in spans)
             plan = lease.plan
@@ -391,7 +394,7 @@ class Engine:
                 return plan
         self.lookup(tokens, request_id, skip_leading_tokens=skip_leading_tokens)
         lease = leases.get(request_id)
-        assert lease is not None and isinstance(lease.plan, LookupPlan)
+        assert lease is not None and lease.plan is not None
         return lease.plan
 
     def _load(self, plan: LookupPlan, request_id: str, out: torch.Tensor, start: int) -> int:

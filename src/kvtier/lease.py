@@ -1,10 +1,10 @@
 """Request leases: everything a request holds, released together, exactly once.
 
-Seeds 001 and 003 are both "a reference taken on one path and given back on none, or on two".
-kvtier makes that impossible by construction: a request never touches a reference count
-itself. Whatever it holds (pinned CPU pages, pins on lower-tier entries, PD reservations) is
-recorded in its :class:`Lease` when taken, and :meth:`Lease.release` gives each back once.
-``Engine.end_request`` releases the lease on every path (finished, aborted, failed, timed
+The rule: a reference is given back exactly once, on whatever path its request ends. kvtier
+keeps it by construction rather than by care at each call site: a request never touches a
+reference count itself. Whatever it holds (pinned CPU pages, pins on lower-tier entries, PD
+reservations) is recorded in its :class:`Lease` when taken, and :meth:`Lease.release` gives
+each back once. ``Engine.end_request`` releases the lease on every path (finished, aborted, failed, timed
 out); a second call finds no lease and does nothing.
 """
 
@@ -15,10 +15,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from kvtier.errors import StateError
 from kvtier.memory.block_pool import BlockPool
+
+PlanT = TypeVar("PlanT")
 
 
 class Hold(Protocol):
@@ -61,7 +63,7 @@ class LeaseInfo:
 
 
 @dataclass
-class Lease:
+class Lease(Generic[PlanT]):
     """All references one request holds. Only the engine's lease table creates these."""
 
     request_id: str
@@ -71,7 +73,7 @@ class Lease:
     holds: list[Hold] = field(default_factory=list)
     released: bool = False
     # The last lookup of this request, reused by retrieve (see StorageManager.locate).
-    plan: object | None = None
+    plan: PlanT | None = None
 
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -126,29 +128,30 @@ class Lease:
         )
 
 
-class LeaseTable:
+class LeaseTable(Generic[PlanT]):
     """request_id -> Lease, thread-safe.
 
-    It also remembers the last ``ended_memory`` request ids that ended, so that something
-    arriving for a request after it ended (a PD transfer that was late, say) is refused
-    instead of opening a new lease that nobody would ever end (the leak of seed 001).
+        It also remembers the last ``ended_memory`` request ids that ended, so that something
+        arriving for a request after it ended (a PD transfer that was late, say) is refused
+        instead of opening a new lease that nobody would ever end: a reference taken for an ended
+    request would never be given back.
     """
 
     def __init__(self, pool: BlockPool, ended_memory: int = 65536) -> None:
         self._pool = pool
-        self._leases: dict[str, Lease] = {}
+        self._leases: dict[str, Lease[PlanT]] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._ended_memory = ended_memory
         self._lock = threading.Lock()
 
-    def open(self, request_id: str) -> Lease:
+    def open(self, request_id: str) -> Lease[PlanT]:
         """The live lease of ``request_id``, created on first use. The caller is the request
         itself (a lookup), so an id that ended before starts over as a new request."""
         with self._lock:
             self._ended.pop(request_id, None)
             return self._open_locked(request_id)
 
-    def join(self, request_id: str) -> Lease:
+    def join(self, request_id: str) -> Lease[PlanT]:
         """The live lease of ``request_id`` for something acting on the request's behalf
         (a PD receiver attaching a reservation). Raises :class:`StateError` if the request
         already ended: nobody would end a lease opened now."""
@@ -157,13 +160,13 @@ class LeaseTable:
                 raise StateError(f"request {request_id!r} already ended")
             return self._open_locked(request_id)
 
-    def _open_locked(self, request_id: str) -> Lease:
+    def _open_locked(self, request_id: str) -> Lease[PlanT]:
         lease = self._leases.get(request_id)
         if lease is None:
-            lease = self._leases[request_id] = Lease(request_id, self._pool)
+            lease = self._leases[request_id] = Lease[PlanT](request_id, self._pool)
         return lease
 
-    def get(self, request_id: str) -> Lease | None:
+    def get(self, request_id: str) -> Lease[PlanT] | None:
         with self._lock:
             return self._leases.get(request_id)
 
@@ -188,7 +191,7 @@ class LeaseTable:
             lease.release()
         return len(leases)
 
-    def live(self) -> list[Lease]:
+    def live(self) -> list[Lease[PlanT]]:
         """The leases open now (a copy of the list; the leases themselves are live)."""
         with self._lock:
             return list(self._leases.values())

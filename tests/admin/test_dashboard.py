@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvtier import Engine
+from kvtier import Engine, Service
 from tests.admin.chromium import Dom, run_chromium, screenshot
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens
 
@@ -23,8 +23,8 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 
 
 @pytest.fixture
-def engine(engine_factory: Callable[..., Engine]) -> Engine:
-    return engine_factory(
+def service(service_factory: Callable[..., Service]) -> Service:
+    return service_factory(
         cpu_chunks=8,
         internal_api_server_enabled=True,
         internal_api_server_port_start=0,
@@ -32,13 +32,18 @@ def engine(engine_factory: Callable[..., Engine]) -> Engine:
     )
 
 
-def page_url(engine: Engine) -> str:
-    assert engine.admin_url is not None
-    return f"{engine.admin_url}/?token={TOKEN}"
+@pytest.fixture
+def engine(service: Service) -> Engine:
+    return service.engine
+
+
+def page_url(service: Service) -> str:
+    assert service.admin_url is not None
+    return f"{service.admin_url}/?token={TOKEN}"
 
 
 def test_page_shows_occupancy_and_updates_after_a_store(
-    engine: Engine, monkeypatch: pytest.MonkeyPatch
+    service: Service, engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tokens = make_tokens(48)
     engine.store(tokens, make_kv(48))  # 3 chunks
@@ -47,7 +52,8 @@ def test_page_shows_occupancy_and_updates_after_a_store(
 
     # The page polls /stats about once a second. Store 2 more chunks right before the
     # second poll is answered, so one page instance sees 3 chunks, then 5.
-    admin = engine.admin
+    admin = service.admin
+    assert admin is not None
     real_payload = admin.stats_payload
     calls = {"n": 0}
 
@@ -59,7 +65,7 @@ def test_page_shows_occupancy_and_updates_after_a_store(
 
     monkeypatch.setattr(admin, "stats_payload", payload_with_a_store_before_the_second_poll)
 
-    html = run_chromium(page_url(engine), "--dump-dom", virtual_ms=4500)
+    html = run_chromium(page_url(service), "--dump-dom", virtual_ms=4500)
     dom = Dom(html)
 
     assert calls["n"] >= 3, "the page did not keep polling /stats"
@@ -84,26 +90,26 @@ def test_page_shows_occupancy_and_updates_after_a_store(
     engine.end_request("open-request")
 
 
-def test_explain_link_renders_the_chunk_table(engine: Engine) -> None:
+def test_explain_link_renders_the_chunk_table(service: Service, engine: Engine) -> None:
     tokens = make_tokens(32)
     engine.store(tokens, make_kv(32))
     engine.lookup(tokens + make_tokens(20, seed=3), "asked")
     engine.end_request("asked")
-    dom = Dom(run_chromium(page_url(engine) + "#explain=asked", "--dump-dom", virtual_ms=1500))
+    dom = Dom(run_chromium(page_url(service) + "#explain=asked", "--dump-dom", virtual_ms=1500))
     text = dom.text["explain"]
     assert "explain asked" in text
     assert "0\u20131" in text and "hit in cpu" in text  # chunks 0-1 hit in the CPU tier
     assert "not stored" in text and "partial chunk" in text
 
 
-def test_page_without_the_token_is_refused(engine: Engine) -> None:
-    assert engine.admin_url is not None
-    html = run_chromium(engine.admin_url + "/", "--dump-dom", virtual_ms=1000)
+def test_page_without_the_token_is_refused(service: Service) -> None:
+    assert service.admin_url is not None
+    html = run_chromium(service.admin_url + "/", "--dump-dom", virtual_ms=1000)
     assert "missing or wrong bearer token" in html
     assert "tier-cpu" not in html and "kvtier dashboard" not in html
 
 
-def test_screenshot_is_kept_as_an_artifact(engine: Engine) -> None:
+def test_screenshot_is_kept_as_an_artifact(service: Service, engine: Engine) -> None:
     for i in range(3):
         tokens = make_tokens(32, seed=10 + i)
         engine.store(tokens, make_kv(32, seed=10 + i))
@@ -111,7 +117,7 @@ def test_screenshot_is_kept_as_an_artifact(engine: Engine) -> None:
     engine.end_request("chat-0")
     path = ARTIFACTS / "dashboard.png"
     path.unlink(missing_ok=True)
-    screenshot(page_url(engine), path)
+    screenshot(page_url(service), path)
     assert path.stat().st_size > 20_000  # a rendered page, not a blank frame
     for i in (1, 2):
         engine.end_request(f"chat-{i}")

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier import Config, Engine
+from kvtier import Config, Engine, Service
 from kvtier.admin.server import AdminServer
 from kvtier.errors import StateError
 from tests.admin.client import Reply, call, raw
@@ -22,8 +22,8 @@ PROTECTED = ["/", "/metrics", "/stats", "/history", "/config", "/leases", "/requ
 
 
 @pytest.fixture
-def admin_engine(engine_factory: Callable[..., Engine]) -> Engine:
-    return engine_factory(
+def admin_service(service_factory: Callable[..., Service]) -> Service:
+    return service_factory(
         cpu_chunks=8,
         internal_api_server_enabled=True,
         internal_api_server_port_start=0,
@@ -32,9 +32,14 @@ def admin_engine(engine_factory: Callable[..., Engine]) -> Engine:
 
 
 @pytest.fixture
-def url(admin_engine: Engine) -> str:
-    assert admin_engine.admin_url is not None
-    return admin_engine.admin_url
+def admin_engine(admin_service: Service) -> Engine:
+    return admin_service.engine
+
+
+@pytest.fixture
+def url(admin_service: Service) -> str:
+    assert admin_service.admin_url is not None
+    return admin_service.admin_url
 
 
 def get(url: str, path: str, token: str | None = TOKEN) -> Reply:
@@ -44,47 +49,55 @@ def get(url: str, path: str, token: str | None = TOKEN) -> Reply:
 # -- lifecycle ---------------------------------------------------------------------------------
 def test_open_starts_and_close_stops_the_server() -> None:
     config = small_config(internal_api_server_enabled=True, internal_api_server_port_start=0)
-    engine = Engine(config, SMALL_LAYOUT, model_name="test-model")
-    assert engine.admin_url is None  # the constructor starts nothing
-    engine.open()
-    url = engine.admin_url
+    service = Service(config, SMALL_LAYOUT, model_name="test-model")
+    assert service.admin_url is None  # the constructor starts nothing
+    service.open()
+    url = service.admin_url
     assert url is not None and url.startswith("http://127.0.0.1:")
     assert get(url, "/health", None).json() == {"status": "ok"}
-    engine.close()
-    assert engine.admin_url is None  # stopped: the port no longer answers
+    service.close()
+    assert service.admin_url is None  # stopped: the port no longer answers
+    assert service.engine.state.value == "closed"  # closed after its server
     with pytest.raises(OSError):
         call(url, "/health")
 
 
-def test_off_by_default(engine: Engine) -> None:
-    assert engine.admin is None and engine.admin_url is None
+def test_off_by_default(service_factory: Callable[..., Service]) -> None:
+    service = service_factory()
+    assert service.admin is None and service.admin_url is None
 
 
-def test_port_start_moves_past_a_busy_port(engine_factory: Callable[..., Engine]) -> None:
+def test_an_engine_alone_serves_nothing(engine_factory: Callable[..., Engine]) -> None:
+    engine = engine_factory(internal_api_server_enabled=True, internal_api_server_port_start=0)
+    assert not hasattr(engine, "admin") and not hasattr(engine, "admin_url")
+
+
+def test_port_start_moves_past_a_busy_port(service_factory: Callable[..., Service]) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         if port > 65535 - 16:
             pytest.skip("the kernel handed out a port at the very top of the range")
-        engine = engine_factory(
+        service = service_factory(
             internal_api_server_enabled=True, internal_api_server_port_start=port
         )
-        assert engine.admin is not None
-        assert port < engine.admin.port < port + 16
+        assert service.admin is not None
+        assert port < service.admin.port < port + 16
 
 
 def test_unbindable_host_leaves_the_engine_working(
-    engine_factory: Callable[..., Engine], caplog: pytest.LogCaptureFixture
+    service_factory: Callable[..., Service], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.ERROR, logger="kvtier.admin.server"):
-        engine = engine_factory(
+    with caplog.at_level(logging.ERROR, logger="kvtier"):
+        service = service_factory(
             internal_api_server_enabled=True,
             internal_api_server_host="203.0.113.1",  # TEST-NET-3: not an address of this host
             internal_api_server_port_start=0,
         )
-    assert engine.admin is None
+    assert service.admin is None
     assert "admin API not started" in caplog.text
+    engine = service.engine
     engine.store(make_tokens(16), make_kv(16))  # the cache itself is unaffected
     assert engine.lookup(make_tokens(16), "r") == 16
     engine.end_request("r")
@@ -131,7 +144,7 @@ def test_query_token_opens_the_page_for_a_browser(url: str) -> None:
     assert get(url, "/?token=wrong", None).status == 401
 
 
-def test_token_from_the_environment(engine_factory: Callable[..., Engine]) -> None:
+def test_token_from_the_environment() -> None:
     config = Config.load(
         overrides={
             "chunk_size": SMALL_CHUNK,
@@ -141,10 +154,10 @@ def test_token_from_the_environment(engine_factory: Callable[..., Engine]) -> No
         },
         env={"KVTIER_ADMIN_TOKEN": "from-env"},
     )
-    with Engine(config, SMALL_LAYOUT, model_name="test-model") as engine:
-        assert engine.admin_url is not None
-        assert get(engine.admin_url, "/stats", None).status == 401
-        reply = get(engine.admin_url, "/config", "from-env")
+    with Service(config, SMALL_LAYOUT, model_name="test-model") as service:
+        assert service.admin_url is not None
+        assert get(service.admin_url, "/stats", None).status == 401
+        reply = get(service.admin_url, "/config", "from-env")
         assert reply.status == 200
         assert reply.json()["config"]["admin_token"] == "***"
         assert "from-env" not in reply.body.decode()
@@ -229,20 +242,21 @@ def test_clear_never_drops_pinned_entries(admin_engine: Engine, url: str) -> Non
 
 
 def test_clear_with_a_tier_down_is_503_and_clears_the_rest(
-    engine_factory: Callable[..., Engine],
+    service_factory: Callable[..., Service],
 ) -> None:
     with socket.socket() as probe:  # a port nothing listens on: Redis is "down"
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    engine = engine_factory(
+    service = service_factory(
         remote_url=f"redis://127.0.0.1:{port}",
         blocking_timeout_secs=0.5,
         internal_api_server_enabled=True,
         internal_api_server_port_start=0,
     )
-    assert engine.admin_url is not None
+    engine = service.engine
+    assert service.admin_url is not None
     engine.store(make_tokens(16), make_kv(16))
-    reply = call(engine.admin_url, "/clear", method="POST")
+    reply = call(service.admin_url, "/clear", method="POST")
     assert reply.status == 503
     assert reply.json()["error"].startswith("clear dropped {'cpu': 1} but failed on redis")
     assert engine.stats()["tiers"]["cpu"]["entries"] == 0
@@ -340,13 +354,13 @@ def test_fuzzed_queries_never_reach_the_bug_handler(
 
 
 def test_bug_handler_answers_500_without_a_traceback(
-    admin_engine: Engine, url: str, monkeypatch: pytest.MonkeyPatch
+    admin_service: Service, url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A real bug (an exception no endpoint expects) is logged and answered as a bare 500.
     def broken() -> dict[str, object]:
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(admin_engine.admin, "stats_payload", broken)
+    monkeypatch.setattr(admin_service.admin, "stats_payload", broken)
     reply = get(url, "/stats")
     assert reply.status == 500
     assert reply.json() == {"error": "internal error (logged)"}

@@ -11,8 +11,8 @@ import torch
 from kvtier.keys import ChunkKey, Fingerprint, KeyChain
 from kvtier.lease import LeaseTable
 from kvtier.memory.block_pool import BlockPool
-from kvtier.stats import EngineCounters
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
+from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.manager import StorageManager
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config

@@ -17,16 +17,14 @@ import time
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvtier.admin.dashboard import dashboard_html
+from kvtier.engine import Engine
 from kvtier.errors import KVTierError, StateError
-
-if TYPE_CHECKING:
-    from kvtier.admin.server import AdminServer
 
 log = logging.getLogger("kvtier.admin.server")  # one logger for the whole admin API
 
@@ -43,11 +41,25 @@ class BadRequest(Exception):
         self.message = message
 
 
+class AdminBackend(Protocol):
+    """What the handlers need of the server that owns them (:class:`kvtier.admin.server.
+    AdminServer`): the endpoints sit below the server that starts them."""
+
+    engine: Engine
+    registry: CollectorRegistry
+
+    def authorized(self, header: str | None, query_token: str | None) -> bool: ...
+
+    def stats_payload(self) -> dict[str, Any]: ...
+
+    def history_payload(self) -> list[dict[str, Any]]: ...
+
+
 class AdminHTTPServer(ThreadingHTTPServer):
     daemon_threads = False
     block_on_close = True  # server_close waits for handlers, so stop() leaves nothing running
 
-    def __init__(self, address: tuple[str, int], admin: AdminServer) -> None:
+    def __init__(self, address: tuple[str, int], admin: AdminBackend) -> None:
         self.admin = admin
         super().__init__(address, Handler)
 

@@ -1,12 +1,12 @@
 """The HTTP admin API and dashboard of one engine, on the standard library's http.server.
 
-Lifecycle: ``AdminServer(engine, host, port, token)`` binds nothing; :meth:`AdminServer.start`
+Lifecycle: ``AdminServer(engine, host, port, token)`` binds nothing; :meth:`AdminServer.open`
 binds (``port`` 0 picks a free one; otherwise ``port`` .. ``port + PORT_ATTEMPTS - 1`` are
 tried in turn), then serves from a background thread and samples the engine once a second
-for the dashboard's history. :meth:`AdminServer.stop` is idempotent and waits for requests in
-flight. ``Engine.open()`` starts one when ``internal_api_server_enabled`` is set and
-``Engine.close()`` stops it; ``kvtier demo --dashboard`` and ``kvtier serve-admin`` start one
-explicitly.
+for the dashboard's history. :meth:`AdminServer.close` is idempotent and waits for requests in
+flight. :class:`kvtier.service.Service` opens one after its engine when
+``internal_api_server_enabled`` is set, and closes it before the engine; ``kvtier demo
+--dashboard`` opens one explicitly.
 
 Endpoints (served by :mod:`kvtier.admin.endpoints`; docs/operations.md has the details)::
 
@@ -33,14 +33,12 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier.admin.endpoints import AdminHTTPServer
+from kvtier.engine import Engine
 from kvtier.errors import KVTierError, StateError
 from kvtier.observability.metrics import engine_registry, pd_view
-
-if TYPE_CHECKING:
-    from kvtier.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +70,7 @@ class AdminServer:
         self._lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------
-    def start(self) -> AdminServer:
+    def open(self) -> AdminServer:
         """Bind and serve in background threads. Raises OSError when no port is free."""
         with self._lock:
             if self._httpd is not None:
@@ -94,7 +92,7 @@ class AdminServer:
         log.info("kvtier admin API on %s", self.url)
         return self
 
-    def stop(self) -> None:
+    def close(self) -> None:
         """Stop serving and wait for requests in flight. Idempotent."""
         with self._lock:
             httpd, self._httpd = self._httpd, None
@@ -108,10 +106,10 @@ class AdminServer:
             thread.join()
 
     def __enter__(self) -> AdminServer:
-        return self.start()
+        return self.open()
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self.close()
 
     @property
     def running(self) -> bool:
@@ -200,17 +198,3 @@ class AdminServer:
             given = header[len("Bearer ") :].strip().encode()
             return hmac.compare_digest(given, expected)
         return query_token is not None and hmac.compare_digest(query_token.encode(), expected)
-
-
-def start_for_engine(engine: Engine) -> AdminServer | None:
-    """Start the server the engine's config asks for. A port that cannot be bound is logged
-    and the engine runs without its admin API (the cache itself is unaffected)."""
-    cfg = engine.config
-    server = AdminServer(
-        engine, cfg.internal_api_server_host, cfg.internal_api_server_port_start, cfg.admin_token
-    )
-    try:
-        return server.start()
-    except OSError as exc:
-        log.error("kvtier admin API not started: %s", exc)
-        return None

@@ -40,8 +40,8 @@ from kvtier.keys import Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.memory.block_pool import BlockPool
 from kvtier.storage.base import PutOutcome, PutResult
-from kvtier.storage.disk import DiskTier
-from kvtier.storage.disk_config import DiskOptions
+from kvtier.storage.disk.options import DiskOptions
+from kvtier.storage.disk.tier import DiskTier
 from kvtier.storage.records import HEADER_SIZE, payload_checksum
 
 BIG_LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)

@@ -33,11 +33,11 @@ import torch
 
 from kvtier.bench.timing import best_interleaved, gbps
 from kvtier.config import Config
+from kvtier.config.channels import NIXL_UNAVAILABLE, nixl_installed
 from kvtier.engine import Engine
 from kvtier.layout import KVLayout
-from kvtier.transfer.channel import NIXL_UNAVAILABLE, nixl_installed
-from kvtier.transfer.receiver import PDReceiver
-from kvtier.transfer.sender import OutChunk, PDSender
+from kvtier.pd.receiver import PDReceiver
+from kvtier.pd.sender import OutChunk, PDSender
 
 # 32 layers x 8 KV heads x 128 head dim, fp16, 256-token chunks: 32 MiB per chunk.
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.float16)
@@ -76,7 +76,7 @@ def _config(channel: str, pages: int) -> Config:
 def decoder_process(channel: str, pages: int, ports: Any) -> None:
     """Child: a decoder that ends every request once its transfer is done."""
     with Engine(_config(channel, pages), LAYOUT, model_name=MODEL) as engine:
-        receiver = PDReceiver.for_engine(engine, host="127.0.0.1", port=0).start()
+        receiver = PDReceiver.for_engine(engine, host="127.0.0.1", port=0).open()
         ports.put((engine.fingerprint.hex(), receiver.port))
         i = 0
         while receiver.wait_outcome(f"b{i}", 600.0) is not None:

@@ -34,15 +34,15 @@ import torch
 
 from kvtier.bench.timing import best_interleaved, gbps
 from kvtier.config import Config
+from kvtier.config.remote_url import parse_remote_url
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError
 from kvtier.keys import Fingerprint, KeyChain
 from kvtier.layout import KVLayout
 from kvtier.storage import records
 from kvtier.storage.base import PutResult
-from kvtier.storage.redis import RedisTier
-from kvtier.storage.redis_options import RedisOptions
-from kvtier.storage.remote_url import parse_remote_url
+from kvtier.storage.redis.options import RedisOptions
+from kvtier.storage.redis.tier import RedisTier
 
 BIG_LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 LOOKUP_LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=16, dtype=torch.bfloat16)

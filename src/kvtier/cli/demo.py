@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_demo(options, on_engine=dashboard.attach if dashboard else None)
     finally:
         if dashboard is not None:
-            dashboard.stop()
+            dashboard.close()
     print(summary(result))
     print()
     print(format_table(result))
@@ -111,15 +111,15 @@ class _Dashboard:
             return
         from kvtier.admin.server import AdminServer
 
-        self.stop()
+        self.close()
         try:
-            self.server = AdminServer(engine, port=self.port).start()
+            self.server = AdminServer(engine, port=self.port).open()
         except OSError as exc:
             print(f"dashboard not started on port {self.port}: {exc}", file=sys.stderr)
             return
         print(f"dashboard: {self.server.url}", file=sys.stderr)
 
-    def stop(self) -> None:
+    def close(self) -> None:
         if self.server is not None:
-            self.server.stop()
+            self.server.close()
             self.server = None

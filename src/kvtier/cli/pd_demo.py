@@ -109,16 +109,16 @@ def decoder_main(args: argparse.Namespace, jobs: Any, results: Any) -> None:
     from kvtier.engine import Engine
     from kvtier.integrations.hf_kv import layout_from_model
     from kvtier.integrations.transformers import KVTierConnector
-    from kvtier.storage.pd import PDTier
-    from kvtier.transfer.receiver import PDReceiver
+    from kvtier.pd.buffer import PDBuffer
+    from kvtier.pd.receiver import PDReceiver
 
     model = _model(args)
     layout = layout_from_model(model)
     config = _config(args, "receiver", layout.chunk_bytes(args.chunk_size), 0)
     with Engine(config, layout, model_name=f"llama-{args.model_size}") as engine:
-        receiver = PDReceiver.for_engine(engine, host="127.0.0.1", port=0).start()
+        receiver = PDReceiver.for_engine(engine, host="127.0.0.1", port=0).open()
         tier = engine.tier("pd")
-        assert isinstance(tier, PDTier)
+        assert isinstance(tier, PDBuffer)
         results.put(("ready", receiver.port, tier.num_pages))
         connector = KVTierConnector(engine, model)
         local = KVTierConnector(None, model)
@@ -151,7 +151,7 @@ def prefiller_main(args: argparse.Namespace, port: int, jobs: Any, results: Any)
     from kvtier.errors import TransferError
     from kvtier.integrations.hf_kv import kv_from_cache, layout_from_model
     from kvtier.integrations.transformers import KVTierConnector
-    from kvtier.transfer.sender import PDSender, chunks_from_kv
+    from kvtier.pd.sender import PDSender, chunks_from_kv
 
     model = _model(args)
     layout = layout_from_model(model)

@@ -23,6 +23,7 @@ from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import InputError
 from kvtier.layout import KVLayout
+from kvtier.service import Service
 
 SYSTEM_PROMPT_TOKENS = 512
 MAX_PROMPT_TOKENS = 4096
@@ -81,13 +82,14 @@ def run(args: argparse.Namespace) -> int:
     config = Config.load(args.config, overrides=overrides)
     layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, dtype=torch.float16)
     stop = threading.Event()
-    with Engine(config, layout, model_name="kvtier-synthetic") as engine:
-        if engine.admin_url is None:
+    with Service(config, layout, model_name="kvtier-synthetic") as service:
+        engine = service.engine
+        if service.admin_url is None:
             print("kvtier: error: the admin server did not start (see the log)", file=sys.stderr)
             return 1
         hint = "?token=<token>" if config.admin_token else ""
-        print(f"dashboard: {engine.admin_url}/{hint}", flush=True)
-        print(f"metrics:   {engine.admin_url}/metrics", flush=True)
+        print(f"dashboard: {service.admin_url}/{hint}", flush=True)
+        print(f"metrics:   {service.admin_url}/metrics", flush=True)
         deadline = time.monotonic() + args.duration if args.duration else None
         try:
             if args.no_workload:

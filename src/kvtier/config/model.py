@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from kvtier.config.channels import check_channel
 from kvtier.config.schema import KEYS, KEYS_BY_NAME, KNOWN_LMCACHE_ONLY
 from kvtier.errors import ConfigError
 
@@ -125,7 +126,7 @@ class Config:
             if mask_secrets and KEYS_BY_NAME[f.name].secret and value:
                 value = "***"
             elif mask_secrets and f.name == "remote_url" and value:
-                from kvtier.storage.remote_url import mask_password
+                from kvtier.config.remote_url import mask_password
 
                 value = mask_password(value)
             out[f.name] = list(value) if isinstance(value, tuple) else value
@@ -206,6 +207,4 @@ def _check_combinations(cfg: Config) -> None:
     if cfg.enable_pd and cfg.pd_role == "sender" and not cfg.pd_peer_alloc_port:
         raise ConfigError("pd_peer_alloc_port", None, "the decoder's port for a PD sender")
     if cfg.enable_pd and cfg.transfer_channel == "nixl":
-        from kvtier.transfer.channel import check_channel
-
         check_channel(cfg.transfer_channel)  # raises, naming why nixl is unavailable

@@ -123,7 +123,7 @@ def remote_url(key: str, raw: object) -> str | None:
     """A remote store URL, checked at load so ``kvtier check-config`` catches a typo."""
     if raw is None:
         return None
-    from kvtier.storage.remote_url import parse_remote_url  # its own module: the URL grammar
+    from kvtier.config.remote_url import parse_remote_url  # its own module: the URL grammar
 
     parse_remote_url(raw)  # raises ConfigError naming remote_url and the accepted forms
     return str(raw)

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.config import parsers as p
+from kvtier.config.channels import TRANSFER_CHANNELS
 from kvtier.config.sizes import GIB
 
 HASH_ALGORITHMS = ("xxh3_128", "blake3", "sha256")
-TRANSFER_CHANNELS = ("tcp", "shm", "nixl")
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from kvtier.integrations.transformers import KVTierConnector
 
 
 def disk_tier_available() -> bool:
-    return importlib.util.find_spec("kvtier.storage.disk") is not None
+    return importlib.util.find_spec("kvtier.storage.disk.tier") is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +118,7 @@ def run_demo(options: Options, *, on_engine: Callable[[Engine], None] | None = N
             config = _config(options, workload, model, disk_dir)
             if disk_dir is None:
                 notes.append(
-                    "disk tier not available in this build (kvtier.storage.disk missing): "
+                    "disk tier not available in this build (kvtier.storage.disk.tier missing): "
                     "the restart configuration was skipped"
                 )
             label = "kvtier CPU tier" + (" (+ disk write-through)" if disk_dir else "")

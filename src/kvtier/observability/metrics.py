@@ -15,8 +15,8 @@ engine has a ``pd`` tier (the decoder's receive buffer), see :func:`pd_view`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -28,10 +28,26 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvtier.errors import StateError
+from kvtier.layout import KVLayout
+from kvtier.lease import LeaseInfo
 from kvtier.observability.histogram import HistogramSnapshot
+from kvtier.observability.observer import Observer
 
-if TYPE_CHECKING:
-    from kvtier.engine import Engine
+
+class EngineView(Protocol):
+    """What the metrics read of an engine (``kvtier.engine.Engine`` is one): the layer
+    below the engine names what it reads instead of importing it."""
+
+    @property
+    def layout(self) -> KVLayout: ...
+
+    @property
+    def observer(self) -> Observer: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def leases(self) -> Sequence[LeaseInfo]: ...
+
 
 # engine.stats() counter -> (metric name without _total, help)
 ENGINE_COUNTERS: tuple[tuple[str, str, str], ...] = (
@@ -89,7 +105,7 @@ def pd_view(stats: Mapping[str, Any]) -> dict[str, Any] | None:
     return view
 
 
-def engine_registry(engine: Engine) -> CollectorRegistry:
+def engine_registry(engine: EngineView) -> CollectorRegistry:
     """A registry with one collector reading ``engine`` at every scrape."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine))
@@ -97,7 +113,7 @@ def engine_registry(engine: Engine) -> CollectorRegistry:
 
 
 class EngineCollector(Collector):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineView) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:

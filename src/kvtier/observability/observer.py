@@ -131,7 +131,7 @@ class Observer:
             rose = {t for t, n in now.items() if n > corrupt_before.get(t, 0)}
             _guarded(self.explain.record_load, request_id, hits, loaded_end, rose)
 
-    def on_request_end(self, lease: Lease | None) -> None:
+    def on_request_end(self, lease: Lease[Any] | None) -> None:
         if lease is not None:
             self.lease_seconds.observe(time.monotonic() - lease.created)
 

@@ -1,4 +1,8 @@
-"""Builds the tiers below CPU from config, in search order: disk, then remote."""
+"""Builds the cache tiers below CPU from config, in search order: disk, then remote.
+
+The decoder's PD receive buffer is not built here: storage knows nothing of PD (the engine
+puts that buffer first, above these).
+"""
 
 from __future__ import annotations
 
@@ -10,17 +14,12 @@ from kvtier.storage.base import Tier
 
 def build_lower_tiers(config: Config, layout: KVLayout, fingerprint: Fingerprint) -> list[Tier]:
     tiers: list[Tier] = []
-    if config.enable_pd and config.pd_role == "receiver":
-        # First below CPU: what the prefiller sent is what this decoder request needs.
-        from kvtier.storage.pd import PDTier
-
-        tiers.append(PDTier.from_config(config, layout, fingerprint))
     if config.local_disk:
-        from kvtier.storage.disk import DiskTier
+        from kvtier.storage.disk.tier import DiskTier
 
         tiers.append(DiskTier.from_config(config, layout, fingerprint))
     if config.remote_url:
-        from kvtier.storage.redis import RedisTier
+        from kvtier.storage.redis.tier import RedisTier
 
         tiers.append(RedisTier.from_config(config, layout, fingerprint))
     return tiers

@@ -40,8 +40,8 @@ from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.layout import KVLayout
 from kvtier.lease import CallbackHold, Lease
 from kvtier.memory.block_pool import BlockPool
-from kvtier.stats import EngineCounters
 from kvtier.storage.base import PutOutcome, PutResult, Tier
+from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,9 @@ class StorageManager:
         return [self.cpu, *self.lower]
 
     # -- lookup ----------------------------------------------------------------------------
-    def locate(self, spans: Sequence[ChunkSpan], lease: Lease, skip_chunks: int) -> LookupPlan:
+    def locate(
+        self, spans: Sequence[ChunkSpan], lease: Lease[LookupPlan], skip_chunks: int
+    ) -> LookupPlan:
         """Find and pin the longest prefix of ``spans`` held by the engine or some tier."""
         hits = [ChunkHit(span, ENGINE) for span in spans[:skip_chunks]]
         rest = spans[skip_chunks:]
@@ -167,7 +169,7 @@ class StorageManager:
         return LookupPlan(tuple(s.key for s in spans), hits)
 
     def _pin(
-        self, spans: Sequence[ChunkSpan], where: Sequence[Tier | None], lease: Lease
+        self, spans: Sequence[ChunkSpan], where: Sequence[Tier | None], lease: Lease[LookupPlan]
     ) -> list[ChunkHit]:
         """Pin each located chunk in order; stop at the first that vanished meanwhile."""
         hits: list[ChunkHit] = []
@@ -191,7 +193,9 @@ class StorageManager:
         return hits
 
     # -- retrieve --------------------------------------------------------------------------
-    def load(self, plan: LookupPlan, lease: Lease, out: torch.Tensor, start_token: int) -> int:
+    def load(
+        self, plan: LookupPlan, lease: Lease[LookupPlan], out: torch.Tensor, start_token: int
+    ) -> int:
         """Copy the plan's chunks from ``start_token`` on into ``out`` (indexed by absolute
         token position). Returns the end of what was loaded: a lower-tier miss or no free page
         ends the hit early, and the engine recomputes from there."""
@@ -210,7 +214,7 @@ class StorageManager:
         plan.hits = [h for h in plan.hits if h.span.end <= loaded_end]
         return loaded_end
 
-    def _prefetch(self, plan: LookupPlan, lease: Lease, start_token: int) -> None:
+    def _prefetch(self, plan: LookupPlan, lease: Lease[LookupPlan], start_token: int) -> None:
         """Read the plan's lower-tier chunks with one ``get_many_into`` per tier (the disk
         tier overlaps the reads, a remote tier pipelines them). Hits that fail are marked
         ``failed`` (``load`` stops there); when pages are short, ``_fetch`` reads one by one."""
@@ -246,7 +250,7 @@ class StorageManager:
                     self.pool.release(pages[i + 1 :])
                     raise
 
-    def _fetch(self, hit: ChunkHit, lease: Lease) -> bool:
+    def _fetch(self, hit: ChunkHit, lease: Lease[LookupPlan]) -> bool:
         """Read a lower-tier chunk into a fresh page that ``lease`` holds."""
         tier = next(t for t in self.lower if t.name == hit.tier)
         pages = self.cpu.allocate(1)
@@ -270,7 +274,7 @@ class StorageManager:
         self._adopt(hit, page, lease)
         return True
 
-    def _adopt(self, hit: ChunkHit, page: int, lease: Lease) -> None:
+    def _adopt(self, hit: ChunkHit, page: int, lease: Lease[LookupPlan]) -> None:
         """A page just filled from a lower tier: the lease takes the caller's reference, and
         the CPU index one more when disk/remote hits are copied back (``promote_to_cpu``)."""
         if self.promote_to_cpu:

@@ -1,0 +1,396 @@
+"""The PD receive tier: the decoder's bounded receive buffer, first among its lower tiers.
+
+Who owns what (every page reference has exactly one owner, and each owner gives it back once)::
+
+    reference owner                  taken by                 given back by
+    a Reservation (one request)      reserve(): one ref per   Reservation.release(), once,
+                                     page it needs, received  from the request's lease
+                                     OR already held          (end_request) or early on
+                                                              abort / sender death / timeout
+    a key pin (Tier.pin)             pin()                    unpin()
+    a local put (tests only)         put()                    remove() / clear() / close()
+
+The index (key -> entry) owns no reference of its own: a received chunk lives exactly as long
+as some request holds it, and its index entry disappears when its page's last reference does.
+So after every request ends, the whole buffer is free (LMCache's PD buffer is likewise never
+an LRU cache; its pages go back after decode).
+
+Seed 001 (LMCache #2847): a key the decoder already holds is answered "held" and the request's
+reservation takes one reference on it, given back with the reservation; nothing else takes
+one, so no reference can outlive the request. Seed 003: every pin is owned by a lease or a
+reservation whose release is idempotent, so a pin is released once on every path, never
+twice. Seed 000: the buffer is ``pd_buffer_size`` rounded down to whole chunks.
+
+Reservation is all or nothing (``BlockPool.allocate``), so two requests can never each hold
+half of what they need. When the buffer is short, ``reserve`` waits (woken by every release)
+up to its timeout, then raises :class:`TransferTimeout`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtier.config import Config
+from kvtier.errors import ConfigError, StateError, TransferError, TransferTimeout
+from kvtier.keys import ChunkKey, Fingerprint
+from kvtier.layout import KVLayout
+from kvtier.lease import LeaseTable
+from kvtier.memory.block_pool import BlockPool, pages_for_capacity
+from kvtier.pd.channels import receiver_channel
+from kvtier.pd.channels.base import ReceiverChannel, checksum
+from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
+
+log = logging.getLogger(__name__)
+
+
+class TooLarge(TransferError):
+    """A request needs more pages than the whole receive buffer has."""
+
+
+@dataclass(slots=True)
+class _Entry:
+    page: int
+    num_tokens: int
+    checksum: int = 0
+    ready: bool = False  # verified and visible to lookups
+    owned: bool = False  # a local put: the index holds one reference
+
+
+class Reservation:
+    """The pages one request holds in the receive buffer (a lease Hold; released once)."""
+
+    def __init__(
+        self, tier: PDBuffer, request_id: str, pages: list[int], new: dict[int, ChunkKey]
+    ) -> None:
+        self.tier = tier
+        self.request_id = request_id
+        self.pages = pages  # one reference each, owned by this reservation
+        self.new = new  # page -> key for the chunks this request's sender must fill
+        self.nbytes = len(pages) * tier.page_bytes
+        self._released = False
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        self.tier._end_reservation(self)
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def describe(self) -> str:
+        return f"pd reservation of {len(self.pages)} pages ({len(self.new)} received)"
+
+
+class PDBuffer(Tier):
+    name = "pd"
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_bytes: int,
+        token_bytes: int,
+        channel: ReceiverChannel,
+        *,
+        allow_local_puts: bool = False,
+    ) -> None:
+        super().__init__()
+        self.num_pages = num_pages
+        self.page_bytes = page_bytes
+        self.token_bytes = token_bytes
+        self.channel = channel
+        # Production decoders keep the buffer for the prefiller: the engine's own stores are
+        # dropped. The tier contract suite turns local puts on.
+        self.allow_local_puts = allow_local_puts
+        self._pool: BlockPool | None = None
+        self._index: dict[ChunkKey, _Entry] = {}
+        self._page_key: dict[int, ChunkKey] = {}
+        self._key_pins: dict[ChunkKey, list[int]] = {}
+        self._cond = threading.Condition(threading.RLock())
+
+    @classmethod
+    def from_config(cls, config: Config, layout: KVLayout, fingerprint: Fingerprint) -> PDBuffer:
+        if config.pd_buffer_device not in (None, "cpu"):
+            raise ConfigError(
+                "pd_buffer_device", config.pd_buffer_device, "'cpu' (no CUDA buffer in this build)"
+            )
+        if config.pd_buffer_size is None:
+            raise ConfigError("pd_buffer_size", None, "a size in bytes for a PD receiver")
+        page_bytes = layout.chunk_bytes(config.chunk_size)
+        pages = pages_for_capacity("pd_buffer_size", config.pd_buffer_size, page_bytes)
+        return cls(
+            pages, page_bytes, layout.token_bytes(), receiver_channel(config.transfer_channel)
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def open(self) -> None:
+        with self._cond:
+            if self._pool is None:
+                self._pool = self.channel.make_pool(self.num_pages, self.page_bytes)
+
+    def close(self) -> None:
+        with self._cond:
+            pool, self._pool = self._pool, None
+            self._index.clear()
+            self._page_key.clear()
+            self._key_pins.clear()
+            self._cond.notify_all()
+        if pool is not None:
+            pool.close()
+        self.channel.close()
+
+    @property
+    def pool(self) -> BlockPool:
+        if self._pool is None:
+            raise StateError("the PD tier is not open")
+        return self._pool
+
+    # -- the receive side ------------------------------------------------------------------
+    def reserve(
+        self, request_id: str, keys: Sequence[ChunkKey], num_tokens: Sequence[int], timeout: float
+    ) -> tuple[Reservation, list[int]]:
+        """Reserve the whole request at once: ``(reservation, held positions)``.
+
+        Keys already in the buffer are held (one reference for this request, nothing more);
+        every other key gets a fresh page (``reservation.new``), in key order. Waits up to
+        ``timeout`` seconds for room; raises :class:`TransferTimeout` then, and
+        :class:`TooLarge` at once when the request could never fit.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                pool = self.pool
+                held = [i for i, k in enumerate(keys) if k in self._index]
+                missing = [i for i, k in enumerate(keys) if k not in self._index]
+                if len(missing) > self.num_pages:
+                    raise TooLarge(
+                        f"request {request_id!r} needs {len(missing)} chunks; the PD buffer holds "
+                        f"{self.num_pages} (raise pd_buffer_size)"
+                    )
+                fresh = pool.allocate(len(missing))
+                if fresh is not None:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransferTimeout(
+                        f"request {request_id!r}: no room for {len(missing)} chunks in the PD "
+                        f"buffer within {timeout:g}s ({pool.free_pages} of {self.num_pages}"
+                        " pages free)"
+                    )
+                self._cond.wait(remaining)
+            held_pages = [self._index[keys[i]].page for i in held]
+            pool.retain(held_pages)  # the one reference this request holds on each held chunk
+            new: dict[int, ChunkKey] = {}
+            for i, page in zip(missing, fresh, strict=True):
+                key = keys[i]
+                self._index[key] = _Entry(page, num_tokens[i])
+                self._page_key[page] = key
+                new[page] = key
+            return Reservation(self, request_id, fresh + held_pages, new), held
+
+    def page_view(self, page: int, nbytes: int) -> torch.Tensor:
+        return self.pool.page_bytes_view(page, nbytes)
+
+    def publish(
+        self, reservation: Reservation, page: int, expected: int, actual: int | None = None
+    ) -> bool:
+        """Verify a received chunk and make it visible to lookups. False (and the chunk is
+        dropped, counted as corrupt) when its bytes do not match the sender's checksum.
+        ``actual``: the checksum of the page's bytes when the transport hashed them as they
+        landed (tcp); otherwise the page is hashed here."""
+        key = reservation.new[page]
+        with self._cond:
+            entry = self._index.get(key)
+            if entry is None or entry.page != page or reservation.released:
+                return False
+            nbytes = entry.num_tokens * self.token_bytes
+            view = self.pool.page_bytes_view(page, nbytes)
+        if actual is None:
+            # Hashed outside the lock (a 32 MiB page takes milliseconds, and other senders'
+            # reserve/publish wait on this lock). The reservation owns the page; if it was
+            # released meanwhile, the check below refuses the result whatever it was.
+            actual = checksum(view)
+        with self._cond:
+            if self._index.get(key) is not entry or reservation.released:
+                return False
+            if actual != expected:
+                log.error("PD chunk %s failed its checksum; dropped", key.hex())
+                self.counters.corrupt += 1
+                del self._index[key]
+                return False
+            entry.checksum = actual
+            entry.ready = True
+            self.counters.stored += 1
+            self.counters.bytes_written += nbytes
+            return True
+
+    def count_transfer(self, ok: bool) -> None:
+        """One request's transfer ended (the receiver reports it): ``kvtier_pd_transfers``."""
+        with self._cond:
+            name = "transfers" if ok else "transfer_failures"
+            self.counters.extra[name] = self.counters.extra.get(name, 0) + 1
+
+    def _end_reservation(self, reservation: Reservation) -> None:
+        with self._cond:
+            if self._pool is None:
+                return  # closed: the whole pool is gone
+            for page, key in reservation.new.items():
+                entry = self._index.get(key)
+                if entry is not None and entry.page == page and not entry.ready:
+                    del self._index[key]  # never filled: nobody may find it
+            self._release(reservation.pages)
+
+    def _release(self, pages: list[int]) -> None:
+        """Give back references; drop the index entry of every page that became free."""
+        pool = self.pool
+        pool.release(pages)
+        for page in pages:
+            if pool.refcount(page) == 0:
+                key = self._page_key.pop(page, None)
+                entry = self._index.get(key) if key is not None else None
+                if entry is not None and entry.page == page:
+                    del self._index[key]  # type: ignore[arg-type]
+        self._cond.notify_all()
+
+    # -- the Tier interface ----------------------------------------------------------------
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        with self._cond:
+            index = self._index
+            return [k in index and index[k].ready for k in keys]
+
+    def get_into(self, key: ChunkKey, out: torch.Tensor) -> int | None:
+        with self._cond:
+            entry = self._index.get(key)
+            if entry is None or not entry.ready:
+                self.counters.misses += 1
+                return None
+            nbytes = entry.num_tokens * self.token_bytes
+            src = self.pool.page_bytes_view(entry.page, nbytes)
+            if checksum(src) != entry.checksum:
+                log.error("PD chunk %s changed after it was verified; dropped", key.hex())
+                self.counters.corrupt += 1
+                self._drop(key, entry)
+                return None
+            out[:nbytes].copy_(src)
+            self.counters.hits += 1
+            self.counters.bytes_read += nbytes
+            return entry.num_tokens
+
+    def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
+        outcome, detail = self._put(key, payload, num_tokens)
+        on_done(PutResult(key, outcome, detail))
+
+    def _put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int) -> tuple[PutOutcome, str]:
+        if not self.allow_local_puts:
+            self.counters.dropped += 1
+            return PutOutcome.DROPPED, "the PD buffer is filled by the prefiller only"
+        with self._cond:
+            if key in self._index:
+                return PutOutcome.EXISTS, ""
+            pages = self.pool.allocate(1)
+            if pages is None:
+                self.counters.dropped += 1
+                return PutOutcome.DROPPED, "PD buffer full"
+            page = pages[0]
+            nbytes = num_tokens * self.token_bytes
+            view = self.pool.page_bytes_view(page, nbytes)
+            view.copy_(payload[:nbytes])
+            self._index[key] = _Entry(page, num_tokens, checksum(view), ready=True, owned=True)
+            self._page_key[page] = key
+            self.counters.stored += 1
+            return PutOutcome.STORED, ""
+
+    def remove(self, key: ChunkKey) -> bool:
+        with self._cond:
+            entry = self._index.get(key)
+            if entry is None:
+                return False
+            self._drop(key, entry)
+            return True
+
+    def _drop(self, key: ChunkKey, entry: _Entry) -> None:
+        del self._index[key]
+        if entry.owned:
+            entry.owned = False
+            self._release([entry.page])
+
+    def pin(self, key: ChunkKey) -> bool:
+        with self._cond:
+            entry = self._index.get(key)
+            if entry is None or not entry.ready:
+                return False
+            self.pool.retain([entry.page])
+            self._key_pins.setdefault(key, []).append(entry.page)
+            return True
+
+    def unpin(self, key: ChunkKey) -> None:
+        with self._cond:
+            pages = self._key_pins.get(key)
+            if not pages:
+                log.error("unpin of %s without a pin; ignored", key.hex())
+                return
+            page = pages.pop()
+            if not pages:
+                del self._key_pins[key]
+            self._release([page])
+
+    def usage(self) -> TierUsage:
+        with self._cond:
+            used = self.pool.used_pages if self._pool is not None else 0
+            return TierUsage(
+                used * self.page_bytes, self.num_pages * self.page_bytes, len(self._index)
+            )
+
+    def clear(self) -> int:
+        with self._cond:
+            victims = [(k, e) for k, e in self._index.items() if k not in self._key_pins]
+            for key, entry in victims:
+                self._drop(key, entry)
+            return len(victims)
+
+    # -- inspection ------------------------------------------------------------------------
+    def check_invariants(self, expected_refs: dict[int, int] | None = None) -> list[str]:
+        """Problems as sentences (empty when fine): free list vs refcounts, index entries on
+        free pages, and (given the owners' view) refcounts vs ``expected_refs``."""
+        with self._cond:
+            pool = self.pool
+            refs = pool.refcounts()
+            problems: list[str] = []
+            if pool.free_pages != refs.count(0):
+                problems.append(
+                    f"{pool.free_pages} free pages listed, {refs.count(0)} with refcount 0"
+                )
+            for key, entry in self._index.items():
+                if refs[entry.page] == 0:
+                    problems.append(f"index entry {key.hex()} on free page {entry.page}")
+            if expected_refs is not None:
+                for page, ref in enumerate(refs):
+                    want = expected_refs.get(page, 0) + sum(
+                        1 for e in self._index.values() if e.owned and e.page == page
+                    )
+                    want += sum(p.count(page) for p in self._key_pins.values())
+                    if ref != want:
+                        problems.append(f"page {page}: refcount {ref}, owners {want}")
+            return problems
+
+    def audit(self, leases: LeaseTable[Any]) -> list[str]:
+        """The engine's reference audit for this buffer: every page reference is owned by a
+        live reservation in some request's lease, a key pin or a local put; with no request
+        open, every reservation has been given back."""
+        expected: dict[int, int] = {}
+        for lease in leases.live():
+            for hold in list(lease.holds):
+                if isinstance(hold, Reservation) and hold.tier is self and not hold.released:
+                    for page in hold.pages:
+                        expected[page] = expected.get(page, 0) + 1
+        return [f"pd buffer: {problem}" for problem in self.check_invariants(expected)]

@@ -1,0 +1,119 @@
+"""Same-host shared-memory transport: the receive buffer is a /dev/shm segment.
+
+The receiver creates the segment (a file in /dev/shm, unlinked at close), maps it and pages
+it with its :class:`BlockPool`; the HelloReply names the file. The sender maps the same file
+and copies each chunk once, straight into the page the AllocReply named, then sends the
+ChunkSent header: the receiver has nothing to copy, only the checksum to verify.
+
+The sender may only write into pages reserved for its request in flight; the receiver checks
+every chunk's checksum at publish and again at every read, so a stray write is a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import uuid
+
+import torch
+
+from kvtier.errors import TransferError
+from kvtier.memory.block_pool import BlockPool
+from kvtier.pd.channels.base import ReceiverChannel, SenderChannel, checksum
+from kvtier.pd.protocol import ChunkSent, HelloReply, send_message
+
+SHM_DIR = "/dev/shm"
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # pre-fault the mapping: no faults on the hot path
+
+
+class ShmReceiver(ReceiverChannel):
+    name = "shm"
+
+    def __init__(self) -> None:
+        self._path = ""
+
+    def make_pool(self, num_pages: int, page_bytes: int) -> BlockPool:
+        nbytes = num_pages * page_bytes
+        path = os.path.join(SHM_DIR, f"kvtier-pd-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, nbytes)
+                mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise TransferError(
+                f"cannot create the shared-memory receive buffer {path}: {exc}"
+            ) from None
+        self._path = path
+        return BlockPool(num_pages, page_bytes, mapping=mapping)
+
+    @property
+    def shm_path(self) -> str:
+        return self._path
+
+    def receive_chunk(
+        self, sock: socket.socket, page_view: torch.Tensor, msg: ChunkSent
+    ) -> tuple[int, int | None]:
+        return msg.checksum, None  # the sender already wrote the bytes; the tier hashes the page
+
+    def close(self) -> None:
+        if self._path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)
+            self._path = ""
+
+
+class ShmSender(SenderChannel):
+    name = "shm"
+
+    def __init__(self) -> None:
+        self._map: mmap.mmap | None = None
+        self._buffer: torch.Tensor | None = None
+        self._page_bytes = 0
+
+    def attach(self, reply: HelloReply) -> None:
+        if not reply.shm_path.startswith(SHM_DIR + "/"):
+            raise TransferError(
+                f"receiver offered no usable shared-memory segment ({reply.shm_path!r})"
+            )
+        nbytes = reply.num_pages * reply.page_bytes
+        try:
+            fd = os.open(reply.shm_path, os.O_RDWR)
+            try:
+                self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
+            finally:
+                os.close(fd)
+        except (OSError, ValueError) as exc:
+            raise TransferError(
+                f"cannot map the receiver's buffer {reply.shm_path}: {exc}"
+            ) from None
+        self._buffer = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes)
+        self._page_bytes = reply.page_bytes
+
+    def send_chunk(
+        self, sock: socket.socket, request_id: str, index: int, page: int, data: torch.Tensor
+    ) -> int:
+        assert self._buffer is not None, "attach() first"
+        nbytes = data.numel() * data.element_size()
+        if nbytes > self._page_bytes:
+            raise TransferError(
+                f"chunk of {nbytes} bytes does not fit a {self._page_bytes}-byte page"
+            )
+        start = page * self._page_bytes
+        dst = self._buffer[start : start + nbytes]
+        if data.is_contiguous():
+            dst.copy_(data.view(-1).view(torch.uint8))
+        else:
+            dst.view(data.dtype).view(data.shape).copy_(data)  # the one copy, from the strided view
+        send_message(sock, ChunkSent(request_id, index, nbytes, checksum(dst)))
+        return nbytes
+
+    def close(self) -> None:
+        # Not mmap.close(): torch views hold no buffer export, so closing would unmap memory
+        # a view may still use (see HostBuffer.release); the mapping goes with its last view.
+        self._buffer = None
+        self._map = None

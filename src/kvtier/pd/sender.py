@@ -1,0 +1,220 @@
+"""The prefiller side: sends a request's KV chunks into a decoder's receive buffer.
+
+``send`` runs one request over the connection (see :mod:`kvtier.pd.protocol`): ask for
+room for every chunk key, skip the keys the decoder already holds, move the others straight
+into the pages it named, then say done. A decoder whose buffer stays full past
+``pd_allocation_timeout_sec`` answers with a timeout, raised here as :class:`TransferTimeout`;
+a request bigger than the whole buffer raises :class:`TransferError` at once. After a
+transport failure the connection is closed; the next ``send`` reconnects.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from kvtier.config import Config
+from kvtier.errors import ConfigError, ProtocolError, TransferError, TransferTimeout
+from kvtier.keys import ChunkKey, ChunkSpan
+from kvtier.layout import KVLayout
+from kvtier.pd.channels import sender_channel
+from kvtier.pd.channels.base import SenderChannel
+from kvtier.pd.protocol import (
+    Abort,
+    AllocReply,
+    AllocRequest,
+    DoneReply,
+    ErrorReply,
+    Hello,
+    HelloReply,
+    Message,
+    RequestDone,
+    recv_message,
+    send_message,
+)
+
+log = logging.getLogger(__name__)
+
+_M = TypeVar("_M", bound=Message)
+
+
+@dataclass(frozen=True, slots=True)
+class OutChunk:
+    """One chunk to send: its key, token count and KV (any shape; canonical byte order)."""
+
+    key: ChunkKey
+    num_tokens: int
+    data: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class SendReport:
+    sent: int  # chunks moved
+    held: int  # chunks the decoder already had (not sent)
+    nbytes: int
+    seconds: float  # the whole request, waiting for room included
+    alloc_s: float  # of which waiting for the AllocReply (room in the decoder's buffer)
+
+
+def chunks_from_kv(spans: Sequence[ChunkSpan], kv: torch.Tensor) -> list[OutChunk]:
+    """Chunks of a ``[2, layers, tokens, hidden]`` KV tensor (strided views, no copy)."""
+    return [OutChunk(s.key, s.num_tokens, kv[:, :, s.start : s.end, :]) for s in spans]
+
+
+class PDSender:
+    def __init__(
+        self,
+        *,
+        fingerprint: str,
+        layout: KVLayout,
+        chunk_size: int,
+        host: str,
+        port: int,
+        channel: str | None,
+        alloc_timeout: float,
+        io_timeout: float = 30.0,
+    ) -> None:
+        self.fingerprint = fingerprint
+        self.layout = layout
+        self.page_bytes = layout.chunk_bytes(chunk_size)
+        self.host = host
+        self.port = port
+        self.channel_name = channel
+        self.alloc_timeout = alloc_timeout
+        self.io_timeout = io_timeout
+        self._sock: socket.socket | None = None
+        self._channel: SenderChannel | None = None
+        self.buffer_pages = 0
+        self._in_step = False
+
+    @classmethod
+    def from_config(
+        cls, config: Config, layout: KVLayout, fingerprint: str, *, tp_rank: int = 0
+    ) -> PDSender:
+        ports = config.pd_peer_alloc_port
+        if not ports:
+            raise ConfigError("pd_peer_alloc_port", ports, "the decoder's port (one per TP rank)")
+        if tp_rank >= len(ports) and len(ports) != 1:
+            raise ConfigError("pd_peer_alloc_port", ports, f"a port for TP rank {tp_rank}")
+        return cls(
+            fingerprint=fingerprint,
+            layout=layout,
+            chunk_size=config.chunk_size,
+            host=config.pd_peer_host or "127.0.0.1",
+            port=ports[tp_rank] if len(ports) > 1 else ports[0],
+            channel=config.transfer_channel,
+            alloc_timeout=config.pd_allocation_timeout_sec,
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def open(self) -> PDSender:
+        if self._sock is not None:
+            return self
+        channel = sender_channel(self.channel_name)
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=self.io_timeout)
+        except OSError as exc:
+            raise TransferError(
+                f"cannot reach the PD receiver at {self.host}:{self.port}: {exc}"
+            ) from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            hello = Hello(
+                self.fingerprint,
+                self.page_bytes,
+                self.layout.token_bytes(),
+                channel.name,
+                **channel.hello_fields(),
+            )
+            send_message(sock, hello)
+            reply = self._expect(sock, HelloReply)
+            channel.attach(reply)
+        except BaseException:
+            sock.close()
+            channel.close()
+            raise
+        self.buffer_pages = reply.num_pages
+        self._sock, self._channel = sock, channel
+        return self
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        channel, self._channel = self._channel, None
+        if sock is not None:
+            sock.close()
+        if channel is not None:
+            channel.close()
+
+    def __enter__(self) -> PDSender:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- sending ---------------------------------------------------------------------------
+    def send(
+        self, request_id: str, chunks: Sequence[OutChunk], *, abort_after: int | None = None
+    ) -> SendReport:
+        """Transfer ``chunks`` for ``request_id``. ``abort_after=k`` gives up after k chunks
+        (what a request aborted mid-transfer does): the decoder releases its reservation."""
+        if not chunks:
+            return SendReport(0, 0, 0, 0.0, 0.0)
+        self.open()
+        sock, channel = self._sock, self._channel
+        assert sock is not None and channel is not None
+        start = time.perf_counter()
+        try:
+            request = AllocRequest(
+                request_id, [c.key for c in chunks], [c.num_tokens for c in chunks]
+            )
+            send_message(sock, request)
+            sock.settimeout(self.alloc_timeout + self.io_timeout)
+            reply = self._expect(sock, AllocReply)
+            allocated = time.perf_counter()
+            sock.settimeout(self.io_timeout)
+            held = set(reply.held)
+            todo = [i for i in range(len(chunks)) if i not in held]
+            if len(todo) != len(reply.pages):
+                raise ProtocolError(
+                    f"AllocReply has {len(reply.pages)} pages for {len(todo)} chunks"
+                )
+            nbytes = 0
+            for n, (i, page) in enumerate(zip(todo, reply.pages, strict=True)):
+                if abort_after is not None and n >= abort_after:
+                    send_message(sock, Abort(request_id, "aborted by the prefiller"))
+                    self._in_step = True
+                    raise TransferError(f"request {request_id!r} aborted after {n} chunks")
+                nbytes += channel.send_chunk(sock, request_id, i, page, chunks[i].data)
+            send_message(sock, RequestDone(request_id))
+            done = self._expect(sock, DoneReply)
+            if not done.ok:
+                self._in_step = True
+                raise TransferError(f"decoder rejected request {request_id!r}: {done.message}")
+            end = time.perf_counter()
+            return SendReport(len(todo), len(held), nbytes, end - start, allocated - start)
+        except TransferError:
+            # After a refusal, an abort or a rejected Done the stream is still in step; after
+            # anything else it may not be: start over on the next send.
+            if not self._in_step:
+                self.close()
+            raise
+        finally:
+            self._in_step = False
+
+    def _expect(self, sock: socket.socket, kind: type[_M]) -> _M:
+        msg = recv_message(sock)
+        if isinstance(msg, kind):
+            return msg
+        if isinstance(msg, ErrorReply):
+            self._in_step = True
+            error = TransferTimeout if msg.kind == "timeout" else TransferError
+            raise error(f"decoder refused request {msg.request_id!r} ({msg.kind}): {msg.message}")
+        if msg is None:
+            raise TransferError("the PD receiver closed the connection")
+        raise ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}")

@@ -1,0 +1,124 @@
+"""A cache with the servers its config asks for, opened in order and closed in reverse.
+
+:class:`kvtier.engine.Engine` is the cache alone: it binds no port and starts no server, so a
+library user (a connector, a test, a benchmark) gets exactly what it asked for. A process that
+*is* a kvtier node (``kvtier serve-admin``, a PD decoder, the kvtier server) opens a
+:class:`Service`::
+
+    open:   engine  ->  admin API (internal_api_server_enabled)  ->  PD receiver (pd_role receiver)
+    close:  PD receiver  ->  admin API  ->  engine
+
+so nothing serves an engine that is not open yet or any more. An admin port that cannot be
+bound is logged and the service runs without it (the cache itself is unaffected); a PD port
+that cannot be bound fails ``open`` (a decoder that cannot receive is no decoder).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from types import TracebackType
+
+from kvtier.admin.server import AdminServer
+from kvtier.config import Config
+from kvtier.engine import Engine
+from kvtier.errors import StateError
+from kvtier.layout import KVLayout
+from kvtier.lifecycle import Lifecycle
+from kvtier.pd.receiver import PDReceiver
+
+log = logging.getLogger(__name__)
+
+
+class Service:
+    """An :class:`Engine`, its admin API and its PD receiver, as one lifecycle."""
+
+    def __init__(
+        self,
+        config: Config | None,
+        layout: KVLayout,
+        *,
+        model_name: str,
+        tp_rank: int = 0,
+        tp_world_size: int = 1,
+    ) -> None:
+        self.engine = Engine(
+            config, layout, model_name=model_name, tp_rank=tp_rank, tp_world_size=tp_world_size
+        )
+        self.config = self.engine.config
+        self.admin: AdminServer | None = None
+        self.receiver: PDReceiver | None = None
+        self._state = Lifecycle.NEW
+        self._lock = threading.Lock()
+
+    def open(self) -> Service:
+        with self._lock:
+            if self._state is Lifecycle.OPEN:
+                return self
+            if self._state is Lifecycle.CLOSED:
+                raise StateError("this Service is closed; create a new one")
+            self.engine.open()
+            try:
+                self.admin = self._open_admin()
+                if self.engine.pd_buffer is not None:
+                    self.receiver = PDReceiver.for_engine(self.engine).open()
+            except BaseException:
+                self._close_parts()
+                raise
+            self._state = Lifecycle.OPEN
+            return self
+
+    def close(self) -> None:
+        """Close the receiver, the admin API, then the engine. Idempotent."""
+        with self._lock:
+            if self._state is Lifecycle.CLOSED:
+                return
+            self._state = Lifecycle.CLOSED
+            self._close_parts()
+
+    def _close_parts(self) -> None:
+        receiver, self.receiver = self.receiver, None
+        admin, self.admin = self.admin, None
+        try:
+            if receiver is not None:
+                receiver.close()
+            if admin is not None:
+                admin.close()
+        finally:
+            self.engine.close()
+
+    def _open_admin(self) -> AdminServer | None:
+        cfg = self.config
+        if not cfg.internal_api_server_enabled:
+            return None
+        server = AdminServer(
+            self.engine,
+            cfg.internal_api_server_host,
+            cfg.internal_api_server_port_start,
+            cfg.admin_token,
+        )
+        try:
+            return server.open()
+        except OSError as exc:
+            log.error("kvtier admin API not started: %s", exc)
+            return None
+
+    @property
+    def state(self) -> Lifecycle:
+        return self._state
+
+    @property
+    def admin_url(self) -> str | None:
+        """Base URL of the admin API while it runs (``internal_api_server_enabled``)."""
+        return self.admin.url if self.admin is not None and self.admin.running else None
+
+    def __enter__(self) -> Service:
+        return self.open()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,125 @@
+"""The disk tier's in-memory index: which chunk files exist, in LRU order, and their pins.
+
+The index is the only state the disk tier keeps besides the files themselves, and it is
+rebuilt from the files' headers at every open, so it never needs to be saved.
+
+Capacity accounting counts whole files (header + payload), because that is what the disk
+holds. A write first *reserves* its bytes (evicting least recently used, unpinned files to
+make room), then either *commits* the reservation when its file has landed or *cancels*
+it when the write failed::
+
+    used + reserved <= capacity        at every moment, under the index lock
+
+Not thread-safe by itself: :class:`~kvtier.storage.disk.tier.DiskTier` calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvtier.keys import ChunkKey
+
+
+@dataclass(frozen=True, slots=True)
+class DiskEntry:
+    num_tokens: int
+    file_bytes: int
+
+
+class DiskIndex:
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self.reserved_bytes = 0
+        self._entries: OrderedDict[ChunkKey, DiskEntry] = OrderedDict()  # oldest first
+        self._pins: dict[ChunkKey, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: ChunkKey) -> bool:
+        return key in self._entries
+
+    def get(self, key: ChunkKey, *, touch: bool) -> DiskEntry | None:
+        entry = self._entries.get(key)
+        if entry is not None and touch:
+            self._entries.move_to_end(key)
+        return entry
+
+    def add(self, key: ChunkKey, entry: DiskEntry) -> None:
+        """Insert as most recently used (at open, files are added oldest first)."""
+        assert key not in self._entries, "a key is indexed once"
+        self._entries[key] = entry
+        self.used_bytes += entry.file_bytes
+
+    def pop(self, key: ChunkKey) -> DiskEntry | None:
+        """Forget ``key`` (its pins too: a removed entry has nothing left to protect)."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.used_bytes -= entry.file_bytes
+            self._pins.pop(key, None)
+        return entry
+
+    # -- pins ------------------------------------------------------------------------------
+    def pin(self, key: ChunkKey) -> bool:
+        if key not in self._entries:
+            return False
+        self._pins[key] = self._pins.get(key, 0) + 1
+        self._entries.move_to_end(key)
+        return True
+
+    def unpin(self, key: ChunkKey) -> bool:
+        """Drop one pin; False (and nothing changes) when ``key`` holds none."""
+        count = self._pins.get(key, 0)
+        if count <= 0:
+            return False
+        if count == 1:
+            del self._pins[key]
+        else:
+            self._pins[key] = count - 1
+        return True
+
+    def is_pinned(self, key: ChunkKey) -> bool:
+        return key in self._pins
+
+    @property
+    def pinned_keys(self) -> int:
+        return len(self._pins)
+
+    # -- capacity --------------------------------------------------------------------------
+    def reserve(self, nbytes: int) -> list[ChunkKey] | None:
+        """Reserve room for a file of ``nbytes``, evicting LRU unpinned entries from the index.
+
+        Returns the evicted keys (the caller deletes their files), or None, with nothing
+        evicted, when even evicting every unpinned entry would not make room.
+        """
+        free = self.capacity_bytes - self.used_bytes - self.reserved_bytes
+        victims: list[ChunkKey] = []
+        if free < nbytes:
+            for key, entry in self._entries.items():
+                if key in self._pins:
+                    continue
+                victims.append(key)
+                free += entry.file_bytes
+                if free >= nbytes:
+                    break
+            if free < nbytes:
+                return None
+        for key in victims:
+            self.pop(key)
+        self.reserved_bytes += nbytes
+        return victims
+
+    def commit(self, key: ChunkKey, entry: DiskEntry) -> None:
+        self.reserved_bytes -= entry.file_bytes
+        self.add(key, entry)
+
+    def cancel(self, nbytes: int) -> None:
+        self.reserved_bytes -= nbytes
+
+    def unpinned_keys(self) -> list[ChunkKey]:
+        return [k for k in self._entries if k not in self._pins]
+
+    def oldest_first(self) -> list[ChunkKey]:
+        return list(self._entries)

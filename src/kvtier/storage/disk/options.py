@@ -1,0 +1,100 @@
+"""The disk tier's settings: ``local_disk``, ``max_local_disk_size`` and its
+``extra_config`` keys, validated into :class:`DiskOptions`; and the directory check at open.
+
+Keys (every bad value is a :class:`~kvtier.errors.ConfigError` naming the key)::
+
+    local_disk                              a path or file:// URL
+    max_local_disk_size                     capacity, at least one chunk file
+    extra_config.disk_io_threads            1..64, default 4 (writer pool, and reader pool)
+    extra_config.disk_max_inflight_bytes    bytes queued or being written; default 256 MiB
+                                            (at least two chunk files), at least one file
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from dataclasses import dataclass
+from urllib.parse import unquote, urlparse
+
+from kvtier.config import Config
+from kvtier.config import parsers as p
+from kvtier.config.sizes import format_size, parse_size
+from kvtier.errors import ConfigError
+from kvtier.layout import KVLayout
+from kvtier.storage.disk.files import TMP_SUFFIX
+from kvtier.storage.records import HEADER_SIZE
+
+log = logging.getLogger(__name__)
+
+DEFAULT_IO_THREADS = 4
+DEFAULT_MAX_INFLIGHT_BYTES = 256 * 1024**2
+
+
+@dataclass(frozen=True, slots=True)
+class DiskOptions:
+    path: str
+    capacity_bytes: int
+    io_threads: int = DEFAULT_IO_THREADS
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
+
+
+def parse_local_disk(raw: str) -> str:
+    """``local_disk`` as a filesystem path: a plain path or a ``file://`` URL."""
+    if "://" not in raw:
+        return os.path.abspath(os.path.expanduser(raw))
+    url = urlparse(raw)
+    if url.scheme != "file" or url.netloc not in ("", "localhost") or not url.path:
+        raise ConfigError("local_disk", raw, "a directory path or a file:// URL (file:///abs/dir)")
+    return os.path.abspath(unquote(url.path))
+
+
+def options_from_config(config: Config, layout: KVLayout, chunk_size: int) -> DiskOptions:
+    if not config.local_disk:
+        raise ConfigError("local_disk", config.local_disk, "a directory path or file:// URL")
+    extra = config.extra_config or {}
+    record_bytes = HEADER_SIZE + layout.chunk_bytes(chunk_size)
+    if config.max_local_disk_size < record_bytes:
+        raise ConfigError(
+            "max_local_disk_size",
+            config.max_local_disk_size,
+            f"at least one chunk file ({record_bytes} bytes = {format_size(record_bytes)}) "
+            "for this model layout and chunk_size",
+        )
+    threads = p.integer(1, 64)(
+        "extra_config.disk_io_threads", extra.get("disk_io_threads", DEFAULT_IO_THREADS)
+    )
+    inflight_key = "extra_config.disk_max_inflight_bytes"
+    if "disk_max_inflight_bytes" in extra:
+        inflight = parse_size(inflight_key, extra["disk_max_inflight_bytes"], 1)
+        if inflight < record_bytes:
+            raise ConfigError(
+                inflight_key, inflight, f"at least one chunk file ({record_bytes} bytes)"
+            )
+    else:
+        inflight = max(DEFAULT_MAX_INFLIGHT_BYTES, 2 * record_bytes)
+    return DiskOptions(
+        parse_local_disk(config.local_disk), config.max_local_disk_size, threads, inflight
+    )
+
+
+def open_directory(path: str, fp_hex: str) -> int:
+    """An fd of the directory, created if only its last component is missing, proven
+    writable by creating and deleting a probe file. ConfigError naming the path otherwise."""
+    try:
+        if not os.path.exists(path):
+            os.mkdir(path, 0o755)
+            log.info("disk tier created directory %s", path)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        reason = "its parent does not exist" if exc.errno == errno.ENOENT else exc.strerror
+        raise ConfigError("local_disk", path, f"a writable directory ({reason})") from None
+    probe = f".{fp_hex}-probe.{os.getpid()}{TMP_SUFFIX}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600, dir_fd=fd))
+        os.unlink(probe, dir_fd=fd)
+    except OSError as exc:
+        os.close(fd)
+        raise ConfigError("local_disk", path, f"a writable directory ({exc.strerror})") from None
+    return fd

@@ -1,0 +1,365 @@
+"""The disk tier: one checksummed record file per chunk, crash-safe, rebuilt at every open.
+
+Protocol (on top of :mod:`kvtier.storage.base`)::
+
+    put(key, payload, n, on_done)
+      closed                                   -> on_done(FAILED)            at once
+      key on disk or being written             -> on_done(EXISTS)            at once
+      record larger than max_local_disk_size   -> on_done(DROPPED), counted  at once
+      bytes in flight + record > the bound     -> on_done(DROPPED), counted  at once (never waits)
+      else queued on the writer pool; a writer thread then:
+        reserves room (evicting LRU unpinned files), or on_done(DROPPED) if all are pinned
+        writes temp name, fsync, rename, fsync dir  -> on_done(STORED)
+        OSError (ENOSPC, EIO, ...)                  -> on_done(FAILED), counted, temp removed
+
+``on_done`` runs exactly once per put, before the put stops counting as in flight, so once
+:meth:`flush` returns every callback has run (the storage manager's staging pages are back).
+The payload page is read, never written, until then.
+
+Reads go straight into the caller's page (``preadv``), then the payload checksum is checked
+there; a mismatch, a bad header or a wrong length is a miss: logged, file removed, counted in
+``counters.corrupt``. At open the index is rebuilt from the headers alone (oldest file first,
+by mtime, which writes and read hits set), temporary leftovers of this fingerprint are
+deleted, and bad files are removed and counted. The index is never written anywhere: the
+files are the truth.
+
+Settings: :mod:`kvtier.storage.disk.options`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from kvtier.config import Config
+from kvtier.config.sizes import format_size
+from kvtier.errors import ConfigError, CorruptRecord, StateError
+from kvtier.keys import ChunkKey, Fingerprint
+from kvtier.layout import KVLayout
+from kvtier.lifecycle import Lifecycle
+from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
+from kvtier.storage.disk import files
+from kvtier.storage.disk.index import DiskEntry, DiskIndex
+from kvtier.storage.disk.options import DiskOptions, open_directory, options_from_config
+from kvtier.storage.records import HEADER_SIZE, encode_header, verify_payload
+
+log = logging.getLogger(__name__)
+
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_EXTRA_COUNTERS = (
+    "dropped_inflight",  # bytes-in-flight bound reached: a slow disk throttles stores
+    "dropped_too_large",  # one record larger than the whole capacity
+    "dropped_no_room",  # every file is pinned: nothing to evict
+    "no_space",  # ENOSPC / EDQUOT / EFBIG while writing
+    "read_errors",  # an OSError while reading (counted as a miss)
+    "batched_reads",  # chunks read through get_many_into (overlapped on the reader pool)
+    "temp_removed",  # leftovers of interrupted writes, deleted at open
+    "bad_removed_at_open",  # files with a bad header or length, deleted at open
+    "pinned_keys",  # gauge: keys pinned now
+    "inflight_bytes",  # gauge: bytes queued or being written now
+)
+
+
+class DiskTier(Tier):
+    name = "disk"
+
+    def __init__(self, options: DiskOptions, layout: KVLayout, fingerprint: Fingerprint) -> None:
+        super().__init__()
+        self.options = options
+        self.layout = layout
+        self.fingerprint = fingerprint
+        self.fp_hex = fingerprint.hex()
+        self.counters.extra.update(dict.fromkeys(_EXTRA_COUNTERS, 0))
+        self._index = DiskIndex(options.capacity_bytes)
+        self._pending: dict[ChunkKey, int] = {}  # key -> record bytes, queued or being written
+        self._inflight_bytes = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._state = Lifecycle.NEW
+        self._dir_fd = -1
+        self._writer: ThreadPoolExecutor | None = None
+        self._reader: ThreadPoolExecutor | None = None
+
+    @classmethod
+    def from_config(cls, config: Config, layout: KVLayout, fingerprint: Fingerprint) -> DiskTier:
+        """Validate the disk keys (nothing touches the disk until :meth:`open`)."""
+        return cls(options_from_config(config, layout, fingerprint.chunk_size), layout, fingerprint)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def open(self) -> None:
+        """Check the directory, rebuild the index from headers, start the I/O threads."""
+        with self._lock:
+            if self._state is not Lifecycle.NEW:
+                raise StateError(f"disk tier is {self._state.value}; open it once")
+            self._dir_fd = open_directory(self.options.path, self.fp_hex)
+            try:
+                self._rebuild_index()
+            except OSError as exc:
+                os.close(self._dir_fd)
+                raise ConfigError(
+                    "local_disk", self.options.path, f"a readable directory ({exc.strerror})"
+                ) from None
+            n = self.options.io_threads
+            self._writer = ThreadPoolExecutor(n, thread_name_prefix="kvtier-disk-write")
+            self._reader = ThreadPoolExecutor(n, thread_name_prefix="kvtier-disk-read")
+            self._state = Lifecycle.OPEN
+
+    def _rebuild_index(self) -> None:
+        found = files.scan(self._dir_fd, self.fingerprint, self.fp_hex)
+        for record in found.records:
+            self._index.add(
+                record.key, DiskEntry(record.header.num_tokens, record.header.record_len)
+            )
+        extra = self.counters.extra
+        extra["temp_removed"] += found.temp_removed
+        extra["bad_removed_at_open"] += found.bad_removed
+        self.counters.corrupt += found.bad_removed
+        # Capacity may have shrunk since the files were written: trim the oldest.
+        # (reserving 0 bytes evicts until used <= capacity)
+        trimmed = self._index.reserve(0) or []
+        if trimmed:
+            self._unlink(trimmed)
+            self.counters.evicted += len(trimmed)
+        log.info(
+            "disk tier %s: %d chunks (%s) found, %d evicted to fit %s, %d temporary and %d bad "
+            "files removed",
+            self.options.path,
+            len(self._index),
+            format_size(self._index.used_bytes),
+            len(trimmed or []),
+            format_size(self.options.capacity_bytes),
+            found.temp_removed,
+            found.bad_removed,
+        )
+        if found.bad_removed:
+            log.warning("disk tier removed %d files with a bad header or length", found.bad_removed)
+
+    def close(self) -> None:
+        """Drain queued writes (each still completes), stop the threads. Idempotent."""
+        with self._lock:
+            if self._state is not Lifecycle.OPEN:
+                self._state = Lifecycle.CLOSED
+                return
+            self._state = Lifecycle.CLOSED
+        assert self._writer is not None and self._reader is not None
+        self._writer.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
+        os.close(self._dir_fd)
+        self._dir_fd = -1
+
+    def flush(self, timeout: float | None = None) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._pending, timeout)
+
+    def _check_open(self) -> None:
+        if self._state is not Lifecycle.OPEN:
+            raise StateError(f"disk tier is {self._state.value}")
+
+    # -- writes ----------------------------------------------------------------------------
+    def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
+        nbytes = HEADER_SIZE + payload.numel()
+        refused: PutResult | None = None
+        with self._lock:
+            extra = self.counters.extra
+            if self._state is not Lifecycle.OPEN:
+                refused = PutResult(key, PutOutcome.FAILED, f"disk tier is {self._state.value}")
+                self.counters.failed += 1
+            elif key in self._index or key in self._pending:
+                refused = PutResult(key, PutOutcome.EXISTS)
+            elif nbytes > self.options.capacity_bytes:
+                refused = PutResult(
+                    key,
+                    PutOutcome.DROPPED,
+                    f"chunk file of {nbytes} bytes is larger than max_local_disk_size "
+                    f"({self.options.capacity_bytes} bytes)",
+                )
+                self.counters.dropped += 1
+                extra["dropped_too_large"] += 1
+            elif self._inflight_bytes + nbytes > self.options.max_inflight_bytes:
+                refused = PutResult(
+                    key,
+                    PutOutcome.DROPPED,
+                    f"{self._inflight_bytes} bytes already in flight (bound "
+                    f"{self.options.max_inflight_bytes}): the disk is slower than the stores",
+                )
+                self.counters.dropped += 1
+                extra["dropped_inflight"] += 1
+            else:
+                self._pending[key] = nbytes
+                self._inflight_bytes += nbytes
+                extra["inflight_bytes"] = self._inflight_bytes
+                assert self._writer is not None
+                # Submitted under the lock so close() cannot shut the pool down in between.
+                self._writer.submit(self._write, key, payload, num_tokens, nbytes, on_done)
+        if refused is not None:
+            if refused.outcome is PutOutcome.DROPPED:
+                log.debug("disk put of %s dropped: %s", key.hex(), refused.detail)
+            _complete(on_done, refused)
+
+    def _write(
+        self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, nbytes: int, on_done: OnDone
+    ) -> None:
+        """Runs on a writer thread; calls ``on_done`` exactly once whatever happens."""
+        result = PutResult(key, PutOutcome.FAILED, "disk writer failed unexpectedly")
+        try:
+            result = self._write_record(key, payload, num_tokens, nbytes)
+        except Exception:
+            log.exception("disk write of %s failed unexpectedly", key.hex())
+            with self._lock:
+                self.counters.failed += 1
+        finally:
+            _complete(on_done, result)
+            with self._idle:
+                self._pending.pop(key, None)
+                self._inflight_bytes -= nbytes
+                self.counters.extra["inflight_bytes"] = self._inflight_bytes
+                self._idle.notify_all()
+
+    def _write_record(
+        self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, nbytes: int
+    ) -> PutResult:
+        header = encode_header(key, self.fingerprint, num_tokens, payload)
+        with self._lock:
+            victims = self._index.reserve(nbytes)
+            if victims is None:
+                self.counters.dropped += 1
+                self.counters.extra["dropped_no_room"] += 1
+                return PutResult(key, PutOutcome.DROPPED, "disk tier is full of pinned chunks")
+            self.counters.evicted += len(victims)
+            self._unlink(victims)
+        try:
+            files.write_record(self._dir_fd, key, self.fp_hex, header, memoryview(payload.numpy()))  # type: ignore[arg-type]
+        except OSError as exc:
+            with self._lock:
+                self._index.cancel(nbytes)
+                self.counters.failed += 1
+                if exc.errno in _NO_SPACE:
+                    self.counters.extra["no_space"] += 1
+            log.warning("disk write of chunk %s failed (%s); it is not stored", key.hex(), exc)
+            return PutResult(key, PutOutcome.FAILED, f"disk write failed: {exc}")
+        with self._lock:
+            self._index.commit(key, DiskEntry(num_tokens, nbytes))
+            self.counters.stored += 1
+            self.counters.bytes_written += nbytes
+        return PutResult(key, PutOutcome.STORED)
+
+    # -- reads -----------------------------------------------------------------------------
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        with self._lock:
+            self._check_open()
+            return [k in self._index for k in keys]
+
+    def get_into(self, key: ChunkKey, out: torch.Tensor) -> int | None:
+        with self._lock:
+            self._check_open()
+            entry = self._index.get(key, touch=True)
+            if entry is None:
+                self.counters.misses += 1
+                return None
+        payload_len = entry.file_bytes - HEADER_SIZE
+        if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < payload_len:
+            raise ValueError(f"out must be a flat uint8 tensor of >= {payload_len} bytes")
+        target = out[:payload_len]
+        try:
+            header = files.read_record_into(
+                self._dir_fd, key, self.fingerprint, self.fp_hex, target
+            )
+            if header is not None:
+                verify_payload(header, target)
+        except CorruptRecord as exc:
+            log.warning("disk chunk %s is corrupt (%s): removed, counted as a miss", key.hex(), exc)
+            self._forget(key, corrupt=True)
+            return None
+        except OSError as exc:
+            log.warning("disk read of chunk %s failed (%s): counted as a miss", key.hex(), exc)
+            with self._lock:
+                self.counters.misses += 1
+                self.counters.extra["read_errors"] += 1
+            return None
+        if header is None:  # the file vanished under us (removed by hand, or evicted)
+            self._forget(key, corrupt=False)
+            return None
+        with self._lock:
+            self.counters.hits += 1
+            self.counters.bytes_read += header.payload_len
+        files.touch(self._dir_fd, self.fp_hex, key)  # the next open restores this recency
+        return header.num_tokens
+
+    def get_many_into(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[int | None]:
+        """Reads of one lookup, overlapped on the reader pool (I/O and hashing drop the GIL)."""
+        with self._lock:
+            self._check_open()
+            if len(items) > 1:
+                self.counters.extra["batched_reads"] += len(items)
+        if len(items) <= 1 or self._reader is None:
+            return [self.get_into(key, out) for key, out in items]
+        return list(self._reader.map(lambda item: self.get_into(*item), items))
+
+    def _unlink(self, keys: Sequence[ChunkKey]) -> None:
+        """Delete the files of keys just dropped from the index. Called under the lock, so no
+        put of the same key can start (and land its new file) before the old one is gone."""
+        for key in keys:
+            files.unlink_quietly(self._dir_fd, files.final_name(self.fp_hex, key))
+
+    def _forget(self, key: ChunkKey, *, corrupt: bool) -> None:
+        with self._lock:
+            self._index.pop(key)
+            self.counters.misses += 1
+            if corrupt:
+                self.counters.corrupt += 1
+            self.counters.extra["pinned_keys"] = self._index.pinned_keys
+            if corrupt:
+                self._unlink([key])
+
+    # -- pins, removal, usage --------------------------------------------------------------
+    def pin(self, key: ChunkKey) -> bool:
+        with self._lock:
+            self._check_open()
+            pinned = self._index.pin(key)
+            self.counters.extra["pinned_keys"] = self._index.pinned_keys
+            return pinned
+
+    def unpin(self, key: ChunkKey) -> None:
+        with self._lock:
+            if not self._index.unpin(key):
+                log.debug("unpin of %s, which holds no pin: ignored", key.hex())
+            self.counters.extra["pinned_keys"] = self._index.pinned_keys
+
+    def remove(self, key: ChunkKey) -> bool:
+        with self._lock:
+            self._check_open()
+            if self._index.pop(key) is None:
+                return False
+            self.counters.extra["pinned_keys"] = self._index.pinned_keys
+            self._unlink([key])
+        return True
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(self._index.used_bytes, self.options.capacity_bytes, len(self._index))
+
+    def clear(self) -> int:
+        with self._lock:
+            self._check_open()
+            victims = self._index.unpinned_keys()
+            for key in victims:
+                self._index.pop(key)
+            self._unlink(victims)
+        return len(victims)
+
+    def is_pinned(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return self._index.is_pinned(key)
+
+
+def _complete(on_done: OnDone, result: PutResult) -> None:
+    try:
+        on_done(result)
+    except Exception:  # a callback bug must not kill an I/O thread or skip accounting
+        log.exception("disk put callback for %s raised", result.key.hex())
