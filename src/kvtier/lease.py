@@ -4,8 +4,8 @@ The rule: a reference is given back exactly once, on whatever path its request e
 keeps it by construction rather than by care at each call site: a request never touches a
 reference count itself. Whatever it holds (pinned CPU pages, pins on lower-tier entries, PD
 reservations) is recorded in its :class:`Lease` when taken, and :meth:`Lease.release` gives
-each back once. ``Engine.end_request`` releases the lease on every path (finished, aborted, failed, timed
-out); a second call finds no lease and does nothing.
+each back once. ``Engine.end_request`` releases the lease on every path (finished, aborted,
+failed, timed out); a second call finds no lease and does nothing.
 """
 
 from __future__ import annotations
