@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, pinned: an unpinned torch pulls gigabytes of CUDA packages.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,nixl]'
+	$(BIN)/pip install --quiet -e '.[test,demo,nixl]'
 	@touch $(STAMP)
 
 # Debian packages the test suite runs for real: redis-server (remote tier) and chromium (dashboard).

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from kvtier.config import Config
 from kvtier.demo.workload import Workload, conversations, schedule
@@ -110,6 +109,8 @@ def run_demo(options: Options, *, on_engine: Callable[[Engine], None] | None = N
     notes: list[str] = []
     _warm_up(model, workload)
     total = workload.requests * (3 if disk_tier_available() else 2)
+    from tqdm import tqdm  # the [demo] extra: imported where the progress bar is drawn
+
     bar = tqdm(total=total, unit="req", disable=not options.progress, leave=False)
     baseline = ConfigRun("no-cache", "no kvtier")
     runs = [baseline]
