@@ -18,7 +18,7 @@ from kvtier.memory.block_pool import BlockPool
 from kvtier.pd.buffer import PDBuffer, Reservation, TooLarge
 from kvtier.pd.channels.base import checksum
 from kvtier.pd.channels.tcp import TcpReceiver
-from kvtier.storage.base import PutOutcome
+from kvtier.storage.base import OnDone, PutOutcome, PutResult
 from tests.conftest import SMALL_LAYOUT, make_tokens, small_config
 from tests.storage.tier_contract import (
     CONTRACT_CHUNK,
@@ -31,10 +31,49 @@ from tests.storage.tier_contract import (
 )
 
 
-class TestPDTierContract(TierContract):
+class PrefillerFedBuffer(PDBuffer):
+    """The contract's puts arrive the way a prefiller's chunks do: reserve, write the page,
+    publish. Each put's reservation stands for the decoder request holding the chunk;
+    remove and clear end it, as the request's end would."""
+
+    def __init__(self) -> None:
+        super().__init__(16, PAGE_BYTES, TOKEN_BYTES, TcpReceiver())
+        self.held: dict[bytes, Reservation] = {}
+
+    def put(self, key: bytes, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
+        if self.contains([key]) == [True]:
+            on_done(PutResult(key, PutOutcome.EXISTS))
+            return
+        try:
+            res, _ = self.reserve(f"contract-{key.hex()}", [key], [num_tokens], timeout=0.0)
+        except TransferTimeout:
+            on_done(PutResult(key, PutOutcome.DROPPED, "PD buffer full"))
+            return
+        (page,) = res.new
+        self.page_view(page, payload.numel()).copy_(payload)
+        assert self.publish(res, page, checksum(payload))
+        self.held[key] = res
+        on_done(PutResult(key, PutOutcome.STORED))
+
+    def remove(self, key: bytes) -> bool:
+        removed = super().remove(key)
+        self._end_unlisted()
+        return removed
+
+    def clear(self) -> int:
+        dropped = super().clear()
+        self._end_unlisted()
+        return dropped
+
+    def _end_unlisted(self) -> None:
+        for key in [k for k in self.held if self.contains([k]) == [False]]:
+            self.held.pop(key).release()
+
+
+class TestPDBufferContract(TierContract):
     @pytest.fixture
     def tier(self) -> Iterator[PDBuffer]:
-        tier = PDBuffer(16, PAGE_BYTES, TOKEN_BYTES, TcpReceiver(), allow_local_puts=True)
+        tier = PrefillerFedBuffer()
         tier.open()
         yield tier
         tier.clear()

@@ -14,7 +14,7 @@ the CPU tier's index, a write ticket) guard that, and the pool refuses a decreme
 zero loudly instead of clamping it, because a clamp hides a double release that would free
 memory still in use. A page is evictable when its only reference is the cache's own.
 
-Capacity arithmetic (seed 000: sizes are ceilings, never hand-aligned)::
+Capacity arithmetic (sizes are ceilings, rounded down to whole pages, never hand-aligned)::
 
     pages = floor(capacity_bytes / chunk_bytes)     0 pages -> ConfigError naming the key
     used  = pages * chunk_bytes                     cut  = capacity_bytes - used (logged)

@@ -84,8 +84,7 @@ class Observer:
         """Called by ``Engine.open`` once the tiers exist: subscribe to eviction reports."""
         self._manager = manager
         for tier in manager.tiers:
-            if hasattr(tier, "on_evict"):
-                tier.on_evict = _evict_reporter(self.explain, tier.name)
+            tier.on_evict = _evict_reporter(self.explain, tier.name)
 
     # -- hooks -----------------------------------------------------------------------------
     def on_lookup(

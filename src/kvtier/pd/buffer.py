@@ -8,18 +8,17 @@ Who owns what (every page reference has exactly one owner, and each owner gives 
                                      OR already held          (end_request) or early on
                                                               abort / sender death / timeout
     a key pin (Tier.pin)             pin()                    unpin()
-    a local put (tests only)         put()                    remove() / clear() / close()
 
 The index (key -> entry) owns no reference of its own: a received chunk lives exactly as long
 as some request holds it, and its index entry disappears when its page's last reference does.
 So after every request ends, the whole buffer is free (LMCache's PD buffer is likewise never
 an LRU cache; its pages go back after decode).
 
-Seed 001 (LMCache #2847): a key the decoder already holds is answered "held" and the request's
-reservation takes one reference on it, given back with the reservation; nothing else takes
-one, so no reference can outlive the request. Seed 003: every pin is owned by a lease or a
-reservation whose release is idempotent, so a pin is released once on every path, never
-twice. Seed 000: the buffer is ``pd_buffer_size`` rounded down to whole chunks.
+The rules: a key the decoder already holds is answered "held" and the request's reservation
+takes one reference on it, given back with the reservation; nothing else takes one, so no
+reference can outlive the request. Every pin is owned by a lease or a reservation whose
+release is idempotent, so a pin is released once on every path, never twice. The buffer is
+``pd_buffer_size`` rounded down to whole chunks (a ceiling; below one chunk is an error).
 
 Reservation is all or nothing (``BlockPool.allocate``), so two requests can never each hold
 half of what they need. When the buffer is short, ``reserve`` waits (woken by every release)
@@ -60,7 +59,6 @@ class _Entry:
     num_tokens: int
     checksum: int = 0
     ready: bool = False  # verified and visible to lookups
-    owned: bool = False  # a local put: the index holds one reference
 
 
 class Reservation:
@@ -101,17 +99,12 @@ class PDBuffer(Tier):
         page_bytes: int,
         token_bytes: int,
         channel: ReceiverChannel,
-        *,
-        allow_local_puts: bool = False,
     ) -> None:
         super().__init__()
         self.num_pages = num_pages
         self.page_bytes = page_bytes
         self.token_bytes = token_bytes
         self.channel = channel
-        # Production decoders keep the buffer for the prefiller: the engine's own stores are
-        # dropped. The tier contract suite turns local puts on.
-        self.allow_local_puts = allow_local_puts
         self._pool: BlockPool | None = None
         self._index: dict[ChunkKey, _Entry] = {}
         self._page_key: dict[int, ChunkKey] = {}
@@ -287,28 +280,11 @@ class PDBuffer(Tier):
             return entry.num_tokens
 
     def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
-        outcome, detail = self._put(key, payload, num_tokens)
-        on_done(PutResult(key, outcome, detail))
-
-    def _put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int) -> tuple[PutOutcome, str]:
-        if not self.allow_local_puts:
-            self.counters.dropped += 1
-            return PutOutcome.DROPPED, "the PD buffer is filled by the prefiller only"
+        # The decoder keeps its buffer for what the prefiller sends; its own stores go to the
+        # cache tiers. (An entry lives only while a request's reservation holds its page.)
         with self._cond:
-            if key in self._index:
-                return PutOutcome.EXISTS, ""
-            pages = self.pool.allocate(1)
-            if pages is None:
-                self.counters.dropped += 1
-                return PutOutcome.DROPPED, "PD buffer full"
-            page = pages[0]
-            nbytes = num_tokens * self.token_bytes
-            view = self.pool.page_bytes_view(page, nbytes)
-            view.copy_(payload[:nbytes])
-            self._index[key] = _Entry(page, num_tokens, checksum(view), ready=True, owned=True)
-            self._page_key[page] = key
-            self.counters.stored += 1
-            return PutOutcome.STORED, ""
+            self.counters.dropped += 1
+        on_done(PutResult(key, PutOutcome.DROPPED, "the PD buffer is filled by the prefiller only"))
 
     def remove(self, key: ChunkKey) -> bool:
         with self._cond:
@@ -319,10 +295,8 @@ class PDBuffer(Tier):
             return True
 
     def _drop(self, key: ChunkKey, entry: _Entry) -> None:
+        # The index owns no reference: the page goes back when its reservations and pins do.
         del self._index[key]
-        if entry.owned:
-            entry.owned = False
-            self._release([entry.page])
 
     def pin(self, key: ChunkKey) -> bool:
         with self._cond:
@@ -375,17 +349,15 @@ class PDBuffer(Tier):
                     problems.append(f"index entry {key.hex()} on free page {entry.page}")
             if expected_refs is not None:
                 for page, ref in enumerate(refs):
-                    want = expected_refs.get(page, 0) + sum(
-                        1 for e in self._index.values() if e.owned and e.page == page
-                    )
-                    want += sum(p.count(page) for p in self._key_pins.values())
+                    pins = sum(p.count(page) for p in self._key_pins.values())
+                    want = expected_refs.get(page, 0) + pins
                     if ref != want:
                         problems.append(f"page {page}: refcount {ref}, owners {want}")
             return problems
 
     def audit(self, leases: LeaseTable[Any]) -> list[str]:
         """The engine's reference audit for this buffer: every page reference is owned by a
-        live reservation in some request's lease, a key pin or a local put; with no request
+        live reservation in some request's lease or a key pin; with no request
         open, every reservation has been given back."""
         expected: dict[int, int] = {}
         for lease in leases.live():

@@ -86,6 +86,9 @@ class Tier(ABC):
 
     def __init__(self) -> None:
         self.counters = TierCounters()
+        # Told the keys a tier evicted on its own (to make room), for explain; a tier that
+        # never evicts by itself never calls it.
+        self.on_evict: Callable[[Sequence[ChunkKey]], None] | None = None
 
     @abstractmethod
     def open(self) -> None: ...

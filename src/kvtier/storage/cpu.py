@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +41,6 @@ class CpuTier(Tier):
         # requests pin through pin_keys and their leases instead.
         self._key_pins: dict[ChunkKey, list[int]] = {}
         # Told which keys were evicted (the engine's explain log); called under the lock.
-        self.on_evict: Callable[[Sequence[ChunkKey]], None] | None = None
 
     # -- page-level API used by the storage manager ----------------------------------------
     def allocate(self, count: int) -> list[int] | None:
@@ -59,7 +58,7 @@ class CpuTier(Tier):
 
         Returns False (and takes nothing) when ``key`` is already cached: the caller keeps its
         reference and must release it. First writer wins; a duplicate never takes a reference
-        nobody would give back (seed 001).
+        nobody would give back.
         """
         with self._lock:
             if key in self._index:

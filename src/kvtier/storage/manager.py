@@ -12,7 +12,7 @@ Every counted chunk is pinned for the request in its lease: a CPU page reference
 the lower-tier entry (a tier that cannot pin, such as a shared remote store, may still miss
 at retrieve; the hit then ends there and the engine recomputes the rest).
 
-Tier roles (LMCache change #2370, see README)::
+Tier roles (the three modes LMCache users run, see README)::
 
     local_cpu  use_only_staging_buffer   CPU index visible   disk/remote hit copied to CPU
     true       (ignored)                 yes                 yes
