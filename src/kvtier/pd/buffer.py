@@ -45,6 +45,7 @@ from kvtier.memory.block_pool import BlockPool, pages_for_capacity
 from kvtier.pd.channels import receiver_channel
 from kvtier.pd.channels.base import ReceiverChannel, checksum
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
+from kvtier.storage.key_pins import KeyPins
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class PDBuffer(Tier):
         self._pool: BlockPool | None = None
         self._index: dict[ChunkKey, _Entry] = {}
         self._page_key: dict[int, ChunkKey] = {}
-        self._key_pins: dict[ChunkKey, list[int]] = {}
+        self._key_pins = KeyPins()
         self._cond = threading.Condition(threading.RLock())
 
     @classmethod
@@ -304,18 +305,15 @@ class PDBuffer(Tier):
             if entry is None or not entry.ready:
                 return False
             self.pool.retain([entry.page])
-            self._key_pins.setdefault(key, []).append(entry.page)
+            self._key_pins.record(key, entry.page)
             return True
 
     def unpin(self, key: ChunkKey) -> None:
         with self._cond:
-            pages = self._key_pins.get(key)
-            if not pages:
+            page = self._key_pins.take(key)
+            if page is None:
                 log.error("unpin of %s without a pin; ignored", key.hex())
                 return
-            page = pages.pop()
-            if not pages:
-                del self._key_pins[key]
             self._release([page])
 
     def usage(self) -> TierUsage:
@@ -349,7 +347,7 @@ class PDBuffer(Tier):
                     problems.append(f"index entry {key.hex()} on free page {entry.page}")
             if expected_refs is not None:
                 for page, ref in enumerate(refs):
-                    pins = sum(p.count(page) for p in self._key_pins.values())
+                    pins = self._key_pins.references_to(page)
                     want = expected_refs.get(page, 0) + pins
                     if ref != want:
                         problems.append(f"page {page}: refcount {ref}, owners {want}")

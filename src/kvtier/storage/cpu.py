@@ -19,6 +19,7 @@ import torch
 from kvtier.keys import ChunkKey
 from kvtier.memory.block_pool import BlockPool
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
+from kvtier.storage.key_pins import KeyPins
 
 
 @dataclass(slots=True)
@@ -39,7 +40,7 @@ class CpuTier(Tier):
         self._lock = threading.RLock()
         # Key-level pins (the Tier interface); each holds one page reference. The engine's own
         # requests pin through pin_keys and their leases instead.
-        self._key_pins: dict[ChunkKey, list[int]] = {}
+        self._key_pins = KeyPins()
         # Told which keys were evicted (the engine's explain log); called under the lock.
 
     # -- page-level API used by the storage manager ----------------------------------------
@@ -158,18 +159,14 @@ class CpuTier(Tier):
             if entry is None:
                 return False
             self.pool.retain([entry.page])
-            self._key_pins.setdefault(key, []).append(entry.page)
+            self._key_pins.record(key, entry.page)
             return True
 
     def unpin(self, key: ChunkKey) -> None:
         with self._lock:
-            pages = self._key_pins.get(key)
-            if not pages:
-                return  # nothing pinned under this key: never a second release
-            page = pages.pop()
-            if not pages:
-                del self._key_pins[key]
-        self.pool.release([page])
+            page = self._key_pins.take(key)
+        if page is not None:  # None: nothing pinned under this key, never a second release
+            self.pool.release([page])
 
     def remove(self, key: ChunkKey) -> bool:
         with self._lock:
