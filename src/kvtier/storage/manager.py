@@ -320,30 +320,36 @@ class StorageManager:
                 log.debug("store dropped %d chunks: every CPU page is in use", dropped)
                 break
             page = pages[0]
+            # The allocation's reference is this call's own, held until every owner has its
+            # own: each owner (the CPU index, each lower-tier write) takes one as it is handed
+            # the page, so the page cannot be freed or evicted between two hand-offs, and
+            # whatever happens (a copy that fails, a duplicate key) this call gives back
+            # exactly the one reference it took.
             try:
                 self._copy_in(kv, span, page)
-            except BaseException:
-                self.pool.release(pages)  # e.g. a device copy failed: the page goes back
-                raise
-            payload = self.pool.page_bytes_view(page, span.num_tokens * self.layout.token_bytes())
-            # References: the allocation's, plus one per extra owner; taken before anyone can
-            # release theirs, so the page cannot be freed or evicted between two hand-offs.
-            owners = len(writers) + (1 if to_cpu else 0)
-            if owners > 1:
-                self.pool.retain([page] * (owners - 1))
-            if to_cpu and not self.cpu.insert(span.key, page, span.num_tokens):
-                self.pool.release([page])  # raced with another store of the same key
-            for tier in writers:
-                ticket = _WriteTicket(self, tier, page)
-                try:
-                    tier.put(span.key, payload, span.num_tokens, ticket)
-                except Exception as exc:  # put must report through on_done; if it raised
-                    # instead, complete the ticket here so its page reference comes back.
-                    log.error("tier %s put raised instead of completing: %s", tier.name, exc)
-                    ticket(PutResult(span.key, PutOutcome.FAILED, str(exc)))
+                self._hand_out(span, page, to_cpu, writers)
+            finally:
+                self.pool.release(pages)
             stored += 1
         self.counters.add(stored_chunks=stored, dropped_chunks=dropped)
         return stored, dropped
+
+    def _hand_out(self, span: ChunkSpan, page: int, to_cpu: bool, writers: list[Tier]) -> None:
+        """Give the CPU index and each lower-tier write a reference to ``page`` of its own."""
+        if to_cpu:
+            self.pool.retain([page])
+            if not self.cpu.insert(span.key, page, span.num_tokens):
+                self.pool.release([page])  # raced with another store of the same key
+        payload = self.pool.page_bytes_view(page, span.num_tokens * self.layout.token_bytes())
+        for tier in writers:
+            self.pool.retain([page])
+            ticket = _WriteTicket(self, tier, page)
+            try:
+                tier.put(span.key, payload, span.num_tokens, ticket)
+            except Exception as exc:  # put must report through on_done; if it raised
+                # instead, complete the ticket here so its page reference comes back.
+                log.error("tier %s put raised instead of completing: %s", tier.name, exc)
+                ticket(PutResult(span.key, PutOutcome.FAILED, str(exc)))
 
     def _contains_or_none(self, tier: Tier, keys: list[ChunkKey]) -> list[bool] | None:
         try:
