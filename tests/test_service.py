@@ -1,0 +1,69 @@
+"""Service: the engine, its admin API and its PD receiver open in order and close in reverse."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from kvtier import Config, Service
+from kvtier.errors import StateError
+from kvtier.lifecycle import Lifecycle
+from tests.conftest import SMALL_LAYOUT, make_kv, small_config
+
+
+def decoder_config(port: int) -> Config:
+    return small_config(
+        enable_pd=True,
+        pd_role="receiver",
+        pd_buffer_size="64KiB",
+        pd_peer_host="127.0.0.1",
+        pd_peer_alloc_port=port,
+        internal_api_server_enabled=True,
+        internal_api_server_port_start=0,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_a_decoder_service_receives_and_serves_then_closes_everything() -> None:
+    config = decoder_config(free_port())
+    service = Service(config, SMALL_LAYOUT, model_name="m")
+    assert service.receiver is None and service.admin is None  # nothing before open
+    with service:
+        receiver = service.receiver
+        assert receiver is not None and service.admin_url is not None
+        with socket.create_connection(("127.0.0.1", receiver.port), timeout=5):
+            pass  # the PD port answers
+        assert service.engine.check_invariants() == []
+    assert service.state is Lifecycle.CLOSED
+    assert service.engine.state.value == "closed"
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", receiver.port), timeout=1).close()
+    service.close()  # idempotent
+    with pytest.raises(StateError):
+        service.open()
+
+
+def test_a_pd_port_in_use_fails_open_and_leaves_nothing_open() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        service = Service(decoder_config(port), SMALL_LAYOUT, model_name="m")
+        with pytest.raises(OSError):
+            service.open()
+        assert service.engine.state.value == "closed"  # opened, then closed again
+        assert service.admin is None and service.receiver is None
+
+
+def test_a_plain_service_is_just_the_engine() -> None:
+    with Service(small_config(), SMALL_LAYOUT, model_name="m") as service:
+        assert service.admin is None and service.receiver is None
+        service.engine.store(list(range(16)), make_kv(16))
+        assert service.engine.lookup(list(range(16)), "r") == 16
+        service.engine.end_request("r")
