@@ -21,7 +21,7 @@ def test_over_the_limit_is_refused_and_the_first_always_fits() -> None:
         return PutResult(write.key, PutOutcome.STORED)
 
     queue = WriteQueue(1, limit_bytes=15, write_fn=slow, name="t")
-    queue.start()
+    queue.open()
     done = Outcomes()
     assert queue.submit(_write(0, done, nbytes=100)) == ""  # bigger than the limit, but first
     assert "in flight" in queue.submit(_write(1, done))
@@ -40,7 +40,7 @@ def test_a_raising_write_or_callback_still_completes_every_write_once() -> None:
         return PutResult(write.key, PutOutcome.STORED)
 
     queue = WriteQueue(2, limit_bytes=1000, write_fn=broken, name="t")
-    queue.start()
+    queue.open()
     done = Outcomes()
     calls: list[PutResult] = []
 

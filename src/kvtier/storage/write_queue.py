@@ -60,7 +60,7 @@ class WriteQueue:
         self._inflight_bytes = 0
         self._pending = 0
 
-    def start(self) -> None:
+    def open(self) -> None:
         for i in range(self._nthreads):
             thread = threading.Thread(target=self._run, name=f"{self._name}-{i}", daemon=True)
             thread.start()

@@ -118,7 +118,7 @@ class RedisTier(Tier):
         if self._state is not Lifecycle.NEW:
             raise StateError(f"redis tier is {self._state.value}; open it once")
         self.link.open()
-        self.writes.start()
+        self.writes.open()
         self._state = Lifecycle.OPEN
 
     def close(self) -> None:
