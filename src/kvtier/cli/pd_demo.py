@@ -109,7 +109,6 @@ def decoder_main(args: argparse.Namespace, jobs: Any, results: Any) -> None:
     from kvtier.engine import Engine
     from kvtier.integrations.hf_kv import layout_from_model
     from kvtier.integrations.transformers import KVTierConnector
-    from kvtier.pd.buffer import PDBuffer
     from kvtier.pd.receiver import PDReceiver
 
     model = _model(args)
@@ -117,8 +116,8 @@ def decoder_main(args: argparse.Namespace, jobs: Any, results: Any) -> None:
     config = _config(args, "receiver", layout.chunk_bytes(args.chunk_size), 0)
     with Engine(config, layout, model_name=f"llama-{args.model_size}") as engine:
         receiver = PDReceiver.for_engine(engine, host="127.0.0.1", port=0).open()
-        tier = engine.tier("pd")
-        assert isinstance(tier, PDBuffer)
+        tier = engine.pd_buffer
+        assert tier is not None
         results.put(("ready", receiver.port, tier.num_pages))
         connector = KVTierConnector(engine, model)
         local = KVTierConnector(None, model)
