@@ -38,7 +38,7 @@ from kvtier.storage.base import Tier
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.factory import build_lower_tiers
-from kvtier.storage.manager import LookupPlan, StorageManager
+from kvtier.storage.manager import ENGINE, LookupPlan, StorageManager
 from kvtier.validation import check_fits_in_memory, check_kv, check_request_id, check_skip
 
 log = logging.getLogger(__name__)
@@ -197,9 +197,15 @@ class Engine:
 
         ``hit`` may be shorter than :meth:`lookup` said when a lower-tier entry vanished or
         failed its checksum since; the engine recomputes from there.
+
+        After ``lookup(..., skip_leading_tokens=N)`` the first N tokens' chunks were never
+        looked up; they are looked up and loaded now, and when the cache does not hold them
+        all this raises :class:`InputError`: use :meth:`retrieve_into` with the same skip.
         """
         started = time.perf_counter()
         plan = self._plan(tokens, request_id, 0)
+        if plan.hits and plan.hits[0].tier == ENGINE:
+            self._locate_skipped(plan, request_id)
         out = torch.empty(self.layout.kv_shape(plan.hit_tokens), dtype=self.layout.dtype)
         loaded = self._load(plan, request_id, out, 0)
         self.observer.on_retrieve(started)
@@ -396,6 +402,26 @@ class Engine:
         lease = leases.get(request_id)
         assert lease is not None and lease.plan is not None
         return lease.plan
+
+    def _locate_skipped(self, plan: LookupPlan, request_id: str) -> None:
+        """Replace the plan's leading ENGINE chunks (skipped at lookup: the caller said it
+        holds them) with cached ones, pinned in the lease, or raise: never leave them as
+        uninitialised rows of a tensor that claims to be KV."""
+        manager, leases = self._open_parts()
+        lease = leases.get(request_id)
+        if lease is None:
+            raise StateError(f"request {request_id!r} ended before its retrieve")
+        skipped = [h.span for h in plan.hits if h.tier == ENGINE]
+        found = manager.locate(skipped, lease, 0)
+        if len(found.hits) < len(skipped):
+            n = skipped[-1].end
+            raise InputError(
+                f"request {request_id!r} was looked up with skip_leading_tokens covering its "
+                f"first {n} tokens, and the cache holds only {found.hit_tokens} of them: "
+                f"retrieve() returns KV from token 0, so call retrieve_into(tokens, "
+                f"{request_id!r}, out, skip_leading_tokens={n}) instead"
+            )
+        plan.hits[: len(skipped)] = found.hits
 
     def _load(self, plan: LookupPlan, request_id: str, out: torch.Tensor, start: int) -> int:
         manager, leases = self._open_parts()
