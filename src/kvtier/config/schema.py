@@ -99,7 +99,7 @@ KEYS: tuple[KeySpec, ...] = (
     KeySpec("internal_api_server_port_start", p.integer(0, 65535), 6999, "Admin API port."),
     KeySpec(
         "admin_token",
-        p.text(),
+        p.secret(p.text()),
         None,
         "Bearer token required by every admin endpoint but /health.",
         lmcache=False,
