@@ -39,7 +39,13 @@ from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.factory import build_lower_tiers
 from kvtier.storage.manager import ENGINE, LookupPlan, StorageManager
-from kvtier.validation import check_fits_in_memory, check_kv, check_request_id, check_skip
+from kvtier.validation import (
+    check_dense,
+    check_fits_in_memory,
+    check_kv,
+    check_request_id,
+    check_skip,
+)
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +226,8 @@ class Engine:
         started = time.perf_counter()
         plan = self._plan(tokens, request_id, skip_leading_tokens)
         lay = self.layout
+        if isinstance(out, torch.Tensor):
+            check_dense("out", out)
         if (
             not isinstance(out, torch.Tensor)
             or out.dtype != lay.dtype
