@@ -38,7 +38,9 @@ def _tensors() -> st.SearchStrategy[object]:
             lambda: torch.zeros(0, dtype=torch.int32),
             lambda: torch.arange(16, dtype=torch.uint8),
             lambda: torch.full((16,), 2**40, dtype=torch.int64),
-            lambda: torch.nested.nested_tensor([torch.zeros(3), torch.zeros(4)]),
+            lambda: torch.nested.nested_tensor(
+                [torch.zeros(3), torch.zeros(4)], layout=torch.jagged
+            ),
         ]
     ).map(lambda make: make())
 
