@@ -65,6 +65,29 @@ def test_retrieve_into_writes_in_place_and_honours_skip(engine: Engine) -> None:
     engine.end_request("r2")
 
 
+def test_retrieve_after_a_skipping_lookup_returns_the_real_skipped_chunks(engine: Engine) -> None:
+    tokens, kv = make_tokens(64), make_kv(64)
+    engine.store(tokens, kv)
+    with engine.request("r"):
+        assert engine.lookup(tokens, "r", skip_leading_tokens=32) == 64
+        out = engine.retrieve(tokens, "r")  # the skipped chunks are cached: loaded too
+        assert out.shape == kv.shape and torch.equal(out, kv)
+    assert engine.leaks() == [] and engine.check_invariants() == []
+
+
+def test_retrieve_refuses_skipped_chunks_the_cache_does_not_hold(engine: Engine) -> None:
+    tokens, kv = make_tokens(64), make_kv(64)
+    assert engine.store(tokens, kv, skip_leading_tokens=32) == 2  # chunks 0 and 1 not stored
+    with engine.request("r"):
+        assert engine.lookup(tokens, "r", skip_leading_tokens=32) == 64
+        with pytest.raises(InputError, match=r"retrieve_into\(.*skip_leading_tokens=32"):
+            engine.retrieve(tokens, "r")
+        out = torch.zeros_like(kv)  # the way that works, as the error says
+        assert engine.retrieve_into(tokens, "r", out, skip_leading_tokens=32) == 64
+        assert torch.equal(out[:, :, 32:], kv[:, :, 32:])
+    assert engine.leaks() == [] and engine.check_invariants() == []
+
+
 def test_skip_leading_tokens_chunks_are_hashed_but_not_stored(engine: Engine) -> None:
     tokens, kv = make_tokens(64), make_kv(64)
     assert engine.store(tokens, kv, skip_leading_tokens=32) == 2

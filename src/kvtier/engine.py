@@ -14,13 +14,14 @@ caller, or the :meth:`request` context manager that does it for you.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from types import TracebackType
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -38,13 +39,34 @@ from kvtier.storage.base import Tier
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.factory import build_lower_tiers
-from kvtier.storage.manager import LookupPlan, StorageManager
-from kvtier.validation import check_fits_in_memory, check_kv, check_request_id, check_skip
+from kvtier.storage.manager import ENGINE, LookupPlan, StorageManager
+from kvtier.validation import (
+    check_dense,
+    check_fits_in_memory,
+    check_kv,
+    check_request_id,
+    check_skip,
+)
 
 log = logging.getLogger(__name__)
 
 
 EngineState = Lifecycle  # the public name of the engine's lifecycle states
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _guarded(method: Callable[Concatenate[Engine, P], R]) -> Callable[Concatenate[Engine, P], R]:
+    """A public call that uses the engine's parts: counted in flight (so :meth:`Engine.close`
+    waits for it before freeing them) and refused with StateError once close has begun."""
+
+    @functools.wraps(method)
+    def call(self: Engine, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self._in_flight():
+            return method(self, *args, **kwargs)
+
+    return call
 
 
 class Engine:
@@ -86,6 +108,8 @@ class Engine:
         self.observer = Observer(self.fingerprint, self.config)  # metrics, explain (no I/O)
         self._state = EngineState.NEW
         self._state_lock = threading.Lock()
+        self._calls = 0  # public calls running now (see _in_flight)
+        self._calls_done = threading.Condition(self._state_lock)
         self._pool: BlockPool | None = None
         self._manager: StorageManager | None = None
         self._leases: LeaseTable[LookupPlan] | None = None
@@ -131,12 +155,21 @@ class Engine:
             return self
 
     def close(self) -> None:
-        """End every open request, drain in-flight writes, close tiers, free memory."""
+        """Refuse new calls (StateError), wait for the calls in flight (up to
+        ``blocking_timeout_secs``, which bounds each tier operation), end every open request,
+        drain in-flight writes, close tiers, free memory."""
         with self._state_lock:
             if self._state is not EngineState.OPEN:
                 self._state = EngineState.CLOSED
                 return
             self._state = EngineState.CLOSED
+            bound = self.config.blocking_timeout_secs
+            if not self._calls_done.wait_for(lambda: self._calls == 0, bound):
+                log.warning(
+                    "closing with %d calls still running after %.1fs; they end with StateError",
+                    self._calls,
+                    bound,
+                )
         assert self._leases is not None and self._manager is not None and self._pool is not None
         still_open = self._leases.end_all()
         if still_open:
@@ -164,6 +197,26 @@ class Engine:
     def state(self) -> EngineState:
         return self._state
 
+    @contextmanager
+    def _in_flight(self) -> Iterator[None]:
+        """Count one public call while it runs. Whatever it raises after close has begun
+        (close freed what it was using) is a StateError: the caller sees "closed", never a
+        torn internal state."""
+        with self._state_lock:
+            self._open_parts()  # raises StateError unless open
+            self._calls += 1
+        try:
+            yield
+        except Exception as exc:
+            if self._state is EngineState.OPEN or isinstance(exc, StateError):
+                raise
+            raise StateError(f"Engine was closed during this call ({exc})") from exc
+        finally:
+            with self._state_lock:
+                self._calls -= 1
+                if self._calls == 0:
+                    self._calls_done.notify_all()
+
     def _open_parts(self) -> tuple[StorageManager, LeaseTable[LookupPlan]]:
         if self._state is not EngineState.OPEN:
             hint = (
@@ -176,6 +229,7 @@ class Engine:
         return self._manager, self._leases
 
     # -- the request API -------------------------------------------------------------------
+    @_guarded
     def lookup(self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0) -> int:
         """Tokens of the longest cached prefix (including ``skip_leading_tokens`` the engine
         already holds), pinned for ``request_id`` until :meth:`end_request`."""
@@ -192,19 +246,27 @@ class Engine:
         self.observer.on_lookup(request_id, tokens, spans, plan, started)
         return plan.hit_tokens
 
+    @_guarded
     def retrieve(self, tokens: object, request_id: str) -> torch.Tensor:
         """KV of the cached prefix, shape ``[2, layers, hit, kv_heads*head_dim]``.
 
         ``hit`` may be shorter than :meth:`lookup` said when a lower-tier entry vanished or
         failed its checksum since; the engine recomputes from there.
+
+        After ``lookup(..., skip_leading_tokens=N)`` the first N tokens' chunks were never
+        looked up; they are looked up and loaded now, and when the cache does not hold them
+        all this raises :class:`InputError`: use :meth:`retrieve_into` with the same skip.
         """
         started = time.perf_counter()
         plan = self._plan(tokens, request_id, 0)
+        if plan.hits and plan.hits[0].tier == ENGINE:
+            self._locate_skipped(plan, request_id)
         out = torch.empty(self.layout.kv_shape(plan.hit_tokens), dtype=self.layout.dtype)
         loaded = self._load(plan, request_id, out, 0)
         self.observer.on_retrieve(started)
         return out[:, :, :loaded, :]
 
+    @_guarded
     def retrieve_into(
         self, tokens: object, request_id: str, out: torch.Tensor, *, skip_leading_tokens: int = 0
     ) -> int:
@@ -214,6 +276,8 @@ class Engine:
         started = time.perf_counter()
         plan = self._plan(tokens, request_id, skip_leading_tokens)
         lay = self.layout
+        if isinstance(out, torch.Tensor):
+            check_dense("out", out)
         if (
             not isinstance(out, torch.Tensor)
             or out.dtype != lay.dtype
@@ -232,6 +296,7 @@ class Engine:
         self.observer.on_retrieve(started)
         return loaded_end
 
+    @_guarded
     def store(self, tokens: object, kv: torch.Tensor, *, skip_leading_tokens: int = 0) -> int:
         """Store the KV of ``tokens`` (``[2, layers, len(tokens), kv_heads*head_dim]``).
 
@@ -250,6 +315,7 @@ class Engine:
         self.observer.on_store(array, offered, dropped, started)
         return stored
 
+    @_guarded
     def end_request(self, request_id: str) -> bool:
         """Release everything ``request_id`` holds. Returns False if it held nothing (already
         ended, or never started): calling it twice is safe and never releases twice."""
@@ -267,10 +333,12 @@ class Engine:
         try:
             yield request_id
         finally:
-            if self._state is EngineState.OPEN:
+            # Closed meanwhile: close ended every request already.
+            with suppress(StateError):
                 self.end_request(request_id)
 
     # -- inspection ------------------------------------------------------------------------
+    @_guarded
     def stats(self) -> dict[str, Any]:
         manager, leases = self._open_parts()
         pool = manager.pool
@@ -304,6 +372,7 @@ class Engine:
             **counts,
         }
 
+    @_guarded
     def leases(self) -> list[LeaseInfo]:
         """Every open request: what it holds and for how long (the admin API's /leases)."""
         _, leases = self._open_parts()
@@ -314,11 +383,13 @@ class Engine:
         dashboard's TTFT-saved estimate (see kvtier.observability.observer)."""
         self.observer.record_ttft(seconds, prompt_tokens=prompt_tokens, hit_tokens=hit_tokens)
 
+    @_guarded
     def leaks(self) -> list[LeaseInfo]:
         """Every request still holding something, with what and for how long."""
         _, leases = self._open_parts()
         return [info for info in leases.snapshot() if info.pinned_pages or info.holds]
 
+    @_guarded
     def check_invariants(self) -> list[str]:
         """Problems with reference counts, as sentences; empty when all is well.
 
@@ -332,6 +403,7 @@ class Engine:
             problems.extend(self._pd_buffer.audit(leases))
         return problems
 
+    @_guarded
     def clear(self) -> dict[str, int]:
         """Drop every unpinned entry of every tier (pinned ones stay); tier -> entries dropped.
         A tier that fails is skipped, the others are cleared, then :class:`TierError` names it."""
@@ -347,6 +419,7 @@ class Engine:
             raise TierError(f"clear dropped {dropped} but failed on " + "; ".join(failed))
         return dropped
 
+    @_guarded
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for in-flight lower-tier writes. True when all landed."""
         manager, _ = self._open_parts()
@@ -358,11 +431,13 @@ class Engine:
         self._open_parts()
         return self._pd_buffer
 
+    @_guarded
     def tier(self, name: str) -> Tier | None:
         """The open tier called ``name`` (``"cpu"``, ``"disk"``, ``"pd"``, ...), or None."""
         manager, _ = self._open_parts()
         return next((t for t in manager.tiers if t.name == name), None)
 
+    @_guarded
     def attach_hold(self, request_id: str, hold: Hold) -> None:
         """Put ``hold`` (e.g. a PD reservation) into ``request_id``'s lease: released, once,
         by :meth:`end_request`. Raises StateError, with the hold already released, if the
@@ -396,6 +471,26 @@ class Engine:
         lease = leases.get(request_id)
         assert lease is not None and lease.plan is not None
         return lease.plan
+
+    def _locate_skipped(self, plan: LookupPlan, request_id: str) -> None:
+        """Replace the plan's leading ENGINE chunks (skipped at lookup: the caller said it
+        holds them) with cached ones, pinned in the lease, or raise: never leave them as
+        uninitialised rows of a tensor that claims to be KV."""
+        manager, leases = self._open_parts()
+        lease = leases.get(request_id)
+        if lease is None:
+            raise StateError(f"request {request_id!r} ended before its retrieve")
+        skipped = [h.span for h in plan.hits if h.tier == ENGINE]
+        found = manager.locate(skipped, lease, 0)
+        if len(found.hits) < len(skipped):
+            n = skipped[-1].end
+            raise InputError(
+                f"request {request_id!r} was looked up with skip_leading_tokens covering its "
+                f"first {n} tokens, and the cache holds only {found.hit_tokens} of them: "
+                f"retrieve() returns KV from token 0, so call retrieve_into(tokens, "
+                f"{request_id!r}, out, skip_leading_tokens={n}) instead"
+            )
+        plan.hits[: len(skipped)] = found.hits
 
     def _load(self, plan: LookupPlan, request_id: str, out: torch.Tensor, start: int) -> int:
         manager, leases = self._open_parts()

@@ -16,6 +16,7 @@ def check_kv(kv: object, layout: KVLayout, num_tokens: int) -> None:
     expected = layout.kv_shape(num_tokens)
     if not isinstance(kv, torch.Tensor):
         raise InputError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+    check_dense("kv", kv)
     if kv.dtype != layout.dtype:
         raise InputError(f"kv dtype is {kv.dtype}, but the layout says {layout.dtype}")
     if kv.dim() != 4 or tuple(kv.shape[:2]) != expected[:2] or kv.shape[3] != expected[3]:
@@ -25,6 +26,17 @@ def check_kv(kv: object, layout: KVLayout, num_tokens: int) -> None:
         )
     if kv.shape[2] != num_tokens:
         raise InputError(f"kv holds {kv.shape[2]} tokens but {num_tokens} tokens were given")
+
+
+def check_dense(name: str, tensor: torch.Tensor) -> None:
+    """A tensor kvtier copies to or from must hold data in the ordinary strided layout: a
+    meta tensor has no data, a sparse or nested one no byte view (torch would raise
+    NotImplementedError deep inside a copy)."""
+    if tensor.is_nested or tensor.layout != torch.strided or tensor.is_meta:
+        kind = "nested" if tensor.is_nested else f"layout {tensor.layout}"
+        raise InputError(
+            f"{name} must be a dense (strided) tensor with data, got {kind} on {tensor.device}"
+        )
 
 
 def check_request_id(request_id: object) -> None:

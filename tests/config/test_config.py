@@ -185,3 +185,33 @@ def test_remote_url_is_checked_at_load_and_its_password_masked() -> None:
     cfg = Config.load(env={}, overrides={"remote_url": "redis://user:hunter2@localhost:6379/1"})
     assert cfg.remote_url == "redis://user:hunter2@localhost:6379/1"
     assert "hunter2" not in str(cfg.as_dict()["remote_url"])
+
+
+def test_repr_and_str_never_show_a_secret(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = Config.load(
+        env={"KVTIER_ADMIN_TOKEN": "s3cret-admin"},
+        overrides={"remote_url": "redis://user:hunter2@localhost:6379/1"},
+    )
+    for shown in (repr(cfg), str(cfg), f"{cfg}", repr([cfg])):
+        assert "s3cret-admin" not in shown and "hunter2" not in shown, shown
+        assert "admin_token='***'" in shown and "redis://user:***@localhost" in shown
+    logging.getLogger("test").warning("config: %s %r", cfg, cfg)
+    assert "s3cret" not in caplog.text and "hunter2" not in caplog.text
+
+
+def test_an_empty_admin_token_is_refused_not_taken_for_no_auth() -> None:
+    for env in ({"KVTIER_ADMIN_TOKEN": ""}, {"KVTIER_ADMIN_TOKEN": "  "}):
+        with pytest.raises(ConfigError, match="admin_token") as info:
+            Config.load(env=env)
+        assert "unset" in str(info.value)
+    with pytest.raises(ConfigError, match="admin_token"):
+        Config.default().with_overrides(admin_token="")
+    assert Config.load(env={}).admin_token is None  # unset: no auth, as documented
+
+
+def test_a_rejected_secret_is_never_echoed() -> None:
+    for bad in ("s3cret" * 1000, ["s3cret-in-a-list"], {"s3cret": 1}, 12345678):
+        with pytest.raises(ConfigError, match="admin_token") as info:
+            Config.load(env={}, overrides={"admin_token": bad})
+        message = str(info.value) + repr(info.value.value)
+        assert "s3cret" not in message and "12345678" not in message, message

@@ -34,7 +34,7 @@ import torch
 
 from kvtier.bench.timing import best_interleaved, gbps
 from kvtier.config import Config
-from kvtier.config.remote_url import parse_remote_url
+from kvtier.config.remote_url import mask_password, parse_remote_url
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError
 from kvtier.keys import Fingerprint, KeyChain
@@ -85,7 +85,8 @@ def _throughput(
     tier.open()
     if not tier.link.wait_up(10.0):
         tier.close()
-        raise ConfigError("remote_url", url, "a redis server that answers (bench --url)")
+        shown = mask_password(url)
+        raise ConfigError("remote_url", shown, "a redis server that answers (bench --url)")
     raw = redis.Redis.from_url(url, socket_timeout=60.0)
     try:
         values = [

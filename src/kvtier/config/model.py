@@ -86,7 +86,10 @@ class Config:
                 spec = KEYS_BY_NAME.get(key)
                 if lmcache_only and spec is not None and not spec.lmcache:
                     continue  # kvtier's own keys are read from KVTIER_* only
-                _take(key, _env_value(value), f"env {name}", raw, origin, unknown)
+                # A secret is taken as written: YAML would read an empty one as "none" (no
+                # auth) and one like "0123" or "yes" as a number or a boolean.
+                parsed = value if spec is not None and spec.secret else _env_value(value)
+                _take(key, parsed, f"env {name}", raw, origin, unknown)
 
         for key, value in (overrides or {}).items():
             _take(key, value, "override", raw, origin, unknown)
@@ -131,6 +134,14 @@ class Config:
                 value = mask_password(value)
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
+
+    def __repr__(self) -> str:
+        """Every key with secrets masked (as :meth:`as_dict`): a config printed in a log, a
+        traceback or an f-string never shows the admin token or the Redis password."""
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items())
+        return f"Config({shown})"
+
+    __str__ = __repr__
 
     @property
     def lower_tiers_configured(self) -> bool:

@@ -96,6 +96,38 @@ def text(*, optional: bool = True, max_len: int = 4096) -> Parser:
     return parse
 
 
+class Hidden:
+    """Stands for a secret's value in an error: its type and length, never its text."""
+
+    def __init__(self, raw: object) -> None:
+        size = f", {len(raw)} characters" if isinstance(raw, str) else ""
+        self.description = f"<hidden {type(raw).__name__}{size}>"
+
+    def __repr__(self) -> str:
+        return self.description
+
+
+def secret(inner: Parser) -> Parser:
+    """``inner``, for a secret: an error names the key but shows :class:`Hidden` instead of
+    the value; an empty (or all-blank) value is refused, never read as "no secret" (a
+    ``KVTIER_ADMIN_TOKEN=`` left empty by a template must not quietly turn auth off)."""
+
+    def parse(key: str, raw: object) -> Any:
+        if isinstance(raw, str) and not raw.strip():
+            raise ConfigError(
+                key,
+                Hidden(raw),
+                "a non-empty secret; to run without one, unset the key (and its "
+                "KVTIER_ environment variable) instead of setting it empty",
+            )
+        try:
+            return inner(key, raw)
+        except ConfigError as exc:
+            raise ConfigError(key, Hidden(raw), exc.allowed) from None
+
+    return parse
+
+
 def ports(key: str, raw: object) -> tuple[int, ...] | None:
     """One TCP port, or a list of them (LMCache lists one port per tensor-parallel rank)."""
     if raw is None:

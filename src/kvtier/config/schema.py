@@ -89,7 +89,8 @@ KEYS: tuple[KeySpec, ...] = (
         "blocking_timeout_secs",
         p.positive_float(3600.0),
         10.0,
-        "Longest a tier call may block before it counts as a miss.",
+        "Longest a tier call may block (a socket, a disk read, a wait for a free Redis "
+        "connection) before it counts as a miss.",
     ),
     KeySpec(
         "internal_api_server_enabled", p.boolean, False, "Serve the HTTP admin API and dashboard."
@@ -98,7 +99,7 @@ KEYS: tuple[KeySpec, ...] = (
     KeySpec("internal_api_server_port_start", p.integer(0, 65535), 6999, "Admin API port."),
     KeySpec(
         "admin_token",
-        p.text(),
+        p.secret(p.text()),
         None,
         "Bearer token required by every admin endpoint but /health.",
         lmcache=False,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -354,3 +356,73 @@ def test_lookup_without_scripting_falls_back_to_a_pipeline() -> None:
             tier.close()
     finally:
         srv.cleanup()
+
+
+def test_32_threads_at_once_all_hit_and_the_tier_stays_up(server: RedisServer) -> None:
+    # More engine calls at once than the pool has connections: the extra calls wait for a
+    # connection (bounded by blocking_timeout_secs); a busy pool is not an outage.
+    threads, prompts = 32, 8
+    corpus = [(make_tokens(64, seed=40 + i), make_kv(64, seed=40 + i)) for i in range(prompts)]
+    with _engine(server.url) as writer:
+        for tokens, kv in corpus:
+            assert writer.store(tokens, kv) == 4
+            assert writer.flush(20.0)
+    reader = _engine(
+        server.url, local_cpu=False, use_only_staging_buffer=True, cpu_chunks=4 * threads + 8
+    )
+    try:
+        hits: list[int] = []
+        failures: list[str] = []
+        start = threading.Barrier(threads)
+
+        def work(worker: int) -> None:
+            start.wait()
+            for round_ in range(4):
+                tokens, kv = corpus[(worker + round_) % prompts]
+                request = f"w{worker}-{round_}"
+                try:
+                    hits.append(reader.lookup(tokens, request))
+                    if not torch.equal(reader.retrieve(tokens, request), kv):
+                        failures.append(f"{request}: wrong KV")
+                except Exception as exc:
+                    failures.append(f"{request}: {type(exc).__name__}: {exc}")
+                finally:
+                    reader.end_request(request)
+
+        pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        for thread in pool:
+            thread.start()
+        for thread in pool:
+            thread.join(120)
+        assert failures == []
+        assert hits == [64] * (threads * 4)
+        tier = reader._manager.lower[0] if reader._manager else None
+        assert isinstance(tier, RedisTier)
+        assert tier.link.outages == 0 and tier.link.is_up
+        assert reader.check_invariants() == [] and reader.leaks() == []
+        _clear_redis(reader)
+    finally:
+        reader.close()
+
+
+def test_a_busy_pool_is_a_bounded_miss_never_an_outage(server: RedisServer) -> None:
+    tier = open_tier(server.url, timeout_s=0.5, put_threads=1, connections=1)
+    try:
+        key = random_key()
+        put_and_wait(tier, key, payload(CONTRACT_CHUNK, 15), CONTRACT_CHUNK)
+        gate = tier.link.gate
+        assert gate.size == 2
+        for _ in range(gate.size):  # every connection held by someone else
+            assert gate.acquire(0.1, lambda: False)
+        start = time.monotonic()
+        assert tier.contains([key]) == [False]
+        assert 0.4 < time.monotonic() - start < 3.0
+        assert tier.link.is_up and tier.link.outages == 0
+        for _ in range(gate.size):
+            gate.release()
+        assert tier.contains([key]) == [True]
+        tier.usage()  # refreshes the counters
+        assert tier.counters.extra["busy_timeouts"] == 1
+    finally:
+        tier.clear()
+        tier.close()

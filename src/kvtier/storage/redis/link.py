@@ -14,6 +14,14 @@ miss or a dropped write) instead of waiting on a dead socket. The transition to 
 warning; coming back logs one info line. Every socket operation is bounded by
 ``timeout_s`` (``blocking_timeout_secs``): a stalled server costs at most that long per call.
 
+Connections: at most ``max_connections`` calls run at once (a :class:`ConnectionGate`); a
+call beyond that waits for one to finish, up to ``timeout_s``, and gives up at once if the
+link goes DOWN meanwhile. A wait that runs out is a miss (:class:`TierUnavailable`), counted
+in ``busy_timeouts``, and never an outage: the server is fine, this process is just busy.
+redis-py's own pools are sized above the gate (a call may follow a cluster redirect on a
+second connection), so its ``MaxConnectionsError`` should not happen; if it does, it is
+treated the same way, never as the server being down.
+
 Error mapping (the boundary): redis connection/timeout errors and ``OSError`` become
 :class:`TierUnavailable` (and take the link DOWN); any other redis error becomes
 :class:`TierError`. No redis exception leaves :meth:`RedisLink.call`.
@@ -25,6 +33,7 @@ import logging
 import random
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -32,7 +41,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import MaxConnectionsError, RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -54,6 +63,45 @@ UNREACHABLE: tuple[type[BaseException], ...] = (
     OSError,
     socket.timeout,
 )
+
+
+class ConnectionGate:
+    """At most ``size`` holders at once; the rest wait, bounded, and leave early when told.
+
+    ``wake()`` rouses every waiter so it can re-check ``give_up`` (the link going DOWN or
+    closing): nobody sits out the whole timeout for a server already known to be gone."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._in_use = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, timeout: float, give_up: Callable[[], bool]) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._in_use >= self.size:
+                left = deadline - time.monotonic()
+                if left <= 0 or give_up():
+                    return False
+                self._cond.wait(left)
+            self._in_use += 1
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            self._in_use -= 1
+            self._cond.notify()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+def pool_size(gate_size: int) -> int:
+    """redis-py's per-server pool: two connections per gated call (one may follow a cluster
+    redirect while the first is still held) plus one for the reconnect thread's PING.
+    Connections are opened on demand, so the ceiling costs nothing until it is used."""
+    return 2 * gate_size + 1
 
 
 def make_client(
@@ -121,6 +169,7 @@ class RedisLink:
         self.tls_ca_file = tls_ca_file
         self.timeout_s = timeout_s
         self.max_connections = max_connections
+        self.gate = ConnectionGate(max_connections)
         self.name = name
         self._client: Any = None
         self._lock = threading.Lock()
@@ -130,6 +179,7 @@ class RedisLink:
         self._thread: threading.Thread | None = None
         self.reconnects = 0
         self.outages = 0
+        self.busy_timeouts = 0
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> None:
@@ -155,6 +205,7 @@ class RedisLink:
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
+        self.gate.wake()
         if self._thread is not None:
             self._thread.join(self.timeout_s * 2 + 5)
             self._thread = None
@@ -176,17 +227,43 @@ class RedisLink:
 
     # -- calls -----------------------------------------------------------------------------
     def call(self, fn: Callable[[Any], T]) -> T:
-        """Run ``fn(client)``, translating redis errors (see the module docstring)."""
+        """Run ``fn(client)`` on one of the gate's connections, translating redis errors (see
+        the module docstring)."""
         client = self._client
         if not self._up.is_set() or client is None:
             raise TierUnavailable(f"remote tier {self.target.describe()} is down")
+        if not self.gate.acquire(self.timeout_s, self._gone):
+            if not self._up.is_set() or self._stop.is_set():
+                raise TierUnavailable(f"remote tier {self.target.describe()} is down")
+            raise self._busy(None)
         try:
             return fn(client)
+        except MaxConnectionsError as exc:  # a ConnectionError subclass: test it first
+            raise self._busy(exc) from exc
         except UNREACHABLE as exc:
             self.mark_down(exc)
             raise TierUnavailable(f"remote tier {self.target.describe()}: {exc}") from exc
         except RedisError as exc:
             raise TierError(f"remote tier {self.target.describe()}: {exc}") from exc
+        finally:
+            self.gate.release()
+
+    def _gone(self) -> bool:
+        return not self._up.is_set() or self._stop.is_set()
+
+    def _busy(self, exc: BaseException | None) -> TierUnavailable:
+        """Every connection was busy for the whole timeout: a miss, not an outage."""
+        with self._lock:
+            self.busy_timeouts += 1
+            first = self.busy_timeouts == 1
+        why = f" ({exc})" if exc is not None else ""
+        message = (
+            f"remote tier {self.target.describe()}: all {self.gate.size} connections stayed "
+            f"busy for {self.timeout_s:g}s{why}; raise extra_config.remote_connections"
+        )
+        if first:  # later ones are counted (busy_timeouts), not logged each time
+            log.warning("%s", message)
+        return TierUnavailable(message)
 
     def mark_down(self, exc: BaseException) -> None:
         """Called on a connection error: one warning per outage, then the reconnect thread
@@ -196,6 +273,7 @@ class RedisLink:
                 return
             self._up.clear()
             self.outages += 1
+        self.gate.wake()
         log.warning(
             "remote tier %s failed (%s: %s); treating it as a miss until it answers again",
             self.target.describe(),
@@ -211,7 +289,7 @@ class RedisLink:
             with self._lock:
                 if self._client is None:
                     self._client = make_client(
-                        self.target, self.timeout_s, self.max_connections, self.tls_ca_file
+                        self.target, self.timeout_s, pool_size(self.gate.size), self.tls_ca_file
                     )
                 client = self._client
             ping(client)

@@ -8,6 +8,8 @@ key                    default   meaning
 ====================== ========= =================================================================
 remote_ttl_secs        none      expire each chunk this many seconds after it was written
 remote_put_threads     2         writer threads (each with its own connection)
+remote_connections     16        engine calls (lookups, reads) served at once, per server; more
+                                 wait for a connection up to ``blocking_timeout_secs``, then miss
 remote_inflight_bytes  256MiB    bytes queued or being sent; a put beyond it is DROPPED at once
 remote_tls_ca_file     none      CA bundle that signed the server's certificate (rediss://)
 ====================== ========= =================================================================
@@ -32,6 +34,7 @@ class RedisOptions:
     timeout_s: float = 10.0
     ttl_s: float | None = None
     put_threads: int = 2
+    connections: int = 16
     inflight_bytes: int = DEFAULT_INFLIGHT_BYTES
     tls_ca_file: str | None = None
 
@@ -48,6 +51,9 @@ class RedisOptions:
                 )
         threads = p.integer(1, 32)(
             "extra_config.remote_put_threads", extra.get("remote_put_threads", 2)
+        )
+        connections = p.integer(1, 1024)(
+            "extra_config.remote_connections", extra.get("remote_connections", 16)
         )
         inflight = parse_size(
             "extra_config.remote_inflight_bytes",
@@ -66,5 +72,6 @@ class RedisOptions:
             timeout_s=config.blocking_timeout_secs,
             ttl_s=ttl,
             put_threads=threads,
+            connections=connections,
             inflight_bytes=inflight,
         )

@@ -88,7 +88,9 @@ class RedisTier(Tier):
         self.link = RedisLink(
             target,
             options.timeout_s,
-            max_connections=options.put_threads + 8,
+            # Writers and engine calls share the gate, so each writer has its connection and
+            # the engine still has ``connections`` for lookups and reads.
+            max_connections=options.put_threads + options.connections,
             name=self.name,
             tls_ca_file=options.tls_ca_file,
         )
@@ -317,6 +319,7 @@ class RedisTier(Tier):
             self._note_failure("usage", exc)
         self.counters.extra["outages"] = self.link.outages
         self.counters.extra["reconnects"] = self.link.reconnects
+        self.counters.extra["busy_timeouts"] = self.link.busy_timeouts
         return self._last_usage
 
     # -- helpers ---------------------------------------------------------------------------

@@ -1,0 +1,72 @@
+"""close() racing calls on other threads: every call either works or raises StateError, and
+close waits (bounded) for the calls in flight before it frees anything."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier import Engine
+from kvtier.errors import StateError
+from tests.conftest import SMALL_LAYOUT, make_kv, make_tokens, small_config
+
+PROMPTS = [(make_tokens(64, seed=70 + i), make_kv(64, seed=70 + i)) for i in range(4)]
+
+
+def _hammer(engine: Engine, worker: int, stop: threading.Event, errors: list[str]) -> None:
+    """Lookups, retrieves, stores and ends in a loop until the engine refuses."""
+    n = 0
+    while not stop.is_set():
+        n += 1
+        tokens, kv = PROMPTS[(worker + n) % len(PROMPTS)]
+        rid = f"w{worker}-{n}"
+        out = torch.zeros_like(kv)
+        calls: list[tuple[Callable[..., object], tuple[object, ...]]] = [
+            (engine.store, (tokens, kv)),
+            (engine.lookup, (tokens, rid)),
+            (engine.retrieve, (tokens, rid)),
+            (engine.retrieve_into, (tokens, rid, out)),
+            (engine.stats, ()),
+            (engine.end_request, (rid,)),
+        ]
+        for call, args in calls:
+            try:
+                call(*args)
+            except StateError:
+                return  # closed: the only acceptable refusal
+            except BaseException as exc:  # anything else is the bug
+                errors.append(f"{type(exc).__module__}.{type(exc).__name__}: {exc}")
+                return
+
+
+@pytest.mark.parametrize("tiers", ["cpu", "disk"])
+def test_calls_racing_close_get_state_error_and_nothing_else(tmp_path: Path, tiers: str) -> None:
+    extra: dict[str, object] = {}
+    if tiers == "disk":
+        extra = {"local_disk": str(tmp_path / "disk"), "max_local_disk_size": "4MiB"}
+    errors: list[str] = []
+    for round_ in range(12):
+        engine = Engine(
+            small_config(cpu_chunks=32, blocking_timeout_secs=5.0, **extra),
+            SMALL_LAYOUT,
+            model_name="race",
+        ).open()
+        stop = threading.Event()
+        workers = [
+            threading.Thread(target=_hammer, args=(engine, i, stop, errors)) for i in range(6)
+        ]
+        for worker in workers:
+            worker.start()
+        # Let them get going, then close in the middle of their calls (a different moment
+        # each round).
+        threading.Event().wait(0.01 * (round_ % 4 + 1))
+        engine.close()
+        stop.set()
+        for worker in workers:
+            worker.join(30)
+            assert not worker.is_alive(), "a call hung after close"
+        assert errors == [], errors[:5]
