@@ -70,3 +70,14 @@ def test_joining_an_ended_request_is_refused_but_the_request_itself_may_start_ov
         table.open(rid)
         table.end(rid)
     table.join("late").release()
+
+
+def test_a_hold_given_back_early_is_reported_no_more(pool: BlockPool) -> None:
+    table = LeaseTable(pool)
+    released: list[str] = []
+    hold = CallbackHold(100, "pd reservation", lambda: released.append("h"))
+    table.open("r").take_hold(hold)
+    hold.release()  # e.g. a failed transfer gives its reservation back before the request ends
+    (info,) = table.snapshot()
+    assert info.pinned_bytes == 0 and info.holds == ()
+    assert table.end("r") and released == ["h"]  # the lease's release is a no-op for it

@@ -24,9 +24,16 @@ PlanT = TypeVar("PlanT")
 
 
 class Hold(Protocol):
-    """Something other than CPU pages that a lease holds (a lower-tier pin, a reservation)."""
+    """Something other than CPU pages that a lease holds (a lower-tier pin, a reservation).
 
-    nbytes: int
+    A hold can be given back before its lease ends (a PD reservation whose transfer failed);
+    the lease then reports it no more: ``released`` is true and ``nbytes`` is 0."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def released(self) -> bool: ...
 
     def release(self) -> None: ...
 
@@ -46,6 +53,10 @@ class CallbackHold:
         if not self._done:
             self._done = True
             self.release_fn()
+
+    @property
+    def released(self) -> bool:
+        return self._done
 
     def describe(self) -> str:
         return self.description
@@ -118,13 +129,15 @@ class Lease(Generic[PlanT]):
             return self._info()
 
     def _info(self) -> LeaseInfo:
-        hold_bytes = sum(h.nbytes for h in self.holds)
+        # What is held now: a hold given back early stays in the list (the lease releases it
+        # again, a no-op) but is neither counted nor described.
+        held = [h for h in self.holds if not h.released]
         return LeaseInfo(
             request_id=self.request_id,
             age_s=time.monotonic() - self.created,
             pinned_pages=len(self.pages),
-            pinned_bytes=len(self.pages) * self.pool.page_bytes + hold_bytes,
-            holds=tuple(h.describe() for h in self.holds),
+            pinned_bytes=len(self.pages) * self.pool.page_bytes + sum(h.nbytes for h in held),
+            holds=tuple(h.describe() for h in held),
         )
 
 

@@ -7,7 +7,7 @@ import socket
 from collections.abc import Callable
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvtier import Config, Engine, Service
@@ -286,6 +286,10 @@ def test_dashboard_is_self_contained(url: str) -> None:
         ("GET", "/requests?limit=-3", 400, "limit must be an integer"),
         ("GET", "/requests?limit=1e3", 400, "limit must be an integer"),
         ("GET", "/requests?limit=99999999999999999999", 400, "limit must be an integer"),
+        # Unicode digits: str.isdigit() accepts them, int() does not (superscript two,
+        # Arabic-Indic three).
+        ("GET", "/requests?limit=%C2%B2", 400, "limit must be an integer"),
+        ("GET", "/requests?limit=%D9%A3", 400, "limit must be an integer"),
         ("GET", "/nope", 404, "no endpoint '/nope'"),
         ("GET", "/clear", 405, "/clear takes POST, not GET"),
         ("POST", "/stats", 405, "/stats takes GET, not POST"),
@@ -324,6 +328,12 @@ def test_garbage_request_lines_get_json_errors(url: str) -> None:
             + b"\r\nContent-Length: abc\r\n\r\n",
             b"400",
         ),
+        (  # a superscript two (latin-1 byte 0xB2): isdigit() but not int()
+            b"POST /clear HTTP/1.1\r\nAuthorization: Bearer "
+            + TOKEN.encode()
+            + b"\r\nContent-Length: \xb2\r\n\r\n",
+            b"400",
+        ),
     ):
         head, _, body = raw(url, garbage).partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.0 " + status), head
@@ -337,11 +347,24 @@ def test_garbage_request_lines_get_json_errors(url: str) -> None:
 )
 @given(
     path=st.sampled_from(["/explain", "/requests", "/leases", "/stats"]),
-    query=st.text(
-        alphabet=st.characters(min_codepoint=32, max_codepoint=0x2FF, exclude_characters="#"),
-        max_size=40,
+    query=st.one_of(
+        # anything printable, from the whole of Unicode (surrogates cannot be encoded)
+        st.text(
+            alphabet=st.characters(
+                min_codepoint=32, exclude_categories=["Cs"], exclude_characters="#"
+            ),
+            max_size=40,
+        ),
+        # a known parameter whose value is made of digits and numbers from any script
+        st.builds(
+            "{}={}".format,
+            st.sampled_from(["limit", "request_id"]),
+            st.text(alphabet=st.characters(categories=["Nd", "No", "Nl"]), min_size=1),
+        ),
     ),
 )
+@example(path="/requests", query="limit=\u00b2")
+@example(path="/requests", query="limit=\u0663")
 def test_fuzzed_queries_never_reach_the_bug_handler(
     admin_engine: Engine, url: str, path: str, query: str, caplog: pytest.LogCaptureFixture
 ) -> None:

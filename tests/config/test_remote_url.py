@@ -45,6 +45,8 @@ def test_credentials_are_parsed_and_never_shown() -> None:
         "redis://h:0",
         "redis://h:70000",
         "redis://h:6379/x",
+        "redis://h:6379/²",  # a Unicode digit: str.isdigit() says yes, int() says no
+        "unix:///tmp/r.sock?db=٣",
         "redis://a:1,b:2",
         "redis-cluster://a:1,,b:2",
         "redis-cluster://a:1/0",

@@ -13,7 +13,9 @@ import torch
 
 from kvtier import Engine
 from kvtier.errors import TransferError, TransferTimeout
+from kvtier.pd.channels.base import checksum
 from kvtier.pd.protocol import (
+    Abort,
     AllocReply,
     AllocRequest,
     ChunkSent,
@@ -129,6 +131,42 @@ def test_abort_mid_transfer_releases_the_reservation(make_decoder: Callable[...,
         assert engine.end_request("r")  # the decoder's side of the abort
         send_one(tx, "next", tokens)
         assert decode(engine, receiver, "next", tokens) == len(tokens)
+    assert_all_free(engine)
+
+
+def test_a_failed_transfer_reports_only_what_is_still_held(
+    make_decoder: Callable[..., Decoder],
+) -> None:
+    """While a transfer is in flight its reservation is pinned and described as received so
+    far; once the transfer fails (the reservation released early), the request's lease
+    reports nothing held: stats, /leases and kvtier_pinned_bytes alike."""
+    from kvtier.observability.metrics import engine_registry
+
+    engine, receiver = make_decoder("tcp", pages=4)
+    registry = engine_registry(engine)
+    tokens = request_tokens(3)
+    spans = keychain().keys(tokens, include_partial=True)
+    kv = fake_prefill(tokens)
+    sock, _ = raw_client(receiver.port)
+    send_message(sock, AllocRequest("r", [s.key for s in spans], [s.num_tokens for s in spans]))
+    assert isinstance(recv_message(sock), AllocReply)
+    data = kv[:, :, spans[0].start : spans[0].end, :].contiguous().view(-1).view(torch.uint8)
+    send_message(sock, ChunkSent("r", 0, data.numel(), 0))
+    sock.sendall(data.numpy().tobytes() + checksum(data).to_bytes(8, "big"))
+    wait_until(lambda: pd_tier(engine).counters.stored == 1)
+    (info,) = engine.leases()
+    assert info.pinned_bytes == len(spans) * PAGE_BYTES
+    assert info.holds == (f"pd reservation of {len(spans)} pages (1 of {len(spans)} received)",)
+    send_message(sock, Abort("r", "prefill failed"))
+    outcome = receiver.wait_outcome("r", 5.0)
+    assert outcome is not None and not outcome.ok
+    sock.close()
+    assert pd_tier(engine).pool.free_pages == 4  # released before the request ends
+    assert engine.stats()["pinned_bytes"] == 0
+    assert all(i.pinned_bytes == 0 and i.holds == () for i in engine.leases())
+    assert engine.leaks() == []
+    assert registry.get_sample_value("kvtier_pinned_bytes") == 0
+    engine.end_request("r")
     assert_all_free(engine)
 
 

@@ -133,7 +133,7 @@ class Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if length is None:
             return
-        if not length.isdigit():
+        if not _is_decimal(length):
             raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad Content-Length {length!r}")
         if int(length) > MAX_BODY:
             raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY} bytes")
@@ -285,11 +285,17 @@ def _int_param(params: dict[str, str], name: str, *, default: int, low: int, hig
     raw = params.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or not low <= int(raw) <= high:
+    if not _is_decimal(raw) or not low <= int(raw) <= high:
         raise BadRequest(
             HTTPStatus.BAD_REQUEST, f"{name} must be an integer in [{low}, {high}], got {raw!r}"
         )
     return int(raw)
+
+
+def _is_decimal(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit()`` also accepts '²' or '٣', which ``int()`` refuses
+    (or, for '٣', reads as 3: a number the client never wrote in the form we document)."""
+    return text.isascii() and text.isdigit()
 
 
 def _json_default(value: object) -> object:

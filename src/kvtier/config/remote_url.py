@@ -116,7 +116,8 @@ def _host_port(url: str, text: str) -> tuple[str, int]:
 
 
 def _db_number(url: str, text: str) -> int:
-    if not text.isdigit() or int(text) > 10_000:
+    # isascii: str.isdigit() also accepts digits such as '²' that int() refuses
+    if not (text.isascii() and text.isdigit()) or int(text) > 10_000:
         raise _bad(url, f"database {text!r} is not a number from 0")
     return int(text)
 

@@ -72,9 +72,13 @@ class Reservation:
         self.request_id = request_id
         self.pages = pages  # one reference each, owned by this reservation
         self.new = new  # page -> key for the chunks this request's sender must fill
-        self.nbytes = len(pages) * tier.page_bytes
         self._released = False
         self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the receive buffer this reservation holds now (0 once released)."""
+        return 0 if self._released else len(self.pages) * self.tier.page_bytes
 
     def release(self) -> None:
         with self._lock:
@@ -88,7 +92,12 @@ class Reservation:
         return self._released
 
     def describe(self) -> str:
-        return f"pd reservation of {len(self.pages)} pages ({len(self.new)} received)"
+        if self._released:
+            return f"pd reservation of {len(self.pages)} pages (released)"
+        received = self.tier.received_count(self)
+        text = f"pd reservation of {len(self.pages)} pages ({received} of {len(self.new)} received"
+        held = len(self.pages) - len(self.new)
+        return text + (f", {held} already held)" if held else ")")
 
 
 class PDBuffer(Tier):
@@ -331,6 +340,15 @@ class PDBuffer(Tier):
             return len(victims)
 
     # -- inspection ------------------------------------------------------------------------
+    def received_count(self, reservation: Reservation) -> int:
+        """How many of the chunks ``reservation`` waits for have arrived, verified."""
+        with self._cond:
+            count = 0
+            for page, key in reservation.new.items():
+                entry = self._index.get(key)
+                count += entry is not None and entry.page == page and entry.ready
+            return count
+
     def check_invariants(self, expected_refs: dict[int, int] | None = None) -> list[str]:
         """Problems as sentences (empty when fine): free list vs refcounts, index entries on
         free pages, and (given the owners' view) refcounts vs ``expected_refs``."""
