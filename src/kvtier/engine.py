@@ -455,9 +455,7 @@ class Engine:
         assert lease is not None and lease.plan is not None
         return lease.plan
 
-    def _load(
-        self, plan: LookupPlan, request_id: str, out: torch.Tensor | None, start: int
-    ) -> int:
+    def _load(self, plan: LookupPlan, request_id: str, out: torch.Tensor | None, start: int) -> int:
         manager, leases = self._open_parts()
         lease = leases.get(request_id)
         if lease is None:
