@@ -134,7 +134,8 @@ def _dispatch(
             session.forget(server_rid)
             return wire.Ended(engine.end_request(server_rid))
         case wire.GetStats():
-            return wire.StatsReply({**engine.stats(), "server": info()})
+            server = {**info(), "admin_url": session.slot.admin_url if session.slot else None}
+            return wire.StatsReply({**engine.stats(), "server": server})
         case wire.CheckInvariants():
             return wire.Problems(engine.check_invariants())
         case wire.Flush(timeout=timeout):

@@ -4,7 +4,9 @@ A fingerprint (model, layout, chunk size, hash, tensor-parallel rank, tenant sal
 own :class:`~kvtier.engine.Engine` whose CPU page buffer is a memfd its clients map. Two
 fingerprints never share a page or a chunk; they do share the disk directory and the Redis
 server, where every file and record is named by its fingerprint already. An engine lives as
-long as the server (the CPU tier outlives the clients that filled it).
+long as the server (the CPU tier outlives the clients that filled it). With
+``internal_api_server_enabled`` each engine has its admin API, dashboard and Prometheus
+``/metrics`` (token as everywhere: ``admin_token``), one port per model.
 
 Sizing: each engine gets ``max_local_cpu_size``, less when ``server_tenant_quota`` is set and
 the tenant (``cache_salt``; the unsalted tenant too) already holds part of its quota in other
@@ -18,6 +20,7 @@ import logging
 import threading
 from dataclasses import dataclass, replace
 
+from kvtier.admin.server import AdminServer
 from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError, ProtocolError, StateError
@@ -35,6 +38,11 @@ class ModelSlot:
     tenant: str  # the cache_salt
     engine: Engine
     memory: SharedPages
+    admin: AdminServer | None = None
+
+    @property
+    def admin_url(self) -> str | None:
+        return self.admin.url if self.admin is not None and self.admin.running else None
 
     @property
     def cpu_bytes(self) -> int:
@@ -92,15 +100,35 @@ class ModelTable:
         except BaseException:
             memory.close()
             raise
+        slot = ModelSlot(hello.fingerprint, hello.cache_salt, engine, memory, self._admin(engine))
         log.info(
-            "model %r (fingerprint %s, tenant %r): %d pages of %d bytes in shared memory",
+            "model %r (fingerprint %s, tenant %r): %d pages of %d bytes in shared memory%s",
             hello.model_name,
             hello.fingerprint[:16],
             hello.cache_salt,
             engine.num_pages,
             engine.chunk_bytes,
+            f", admin API {slot.admin_url}" if slot.admin_url else "",
         )
-        return ModelSlot(hello.fingerprint, hello.cache_salt, engine, memory)
+        return slot
+
+    def _admin(self, engine: Engine) -> AdminServer | None:
+        """The model's admin API, dashboard and /metrics (``internal_api_server_enabled``):
+        one port per model, the first free from ``internal_api_server_port_start``."""
+        cfg = self.config
+        if not cfg.internal_api_server_enabled:
+            return None
+        admin = AdminServer(
+            engine,
+            cfg.internal_api_server_host,
+            cfg.internal_api_server_port_start,
+            cfg.admin_token,
+        )
+        try:
+            return admin.open()
+        except OSError as exc:
+            log.error("admin API not started for this model: %s", exc)
+            return None
 
     def _cpu_budget(self, hello: Hello, layout: KVLayout) -> int:
         wanted = self.config.max_local_cpu_size
@@ -130,6 +158,8 @@ class ModelTable:
             slots, self._slots = list(self._slots.values()), {}
         for slot in slots:
             try:
+                if slot.admin is not None:
+                    slot.admin.close()
                 slot.engine.close()
             except Exception as exc:  # one engine failing to close must not skip the others
                 log.error("closing model %s: %s", slot.fingerprint[:16], exc)
