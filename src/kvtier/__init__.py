@@ -30,6 +30,7 @@ from kvtier.errors import (
 )
 from kvtier.keys import Fingerprint, KeyChain
 from kvtier.layout import KVLayout
+from kvtier.server.client import ServerClient, connect
 from kvtier.service import Service
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "InputError",
     "KVLayout",
     "KVTierError",
+    "ServerClient",
     "Service",
     "KeyChain",
     "ProtocolError",
@@ -51,6 +53,7 @@ __all__ = [
     "TierUnavailable",
     "TransferError",
     "TransferTimeout",
+    "connect",
 ]
 
 __version__ = "0.1.0"

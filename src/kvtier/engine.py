@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import mmap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,7 +40,7 @@ from kvtier.storage.base import Tier
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.factory import build_lower_tiers
-from kvtier.storage.manager import ENGINE, LookupPlan, StorageManager
+from kvtier.storage.manager import ENGINE, LookupPlan, StorageManager, StoreSlot
 from kvtier.validation import (
     check_dense,
     check_fits_in_memory,
@@ -84,7 +85,10 @@ class Engine:
         model_name: str,
         tp_rank: int = 0,
         tp_world_size: int = 1,
+        page_memory: Callable[[int], mmap.mmap] | None = None,
     ) -> None:
+        """``page_memory(nbytes)`` makes the memory of the CPU page buffer (the kvtier server
+        passes shared memory that its clients map); by default it is anonymous memory."""
         if not isinstance(layout, KVLayout):
             raise InputError(f"layout must be a KVLayout, got {type(layout).__name__}")
         self.config = config if config is not None else Config.load()
@@ -114,6 +118,7 @@ class Engine:
         self._manager: StorageManager | None = None
         self._leases: LeaseTable[LookupPlan] | None = None
         self._pd_buffer: PDBuffer | None = None
+        self._page_memory = page_memory
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> Engine:
@@ -122,7 +127,12 @@ class Engine:
                 return self
             if self._state is EngineState.CLOSED:
                 raise StateError("this Engine is closed; create a new one")
-            pool = BlockPool(self.num_pages, self.chunk_bytes)
+            memory = self._page_memory
+            pool = BlockPool(
+                self.num_pages,
+                self.chunk_bytes,
+                mapping=memory(self.num_pages * self.chunk_bytes) if memory else None,
+            )
             lower: list[Tier] = []
             try:
                 if self.config.enable_pd and self.config.pd_role == "receiver":
@@ -315,6 +325,57 @@ class Engine:
         self.observer.on_store(array, offered, dropped, started)
         return stored
 
+    # -- pages, for a process that maps the page buffer (kvtier.server) ----------------------
+    @_guarded
+    def lease_pages(
+        self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0
+    ) -> tuple[int, list[tuple[int, int, int]]]:
+        """:meth:`retrieve_into` without the copy: the chunks of the cached prefix from the
+        skip on, each resident in a page that ``request_id``'s lease holds until
+        :meth:`end_request`. Returns (end of the loaded prefix, [(page, start, tokens)])."""
+        started = time.perf_counter()
+        plan = self._plan(tokens, request_id, skip_leading_tokens)
+        start = (skip_leading_tokens // self.config.chunk_size) * self.config.chunk_size
+        loaded_end = self._load(plan, request_id, None, start)
+        self.observer.on_retrieve(started)
+        pages = [
+            (h.page, h.span.start, h.span.num_tokens)
+            for h in plan.hits
+            if h.tier != ENGINE and h.span.end > start and h.page is not None
+        ]
+        return loaded_end, pages
+
+    @_guarded
+    def reserve_pages(
+        self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0
+    ) -> list[StoreSlot]:
+        """:meth:`store` without the copy: a page for each chunk of ``tokens`` not yet held
+        (from the skip on), held by ``request_id``'s lease. Fill them, then
+        :meth:`commit_pages`; ending the request first gives them back unstored."""
+        started = time.perf_counter()
+        manager, leases = self._open_parts()
+        check_request_id(request_id)
+        array = as_token_array(tokens)
+        spans = self._spans(array, skip_leading_tokens)
+        self.counters.add(stores=1)
+        offered = spans[skip_leading_tokens // self.config.chunk_size :]
+        slots, dropped = manager.reserve(offered)
+        leases.open(request_id).take_pages([slot.page for slot in slots])
+        self.observer.on_store(array, offered, dropped, started)
+        return slots
+
+    @_guarded
+    def commit_pages(self, request_id: str, slots: list[StoreSlot]) -> int:
+        """Publish pages :meth:`reserve_pages` gave ``request_id`` and filled since, then end
+        the request. Returns chunks newly stored."""
+        manager, leases = self._open_parts()
+        lease = leases.get(request_id)
+        if lease is None or not set(s.page for s in slots) <= set(lease.pages):
+            raise StateError(f"request {request_id!r} holds no reservation for these pages")
+        stored = manager.commit(slots)
+        self.end_request(request_id)
+        return stored
+
     @_guarded
     def end_request(self, request_id: str) -> bool:
         """Release everything ``request_id`` holds. Returns False if it held nothing (already
@@ -492,7 +553,7 @@ class Engine:
             )
         plan.hits[: len(skipped)] = found.hits
 
-    def _load(self, plan: LookupPlan, request_id: str, out: torch.Tensor, start: int) -> int:
+    def _load(self, plan: LookupPlan, request_id: str, out: torch.Tensor | None, start: int) -> int:
         manager, leases = self._open_parts()
         lease = leases.get(request_id)
         if lease is None:

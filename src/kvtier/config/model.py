@@ -51,6 +51,9 @@ class Config:
     internal_api_server_port_start: int = 6999
     admin_token: str | None = None
     cache_salt: str = ""
+    server_socket: str | None = None
+    server_max_clients: int = 64
+    server_tenant_quota: int | None = None
     extra_config: dict[str, Any] = field(default_factory=dict)
     # Where each non-default value came from ("file /x.yaml", "env KVTIER_CHUNK_SIZE", ...).
     origin: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)

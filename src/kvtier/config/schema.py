@@ -112,6 +112,28 @@ KEYS: tuple[KeySpec, ...] = (
         "Tenant salt: caches with different salts never share a chunk.",
         lmcache=False,
     ),
+    KeySpec(
+        "server_socket",
+        p.text(),
+        None,
+        "kvtier server's Unix socket (path or unix:// URL); default "
+        "$XDG_RUNTIME_DIR/kvtier.sock, else /tmp/kvtier-<uid>.sock.",
+        lmcache=False,
+    ),
+    KeySpec(
+        "server_max_clients",
+        p.integer(1, 4096),
+        64,
+        "kvtier server: connections served at once; more are refused with a clear error.",
+        lmcache=False,
+    ),
+    KeySpec(
+        "server_tenant_quota",
+        p.size(1, optional=True),
+        None,
+        "kvtier server: CPU bytes each cache_salt (tenant) may hold; none: no quota.",
+        lmcache=False,
+    ),
     KeySpec("extra_config", p.mapping, None, "Free-form mapping of tier options (see README)."),
 )
 

@@ -69,6 +69,16 @@ class LookupPlan:
         return self.hits[-1].span.end if self.hits else 0
 
 
+@dataclass(slots=True)
+class StoreSlot:
+    """One chunk a store will write: its page (reserved, not yet visible) and its owners-to-be."""
+
+    span: ChunkSpan
+    page: int
+    writers: list[Tier]  # lower tiers that lack the chunk
+    to_cpu: bool  # the CPU index lacks it (and is visible)
+
+
 class _WriteTicket:
     """Owns one page reference for one lower-tier write; gives it back exactly once."""
 
@@ -194,11 +204,16 @@ class StorageManager:
 
     # -- retrieve --------------------------------------------------------------------------
     def load(
-        self, plan: LookupPlan, lease: Lease[LookupPlan], out: torch.Tensor, start_token: int
+        self,
+        plan: LookupPlan,
+        lease: Lease[LookupPlan],
+        out: torch.Tensor | None,
+        start_token: int,
     ) -> int:
         """Copy the plan's chunks from ``start_token`` on into ``out`` (indexed by absolute
         token position). Returns the end of what was loaded: a lower-tier miss or no free page
-        ends the hit early, and the engine recomputes from there."""
+        ends the hit early, and the engine recomputes from there. ``out=None`` only makes the
+        chunks resident in pages the lease holds (``hit.page``), for a reader that maps them."""
         loaded_end = 0
         self._prefetch(plan, lease, start_token)
         for hit in plan.hits:
@@ -207,7 +222,8 @@ class StorageManager:
                 if hit.failed or (hit.page is None and not self._fetch(hit, lease)):
                     break
                 assert hit.page is not None
-                self._copy_out(hit.page, span, out)
+                if out is not None:
+                    self._copy_out(hit.page, span, out)
                 self.counters.count_hit(hit.tier, span.num_tokens)
             loaded_end = span.end
         # Chunks after a failed fetch are no longer usable: drop them from the plan.
@@ -299,12 +315,28 @@ class StorageManager:
         """Copy each chunk not yet held into a page and hand it to the tiers that lack it.
         Returns (chunks newly stored somewhere, chunks dropped). When no page can be freed,
         the rest is dropped (counted): a store never waits."""
+        slots, dropped = self.reserve(spans)
+        pages = [slot.page for slot in slots]
+        try:
+            for slot in slots:
+                self._copy_in(kv, slot.span, slot.page)
+            stored = self.commit(slots)
+        finally:
+            self.pool.release(pages)  # the reservation's own references (owners took theirs)
+        return stored, dropped
+
+    def reserve(self, spans: Sequence[ChunkSpan]) -> tuple[list[StoreSlot], int]:
+        """A page for each chunk some tier lacks, each with one reference for the caller.
+        Returns (slots, chunks dropped): when no page can be freed, the rest is dropped and
+        counted. Fill the pages, :meth:`commit` them, then release the caller's references;
+        releasing without a commit gives the pages back unstored."""
         if not spans:
-            return 0, 0
+            return [], 0
         keys = [s.key for s in spans]
         cpu_has = self.cpu.contains(keys) if self.cpu_visible else [True] * len(keys)
         lower_has = [self._contains_or_none(tier, keys) for tier in self.lower]
-        stored = dropped = 0
+        slots: list[StoreSlot] = []
+        dropped = 0
         for i, span in enumerate(spans):
             writers = [
                 t
@@ -319,20 +351,18 @@ class StorageManager:
                 dropped = len(spans) - i
                 log.debug("store dropped %d chunks: every CPU page is in use", dropped)
                 break
-            page = pages[0]
-            # The allocation's reference is this call's own, held until every owner has its
-            # own: each owner (the CPU index, each lower-tier write) takes one as it is handed
-            # the page, so the page cannot be freed or evicted between two hand-offs, and
-            # whatever happens (a copy that fails, a duplicate key) this call gives back
-            # exactly the one reference it took.
-            try:
-                self._copy_in(kv, span, page)
-                self._hand_out(span, page, to_cpu, writers)
-            finally:
-                self.pool.release(pages)
-            stored += 1
-        self.counters.add(stored_chunks=stored, dropped_chunks=dropped)
-        return stored, dropped
+            slots.append(StoreSlot(span, pages[0], writers, to_cpu))
+        self.counters.add(dropped_chunks=dropped)
+        return slots, dropped
+
+    def commit(self, slots: Sequence[StoreSlot]) -> int:
+        """Hand each filled page to its owners (the CPU index, each lower-tier write), each
+        taking a reference of its own; the caller keeps (and later releases) its reservation's.
+        Returns the chunks newly stored."""
+        for slot in slots:
+            self._hand_out(slot.span, slot.page, slot.to_cpu, slot.writers)
+        self.counters.add(stored_chunks=len(slots))
+        return len(slots)
 
     def _hand_out(self, span: ChunkSpan, page: int, to_cpu: bool, writers: list[Tier]) -> None:
         """Give the CPU index and each lower-tier write a reference to ``page`` of its own."""

@@ -1,0 +1,246 @@
+"""``kvtier bench server``: store and retrieve through a ``kvtier server`` against the same
+calls on an in-process Engine, in the same run.
+
+- ``store_ratio`` / ``retrieve_ratio``: client GB/s over in-process GB/s, the same prompts,
+  the same layout, interleaved best-of-N (the target is >= 0.9: the data path is one copy
+  into or out of shared memory either way; the server adds two or one round trips).
+- ``lookup_rtt_us``: median round trip of a lookup of a fully cached 2,048-token prompt
+  (hashing and pinning on the server included; the target is <= 200 µs), beside
+  ``lookup_inproc_us``, the same lookup on an in-process Engine.
+- ``retrieve_gbps_{1,2,4}_clients``: aggregate retrieve GB/s of 1, 2 and 4 client processes
+  reading the same cached prompt at once (bounded by memory bandwidth and cores).
+
+The server runs as ``kvtier server`` in a child process, its socket in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.bench.timing import best_interleaved, gbps
+from kvtier.config import Config
+from kvtier.engine import Engine
+from kvtier.layout import KVLayout
+from kvtier.server.client import ServerClient, connect
+
+BIG_LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+LOOKUP_LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=16, dtype=torch.bfloat16)
+LOOKUP_TOKENS = 2048
+SPAWN = multiprocessing.get_context("spawn")  # forking after torch is imported can hang
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chunks", type=int, default=8, help="chunks per store (8 = 256 MiB)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs; best is reported")
+    parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk")
+    parser.add_argument(
+        "--seconds", type=float, default=2.0, help="duration of each concurrent-clients run"
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    chunk_size: int = args.chunk_size
+    chunks: int = args.chunks
+    nbytes = chunks * BIG_LAYOUT.chunk_bytes(chunk_size)
+    cpu_size = f"{2 * nbytes}B"  # half for the retrieved prompt, half for fresh stores
+    config = Config.load(
+        env={}, overrides={"chunk_size": chunk_size, "max_local_cpu_size": cpu_size}
+    )
+    directory = tempfile.mkdtemp(prefix="kvtier-bench-")
+    url = f"unix://{os.path.join(directory, 'kvtier.sock')}"
+    server = _start_server(url, config)
+    try:
+        result: dict[str, Any] = {
+            "chunk_bytes": BIG_LAYOUT.chunk_bytes(chunk_size),
+            "bytes": nbytes,
+        }
+        result.update(_transfer(url, config, chunks, args.repeats))
+        result.update(_lookup(url, config))
+        for clients in (1, 2, 4):
+            result[f"retrieve_gbps_{clients}_clients"] = round(
+                _concurrent(url, config, chunks, clients, args.seconds), 3
+            )
+        result["torch_threads"] = torch.get_num_threads()
+        return result
+    finally:
+        server.terminate()
+        server.wait(60)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _start_server(url: str, config: Config) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "LMCACHE_"))}
+    env["KVTIER_MAX_LOCAL_CPU_SIZE"] = f"{config.max_local_cpu_size}B"
+    path = url.removeprefix("unix://")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli.main", "server", "--socket", path],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+            return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("kvtier server did not start for the benchmark") from None
+            time.sleep(0.05)
+        finally:
+            probe.close()
+
+
+def _transfer(url: str, config: Config, chunks: int, repeats: int) -> dict[str, Any]:
+    num_tokens = chunks * config.chunk_size
+    nbytes = chunks * BIG_LAYOUT.chunk_bytes(config.chunk_size)
+    kv = torch.randn(BIG_LAYOUT.kv_shape(num_tokens), dtype=torch.float32).to(BIG_LAYOUT.dtype)
+    rng = np.random.default_rng(0)
+    counter = iter(range(1 << 30))
+    engine = Engine(config, BIG_LAYOUT, model_name="bench-server")
+    with engine, connect(url, BIG_LAYOUT, model_name="bench-server", config=config) as client:
+        if not client.connected:
+            raise RuntimeError("the benchmark client could not connect to its server")
+
+        def store_fresh(cache: Engine | ServerClient) -> None:
+            tokens = rng.integers(0, 32000, num_tokens, dtype=np.int32)
+            tokens[0] = next(counter)  # new tokens: every chunk is really stored
+            stored = cache.store(tokens, kv)
+            assert stored == chunks, f"stored {stored} of {chunks} chunks"
+
+        tokens = rng.integers(0, 32000, num_tokens, dtype=np.int32)
+        out = torch.empty_like(kv)
+        out.copy_(kv)  # touched once, as a connector's KV cache is
+
+        def retrieve(cache: Engine | ServerClient) -> None:
+            rid = f"r{next(counter)}"
+            cache.lookup(tokens, rid)
+            loaded = cache.retrieve_into(tokens, rid, out)
+            cache.end_request(rid)
+            assert loaded == num_tokens, f"loaded {loaded} of {num_tokens} tokens"
+
+        stores = best_interleaved(
+            {"engine": lambda: store_fresh(engine), "server": lambda: store_fresh(client)},
+            repeats,
+        )
+        engine.store(tokens, kv)
+        client.store(tokens, kv)
+        retrieves = best_interleaved(
+            {"engine": lambda: retrieve(engine), "server": lambda: retrieve(client)}, repeats
+        )
+        out.zero_()
+        retrieve(client)
+        if not torch.equal(out, kv):
+            raise AssertionError("bytes retrieved through the server differ from those stored")
+    store_engine, store_server = gbps(nbytes, stores["engine"]), gbps(nbytes, stores["server"])
+    ret_engine, ret_server = gbps(nbytes, retrieves["engine"]), gbps(nbytes, retrieves["server"])
+    return {
+        "store_inproc_gbps": round(store_engine, 3),
+        "store_server_gbps": round(store_server, 3),
+        "store_ratio": round(store_server / store_engine, 3),
+        "retrieve_inproc_gbps": round(ret_engine, 3),
+        "retrieve_server_gbps": round(ret_server, 3),
+        "retrieve_ratio": round(ret_server / ret_engine, 3),
+    }
+
+
+def _lookup(url: str, config: Config) -> dict[str, Any]:
+    tokens = np.random.default_rng(1).integers(0, 32000, LOOKUP_TOKENS, dtype=np.int32)
+    kv = torch.zeros(LOOKUP_LAYOUT.kv_shape(LOOKUP_TOKENS), dtype=LOOKUP_LAYOUT.dtype)
+    small = config.with_overrides(max_local_cpu_size="16MiB")
+    engine = Engine(small, LOOKUP_LAYOUT, model_name="bench-lookup")
+    with engine, connect(url, LOOKUP_LAYOUT, model_name="bench-lookup", config=small) as client:
+        medians = {}
+        for name, cache in (("inproc", engine), ("server", client)):
+            cache.store(tokens, kv)
+            timings = []
+            for i in range(300):
+                rid = f"l{i}"
+                start = time.perf_counter()
+                hit = cache.lookup(tokens, rid)
+                timings.append(time.perf_counter() - start)
+                cache.end_request(rid)
+                assert hit == LOOKUP_TOKENS, f"lookup hit {hit} of {LOOKUP_TOKENS}"
+            medians[name] = float(np.median(timings[50:])) * 1e6
+    return {
+        "lookup_rtt_us": round(medians["server"], 1),
+        "lookup_inproc_us": round(medians["inproc"], 1),
+    }
+
+
+def _concurrent(url: str, config: Config, chunks: int, clients: int, seconds: float) -> float:
+    """Aggregate retrieve GB/s of ``clients`` processes reading one cached prompt at once."""
+    results: Queue[tuple[int, float, float]] = SPAWN.Queue()
+    ready: Queue[int] = SPAWN.Queue()
+    go = SPAWN.Event()
+    procs = [
+        SPAWN.Process(
+            target=_retrieve_loop, args=(url, config, chunks, seconds, ready, go, results)
+        )
+        for _ in range(clients)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        for _ in procs:
+            ready.get(timeout=120)
+        go.set()
+        reports = [results.get(timeout=120 + seconds) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(60)
+    total = sum(nbytes for nbytes, _, _ in reports)
+    span = max(end for _, _, end in reports) - min(start for _, start, _ in reports)
+    return gbps(total, span)
+
+
+def _retrieve_loop(
+    url: str,
+    config: Config,
+    chunks: int,
+    seconds: float,
+    ready: Queue[int],
+    go: Event,
+    results: Queue[tuple[int, float, float]],
+) -> None:
+    """One client process: retrieve the benchmark prompt for ``seconds`` after ``go``."""
+    num_tokens = chunks * config.chunk_size
+    nbytes = chunks * BIG_LAYOUT.chunk_bytes(config.chunk_size)
+    out = torch.zeros(BIG_LAYOUT.kv_shape(num_tokens), dtype=BIG_LAYOUT.dtype)
+    with connect(url, BIG_LAYOUT, model_name="bench-server", config=config) as client:
+        prompt = _stored_prompt(chunks, config.chunk_size)
+        client.lookup(prompt, "warm")
+        assert client.retrieve_into(prompt, "warm", out) == num_tokens, "prompt not cached"
+        client.end_request("warm")
+        ready.put(1)
+        go.wait()
+        done = 0
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            rid = f"c{os.getpid()}-{done}"
+            client.lookup(prompt, rid)
+            client.retrieve_into(prompt, rid, out)
+            client.end_request(rid)
+            done += 1
+        results.put((done * nbytes, start, time.perf_counter()))
+
+
+def _stored_prompt(chunks: int, chunk_size: int) -> np.ndarray:
+    """The prompt ``_transfer`` stored last through the server (the same generator state)."""
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 32000, chunks * chunk_size, dtype=np.int32)

@@ -1,0 +1,46 @@
+"""``kvtier server``: one cache per host, in the foreground (see docs/server.md).
+
+Fits systemd (``Type=simple``) and containers: it stays in the foreground, logs to stderr
+(INFO unless ``--log-level`` says otherwise), and SIGTERM or SIGINT drains and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from types import FrameType
+
+from kvtier.config import Config
+from kvtier.server.daemon import KVTierServer
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", help="kvtier or LMCache YAML (default: $KVTIER_CONFIG_FILE, else defaults)"
+    )
+    parser.add_argument(
+        "--socket",
+        default=None,
+        help="Unix socket path or unix:// URL (default: server_socket, "
+        "else $XDG_RUNTIME_DIR/kvtier.sock, else /tmp/kvtier-<uid>.sock)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    kvtier_log = logging.getLogger("kvtier")
+    if logging.getLogger().level > logging.INFO and kvtier_log.level == logging.NOTSET:
+        kvtier_log.setLevel(logging.INFO)  # a daemon says what it does unless told not to
+    server = KVTierServer(Config.load(args.config), args.socket)
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        logging.getLogger(__name__).info("%s: draining", signal.Signals(signum).name)
+        server.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    with server:
+        print(f"kvtier server listening on unix://{server.path}", file=sys.stderr, flush=True)
+        server.serve_forever()
+    return 0

@@ -1,0 +1,354 @@
+"""``kvtier.connect(url, layout, model_name=...)``: the :class:`~kvtier.Engine` surface, served
+by a ``kvtier server`` on this host.
+
+Connectors use it exactly as an Engine (lookup, retrieve, retrieve_into, store, end_request,
+request(), stats, check_invariants, record_ttft, open/close/with). What differs is where the
+cache lives:
+
+- data never crosses the socket. A store asks the server for pages (``Reserve``), copies the
+  KV straight into those pages of the shared buffer, then ``Commit``; a retrieve gets the
+  pages its lease holds (``Retrieve``) and copies out of them. One copy each way.
+- the cache outlives this process, and a client that dies releases what it held: the server
+  ends the connection's leases when its socket closes.
+- a server that is down, dies or restarts never fails a request: lookups hit 0 tokens,
+  retrieves load nothing, stores are dropped, and the client reconnects with backoff
+  (:mod:`kvtier.server.link`). Bad arguments still raise :class:`InputError`, as in-process.
+
+Thread-safe: one lock serializes this client's requests on its one connection (each is one
+round trip); processes or threads that need parallel transfers open a client each.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+
+from kvtier.config import Config
+from kvtier.errors import InputError, StateError, TransferError
+from kvtier.keys import Fingerprint, as_token_array
+from kvtier.layout import KVLayout, dtype_name
+from kvtier.lifecycle import Lifecycle
+from kvtier.server import protocol as wire
+from kvtier.server.endpoint import socket_path
+from kvtier.server.link import Link
+from kvtier.validation import check_kv, check_request_id, check_skip
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ServerClient:
+    """A kvtier cache in a ``kvtier server`` process, with an Engine's interface."""
+
+    def __init__(
+        self,
+        url: str | None,
+        layout: KVLayout,
+        *,
+        model_name: str,
+        config: Config | None = None,
+        tp_rank: int = 0,
+        tp_world_size: int = 1,
+        max_backoff: float = 2.0,
+    ) -> None:
+        if not isinstance(layout, KVLayout):
+            raise InputError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        self.config = config if config is not None else Config.load()
+        self.layout = layout
+        self.fingerprint = Fingerprint(
+            model_name=model_name,
+            layout=layout,
+            chunk_size=self.config.chunk_size,
+            hash_algorithm=self.config.pre_caching_hash_algorithm,
+            tp_rank=tp_rank,
+            tp_world_size=tp_world_size,
+            cache_salt=self.config.cache_salt,
+        )
+        self.chunk_bytes = layout.chunk_bytes(self.config.chunk_size)
+        self.url = url
+        hello = wire.Hello(
+            version=wire.VERSION,
+            fingerprint=self.fingerprint.hex(),
+            model_name=model_name,
+            num_layers=layout.num_layers,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            dtype=dtype_name(layout.dtype),
+            chunk_size=self.config.chunk_size,
+            hash_algorithm=self.config.pre_caching_hash_algorithm,
+            tp_rank=tp_rank,
+            tp_world_size=tp_world_size,
+            cache_salt=self.config.cache_salt,
+            save_unfull_chunk=self.config.save_unfull_chunk,
+        )
+        path = socket_path(self.config, url)
+        self._link = Link(path, hello, self.config.blocking_timeout_secs, max_backoff=max_backoff)
+        self._lock = threading.Lock()
+        self._store_ids = itertools.count(1)
+        self._state = Lifecycle.NEW
+        self.unserved = 0  # calls answered locally as a miss: no server, or it broke
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def open(self) -> ServerClient:
+        """Connect now if the server is there; if not, calls are misses until it is."""
+        with self._lock:
+            if self._state is Lifecycle.CLOSED:
+                raise StateError("this ServerClient is closed; create a new one")
+            if self._state is Lifecycle.NEW:
+                self._state = Lifecycle.OPEN
+                self._link.ensure()
+        return self
+
+    def close(self) -> None:
+        """Disconnect (the server releases everything this client held). Idempotent."""
+        with self._lock:
+            self._state = Lifecycle.CLOSED
+            self._link.close()
+
+    def __enter__(self) -> ServerClient:
+        return self.open()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def state(self) -> Lifecycle:
+        return self._state
+
+    @property
+    def connected(self) -> bool:
+        return self._link.connected
+
+    # -- the request API (as Engine) ---------------------------------------------------------
+    def lookup(self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0) -> int:
+        """Tokens of the longest cached prefix, pinned for ``request_id`` until
+        :meth:`end_request` (0 beyond the skip when the server is unreachable)."""
+        check_request_id(request_id)
+        check_skip(skip_leading_tokens)
+        array = as_token_array(tokens)
+        request = wire.Lookup(request_id, array.tobytes(), skip_leading_tokens)
+        held = self._held(len(array), skip_leading_tokens)
+        return self._exchange(request, lambda r: _expect(r, wire.Hit).tokens, held)
+
+    def retrieve(self, tokens: object, request_id: str) -> torch.Tensor:
+        """KV of the cached prefix, ``[2, layers, hit, hidden]`` (hit 0 without a server)."""
+        check_request_id(request_id)
+        array = as_token_array(tokens)
+        request = wire.Retrieve(request_id, array.tobytes(), 0)
+
+        def copy(reply: wire.Reply) -> torch.Tensor:
+            pages = _expect(reply, wire.Pages)
+            out = torch.empty(self.layout.kv_shape(pages.end), dtype=self.layout.dtype)
+            self._copy_out(pages, out)
+            return out
+
+        return self._exchange(request, copy, torch.empty(self.layout.kv_shape(0)))
+
+    def retrieve_into(
+        self, tokens: object, request_id: str, out: torch.Tensor, *, skip_leading_tokens: int = 0
+    ) -> int:
+        """Copy the cached prefix from the shared pages into ``out`` (``[2, layers, >=hit,
+        hidden]``, any device). Returns the end of the loaded prefix."""
+        check_request_id(request_id)
+        check_skip(skip_leading_tokens)
+        lay = self.layout
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.dtype != lay.dtype
+            or out.dim() != 4
+            or tuple(out.shape[:2]) != (2, lay.num_layers)
+            or out.shape[3] != lay.hidden
+        ):
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise InputError(
+                f"out must be a {lay.dtype} tensor of shape "
+                f"[2, {lay.num_layers}, >=hit, {lay.hidden}], got {shape}"
+            )
+        array = as_token_array(tokens)
+        request = wire.Retrieve(request_id, array.tobytes(), skip_leading_tokens)
+
+        def copy(reply: wire.Reply) -> int:
+            pages = _expect(reply, wire.Pages)
+            if out.shape[2] < pages.end:
+                raise InputError(f"out holds {out.shape[2]} tokens; the hit is {pages.end}")
+            self._copy_out(pages, out)
+            return pages.end
+
+        return self._exchange(request, copy, self._held(len(array), skip_leading_tokens))
+
+    def store(self, tokens: object, kv: torch.Tensor, *, skip_leading_tokens: int = 0) -> int:
+        """Store the KV of ``tokens`` (``[2, layers, len(tokens), hidden]``): the server gives
+        pages for the chunks it lacks, this process copies into them. Returns chunks stored
+        (0 without a server: the store is dropped)."""
+        check_skip(skip_leading_tokens)
+        array = as_token_array(tokens)
+        check_kv(kv, self.layout, len(array))
+        store_id = next(self._store_ids)
+        with self._lock:
+            if not self._ready():
+                return 0
+            try:
+                reserve = wire.Reserve(store_id, array.tobytes(), skip_leading_tokens)
+                slots = _expect(_raise_failed(self._link.call(reserve)), wire.Pages)
+                try:
+                    self._copy_in(slots, kv)
+                except BaseException:
+                    self._link.call(wire.Commit(store_id, ok=False))  # pages go back unstored
+                    raise
+                return _expect(self._link.call(wire.Commit(store_id)), wire.Stored).chunks
+            except _Unserved:
+                self.unserved += 1
+                return 0
+            except TransferError as exc:
+                self._lost(exc)
+                return 0
+
+    def end_request(self, request_id: str) -> bool:
+        """Release everything ``request_id`` holds on the server. False if it held nothing
+        (or the server is gone, which released it already)."""
+        check_request_id(request_id)
+        return self._exchange(
+            wire.EndRequest(request_id), lambda r: _expect(r, wire.Ended).ok, False
+        )
+
+    @contextmanager
+    def request(self, request_id: str) -> Iterator[str]:
+        """``with client.request(rid):`` ends the request on every way out of the block."""
+        try:
+            yield request_id
+        finally:
+            if self._state is Lifecycle.OPEN:
+                self.end_request(request_id)
+
+    def record_ttft(self, seconds: float, *, prompt_tokens: int, hit_tokens: int) -> None:
+        request = wire.RecordTTFT(seconds, prompt_tokens, hit_tokens)
+        self._exchange(request, lambda r: None, None)
+
+    # -- inspection ------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The server engine's stats for this model, plus ``connected`` and ``unserved``."""
+        local = {"connected": False, "unserved": self.unserved, "connects": self._link.connects}
+
+        def merge(reply: wire.Reply) -> dict[str, Any]:
+            return {**_expect(reply, wire.StatsReply).stats, **local, "connected": True}
+
+        return self._exchange(wire.GetStats(), merge, local)
+
+    def check_invariants(self) -> list[str]:
+        """The server engine's reference audit for this model (empty when all is well). A
+        client with no server holds nothing, so it has nothing to report."""
+        return self._exchange(
+            wire.CheckInvariants(), lambda r: _expect(r, wire.Problems).problems, []
+        )
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the server's in-flight lower-tier writes of this model."""
+        return self._exchange(wire.Flush(timeout), lambda r: _expect(r, wire.Ended).ok, False)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _exchange(self, request: wire.Request, handle: Callable[[wire.Reply], T], miss: T) -> T:
+        with self._lock:
+            if not self._ready():
+                return miss
+            try:
+                return handle(_raise_failed(self._link.call(request)))
+            except _Unserved:
+                self.unserved += 1
+                return miss
+            except TransferError as exc:
+                self._lost(exc)
+                return miss
+
+    def _ready(self) -> bool:
+        if self._state is not Lifecycle.OPEN:
+            hint = "call open() or use `with`" if self._state is Lifecycle.NEW else "it was closed"
+            raise StateError(f"ServerClient is {self._state.value}: {hint}")
+        if self._link.ensure():
+            return True
+        self.unserved += 1
+        return False
+
+    def _lost(self, exc: Exception) -> None:
+        self.unserved += 1
+        self._link.drop(str(exc))
+
+    def _held(self, num_tokens: int, skip: int) -> int:
+        """What a miss reports: the whole chunks the engine already holds (the skip)."""
+        size = self.config.chunk_size
+        return min(skip // size, num_tokens // size) * size
+
+    def _page(self, page: int, num_tokens: int) -> torch.Tensor:
+        buffer = self._link.pages
+        assert buffer is not None
+        lay = self.layout
+        start = page * self._link.page_bytes
+        if page < 0 or start + self._link.page_bytes > buffer.numel():
+            raise TransferError(f"the server named page {page}, outside the shared buffer")
+        raw = buffer[start : start + num_tokens * lay.token_bytes()]
+        return raw.view(lay.dtype).view(lay.kv_shape(num_tokens))
+
+    def _copy_out(self, pages: wire.Pages, out: torch.Tensor) -> None:
+        for page, start, count in zip(pages.pages, pages.starts, pages.counts, strict=True):
+            out[:, :, start : start + count, :].copy_(self._page(page, count))
+
+    def _copy_in(self, slots: wire.Pages, kv: torch.Tensor) -> None:
+        for page, start, count in zip(slots.pages, slots.starts, slots.counts, strict=True):
+            self._page(page, count).copy_(kv[:, :, start : start + count, :])
+
+
+def _raise_failed(reply: wire.Reply) -> wire.Reply:
+    """A ``Failed`` reply: the caller's bad input raises as in-process; the rest is a miss."""
+    if isinstance(reply, wire.Failed):
+        if reply.kind == "input":
+            raise InputError(reply.message)
+        log.warning("kvtier server could not serve a request (%s): %s", reply.kind, reply.message)
+        raise _Unserved(reply.message)
+    return reply
+
+
+class _Unserved(TransferError):
+    """The server answered Failed (not the caller's fault): a miss, the connection is fine."""
+
+
+R = TypeVar("R", bound=wire.Reply)
+
+
+def _expect(reply: wire.Reply, kind: type[R]) -> R:
+    if not isinstance(reply, kind):
+        raise TransferError(f"expected {kind.__name__} from the server, got {type(reply).__name__}")
+    return reply
+
+
+def connect(
+    url: str | None,
+    layout: KVLayout,
+    *,
+    model_name: str,
+    config: Config | None = None,
+    tp_rank: int = 0,
+    tp_world_size: int = 1,
+) -> ServerClient:
+    """An open :class:`ServerClient` for the ``kvtier server`` at ``url`` (``unix:///path``;
+    None: the config's ``server_socket`` or the default path)."""
+    client = ServerClient(
+        url,
+        layout,
+        model_name=model_name,
+        config=config,
+        tp_rank=tp_rank,
+        tp_world_size=tp_world_size,
+    )
+    return client.open()

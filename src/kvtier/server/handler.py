@@ -1,0 +1,155 @@
+"""One client connection, served from Hello to close (one thread per connection).
+
+The order a connection must follow (anything else is a :class:`ProtocolError`)::
+
+    Hello            first, once
+    Reserve(id)      at most one store in flight: the next Reserve waits for Commit(id)
+    Commit(id)       only for the store in flight
+    the rest         any order, after Hello
+
+A request the engine refuses (bad tokens, a request id that ended) is answered with
+``Failed`` and the connection stays open; a protocol violation closes it. Either way, when
+the connection ends, everything it held is released (:meth:`Session.release_all`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvtier.engine import Engine
+from kvtier.errors import InputError, KVTierError, ProtocolError, StateError, TransferError
+from kvtier.server import protocol as wire
+from kvtier.server.models import ModelTable
+from kvtier.server.sessions import Session
+
+log = logging.getLogger(__name__)
+
+
+def serve_connection(
+    session: Session, models: ModelTable, info: Callable[[], dict[str, Any]]
+) -> None:
+    """Serve ``session`` until it closes or breaks the protocol, then release what it held.
+    ``info``: live server facts added to every stats reply (clients, pid, socket)."""
+    sock = session.sock
+    reader = wire.FrameReader(sock)
+    reason = "closed by the client"
+    try:
+        first = reader.read()
+        if first is None:
+            return
+        if not isinstance(first, wire.Hello):
+            raise ProtocolError(f"expected Hello first, got {type(first).__name__}")
+        if first.version != wire.VERSION:
+            raise ProtocolError(
+                f"client speaks protocol version {first.version}, server {wire.VERSION}"
+            )
+        try:
+            session.slot = models.slot_for(first)
+        except KVTierError as exc:
+            log.warning("%s refused: %s", session, exc)
+            wire.send(sock, wire.Refused(str(exc)))
+            reason = "refused"
+            return
+        engine = session.slot.engine
+        welcome = wire.Welcome(engine.num_pages, engine.chunk_bytes, os.getpid())
+        socket.send_fds(sock, [wire.encode(welcome)], [session.slot.memory.fd])
+        log.info("%s connected: model %r", session, first.model_name)
+        while True:
+            message = reader.read()
+            if message is None:
+                break
+            wire.send(sock, _answer(session, engine, message, info))
+    except ProtocolError as exc:
+        reason = f"protocol error: {exc}"
+        log.error("%s: %s; closing its connection", session, exc)
+    except (TransferError, OSError) as exc:
+        reason = f"connection lost: {exc}"
+    finally:
+        released = session.release_all()
+        sock.close()
+        log.info("%s gone (%s); released %d requests", session, reason, released)
+
+
+def _answer(
+    session: Session, engine: Engine, message: wire.Message, info: Callable[[], dict[str, Any]]
+) -> wire.Reply:
+    try:
+        return _dispatch(session, engine, message, info)
+    except InputError as exc:
+        return wire.Failed("input", str(exc))
+    except StateError as exc:
+        return wire.Failed("state", str(exc))
+    except ProtocolError:
+        raise
+    except KVTierError as exc:
+        return wire.Failed("tier", str(exc))
+
+
+def _dispatch(
+    session: Session, engine: Engine, message: wire.Message, info: Callable[[], dict[str, Any]]
+) -> wire.Reply:
+    match message:
+        case wire.Lookup(request_id=rid, tokens=raw, skip=skip):
+            hit = engine.lookup(_tokens(raw), session.request_id(rid), skip_leading_tokens=skip)
+            return wire.Hit(hit)
+        case wire.Retrieve(request_id=rid, tokens=raw, skip=skip):
+            end, held = engine.lease_pages(
+                _tokens(raw), session.request_id(rid), skip_leading_tokens=skip
+            )
+            return wire.Pages(
+                end, [p for p, _, _ in held], [s for _, s, _ in held], [n for _, _, n in held]
+            )
+        case wire.Reserve(store_id=store_id, tokens=raw, skip=skip):
+            if session.store is not None:
+                raise ProtocolError(
+                    f"Reserve({store_id}) while store {session.store[0]} is not committed"
+                )
+            rid = session.store_request_id(store_id)
+            slots = engine.reserve_pages(_tokens(raw), rid, skip_leading_tokens=skip)
+            session.store = (store_id, rid, slots)
+            return wire.Pages(
+                0,
+                [s.page for s in slots],
+                [s.span.start for s in slots],
+                [s.span.num_tokens for s in slots],
+            )
+        case wire.Commit(store_id=store_id, ok=ok):
+            if session.store is None or session.store[0] != store_id:
+                raise ProtocolError(f"Commit({store_id}) of a store that was never reserved")
+            _, rid, slots = session.store
+            session.store = None
+            session.forget(rid)
+            try:
+                return wire.Stored(engine.commit_pages(rid, slots) if ok else 0)
+            finally:
+                engine.end_request(rid)  # commit_pages ended it already; again is a no-op
+        case wire.EndRequest(request_id=rid):
+            server_rid = session.request_id(rid)
+            session.forget(server_rid)
+            return wire.Ended(engine.end_request(server_rid))
+        case wire.GetStats():
+            server = {**info(), "admin_url": session.slot.admin_url if session.slot else None}
+            return wire.StatsReply({**engine.stats(), "server": server})
+        case wire.CheckInvariants():
+            return wire.Problems(engine.check_invariants())
+        case wire.Flush(timeout=timeout):
+            return wire.Ended(engine.flush(timeout))
+        case wire.RecordTTFT(seconds=seconds, prompt_tokens=prompt, hit_tokens=hit):
+            engine.record_ttft(seconds, prompt_tokens=prompt, hit_tokens=hit)
+            return wire.Ended(True)
+        case wire.Hello():
+            raise ProtocolError("a second Hello on one connection")
+        case _:
+            raise ProtocolError(f"{type(message).__name__} is a server message, not a request")
+
+
+def _tokens(raw: bytes) -> np.ndarray:
+    if len(raw) % 4:
+        raise ProtocolError(f"tokens field of {len(raw)} bytes is not whole int32 values")
+    return np.frombuffer(raw, dtype="<i4")

@@ -1,0 +1,270 @@
+"""The kvtier server protocol: framed, versioned, size-bounded msgspec messages (never pickle).
+
+A frame on the wire (a Unix stream socket)::
+
+    +---------+---------+-------------+----------------------------+
+    | "KVS"   | version | body length | body: msgpack of a message |
+    | 3 bytes | 1 byte  | u32 (BE)    | <= MAX_BODY_BYTES          |
+    +---------+---------+-------------+----------------------------+
+
+Only control messages cross the socket; KV bytes never do. Each model (fingerprint) has a
+page buffer in shared memory (a memfd), passed to the client once, with ``SCM_RIGHTS``, on
+the Welcome frame; both sides map it. One connection, one request at a time, every request
+answered by exactly one reply::
+
+    client                                       server
+    Hello(version, fingerprint, layout, ...) ->  checks version, peer uid, fingerprint; finds
+                                                 or makes the model's engine
+                                             <-  Welcome(num_pages, page_bytes) + memfd
+                                                 | Refused(message), then closes
+    Lookup(rid, tokens, skip)                ->  pins the hit prefix in lease (conn, rid)
+                                             <-  Hit(tokens)
+    Retrieve(rid, tokens, skip)              ->  makes the hit resident in pages of the lease
+                                             <-  Pages(end, pages, starts, counts)
+      client copies each page out of the shared buffer (the one copy)
+    Reserve(store_id, tokens, skip)          ->  a page per chunk not held, in lease (conn, #id)
+                                             <-  Pages(0, pages, starts, counts)
+      client copies its KV into each page (the one copy)
+    Commit(store_id, ok)                     ->  publishes the pages (ok) or gives them back
+                                             <-  Stored(chunks)
+    EndRequest(rid)                          ->  <- Ended(ok)
+    GetStats / CheckInvariants / Flush / RecordTTFT -> <- StatsReply / Problems / Flushed / Ended
+
+A bad magic, an unknown version, a length above :data:`MAX_BODY_BYTES`, a truncated or
+stalled frame, a body that is not one of these messages, or a message out of order raises
+:class:`ProtocolError`; the server logs it, closes that connection and releases everything
+the connection held. Other connections never notice.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any
+
+import msgspec
+
+from kvtier.errors import ProtocolError, TransferError, TransferTimeout
+
+MAGIC = b"KVS"
+VERSION = 1
+HEADER = struct.Struct("!3sBI")
+MAX_BODY_BYTES = 4 << 20  # a 1M-token prompt as int32; anything bigger is abuse
+STALL_TIMEOUT_S = 10.0  # a frame begun must end within this (between frames: no limit)
+
+
+# -- client -> server -----------------------------------------------------------------------
+class Hello(msgspec.Struct, tag=True):
+    version: int
+    fingerprint: str  # Fingerprint.hex() as the client computed it
+    model_name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    chunk_size: int
+    hash_algorithm: str
+    tp_rank: int
+    tp_world_size: int
+    cache_salt: str
+    save_unfull_chunk: bool
+
+
+class Lookup(msgspec.Struct, tag=True):
+    request_id: str
+    tokens: bytes  # int32 little-endian
+    skip: int = 0
+
+
+class Retrieve(msgspec.Struct, tag=True):
+    request_id: str
+    tokens: bytes
+    skip: int = 0
+
+
+class Reserve(msgspec.Struct, tag=True):
+    store_id: int
+    tokens: bytes
+    skip: int = 0
+
+
+class Commit(msgspec.Struct, tag=True):
+    store_id: int
+    ok: bool = True  # False: the client could not fill the pages; give them back unstored
+
+
+class EndRequest(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class GetStats(msgspec.Struct, tag=True):
+    pass
+
+
+class CheckInvariants(msgspec.Struct, tag=True):
+    pass
+
+
+class Flush(msgspec.Struct, tag=True):
+    timeout: float | None = None
+
+
+class RecordTTFT(msgspec.Struct, tag=True):
+    seconds: float
+    prompt_tokens: int
+    hit_tokens: int
+
+
+# -- server -> client -----------------------------------------------------------------------
+class Welcome(msgspec.Struct, tag=True):
+    num_pages: int
+    page_bytes: int
+    server_pid: int
+
+
+class Refused(msgspec.Struct, tag=True):
+    message: str
+
+
+class Hit(msgspec.Struct, tag=True):
+    tokens: int
+
+
+class Pages(msgspec.Struct, tag=True):
+    end: int  # Retrieve: end of the loaded prefix
+    pages: list[int]
+    starts: list[int]  # first token of each page's chunk
+    counts: list[int]  # tokens in each page
+
+
+class Stored(msgspec.Struct, tag=True):
+    chunks: int
+
+
+class Ended(msgspec.Struct, tag=True):
+    ok: bool
+
+
+class StatsReply(msgspec.Struct, tag=True):
+    stats: dict[str, Any]
+
+
+class Problems(msgspec.Struct, tag=True):
+    problems: list[str]
+
+
+class Failed(msgspec.Struct, tag=True):
+    """A well-formed request the server could not serve; the connection stays open."""
+
+    kind: str  # "input" (the caller's arguments), "state", "tier"
+    message: str
+
+
+Request = (
+    Hello
+    | Lookup
+    | Retrieve
+    | Reserve
+    | Commit
+    | EndRequest
+    | GetStats
+    | CheckInvariants
+    | Flush
+    | RecordTTFT
+)
+Reply = Welcome | Refused | Hit | Pages | Stored | Ended | StatsReply | Problems | Failed
+Message = Request | Reply
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    body = _encoder.encode(message)
+    if len(body) > MAX_BODY_BYTES:
+        raise ProtocolError(
+            f"{type(message).__name__} is {len(body)} bytes; the limit is {MAX_BODY_BYTES}"
+        )
+    return HEADER.pack(MAGIC, VERSION, len(body)) + body
+
+
+def parse_header(header: bytes | bytearray | memoryview) -> int:
+    """The body length a frame header announces, after checking magic, version and bound."""
+    magic, version, length = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad frame magic {magic!r} (expected {MAGIC!r}): not a kvtier client")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version} is not this side's {VERSION}")
+    if length > MAX_BODY_BYTES:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_BODY_BYTES}-byte limit")
+    return int(length)
+
+
+def decode_body(body: bytes | bytearray | memoryview) -> Message:
+    try:
+        message: Message = _decoder.decode(body)
+        return message
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed message: {exc}") from None
+
+
+class FrameReader:
+    """Reads whole frames from a blocking socket, keeping any bytes past the current frame.
+
+    Waiting for a frame to begin has no time limit (a client may idle); once one has begun,
+    the rest must arrive within ``stall_timeout`` or the frame counts as truncated.
+    """
+
+    def __init__(self, sock: socket.socket, stall_timeout: float = STALL_TIMEOUT_S) -> None:
+        self.sock = sock
+        self.stall_timeout = stall_timeout
+        self._buf = bytearray()
+        self._idle_timeout = sock.gettimeout()
+
+    def feed(self, data: bytes) -> None:
+        """Bytes already taken off the socket (e.g. by ``recv_fds``) that belong to frames."""
+        self._buf += data
+
+    def read(self) -> Message | None:
+        """The next message, or None when the peer closed the connection between frames."""
+        while len(self._buf) < HEADER.size:
+            if not self._recv(partial=bool(self._buf)):
+                if not self._buf:
+                    return None
+                raise ProtocolError(f"truncated frame header ({len(self._buf)} bytes, then EOF)")
+        length = parse_header(memoryview(self._buf)[: HEADER.size])
+        end = HEADER.size + length
+        while len(self._buf) < end:
+            if not self._recv(partial=True):
+                got = len(self._buf) - HEADER.size
+                raise ProtocolError(f"truncated frame body ({got} of {length} bytes, then EOF)")
+        body = bytes(memoryview(self._buf)[HEADER.size : end])
+        del self._buf[:end]
+        return decode_body(body)
+
+    def _recv(self, *, partial: bool) -> bool:
+        sock = self.sock
+        try:
+            if partial:
+                sock.settimeout(self.stall_timeout)
+            data = sock.recv(1 << 16)
+        except TimeoutError:
+            raise ProtocolError(
+                f"frame stalled: no byte for {self.stall_timeout:g} s in the middle of a frame"
+            ) from None
+        except OSError as exc:
+            raise TransferError(f"connection lost while receiving: {exc}") from None
+        finally:
+            if partial:
+                sock.settimeout(self._idle_timeout)
+        self._buf += data
+        return bool(data)
+
+
+def send(sock: socket.socket, message: Message) -> None:
+    try:
+        sock.sendall(encode(message))
+    except TimeoutError:
+        raise TransferTimeout("peer did not accept a message in time") from None
+    except OSError as exc:
+        raise TransferError(f"connection lost while sending: {exc}") from None

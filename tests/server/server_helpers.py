@@ -1,0 +1,149 @@
+"""A real ``kvtier server`` process for tests, and clients that talk to it.
+
+The server runs as ``python -m kvtier.cli.main server`` (the command users run), its config
+from the environment, its log in a file the test can read. Socket paths live in a short
+directory under /tmp: a Unix socket path is limited to 107 bytes, and pytest's tmp_path can
+be longer than that.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvtier import Config, KVLayout
+from kvtier.server.client import ServerClient
+from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+class ServerProcess:
+    """``kvtier server`` in a child process. ``config``: KVTIER_<KEY> environment values."""
+
+    def __init__(self, directory: str, **config: object) -> None:
+        self.directory = directory
+        self.path = os.path.join(directory, "kvtier.sock")
+        self.url = f"unix://{self.path}"
+        self.log_path = os.path.join(directory, f"server-{time.monotonic_ns()}.log")
+        self.env = {
+            k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "LMCACHE_"))
+        }
+        self.env["PYTHONPATH"] = SRC + os.pathsep + self.env.get("PYTHONPATH", "")
+        self.env.update({f"KVTIER_{k.upper()}": str(v) for k, v in config.items()})
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> ServerProcess:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvtier.cli.main", "server", "--socket", self.path],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + timeout
+        while not self._answers():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server not listening after {timeout} s:\n{self.log()}")
+            time.sleep(0.05)
+        return self
+
+    def _answers(self) -> bool:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(self.path)
+            return True
+        except OSError:
+            return False
+        finally:
+            probe.close()
+
+    def log(self) -> str:
+        return Path(self.log_path).read_text(errors="replace")
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM (drain), and the exit status."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL: no drain, no cleanup (the socket file stays behind)."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def short_tempdir() -> str:
+    return tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
+
+
+def remove_tempdir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def client_config(**overrides: object) -> Config:
+    values: dict[str, object] = {"chunk_size": SMALL_CHUNK, "blocking_timeout_secs": 10.0}
+    values.update(overrides)
+    return Config.load(overrides=values, env={})
+
+
+def open_client(
+    url: str,
+    layout: KVLayout = SMALL_LAYOUT,
+    model_name: str = "test-model",
+    max_backoff: float = 0.2,
+    **overrides: object,
+) -> ServerClient:
+    client = ServerClient(
+        url,
+        layout,
+        model_name=model_name,
+        config=client_config(**overrides),
+        max_backoff=max_backoff,
+    )
+    return client.open()
+
+
+def wait_until(condition: object, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def idle_server_state(client: ServerClient) -> dict[str, object]:
+    """What a server with no request open must look like for this client's model."""
+    stats = client.stats()
+    assert stats["connected"], "the checking client is not connected"
+    return {
+        "open_requests": stats["open_requests"],
+        "pinned_pages": stats["pinned_pages"],
+        "pages_used_minus_cached": stats["allocator"]["pages_used"]
+        - stats["tiers"]["cpu"]["entries"],
+        "problems": client.check_invariants(),
+    }
+
+
+IDLE = {"open_requests": 0, "pinned_pages": 0, "pages_used_minus_cached": 0, "problems": []}
+
+
+def zeros_like_kv(num_tokens: int) -> torch.Tensor:
+    return torch.zeros(SMALL_LAYOUT.kv_shape(num_tokens), dtype=SMALL_LAYOUT.dtype)

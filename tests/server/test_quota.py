@@ -1,0 +1,47 @@
+"""Per-tenant quotas: a tenant's engines together hold at most server_tenant_quota bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens
+from tests.server.server_helpers import ServerProcess, open_client, remove_tempdir, short_tempdir
+
+CHUNK_BYTES = SMALL_LAYOUT.chunk_bytes(SMALL_CHUNK)
+
+
+@pytest.fixture
+def quota_server() -> Iterator[ServerProcess]:
+    directory = short_tempdir()
+    proc = ServerProcess(
+        directory,
+        max_local_cpu_size=f"{8 * CHUNK_BYTES}B",
+        server_tenant_quota=f"{10 * CHUNK_BYTES}B",
+    ).start()
+    yield proc
+    proc.stop()
+    remove_tempdir(directory)
+
+
+def test_a_tenant_holds_at_most_its_quota(quota_server: ServerProcess) -> None:
+    url = quota_server.url
+    first = open_client(url, model_name="a", cache_salt="t1")
+    second = open_client(url, model_name="b", cache_salt="t1")  # what is left: 2 chunks
+    third = open_client(url, model_name="c", cache_salt="t1")  # nothing left: refused
+    other = open_client(url, model_name="a", cache_salt="t2")  # another tenant: its own quota
+    try:
+        assert first.stats()["allocator"]["pages_total"] == 8
+        assert second.stats()["allocator"]["pages_total"] == 2
+        assert not third.connected
+        assert third.lookup(make_tokens(32), "r") == 0  # a miss, never an error
+        assert "server_tenant_quota" in quota_server.log()
+        assert other.stats()["allocator"]["pages_total"] == 8
+        # the quota is enforced by capacity: a store beyond it evicts or drops, never grows
+        tokens = make_tokens(4 * SMALL_CHUNK, 9)
+        assert second.store(tokens, make_kv(4 * SMALL_CHUNK, 9)) == 2
+        assert second.stats()["allocator"]["pages_used"] == 2
+    finally:
+        for client in (first, second, third, other):
+            client.close()
