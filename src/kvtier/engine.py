@@ -377,6 +377,14 @@ class Engine:
             raise
         lease.take_hold(hold)
 
+    def expire_unclaimed(self, ttl: float) -> list[str]:
+        """End the requests that only a PD receiver opened (:meth:`attach_hold`) and that
+        no lookup claimed within ``ttl`` seconds: cancelled upstream, routed to another
+        decoder, or never real. Their reservations go back to the buffer, once; a later
+        ``end_request`` for them is a no-op. Returns their ids."""
+        _, leases = self._open_parts()
+        return leases.expire_unclaimed(ttl)
+
     # -- helpers ---------------------------------------------------------------------------
     def _spans(self, tokens: object, skip_leading_tokens: int) -> list[ChunkSpan]:
         check_skip(skip_leading_tokens)

@@ -14,6 +14,17 @@ One thread accepts connections; one thread per connection runs the protocol of
    recorded for the decoder (``wait_outcome``); on every failure the reservation is released
    at once (the lease's later release is then a no-op).
 
+What a peer must do before any of that, and what bounds it (docs/security.md):
+
+* prove it knows ``pd_auth_token`` (:mod:`kvtier.pd.auth`); without a token the receiver
+  refuses to listen beyond loopback;
+* at most ``pd_max_connections`` connections at once: more are closed as they arrive;
+* a deadline per wait, enforced by a watchdog thread that shuts the socket down past it: the
+  handshake and each message of a request within ``pd_message_timeout_sec``, the next
+  request within ``pd_idle_timeout_sec``;
+* a request the decoder has not looked up ``pd_reservation_ttl_sec`` after its reservation
+  arrived is ended by the same watchdog (``expire_unclaimed``): its pages go back, once.
+
 Threads start in :meth:`open` and stop in :meth:`close`.
 """
 
@@ -21,28 +32,40 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import socket
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier.config import Config
-from kvtier.errors import ProtocolError, StateError, TransferError, TransferTimeout
+from kvtier.errors import (
+    AuthError,
+    KVTierError,
+    ProtocolError,
+    StateError,
+    TransferError,
+    TransferTimeout,
+)
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.lease import Hold
+from kvtier.pd.auth import NONCE_BYTES, RECEIVER, SENDER, check_listen, new_nonce, proof, verify
 from kvtier.pd.buffer import PDBuffer, Reservation, TooLarge
 from kvtier.pd.protocol import (
     Abort,
     AllocReply,
     AllocRequest,
+    Challenge,
     ChunkSent,
     DoneReply,
     ErrorReply,
     Hello,
     HelloReply,
     Message,
+    Proof,
     RequestDone,
     recv_message,
     send_message,
@@ -51,8 +74,10 @@ from kvtier.pd.protocol import (
 log = logging.getLogger(__name__)
 
 MAX_UNCOLLECTED_OUTCOMES = 10_000
+WATCH_INTERVAL = 0.2  # how late past its deadline a stalled connection may be closed
 
 Attach = Callable[[str, Hold], None]
+Expire = Callable[[float], list[str]]
 
 
 class ReceiverHost(Protocol):
@@ -66,6 +91,8 @@ class ReceiverHost(Protocol):
 
     def attach_hold(self, request_id: str, hold: Hold) -> None: ...
 
+    def expire_unclaimed(self, ttl: float) -> list[str]: ...
+
 
 @dataclass(frozen=True, slots=True)
 class TransferOutcome:
@@ -76,6 +103,17 @@ class TransferOutcome:
     chunks: int = 0  # chunks received and published
     held: int = 0  # chunks the decoder already had
     nbytes: int = 0
+
+
+@dataclass
+class _Conn:
+    """One sender connection and the deadline the watchdog holds it to."""
+
+    sock: socket.socket
+    peer: str
+    deadline: float  # time.monotonic(); past it the watchdog shuts the socket down
+    waiting_for: str  # what the deadline is for (the log line when it passes)
+    overdue: str = ""  # set by the watchdog when it closed the connection
 
 
 @dataclass
@@ -100,23 +138,38 @@ class PDReceiver:
         alloc_timeout: float,
         attach: Attach,
         io_timeout: float = 30.0,
+        idle_timeout: float = 300.0,
+        max_connections: int = 64,
+        auth_token: str | None = None,
+        reservation_ttl: float = 120.0,
+        expire: Expire | None = None,
     ) -> None:
         self.tier = tier
         self.fingerprint = fingerprint
         self.host = host
         self.port = port
         self.alloc_timeout = alloc_timeout
-        self.io_timeout = io_timeout
+        self.io_timeout = io_timeout  # the handshake, and each message of a request
+        self.idle_timeout = idle_timeout  # between requests
+        self.max_connections = max_connections
+        self.auth_token = auth_token
+        self.reservation_ttl = reservation_ttl
         self._attach = attach
+        self._expire = expire
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, _Conn] = {}
         # Outcomes wait here until the decoder asks (wait_outcome); one it never asks for
         # (the request went away) must not stay forever, so only the newest are kept.
         self._outcomes: OrderedDict[str, TransferOutcome] = OrderedDict()
         self._cond = threading.Condition()
         self._closed = False
         self.protocol_errors = 0
+        self.auth_failures = 0
+        self.refused_connections = 0  # over pd_max_connections
+        self.timeouts = 0  # connections closed past a deadline
+        self.expired_reservations = 0
+        self._last_refusal_log = -math.inf
 
     @classmethod
     def for_engine(
@@ -135,16 +188,30 @@ class PDReceiver:
             port=ports[0] if port is None else port,
             alloc_timeout=cfg.pd_allocation_timeout_sec,
             attach=engine.attach_hold,
+            io_timeout=cfg.pd_message_timeout_sec,
+            idle_timeout=cfg.pd_idle_timeout_sec,
+            max_connections=cfg.pd_max_connections,
+            auth_token=cfg.pd_auth_token,
+            reservation_ttl=cfg.pd_reservation_ttl_sec,
+            expire=engine.expire_unclaimed,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> PDReceiver:
+        """Listen and serve. Raises ConfigError, before binding anything, when the host is
+        beyond loopback and there is no ``pd_auth_token``."""
+        check_listen(self.host, self.auth_token)
         listener = socket.create_server((self.host, self.port), reuse_port=False)
         self.port = listener.getsockname()[1]
         self._listener = listener
         self._spawn(self._accept_loop, "kvtier-pd-accept")
+        self._spawn(self._watch, "kvtier-pd-watchdog")
         log.info(
-            "PD receiver listening on %s:%d (%s)", self.host, self.port, self.tier.channel.name
+            "PD receiver listening on %s:%d (%s, %s)",
+            self.host,
+            self.port,
+            self.tier.channel.name,
+            "peers must prove pd_auth_token" if self.auth_token else "loopback, no token",
         )
         return self
 
@@ -204,45 +271,136 @@ class PDReceiver:
                 conn, peer = self._listener.accept()
             except OSError:
                 return  # closed
+            where = f"{peer[0]}:{peer[1]}"
             with self._cond:
                 if self._closed:
                     conn.close()
                     return
-                self._conns.add(conn)
+                full = len(self._conns) >= self.max_connections
+                if full:
+                    self.refused_connections += 1
+                else:
+                    deadline = time.monotonic() + self.io_timeout
+                    handshake = f"no handshake within {self.io_timeout:g}s"
+                    state = self._conns[conn] = _Conn(conn, where, deadline, handshake)
+            if full:
+                self._refuse(conn, where)
+                continue
             self._threads = [t for t in self._threads if t.is_alive()]
-            self._spawn(self._serve, f"kvtier-pd-conn-{peer[1]}", conn, f"{peer[0]}:{peer[1]}")
+            self._spawn(self._serve, f"kvtier-pd-conn-{peer[1]}", state)
 
-    def _serve(self, conn: socket.socket, peer: str) -> None:
-        conn.settimeout(
-            None
-        )  # idle senders may wait between requests; reads inside a request time out
+    def _refuse(self, conn: socket.socket, peer: str) -> None:
+        conn.close()
+        now = time.monotonic()
+        if now - self._last_refusal_log >= 10.0:  # one line per 10 s under a flood
+            self._last_refusal_log = now
+            log.warning(
+                "PD connection from %s refused: %d connections open (pd_max_connections); "
+                "%d refused so far",
+                peer,
+                self.max_connections,
+                self.refused_connections,
+            )
+
+    def _serve(self, state: _Conn) -> None:
+        conn = state.sock
+        conn.settimeout(None)  # the watchdog bounds every wait (see _await)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         current: _InFlight | None = None
         try:
-            self._handshake(conn)
+            self._handshake(state)
             while True:
+                if current is None:
+                    limit = self.idle_timeout
+                    self._await(state, limit, f"idle for {limit:g}s between requests")
+                else:
+                    rid, limit = current.request.request_id, self.io_timeout
+                    self._await(state, limit, f"request {rid!r}: no next message within {limit:g}s")
                 msg = recv_message(conn)
                 if msg is None:
+                    if state.overdue:
+                        raise TransferTimeout(state.overdue)
                     if current is not None:
                         raise TransferError("sender disconnected mid-request")
                     return
-                current = self._handle(conn, msg, current)
-        except ProtocolError as exc:
-            self.protocol_errors += 1
-            log.error("PD connection from %s closed: %s", peer, exc)
-            self._fail(current, f"protocol error: {exc}")
-        except TransferError as exc:
-            log.warning("PD connection from %s closed: %s", peer, exc)
-            self._fail(current, str(exc))
+                current = self._handle(state, msg, current)
+        except TransferError as exc:  # ProtocolError and AuthError are TransferErrors
+            self._closed_on(state, current, exc)
         finally:
             with self._cond:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
             conn.close()
 
-    def _handshake(self, conn: socket.socket) -> None:
+    def _closed_on(self, state: _Conn, current: _InFlight | None, exc: TransferError) -> None:
+        if state.overdue:  # whatever the read saw, the cause is the deadline
+            self.timeouts += 1
+            log.warning("PD connection from %s closed: %s", state.peer, state.overdue)
+            self._fail(current, state.overdue)
+        elif isinstance(exc, AuthError):
+            self.auth_failures += 1
+            log.warning("PD connection from %s refused: %s", state.peer, exc)
+        elif isinstance(exc, ProtocolError):
+            self.protocol_errors += 1
+            log.error("PD connection from %s closed: %s", state.peer, exc)
+            self._fail(current, f"protocol error: {exc}")
+        else:
+            log.warning("PD connection from %s closed: %s", state.peer, exc)
+            self._fail(current, str(exc))
+
+    # -- deadlines -------------------------------------------------------------------------
+    def _await(self, state: _Conn, seconds: float, overdue: str) -> None:
+        """From now, the peer has ``seconds`` (inf: no limit) for its next step; past it the
+        connection is closed, logged as ``overdue``."""
+        with self._cond:
+            state.deadline = time.monotonic() + seconds
+            state.waiting_for = overdue
+
+    def _watch(self) -> None:
+        """Close connections past their deadline; end requests the decoder never claimed.
+
+        One thread for every connection: a blocked ``recv`` returns once its socket is shut
+        down, so each serving thread then releases what its request held and exits."""
+        next_sweep = time.monotonic()
+        sweep_every = min(1.0, self.reservation_ttl / 4)
+        while True:
+            with self._cond:
+                if self._cond.wait_for(lambda: self._closed, WATCH_INTERVAL):
+                    return
+                now = time.monotonic()
+                overdue = [s for s in self._conns.values() if not s.overdue and now > s.deadline]
+                for state in overdue:
+                    state.overdue = state.waiting_for
+            for state in overdue:
+                with contextlib.suppress(OSError):
+                    state.sock.shutdown(socket.SHUT_RDWR)
+            if self._expire is not None and now >= next_sweep:
+                next_sweep = now + sweep_every
+                self._sweep_reservations()
+
+    def _sweep_reservations(self) -> None:
+        assert self._expire is not None
+        try:
+            expired = self._expire(self.reservation_ttl)
+        except KVTierError as exc:  # the engine is closing
+            log.debug("PD reservation sweep skipped: %s", exc)
+            return
+        self.expired_reservations += len(expired)
+        for rid in expired:
+            log.warning(
+                "PD reservation for request %r freed: the decoder did not look it up within "
+                "%gs (pd_reservation_ttl_sec)",
+                rid,
+                self.reservation_ttl,
+            )
+
+    # -- handshake -------------------------------------------------------------------------
+    def _handshake(self, state: _Conn) -> None:
+        conn = state.sock
         hello = recv_message(conn)
         if not isinstance(hello, Hello):
             raise ProtocolError(f"expected Hello, got {type(hello).__name__}")
+        if self.auth_token is not None:
+            self._authenticate(conn, hello, self.auth_token)
         tier = self.tier
         if hello.fingerprint != self.fingerprint:
             raise ProtocolError(
@@ -257,15 +415,29 @@ class PDReceiver:
         extra = tier.channel.greet(hello)
         send_message(conn, HelloReply(tier.num_pages, tier.page_bytes, **extra))
 
-    def _handle(
-        self, conn: socket.socket, msg: Message, current: _InFlight | None
-    ) -> _InFlight | None:
+    def _authenticate(self, conn: socket.socket, hello: Hello, token: str) -> None:
+        """The receiver's half of :mod:`kvtier.pd.auth`; AuthError when the peer fails."""
+        if len(hello.nonce) != NONCE_BYTES:
+            _tell_unauthorized(conn, "this PD receiver requires pd_auth_token")
+            raise AuthError("the sender sent no challenge (it has no pd_auth_token)")
+        nonce = new_nonce()
+        send_message(conn, Challenge(nonce, proof(token, RECEIVER, hello.nonce, nonce)))
+        answer = recv_message(conn)
+        if not isinstance(answer, Proof) or not verify(
+            token, SENDER, hello.nonce, nonce, answer.proof
+        ):
+            _tell_unauthorized(conn, "authentication failed: pd_auth_token differs")
+            raise AuthError("the sender failed authentication (another pd_auth_token?)")
+
+    # -- serving ---------------------------------------------------------------------------
+    def _handle(self, state: _Conn, msg: Message, current: _InFlight | None) -> _InFlight | None:
+        conn = state.sock
         if isinstance(msg, AllocRequest):
             if current is not None:
                 raise ProtocolError(
                     f"AllocRequest {msg.request_id!r} while {current.request.request_id!r} is open"
                 )
-            return self._allocate(conn, msg)
+            return self._allocate(state, msg)
         if current is None or getattr(msg, "request_id", None) != current.request.request_id:
             raise ProtocolError(
                 f"{type(msg).__name__} for a request that is not in flight on this connection"
@@ -276,8 +448,14 @@ class PDReceiver:
         if isinstance(msg, RequestDone):
             if current.pending:
                 raise ProtocolError(f"RequestDone with {len(current.pending)} chunks never sent")
-            ok = not current.corrupt
-            message = "" if ok else f"chunks {current.corrupt} failed their checksum"
+            ok = not current.corrupt and not current.reservation.released
+            if current.reservation.released:
+                message = (
+                    "the reservation was released before the transfer completed (the request "
+                    "ended, or nobody looked it up within pd_reservation_ttl_sec)"
+                )
+            else:
+                message = "" if ok else f"chunks {current.corrupt} failed their checksum"
             self._record(
                 msg.request_id,
                 TransferOutcome(ok, message, current.chunks, current.held, current.nbytes),
@@ -289,9 +467,11 @@ class PDReceiver:
             return None
         raise ProtocolError(f"unexpected {type(msg).__name__} from a sender")
 
-    def _allocate(self, conn: socket.socket, req: AllocRequest) -> _InFlight | None:
+    def _allocate(self, state: _Conn, req: AllocRequest) -> _InFlight | None:
+        conn = state.sock
         _validate(req, self.tier)
         rid = req.request_id
+        self._await(state, math.inf, "")  # waiting for room is the receiver's wait
         try:
             reservation, held = self.tier.reserve(rid, req.keys, req.num_tokens, self.alloc_timeout)
         except (TransferTimeout, TooLarge) as exc:
@@ -300,6 +480,9 @@ class PDReceiver:
             self._record(rid, TransferOutcome(False, str(exc)))
             send_message(conn, ErrorReply(rid, kind, str(exc)))
             return None
+        finally:  # the reply: the peer's to take
+            limit = self.io_timeout
+            self._await(state, limit, f"request {rid!r}: reply not taken within {limit:g}s")
         try:
             self._attach(rid, reservation)
         except StateError as exc:  # the decoder ended the request meanwhile: already released
@@ -344,6 +527,12 @@ class PDReceiver:
             current.request.request_id,
             TransferOutcome(False, reason, current.chunks, current.held, current.nbytes),
         )
+
+
+def _tell_unauthorized(conn: socket.socket, message: str) -> None:
+    # Said so a misconfigured sender gets a clear error; the connection closes either way.
+    with contextlib.suppress(TransferError):
+        send_message(conn, ErrorReply("", "unauthorized", message))
 
 
 def _validate(req: AllocRequest, tier: PDBuffer) -> None:
