@@ -278,7 +278,7 @@ def test_sender_reconnects_after_the_receiver_drops_it(
         send_one(tx, "b", tokens)  # seen before the request starts: a fresh connection
         decode(engine, receiver, "b", tokens)
         tx._sock.shutdown(socket.SHUT_WR)  # half-broken: the receiver hangs up on it
-        wait_until(lambda: not receiver._conns)
+        wait_until(lambda: not len(receiver.guard))
         send_one(tx, "c", tokens)
         decode(engine, receiver, "c", tokens)
     assert_all_free(engine)

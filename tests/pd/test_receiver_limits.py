@@ -162,17 +162,17 @@ def test_half_sent_frames_are_dropped_and_connections_are_capped(
         sock = socket.create_connection(("127.0.0.1", receiver.port), timeout=5.0)
         sock.sendall(b"KVP")
         stalled.append(sock)
-    wait_until(lambda: len(receiver._conns) == 4)
+    wait_until(lambda: len(receiver.guard) == 4)
     extra = socket.create_connection(("127.0.0.1", receiver.port), timeout=5.0)
     assert hung_up(extra)  # over the cap: closed at once
     extra.close()
-    assert receiver.refused_connections == 1
+    assert receiver.guard.refused == 1
     start = time.monotonic()
     for sock in stalled:  # dropped at the message deadline
         assert hung_up(sock)
         sock.close()
     assert time.monotonic() - start < 3.0
-    wait_until(lambda: receiver.timeouts == 4 and not receiver._conns)
+    wait_until(lambda: receiver.guard.timeouts == 4 and not len(receiver.guard))
     tokens = request_tokens(4)
     with sender(channel, receiver.port, token=TOKEN) as tx:
         send_one(tx, "real", tokens)
@@ -203,7 +203,7 @@ def test_a_byte_at_a_time_is_still_one_message_deadline(
     assert closed.is_set() or hung_up(sock)
     assert time.monotonic() - start < 2.5
     sock.close()
-    wait_until(lambda: receiver.timeouts == 1)
+    wait_until(lambda: receiver.guard.timeouts == 1)
     assert_all_free(engine)
 
 
@@ -215,7 +215,7 @@ def test_an_idle_connection_is_closed_and_the_sender_reconnects(
     with sender("tcp", receiver.port, token=TOKEN) as tx:
         send_one(tx, "a", tokens)
         assert loads_exactly(engine, "a", tokens)
-        wait_until(lambda: receiver.timeouts == 1 and not receiver._conns)
+        wait_until(lambda: receiver.guard.timeouts == 1 and not len(receiver.guard))
         send_one(tx, "b", tokens)  # a fresh connection, transparently
     assert loads_exactly(engine, "b", tokens)
     assert_all_free(engine)
@@ -225,7 +225,7 @@ def test_a_stalled_handshake_does_not_block_close(make_decoder: Callable[..., De
     _, receiver = make_decoder("tcp")
     sock = socket.create_connection(("127.0.0.1", receiver.port), timeout=5.0)
     sock.sendall(b"K")
-    wait_until(lambda: len(receiver._conns) == 1)
+    wait_until(lambda: len(receiver.guard) == 1)
     start = time.monotonic()
     receiver.close()
     assert time.monotonic() - start < 2.0

@@ -22,13 +22,23 @@ the PD port on a network you trust or inside a tunnel (docs/security.md).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import ipaddress
 import secrets
 import socket
 
-from kvtier.errors import ConfigError
+from kvtier.errors import AuthError, ConfigError, TransferError
+from kvtier.pd.protocol import (
+    Challenge,
+    ErrorReply,
+    Hello,
+    Message,
+    Proof,
+    recv_message,
+    send_message,
+)
 
 NONCE_BYTES = 32
 SENDER = "sender"
@@ -83,3 +93,53 @@ def check_listen(host: str, token: str | None) -> None:
             f"{host or 'every interface'!r}, beyond loopback: without one anyone who can reach "
             "the port can write KV into the decoder's cache (see docs/security.md)",
         )
+
+
+# -- the two halves of the handshake, on a connected socket ---------------------------------
+def challenge_sender(conn: socket.socket, hello: Hello, token: str) -> None:
+    """The receiver's half, after the sender's Hello: raises :class:`AuthError` (having told
+    the sender why) unless the sender proves ``token``."""
+    if len(hello.nonce) != NONCE_BYTES:
+        _tell_unauthorized(conn, "this PD receiver requires pd_auth_token")
+        raise AuthError("the sender sent no challenge (it has no pd_auth_token)")
+    nonce = new_nonce()
+    send_message(conn, Challenge(nonce, proof(token, RECEIVER, hello.nonce, nonce)))
+    answer = recv_message(conn)
+    if not isinstance(answer, Proof) or not verify(token, SENDER, hello.nonce, nonce, answer.proof):
+        _tell_unauthorized(conn, "authentication failed: pd_auth_token differs")
+        raise AuthError("the sender failed authentication (another pd_auth_token?)")
+
+
+def answer_challenge(
+    sock: socket.socket, nonce: bytes, token: str | None, where: str
+) -> Message | None:
+    """The sender's half, after its Hello carrying ``nonce``: checks the receiver's proof,
+    sends its own, and returns the receiver's next message (its HelloReply, normally).
+    Raises :class:`AuthError` when either side cannot prove the token, or has none while
+    the other has one (``where`` names the receiver in the message)."""
+    reply = recv_message(sock)
+    _raise_if_refused(reply, where)
+    if token is None:
+        if isinstance(reply, Challenge):
+            raise AuthError(f"{where} requires pd_auth_token (KVTIER_PD_AUTH_TOKEN)")
+        return reply
+    if not isinstance(reply, Challenge):
+        # Mutual: KV goes only to a receiver that knows the token too.
+        raise AuthError(f"{where} did not prove it knows pd_auth_token (it has none?)")
+    if not verify(token, RECEIVER, nonce, reply.nonce, reply.proof):
+        raise AuthError(f"{where} failed authentication: its pd_auth_token differs")
+    send_message(sock, Proof(proof(token, SENDER, nonce, reply.nonce)))
+    answer = recv_message(sock)
+    _raise_if_refused(answer, where)
+    return answer
+
+
+def _raise_if_refused(msg: Message | None, where: str) -> None:
+    if isinstance(msg, ErrorReply) and msg.kind == "unauthorized":
+        raise AuthError(f"{where} refused this sender: {msg.message}")
+
+
+def _tell_unauthorized(conn: socket.socket, message: str) -> None:
+    # Said so that a misconfigured sender gets a clear error; the connection closes anyway.
+    with contextlib.suppress(TransferError):
+        send_message(conn, ErrorReply("", "unauthorized", message))

@@ -19,11 +19,11 @@ What a peer must do before any of that, and what bounds it (docs/security.md):
 * prove it knows ``pd_auth_token`` (:mod:`kvtier.pd.auth`); without a token the receiver
   refuses to listen beyond loopback;
 * at most ``pd_max_connections`` connections at once: more are closed as they arrive;
-* a deadline per wait, enforced by a watchdog thread that shuts the socket down past it: the
-  handshake and each message of a request within ``pd_message_timeout_sec``, the next
+* a deadline per wait (:mod:`kvtier.pd.guard`: its watchdog shuts the socket down past it):
+  the handshake and each message of a request within ``pd_message_timeout_sec``, the next
   request within ``pd_idle_timeout_sec``;
 * a request the decoder has not looked up ``pd_reservation_ttl_sec`` after its reservation
-  arrived is ended by the same watchdog (``expire_unclaimed``): its pages go back, once.
+  arrived is ended from the same watchdog (``expire_unclaimed``): its pages go back, once.
 
 Threads start in :meth:`open` and stop in :meth:`close`.
 """
@@ -52,20 +52,19 @@ from kvtier.errors import (
 )
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.lease import Hold
-from kvtier.pd.auth import NONCE_BYTES, RECEIVER, SENDER, check_listen, new_nonce, proof, verify
+from kvtier.pd.auth import challenge_sender, check_listen
 from kvtier.pd.buffer import PDBuffer, Reservation, TooLarge
+from kvtier.pd.guard import Connection, ConnectionGuard
 from kvtier.pd.protocol import (
     Abort,
     AllocReply,
     AllocRequest,
-    Challenge,
     ChunkSent,
     DoneReply,
     ErrorReply,
     Hello,
     HelloReply,
     Message,
-    Proof,
     RequestDone,
     recv_message,
     send_message,
@@ -74,7 +73,6 @@ from kvtier.pd.protocol import (
 log = logging.getLogger(__name__)
 
 MAX_UNCOLLECTED_OUTCOMES = 10_000
-WATCH_INTERVAL = 0.2  # how late past its deadline a stalled connection may be closed
 
 Attach = Callable[[str, Hold], None]
 Expire = Callable[[float], list[str]]
@@ -103,17 +101,6 @@ class TransferOutcome:
     chunks: int = 0  # chunks received and published
     held: int = 0  # chunks the decoder already had
     nbytes: int = 0
-
-
-@dataclass
-class _Conn:
-    """One sender connection and the deadline the watchdog holds it to."""
-
-    sock: socket.socket
-    peer: str
-    deadline: float  # time.monotonic(); past it the watchdog shuts the socket down
-    waiting_for: str  # what the deadline is for (the log line when it passes)
-    overdue: str = ""  # set by the watchdog when it closed the connection
 
 
 @dataclass
@@ -151,14 +138,16 @@ class PDReceiver:
         self.alloc_timeout = alloc_timeout
         self.io_timeout = io_timeout  # the handshake, and each message of a request
         self.idle_timeout = idle_timeout  # between requests
-        self.max_connections = max_connections
         self.auth_token = auth_token
         self.reservation_ttl = reservation_ttl
         self._attach = attach
         self._expire = expire
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
-        self._conns: dict[socket.socket, _Conn] = {}
+        self.guard = ConnectionGuard(
+            max_connections=max_connections, handshake_timeout=io_timeout, on_tick=self._tick
+        )
+        self._next_sweep = 0.0
         # Outcomes wait here until the decoder asks (wait_outcome); one it never asks for
         # (the request went away) must not stay forever, so only the newest are kept.
         self._outcomes: OrderedDict[str, TransferOutcome] = OrderedDict()
@@ -166,10 +155,7 @@ class PDReceiver:
         self._closed = False
         self.protocol_errors = 0
         self.auth_failures = 0
-        self.refused_connections = 0  # over pd_max_connections
-        self.timeouts = 0  # connections closed past a deadline
         self.expired_reservations = 0
-        self._last_refusal_log = -math.inf
 
     @classmethod
     def for_engine(
@@ -204,8 +190,8 @@ class PDReceiver:
         listener = socket.create_server((self.host, self.port), reuse_port=False)
         self.port = listener.getsockname()[1]
         self._listener = listener
+        self.guard.open()
         self._spawn(self._accept_loop, "kvtier-pd-accept")
-        self._spawn(self._watch, "kvtier-pd-watchdog")
         log.info(
             "PD receiver listening on %s:%d (%s, %s)",
             self.host,
@@ -220,16 +206,13 @@ class PDReceiver:
             if self._closed:
                 return
             self._closed = True
-            conns = list(self._conns)
             self._cond.notify_all()
         if self._listener is not None:
             # close() alone does not wake a thread blocked in accept(); shutdown() does.
             with contextlib.suppress(OSError):
                 self._listener.shutdown(socket.SHUT_RDWR)
             self._listener.close()
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+        self.guard.close()  # shuts every connection down: their threads end
         for thread in self._threads:
             thread.join(timeout=10.0)
 
@@ -271,38 +254,17 @@ class PDReceiver:
                 conn, peer = self._listener.accept()
             except OSError:
                 return  # closed
-            where = f"{peer[0]}:{peer[1]}"
             with self._cond:
                 if self._closed:
                     conn.close()
                     return
-                full = len(self._conns) >= self.max_connections
-                if full:
-                    self.refused_connections += 1
-                else:
-                    deadline = time.monotonic() + self.io_timeout
-                    handshake = f"no handshake within {self.io_timeout:g}s"
-                    state = self._conns[conn] = _Conn(conn, where, deadline, handshake)
-            if full:
-                self._refuse(conn, where)
-                continue
+            state = self.guard.admit(conn, f"{peer[0]}:{peer[1]}")
+            if state is None:
+                continue  # refused: pd_max_connections are open
             self._threads = [t for t in self._threads if t.is_alive()]
             self._spawn(self._serve, f"kvtier-pd-conn-{peer[1]}", state)
 
-    def _refuse(self, conn: socket.socket, peer: str) -> None:
-        conn.close()
-        now = time.monotonic()
-        if now - self._last_refusal_log >= 10.0:  # one line per 10 s under a flood
-            self._last_refusal_log = now
-            log.warning(
-                "PD connection from %s refused: %d connections open (pd_max_connections); "
-                "%d refused so far",
-                peer,
-                self.max_connections,
-                self.refused_connections,
-            )
-
-    def _serve(self, state: _Conn) -> None:
+    def _serve(self, state: Connection) -> None:
         conn = state.sock
         conn.settimeout(None)  # the watchdog bounds every wait (see _await)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -327,13 +289,11 @@ class PDReceiver:
         except TransferError as exc:  # ProtocolError and AuthError are TransferErrors
             self._closed_on(state, current, exc)
         finally:
-            with self._cond:
-                self._conns.pop(conn, None)
+            self.guard.leave(state)
             conn.close()
 
-    def _closed_on(self, state: _Conn, current: _InFlight | None, exc: TransferError) -> None:
+    def _closed_on(self, state: Connection, current: _InFlight | None, exc: TransferError) -> None:
         if state.overdue:  # whatever the read saw, the cause is the deadline
-            self.timeouts += 1
             log.warning("PD connection from %s closed: %s", state.peer, state.overdue)
             self._fail(current, state.overdue)
         elif isinstance(exc, AuthError):
@@ -348,34 +308,15 @@ class PDReceiver:
             self._fail(current, str(exc))
 
     # -- deadlines -------------------------------------------------------------------------
-    def _await(self, state: _Conn, seconds: float, overdue: str) -> None:
-        """From now, the peer has ``seconds`` (inf: no limit) for its next step; past it the
-        connection is closed, logged as ``overdue``."""
-        with self._cond:
-            state.deadline = time.monotonic() + seconds
-            state.waiting_for = overdue
+    def _await(self, state: Connection, seconds: float, overdue: str) -> None:
+        self.guard.expect(state, seconds, overdue)
 
-    def _watch(self) -> None:
-        """Close connections past their deadline; end requests the decoder never claimed.
-
-        One thread for every connection: a blocked ``recv`` returns once its socket is shut
-        down, so each serving thread then releases what its request held and exits."""
-        next_sweep = time.monotonic()
-        sweep_every = min(1.0, self.reservation_ttl / 4)
-        while True:
-            with self._cond:
-                if self._cond.wait_for(lambda: self._closed, WATCH_INTERVAL):
-                    return
-                now = time.monotonic()
-                overdue = [s for s in self._conns.values() if not s.overdue and now > s.deadline]
-                for state in overdue:
-                    state.overdue = state.waiting_for
-            for state in overdue:
-                with contextlib.suppress(OSError):
-                    state.sock.shutdown(socket.SHUT_RDWR)
-            if self._expire is not None and now >= next_sweep:
-                next_sweep = now + sweep_every
-                self._sweep_reservations()
+    def _tick(self) -> None:
+        """Run by the guard's watchdog: the reservation sweep, a few times per TTL."""
+        now = time.monotonic()
+        if self._expire is not None and now >= self._next_sweep:
+            self._next_sweep = now + min(1.0, self.reservation_ttl / 4)
+            self._sweep_reservations()
 
     def _sweep_reservations(self) -> None:
         assert self._expire is not None
@@ -394,13 +335,13 @@ class PDReceiver:
             )
 
     # -- handshake -------------------------------------------------------------------------
-    def _handshake(self, state: _Conn) -> None:
+    def _handshake(self, state: Connection) -> None:
         conn = state.sock
         hello = recv_message(conn)
         if not isinstance(hello, Hello):
             raise ProtocolError(f"expected Hello, got {type(hello).__name__}")
         if self.auth_token is not None:
-            self._authenticate(conn, hello, self.auth_token)
+            challenge_sender(conn, hello, self.auth_token)
         tier = self.tier
         if hello.fingerprint != self.fingerprint:
             raise ProtocolError(
@@ -415,22 +356,10 @@ class PDReceiver:
         extra = tier.channel.greet(hello)
         send_message(conn, HelloReply(tier.num_pages, tier.page_bytes, **extra))
 
-    def _authenticate(self, conn: socket.socket, hello: Hello, token: str) -> None:
-        """The receiver's half of :mod:`kvtier.pd.auth`; AuthError when the peer fails."""
-        if len(hello.nonce) != NONCE_BYTES:
-            _tell_unauthorized(conn, "this PD receiver requires pd_auth_token")
-            raise AuthError("the sender sent no challenge (it has no pd_auth_token)")
-        nonce = new_nonce()
-        send_message(conn, Challenge(nonce, proof(token, RECEIVER, hello.nonce, nonce)))
-        answer = recv_message(conn)
-        if not isinstance(answer, Proof) or not verify(
-            token, SENDER, hello.nonce, nonce, answer.proof
-        ):
-            _tell_unauthorized(conn, "authentication failed: pd_auth_token differs")
-            raise AuthError("the sender failed authentication (another pd_auth_token?)")
-
     # -- serving ---------------------------------------------------------------------------
-    def _handle(self, state: _Conn, msg: Message, current: _InFlight | None) -> _InFlight | None:
+    def _handle(
+        self, state: Connection, msg: Message, current: _InFlight | None
+    ) -> _InFlight | None:
         conn = state.sock
         if isinstance(msg, AllocRequest):
             if current is not None:
@@ -467,7 +396,7 @@ class PDReceiver:
             return None
         raise ProtocolError(f"unexpected {type(msg).__name__} from a sender")
 
-    def _allocate(self, state: _Conn, req: AllocRequest) -> _InFlight | None:
+    def _allocate(self, state: Connection, req: AllocRequest) -> _InFlight | None:
         conn = state.sock
         _validate(req, self.tier)
         rid = req.request_id
@@ -527,12 +456,6 @@ class PDReceiver:
             current.request.request_id,
             TransferOutcome(False, reason, current.chunks, current.held, current.nbytes),
         )
-
-
-def _tell_unauthorized(conn: socket.socket, message: str) -> None:
-    # Said so a misconfigured sender gets a clear error; the connection closes either way.
-    with contextlib.suppress(TransferError):
-        send_message(conn, ErrorReply("", "unauthorized", message))
 
 
 def _validate(req: AllocRequest, tier: PDBuffer) -> None:

@@ -27,23 +27,21 @@ from typing import TypeVar
 import torch
 
 from kvtier.config import Config
-from kvtier.errors import AuthError, ConfigError, ProtocolError, TransferError, TransferTimeout
+from kvtier.errors import ConfigError, ProtocolError, TransferError, TransferTimeout
 from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.layout import KVLayout
-from kvtier.pd.auth import RECEIVER, SENDER, new_nonce, proof, verify
+from kvtier.pd.auth import answer_challenge, new_nonce
 from kvtier.pd.channels import sender_channel
 from kvtier.pd.channels.base import SenderChannel
 from kvtier.pd.protocol import (
     Abort,
     AllocReply,
     AllocRequest,
-    Challenge,
     DoneReply,
     ErrorReply,
     Hello,
     HelloReply,
     Message,
-    Proof,
     RequestDone,
     recv_message,
     send_message,
@@ -151,7 +149,9 @@ class PDSender:
                 **channel.hello_fields(),
             )
             send_message(sock, hello)
-            reply = self._authenticate(sock, nonce)
+            where = f"the PD receiver at {self.host}:{self.port}"
+            answer = answer_challenge(sock, nonce, self.auth_token, where)
+            reply = self._check_reply(answer, HelloReply)
             channel.attach(reply)
         except BaseException:
             sock.close()
@@ -225,28 +225,6 @@ class PDSender:
             raise
         finally:
             self._in_step = False
-
-    def _authenticate(self, sock: socket.socket, nonce: bytes) -> HelloReply:
-        """The sender's half of :mod:`kvtier.pd.auth`; returns the receiver's HelloReply."""
-        where = f"the PD receiver at {self.host}:{self.port}"
-        reply = recv_message(sock)
-        if isinstance(reply, ErrorReply) and reply.kind == "unauthorized":
-            raise AuthError(f"{where} refused this sender: {reply.message}")
-        token = self.auth_token
-        if token is None:
-            if isinstance(reply, Challenge):
-                raise AuthError(f"{where} requires pd_auth_token (KVTIER_PD_AUTH_TOKEN)")
-            return self._check_reply(reply, HelloReply)
-        if not isinstance(reply, Challenge):
-            # Mutual: KV goes only to a receiver that knows the token too.
-            raise AuthError(f"{where} did not prove it knows pd_auth_token (it has none?)")
-        if not verify(token, RECEIVER, nonce, reply.nonce, reply.proof):
-            raise AuthError(f"{where} failed authentication: its pd_auth_token differs")
-        send_message(sock, Proof(proof(token, SENDER, nonce, reply.nonce)))
-        answer = recv_message(sock)
-        if isinstance(answer, ErrorReply) and answer.kind == "unauthorized":
-            raise AuthError(f"{where} refused this sender: {answer.message}")
-        return self._check_reply(answer, HelloReply)
 
     def _expect(self, sock: socket.socket, kind: type[_M]) -> _M:
         return self._check_reply(recv_message(sock), kind)
