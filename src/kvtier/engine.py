@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
@@ -377,13 +377,14 @@ class Engine:
             raise
         lease.take_hold(hold)
 
-    def expire_unclaimed(self, ttl: float) -> list[str]:
+    def expire_unclaimed(self, ttl: float, busy: Collection[str] = ()) -> list[str]:
         """End the requests that only a PD receiver opened (:meth:`attach_hold`) and that
         no lookup claimed within ``ttl`` seconds: cancelled upstream, routed to another
         decoder, or never real. Their reservations go back to the buffer, once; a later
-        ``end_request`` for them is a no-op. Returns their ids."""
+        ``end_request`` for them is a no-op. ``busy``: requests whose transfer is still in
+        flight (kept; their TTL starts again). Returns the ids ended."""
         _, leases = self._open_parts()
-        return leases.expire_unclaimed(ttl)
+        return leases.expire_unclaimed(ttl, busy=busy)
 
     # -- helpers ---------------------------------------------------------------------------
     def _spans(self, tokens: object, skip_leading_tokens: int) -> list[ChunkSpan]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -208,20 +208,27 @@ class LeaseTable(Generic[PlanT]):
         lease.release()
         return True
 
-    def expire_unclaimed(self, ttl: float, now: float | None = None) -> list[str]:
+    def expire_unclaimed(
+        self, ttl: float, now: float | None = None, busy: Collection[str] = ()
+    ) -> list[str]:
         """End every lease that only a joiner opened, ``ttl`` seconds or more after its last
         join: the request never came to claim what was held for it. Returns their ids.
+        ``busy`` requests (a transfer still filling what the lease holds) are kept and their
+        clock restarts: the TTL counts from when the joiner was last done with them.
 
         An expired lease ends like any other (its holds released once; the id remembered,
         so a later join is refused); the request's own ``end`` afterwards finds nothing and
         releases nothing, and a lookup that comes after all starts a new lease."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            stale = [
-                lease
-                for lease in self._leases.values()
-                if not lease.claimed and now - lease.joined >= ttl
-            ]
+            stale = []
+            for lease in self._leases.values():
+                if lease.claimed:
+                    continue
+                if lease.request_id in busy:
+                    lease.joined = now
+                elif now - lease.joined >= ttl:
+                    stale.append(lease)
             for lease in stale:
                 del self._leases[lease.request_id]
                 self._remember_ended(lease.request_id)

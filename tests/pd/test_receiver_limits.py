@@ -109,23 +109,24 @@ def test_reservations_nobody_looks_up_expire_and_the_real_prefiller_gets_room(
 def test_a_request_the_decoder_looked_up_never_expires(
     make_decoder: Callable[..., Decoder], channel: str
 ) -> None:
-    engine, receiver = make_decoder(channel, pd_reservation_ttl_sec=0.3)
+    engine, receiver = make_decoder(channel, pd_reservation_ttl_sec=1.0)
     tokens = request_tokens(2)
     with sender(channel, receiver.port, token=TOKEN) as tx:
         send_one(tx, "kept", tokens)
     assert engine.lookup(tokens, "kept") == len(tokens)  # claimed by the request itself
-    time.sleep(1.0)  # several sweeps
+    time.sleep(2.5)  # several sweeps, well past the TTL
     assert receiver.expired_reservations == 0
     assert loads_exactly(engine, "kept", tokens)
     assert_all_free(engine)
 
 
-def test_expiry_mid_transfer_fails_that_transfer_cleanly(
+def test_a_transfer_slower_than_the_ttl_completes_and_its_ttl_starts_after(
     make_decoder: Callable[..., Decoder],
 ) -> None:
-    """A sender slower than the TTL: its reservation expires under it; it is told the
-    transfer failed, nothing half-received is served, and the buffer is whole again."""
-    engine, receiver = make_decoder("tcp", pd_reservation_ttl_sec=0.3)
+    """A sender slower than the TTL is not cut off (its pages could be handed to another
+    request while it still writes into them): the TTL counts from the end of the transfer.
+    Left unclaimed after that, it expires like any other."""
+    engine, receiver = make_decoder("tcp", pd_reservation_ttl_sec=0.6)
     tokens = request_tokens(3)
     spans = keychain().keys(tokens, include_partial=True)
     kv = fake_prefill(tokens)
@@ -139,11 +140,12 @@ def test_expiry_mid_transfer_fails_that_transfer_cleanly(
             data = kv[:, :, span.start : span.end, :].contiguous().view(-1).view(torch.uint8)
             send_message(sock, ChunkSent("slow", i, data.numel(), 0))
             sock.sendall(data.numpy().tobytes() + checksum(data).to_bytes(8, "big"))
-            time.sleep(0.25)  # slower than the TTL, within the message timeout
+            time.sleep(0.4)  # in all slower than the TTL; each within the message timeout
         send_message(sock, RequestDone("slow"))
         done = recv_message(sock)
-    assert isinstance(done, DoneReply) and not done.ok and "released" in done.message
-    assert receiver.expired_reservations == 1
+    assert isinstance(done, DoneReply) and done.ok, done
+    assert receiver.expired_reservations == 0
+    wait_until(lambda: receiver.expired_reservations == 1)  # unclaimed after the transfer
     assert engine.lookup(tokens, "slow") == 0
     engine.end_request("slow")
     assert_all_free(engine)

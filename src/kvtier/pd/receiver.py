@@ -37,7 +37,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -75,7 +75,7 @@ log = logging.getLogger(__name__)
 MAX_UNCOLLECTED_OUTCOMES = 10_000
 
 Attach = Callable[[str, Hold], None]
-Expire = Callable[[float], list[str]]
+Expire = Callable[[float, Collection[str]], list[str]]
 
 
 class ReceiverHost(Protocol):
@@ -89,7 +89,7 @@ class ReceiverHost(Protocol):
 
     def attach_hold(self, request_id: str, hold: Hold) -> None: ...
 
-    def expire_unclaimed(self, ttl: float) -> list[str]: ...
+    def expire_unclaimed(self, ttl: float, busy: Collection[str] = ()) -> list[str]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +148,7 @@ class PDReceiver:
             max_connections=max_connections, handshake_timeout=io_timeout, on_tick=self._tick
         )
         self._next_sweep = 0.0
+        self._busy: set[str] = set()  # requests whose transfer is in flight: never expired
         # Outcomes wait here until the decoder asks (wait_outcome); one it never asks for
         # (the request went away) must not stay forever, so only the newest are kept.
         self._outcomes: OrderedDict[str, TransferOutcome] = OrderedDict()
@@ -240,6 +241,7 @@ class PDReceiver:
     def _record(self, request_id: str, outcome: TransferOutcome) -> None:
         self.tier.count_transfer(outcome.ok)
         with self._cond:
+            self._busy.discard(request_id)
             self._outcomes[request_id] = outcome
             self._outcomes.move_to_end(request_id)
             while len(self._outcomes) > MAX_UNCOLLECTED_OUTCOMES:
@@ -320,8 +322,10 @@ class PDReceiver:
 
     def _sweep_reservations(self) -> None:
         assert self._expire is not None
+        with self._cond:
+            busy = set(self._busy)
         try:
-            expired = self._expire(self.reservation_ttl)
+            expired = self._expire(self.reservation_ttl, busy)
         except KVTierError as exc:  # the engine is closing
             log.debug("PD reservation sweep skipped: %s", exc)
             return
@@ -379,10 +383,7 @@ class PDReceiver:
                 raise ProtocolError(f"RequestDone with {len(current.pending)} chunks never sent")
             ok = not current.corrupt and not current.reservation.released
             if current.reservation.released:
-                message = (
-                    "the reservation was released before the transfer completed (the request "
-                    "ended, or nobody looked it up within pd_reservation_ttl_sec)"
-                )
+                message = "the request ended before its transfer completed"
             else:
                 message = "" if ok else f"chunks {current.corrupt} failed their checksum"
             self._record(
@@ -422,6 +423,8 @@ class PDReceiver:
         pending = {position[key]: page for page, key in reservation.new.items()}
         positions = sorted(pending)
         inflight = _InFlight(req, reservation, pending, len(held))
+        with self._cond:
+            self._busy.add(rid)
         send_message(conn, AllocReply(rid, held, [pending[i] for i in positions]))
         return inflight
 
