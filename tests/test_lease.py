@@ -81,3 +81,22 @@ def test_a_hold_given_back_early_is_reported_no_more(pool: BlockPool) -> None:
     (info,) = table.snapshot()
     assert info.pinned_bytes == 0 and info.holds == ()
     assert table.end("r") and released == ["h"]  # the lease's release is a no-op for it
+
+
+def test_unclaimed_leases_expire_unless_claimed_or_busy(pool: BlockPool) -> None:
+    table = LeaseTable(pool)
+    released: list[str] = []
+    for rid in ("ghost", "claimed", "busy"):
+        table.join(rid).take_hold(CallbackHold(1, rid, lambda rid=rid: released.append(rid)))
+    table.open("claimed")  # the request itself came: no longer expires
+    now = table.get("ghost").joined  # type: ignore[union-attr]
+    assert table.expire_unclaimed(10.0, now=now + 5.0) == []  # not yet
+    assert table.expire_unclaimed(10.0, now=now + 10.0, busy={"busy"}) == ["ghost"]
+    assert released == ["ghost"]
+    assert table.end("ghost") is False  # already ended: nothing released twice
+    with pytest.raises(StateError):
+        table.join("ghost")  # a late reservation for it is refused
+    # busy restarted its clock at now + 10: it expires 10 s after that, not before
+    assert table.expire_unclaimed(10.0, now=now + 19.0) == []
+    assert table.expire_unclaimed(10.0, now=now + 20.0) == ["busy"]
+    assert sorted(released) == ["busy", "ghost"] and table.end("claimed")

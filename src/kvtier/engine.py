@@ -19,7 +19,7 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager, suppress
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -512,6 +512,15 @@ class Engine:
             hold.release()
             raise
         lease.take_hold(hold)
+
+    def expire_unclaimed(self, ttl: float, busy: Collection[str] = ()) -> list[str]:
+        """End the requests that only a PD receiver opened (:meth:`attach_hold`) and that
+        no lookup claimed within ``ttl`` seconds: cancelled upstream, routed to another
+        decoder, or never real. Their reservations go back to the buffer, once; a later
+        ``end_request`` for them is a no-op. ``busy``: requests whose transfer is still in
+        flight (kept; their TTL starts again). Returns the ids ended."""
+        _, leases = self._open_parts()
+        return leases.expire_unclaimed(ttl, busy=busy)
 
     # -- helpers ---------------------------------------------------------------------------
     def _spans(self, tokens: object, skip_leading_tokens: int) -> list[ChunkSpan]:

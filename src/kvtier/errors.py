@@ -13,6 +13,7 @@ The hierarchy, so a caller can catch as narrowly or as broadly as it needs::
     │   └── CorruptRecord      bytes failed their checksum or header check
     └── TransferError          a prefill/decode transfer failed
         ├── ProtocolError      a malformed, oversized or unexpected control message
+        ├── AuthError          the peer could not prove it knows pd_auth_token
         └── TransferTimeout    the peer did not answer in time (buffer full, peer stalled)
 
 Third-party errors (``OSError``, redis, socket) are translated into these where they enter
@@ -66,6 +67,10 @@ class TransferError(KVTierError):
 
 class ProtocolError(TransferError):
     """A control message was malformed, oversized, of an unknown version or unexpected."""
+
+
+class AuthError(TransferError):
+    """The PD peer failed the handshake: it has no ``pd_auth_token``, or another one."""
 
 
 class TransferTimeout(TransferError):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -85,6 +85,10 @@ class Lease(Generic[PlanT]):
     released: bool = False
     # The last lookup of this request, reused by retrieve (see StorageManager.locate).
     plan: PlanT | None = None
+    # False while only something acting for the request (a PD receiver) opened the lease and
+    # the request itself (a lookup) has not come: since ``joined``, such a lease may expire.
+    claimed: bool = True
+    joined: float = 0.0
 
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -159,19 +163,30 @@ class LeaseTable(Generic[PlanT]):
 
     def open(self, request_id: str) -> Lease[PlanT]:
         """The live lease of ``request_id``, created on first use. The caller is the request
-        itself (a lookup), so an id that ended before starts over as a new request."""
+        itself (a lookup), so an id that ended before starts over as a new request; the
+        lease is claimed (it no longer expires: the request will end it)."""
         with self._lock:
             self._ended.pop(request_id, None)
-            return self._open_locked(request_id)
+            lease = self._open_locked(request_id)
+            lease.claimed = True
+            return lease
 
     def join(self, request_id: str) -> Lease[PlanT]:
         """The live lease of ``request_id`` for something acting on the request's behalf
         (a PD receiver attaching a reservation). Raises :class:`StateError` if the request
-        already ended: nobody would end a lease opened now."""
+        already ended: nobody would end a lease opened now. A lease the request itself has
+        not opened yet is unclaimed: :meth:`expire_unclaimed` ends it if the request never
+        comes (cancelled upstream, sent to another decoder, or never a real request)."""
         with self._lock:
             if request_id in self._ended:
                 raise StateError(f"request {request_id!r} already ended")
-            return self._open_locked(request_id)
+            lease = self._leases.get(request_id)
+            if lease is None:
+                lease = self._open_locked(request_id)
+                lease.claimed = False
+            if not lease.claimed:
+                lease.joined = time.monotonic()
+            return lease
 
     def _open_locked(self, request_id: str) -> Lease[PlanT]:
         lease = self._leases.get(request_id)
@@ -187,14 +202,39 @@ class LeaseTable(Generic[PlanT]):
         """Release the request's lease. Returns False when it had none (already ended)."""
         with self._lock:
             lease = self._leases.pop(request_id, None)
-            self._ended[request_id] = None
-            self._ended.move_to_end(request_id)
-            while len(self._ended) > self._ended_memory:
-                self._ended.popitem(last=False)
+            self._remember_ended(request_id)
         if lease is None:
             return False
         lease.release()
         return True
+
+    def expire_unclaimed(
+        self, ttl: float, now: float | None = None, busy: Collection[str] = ()
+    ) -> list[str]:
+        """End every lease that only a joiner opened, ``ttl`` seconds or more after its last
+        join: the request never came to claim what was held for it. Returns their ids.
+        ``busy`` requests (a transfer still filling what the lease holds) are kept and their
+        clock restarts: the TTL counts from when the joiner was last done with them.
+
+        An expired lease ends like any other (its holds released once; the id remembered,
+        so a later join is refused); the request's own ``end`` afterwards finds nothing and
+        releases nothing, and a lookup that comes after all starts a new lease."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            stale = []
+            for lease in self._leases.values():
+                if lease.claimed:
+                    continue
+                if lease.request_id in busy:
+                    lease.joined = now
+                elif now - lease.joined >= ttl:
+                    stale.append(lease)
+            for lease in stale:
+                del self._leases[lease.request_id]
+                self._remember_ended(lease.request_id)
+        for lease in stale:
+            lease.release()
+        return [lease.request_id for lease in stale]
 
     def end_all(self) -> int:
         with self._lock:
@@ -203,6 +243,12 @@ class LeaseTable(Generic[PlanT]):
         for lease in leases:
             lease.release()
         return len(leases)
+
+    def _remember_ended(self, request_id: str) -> None:
+        self._ended[request_id] = None
+        self._ended.move_to_end(request_id)
+        while len(self._ended) > self._ended_memory:
+            self._ended.popitem(last=False)
 
     def live(self) -> list[Lease[PlanT]]:
         """The leases open now (a copy of the list; the leases themselves are live)."""

@@ -44,7 +44,9 @@ def fake_prefill(tokens: list[int]) -> torch.Tensor:
     return ((mixed % 65_521).to(torch.float64) / 65_521.0 - 0.5).to(lay.dtype)
 
 
-def decoder(channel: str, pages: int, timeout: float = 2.0) -> tuple[Engine, PDReceiver]:
+def decoder(
+    channel: str, pages: int, timeout: float = 2.0, host: str | None = None, **overrides: object
+) -> tuple[Engine, PDReceiver]:
     cfg = small_config(
         enable_pd=True,
         pd_role="receiver",
@@ -53,9 +55,14 @@ def decoder(channel: str, pages: int, timeout: float = 2.0) -> tuple[Engine, PDR
         save_unfull_chunk=True,
         pd_allocation_timeout_sec=timeout,
         local_cpu=False,
+        **overrides,
     )
     engine = Engine(cfg, SMALL_LAYOUT, model_name=MODEL).open()
-    return engine, PDReceiver.for_engine(engine, port=0).open()
+    try:
+        return engine, PDReceiver.for_engine(engine, host=host, port=0).open()
+    except BaseException:
+        engine.close()
+        raise
 
 
 def keychain() -> KeyChain:
@@ -73,7 +80,7 @@ def keychain() -> KeyChain:
     )
 
 
-def sender(channel: str, port: int, timeout: float = 2.0) -> PDSender:
+def sender(channel: str, port: int, timeout: float = 2.0, token: str | None = None) -> PDSender:
     return PDSender(
         fingerprint=keychain().fingerprint.hex(),
         layout=SMALL_LAYOUT,
@@ -82,6 +89,7 @@ def sender(channel: str, port: int, timeout: float = 2.0) -> PDSender:
         port=port,
         channel=channel,
         alloc_timeout=timeout,
+        auth_token=token,
     )
 
 

@@ -39,3 +39,36 @@ def test_nixl_without_the_package_is_refused_at_load_with_the_reason(
 def test_nixl_with_the_package_loads() -> None:
     cfg = load(enable_pd=True, pd_role="receiver", pd_buffer_size="1MiB", transfer_channel="nixl")
     assert cfg.transfer_channel == "nixl"
+
+
+def test_the_pd_token_comes_from_the_environment_and_is_never_shown() -> None:
+    token = "s3cret-pd-token-0123456789"
+    cfg = Config.load(env={"KVTIER_PD_AUTH_TOKEN": token})
+    assert cfg.pd_auth_token == token
+    assert cfg.as_dict()["pd_auth_token"] == "***"
+    assert token not in repr(cfg) and token not in str(cfg.as_dict())
+    # kvtier's own key: an LMCache variable of that name is not read
+    assert Config.load(env={"LMCACHE_PD_AUTH_TOKEN": token}).pd_auth_token is None
+
+
+@pytest.mark.parametrize("token", ["", "short-token"])
+def test_an_empty_or_short_pd_token_is_refused_without_echoing_it(token: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(pd_auth_token=token)
+    assert info.value.key == "pd_auth_token" and "16 characters" in str(info.value)
+    assert token == "" or token not in str(info.value)
+
+
+def test_pd_limits_are_validated() -> None:
+    cfg = load()
+    assert (cfg.pd_reservation_ttl_sec, cfg.pd_max_connections) == (120.0, 64)
+    assert (cfg.pd_idle_timeout_sec, cfg.pd_message_timeout_sec) == (300.0, 30.0)
+    for key, bad in (
+        ("pd_reservation_ttl_sec", 0),
+        ("pd_max_connections", 0),
+        ("pd_idle_timeout_sec", -1),
+        ("pd_message_timeout_sec", "soon"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            load(**{key: bad})
+        assert info.value.key == key

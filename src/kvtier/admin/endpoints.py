@@ -1,9 +1,11 @@
 """The admin API's request handler: routing, auth, query validation and the endpoints.
 
 Each request runs in its own thread of the :class:`~kvtier.admin.server.AdminServer`'s
-``ThreadingHTTPServer``. The dispatcher checks, in order: the path exists (404), the bearer
-token (401, except ``/health``), the query parameters (400: unknown, repeated, malformed or
-out of range), the method (405), then calls the endpoint. Errors are JSON
+HTTP server, within bounds no client can stretch (:mod:`kvtier.admin.bounded`).
+
+The dispatcher checks, in order: the path exists (404), the bearer token (401, except
+``/health``), the query parameters (400: unknown, repeated, malformed or out of range), the
+method (405), then calls the endpoint. Errors are JSON
 ``{"error": message}``; an exception no endpoint expects is logged with its traceback and
 answered as a bare 500.
 """
@@ -16,12 +18,13 @@ import logging
 import time
 from collections.abc import Callable
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvtier.admin.bounded import MAX_HANDLERS, REQUEST_TIMEOUT, BoundedHTTPServer
 from kvtier.admin.dashboard import dashboard_html
 from kvtier.engine import Engine
 from kvtier.errors import KVTierError, StateError
@@ -55,13 +58,19 @@ class AdminBackend(Protocol):
     def history_payload(self) -> list[dict[str, Any]]: ...
 
 
-class AdminHTTPServer(ThreadingHTTPServer):
-    daemon_threads = False
-    block_on_close = True  # server_close waits for handlers, so stop() leaves nothing running
-
-    def __init__(self, address: tuple[str, int], admin: AdminBackend) -> None:
+class AdminHTTPServer(BoundedHTTPServer):
+    def __init__(
+        self,
+        address: tuple[str, int],
+        admin: AdminBackend,
+        *,
+        request_timeout: float = REQUEST_TIMEOUT,
+        max_handlers: int = MAX_HANDLERS,
+    ) -> None:
         self.admin = admin
-        super().__init__(address, Handler)
+        super().__init__(
+            address, Handler, request_timeout=request_timeout, max_handlers=max_handlers
+        )
 
 
 # path -> (method, allowed query parameters, handler)
@@ -94,6 +103,10 @@ class Handler(BaseHTTPRequestHandler):
         self._send_json(HTTPStatus.METHOD_NOT_ALLOWED, {"error": "HEAD is not supported"})
 
     def _dispatch(self, method: str) -> None:
+        if self.server.dropped(self.connection):
+            # Past its deadline (or closing): the headers may be cut short; answer nothing.
+            self.close_connection = True
+            return
         try:
             parts = urlsplit(self.path)
             route = ROUTES.get(parts.path)

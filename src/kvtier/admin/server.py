@@ -4,7 +4,8 @@ Lifecycle: ``AdminServer(engine, host, port, token)`` binds nothing; :meth:`Admi
 binds (``port`` 0 picks a free one; otherwise ``port`` .. ``port + PORT_ATTEMPTS - 1`` are
 tried in turn), then serves from a background thread and samples the engine once a second
 for the dashboard's history. :meth:`AdminServer.close` is idempotent and waits for requests in
-flight. :class:`kvtier.service.Service` opens one after its engine when
+flight, up to ``CLOSE_TIMEOUT`` (connections still held by clients are dropped first).
+:class:`kvtier.service.Service` opens one after its engine when
 ``internal_api_server_enabled`` is set, and closes it before the engine; ``kvtier demo
 --dashboard`` opens one explicitly.
 
@@ -24,6 +25,7 @@ Endpoints (served by :mod:`kvtier.admin.endpoints`; docs/operations.md has the d
 Security: loopback unless configured otherwise. With a token, every endpoint but /health
 needs ``Authorization: Bearer <token>`` (or ``?token=`` for a browser opening the page).
 Bad input is a 4xx JSON error with a message; a bug is a 500 with no traceback in the body.
+Bounds (``request_timeout``, ``max_handlers``) are in :mod:`kvtier.admin.endpoints`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import time
 from collections import deque
 from typing import Any
 
+from kvtier.admin.bounded import MAX_HANDLERS, REQUEST_TIMEOUT
 from kvtier.admin.endpoints import AdminHTTPServer
 from kvtier.engine import Engine
 from kvtier.errors import KVTierError, StateError
@@ -44,6 +47,7 @@ log = logging.getLogger(__name__)
 
 PORT_ATTEMPTS = 16
 HISTORY_POINTS = 600  # ten minutes at one sample a second
+CLOSE_TIMEOUT = 2.0  # longest close waits for requests in flight once their sockets are shut
 
 
 class AdminServer:
@@ -55,12 +59,16 @@ class AdminServer:
         token: str | None = None,
         *,
         sample_interval: float = 1.0,
+        request_timeout: float = REQUEST_TIMEOUT,
+        max_handlers: int = MAX_HANDLERS,
     ) -> None:
         self.engine = engine
         self.host = host
         self.port_start = port
         self.token = token or None
         self.sample_interval = sample_interval
+        self.request_timeout = request_timeout
+        self.max_handlers = max_handlers
         self.registry = engine_registry(engine)
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_POINTS)
         self._history_lock = threading.Lock()
@@ -93,15 +101,19 @@ class AdminServer:
         return self
 
     def close(self) -> None:
-        """Stop serving and wait for requests in flight. Idempotent."""
+        """Stop serving; drop the connections clients still hold and wait for requests in
+        flight, at most ``CLOSE_TIMEOUT`` seconds. Idempotent."""
         with self._lock:
             httpd, self._httpd = self._httpd, None
             threads, self._threads = self._threads, []
         if httpd is None:
             return
         self._stopping.set()
-        httpd.shutdown()
-        httpd.server_close()  # joins handler threads (block_on_close)
+        httpd.shutdown()  # the serve loop ends within its poll interval
+        stuck = httpd.drop_connections(CLOSE_TIMEOUT)
+        httpd.server_close()
+        if stuck:
+            log.warning("admin API closed with %d requests still running", len(stuck))
         for thread in threads:
             thread.join()
 
@@ -135,7 +147,12 @@ class AdminServer:
             if port > 65535:
                 break
             try:
-                return AdminHTTPServer((self.host, port), self)
+                return AdminHTTPServer(
+                    (self.host, port),
+                    self,
+                    request_timeout=self.request_timeout,
+                    max_handlers=self.max_handlers,
+                )
             except OSError as exc:
                 last = exc
         raise OSError(f"no free admin port from {self.port_start} on {self.host}: {last}")

@@ -18,6 +18,7 @@ from kvtier.errors import ConfigError
 log = logging.getLogger(__name__)
 
 _NOT_KEYS = {"CONFIG_FILE", "LOG_LEVEL"}  # KVTIER_* variables that are not config keys
+MIN_TOKEN_CHARS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,11 @@ class Config:
     pd_proxy_host: str | None = None
     pd_proxy_port: tuple[int, ...] | None = None
     pd_allocation_timeout_sec: float = 10.0
+    pd_auth_token: str | None = field(default=None, repr=False)  # a secret: never shown
+    pd_reservation_ttl_sec: float = 120.0
+    pd_max_connections: int = 64
+    pd_idle_timeout_sec: float = 300.0
+    pd_message_timeout_sec: float = 30.0
     transfer_channel: str | None = None
     blocking_timeout_secs: float = 10.0
     internal_api_server_enabled: bool = False
@@ -220,5 +226,14 @@ def _check_combinations(cfg: Config) -> None:
         raise ConfigError("pd_buffer_size", None, "a size in bytes for a PD receiver")
     if cfg.enable_pd and cfg.pd_role == "sender" and not cfg.pd_peer_alloc_port:
         raise ConfigError("pd_peer_alloc_port", None, "the decoder's port for a PD sender")
+    if cfg.pd_auth_token is not None and len(cfg.pd_auth_token) < MIN_TOKEN_CHARS:
+        # Set but empty or short: refused, never taken as "auth off" or as a guessable key
+        # (the handshake's proofs let an eavesdropper try tokens offline). Never echoed.
+        raise ConfigError(
+            "pd_auth_token",
+            f"<{len(cfg.pd_auth_token)} characters>",
+            f"at least {MIN_TOKEN_CHARS} characters, e.g. the output of "
+            "python -c 'import secrets; print(secrets.token_urlsafe(32))'",
+        )
     if cfg.enable_pd and cfg.transfer_channel == "nixl":
         check_channel(cfg.transfer_channel)  # raises, naming why nixl is unavailable

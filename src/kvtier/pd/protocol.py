@@ -14,7 +14,12 @@ then closes that connection (and releases what it reserved for it) and keeps ser
 One connection carries one sender's requests, one at a time::
 
     sender                                   receiver
-    Hello(fingerprint, page_bytes, ...) ->
+    Hello(fingerprint, page_bytes, ...,  ->
+          nonce)
+                                         <-  Challenge(nonce, proof)     } only with a
+    Proof(proof)                         ->                              } pd_auth_token:
+                                         <-  ErrorReply("unauthorized")  } kvtier.pd.auth
+                                                 when it fails
                                          <-  HelloReply(num_pages, page_bytes, how to reach
                                                  the buffer: shm path / nixl metadata)
     AllocRequest(rid, keys, num_tokens) ->   reserve every missing chunk at once, or wait
@@ -26,6 +31,10 @@ One connection carries one sender's requests, one at a time::
     RequestDone(rid)                    ->
                                          <-  DoneReply(rid, ok, message)
     Abort(rid, reason)                  ->   (instead of the rest) the reservation is released
+
+The receiver bounds each peer in time: the handshake and every message of a request (a
+chunk's payload included) must arrive within ``pd_message_timeout_sec``, and a connection
+idle between requests is closed after ``pd_idle_timeout_sec``.
 """
 
 from __future__ import annotations
@@ -49,6 +58,16 @@ class Hello(msgspec.Struct, tag=True):
     token_bytes: int
     channel: str
     nixl_metadata: bytes = b""  # nixl: the sender's agent metadata
+    nonce: bytes = b""  # the sender's challenge (kvtier.pd.auth); empty without a token
+
+
+class Challenge(msgspec.Struct, tag=True):
+    nonce: bytes  # the receiver's challenge
+    proof: bytes  # the receiver's answer to the sender's nonce
+
+
+class Proof(msgspec.Struct, tag=True):
+    proof: bytes  # the sender's answer to the receiver's nonce
 
 
 class HelloReply(msgspec.Struct, tag=True):
@@ -73,7 +92,7 @@ class AllocReply(msgspec.Struct, tag=True):
 
 class ErrorReply(msgspec.Struct, tag=True):
     request_id: str
-    kind: str  # "timeout", "too_large", "rejected"
+    kind: str  # "timeout", "too_large", "rejected", "unauthorized"
     message: str
 
 
@@ -101,6 +120,8 @@ class Abort(msgspec.Struct, tag=True):
 
 Message = (
     Hello
+    | Challenge
+    | Proof
     | HelloReply
     | AllocRequest
     | AllocReply

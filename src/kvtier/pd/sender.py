@@ -5,12 +5,19 @@ room for every chunk key, skip the keys the decoder already holds, move the othe
 into the pages it named, then say done. A decoder whose buffer stays full past
 ``pd_allocation_timeout_sec`` answers with a timeout, raised here as :class:`TransferTimeout`;
 a request bigger than the whole buffer raises :class:`TransferError` at once. After a
-transport failure the connection is closed; the next ``send`` reconnects.
+transport failure the connection is closed; the next ``send`` reconnects, as it does when the
+receiver closed an idle connection (``pd_idle_timeout_sec``).
+
+With ``pd_auth_token`` the sender proves it knows the token and requires the receiver to
+prove it too, before any KV moves (:mod:`kvtier.pd.auth`): a receiver that cannot is refused
+with :class:`AuthError`. Without a token, a receiver that asks for one is refused the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import select
 import socket
 import time
 from collections.abc import Sequence
@@ -23,6 +30,7 @@ from kvtier.config import Config
 from kvtier.errors import ConfigError, ProtocolError, TransferError, TransferTimeout
 from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.layout import KVLayout
+from kvtier.pd.auth import answer_challenge, new_nonce
 from kvtier.pd.channels import sender_channel
 from kvtier.pd.channels.base import SenderChannel
 from kvtier.pd.protocol import (
@@ -79,6 +87,7 @@ class PDSender:
         channel: str | None,
         alloc_timeout: float,
         io_timeout: float = 30.0,
+        auth_token: str | None = None,
     ) -> None:
         self.fingerprint = fingerprint
         self.layout = layout
@@ -88,6 +97,7 @@ class PDSender:
         self.channel_name = channel
         self.alloc_timeout = alloc_timeout
         self.io_timeout = io_timeout
+        self.auth_token = auth_token
         self._sock: socket.socket | None = None
         self._channel: SenderChannel | None = None
         self.buffer_pages = 0
@@ -110,10 +120,14 @@ class PDSender:
             port=ports[tp_rank] if len(ports) > 1 else ports[0],
             channel=config.transfer_channel,
             alloc_timeout=config.pd_allocation_timeout_sec,
+            io_timeout=config.pd_message_timeout_sec,
+            auth_token=config.pd_auth_token,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> PDSender:
+        if self._sock is not None and _closed_by_peer(self._sock):
+            self.close()  # the receiver dropped an idle connection: start a fresh one
         if self._sock is not None:
             return self
         channel = sender_channel(self.channel_name)
@@ -125,19 +139,24 @@ class PDSender:
             ) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
+            nonce = new_nonce() if self.auth_token is not None else b""
             hello = Hello(
                 self.fingerprint,
                 self.page_bytes,
                 self.layout.token_bytes(),
                 channel.name,
+                nonce=nonce,
                 **channel.hello_fields(),
             )
             send_message(sock, hello)
-            reply = self._expect(sock, HelloReply)
+            where = f"the PD receiver at {self.host}:{self.port}"
+            answer = answer_challenge(sock, nonce, self.auth_token, where)
+            reply = self._check_reply(answer, HelloReply)
             channel.attach(reply)
         except BaseException:
             sock.close()
             channel.close()
+            self._in_step = False
             raise
         self.buffer_pages = reply.num_pages
         self._sock, self._channel = sock, channel
@@ -208,7 +227,9 @@ class PDSender:
             self._in_step = False
 
     def _expect(self, sock: socket.socket, kind: type[_M]) -> _M:
-        msg = recv_message(sock)
+        return self._check_reply(recv_message(sock), kind)
+
+    def _check_reply(self, msg: Message | None, kind: type[_M]) -> _M:
         if isinstance(msg, kind):
             return msg
         if isinstance(msg, ErrorReply):
@@ -218,3 +239,16 @@ class PDSender:
         if msg is None:
             raise TransferError("the PD receiver closed the connection")
         raise ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}")
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """True when the peer has closed ``sock`` (readable at once, and nothing to read)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        if not readable:
+            return False
+        with contextlib.suppress(BlockingIOError):
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        return False
+    except (OSError, ValueError):
+        return True
