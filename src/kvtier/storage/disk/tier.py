@@ -23,6 +23,22 @@ by mtime, which writes and read hits set), temporary leftovers of this fingerpri
 deleted, and bad files are removed and counted. The index is never written anywhere: the
 files are the truth.
 
+Faults:
+
+* Reads run on the reader pool and the caller waits at most ``blocking_timeout_secs``; a
+  read past it (a stuck network filesystem) is a miss (:class:`ReadAbandoned`, so the caller
+  keeps its page out of use until the read stops), counted in ``read_timeouts``, and until
+  it returns every read misses at once instead of queueing behind it. Chunk files are opened
+  ``O_NONBLOCK | O_NOFOLLOW`` and anything but a regular file (a FIFO, a device) is removed
+  as corrupt: opening a FIFO would otherwise block until a writer appears.
+* The directory deleted under a running tier (its fd's ``st_nlink`` drops to 0, or a write
+  gets ENOENT): one warning, ``directory_lost`` counted, ``available`` 0; the index is
+  dropped (its entries are gone), lookups answer "not here", reads miss, puts are DROPPED.
+  At most once a second a call re-opens the path (creating it as :meth:`open` does) and
+  rebuilds the index from what is there: one info line, ``available`` 1 again.
+* :meth:`close` refuses new calls, waits up to the timeout for the running ones, and never
+  waits on a stuck reader: the file descriptors such a reader may still use stay open.
+
 Settings: :mod:`kvtier.storage.disk.options`.
 """
 
@@ -32,8 +48,10 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
 
 import torch
 
@@ -42,8 +60,8 @@ from kvtier.config.sizes import format_size
 from kvtier.errors import ConfigError, CorruptRecord, StateError
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.layout import KVLayout
-from kvtier.lifecycle import Lifecycle
-from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
+from kvtier.lifecycle import CallGuard, Lifecycle
+from kvtier.storage.base import OnDone, PutOutcome, PutResult, ReadAbandoned, Tier, TierUsage
 from kvtier.storage.disk import files
 from kvtier.storage.disk.index import DiskEntry, DiskIndex
 from kvtier.storage.disk.options import DiskOptions, open_directory, options_from_config
@@ -63,7 +81,12 @@ _EXTRA_COUNTERS = (
     "bad_removed_at_open",  # files with a bad header or length, deleted at open
     "pinned_keys",  # gauge: keys pinned now
     "inflight_bytes",  # gauge: bytes queued or being written now
+    "read_timeouts",  # reads past blocking_timeout_secs (a stuck filesystem): misses
+    "stalled_reads",  # gauge: such reads still running
+    "directory_lost",  # the directory was deleted (or became unusable) while open
+    "directory_reopened",  # ... and was re-opened once usable again
 )
+REOPEN_INTERVAL_S = 1.0  # how often a call may try to re-open a lost directory
 
 
 class DiskTier(Tier):
@@ -81,8 +104,15 @@ class DiskTier(Tier):
         self._inflight_bytes = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._state = Lifecycle.NEW
+        self._guard = CallGuard("disk tier")
         self._dir_fd = -1
+        self._old_fds: list[int] = []  # of lost directories; a stuck reader may still use one
+        self._lost = False  # the directory is gone: see the module docstring
+        self._generation = 0  # bumped when the directory is lost: older writes do not count
+        self._next_reopen = 0.0
+        self._reopen_lock = threading.Lock()
+        self._stalled = 0  # reads abandoned after the timeout and still running
+        self.counters.extra["available"] = 1
         self._writer: ThreadPoolExecutor | None = None
         self._reader: ThreadPoolExecutor | None = None
 
@@ -95,11 +125,11 @@ class DiskTier(Tier):
     def open(self) -> None:
         """Check the directory, rebuild the index from headers, start the I/O threads."""
         with self._lock:
-            if self._state is not Lifecycle.NEW:
-                raise StateError(f"disk tier is {self._state.value}; open it once")
+            if self._guard.state is not Lifecycle.NEW:
+                raise StateError(f"disk tier is {self._guard.state.value}; open it once")
             self._dir_fd = open_directory(self.options.path, self.fp_hex)
             try:
-                self._rebuild_index()
+                self._rebuild_index(self._dir_fd)
             except OSError as exc:
                 os.close(self._dir_fd)
                 raise ConfigError(
@@ -108,10 +138,10 @@ class DiskTier(Tier):
             n = self.options.io_threads
             self._writer = ThreadPoolExecutor(n, thread_name_prefix="kvtier-disk-write")
             self._reader = ThreadPoolExecutor(n, thread_name_prefix="kvtier-disk-read")
-            self._state = Lifecycle.OPEN
+            self._guard.open()
 
-    def _rebuild_index(self) -> None:
-        found = files.scan(self._dir_fd, self.fingerprint, self.fp_hex)
+    def _rebuild_index(self, dir_fd: int) -> None:
+        found = files.scan(dir_fd, self.fingerprint, self.fp_hex)
         for record in found.records:
             self._index.add(
                 record.key, DiskEntry(record.header.num_tokens, record.header.record_len)
@@ -141,35 +171,62 @@ class DiskTier(Tier):
             log.warning("disk tier removed %d files with a bad header or length", found.bad_removed)
 
     def close(self) -> None:
-        """Drain queued writes (each still completes), stop the threads. Idempotent."""
+        """Refuse new calls, wait (bounded) for running ones, drain queued writes (each
+        still completes), stop the threads. Idempotent. Never waits on a stuck reader."""
+        timeout = self.options.timeout_s
+        calls_done = self._guard.close(timeout)
         with self._lock:
-            if self._state is not Lifecycle.OPEN:
-                self._state = Lifecycle.CLOSED
-                return
-            self._state = Lifecycle.CLOSED
-        assert self._writer is not None and self._reader is not None
-        self._writer.shutdown(wait=True)
-        self._reader.shutdown(wait=True)
-        os.close(self._dir_fd)
+            if self._writer is None or self._reader is None or self._dir_fd < 0:
+                return  # never opened, or closed already
+            writer, reader = self._writer, self._reader
+            self._writer = self._reader = None
+        writes_done = self.flush(timeout)
+        writer.shutdown(wait=writes_done)
+        with self._lock:
+            stalled = self._stalled
+        reader.shutdown(wait=not stalled, cancel_futures=True)
+        if calls_done and writes_done and not stalled:
+            for fd in [self._dir_fd, *self._old_fds]:
+                os.close(fd)
+        else:
+            log.warning(
+                "disk tier %s closed with %d calls, %d reads and %s writes still running "
+                "after %.1fs (a stuck filesystem?); their directory descriptors stay open",
+                self.options.path,
+                self._guard.running,
+                stalled,
+                "some" if not writes_done else "no",
+                timeout,
+            )
         self._dir_fd = -1
+        self._old_fds = []
 
     def flush(self, timeout: float | None = None) -> bool:
         with self._idle:
             return self._idle.wait_for(lambda: not self._pending, timeout)
 
-    def _check_open(self) -> None:
-        if self._state is not Lifecycle.OPEN:
-            raise StateError(f"disk tier is {self._state.value}")
-
     # -- writes ----------------------------------------------------------------------------
     def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
+        try:
+            with self._guard.call():
+                self._put(key, payload, num_tokens, on_done)
+        except StateError as exc:
+            with self._lock:
+                self.counters.failed += 1
+            _complete(on_done, PutResult(key, PutOutcome.FAILED, str(exc)))
+
+    def _put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
         nbytes = HEADER_SIZE + payload.numel()
         refused: PutResult | None = None
+        if self._lost:
+            self._try_reopen()
         with self._lock:
             extra = self.counters.extra
-            if self._state is not Lifecycle.OPEN:
-                refused = PutResult(key, PutOutcome.FAILED, f"disk tier is {self._state.value}")
-                self.counters.failed += 1
+            if self._lost:
+                refused = PutResult(
+                    key, PutOutcome.DROPPED, f"disk directory {self.options.path} is gone"
+                )
+                self.counters.dropped += 1
             elif key in self._index or key in self._pending:
                 refused = PutResult(key, PutOutcome.EXISTS)
             elif nbytes > self.options.capacity_bytes:
@@ -195,7 +252,7 @@ class DiskTier(Tier):
                 self._inflight_bytes += nbytes
                 extra["inflight_bytes"] = self._inflight_bytes
                 assert self._writer is not None
-                # Submitted under the lock so close() cannot shut the pool down in between.
+                # Submitted under the guard: close() shuts the pool down only after this.
                 self._writer.submit(self._write, key, payload, num_tokens, nbytes, on_done)
         if refused is not None:
             if refused.outcome is PutOutcome.DROPPED:
@@ -226,6 +283,10 @@ class DiskTier(Tier):
     ) -> PutResult:
         header = encode_header(key, self.fingerprint, num_tokens, payload)
         with self._lock:
+            if self._lost:
+                self.counters.dropped += 1
+                return PutResult(key, PutOutcome.DROPPED, "disk directory is gone")
+            generation, dir_fd = self._generation, self._dir_fd
             victims = self._index.reserve(nbytes)
             if victims is None:
                 self.counters.dropped += 1
@@ -234,16 +295,23 @@ class DiskTier(Tier):
             self.counters.evicted += len(victims)
             self._unlink(victims)
         try:
-            files.write_record(self._dir_fd, key, self.fp_hex, header, memoryview(payload.numpy()))  # type: ignore[arg-type]
+            files.write_record(dir_fd, key, self.fp_hex, header, memoryview(payload.numpy()))  # type: ignore[arg-type]
         except OSError as exc:
             with self._lock:
                 self._index.cancel(nbytes)
                 self.counters.failed += 1
                 if exc.errno in _NO_SPACE:
                     self.counters.extra["no_space"] += 1
-            log.warning("disk write of chunk %s failed (%s); it is not stored", key.hex(), exc)
+            if exc.errno == errno.ENOENT:
+                self._check_directory()
+            else:
+                log.warning("disk write of chunk %s failed (%s); it is not stored", key.hex(), exc)
             return PutResult(key, PutOutcome.FAILED, f"disk write failed: {exc}")
         with self._lock:
+            if generation != self._generation:  # landed in a directory lost meanwhile
+                self._index.cancel(nbytes)
+                self.counters.failed += 1
+                return PutResult(key, PutOutcome.FAILED, "disk directory was lost meanwhile")
             self._index.commit(key, DiskEntry(num_tokens, nbytes))
             self.counters.stored += 1
             self.counters.bytes_written += nbytes
@@ -251,14 +319,76 @@ class DiskTier(Tier):
 
     # -- reads -----------------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        with self._lock:
-            self._check_open()
-            return [k in self._index for k in keys]
+        with self._guard.call():
+            self._check_directory()
+            with self._lock:
+                if self._lost:
+                    return [False] * len(keys)
+                return [k in self._index for k in keys]
 
     def get_into(self, key: ChunkKey, out: torch.Tensor) -> int | None:
+        with self._guard.call():
+            return self._read_bounded([(key, out)])[0]
+
+    def get_many_into(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[int | None]:
+        """Reads of one lookup, overlapped on the reader pool (I/O and hashing drop the GIL)."""
+        with self._guard.call():
+            if len(items) > 1:
+                with self._lock:
+                    self.counters.extra["batched_reads"] += len(items)
+            return self._read_bounded(items)
+
+    def _read_bounded(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[int | None]:
+        """Run the reads on the reader pool; wait for them at most the timeout (see the
+        module docstring). Raises ReadAbandoned naming the reads still running."""
         with self._lock:
-            self._check_open()
+            if self._stalled or self._lost:
+                self.counters.misses += len(items)
+                return [None] * len(items)
+        assert self._reader is not None
+        futures = [self._reader.submit(self._read_one, key, out) for key, out in items]
+        _, running = wait(futures, timeout=self.options.timeout_s)
+        results = [None if f in running else f.result() for f in futures]
+        if running:
+            self._abandon(running)
+            busy: dict[int, Future[Any]] = {i: f for i, f in enumerate(futures) if f in running}
+            raise ReadAbandoned(
+                f"{len(running)} disk reads still running after {self.options.timeout_s:g}s",
+                busy,
+                results,
+            )
+        return results
+
+    def _abandon(self, running: set[Future[int | None]]) -> None:
+        with self._lock:
+            first = self._stalled == 0
+            self._stalled += len(running)
+            self.counters.misses += len(running)
+            self.counters.extra["read_timeouts"] += len(running)
+            self.counters.extra["stalled_reads"] = self._stalled
+        if first:
+            log.warning(
+                "disk tier %s: reads did not finish within %.1fs (a stuck filesystem?); reads "
+                "miss at once until they return",
+                self.options.path,
+                self.options.timeout_s,
+            )
+        for future in running:
+            future.add_done_callback(self._unstall)
+
+    def _unstall(self, _: Future[int | None]) -> None:
+        with self._lock:
+            self._stalled -= 1
+            self.counters.extra["stalled_reads"] = self._stalled
+            back = self._stalled == 0
+        if back:
+            log.info("disk tier %s: stalled reads returned; reading again", self.options.path)
+
+    def _read_one(self, key: ChunkKey, out: torch.Tensor) -> int | None:
+        """One read, on a reader thread (the caller waits on it, bounded)."""
+        with self._lock:
             entry = self._index.get(key, touch=True)
+            dir_fd = self._dir_fd
             if entry is None:
                 self.counters.misses += 1
                 return None
@@ -267,9 +397,7 @@ class DiskTier(Tier):
             raise ValueError(f"out must be a flat uint8 tensor of >= {payload_len} bytes")
         target = out[:payload_len]
         try:
-            header = files.read_record_into(
-                self._dir_fd, key, self.fingerprint, self.fp_hex, target
-            )
+            header = files.read_record_into(dir_fd, key, self.fingerprint, self.fp_hex, target)
             if header is not None:
                 verify_payload(header, target)
         except CorruptRecord as exc:
@@ -284,22 +412,74 @@ class DiskTier(Tier):
             return None
         if header is None:  # the file vanished under us (removed by hand, or evicted)
             self._forget(key, corrupt=False)
+            self._check_directory()  # ... or with its whole directory
             return None
         with self._lock:
             self.counters.hits += 1
             self.counters.bytes_read += header.payload_len
-        files.touch(self._dir_fd, self.fp_hex, key)  # the next open restores this recency
+        files.touch(dir_fd, self.fp_hex, key)  # the next open restores this recency
         return header.num_tokens
 
-    def get_many_into(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[int | None]:
-        """Reads of one lookup, overlapped on the reader pool (I/O and hashing drop the GIL)."""
+    # -- a directory deleted under us ------------------------------------------------------
+    def _check_directory(self) -> None:
+        """Notice a deleted directory (its link count is 0); try to re-open a lost one."""
+        if self._lost:
+            self._try_reopen()
+            return
+        try:
+            gone = os.fstat(self._dir_fd).st_nlink == 0
+        except OSError:
+            gone = True
+        if gone:
+            self._mark_lost("was deleted")
+
+    def _mark_lost(self, why: str) -> None:
         with self._lock:
-            self._check_open()
-            if len(items) > 1:
-                self.counters.extra["batched_reads"] += len(items)
-        if len(items) <= 1 or self._reader is None:
-            return [self.get_into(key, out) for key, out in items]
-        return list(self._reader.map(lambda item: self.get_into(*item), items))
+            if self._lost:
+                return
+            self._lost = True
+            self._generation += 1
+            dropped = self._index.drop_all()
+            self._next_reopen = time.monotonic() + REOPEN_INTERVAL_S
+            self.counters.extra["directory_lost"] += 1
+            self.counters.extra["available"] = 0
+            self.counters.extra["pinned_keys"] = 0
+        log.warning(
+            "disk tier directory %s %s: the tier is unavailable (lookups miss, stores are "
+            "dropped) and its index of %d chunks is dropped; it re-opens the path when usable",
+            self.options.path,
+            why,
+            dropped,
+        )
+
+    def _try_reopen(self) -> None:
+        """At most once per REOPEN_INTERVAL_S (one caller at a time): open the path again
+        and rebuild the index from it. Quietly stays lost while the path is unusable."""
+        if time.monotonic() < self._next_reopen or not self._reopen_lock.acquire(blocking=False):
+            return
+        try:
+            self._next_reopen = time.monotonic() + REOPEN_INTERVAL_S
+            try:
+                fd = open_directory(self.options.path, self.fp_hex)
+            except ConfigError as exc:
+                log.debug("disk directory still unusable: %s", exc)
+                return
+            with self._lock:
+                old_fd, self._dir_fd = self._dir_fd, fd  # the rebuild unlinks through it
+                try:
+                    self._rebuild_index(fd)
+                except OSError as exc:
+                    self._dir_fd = old_fd
+                    os.close(fd)
+                    log.debug("disk directory still unusable: %s", exc)
+                    return
+                self._old_fds.append(old_fd)
+                self._lost = False
+                self.counters.extra["available"] = 1
+                self.counters.extra["directory_reopened"] += 1
+            log.info("disk tier directory %s is usable again: re-opened", self.options.path)
+        finally:
+            self._reopen_lock.release()
 
     def _unlink(self, keys: Sequence[ChunkKey]) -> None:
         """Delete the files of keys just dropped from the index. Called under the lock, so no
@@ -319,8 +499,7 @@ class DiskTier(Tier):
 
     # -- pins, removal, usage --------------------------------------------------------------
     def pin(self, key: ChunkKey) -> bool:
-        with self._lock:
-            self._check_open()
+        with self._guard.call(), self._lock:
             pinned = self._index.pin(key)
             self.counters.extra["pinned_keys"] = self._index.pinned_keys
             return pinned
@@ -332,8 +511,7 @@ class DiskTier(Tier):
             self.counters.extra["pinned_keys"] = self._index.pinned_keys
 
     def remove(self, key: ChunkKey) -> bool:
-        with self._lock:
-            self._check_open()
+        with self._guard.call(), self._lock:
             if self._index.pop(key) is None:
                 return False
             self.counters.extra["pinned_keys"] = self._index.pinned_keys
@@ -345,8 +523,7 @@ class DiskTier(Tier):
             return TierUsage(self._index.used_bytes, self.options.capacity_bytes, len(self._index))
 
     def clear(self) -> int:
-        with self._lock:
-            self._check_open()
+        with self._guard.call(), self._lock:
             victims = self._index.unpinned_keys()
             for key in victims:
                 self._index.pop(key)
