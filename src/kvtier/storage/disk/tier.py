@@ -51,6 +51,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any
 
 import torch
@@ -303,8 +304,8 @@ class DiskTier(Tier):
                 if exc.errno in _NO_SPACE:
                     self.counters.extra["no_space"] += 1
             if exc.errno == errno.ENOENT:
-                self._check_directory()
-            else:
+                self._check_directory()  # the directory itself gone? (logged there)
+            if not self._lost:
                 log.warning("disk write of chunk %s failed (%s); it is not stored", key.hex(), exc)
             return PutResult(key, PutOutcome.FAILED, f"disk write failed: {exc}")
         with self._lock:
@@ -347,6 +348,11 @@ class DiskTier(Tier):
                 return [None] * len(items)
         assert self._reader is not None
         futures = [self._reader.submit(self._read_one, key, out) for key, out in items]
+        if len(futures) == 1:  # the common single read: no waiter set to build
+            try:
+                return [futures[0].result(self.options.timeout_s)]
+            except FuturesTimeout:
+                pass
         _, running = wait(futures, timeout=self.options.timeout_s)
         results = [None if f in running else f.result() for f in futures]
         if running:
