@@ -23,21 +23,11 @@ by mtime, which writes and read hits set), temporary leftovers of this fingerpri
 deleted, and bad files are removed and counted. The index is never written anywhere: the
 files are the truth.
 
-Faults:
-
-* Reads run on the reader pool and the caller waits at most ``blocking_timeout_secs``; a
-  read past it (a stuck network filesystem) is a miss (:class:`ReadAbandoned`, so the caller
-  keeps its page out of use until the read stops), counted in ``read_timeouts``, and until
-  it returns every read misses at once instead of queueing behind it. Chunk files are opened
-  ``O_NONBLOCK | O_NOFOLLOW`` and anything but a regular file (a FIFO, a device) is removed
-  as corrupt: opening a FIFO would otherwise block until a writer appears.
-* The directory deleted under a running tier (its fd's ``st_nlink`` drops to 0, or a write
-  gets ENOENT): one warning, ``directory_lost`` counted, ``available`` 0; the index is
-  dropped (its entries are gone), lookups answer "not here", reads miss, puts are DROPPED.
-  At most once a second a call re-opens the path (creating it as :meth:`open` does) and
-  rebuilds the index from what is there: one info line, ``available`` 1 again.
-* :meth:`close` refuses new calls, waits up to the timeout for the running ones, and never
-  waits on a stuck reader: the file descriptors such a reader may still use stay open.
+Faults (docs/disk.md): reads are bounded by ``blocking_timeout_secs``
+(:mod:`~kvtier.storage.disk.bounded_reads`); a chunk name that is not a regular file (a
+FIFO) is a corrupt miss (:mod:`~kvtier.storage.disk.files`); a deleted directory drops the
+index and is re-opened when usable (:mod:`~kvtier.storage.disk.directory`); :meth:`close`
+waits for calls in flight, bounded, and never on a stuck reader.
 
 Settings: :mod:`kvtier.storage.disk.options`.
 """
@@ -46,13 +36,9 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import threading
-import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from concurrent.futures import TimeoutError as FuturesTimeout
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -62,10 +48,12 @@ from kvtier.errors import ConfigError, CorruptRecord, StateError
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import CallGuard, Lifecycle
-from kvtier.storage.base import OnDone, PutOutcome, PutResult, ReadAbandoned, Tier, TierUsage
+from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
 from kvtier.storage.disk import files
+from kvtier.storage.disk.bounded_reads import BoundedReads
+from kvtier.storage.disk.directory import ChunkDirectory
 from kvtier.storage.disk.index import DiskEntry, DiskIndex
-from kvtier.storage.disk.options import DiskOptions, open_directory, options_from_config
+from kvtier.storage.disk.options import DiskOptions, options_from_config
 from kvtier.storage.records import HEADER_SIZE, encode_header, verify_payload
 
 log = logging.getLogger(__name__)
@@ -87,7 +75,6 @@ _EXTRA_COUNTERS = (
     "directory_lost",  # the directory was deleted (or became unusable) while open
     "directory_reopened",  # ... and was re-opened once usable again
 )
-REOPEN_INTERVAL_S = 1.0  # how often a call may try to re-open a lost directory
 
 
 class DiskTier(Tier):
@@ -106,16 +93,10 @@ class DiskTier(Tier):
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._guard = CallGuard("disk tier")
-        self._dir_fd = -1
-        self._old_fds: list[int] = []  # of lost directories; a stuck reader may still use one
-        self._lost = False  # the directory is gone: see the module docstring
-        self._generation = 0  # bumped when the directory is lost: older writes do not count
-        self._next_reopen = 0.0
-        self._reopen_lock = threading.Lock()
-        self._stalled = 0  # reads abandoned after the timeout and still running
+        self._dir = ChunkDirectory(options.path, self.fp_hex)
         self.counters.extra["available"] = 1
         self._writer: ThreadPoolExecutor | None = None
-        self._reader: ThreadPoolExecutor | None = None
+        self._reader: BoundedReads | None = None
 
     @classmethod
     def from_config(cls, config: Config, layout: KVLayout, fingerprint: Fingerprint) -> DiskTier:
@@ -128,17 +109,16 @@ class DiskTier(Tier):
         with self._lock:
             if self._guard.state is not Lifecycle.NEW:
                 raise StateError(f"disk tier is {self._guard.state.value}; open it once")
-            self._dir_fd = open_directory(self.options.path, self.fp_hex)
             try:
-                self._rebuild_index(self._dir_fd)
+                self._rebuild_index(self._dir.open())
             except OSError as exc:
-                os.close(self._dir_fd)
+                self._dir.close()
                 raise ConfigError(
                     "local_disk", self.options.path, f"a readable directory ({exc.strerror})"
                 ) from None
             n = self.options.io_threads
             self._writer = ThreadPoolExecutor(n, thread_name_prefix="kvtier-disk-write")
-            self._reader = ThreadPoolExecutor(n, thread_name_prefix="kvtier-disk-read")
+            self._reader = BoundedReads(n, self.options.timeout_s, self.options.path)
             self._guard.open()
 
     def _rebuild_index(self, dir_fd: int) -> None:
@@ -177,19 +157,15 @@ class DiskTier(Tier):
         timeout = self.options.timeout_s
         calls_done = self._guard.close(timeout)
         with self._lock:
-            if self._writer is None or self._reader is None or self._dir_fd < 0:
+            if self._writer is None or self._reader is None:
                 return  # never opened, or closed already
             writer, reader = self._writer, self._reader
             self._writer = self._reader = None
         writes_done = self.flush(timeout)
         writer.shutdown(wait=writes_done)
-        with self._lock:
-            stalled = self._stalled
-        reader.shutdown(wait=not stalled, cancel_futures=True)
-        if calls_done and writes_done and not stalled:
-            for fd in [self._dir_fd, *self._old_fds]:
-                os.close(fd)
-        else:
+        reader.close()
+        stalled = reader.stalled
+        if not (calls_done and writes_done and not stalled):
             log.warning(
                 "disk tier %s closed with %d calls, %d reads and %s writes still running "
                 "after %.1fs (a stuck filesystem?); their directory descriptors stay open",
@@ -199,8 +175,7 @@ class DiskTier(Tier):
                 "some" if not writes_done else "no",
                 timeout,
             )
-        self._dir_fd = -1
-        self._old_fds = []
+        self._dir.close(keep_open=not (calls_done and writes_done and not stalled))
 
     def flush(self, timeout: float | None = None) -> bool:
         with self._idle:
@@ -219,11 +194,11 @@ class DiskTier(Tier):
     def _put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
         nbytes = HEADER_SIZE + payload.numel()
         refused: PutResult | None = None
-        if self._lost:
+        if self._dir.lost:
             self._try_reopen()
         with self._lock:
             extra = self.counters.extra
-            if self._lost:
+            if self._dir.lost:
                 refused = PutResult(
                     key, PutOutcome.DROPPED, f"disk directory {self.options.path} is gone"
                 )
@@ -284,10 +259,10 @@ class DiskTier(Tier):
     ) -> PutResult:
         header = encode_header(key, self.fingerprint, num_tokens, payload)
         with self._lock:
-            if self._lost:
+            if self._dir.lost:
                 self.counters.dropped += 1
                 return PutResult(key, PutOutcome.DROPPED, "disk directory is gone")
-            generation, dir_fd = self._generation, self._dir_fd
+            generation, dir_fd = self._dir.generation, self._dir.fd
             victims = self._index.reserve(nbytes)
             if victims is None:
                 self.counters.dropped += 1
@@ -305,11 +280,11 @@ class DiskTier(Tier):
                     self.counters.extra["no_space"] += 1
             if exc.errno == errno.ENOENT:
                 self._check_directory()  # the directory itself gone? (logged there)
-            if not self._lost:
+            if not self._dir.lost:
                 log.warning("disk write of chunk %s failed (%s); it is not stored", key.hex(), exc)
             return PutResult(key, PutOutcome.FAILED, f"disk write failed: {exc}")
         with self._lock:
-            if generation != self._generation:  # landed in a directory lost meanwhile
+            if generation != self._dir.generation:  # landed in a directory lost meanwhile
                 self._index.cancel(nbytes)
                 self.counters.failed += 1
                 return PutResult(key, PutOutcome.FAILED, "disk directory was lost meanwhile")
@@ -323,7 +298,7 @@ class DiskTier(Tier):
         with self._guard.call():
             self._check_directory()
             with self._lock:
-                if self._lost:
+                if self._dir.lost:
                     return [False] * len(keys)
                 return [k in self._index for k in keys]
 
@@ -340,61 +315,20 @@ class DiskTier(Tier):
             return self._read_bounded(items)
 
     def _read_bounded(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[int | None]:
-        """Run the reads on the reader pool; wait for them at most the timeout (see the
-        module docstring). Raises ReadAbandoned naming the reads still running."""
-        with self._lock:
-            if self._stalled or self._lost:
-                self.counters.misses += len(items)
-                return [None] * len(items)
+        """The reads, bounded by the timeout (see kvtier.storage.disk.bounded_reads)."""
         assert self._reader is not None
-        futures = [self._reader.submit(self._read_one, key, out) for key, out in items]
-        if len(futures) == 1:  # the common single read: no waiter set to build
-            try:
-                return [futures[0].result(self.options.timeout_s)]
-            except FuturesTimeout:
-                pass
-        _, running = wait(futures, timeout=self.options.timeout_s)
-        results = [None if f in running else f.result() for f in futures]
-        if running:
-            self._abandon(running)
-            busy: dict[int, Future[Any]] = {i: f for i, f in enumerate(futures) if f in running}
-            raise ReadAbandoned(
-                f"{len(running)} disk reads still running after {self.options.timeout_s:g}s",
-                busy,
-                results,
-            )
+        results = None if self._dir.lost else self._reader.read(self._read_one, items)
+        if results is None:  # the directory is gone, or a stuck read stalls the tier
+            with self._lock:
+                self.counters.misses += len(items)
+            return [None] * len(items)
         return results
-
-    def _abandon(self, running: set[Future[int | None]]) -> None:
-        with self._lock:
-            first = self._stalled == 0
-            self._stalled += len(running)
-            self.counters.misses += len(running)
-            self.counters.extra["read_timeouts"] += len(running)
-            self.counters.extra["stalled_reads"] = self._stalled
-        if first:
-            log.warning(
-                "disk tier %s: reads did not finish within %.1fs (a stuck filesystem?); reads "
-                "miss at once until they return",
-                self.options.path,
-                self.options.timeout_s,
-            )
-        for future in running:
-            future.add_done_callback(self._unstall)
-
-    def _unstall(self, _: Future[int | None]) -> None:
-        with self._lock:
-            self._stalled -= 1
-            self.counters.extra["stalled_reads"] = self._stalled
-            back = self._stalled == 0
-        if back:
-            log.info("disk tier %s: stalled reads returned; reading again", self.options.path)
 
     def _read_one(self, key: ChunkKey, out: torch.Tensor) -> int | None:
         """One read, on a reader thread (the caller waits on it, bounded)."""
         with self._lock:
             entry = self._index.get(key, touch=True)
-            dir_fd = self._dir_fd
+            dir_fd = self._dir.fd
             if entry is None:
                 self.counters.misses += 1
                 return None
@@ -428,25 +362,17 @@ class DiskTier(Tier):
 
     # -- a directory deleted under us ------------------------------------------------------
     def _check_directory(self) -> None:
-        """Notice a deleted directory (its link count is 0); try to re-open a lost one."""
-        if self._lost:
+        """Notice a deleted directory; try to re-open a lost one (module docstring)."""
+        if self._dir.lost:
             self._try_reopen()
-            return
-        try:
-            gone = os.fstat(self._dir_fd).st_nlink == 0
-        except OSError:
-            gone = True
-        if gone:
+        elif self._dir.deleted():
             self._mark_lost("was deleted")
 
     def _mark_lost(self, why: str) -> None:
         with self._lock:
-            if self._lost:
+            if not self._dir.mark_lost():
                 return
-            self._lost = True
-            self._generation += 1
             dropped = self._index.drop_all()
-            self._next_reopen = time.monotonic() + REOPEN_INTERVAL_S
             self.counters.extra["directory_lost"] += 1
             self.counters.extra["available"] = 0
             self.counters.extra["pinned_keys"] = 0
@@ -459,39 +385,18 @@ class DiskTier(Tier):
         )
 
     def _try_reopen(self) -> None:
-        """At most once per REOPEN_INTERVAL_S (one caller at a time): open the path again
-        and rebuild the index from it. Quietly stays lost while the path is unusable."""
-        if time.monotonic() < self._next_reopen or not self._reopen_lock.acquire(blocking=False):
+        if not self._dir.try_reopen(self._rebuild_index, self._lock):
             return
-        try:
-            self._next_reopen = time.monotonic() + REOPEN_INTERVAL_S
-            try:
-                fd = open_directory(self.options.path, self.fp_hex)
-            except ConfigError as exc:
-                log.debug("disk directory still unusable: %s", exc)
-                return
-            with self._lock:
-                old_fd, self._dir_fd = self._dir_fd, fd  # the rebuild unlinks through it
-                try:
-                    self._rebuild_index(fd)
-                except OSError as exc:
-                    self._dir_fd = old_fd
-                    os.close(fd)
-                    log.debug("disk directory still unusable: %s", exc)
-                    return
-                self._old_fds.append(old_fd)
-                self._lost = False
-                self.counters.extra["available"] = 1
-                self.counters.extra["directory_reopened"] += 1
-            log.info("disk tier directory %s is usable again: re-opened", self.options.path)
-        finally:
-            self._reopen_lock.release()
+        with self._lock:
+            self.counters.extra["available"] = 1
+            self.counters.extra["directory_reopened"] += 1
+        log.info("disk tier directory %s is usable again: re-opened", self.options.path)
 
     def _unlink(self, keys: Sequence[ChunkKey]) -> None:
         """Delete the files of keys just dropped from the index. Called under the lock, so no
         put of the same key can start (and land its new file) before the old one is gone."""
         for key in keys:
-            files.unlink_quietly(self._dir_fd, files.final_name(self.fp_hex, key))
+            files.unlink_quietly(self._dir.fd, files.final_name(self.fp_hex, key))
 
     def _forget(self, key: ChunkKey, *, corrupt: bool) -> None:
         with self._lock:
@@ -526,6 +431,9 @@ class DiskTier(Tier):
 
     def usage(self) -> TierUsage:
         with self._lock:
+            if self._reader is not None:
+                self.counters.extra["read_timeouts"] = self._reader.timeouts
+                self.counters.extra["stalled_reads"] = self._reader.stalled
             return TierUsage(self._index.used_bytes, self.options.capacity_bytes, len(self._index))
 
     def clear(self) -> int:
