@@ -21,10 +21,11 @@ class CallGuard:
     """Calls in flight on an object that can be closed under them.
 
     ``with guard.call():`` around each public call: refused with :class:`StateError` unless
-    open, counted while it runs. ``close(timeout)`` refuses new calls at once, then waits up
-    to ``timeout`` for the running ones, so what they use (a file descriptor, a thread pool,
-    a connection) is freed only after them, and a call stuck in the kernel cannot hold close
-    forever (close returns False then, and the caller keeps what the stuck call may touch)::
+    open, counted while it runs; whatever it raises once close has begun is a StateError.
+    ``close(timeout)`` refuses new calls at once, then waits up to ``timeout`` for the
+    running ones, so what they use (a file descriptor, a thread pool, a connection) is freed
+    only after them, and a call stuck in the kernel cannot hold close forever (close returns
+    False then, and the caller keeps what the stuck call may touch)::
 
         NEW --open()--> OPEN --close()--> CLOSED      (close of NEW or CLOSED: CLOSED at once)
     """
@@ -50,6 +51,12 @@ class CallGuard:
             self._running += 1
         try:
             yield
+        except Exception as exc:
+            if self.state is Lifecycle.OPEN or isinstance(exc, StateError):
+                raise
+            # close() began meanwhile and freed what the call was using: the caller sees
+            # "closed", never the torn state (an AssertionError, a shut-down pool).
+            raise StateError(f"{self.what} was closed during this call ({exc})") from exc
         finally:
             with self._cond:
                 self._running -= 1
