@@ -4,7 +4,7 @@ close waits (bounded) for the calls in flight before it frees anything."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +13,7 @@ import torch
 from kvtier import Engine
 from kvtier.errors import StateError
 from tests.conftest import SMALL_LAYOUT, make_kv, make_tokens, small_config
+from tests.redis_servers import RedisServer
 
 PROMPTS = [(make_tokens(64, seed=70 + i), make_kv(64, seed=70 + i)) for i in range(4)]
 
@@ -43,11 +44,24 @@ def _hammer(engine: Engine, worker: int, stop: threading.Event, errors: list[str
                 return
 
 
-@pytest.mark.parametrize("tiers", ["cpu", "disk"])
-def test_calls_racing_close_get_state_error_and_nothing_else(tmp_path: Path, tiers: str) -> None:
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    server = RedisServer().start()
+    try:
+        yield server.url
+    finally:
+        server.cleanup()
+
+
+@pytest.mark.parametrize("tiers", ["cpu", "disk", "redis"])
+def test_calls_racing_close_get_state_error_and_nothing_else(
+    tmp_path: Path, tiers: str, request: pytest.FixtureRequest
+) -> None:
     extra: dict[str, object] = {}
     if tiers == "disk":
         extra = {"local_disk": str(tmp_path / "disk"), "max_local_disk_size": "4MiB"}
+    if tiers == "redis":
+        extra = {"remote_url": request.getfixturevalue("redis_url"), "local_cpu": False}
     errors: list[str] = []
     for round_ in range(12):
         engine = Engine(

@@ -31,7 +31,7 @@ from kvtier.errors import InputError, StateError, TierError
 from kvtier.keys import ChunkSpan, Fingerprint, KeyChain, as_token_array
 from kvtier.layout import KVLayout
 from kvtier.lease import Hold, LeaseInfo, LeaseTable
-from kvtier.lifecycle import Lifecycle
+from kvtier.lifecycle import CallGuard, Lifecycle
 from kvtier.memory.block_pool import BlockPool, pages_for_capacity
 from kvtier.observability.observer import Observer
 from kvtier.pd.buffer import PDBuffer
@@ -64,7 +64,7 @@ def _guarded(method: Callable[Concatenate[Engine, P], R]) -> Callable[Concatenat
 
     @functools.wraps(method)
     def call(self: Engine, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        with self._in_flight():
+        with self._guard.call():
             return method(self, *args, **kwargs)
 
     return call
@@ -110,10 +110,8 @@ class Engine:
         self.keychain = KeyChain(self.fingerprint)
         self.counters = EngineCounters()
         self.observer = Observer(self.fingerprint, self.config)  # metrics, explain (no I/O)
-        self._state = EngineState.NEW
-        self._state_lock = threading.Lock()
-        self._calls = 0  # public calls running now (see _in_flight)
-        self._calls_done = threading.Condition(self._state_lock)
+        self._guard = CallGuard("Engine")  # the state, and the public calls in flight
+        self._state_lock = threading.Lock()  # one open() or close() at a time
         self._pool: BlockPool | None = None
         self._manager: StorageManager | None = None
         self._leases: LeaseTable[LookupPlan] | None = None
@@ -123,9 +121,9 @@ class Engine:
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> Engine:
         with self._state_lock:
-            if self._state is EngineState.OPEN:
+            if self._guard.state is EngineState.OPEN:
                 return self
-            if self._state is EngineState.CLOSED:
+            if self._guard.state is EngineState.CLOSED:
                 raise StateError("this Engine is closed; create a new one")
             memory = self._page_memory
             pool = BlockPool(
@@ -154,7 +152,7 @@ class Engine:
                 self.config, self.layout, pool, cpu, lower, self.counters
             )
             self.observer.attach(self._manager)
-            self._state = EngineState.OPEN
+            self._guard.open()
             log.info(
                 "kvtier engine open: %s, %d CPU pages of %d bytes, tiers %s",
                 self.layout.describe(),
@@ -169,17 +167,16 @@ class Engine:
         ``blocking_timeout_secs``, which bounds each tier operation), end every open request,
         drain in-flight writes, close tiers, free memory."""
         with self._state_lock:
-            if self._state is not EngineState.OPEN:
-                self._state = EngineState.CLOSED
-                return
-            self._state = EngineState.CLOSED
+            was_open = self._guard.state is EngineState.OPEN
             bound = self.config.blocking_timeout_secs
-            if not self._calls_done.wait_for(lambda: self._calls == 0, bound):
+            if not self._guard.close(bound if was_open else 0.0):
                 log.warning(
                     "closing with %d calls still running after %.1fs; they end with StateError",
-                    self._calls,
+                    self._guard.running,
                     bound,
                 )
+            if not was_open:
+                return
         assert self._leases is not None and self._manager is not None and self._pool is not None
         still_open = self._leases.end_all()
         if still_open:
@@ -205,36 +202,17 @@ class Engine:
 
     @property
     def state(self) -> EngineState:
-        return self._state
-
-    @contextmanager
-    def _in_flight(self) -> Iterator[None]:
-        """Count one public call while it runs. Whatever it raises after close has begun
-        (close freed what it was using) is a StateError: the caller sees "closed", never a
-        torn internal state."""
-        with self._state_lock:
-            self._open_parts()  # raises StateError unless open
-            self._calls += 1
-        try:
-            yield
-        except Exception as exc:
-            if self._state is EngineState.OPEN or isinstance(exc, StateError):
-                raise
-            raise StateError(f"Engine was closed during this call ({exc})") from exc
-        finally:
-            with self._state_lock:
-                self._calls -= 1
-                if self._calls == 0:
-                    self._calls_done.notify_all()
+        return self._guard.state
 
     def _open_parts(self) -> tuple[StorageManager, LeaseTable[LookupPlan]]:
-        if self._state is not EngineState.OPEN:
+        state = self._guard.state
+        if state is not EngineState.OPEN:
             hint = (
                 "call open() or use `with Engine(...)`"
-                if self._state is EngineState.NEW
+                if state is EngineState.NEW
                 else "it was closed"
             )
-            raise StateError(f"Engine is {self._state.value}: {hint}")
+            raise StateError(f"Engine is {state.value}: {hint}")
         assert self._manager is not None and self._leases is not None
         return self._manager, self._leases
 

@@ -204,3 +204,23 @@ def test_pd_view_reads_the_decoder_pd_tier() -> None:
     reported = {"received_bytes": 99}
     view = pd_view({"tiers": {"pd": tier}, "pd": reported})
     assert view is not None and view["received_bytes"] == 99 and view["transfers"] == 3
+
+
+def test_tier_available_drops_to_zero_while_the_disk_directory_is_gone(
+    engine_factory: Callable[..., Engine], tmp_path: Path
+) -> None:
+    import shutil
+
+    disk = tmp_path / "disk"
+    engine = engine_factory(local_disk=str(disk), max_local_disk_size="1MiB")
+    reg = engine_registry(engine)
+    assert value(reg, "kvtier_tier_available", tier="disk") == 1
+    assert value(reg, "kvtier_tier_available", tier="cpu") == 1
+    tokens = make_tokens(32)
+    engine.store(tokens, make_kv(32))
+    assert engine.flush(10)
+    shutil.rmtree(disk)
+    engine.lookup(make_tokens(32, seed=7), "r")  # a CPU miss asks the disk, which notices
+    engine.end_request("r")
+    assert value(reg, "kvtier_tier_available", tier="disk") == 0
+    assert engine.stats()["tiers"]["disk"]["directory_lost"] == 1

@@ -207,6 +207,14 @@ def _tier_metrics(
         for tier, counters in tiers.items():
             gauge.add_metric([tier], counters.get(field, 0))
         yield gauge
+    available = GaugeMetricFamily(
+        "kvtier_tier_available",
+        "1 while the tier serves; 0 while it is down (Redis unreachable, disk directory gone).",
+        labels=["tier"],
+    )
+    for tier, counters in tiers.items():
+        available.add_metric([tier], counters.get("available", 1))
+    yield available
 
 
 def _lease_metrics(stats: Mapping[str, Any], ages: list[float]) -> Iterator[Metric]:

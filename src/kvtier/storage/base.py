@@ -16,6 +16,9 @@ Protocol (who calls what, who owns what):
   page, so reads land in their final place with no intermediate copy) after checking the
   checksum, and returns the chunk's token count, or None for a miss. A corrupt entry is a
   miss: logged, removed and counted, never returned.
+* A read that runs past ``blocking_timeout_secs`` (a stuck network filesystem) raises
+  :class:`ReadAbandoned`: a miss, but the read is still running and may yet write into its
+  ``out``, so the caller keeps each page in ``busy`` out of use until its future is done.
 * ``put(key, payload, num_tokens, on_done)`` may return before the write lands. ``payload``
   (a uint8 view of an allocator page) stays valid and unchanged until ``on_done`` runs;
   ``on_done`` runs exactly once per put, also on failure, from any thread, and must not
@@ -27,10 +30,13 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from kvtier.errors import TierUnavailable
 from kvtier.keys import ChunkKey
 
 
@@ -56,6 +62,21 @@ class TierUsage:
     used_bytes: int
     capacity_bytes: int
     entries: int
+
+
+class ReadAbandoned(TierUnavailable):
+    """Reads that did not finish within the timeout: misses whose ``out`` buffers are still
+    being written. ``busy`` maps the position of each such item in the call (0 for
+    ``get_into``) to the future that completes when its read stops touching the buffer;
+    ``results`` holds what the other items of a ``get_many_into`` returned (None for the
+    busy ones)."""
+
+    def __init__(
+        self, message: str, busy: dict[int, Future[Any]], results: list[int | None]
+    ) -> None:
+        super().__init__(message)
+        self.busy = busy
+        self.results = results
 
 
 @dataclass

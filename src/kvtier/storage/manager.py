@@ -27,10 +27,13 @@ as the lower tier has the bytes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,7 +43,7 @@ from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.layout import KVLayout
 from kvtier.lease import CallbackHold, Lease
 from kvtier.memory.block_pool import BlockPool
-from kvtier.storage.base import PutOutcome, PutResult, Tier
+from kvtier.storage.base import PutOutcome, PutResult, ReadAbandoned, Tier
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
 
@@ -103,8 +106,9 @@ class _WriteTicket:
 
 
 class WritesInFlight:
-    """Page references held by lower-tier writes, counted so that an invariant check can
-    account for every reference even while writes are still landing."""
+    """Page references held by lower-tier I/O in flight (writes, and reads that timed out
+    but still run), counted so that an invariant check can account for every reference
+    even while they are still landing."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -248,6 +252,14 @@ class StorageManager:
                 views = [self.pool.page_bytes_view(p) for p in pages]
                 items = [(h.span.key, v) for h, v in zip(hits, views, strict=True)]
                 results = tier.get_many_into(items)
+            except ReadAbandoned as exc:
+                log.warning("tier %s batch read timed out: %s", tier.name, exc)
+                for i, page in enumerate(pages):
+                    if i in exc.busy:
+                        self._park(page, exc.busy[i])
+                    else:
+                        self.pool.release([page])
+                continue
             except KVTierError as exc:
                 log.warning("tier %s batch read failed, reading one by one: %s", tier.name, exc)
                 self.pool.release(pages)
@@ -277,6 +289,11 @@ class StorageManager:
         page = pages[0]
         try:
             tokens = tier.get_into(hit.span.key, self.pool.page_bytes_view(page))
+        except ReadAbandoned as exc:
+            log.warning("tier %s read timed out, counting it as a miss: %s", tier.name, exc)
+            self._park(page, exc.busy[0])
+            self.counters.add(load_failures=1)
+            return False
         except KVTierError as exc:
             log.warning("tier %s read failed, counting it as a miss: %s", tier.name, exc)
             tokens = None
@@ -289,6 +306,18 @@ class StorageManager:
             return False
         self._adopt(hit, page, lease)
         return True
+
+    def _park(self, page: int, read: Future[Any]) -> None:
+        """A read that timed out may still write into ``page``: it stays allocated (owned as
+        I/O in flight, like a write's page) until the read stops, then goes back."""
+        self.writes_in_flight.open(page)
+
+        def done(_: Future[Any]) -> None:
+            # AssertionError: the engine closed meanwhile, and the pool is gone anyway.
+            with contextlib.suppress(AssertionError):
+                self.writes_in_flight.close(page, self.pool)
+
+        read.add_done_callback(done)
 
     def _adopt(self, hit: ChunkHit, page: int, lease: Lease[LookupPlan]) -> None:
         """A page just filled from a lower tier: the lease takes the caller's reference, and

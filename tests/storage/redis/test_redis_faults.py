@@ -301,3 +301,88 @@ def test_engine_starts_with_its_redis_down_and_serves_from_cpu(
         assert stats["dropped"] == 3 and stats["stored"] == 0
         assert engine.check_invariants() == [] and engine.leaks() == []
     assert len(redis_warnings(caplog)) == 1, redis_warnings(caplog)
+
+
+# -- Redis Cluster: one master killed, paused, restarted empty ---------------------------------
+def test_cluster_master_paused_costs_at_most_the_timeout_then_recovers() -> None:
+    cluster = RedisClusterServers().start()
+    try:
+        tier = open_tier(cluster.url, timeout_s=TIMEOUT_S)
+        try:
+            key = random_key()
+            put_and_wait(tier, key, payload(CONTRACT_CHUNK, 8), CONTRACT_CHUNK)
+            holder = cluster.node_holding(tier.redis_name(key))
+            holder.pause()
+            out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+            answer, took = timed(lambda: tier.get_into(key, out))
+            assert answer is None and took < TIMEOUT_S + SLACK_S
+            answer, took = timed(lambda: tier.contains([key, random_key()]))
+            assert answer == [False, False] and took < TIMEOUT_S + SLACK_S
+            escaped, took = timed(lambda: exercise_every_public_call(tier))
+            assert escaped == []
+            holder.resume()
+            assert tier.link.wait_up(15.0), "tier did not come back after the pause"
+            wait_until(lambda: tier.get_into(key, out) == CONTRACT_CHUNK, 15, "the paused key")
+            assert torch.equal(out, payload(CONTRACT_CHUNK, 8))
+        finally:
+            tier.close()
+    finally:
+        cluster.cleanup()
+
+
+@pytest.mark.parametrize("fault", ["kill_then_restart_empty", "pause_then_resume"])
+def test_engine_on_a_cluster_turns_a_master_fault_into_misses_and_recovers(fault: str) -> None:
+    cluster = RedisClusterServers().start()
+    try:
+        config = small_config(
+            remote_url=cluster.url, blocking_timeout_secs=TIMEOUT_S, local_cpu=False
+        )
+        tokens, kv = make_tokens(128, seed=12), make_kv(128, seed=12)
+        with Engine(config, SMALL_LAYOUT, model_name="m") as writer:
+            assert writer.store(tokens, kv) == 8
+            assert writer.flush(10.0)
+        with Engine(
+            config.with_overrides(use_only_staging_buffer=True), SMALL_LAYOUT, model_name="m"
+        ) as engine:
+            tier = engine.tier("redis")
+            assert isinstance(tier, RedisTier)
+            first_key = engine.keychain.keys(tokens, include_partial=False)[0].key
+            holder = cluster.node_holding(tier.redis_name(first_key))  # holds chunk 0
+            if fault == "kill_then_restart_empty":
+                holder.kill()
+            else:
+                holder.pause()
+            # Lookups and loads are misses, each bounded by the timeout: the engine
+            # recomputes; nothing raises, nothing hangs.
+            out = torch.zeros_like(kv)
+            for rid in ("during-0", "during-1", "during-2"):
+                start = time.monotonic()
+                engine.lookup(tokens, rid)
+                loaded = engine.retrieve_into(tokens, rid, out)
+                assert loaded == 0  # chunk 0 is unreachable
+                assert time.monotonic() - start < TIMEOUT_S + SLACK_S
+                engine.end_request(rid)
+                engine.store(tokens, kv)  # dropped or failed, never an error
+            assert engine.check_invariants() == [] and engine.leaks() == []
+
+            if fault == "kill_then_restart_empty":
+                holder.start()  # same directory: it rejoins with its nodes.conf, empty
+            else:
+                holder.resume()
+            wait_until(cluster.all_ok, 30, "the cluster to heal")
+            assert tier.link.wait_up(15.0)
+
+            def all_hit() -> bool:
+                engine.store(tokens, kv)
+                engine.flush(10.0)
+                hit = engine.lookup(tokens, "after")
+                engine.end_request("after")
+                return hit == 128
+
+            wait_until(all_hit, 30, "every chunk to hit again")
+            assert engine.lookup(tokens, "final") == 128
+            assert torch.equal(engine.retrieve(tokens, "final"), kv)
+            engine.end_request("final")
+            assert engine.check_invariants() == [] and engine.leaks() == []
+    finally:
+        cluster.cleanup()

@@ -18,6 +18,7 @@ import contextlib
 import errno
 import itertools
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -83,10 +84,15 @@ def read_record_into(
     (flat uint8) with one ``preadv``. Returns the checked header (the caller verifies the
     payload checksum), None when the file is gone, or raises CorruptRecord."""
     try:
-        fd = os.open(final_name(fp_hex, key), os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(final_name(fp_hex, key), _READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symlink planted under a chunk's name
+            raise CorruptRecord("a symbolic link, not a chunk file") from None
+        raise
     try:
+        _check_regular(fd)
         header_buf = bytearray(HEADER_SIZE)
         out_view = memoryview(out.numpy())  # type: ignore[arg-type]
         got = _read_all(fd, [memoryview(header_buf), out_view], 0)
@@ -97,6 +103,18 @@ def read_record_into(
     if size != header.record_len or got != header.record_len:
         raise CorruptRecord(f"file of {size} bytes, its header says {header.record_len}")
     return header
+
+
+# O_NONBLOCK: opening a FIFO planted under a chunk's name returns at once instead of
+# waiting for a writer (regular files ignore the flag); O_NOFOLLOW: a symlink is refused.
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW
+
+
+def _check_regular(fd: int) -> None:
+    """A chunk is a regular file; anything else (FIFO, device, directory) is corrupt."""
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        raise CorruptRecord(f"not a regular file (mode {stat.filemode(mode)})")
 
 
 def _read_all(fd: int, buffers: list[memoryview], offset: int) -> int:
@@ -191,16 +209,21 @@ def _check_file(
     if len(key) != KEY_BYTES:
         return None
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None
+        raise
     try:
-        stat = os.fstat(fd)
+        _check_regular(fd)
+        info = os.fstat(fd)
         header = decode_header(os.pread(fd, HEADER_SIZE, 0), fingerprint, key)
     except CorruptRecord:
         return None
     finally:
         os.close(fd)
-    if stat.st_size != header.record_len:
+    if info.st_size != header.record_len:
         return None
-    return FoundRecord(key, header, stat.st_mtime_ns)
+    return FoundRecord(key, header, info.st_mtime_ns)

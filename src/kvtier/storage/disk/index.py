@@ -61,6 +61,15 @@ class DiskIndex:
             self._pins.pop(key, None)
         return entry
 
+    def drop_all(self) -> int:
+        """Forget every entry and pin (their files are gone); reservations of writes still
+        running stay, for their commit or cancel. Returns how many entries were dropped."""
+        dropped = len(self._entries)
+        self._entries.clear()
+        self._pins.clear()
+        self.used_bytes = 0
+        return dropped
+
     # -- pins ------------------------------------------------------------------------------
     def pin(self, key: ChunkKey) -> bool:
         if key not in self._entries:

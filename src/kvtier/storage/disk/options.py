@@ -38,6 +38,7 @@ class DiskOptions:
     capacity_bytes: int
     io_threads: int = DEFAULT_IO_THREADS
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
+    timeout_s: float = 10.0  # blocking_timeout_secs: the longest a read (or close) waits
 
 
 def parse_local_disk(raw: str) -> str:
@@ -75,7 +76,11 @@ def options_from_config(config: Config, layout: KVLayout, chunk_size: int) -> Di
     else:
         inflight = max(DEFAULT_MAX_INFLIGHT_BYTES, 2 * record_bytes)
     return DiskOptions(
-        parse_local_disk(config.local_disk), config.max_local_disk_size, threads, inflight
+        parse_local_disk(config.local_disk),
+        config.max_local_disk_size,
+        threads,
+        inflight,
+        config.blocking_timeout_secs,
     )
 
 

@@ -23,6 +23,12 @@ by mtime, which writes and read hits set), temporary leftovers of this fingerpri
 deleted, and bad files are removed and counted. The index is never written anywhere: the
 files are the truth.
 
+Faults (docs/disk.md): reads are bounded by ``blocking_timeout_secs``
+(:mod:`~kvtier.storage.disk.bounded_reads`); a chunk name that is not a regular file (a
+FIFO) is a corrupt miss (:mod:`~kvtier.storage.disk.files`); a deleted directory drops the
+index and is re-opened when usable (:mod:`~kvtier.storage.disk.directory`); :meth:`close`
+waits for calls in flight, bounded, and never on a stuck reader.
+
 Settings: :mod:`kvtier.storage.disk.options`.
 """
 
@@ -30,7 +36,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,11 +47,13 @@ from kvtier.config.sizes import format_size
 from kvtier.errors import ConfigError, CorruptRecord, StateError
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.layout import KVLayout
-from kvtier.lifecycle import Lifecycle
+from kvtier.lifecycle import CallGuard, Lifecycle
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
 from kvtier.storage.disk import files
+from kvtier.storage.disk.bounded_reads import BoundedReads
+from kvtier.storage.disk.directory import ChunkDirectory
 from kvtier.storage.disk.index import DiskEntry, DiskIndex
-from kvtier.storage.disk.options import DiskOptions, open_directory, options_from_config
+from kvtier.storage.disk.options import DiskOptions, options_from_config
 from kvtier.storage.records import HEADER_SIZE, encode_header, verify_payload
 
 log = logging.getLogger(__name__)
@@ -63,6 +70,10 @@ _EXTRA_COUNTERS = (
     "bad_removed_at_open",  # files with a bad header or length, deleted at open
     "pinned_keys",  # gauge: keys pinned now
     "inflight_bytes",  # gauge: bytes queued or being written now
+    "read_timeouts",  # reads past blocking_timeout_secs (a stuck filesystem): misses
+    "stalled_reads",  # gauge: such reads still running
+    "directory_lost",  # the directory was deleted (or became unusable) while open
+    "directory_reopened",  # ... and was re-opened once usable again
 )
 
 
@@ -81,10 +92,11 @@ class DiskTier(Tier):
         self._inflight_bytes = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._state = Lifecycle.NEW
-        self._dir_fd = -1
+        self._guard = CallGuard("disk tier")
+        self._dir = ChunkDirectory(options.path, self.fp_hex)
+        self.counters.extra["available"] = 1
         self._writer: ThreadPoolExecutor | None = None
-        self._reader: ThreadPoolExecutor | None = None
+        self._reader: BoundedReads | None = None
 
     @classmethod
     def from_config(cls, config: Config, layout: KVLayout, fingerprint: Fingerprint) -> DiskTier:
@@ -95,23 +107,22 @@ class DiskTier(Tier):
     def open(self) -> None:
         """Check the directory, rebuild the index from headers, start the I/O threads."""
         with self._lock:
-            if self._state is not Lifecycle.NEW:
-                raise StateError(f"disk tier is {self._state.value}; open it once")
-            self._dir_fd = open_directory(self.options.path, self.fp_hex)
+            if self._guard.state is not Lifecycle.NEW:
+                raise StateError(f"disk tier is {self._guard.state.value}; open it once")
             try:
-                self._rebuild_index()
+                self._rebuild_index(self._dir.open())
             except OSError as exc:
-                os.close(self._dir_fd)
+                self._dir.close()
                 raise ConfigError(
                     "local_disk", self.options.path, f"a readable directory ({exc.strerror})"
                 ) from None
             n = self.options.io_threads
             self._writer = ThreadPoolExecutor(n, thread_name_prefix="kvtier-disk-write")
-            self._reader = ThreadPoolExecutor(n, thread_name_prefix="kvtier-disk-read")
-            self._state = Lifecycle.OPEN
+            self._reader = BoundedReads(n, self.options.timeout_s, self.options.path)
+            self._guard.open()
 
-    def _rebuild_index(self) -> None:
-        found = files.scan(self._dir_fd, self.fingerprint, self.fp_hex)
+    def _rebuild_index(self, dir_fd: int) -> None:
+        found = files.scan(dir_fd, self.fingerprint, self.fp_hex)
         for record in found.records:
             self._index.add(
                 record.key, DiskEntry(record.header.num_tokens, record.header.record_len)
@@ -141,35 +152,57 @@ class DiskTier(Tier):
             log.warning("disk tier removed %d files with a bad header or length", found.bad_removed)
 
     def close(self) -> None:
-        """Drain queued writes (each still completes), stop the threads. Idempotent."""
+        """Refuse new calls, wait (bounded) for running ones, drain queued writes (each
+        still completes), stop the threads. Idempotent. Never waits on a stuck reader."""
+        timeout = self.options.timeout_s
+        calls_done = self._guard.close(timeout)
         with self._lock:
-            if self._state is not Lifecycle.OPEN:
-                self._state = Lifecycle.CLOSED
-                return
-            self._state = Lifecycle.CLOSED
-        assert self._writer is not None and self._reader is not None
-        self._writer.shutdown(wait=True)
-        self._reader.shutdown(wait=True)
-        os.close(self._dir_fd)
-        self._dir_fd = -1
+            if self._writer is None or self._reader is None:
+                return  # never opened, or closed already
+            writer, reader = self._writer, self._reader
+            self._writer = self._reader = None
+        writes_done = self.flush(timeout)
+        writer.shutdown(wait=writes_done)
+        reader.close()
+        stalled = reader.stalled
+        if not (calls_done and writes_done and not stalled):
+            log.warning(
+                "disk tier %s closed with %d calls, %d reads and %s writes still running "
+                "after %.1fs (a stuck filesystem?); their directory descriptors stay open",
+                self.options.path,
+                self._guard.running,
+                stalled,
+                "some" if not writes_done else "no",
+                timeout,
+            )
+        self._dir.close(keep_open=not (calls_done and writes_done and not stalled))
 
     def flush(self, timeout: float | None = None) -> bool:
         with self._idle:
             return self._idle.wait_for(lambda: not self._pending, timeout)
 
-    def _check_open(self) -> None:
-        if self._state is not Lifecycle.OPEN:
-            raise StateError(f"disk tier is {self._state.value}")
-
     # -- writes ----------------------------------------------------------------------------
     def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
+        try:
+            with self._guard.call():
+                self._put(key, payload, num_tokens, on_done)
+        except StateError as exc:
+            with self._lock:
+                self.counters.failed += 1
+            _complete(on_done, PutResult(key, PutOutcome.FAILED, str(exc)))
+
+    def _put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
         nbytes = HEADER_SIZE + payload.numel()
         refused: PutResult | None = None
+        if self._dir.lost:
+            self._try_reopen()
         with self._lock:
             extra = self.counters.extra
-            if self._state is not Lifecycle.OPEN:
-                refused = PutResult(key, PutOutcome.FAILED, f"disk tier is {self._state.value}")
-                self.counters.failed += 1
+            if self._dir.lost:
+                refused = PutResult(
+                    key, PutOutcome.DROPPED, f"disk directory {self.options.path} is gone"
+                )
+                self.counters.dropped += 1
             elif key in self._index or key in self._pending:
                 refused = PutResult(key, PutOutcome.EXISTS)
             elif nbytes > self.options.capacity_bytes:
@@ -195,7 +228,7 @@ class DiskTier(Tier):
                 self._inflight_bytes += nbytes
                 extra["inflight_bytes"] = self._inflight_bytes
                 assert self._writer is not None
-                # Submitted under the lock so close() cannot shut the pool down in between.
+                # Submitted under the guard: close() shuts the pool down only after this.
                 self._writer.submit(self._write, key, payload, num_tokens, nbytes, on_done)
         if refused is not None:
             if refused.outcome is PutOutcome.DROPPED:
@@ -226,6 +259,10 @@ class DiskTier(Tier):
     ) -> PutResult:
         header = encode_header(key, self.fingerprint, num_tokens, payload)
         with self._lock:
+            if self._dir.lost:
+                self.counters.dropped += 1
+                return PutResult(key, PutOutcome.DROPPED, "disk directory is gone")
+            generation, dir_fd = self._dir.generation, self._dir.fd
             victims = self._index.reserve(nbytes)
             if victims is None:
                 self.counters.dropped += 1
@@ -234,16 +271,23 @@ class DiskTier(Tier):
             self.counters.evicted += len(victims)
             self._unlink(victims)
         try:
-            files.write_record(self._dir_fd, key, self.fp_hex, header, memoryview(payload.numpy()))  # type: ignore[arg-type]
+            files.write_record(dir_fd, key, self.fp_hex, header, memoryview(payload.numpy()))  # type: ignore[arg-type]
         except OSError as exc:
             with self._lock:
                 self._index.cancel(nbytes)
                 self.counters.failed += 1
                 if exc.errno in _NO_SPACE:
                     self.counters.extra["no_space"] += 1
-            log.warning("disk write of chunk %s failed (%s); it is not stored", key.hex(), exc)
+            if exc.errno == errno.ENOENT:
+                self._check_directory()  # the directory itself gone? (logged there)
+            if not self._dir.lost:
+                log.warning("disk write of chunk %s failed (%s); it is not stored", key.hex(), exc)
             return PutResult(key, PutOutcome.FAILED, f"disk write failed: {exc}")
         with self._lock:
+            if generation != self._dir.generation:  # landed in a directory lost meanwhile
+                self._index.cancel(nbytes)
+                self.counters.failed += 1
+                return PutResult(key, PutOutcome.FAILED, "disk directory was lost meanwhile")
             self._index.commit(key, DiskEntry(num_tokens, nbytes))
             self.counters.stored += 1
             self.counters.bytes_written += nbytes
@@ -251,14 +295,40 @@ class DiskTier(Tier):
 
     # -- reads -----------------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        with self._lock:
-            self._check_open()
-            return [k in self._index for k in keys]
+        with self._guard.call():
+            self._check_directory()
+            with self._lock:
+                if self._dir.lost:
+                    return [False] * len(keys)
+                return [k in self._index for k in keys]
 
     def get_into(self, key: ChunkKey, out: torch.Tensor) -> int | None:
+        with self._guard.call():
+            return self._read_bounded([(key, out)])[0]
+
+    def get_many_into(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[int | None]:
+        """Reads of one lookup, overlapped on the reader pool (I/O and hashing drop the GIL)."""
+        with self._guard.call():
+            if len(items) > 1:
+                with self._lock:
+                    self.counters.extra["batched_reads"] += len(items)
+            return self._read_bounded(items)
+
+    def _read_bounded(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[int | None]:
+        """The reads, bounded by the timeout (see kvtier.storage.disk.bounded_reads)."""
+        assert self._reader is not None
+        results = None if self._dir.lost else self._reader.read(self._read_one, items)
+        if results is None:  # the directory is gone, or a stuck read stalls the tier
+            with self._lock:
+                self.counters.misses += len(items)
+            return [None] * len(items)
+        return results
+
+    def _read_one(self, key: ChunkKey, out: torch.Tensor) -> int | None:
+        """One read, on a reader thread (the caller waits on it, bounded)."""
         with self._lock:
-            self._check_open()
             entry = self._index.get(key, touch=True)
+            dir_fd = self._dir.fd
             if entry is None:
                 self.counters.misses += 1
                 return None
@@ -267,9 +337,7 @@ class DiskTier(Tier):
             raise ValueError(f"out must be a flat uint8 tensor of >= {payload_len} bytes")
         target = out[:payload_len]
         try:
-            header = files.read_record_into(
-                self._dir_fd, key, self.fingerprint, self.fp_hex, target
-            )
+            header = files.read_record_into(dir_fd, key, self.fingerprint, self.fp_hex, target)
             if header is not None:
                 verify_payload(header, target)
         except CorruptRecord as exc:
@@ -284,28 +352,51 @@ class DiskTier(Tier):
             return None
         if header is None:  # the file vanished under us (removed by hand, or evicted)
             self._forget(key, corrupt=False)
+            self._check_directory()  # ... or with its whole directory
             return None
         with self._lock:
             self.counters.hits += 1
             self.counters.bytes_read += header.payload_len
-        files.touch(self._dir_fd, self.fp_hex, key)  # the next open restores this recency
+        files.touch(dir_fd, self.fp_hex, key)  # the next open restores this recency
         return header.num_tokens
 
-    def get_many_into(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[int | None]:
-        """Reads of one lookup, overlapped on the reader pool (I/O and hashing drop the GIL)."""
+    # -- a directory deleted under us ------------------------------------------------------
+    def _check_directory(self) -> None:
+        """Notice a deleted directory; try to re-open a lost one (module docstring)."""
+        if self._dir.lost:
+            self._try_reopen()
+        elif self._dir.deleted():
+            self._mark_lost("was deleted")
+
+    def _mark_lost(self, why: str) -> None:
         with self._lock:
-            self._check_open()
-            if len(items) > 1:
-                self.counters.extra["batched_reads"] += len(items)
-        if len(items) <= 1 or self._reader is None:
-            return [self.get_into(key, out) for key, out in items]
-        return list(self._reader.map(lambda item: self.get_into(*item), items))
+            if not self._dir.mark_lost():
+                return
+            dropped = self._index.drop_all()
+            self.counters.extra["directory_lost"] += 1
+            self.counters.extra["available"] = 0
+            self.counters.extra["pinned_keys"] = 0
+        log.warning(
+            "disk tier directory %s %s: the tier is unavailable (lookups miss, stores are "
+            "dropped) and its index of %d chunks is dropped; it re-opens the path when usable",
+            self.options.path,
+            why,
+            dropped,
+        )
+
+    def _try_reopen(self) -> None:
+        if not self._dir.try_reopen(self._rebuild_index, self._lock):
+            return
+        with self._lock:
+            self.counters.extra["available"] = 1
+            self.counters.extra["directory_reopened"] += 1
+        log.info("disk tier directory %s is usable again: re-opened", self.options.path)
 
     def _unlink(self, keys: Sequence[ChunkKey]) -> None:
         """Delete the files of keys just dropped from the index. Called under the lock, so no
         put of the same key can start (and land its new file) before the old one is gone."""
         for key in keys:
-            files.unlink_quietly(self._dir_fd, files.final_name(self.fp_hex, key))
+            files.unlink_quietly(self._dir.fd, files.final_name(self.fp_hex, key))
 
     def _forget(self, key: ChunkKey, *, corrupt: bool) -> None:
         with self._lock:
@@ -319,8 +410,7 @@ class DiskTier(Tier):
 
     # -- pins, removal, usage --------------------------------------------------------------
     def pin(self, key: ChunkKey) -> bool:
-        with self._lock:
-            self._check_open()
+        with self._guard.call(), self._lock:
             pinned = self._index.pin(key)
             self.counters.extra["pinned_keys"] = self._index.pinned_keys
             return pinned
@@ -332,8 +422,7 @@ class DiskTier(Tier):
             self.counters.extra["pinned_keys"] = self._index.pinned_keys
 
     def remove(self, key: ChunkKey) -> bool:
-        with self._lock:
-            self._check_open()
+        with self._guard.call(), self._lock:
             if self._index.pop(key) is None:
                 return False
             self.counters.extra["pinned_keys"] = self._index.pinned_keys
@@ -342,11 +431,13 @@ class DiskTier(Tier):
 
     def usage(self) -> TierUsage:
         with self._lock:
+            if self._reader is not None:
+                self.counters.extra["read_timeouts"] = self._reader.timeouts
+                self.counters.extra["stalled_reads"] = self._reader.stalled
             return TierUsage(self._index.used_bytes, self.options.capacity_bytes, len(self._index))
 
     def clear(self) -> int:
-        with self._lock:
-            self._check_open()
+        with self._guard.call(), self._lock:
             victims = self._index.unpinned_keys()
             for key in victims:
                 self._index.pop(key)

@@ -47,7 +47,7 @@ from kvtier.config.remote_url import RemoteTarget, parse_remote_url
 from kvtier.errors import CorruptRecord, StateError, TierError, TierUnavailable
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.layout import KVLayout
-from kvtier.lifecycle import Lifecycle
+from kvtier.lifecycle import CallGuard, Lifecycle
 from kvtier.storage import records
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
 from kvtier.storage.redis.link import RedisLink
@@ -97,7 +97,7 @@ class RedisTier(Tier):
         self.writes = WriteQueue(
             options.put_threads, options.inflight_bytes, self._write, "kvtier-redis-writer"
         )
-        self._state = Lifecycle.NEW
+        self._guard = CallGuard("redis tier")
         self._lock = threading.Lock()
         self._pins: dict[ChunkKey, int] = {}
         self._last_usage = TierUsage(0, 0, 0)
@@ -117,29 +117,28 @@ class RedisTier(Tier):
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> None:
-        if self._state is not Lifecycle.NEW:
-            raise StateError(f"redis tier is {self._state.value}; open it once")
+        if self._guard.state is not Lifecycle.NEW:
+            raise StateError(f"redis tier is {self._guard.state.value}; open it once")
         self.link.open()
         self.writes.open()
-        self._state = Lifecycle.OPEN
+        self._guard.open()
 
     def close(self) -> None:
-        """Drain queued writes (each bounded by the timeout), stop the threads, disconnect."""
-        if self._state is not Lifecycle.OPEN:
-            self._state = Lifecycle.CLOSED
-            return
-        self._state = Lifecycle.CLOSED
-        self.writes.close()
-        self.link.close()
-
-    def _check_open(self) -> None:
-        if self._state is not Lifecycle.OPEN:
-            hint = "call open() first" if self._state is Lifecycle.NEW else "it was closed"
-            raise StateError(f"redis tier is {self._state.value}: {hint}")
+        """Refuse new calls, wait for running ones (each bounded by the timeout), drain
+        queued writes (each bounded too), stop the threads, disconnect. Idempotent."""
+        was_open = self._guard.state is Lifecycle.OPEN
+        if not self._guard.close(self.options.timeout_s + 1.0):
+            log.warning("redis tier closing with calls still running past the timeout")
+        if was_open:
+            self.writes.close()
+            self.link.close()
 
     # -- reads -----------------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        self._check_open()
+        with self._guard.call():
+            return self._contains(keys)
+
+    def _contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         if not keys:
             return []
         names = [self.redis_name(k) for k in keys]
@@ -152,6 +151,8 @@ class RedisTier(Tier):
                     # Scripting disabled or restricted (some managed services): pipeline.
                     log.info("redis EVAL refused (%s); using pipelined EXISTS", exc)
                     self._use_script = False
+            if isinstance(client, RedisCluster):
+                return _cluster_exists(client, names)
             pipe = client.pipeline(transaction=False)
             for name in names:
                 pipe.exists(name)
@@ -164,7 +165,10 @@ class RedisTier(Tier):
             return [False] * len(keys)
 
     def get_into(self, key: ChunkKey, out: torch.Tensor) -> int | None:
-        self._check_open()
+        with self._guard.call():
+            return self._get_into(key, out)
+
+    def _get_into(self, key: ChunkKey, out: torch.Tensor) -> int | None:
         try:
             tokens = self._call(lambda client: self._read(client, key, out))
         except CorruptRecord as exc:
@@ -223,10 +227,12 @@ class RedisTier(Tier):
 
     # -- writes ----------------------------------------------------------------------------
     def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
-        self._check_open()
+        """Raises StateError when closed (as before); a put racing close is either queued
+        before close drains the queue or refused here: its on_done always runs once."""
         nbytes = records.header_size() + payload.numel()
         write = Write(key, payload, num_tokens, nbytes, on_done)
-        reason = "remote tier is down" if not self.link.is_up else self.writes.submit(write)
+        with self._guard.call():
+            reason = "remote tier is down" if not self.link.is_up else self.writes.submit(write)
         if reason:
             self._bump(dropped=1)
             complete(on_done, PutResult(key, PutOutcome.DROPPED, reason))
@@ -259,8 +265,8 @@ class RedisTier(Tier):
 
     # -- management ------------------------------------------------------------------------
     def remove(self, key: ChunkKey) -> bool:
-        self._check_open()
-        return bool(self._call(lambda client: client.delete(self.redis_name(key))))
+        with self._guard.call():
+            return bool(self._call(lambda client: client.delete(self.redis_name(key))))
 
     def pin(self, key: ChunkKey) -> bool:
         """Always True: see the module docstring (a shared store cannot hold an entry)."""
@@ -279,7 +285,10 @@ class RedisTier(Tier):
     def clear(self) -> int:
         """Delete this fingerprint's chunks (not other models' or other data) except those
         pinned through this tier. Raises :class:`TierUnavailable` when the server is down."""
-        self._check_open()
+        with self._guard.call():
+            return self._clear()
+
+    def _clear(self) -> int:
         with self._lock:
             keep = {self.redis_name(k) for k in self._pins}
         pattern = self.prefix + b"*"
@@ -302,8 +311,10 @@ class RedisTier(Tier):
         """Server-wide figures summed over the masters: ``used_memory``, ``maxmemory`` (or
         the host's memory when unlimited) and ``DBSIZE``. They include other models' chunks
         and any other data on the server. When the server is down: the last figures read."""
-        self._check_open()
+        with self._guard.call():
+            return self._usage()
 
+    def _usage(self) -> TierUsage:
         def read(client: Any) -> TierUsage:
             used = capacity = entries = 0
             for server in _servers(client):
@@ -320,6 +331,7 @@ class RedisTier(Tier):
         self.counters.extra["outages"] = self.link.outages
         self.counters.extra["reconnects"] = self.link.reconnects
         self.counters.extra["busy_timeouts"] = self.link.busy_timeouts
+        self.counters.extra["available"] = int(self.link.is_up)
         return self._last_usage
 
     # -- helpers ---------------------------------------------------------------------------
@@ -347,6 +359,36 @@ class RedisTier(Tier):
         with self._lock:
             for field_name, delta in deltas.items():
                 setattr(self.counters, field_name, getattr(self.counters, field_name) + delta)
+
+
+def _cluster_exists(client: RedisCluster, names: Sequence[bytes]) -> list[Any]:
+    """EXISTS for each name: one plain pipeline per master, not redis-py's cluster pipeline.
+
+    On a timeout the cluster pipeline re-sends each failed command alone on a fresh
+    connection, so a paused master cost ``blocking_timeout_secs`` once per key it holds (6 s
+    for a lookup of 8 chunks with a 1 s timeout); a plain pipeline costs it once. Replies
+    redirected by a moving slot (resharding) are asked again through the cluster client,
+    which follows the redirect."""
+    by_node: dict[str, tuple[Any, list[int]]] = {}
+    for i, name in enumerate(names):
+        node = client.get_node_from_key(name)  # type: ignore[no-untyped-call]
+        by_node.setdefault(node.name, (node, []))[1].append(i)
+    answers: list[Any] = [0] * len(names)
+    redirected: list[int] = []
+    for node, indexes in by_node.values():
+        pipe = client.get_redis_connection(node).pipeline(transaction=False)
+        for i in indexes:
+            pipe.exists(names[i])
+        for i, reply in zip(indexes, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(reply, MovedError | AskError):
+                redirected.append(i)
+            elif isinstance(reply, Exception):
+                raise reply
+            else:
+                answers[i] = reply
+    for i in redirected:
+        answers[i] = client.exists(names[i])
+    return answers
 
 
 def _servers(client: Any) -> list[Any]:
