@@ -32,7 +32,7 @@ import torch
 
 from kvtier.config import Config
 from kvtier.errors import InputError, StateError, TransferError
-from kvtier.keys import Fingerprint, as_token_array
+from kvtier.keys import Fingerprint, KeyChain, as_token_array
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.lifecycle import Lifecycle
 from kvtier.server import protocol as wire
@@ -72,6 +72,7 @@ class ServerClient:
             tp_world_size=tp_world_size,
             cache_salt=self.config.cache_salt,
         )
+        self.keychain = KeyChain(self.fingerprint)  # the server computes the same keys
         self.chunk_bytes = layout.chunk_bytes(self.config.chunk_size)
         self.url = url
         hello = wire.Hello(
@@ -155,7 +156,8 @@ class ServerClient:
             self._copy_out(pages, out)
             return out
 
-        return self._exchange(request, copy, torch.empty(self.layout.kv_shape(0)))
+        nothing = torch.empty(self.layout.kv_shape(0), dtype=self.layout.dtype)
+        return self._exchange(request, copy, nothing)
 
     def retrieve_into(
         self, tokens: object, request_id: str, out: torch.Tensor, *, skip_leading_tokens: int = 0
