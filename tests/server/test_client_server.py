@@ -11,6 +11,7 @@ import torch
 
 import kvtier
 from kvtier import Engine, InputError, StateError
+from kvtier.server.surface import open_cache
 from tests.conftest import SMALL_LAYOUT, make_kv, make_tokens, small_config
 from tests.server.conftest import SPAWN
 from tests.server.server_helpers import (
@@ -147,3 +148,17 @@ def test_closing_a_client_releases_its_leases(server: ServerProcess) -> None:
         holder.close()  # no end_request: the connection's end releases both
         wait_until(lambda: watcher.stats()["pinned_pages"] == 0, what="leases released")
         assert idle_server_state(watcher) == IDLE
+
+
+def test_open_cache_picks_the_server_when_named(server: ServerProcess) -> None:
+    tokens, kv = make_tokens(32, 91), make_kv(32, 91)
+    for url, kind in ((None, Engine), (server.url, kvtier.ServerClient)):
+        cache = open_cache(url, small_config(), SMALL_LAYOUT, model_name="either")
+        try:
+            assert isinstance(cache, kind)
+            assert cache.store(tokens, kv) == 2
+            with cache.request("r"):
+                assert cache.lookup(tokens, "r") == 32
+            assert cache.check_invariants() == []
+        finally:
+            cache.close()
