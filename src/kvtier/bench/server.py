@@ -34,6 +34,7 @@ import torch
 from kvtier.bench.timing import best_interleaved, gbps
 from kvtier.config import Config
 from kvtier.engine import Engine
+from kvtier.errors import InputError
 from kvtier.layout import KVLayout
 from kvtier.server.client import ServerClient, connect
 
@@ -51,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk")
     parser.add_argument(
         "--seconds", type=float, default=2.0, help="duration of each concurrent-clients run"
+    )
+    parser.add_argument(
+        "--clients", default="1,2,4", help="client process counts to measure together (1,2,4)"
     )
 
 
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         result.update(_transfer(url, config, chunks, args.repeats))
         result.update(_lookup(url, config))
-        for clients in (1, 2, 4):
+        for clients in _counts(args.clients):
             result[f"retrieve_gbps_{clients}_clients"] = round(
                 _concurrent(url, config, chunks, clients, args.seconds), 3
             )
@@ -82,6 +86,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server.terminate()
         server.wait(60)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise InputError(f"--clients must be process counts such as 1,2,4, got {text!r}")
+    return counts
 
 
 def _start_server(url: str, config: Config) -> subprocess.Popen[bytes]:
