@@ -208,7 +208,10 @@ class ServerClient:
                 try:
                     self._copy_in(slots, kv)
                 except BaseException:
-                    self._link.call(wire.Commit(store_id, ok=False))  # pages go back unstored
+                    try:
+                        self._link.call(wire.Commit(store_id, ok=False))  # pages go back
+                    except TransferError as exc:  # the copy's error is the one to raise
+                        self._lost(exc)
                     raise
                 return _expect(self._link.call(wire.Commit(store_id)), wire.Stored).chunks
             except _Unserved:
@@ -297,9 +300,12 @@ class ServerClient:
         assert buffer is not None
         lay = self.layout
         start = page * self._link.page_bytes
+        nbytes = num_tokens * lay.token_bytes()
         if page < 0 or start + self._link.page_bytes > buffer.numel():
             raise TransferError(f"the server named page {page}, outside the shared buffer")
-        raw = buffer[start : start + num_tokens * lay.token_bytes()]
+        if not 0 < nbytes <= self._link.page_bytes:
+            raise TransferError(f"the server named {num_tokens} tokens for one page")
+        raw = buffer[start : start + nbytes]
         return raw.view(lay.dtype).view(lay.kv_shape(num_tokens))
 
     def _copy_out(self, pages: wire.Pages, out: torch.Tensor) -> None:
