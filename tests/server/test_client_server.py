@@ -72,11 +72,15 @@ def test_second_process_hits_what_the_first_stored(server: ServerProcess) -> Non
     writer.start()
     assert results.get(timeout=60) == 12
     writer.join(30)
-    reader = SPAWN.Process(target=fetch_prompt, args=(server.url, 200, 11, results))
-    reader.start()
-    hit, same = results.get(timeout=60)
-    reader.join(30)
-    assert (hit, same) == (192, True)
+    with open_client(server.url) as watcher:
+        cpu_hits = watcher.stats()["hit_tokens_by_tier"].get("cpu", 0)
+        reader = SPAWN.Process(target=fetch_prompt, args=(server.url, 200, 11, results))
+        reader.start()
+        hit, same = results.get(timeout=60)
+        reader.join(30)
+        assert (hit, same) == (192, True)
+        # the writer is gone; its chunks were served from the server's CPU tier
+        assert watcher.stats()["hit_tokens_by_tier"]["cpu"] == cpu_hits + 192
     assert writer.exitcode == reader.exitcode == 0
 
 
