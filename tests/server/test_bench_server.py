@@ -21,6 +21,8 @@ def test_bench_server_prints_every_field() -> None:
         "retrieve_inproc_gbps",
         "retrieve_server_gbps",
         "retrieve_ratio",
+        "store_cpu_ratio",
+        "retrieve_cpu_ratio",
         "lookup_rtt_us",
         "lookup_inproc_us",
         "retrieve_gbps_1_clients",
