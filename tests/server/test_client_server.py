@@ -11,6 +11,7 @@ import torch
 
 import kvtier
 from kvtier import Engine, InputError, StateError
+from kvtier.server.surface import open_cache
 from tests.conftest import SMALL_LAYOUT, make_kv, make_tokens, small_config
 from tests.server.conftest import SPAWN
 from tests.server.server_helpers import (
@@ -71,11 +72,15 @@ def test_second_process_hits_what_the_first_stored(server: ServerProcess) -> Non
     writer.start()
     assert results.get(timeout=60) == 12
     writer.join(30)
-    reader = SPAWN.Process(target=fetch_prompt, args=(server.url, 200, 11, results))
-    reader.start()
-    hit, same = results.get(timeout=60)
-    reader.join(30)
-    assert (hit, same) == (192, True)
+    with open_client(server.url) as watcher:
+        cpu_hits = watcher.stats()["hit_tokens_by_tier"].get("cpu", 0)
+        reader = SPAWN.Process(target=fetch_prompt, args=(server.url, 200, 11, results))
+        reader.start()
+        hit, same = results.get(timeout=60)
+        reader.join(30)
+        assert (hit, same) == (192, True)
+        # the writer is gone; its chunks were served from the server's CPU tier
+        assert watcher.stats()["hit_tokens_by_tier"]["cpu"] == cpu_hits + 192
     assert writer.exitcode == reader.exitcode == 0
 
 
@@ -147,3 +152,17 @@ def test_closing_a_client_releases_its_leases(server: ServerProcess) -> None:
         holder.close()  # no end_request: the connection's end releases both
         wait_until(lambda: watcher.stats()["pinned_pages"] == 0, what="leases released")
         assert idle_server_state(watcher) == IDLE
+
+
+def test_open_cache_picks_the_server_when_named(server: ServerProcess) -> None:
+    tokens, kv = make_tokens(32, 91), make_kv(32, 91)
+    for url, kind in ((None, Engine), (server.url, kvtier.ServerClient)):
+        cache = open_cache(url, small_config(), SMALL_LAYOUT, model_name="either")
+        try:
+            assert isinstance(cache, kind)
+            assert cache.store(tokens, kv) == 2
+            with cache.request("r"):
+                assert cache.lookup(tokens, "r") == 32
+            assert cache.check_invariants() == []
+        finally:
+            cache.close()

@@ -172,12 +172,36 @@ def test_a_second_reserve_before_commit_is_refused(server: ServerProcess, victim
     assert_victim_fine(victim)  # its invariants hold: the reserved pages went back
 
 
-def test_fingerprint_that_does_not_match_its_fields_is_refused(server: ServerProcess) -> None:
+@pytest.mark.parametrize("claimed", ["0" * 32, hello().fingerprint])
+def test_fingerprint_that_does_not_match_its_fields_is_refused(
+    server: ServerProcess, victim: object, claimed: str
+) -> None:
+    """Also when it claims a model being served (the victim's): no pages of another model."""
     sock = raw(server.path)
-    wire.send(sock, hello(fingerprint="0" * 32))
+    wire.send(sock, hello(model_name="intruder", fingerprint=claimed))
     reply = wire.FrameReader(sock).read()
     assert isinstance(reply, wire.Refused) and "fingerprint mismatch" in reply.message
     assert closed_by_server(sock)
+
+
+@pytest.mark.parametrize(
+    ("changes", "error"),
+    [
+        ({"num_layers": 0}, "num_layers"),
+        ({"dtype": "float13"}, "float13"),
+        ({"hash_algorithm": "md5"}, "pre_caching_hash_algorithm"),
+        ({"chunk_size": 0}, "chunk_size"),
+    ],
+)
+def test_a_hello_the_server_cannot_serve_is_refused_with_the_reason(
+    server: ServerProcess, victim: object, changes: dict[str, object], error: str
+) -> None:
+    sock = raw(server.path)
+    wire.send(sock, hello(**changes))
+    reply = wire.FrameReader(sock).read()
+    assert isinstance(reply, wire.Refused) and error in reply.message
+    assert closed_by_server(sock)
+    assert_victim_fine(victim)
 
 
 def test_many_clients_at_once_are_bounded() -> None:

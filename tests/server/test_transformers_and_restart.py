@@ -1,8 +1,10 @@
 """The transformers connector, unchanged, on a server client: outputs equal recompute, hits
-from a second process, misses while the server is dead, hits again (disk) after a restart."""
+from a second process, misses while the server is dead, hits again (disk) after a restart;
+the server's life as a service (SIGTERM drain, systemd readiness)."""
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
@@ -117,5 +119,24 @@ def test_sigterm_drains_and_exits_cleanly(tmp_path: Any) -> None:
             assert client.stats()["hit_tokens_by_tier"].get("disk") == 4 * CHUNK
             client.end_request("again")
     finally:
+        proc.stop()
+        remove_tempdir(directory)
+
+
+def test_systemd_hears_ready_and_stopping() -> None:
+    directory = short_tempdir()
+    notify_path = f"{directory}/notify"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(notify_path)
+    listener.settimeout(60)
+    proc = ServerProcess(directory, max_local_cpu_size="1MiB")
+    proc.env["NOTIFY_SOCKET"] = notify_path
+    try:
+        proc.start()
+        assert listener.recv(64) == b"READY=1"
+        assert proc.terminate() == 0
+        assert listener.recv(64) == b"STOPPING=1"
+    finally:
+        listener.close()
         proc.stop()
         remove_tempdir(directory)

@@ -1,7 +1,8 @@
 """``kvtier server``: one cache per host, in the foreground (see docs/server.md).
 
-Fits systemd (``Type=simple``) and containers: it stays in the foreground, logs to stderr
-(INFO unless ``--log-level`` says otherwise), and SIGTERM or SIGINT drains and exits 0.
+Fits systemd (``Type=notify`` or ``simple``) and containers: it stays in the foreground, logs
+to stderr (INFO unless ``--log-level`` says otherwise), tells systemd when it is ready, and
+SIGTERM or SIGINT drains and exits 0.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from types import FrameType
 
 from kvtier.config import Config
+from kvtier.server import systemd
 from kvtier.server.daemon import KVTierServer
 
 
@@ -42,5 +44,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     with server:
         print(f"kvtier server listening on unix://{server.path}", file=sys.stderr, flush=True)
+        systemd.notify("READY=1")
         server.serve_forever()
+        systemd.notify("STOPPING=1")
     return 0

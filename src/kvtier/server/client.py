@@ -32,7 +32,7 @@ import torch
 
 from kvtier.config import Config
 from kvtier.errors import InputError, StateError, TransferError
-from kvtier.keys import Fingerprint, as_token_array
+from kvtier.keys import Fingerprint, KeyChain, as_token_array
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.lifecycle import Lifecycle
 from kvtier.server import protocol as wire
@@ -72,6 +72,7 @@ class ServerClient:
             tp_world_size=tp_world_size,
             cache_salt=self.config.cache_salt,
         )
+        self.keychain = KeyChain(self.fingerprint)  # the server computes the same keys
         self.chunk_bytes = layout.chunk_bytes(self.config.chunk_size)
         self.url = url
         hello = wire.Hello(
@@ -155,7 +156,8 @@ class ServerClient:
             self._copy_out(pages, out)
             return out
 
-        return self._exchange(request, copy, torch.empty(self.layout.kv_shape(0)))
+        nothing = torch.empty(self.layout.kv_shape(0), dtype=self.layout.dtype)
+        return self._exchange(request, copy, nothing)
 
     def retrieve_into(
         self, tokens: object, request_id: str, out: torch.Tensor, *, skip_leading_tokens: int = 0
@@ -206,7 +208,10 @@ class ServerClient:
                 try:
                     self._copy_in(slots, kv)
                 except BaseException:
-                    self._link.call(wire.Commit(store_id, ok=False))  # pages go back unstored
+                    try:
+                        self._link.call(wire.Commit(store_id, ok=False))  # pages go back
+                    except TransferError as exc:  # the copy's error is the one to raise
+                        self._lost(exc)
                     raise
                 return _expect(self._link.call(wire.Commit(store_id)), wire.Stored).chunks
             except _Unserved:
@@ -295,9 +300,12 @@ class ServerClient:
         assert buffer is not None
         lay = self.layout
         start = page * self._link.page_bytes
+        nbytes = num_tokens * lay.token_bytes()
         if page < 0 or start + self._link.page_bytes > buffer.numel():
             raise TransferError(f"the server named page {page}, outside the shared buffer")
-        raw = buffer[start : start + num_tokens * lay.token_bytes()]
+        if not 0 < nbytes <= self._link.page_bytes:
+            raise TransferError(f"the server named {num_tokens} tokens for one page")
+        raw = buffer[start : start + nbytes]
         return raw.view(lay.dtype).view(lay.kv_shape(num_tokens))
 
     def _copy_out(self, pages: wire.Pages, out: torch.Tensor) -> None:

@@ -70,6 +70,9 @@ def serve_connection(
         log.error("%s: %s; closing its connection", session, exc)
     except (TransferError, OSError) as exc:
         reason = f"connection lost: {exc}"
+    except Exception as exc:  # a bug serving one client must not take the server down
+        reason = f"internal error: {exc!r}"
+        log.exception("%s: internal error; closing its connection", session)
     finally:
         released = session.release_all()
         sock.close()

@@ -24,6 +24,7 @@ from kvtier.admin.server import AdminServer
 from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError, ProtocolError, StateError
+from kvtier.keys import Fingerprint
 from kvtier.layout import KVLayout, dtype_from_name
 from kvtier.server.protocol import Hello
 from kvtier.server.shared_memory import SharedPages
@@ -58,16 +59,10 @@ class ModelTable:
 
     def slot_for(self, hello: Hello) -> ModelSlot:
         """The open engine for the client's fingerprint, made on first use. Raises a
-        :class:`~kvtier.errors.KVTierError` saying why the client cannot be served."""
-        with self._lock:
-            if self._closed:
-                raise StateError("the server is shutting down")
-            slot = self._slots.get(hello.fingerprint)
-            if slot is None:
-                slot = self._slots[hello.fingerprint] = self._make(hello)
-            return slot
+        :class:`~kvtier.errors.KVTierError` saying why the client cannot be served.
 
-    def _make(self, hello: Hello) -> ModelSlot:
+        The fingerprint is recomputed here from the fields the client sent, every time: a
+        client that claims another model's fingerprint gets a mismatch, never its pages."""
         layout = KVLayout(
             hello.num_layers, hello.num_kv_heads, hello.head_dim, dtype_from_name(hello.dtype)
         )
@@ -78,6 +73,36 @@ class ModelTable:
             save_unfull_chunk=hello.save_unfull_chunk,
             enable_pd=False,  # a PD decoder runs its own engine; the server is a cache
         )
+        fingerprint = Fingerprint(
+            model_name=hello.model_name,
+            layout=layout,
+            chunk_size=config.chunk_size,
+            hash_algorithm=config.pre_caching_hash_algorithm,
+            tp_rank=hello.tp_rank,
+            tp_world_size=hello.tp_world_size,
+            cache_salt=config.cache_salt,
+        ).hex()
+        if fingerprint != hello.fingerprint:
+            raise ProtocolError(
+                f"fingerprint mismatch: the client computed {hello.fingerprint}, the server "
+                f"{fingerprint} from the same fields (different kvtier versions?)"
+            )
+        with self._lock:
+            if self._closed:
+                raise StateError("the server is shutting down")
+            slot = self._slots.get(fingerprint)
+            if slot is None:
+                slot = self._slots[fingerprint] = self._make(hello, layout, config)
+            elif slot.engine.config.save_unfull_chunk != hello.save_unfull_chunk:
+                raise ConfigError(
+                    "save_unfull_chunk",
+                    hello.save_unfull_chunk,
+                    f"{slot.engine.config.save_unfull_chunk}, as the clients already serving "
+                    "this model set it",
+                )
+            return slot
+
+    def _make(self, hello: Hello, layout: KVLayout, config: Config) -> ModelSlot:
         config = replace(config, max_local_cpu_size=self._cpu_budget(hello, layout))
         memory = SharedPages(f"kvtier-{hello.fingerprint[:16]}")
         engine = Engine(
@@ -88,11 +113,6 @@ class ModelTable:
             tp_world_size=hello.tp_world_size,
             page_memory=memory.make,
         )
-        if engine.fingerprint.hex() != hello.fingerprint:
-            raise ProtocolError(
-                f"fingerprint mismatch: the client computed {hello.fingerprint}, the server "
-                f"{engine.fingerprint.hex()} for the same fields (different kvtier versions?)"
-            )
         total = sum(s.cpu_bytes for s in self._slots.values())
         check_fits_in_memory("max_local_cpu_size", total + engine.num_pages * engine.chunk_bytes)
         try:

@@ -1,0 +1,98 @@
+"""The cache surface connectors use, met by an in-process Engine and by a server client alike.
+
+A connector typed against :class:`KVCache` takes either: ``open_cache`` gives an open Engine
+when no server is named, or a :class:`~kvtier.server.client.ServerClient` when one is (the
+vLLM connector's ``kv_connector_extra_config: {"server": "unix:///..."}``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+
+from kvtier.config import Config
+from kvtier.engine import Engine
+from kvtier.keys import Fingerprint, KeyChain
+from kvtier.layout import KVLayout
+from kvtier.lifecycle import Lifecycle
+from kvtier.server.client import ServerClient
+
+
+class KVCache(Protocol):
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def layout(self) -> KVLayout: ...
+
+    @property
+    def fingerprint(self) -> Fingerprint: ...
+
+    @property
+    def keychain(self) -> KeyChain: ...
+
+    @property
+    def chunk_bytes(self) -> int: ...
+
+    @property
+    def state(self) -> Lifecycle: ...
+
+    def lookup(self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0) -> int: ...
+
+    def retrieve(self, tokens: object, request_id: str) -> torch.Tensor: ...
+
+    def retrieve_into(
+        self, tokens: object, request_id: str, out: torch.Tensor, *, skip_leading_tokens: int = 0
+    ) -> int: ...
+
+    def store(self, tokens: object, kv: torch.Tensor, *, skip_leading_tokens: int = 0) -> int: ...
+
+    def end_request(self, request_id: str) -> bool: ...
+
+    def request(self, request_id: str) -> AbstractContextManager[str]: ...
+
+    def record_ttft(self, seconds: float, *, prompt_tokens: int, hit_tokens: int) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def check_invariants(self) -> list[str]: ...
+
+    def flush(self, timeout: float | None = None) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+def open_cache(
+    server: str | None,
+    config: Config | None,
+    layout: KVLayout,
+    *,
+    model_name: str,
+    tp_rank: int = 0,
+    tp_world_size: int = 1,
+) -> KVCache:
+    """An open cache: the kvtier server at ``server`` (``unix:///path``) when given, else an
+    in-process Engine."""
+    if server:
+        client = ServerClient(
+            server,
+            layout,
+            model_name=model_name,
+            config=config,
+            tp_rank=tp_rank,
+            tp_world_size=tp_world_size,
+        )
+        return client.open()
+    engine = Engine(
+        config, layout, model_name=model_name, tp_rank=tp_rank, tp_world_size=tp_world_size
+    )
+    return engine.open()
+
+
+def _both_conform(engine: Engine, client: ServerClient) -> Iterator[KVCache]:
+    """Never called: mypy --strict checks here that both classes have the whole surface."""
+    yield engine
+    yield client

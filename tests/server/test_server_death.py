@@ -1,0 +1,69 @@
+"""The server killed (SIGKILL) in the middle of busy clients: no call raises, every call
+after is a miss, and hits come back by themselves once a server listens again."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from tests.conftest import SMALL_LAYOUT, make_kv, make_tokens
+from tests.server.server_helpers import (
+    ServerProcess,
+    open_client,
+    remove_tempdir,
+    short_tempdir,
+    wait_until,
+)
+
+
+def test_clients_survive_a_server_killed_mid_call() -> None:
+    directory = short_tempdir()
+    proc = ServerProcess(directory, max_local_cpu_size="4MiB").start()
+    errors: list[BaseException] = []
+    rounds = [0, 0]
+    hits = [0, 0]
+    stop = threading.Event()
+
+    def busy(index: int) -> None:
+        client = open_client(proc.url, max_backoff=0.1)
+        tokens, kv = make_tokens(96, 7), make_kv(96, 7)
+        out = torch.empty(SMALL_LAYOUT.kv_shape(96), dtype=SMALL_LAYOUT.dtype)
+        try:
+            while not stop.is_set():
+                rid = f"busy-{index}-{rounds[index]}"
+                client.store(tokens, kv)
+                hit = client.lookup(tokens, rid)
+                end = client.retrieve_into(tokens, rid, out)
+                client.end_request(rid)
+                if end:
+                    assert torch.equal(out[:, :, :end], kv[:, :, :end])
+                hits[index] += hit > 0
+                rounds[index] += 1
+        except BaseException as exc:  # any exception is the failure under test
+            errors.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=busy, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: min(hits) > 20, what="hits before the kill")
+        proc.kill()  # in the middle of whatever call each client is making
+        time.sleep(0.5)
+        before = list(rounds)
+        wait_until(lambda: min(r - b for r, b in zip(rounds, before, strict=True)) > 50,
+                   what="clients still serving with no server")  # fmt: skip
+        hits_while_dead = list(hits)
+        proc.start()
+        wait_until(lambda: all(h > d for h, d in zip(hits, hits_while_dead, strict=True)),
+                   what="hits again after the restart")  # fmt: skip
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        proc.stop()
+        remove_tempdir(directory)
+    assert errors == []
