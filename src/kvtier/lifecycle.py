@@ -8,7 +8,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvtier.errors import StateError
+from kvtier.errors import KVTierError, StateError
 
 
 class Lifecycle(enum.Enum):
@@ -21,7 +21,8 @@ class CallGuard:
     """Calls in flight on an object that can be closed under them.
 
     ``with guard.call():`` around each public call: refused with :class:`StateError` unless
-    open, counted while it runs; whatever it raises once close has begun is a StateError.
+    open, counted while it runs; a foreign error it raises once close has begun becomes a
+    StateError.
     ``close(timeout)`` refuses new calls at once, then waits up to ``timeout`` for the
     running ones, so what they use (a file descriptor, a thread pool, a connection) is freed
     only after them, and a call stuck in the kernel cannot hold close forever (close returns
@@ -52,8 +53,8 @@ class CallGuard:
         try:
             yield
         except Exception as exc:
-            if self.state is Lifecycle.OPEN or isinstance(exc, StateError):
-                raise
+            if self.state is Lifecycle.OPEN or isinstance(exc, KVTierError):
+                raise  # a kvtier error says what happened (ReadAbandoned must reach its caller)
             # close() began meanwhile and freed what the call was using: the caller sees
             # "closed", never the torn state (an AssertionError, a shut-down pool).
             raise StateError(f"{self.what} was closed during this call ({exc})") from exc
