@@ -5,15 +5,17 @@ are 32 MiB. Every repeat, in the same run and the same directory:
 
 * ``write``: ``DiskTier.put`` of every chunk (checksum, temp file, fsync, rename, directory
   fsync, on the writer pool) until every completion callback ran.
-  ``raw_write``: for each chunk, a plain ``write`` of the same bytes to a new file and
+  ``raw_write``: for each chunk, one ``pwritev`` of the same bytes to a new file and
   ``fsync``, one after another.
 * ``read`` (cold): ``get_many_into`` of every chunk into allocator pages (header check,
-  ``preadv`` into the page, payload checksum), after dropping the files from the page cache
-  (``posix_fadvise(DONTNEED)``). ``raw_read``: plain ``readinto`` of each raw file into the
-  same pages, after the same drop. ``read_cached`` / ``raw_read_cached``: the same again
-  with the files in the page cache (memory bound; the checksum shows there).
-* ``raw_parallel_*``: the same plain I/O spread over ``--threads`` threads, as the tier's
-  pools spread its I/O; ``*_ratio_parallel`` compare against those.
+  ``preadv`` into the page in 1 MiB pieces each hashed as it lands, checksum compared),
+  after dropping the files from the page cache (``posix_fadvise(DONTNEED)``). ``raw_read``:
+  one plain ``preadv`` of each raw file into the same pages, after the same drop.
+  ``read_cached`` / ``raw_read_cached``: the same again with the files in the page cache
+  (memory bound; the checksum shows there).
+* ``raw_parallel_*``: the same plain ``pwritev`` / ``preadv`` spread over ``--threads``
+  threads, as the tier's pools spread its I/O: the honest baselines, which
+  ``*_ratio_parallel`` compare against (the plain ratios are against one thread).
 
 Ratios are kvtier over raw (1.0 = no overhead). Best of ``--repeats``; GB/s are decimal and
 count payload bytes only. ``checksum_gbps`` is xxh3-128 over the same pages.
@@ -80,6 +82,21 @@ def _drop_from_page_cache(directory: Path) -> None:
             os.close(fd)
 
 
+def _pwrite_all(fd: int, view: memoryview) -> None:
+    done = 0
+    while done < view.nbytes:
+        done += os.pwritev(fd, [view[done:]], done)
+
+
+def _pread_all(fd: int, view: memoryview) -> None:
+    done = 0
+    while done < view.nbytes:
+        got = os.preadv(fd, [view[done:]], done)
+        if got == 0:
+            raise RuntimeError("raw read: file shorter than written")
+        done += got
+
+
 def _rotated(variants: dict[str, Any], shift: int) -> list[str]:
     names = list(variants)
     shift %= len(names)
@@ -103,13 +120,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workers = ThreadPoolExecutor(int(args.threads))  # the parallel raw baselines
 
     def raw_write(i: int, suffix: str = "") -> None:
-        with open(raw_dir / f"{i}.raw{suffix}", "wb", buffering=0) as f:
-            f.write(memoryview(pages[i].numpy()))  # type: ignore[arg-type]
-            os.fsync(f.fileno())
+        fd = os.open(raw_dir / f"{i}.raw{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _pwrite_all(fd, memoryview(pages[i].numpy()))  # type: ignore[arg-type]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def raw_read(i: int, suffix: str = "") -> None:
-        with open(raw_dir / f"{i}.raw{suffix}", "rb", buffering=0) as f:
-            f.readinto(memoryview(pages[i].numpy()))  # type: ignore[arg-type]
+        fd = os.open(raw_dir / f"{i}.raw{suffix}", os.O_RDONLY)
+        try:
+            _pread_all(fd, memoryview(pages[i].numpy()))  # type: ignore[arg-type]
+        finally:
+            os.close(fd)
 
     def tier_write(keys: list[bytes]) -> None:
         done = _Completions()
