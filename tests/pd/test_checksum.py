@@ -34,14 +34,16 @@ def test_the_checksum_is_the_documented_block_digest(nbytes: int) -> None:
     assert checksum(data(nbytes)) == xxhash.xxh3_64_intdigest(digests)
 
 
-@pytest.mark.parametrize("nbytes", SIZES)
+@pytest.mark.parametrize("nbytes", [*SIZES, 9 * BLOCK_BYTES + 3])
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("hash_source", [False, True])
 def test_copy_with_checksum_copies_exactly_and_agrees(
-    nbytes: int, threads: int, helper: ThreadPoolExecutor
+    nbytes: int, threads: int, hash_source: bool, helper: ThreadPoolExecutor
 ) -> None:
     src = data(nbytes, 1)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
-    digest = copy_with_checksum(dst, src, helper if threads == 2 else None)
+    pool = helper if threads == 2 else None
+    digest = copy_with_checksum(dst, src, pool, hash_source=hash_source)
     assert torch.equal(dst, src) and digest == checksum(src)
 
 

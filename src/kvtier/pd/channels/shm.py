@@ -113,7 +113,9 @@ class ShmSender(SenderChannel):
             )
         start = page * self._page_bytes
         dst = self._buffer[start : start + nbytes]
-        digest = copy_with_checksum(dst, data, self._helper)  # the one pass over the bytes
+        # The one pass over the bytes; the checksum is of what this sender meant to send, and
+        # the decoder checks the page against it when it serves the chunk.
+        digest = copy_with_checksum(dst, data, self._helper, hash_source=True)
         send_message(sock, ChunkSent(request_id, index, nbytes, digest))
         return nbytes
 
