@@ -11,7 +11,13 @@ import pytest
 import torch
 import xxhash
 
-from kvtier.pd.checksum import BLOCK_BYTES, BlockHasher, checksum, copy_with_checksum
+from kvtier.pd.checksum import (
+    BLOCK_BYTES,
+    BlockHasher,
+    CopyThreads,
+    checksum,
+    copy_with_checksum,
+)
 
 SIZES = [0, 3, BLOCK_BYTES - 1, BLOCK_BYTES, 2 * BLOCK_BYTES + 17, 5 * BLOCK_BYTES]
 
@@ -82,3 +88,15 @@ def test_two_blocks_swapped_change_the_checksum() -> None:
     src = data(2 * BLOCK_BYTES, 5).numpy()
     swapped = np.concatenate([src[BLOCK_BYTES:], src[:BLOCK_BYTES]])
     assert checksum(torch.from_numpy(swapped)) != checksum(torch.from_numpy(src))
+
+
+def test_copy_threads_tries_both_modes_and_always_gives_the_checksum(
+    helper: ThreadPoolExecutor,
+) -> None:
+    copier = CopyThreads(helper)
+    src = data(3 * BLOCK_BYTES + 1, 6)
+    for _ in range(2 * CopyThreads.EXPLORE_EVERY + 2):
+        dst = torch.zeros_like(src)
+        assert copier.copy(dst, src, hash_source=True) == checksum(src)
+        assert torch.equal(dst, src)
+    assert set(copier._rate) == {True, False}  # one thread and two were both measured

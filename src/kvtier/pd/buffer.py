@@ -46,7 +46,7 @@ from kvtier.lease import LeaseTable
 from kvtier.memory.block_pool import BlockPool, pages_for_capacity
 from kvtier.pd.channels import receiver_channel
 from kvtier.pd.channels.base import ReceiverChannel
-from kvtier.pd.checksum import checksum, copy_with_checksum
+from kvtier.pd.checksum import CopyThreads, checksum
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ class PDBuffer(Tier):
         self._key_pins: dict[ChunkKey, list[int]] = {}
         self._cond = threading.Condition(threading.RLock())
         self._helper: ThreadPoolExecutor | None = None  # copies and hashes half a served chunk
+        self._copier: CopyThreads | None = None
 
     @classmethod
     def from_config(cls, config: Config, layout: KVLayout, fingerprint: Fingerprint) -> PDBuffer:
@@ -141,6 +142,7 @@ class PDBuffer(Tier):
             if self._pool is None:
                 self._pool = self.channel.make_pool(self.num_pages, self.page_bytes)
                 self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-pd-serve")
+                self._copier = CopyThreads(self._helper)
 
     def close(self) -> None:
         with self._cond:
@@ -152,6 +154,7 @@ class PDBuffer(Tier):
         if pool is not None:
             pool.close()
         helper, self._helper = self._helper, None
+        self._copier = None
         if helper is not None:
             helper.shutdown(wait=True)
         self.channel.close()
@@ -288,7 +291,8 @@ class PDBuffer(Tier):
             src = self.pool.page_bytes_view(entry.page, nbytes)
             # Copy and verify in one pass: what lands in out is what is checked. On a
             # mismatch out holds garbage, but the caller serves nothing from a miss.
-            if copy_with_checksum(out[:nbytes], src, self._helper) != entry.checksum:
+            assert self._copier is not None  # set with the pool, at open
+            if self._copier.copy(out[:nbytes], src) != entry.checksum:
                 log.error("PD chunk %s does not match its sender's checksum; dropped", key.hex())
                 self.counters.corrupt += 1
                 self._drop(key, entry)

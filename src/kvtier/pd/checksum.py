@@ -17,6 +17,8 @@ measured several times slower on two busy cores.
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import Executor
 
 import numpy as np
@@ -148,3 +150,40 @@ def _flat_bytes(data: torch.Tensor) -> np.ndarray:
         raise ValueError("checksum needs a contiguous tensor")
     flat = data.reshape(-1)
     return (flat if flat.element_size() == 1 else flat.view(torch.uint8)).numpy()
+
+
+class CopyThreads:
+    """Picks one thread or two for each :func:`copy_with_checksum`, by measured speed.
+
+    Two threads win on an idle two-core host (a 2-thread copy ran 14 GB/s against 8.4 for
+    one); on a host whose cores are busy with other work the hand-off loses and one thread
+    wins (0.91 against 0.70 of the best memcpy, measured under load). So each mode keeps a
+    moving average of its GB/s, the faster one is used, and the other is tried again every
+    ``EXPLORE_EVERY`` chunks so that a change in load is noticed.
+    """
+
+    EXPLORE_EVERY = 16
+
+    def __init__(self, helper: Executor) -> None:
+        self.helper = helper
+        self._rate: dict[bool, float] = {}  # two threads? -> bytes per second
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, hash_source: bool = False) -> int:
+        with self._lock:
+            self._count += 1
+            two = self._choose()
+        start = time.perf_counter()
+        digest = copy_with_checksum(dst, src, self.helper if two else None, hash_source=hash_source)
+        rate = dst.numel() / max(time.perf_counter() - start, 1e-9)
+        with self._lock:
+            old = self._rate.get(two)
+            self._rate[two] = rate if old is None else 0.7 * old + 0.3 * rate
+        return digest
+
+    def _choose(self) -> bool:
+        if len(self._rate) < 2:
+            return True not in self._rate  # each mode once first: two threads, then one
+        faster = self._rate[True] >= self._rate[False]
+        return not faster if self._count % self.EXPLORE_EVERY == 0 else faster

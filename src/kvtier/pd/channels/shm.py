@@ -26,7 +26,7 @@ import torch
 from kvtier.errors import TransferError
 from kvtier.memory.block_pool import BlockPool
 from kvtier.pd.channels.base import ReceiverChannel, SenderChannel
-from kvtier.pd.checksum import copy_with_checksum
+from kvtier.pd.checksum import CopyThreads
 from kvtier.pd.protocol import ChunkSent, HelloReply, send_message
 
 SHM_DIR = "/dev/shm"
@@ -80,7 +80,8 @@ class ShmSender(SenderChannel):
         self._map: mmap.mmap | None = None
         self._buffer: torch.Tensor | None = None
         self._page_bytes = 0
-        self._helper: ThreadPoolExecutor | None = None  # copies and hashes half of each chunk
+        self._helper: ThreadPoolExecutor | None = None  # copies and hashes half of a chunk
+        self._copier: CopyThreads | None = None
 
     def attach(self, reply: HelloReply) -> None:
         if not reply.shm_path.startswith(SHM_DIR + "/"):
@@ -101,11 +102,12 @@ class ShmSender(SenderChannel):
         self._buffer = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes)
         self._page_bytes = reply.page_bytes
         self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-shm-copy")
+        self._copier = CopyThreads(self._helper)
 
     def send_chunk(
         self, sock: socket.socket, request_id: str, index: int, page: int, data: torch.Tensor
     ) -> int:
-        assert self._buffer is not None, "attach() first"
+        assert self._buffer is not None and self._copier is not None, "attach() first"
         nbytes = data.numel() * data.element_size()
         if nbytes > self._page_bytes:
             raise TransferError(
@@ -115,7 +117,7 @@ class ShmSender(SenderChannel):
         dst = self._buffer[start : start + nbytes]
         # The one pass over the bytes; the checksum is of what this sender meant to send, and
         # the decoder checks the page against it when it serves the chunk.
-        digest = copy_with_checksum(dst, data, self._helper, hash_source=True)
+        digest = self._copier.copy(dst, data, hash_source=True)
         send_message(sock, ChunkSent(request_id, index, nbytes, digest))
         return nbytes
 
@@ -127,3 +129,4 @@ class ShmSender(SenderChannel):
         if self._helper is not None:
             self._helper.shutdown(wait=True)
             self._helper = None
+        self._copier = None
