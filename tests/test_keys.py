@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 
+import blake3
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from kvtier import InputError, KVLayout
 from kvtier.keys import Fingerprint, KeyChain
@@ -112,3 +115,44 @@ def test_fingerprint_validation() -> None:
         Fingerprint("", LAYOUT, 4)
     with pytest.raises(InputError, match="tp_rank"):
         Fingerprint("m", LAYOUT, 4, tp_rank=2, tp_world_size=2)
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256", "blake3"])
+@pytest.mark.parametrize(
+    ("num_tokens", "partial"), [(3, True), (12, False), (14, True), (14, False)]
+)
+def test_keys_are_the_documented_chain(algorithm: str, num_tokens: int, partial: bool) -> None:
+    """h_i = H(h_{i-1} || int32 LE bytes of chunk i), seeded by the fingerprint digest: the
+    C-level pipeline in KeyChain.keys must give exactly these values (stored keys depend on
+    them), for full chunks and a partial tail alike."""
+    c = chain(hash_algorithm=algorithm)
+    tokens = [(7 * t + 3) % 50_000 for t in range(num_tokens)]
+    data = np.asarray(tokens, dtype="<i4").tobytes()
+    hash_fn = {
+        "xxh3_128": xxhash.xxh3_128_digest,
+        "sha256": lambda b: hashlib.sha256(b).digest()[:16],
+        "blake3": lambda b: bytes(blake3.blake3(b).digest(length=16)),
+    }[algorithm]
+    expected, prev = [], c.fingerprint.digest()
+    ends = list(range(4, num_tokens + 1, 4)) + ([num_tokens] if partial and num_tokens % 4 else [])
+    start = 0
+    for end in ends:
+        prev = hash_fn(prev + data[start * 4 : end * 4])
+        expected.append((start, end, prev))
+        start = end
+    spans = c.keys(tokens, include_partial=partial)
+    assert [(s.start, s.end, s.key) for s in spans] == expected
+    assert [s.index for s in spans] == list(range(len(expected)))
+
+
+def test_chunk_spans_slice_and_index_like_a_list() -> None:
+    spans = chain().keys(list(range(14)), include_partial=True)
+    as_list = list(spans)
+    assert len(spans) == 4 and spans[-1] == as_list[-1] and spans[-1].end == 14
+    for cut in (slice(1, None), slice(0, 2), slice(-2, None), slice(3, 1), slice(5, 9)):
+        part = spans[cut]
+        assert list(part) == as_list[cut] and len(part) == len(as_list[cut])
+        assert part == as_list[cut]
+        assert [part.end(i) for i in range(len(part))] == [s.end for s in as_list[cut]]
+    with pytest.raises(IndexError):
+        spans[4]

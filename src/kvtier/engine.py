@@ -28,7 +28,7 @@ import torch
 
 from kvtier.config import Config
 from kvtier.errors import InputError, StateError, TierError
-from kvtier.keys import ChunkSpan, Fingerprint, KeyChain, as_token_array
+from kvtier.keys import ChunkSpans, Fingerprint, KeyChain, as_token_array
 from kvtier.layout import KVLayout
 from kvtier.lease import Hold, LeaseInfo, LeaseTable
 from kvtier.lifecycle import CallGuard, Lifecycle
@@ -501,7 +501,7 @@ class Engine:
         return leases.expire_unclaimed(ttl, busy=busy)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _spans(self, tokens: object, skip_leading_tokens: int) -> list[ChunkSpan]:
+    def _spans(self, tokens: object, skip_leading_tokens: int) -> ChunkSpans:
         check_skip(skip_leading_tokens)
         return self.keychain.keys(tokens, include_partial=self.config.save_unfull_chunk)
 
@@ -510,10 +510,10 @@ class Engine:
         check_request_id(request_id)
         lease = leases.get(request_id)
         if lease is not None and lease.plan is not None:
-            spans = self._spans(tokens, skip_leading_tokens)
-            keys = tuple(s.key for s in spans)
+            keys = self._spans(tokens, skip_leading_tokens).keys
             plan = lease.plan
-            if keys[: len(plan.hits)] == plan.keys[: len(plan.hits)]:
+            hit = plan.hit_chunks
+            if tuple(keys[:hit]) == plan.keys[:hit]:
                 return plan
         self.lookup(tokens, request_id, skip_leading_tokens=skip_leading_tokens)
         lease = leases.get(request_id)

@@ -339,3 +339,30 @@ def test_transfers_and_failures_reach_the_decoders_metrics(
     assert registry.get_sample_value("kvtier_pd_transfer_failures_total") == 1
     assert registry.get_sample_value("kvtier_pd_received_bytes_total") > 0
     assert_all_free(engine)
+
+
+def test_shm_verifies_at_serve_time_and_a_changed_page_ends_the_hit(
+    make_decoder: Callable[..., Decoder],
+) -> None:
+    """shm publishes without hashing (the sender hashed while copying); the decoder checks
+    every byte against the sender's checksum as it copies the chunk out. A page changed after
+    the transfer is a checksum miss there: the hit ends before it, the rest is recomputed."""
+    engine, receiver = make_decoder("shm", pages=8)
+    tokens = request_tokens(3)
+    spans = keychain().keys(tokens, include_partial=True)
+    assert len(spans) >= 3
+    with sender("shm", receiver.port) as tx:
+        send_one(tx, "r", tokens)
+    outcome = receiver.wait_outcome("r", 10.0)
+    assert outcome is not None and outcome.ok
+    tier = pd_tier(engine)
+    assert tier.counters.corrupt == 0
+    entry = tier._index[spans[1].key]  # the second chunk's page: a stray write lands there
+    tier.page_view(entry.page, 8).copy_(torch.arange(8, dtype=torch.uint8))
+    with engine.request("r"):
+        assert engine.lookup(tokens, "r") == len(tokens)  # the index does not know yet
+        kv = engine.retrieve(tokens, "r")
+        assert kv.shape[2] == spans[0].end  # served up to the changed chunk, not beyond
+        assert torch.equal(kv, fake_prefill(tokens)[:, :, : spans[0].end])
+    assert tier.counters.corrupt == 1
+    assert_all_free(engine)

@@ -69,3 +69,22 @@ def test_insert_of_a_present_key_takes_no_reference(pool: BlockPool) -> None:
     assert pool.refcount(second) == 1  # still only the caller's
     pool.release([second])
     assert pool.free_pages == 3
+
+
+def test_pin_prefix_pins_up_to_the_first_miss_and_marks_them_recent(pool: BlockPool) -> None:
+    tier = CpuTier(pool, TOKEN_BYTES)
+    keys = [random_key() for _ in range(4)]
+    for key in keys[:3]:
+        (page,) = pool.allocate(1) or []
+        assert tier.insert(key, page, CONTRACT_CHUNK)
+    missing = random_key()
+    pages = tier.pin_prefix([keys[1], keys[0], missing, keys[2]])  # keys[2] is after the miss
+    assert pages == [e.page for e in tier.entries([keys[1], keys[0]]) if e is not None]
+    assert [pool.refcount(p) for p in pages] == [2, 2]
+    assert pool.refcount(tier.entries([keys[2]])[0].page) == 1  # type: ignore[union-attr]
+    assert tier.pin_prefix([missing, keys[0]]) == []
+    pool.release(pages)
+    # keys[1] and keys[0] were used last: the next eviction takes keys[2] (then the fourth page
+    # is free anyway, so allocating two evicts exactly one).
+    assert tier.allocate(2) is not None
+    assert tier.contains(keys[:3]) == [True, True, False]

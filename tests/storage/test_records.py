@@ -19,6 +19,8 @@ from kvtier.storage.records import (
     encode_header,
     encode_record,
     header_size,
+    payload_checksum,
+    payload_hasher,
     verify_payload,
 )
 from tests.storage.tier_contract import CONTRACT_CHUNK, CONTRACT_LAYOUT, PAGE_BYTES, payload
@@ -144,3 +146,13 @@ def test_encode_refuses_a_payload_that_does_not_match_its_token_count() -> None:
 def test_checksum_reads_tensor_memory_without_a_copy() -> None:
     data = payload(CONTRACT_CHUNK, 10)
     assert records.payload_checksum(data) == records.payload_checksum(data.numpy().tobytes())
+
+
+def test_a_streamed_checksum_in_any_pieces_equals_the_whole_payload_checksum() -> None:
+    data = payload(CONTRACT_CHUNK, 3)
+    view = memoryview(data.numpy())
+    for piece in (1, 7, 4096, view.nbytes):
+        hasher = payload_hasher()
+        for start in range(0, view.nbytes, piece):
+            hasher.update(view[start : start + piece])
+        assert hasher.digest() == payload_checksum(data)

@@ -1,11 +1,15 @@
-"""``kvtier bench redis``: the redis tier's put/get against plain redis-py SET/GET.
+"""``kvtier bench redis``: the redis tier's put/get against raw RESP over plain sockets.
 
-Baseline, in the same run against the same server: ``raw_set_gbps`` / ``raw_get_gbps`` are
-plain redis-py ``SET`` of the same record bytes (prepared beforehand, so the baseline pays
-no encoding) and ``GET`` returning ``bytes``, one value after another on one connection.
+Baselines, in the same run against the same server (:mod:`kvtier.bench.raw_resp`):
+``raw_get_gbps`` is ``GET`` over one socket read with ``recv_into`` straight into a buffer
+allocated and touched beforehand (no client library, no allocation per value);
+``raw_set_gbps`` is ``SET`` of the same record bytes sent as they are, the best of one socket
+and of ``--put-threads`` sockets in parallel (the tier's writers get as many connections).
 The tier's put includes the record header and checksum and the completion callbacks; its
 get includes the header check, the payload checksum and landing the bytes in a page. Each
 figure is the best of ``--repeats`` rounds, tier and baseline taking turns in every round.
+``redispy_get_gbps`` / ``redispy_set_gbps`` are plain redis-py ``GET`` (returning ``bytes``)
+and ``SET``, for reference only.
 
 ``lookup_ms`` is ``Engine.lookup`` of a 131072-token prompt (512 chunks of 256 tokens, a
 small layout) whose chunks are all in redis and not in CPU memory: hashing, one pipelined
@@ -32,6 +36,7 @@ import numpy as np
 import redis
 import torch
 
+from kvtier.bench.raw_resp import RawResp
 from kvtier.bench.timing import best_interleaved, gbps
 from kvtier.config import Config
 from kvtier.config.remote_url import mask_password, parse_remote_url
@@ -88,11 +93,17 @@ def _throughput(
         shown = mask_password(url)
         raise ConfigError("remote_url", shown, "a redis server that answers (bench --url)")
     raw = redis.Redis.from_url(url, socket_timeout=60.0)
+    target = parse_remote_url(url)
+    host, port = target.nodes[0]
+    sockets = [RawResp(host, port, 60.0) for _ in range(max(1, put_threads))]
     try:
         values = [
             records.encode_record(k, fingerprint, chunk_size, pages[i]) for i, k in enumerate(keys)
         ]
         raw_names = [b"kvtier-bench-raw:" + k.hex().encode() for k in keys]
+        raw_out = bytearray(len(values[0]))
+        raw_out[:] = values[0]  # touched once, like the tier's page
+        raw_view = memoryview(raw_out)
 
         def tier_put() -> None:
             done = threading.Semaphore(0)
@@ -115,26 +126,61 @@ def _throughput(
                 if tier.get_into(key, out) != chunk_size:
                     raise RuntimeError("bench get missed a chunk it had just stored")
 
-        def raw_set() -> None:
-            for name, value in zip(raw_names, values, strict=True):
-                raw.set(name, value)
+        def raw_set_on(sock: RawResp, share: range) -> None:
+            for i in share:
+                sock.set(raw_names[i], [values[i]])
+
+        def raw_set_one() -> None:
+            raw_set_on(sockets[0], range(len(keys)))
+
+        def raw_set_parallel() -> None:
+            n = len(sockets)
+            threads = [
+                threading.Thread(target=raw_set_on, args=(s, range(j, len(keys), n)))
+                for j, s in enumerate(sockets)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
 
         def raw_get() -> None:
             for name in raw_names:
-                if raw.get(name) is None:
-                    raise RuntimeError("raw get missed")
+                sockets[0].get_into(name, raw_view)
 
-        puts = best_interleaved({"tier": tier_put, "raw": raw_set}, repeats)
-        gets = best_interleaved({"tier": tier_get, "raw": raw_get}, repeats)
+        def redispy_set() -> None:
+            for name, value in zip(raw_names, values, strict=True):
+                raw.set(name, value)
+
+        def redispy_get() -> None:
+            for name in raw_names:
+                if raw.get(name) is None:
+                    raise RuntimeError("redis-py get missed")
+
+        puts = best_interleaved(
+            {
+                "tier": tier_put,
+                "raw1": raw_set_one,
+                "rawN": raw_set_parallel,
+                "redispy": redispy_set,
+            },
+            repeats,
+        )
+        gets = best_interleaved({"tier": tier_get, "raw": raw_get, "redispy": redispy_get}, repeats)
         if not torch.equal(out, pages[-1]):
             raise RuntimeError("bytes read back differ from the bytes stored")
+        if raw_out != values[-1]:
+            raise RuntimeError("raw GET read back other bytes than it stored")
         tier.clear()
         raw.delete(*raw_names)
     finally:
+        for sock in sockets:
+            sock.close()
         raw.close()
         tier.close()
     put, get = gbps(nbytes, puts["tier"]), gbps(nbytes, gets["tier"])
-    raw_set_rate, raw_get_rate = gbps(nbytes, puts["raw"]), gbps(nbytes, gets["raw"])
+    raw_set_rate = gbps(nbytes, min(puts["raw1"], puts["rawN"]))
+    raw_get_rate = gbps(nbytes, gets["raw"])
     return {
         "value_bytes": chunk_bytes + records.header_size(),
         "values": chunks,
@@ -143,9 +189,12 @@ def _throughput(
         "put_gbps": round(put, 3),
         "get_gbps": round(get, 3),
         "raw_set_gbps": round(raw_set_rate, 3),
+        "raw_set_1_socket_gbps": round(gbps(nbytes, puts["raw1"]), 3),
         "raw_get_gbps": round(raw_get_rate, 3),
         "put_ratio": round(put / raw_set_rate, 3),
         "get_ratio": round(get / raw_get_rate, 3),
+        "redispy_set_gbps": round(gbps(nbytes, puts["redispy"]), 3),
+        "redispy_get_gbps": round(gbps(nbytes, gets["redispy"]), 3),
     }
 
 

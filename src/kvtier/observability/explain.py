@@ -49,7 +49,7 @@ from typing import Any
 
 import xxhash
 
-from kvtier.keys import ChunkKey, ChunkSpan, Fingerprint, as_token_array
+from kvtier.keys import ChunkKey, ChunkSpan, ChunkSpans, Fingerprint, as_token_array
 
 NOT_STORED = "not stored"
 EVICTED = "evicted"
@@ -256,36 +256,40 @@ class ExplainLog:
         request_id: str,
         tokens: object,
         spans: Sequence[ChunkSpan],
-        hits: Sequence[tuple[ChunkSpan, str]],
+        runs: Sequence[tuple[str, int, int]],
+        hit_tokens: int,
         probe: Probe,
     ) -> None:
-        """Record one lookup. ``hits`` is the pinned prefix as (span, tier name); ``probe``
-        answers, for keys, which tier holds each now (one batched contains per tier)."""
+        """Record one lookup. ``runs`` is the pinned prefix as (tier name, first chunk, end
+        chunk), chunk indices into ``spans``; ``probe`` answers, for keys, which tier holds
+        each now (one batched contains per tier). O(runs) for the hits, so a long cached
+        prompt costs no Python per chunk here."""
         if not self.enabled:
             return
         prompt_tokens = len(as_token_array(tokens))
-        runs: list[Run] = []
-        start = 0  # one run per stretch of hits in the same tier, without a call per chunk
-        for i in range(1, len(hits) + 1):
-            if i == len(hits) or hits[i][1] != hits[start][1]:
-                runs.append((hits[start][0].index, hits[i - 1][0].index, True, hits[start][1], ""))
-                start = i
-        missing = spans[len(hits) :]
+        first_index = spans[0].index if spans else 0
+        record_runs: list[Run] = [
+            (first_index + first, first_index + end - 1, True, tier, "")
+            for tier, first, end in runs
+            if end > first
+        ]
+        hit_chunks = runs[-1][2] if runs else 0
+        missing = spans[hit_chunks:]
         if missing:
-            self._explain_misses(tokens, missing, probe, runs)
+            self._explain_misses(tokens, missing, probe, record_runs)
         full = len(spans)
         if prompt_tokens > full * self.chunk_size:  # a tail that is not a stored chunk
             detail = f"the last {prompt_tokens - full * self.chunk_size} tokens do not fill a chunk"
-            _append(runs, full, False, PARTIAL, detail + "; save_unfull_chunk is off")
-        hit_tokens = hits[-1][0].end if hits else 0
+            _append(record_runs, full, False, PARTIAL, detail + "; save_unfull_chunk is off")
+        keys = spans.keys if isinstance(spans, ChunkSpans) else [s.key for s in spans]
         record = RequestExplain(
             request_id,
             self._hex,
             self.chunk_size,
             prompt_tokens,
             hit_tokens,
-            b"".join(s.key for s in spans),
-            runs,
+            b"".join(keys),
+            record_runs,
         )
         with self._lock:
             old = self._records.pop(request_id, None)

@@ -95,14 +95,24 @@ class Observer:
         plan: LookupPlan,
         started: float,
     ) -> None:
-        hits = [(h.span, h.tier) for h in plan.hits]
+        # Runs of chunks per tier, not chunks: a long cached prompt is one run.
         by_tier: dict[str, int] = {}
-        for span, tier in hits:
-            by_tier[tier] = by_tier.get(tier, 0) + span.end - span.start
+        size = plan.spans.chunk_size
+        for tier, first, end in plan.runs:
+            tokens_hit = plan.spans.end(end - 1) - (plan.spans.first + first) * size
+            by_tier[tier] = by_tier.get(tier, 0) + tokens_hit
         with self._lock:
             for tier, tokens_hit in by_tier.items():
                 self.lookup_hit_tokens[tier] += tokens_hit
-        _guarded(self.explain.record_lookup, request_id, tokens, spans, hits, self._probe)
+        _guarded(
+            self.explain.record_lookup,
+            request_id,
+            tokens,
+            plan.spans,
+            plan.runs,
+            plan.hit_tokens,
+            self._probe,
+        )
         self.latency["lookup"].observe(time.perf_counter() - started)
 
     def on_store(

@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,8 @@ from kvtier.layout import KVLayout
 from kvtier.lease import LeaseTable
 from kvtier.memory.block_pool import BlockPool, pages_for_capacity
 from kvtier.pd.channels import receiver_channel
-from kvtier.pd.channels.base import ReceiverChannel, checksum
+from kvtier.pd.channels.base import ReceiverChannel
+from kvtier.pd.checksum import CopyThreads, checksum
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
 from kvtier.storage.key_pins import KeyPins
 
@@ -120,6 +122,8 @@ class PDBuffer(Tier):
         self._page_key: dict[int, ChunkKey] = {}
         self._key_pins = KeyPins()
         self._cond = threading.Condition(threading.RLock())
+        self._helper: ThreadPoolExecutor | None = None  # copies and hashes half a served chunk
+        self._copier: CopyThreads | None = None
 
     @classmethod
     def from_config(cls, config: Config, layout: KVLayout, fingerprint: Fingerprint) -> PDBuffer:
@@ -140,6 +144,8 @@ class PDBuffer(Tier):
         with self._cond:
             if self._pool is None:
                 self._pool = self.channel.make_pool(self.num_pages, self.page_bytes)
+                self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-pd-serve")
+                self._copier = CopyThreads(self._helper)
 
     def close(self) -> None:
         with self._cond:
@@ -150,6 +156,10 @@ class PDBuffer(Tier):
             self._cond.notify_all()
         if pool is not None:
             pool.close()
+        helper, self._helper = self._helper, None
+        self._copier = None
+        if helper is not None:
+            helper.shutdown(wait=True)
         self.channel.close()
 
     @property
@@ -210,7 +220,8 @@ class PDBuffer(Tier):
         """Verify a received chunk and make it visible to lookups. False (and the chunk is
         dropped, counted as corrupt) when its bytes do not match the sender's checksum.
         ``actual``: the checksum of the page's bytes when the transport hashed them as they
-        landed (tcp); otherwise the page is hashed here."""
+        landed (tcp); otherwise the page is hashed here, unless the channel defers that to
+        serve time (``verify_at_serve``: shm), where :meth:`get_into` checks every byte."""
         key = reservation.new[page]
         with self._cond:
             entry = self._index.get(key)
@@ -218,6 +229,8 @@ class PDBuffer(Tier):
                 return False
             nbytes = entry.num_tokens * self.token_bytes
             view = self.pool.page_bytes_view(page, nbytes)
+        if actual is None and self.channel.verify_at_serve:
+            actual = expected  # verified byte for byte as get_into copies it out
         if actual is None:
             # Hashed outside the lock (a 32 MiB page takes milliseconds, and other senders'
             # reserve/publish wait on this lock). The reservation owns the page; if it was
@@ -279,12 +292,14 @@ class PDBuffer(Tier):
                 return None
             nbytes = entry.num_tokens * self.token_bytes
             src = self.pool.page_bytes_view(entry.page, nbytes)
-            if checksum(src) != entry.checksum:
-                log.error("PD chunk %s changed after it was verified; dropped", key.hex())
+            # Copy and verify in one pass: what lands in out is what is checked. On a
+            # mismatch out holds garbage, but the caller serves nothing from a miss.
+            assert self._copier is not None  # set with the pool, at open
+            if self._copier.copy(out[:nbytes], src) != entry.checksum:
+                log.error("PD chunk %s does not match its sender's checksum; dropped", key.hex())
                 self.counters.corrupt += 1
                 self._drop(key, entry)
                 return None
-            out[:nbytes].copy_(src)
             self.counters.hits += 1
             self.counters.bytes_read += nbytes
             return entry.num_tokens

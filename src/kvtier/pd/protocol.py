@@ -24,8 +24,8 @@ One connection carries one sender's requests, one at a time::
                                                  the buffer: shm path / nixl metadata)
     AllocRequest(rid, keys, num_tokens) ->   reserve every missing chunk at once, or wait
                                          <-  AllocReply(held, pages) | ErrorReply(kind)
-    ChunkSent(rid, index, nbytes, xxh3) ->   tcp: the next nbytes on the socket are the chunk,
-      [tcp: payload, then its xxh3 as        received straight into its page; shm: already
+    ChunkSent(rid, index, nbytes, csum) ->   tcp: the next nbytes on the socket are the chunk,
+      [tcp: payload, then its csum as        received straight into its page; shm: already
        8 big-endian bytes]                   written into the page. Verified, then published.
     ... one ChunkSent per chunk not held ...
     RequestDone(rid)                    ->
@@ -47,7 +47,7 @@ import msgspec
 from kvtier.errors import ProtocolError, TransferError, TransferTimeout
 
 MAGIC = b"KVP"
-VERSION = 1
+VERSION = 2  # 2: the chunk checksum is the block checksum of kvtier.pd.checksum
 HEADER = struct.Struct("!3sBI")
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: an AllocRequest for ~30k chunks; anything bigger is abuse
 
@@ -100,7 +100,7 @@ class ChunkSent(msgspec.Struct, tag=True):
     request_id: str
     index: int  # position in the AllocRequest's keys
     nbytes: int
-    checksum: int  # xxh3-64 of the payload
+    checksum: int  # the payload's checksum (kvtier.pd.checksum)
 
 
 class RequestDone(msgspec.Struct, tag=True):

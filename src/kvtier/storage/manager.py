@@ -39,7 +39,7 @@ import torch
 
 from kvtier.config import Config
 from kvtier.errors import KVTierError, StateError
-from kvtier.keys import ChunkKey, ChunkSpan
+from kvtier.keys import ChunkKey, ChunkSpan, ChunkSpans
 from kvtier.layout import KVLayout
 from kvtier.lease import CallbackHold, Lease
 from kvtier.memory.block_pool import BlockPool
@@ -60,16 +60,57 @@ class ChunkHit:
     failed: bool = False  # a batched read of this chunk missed: the hit ends here
 
 
-@dataclass(slots=True)
 class LookupPlan:
-    """The hit prefix of one lookup, pinned in the request's lease."""
+    """The hit prefix of one lookup, pinned in the request's lease.
 
-    keys: tuple[ChunkKey, ...]
-    hits: list[ChunkHit]
+    Kept as runs of chunks per tier (``runs``: tier name, first chunk, end chunk) plus the CPU
+    pages, because a lookup of a long cached prompt must not build an object per chunk; the
+    per-chunk :class:`ChunkHit` list is made on first use of :attr:`hits` (by a retrieve,
+    where each chunk is copied anyway).
+    """
+
+    __slots__ = ("_hits", "_pages", "keys", "runs", "spans")
+
+    def __init__(
+        self,
+        spans: ChunkSpans,
+        runs: list[tuple[str, int, int]],
+        pages: list[int | None],
+        hits: list[ChunkHit] | None = None,
+    ) -> None:
+        self.spans = spans
+        self.keys: tuple[ChunkKey, ...] = tuple(spans.keys)
+        self.runs = runs  # (tier, first chunk, end chunk), consecutive from chunk 0
+        self._pages = pages  # by chunk: the CPU page the lease holds for it, or None
+        self._hits = hits
+
+    @property
+    def hit_chunks(self) -> int:
+        return self.runs[-1][2] if self.runs else 0
 
     @property
     def hit_tokens(self) -> int:
-        return self.hits[-1].span.end if self.hits else 0
+        if self._hits is not None:
+            return self._hits[-1].span.end if self._hits else 0
+        n = self.hit_chunks
+        return self.spans.end(n - 1) if n else 0
+
+    @property
+    def hits(self) -> list[ChunkHit]:
+        if self._hits is None:
+            spans, pages = self.spans, self._pages
+            self._hits = [
+                ChunkHit(spans[i], tier, pages[i] if i < len(pages) else None)
+                for tier, first, end in self.runs
+                for i in range(first, end)
+            ]
+        return self._hits
+
+    @hits.setter
+    def hits(self, hits: list[ChunkHit]) -> None:
+        self._hits = hits
+        first = self.spans.first
+        self.runs = [(h.tier, h.span.index - first, h.span.index - first + 1) for h in hits]
 
 
 @dataclass(slots=True)
@@ -157,10 +198,38 @@ class StorageManager:
     def locate(
         self, spans: Sequence[ChunkSpan], lease: Lease[LookupPlan], skip_chunks: int
     ) -> LookupPlan:
-        """Find and pin the longest prefix of ``spans`` held by the engine or some tier."""
-        hits = [ChunkHit(span, ENGINE) for span in spans[:skip_chunks]]
-        rest = spans[skip_chunks:]
-        keys = [s.key for s in rest]
+        """Find and pin the longest prefix of ``spans`` held by the engine or some tier.
+
+        The common case, a prefix held in CPU memory, is pinned in one call without an object
+        per chunk (``CpuTier.pin_prefix``); the chunks after it are looked up tier by tier."""
+        if not isinstance(spans, ChunkSpans):
+            spans = ChunkSpans([s.key for s in spans], *_geometry(spans))
+        skip = min(skip_chunks, len(spans))
+        runs: list[tuple[str, int, int]] = [(ENGINE, 0, skip)] if skip else []
+        pages: list[int | None] = [None] * skip
+        done = skip
+        if self.cpu_visible and done < len(spans):
+            cpu_pages = self.cpu.pin_prefix(spans.keys[done:] if done else spans.keys)
+            lease.take_pages(cpu_pages)
+            if cpu_pages:
+                pages += cpu_pages
+                runs.append(("cpu", done, done + len(cpu_pages)))
+                done += len(cpu_pages)
+        if done < len(spans):
+            rest = spans[done:]
+            for hit in self._locate_each(rest, lease):
+                index = hit.span.index - spans.first
+                pages.append(hit.page)
+                if runs and runs[-1][0] == hit.tier and runs[-1][2] == index:
+                    runs[-1] = (hit.tier, runs[-1][1], index + 1)
+                else:
+                    runs.append((hit.tier, index, index + 1))
+        return LookupPlan(spans, runs, pages)
+
+    def _locate_each(self, rest: ChunkSpans, lease: Lease[LookupPlan]) -> list[ChunkHit]:
+        """Chunk by chunk, every tier: where the CPU prefix ended (a lower-tier hit, or a
+        CPU chunk after one)."""
+        keys = rest.keys
         where: list[Tier | None] = [None] * len(rest)
         if self.cpu_visible:
             for i, present in enumerate(self.cpu.contains(keys)):
@@ -179,8 +248,7 @@ class StorageManager:
                 if present:
                     where[i] = tier
         prefix = _prefix_len(where)
-        hits.extend(self._pin(rest[:prefix], where[:prefix], lease))
-        return LookupPlan(tuple(s.key for s in spans), hits)
+        return self._pin(rest[:prefix], where[:prefix], lease)
 
     def _pin(
         self, spans: Sequence[ChunkSpan], where: Sequence[Tier | None], lease: Lease[LookupPlan]
@@ -441,6 +509,15 @@ class StorageManager:
         self.cpu.close()
         if errors:
             raise StateError("tiers failed to close cleanly: " + "; ".join(errors))
+
+
+def _geometry(spans: Sequence[ChunkSpan]) -> tuple[int, int, int]:
+    """(chunk_size, num_tokens, first index) of a plain list of consecutive spans."""
+    if not spans:
+        return 1, 0, 0
+    first = spans[0]
+    size = first.end - first.start if len(spans) == 1 else spans[1].start - first.start
+    return max(size, 1), spans[-1].end, first.index
 
 
 def _prefix_len(where: Sequence[object | None]) -> int:

@@ -183,7 +183,19 @@ def verify_payload(header: RecordHeader, payload: torch.Tensor | memoryview | by
         raise CorruptRecord(
             f"record payload is {view.nbytes} bytes, header says {header.payload_len}"
         )
-    if payload_checksum(view) != header.payload_checksum:
+    check_payload_digest(header, payload_checksum(view))
+
+
+def payload_hasher() -> xxhash.xxh3_128:
+    """A streaming payload checksum: ``update`` it with the payload's bytes in order, in
+    pieces of any size, while they are still in the CPU cache (as they land from a socket or
+    a file); its ``digest()`` equals :func:`payload_checksum` of the whole."""
+    return xxhash.xxh3_128()
+
+
+def check_payload_digest(header: RecordHeader, digest: bytes) -> None:
+    """Raise :class:`CorruptRecord` unless ``digest`` (of the whole payload) is the header's."""
+    if digest != header.payload_checksum:
         raise CorruptRecord(f"payload checksum mismatch for key {header.key.hex()}")
 
 

@@ -12,8 +12,10 @@ import torch
 
 from kvtier.errors import ConfigError, StateError
 from kvtier.keys import Fingerprint
+from kvtier.layout import KVLayout
 from kvtier.storage.base import PutOutcome, PutResult
-from kvtier.storage.disk.options import parse_local_disk
+from kvtier.storage.disk.files import READ_BLOCK
+from kvtier.storage.disk.options import DiskOptions, parse_local_disk
 from kvtier.storage.disk.tier import DiskTier
 from kvtier.storage.records import HEADER_SIZE
 from tests.conftest import small_config
@@ -448,5 +450,36 @@ def test_concurrent_puts_reads_pins_and_removes_never_serve_wrong_bytes(tmp_path
         assert usage.used_bytes <= usage.capacity_bytes
         assert usage.entries == len(chunk_files(tmp_path))
         assert temp_files(tmp_path) == []
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("offset", [0, READ_BLOCK - 1, READ_BLOCK, 2 * READ_BLOCK + 5, -1])
+def test_a_payload_read_in_pieces_is_checked_in_every_piece(tmp_path: Path, offset: int) -> None:
+    """A payload of several READ_BLOCK pieces is hashed piece by piece as it lands: it reads
+    back exactly, and a flipped byte in any piece (first, at a boundary, the last) is a miss."""
+    layout = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, dtype=torch.float32)
+    chunk = 640  # 2.5 MiB of payload: three pieces
+    fingerprint = Fingerprint("pieces", layout, chunk)
+    nbytes = layout.chunk_bytes(chunk)
+    assert 2 * READ_BLOCK < nbytes < 3 * READ_BLOCK
+    options = DiskOptions(str(tmp_path), 4 * (HEADER_SIZE + nbytes), 2, 4 * (HEADER_SIZE + nbytes))
+    tier = DiskTier(options, layout, fingerprint)
+    tier.open()
+    try:
+        key = random_key()
+        data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator())
+        put_and_wait(tier, key, data, chunk)
+        out = torch.zeros(nbytes, dtype=torch.uint8)
+        assert tier.get_into(key, out) == chunk and torch.equal(out, data)
+        path = tmp_path / f"{fingerprint.hex()}-{key.hex()}.kvc"
+        with open(path, "r+b") as f:
+            at = HEADER_SIZE + (offset if offset >= 0 else nbytes - 1)
+            f.seek(at)
+            byte = f.read(1)[0]
+            f.seek(at)
+            f.write(bytes([byte ^ 0x80]))
+        assert tier.get_into(key, out) is None
+        assert tier.counters.corrupt == 1 and not path.exists()
     finally:
         tier.close()

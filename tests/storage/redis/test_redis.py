@@ -103,6 +103,22 @@ def test_two_models_never_share_a_chunk(server: RedisServer) -> None:
         second.close()
 
 
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_the_checksum_hashed_while_reading_covers_every_payload_byte(
+    tier: RedisTier, server: RedisServer, where: str
+) -> None:
+    """The payload is hashed piece by piece as it lands (the first bytes arrive in the same
+    read as the header, the last in the final recv): a flip at either end is still a miss."""
+    key, data = random_key(), payload(CONTRACT_CHUNK, 9)
+    put_and_wait(tier, key, data, CONTRACT_CHUNK)
+    offset = records.header_size() + (0 if where == "first" else data.numel() - 1)
+    with server.client() as raw:
+        raw.setrange(tier.redis_name(key), offset, b"\x5a")
+    out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+    assert tier.get_into(key, out) is None
+    assert tier.counters.corrupt == 1
+
+
 def test_corrupt_record_is_a_miss_deleted_and_counted(tier: RedisTier, server: RedisServer) -> None:
     key, data = random_key(), payload(CONTRACT_CHUNK, 8)
     put_and_wait(tier, key, data, CONTRACT_CHUNK)

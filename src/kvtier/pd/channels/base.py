@@ -22,19 +22,18 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
-import xxhash
 
 from kvtier.memory.block_pool import BlockPool
+from kvtier.pd.checksum import checksum as checksum  # the chunk checksum, for channels
 from kvtier.pd.protocol import ChunkSent, Hello, HelloReply
-
-
-def checksum(data: torch.Tensor) -> int:
-    """xxh3-64 of a contiguous CPU tensor's bytes (no copy)."""
-    return int(xxhash.xxh3_64_intdigest(data.numpy().data.cast("B")))
 
 
 class ReceiverChannel(ABC):
     name: str
+    # True when the receiver does not hash a chunk at publish: the PD tier then verifies it
+    # against the sender's checksum while copying it out at serve time (shm: the sender wrote
+    # the page itself, so a publish-time hash would be a whole extra pass over it).
+    verify_at_serve = False
 
     @abstractmethod
     def make_pool(self, num_pages: int, page_bytes: int) -> BlockPool:
@@ -78,8 +77,8 @@ class SenderChannel(ABC):
         self, sock: socket.socket, request_id: str, index: int, page: int, data: torch.Tensor
     ) -> int:
         """Move ``data`` (any shape; its bytes in canonical order are the chunk) into the
-        receiver's ``page`` and send the ChunkSent message (with the xxh3 of those bytes) for
-        it. Returns the bytes moved."""
+        receiver's ``page`` and send the ChunkSent message (with the chunk checksum of
+        :mod:`kvtier.pd.checksum`) for it. Returns the bytes moved."""
 
     def close(self) -> None:
         return None

@@ -2,11 +2,14 @@
 
 The receiver creates the segment (a file in /dev/shm, unlinked at close), maps it and pages
 it with its :class:`BlockPool`; the HelloReply names the file. The sender maps the same file
-and copies each chunk once, straight into the page the AllocReply named, then sends the
-ChunkSent header: the receiver has nothing to copy, only the checksum to verify.
+and copies each chunk once, straight into the page the AllocReply named, hashing each block
+right after copying it (:func:`kvtier.pd.checksum.copy_with_checksum`, two threads), then
+sends the ChunkSent header with that checksum.
 
-The sender may only write into pages reserved for its request in flight; the receiver checks
-every chunk's checksum at publish and again at every read, so a stray write is a miss.
+The receiver does not hash at publish (``verify_at_serve``): the PD tier verifies every byte
+against the sender's checksum while it copies the chunk out to serve it, in the same pass
+as that copy. A page changed by a stray write is then a checksum miss at serve time: the hit
+ends there and the decoder recomputes the rest, as with a corrupt disk chunk.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import mmap
 import os
 import socket
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from kvtier.errors import TransferError
 from kvtier.memory.block_pool import BlockPool
-from kvtier.pd.channels.base import ReceiverChannel, SenderChannel, checksum
+from kvtier.pd.channels.base import ReceiverChannel, SenderChannel
+from kvtier.pd.checksum import CopyThreads
 from kvtier.pd.protocol import ChunkSent, HelloReply, send_message
 
 SHM_DIR = "/dev/shm"
@@ -30,6 +35,7 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # pre-fault the mapping: no faults
 
 class ShmReceiver(ReceiverChannel):
     name = "shm"
+    verify_at_serve = True
 
     def __init__(self) -> None:
         self._path = ""
@@ -58,7 +64,7 @@ class ShmReceiver(ReceiverChannel):
     def receive_chunk(
         self, sock: socket.socket, page_view: torch.Tensor, msg: ChunkSent
     ) -> tuple[int, int | None]:
-        return msg.checksum, None  # the sender already wrote the bytes; the tier hashes the page
+        return msg.checksum, None  # the sender wrote the bytes; verified when served
 
     def close(self) -> None:
         if self._path:
@@ -74,6 +80,8 @@ class ShmSender(SenderChannel):
         self._map: mmap.mmap | None = None
         self._buffer: torch.Tensor | None = None
         self._page_bytes = 0
+        self._helper: ThreadPoolExecutor | None = None  # copies and hashes half of a chunk
+        self._copier: CopyThreads | None = None
 
     def attach(self, reply: HelloReply) -> None:
         if not reply.shm_path.startswith(SHM_DIR + "/"):
@@ -93,11 +101,13 @@ class ShmSender(SenderChannel):
             ) from None
         self._buffer = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes)
         self._page_bytes = reply.page_bytes
+        self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-shm-copy")
+        self._copier = CopyThreads(self._helper)
 
     def send_chunk(
         self, sock: socket.socket, request_id: str, index: int, page: int, data: torch.Tensor
     ) -> int:
-        assert self._buffer is not None, "attach() first"
+        assert self._buffer is not None and self._copier is not None, "attach() first"
         nbytes = data.numel() * data.element_size()
         if nbytes > self._page_bytes:
             raise TransferError(
@@ -105,11 +115,10 @@ class ShmSender(SenderChannel):
             )
         start = page * self._page_bytes
         dst = self._buffer[start : start + nbytes]
-        if data.is_contiguous():
-            dst.copy_(data.view(-1).view(torch.uint8))
-        else:
-            dst.view(data.dtype).view(data.shape).copy_(data)  # the one copy, from the strided view
-        send_message(sock, ChunkSent(request_id, index, nbytes, checksum(dst)))
+        # The one pass over the bytes; the checksum is of what this sender meant to send, and
+        # the decoder checks the page against it when it serves the chunk.
+        digest = self._copier.copy(dst, data, hash_source=True)
+        send_message(sock, ChunkSent(request_id, index, nbytes, digest))
         return nbytes
 
     def close(self) -> None:
@@ -117,3 +126,7 @@ class ShmSender(SenderChannel):
         # a view may still use (see HostBuffer.release); the mapping goes with its last view.
         self._buffer = None
         self._map = None
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
+            self._helper = None
+        self._copier = None

@@ -1,9 +1,10 @@
 """TCP transport: chunk payloads follow their ChunkSent header on the control socket.
 
 On the wire, per chunk: the ChunkSent frame (its checksum field 0), ``nbytes`` of payload,
-then the payload's xxh3-64 as 8 big-endian bytes. The checksum trails the payload so that
-both sides hash slice by slice as the bytes pass: the sender hashes slice i+1 while the
-receiver takes in slice i, instead of two whole-chunk hashing passes in series.
+then the payload's checksum (:mod:`kvtier.pd.checksum`) as 8 big-endian bytes. The checksum
+trails the payload so that both sides hash slice by slice as the bytes pass: the sender
+hashes slice i+1 while the receiver takes in slice i, instead of two whole-chunk hashing
+passes in series.
 
 The receiver reads each slice with ``recv_into`` straight into the page (a memoryview of the
 pool's memory, no intermediate buffer) and hashes it while it is still in cache. The sender
@@ -16,14 +17,14 @@ from __future__ import annotations
 import socket
 
 import torch
-import xxhash
 
 from kvtier.errors import TransferError, TransferTimeout
 from kvtier.memory.block_pool import BlockPool
 from kvtier.pd.channels.base import ReceiverChannel, SenderChannel
+from kvtier.pd.checksum import BLOCK_BYTES, BlockHasher
 from kvtier.pd.protocol import ChunkSent, HelloReply, recv_exact, send_message
 
-SLICE_BYTES = 1 << 20  # hashed while cache-warm; large enough that per-slice calls are noise
+SLICE_BYTES = BLOCK_BYTES  # hashed while cache-warm; large enough that per-slice calls are noise
 
 
 class TcpReceiver(ReceiverChannel):
@@ -36,7 +37,7 @@ class TcpReceiver(ReceiverChannel):
         self, sock: socket.socket, page_view: torch.Tensor, msg: ChunkSent
     ) -> tuple[int, int | None]:
         view = page_view.numpy().data.cast("B")
-        hasher = xxhash.xxh3_64()
+        hasher = BlockHasher()
         for start in range(0, len(view), SLICE_BYTES):
             piece = view[start : start + SLICE_BYTES]
             recv_exact(sock, piece)
@@ -58,7 +59,7 @@ class TcpSender(SenderChannel):
         flat = data.contiguous().view(-1).view(torch.uint8)
         view = flat.numpy().data.cast("B")
         send_message(sock, ChunkSent(request_id, index, len(view), 0))
-        hasher = xxhash.xxh3_64()
+        hasher = BlockHasher()
         try:
             for start in range(0, len(view), SLICE_BYTES):
                 piece = view[start : start + SLICE_BYTES]

@@ -19,7 +19,7 @@ import errno
 import itertools
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +31,10 @@ from kvtier.storage.records import HEADER_SIZE, RecordHeader, decode_header
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
 _tmp_counter = itertools.count()
+# Payload reads go in pieces this size: each is hashed right after it lands, still in the
+# CPU's cache (L2 is 1 MiB per core here), and a piece is large enough that the syscall per
+# piece costs under 1% of copying it.
+READ_BLOCK = 1 << 20
 
 
 def final_name(fp_hex: str, key: ChunkKey) -> str:
@@ -78,11 +82,19 @@ def _write_all(fd: int, buffers: list[memoryview]) -> None:
 
 
 def read_record_into(
-    dir_fd: int, key: ChunkKey, fingerprint: Fingerprint, fp_hex: str, out: torch.Tensor
+    dir_fd: int,
+    key: ChunkKey,
+    fingerprint: Fingerprint,
+    fp_hex: str,
+    out: torch.Tensor,
+    on_piece: Callable[[memoryview], object] | None = None,
 ) -> RecordHeader | None:
-    """Read the key's record: header into a small buffer, payload straight into ``out``
-    (flat uint8) with one ``preadv``. Returns the checked header (the caller verifies the
-    payload checksum), None when the file is gone, or raises CorruptRecord."""
+    """Read the key's record: the header into a small buffer and check it, then the payload
+    straight into ``out`` (flat uint8, exactly the payload's size) in ``READ_BLOCK`` pieces,
+    handing each to ``on_piece`` right after it lands, while it is still in the CPU cache
+    (the tier hashes it there: one pass over memory instead of two). Returns the checked
+    header (the caller compares the payload checksum), None when the file is gone, or raises
+    CorruptRecord (a bad header stops before the payload is read)."""
     try:
         fd = os.open(final_name(fp_hex, key), _READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -94,13 +106,26 @@ def read_record_into(
     try:
         _check_regular(fd)
         header_buf = bytearray(HEADER_SIZE)
-        out_view = memoryview(out.numpy())  # type: ignore[arg-type]
-        got = _read_all(fd, [memoryview(header_buf), out_view], 0)
+        got = _read_all(fd, [memoryview(header_buf)], 0)
+        header = decode_header(header_buf[:got], fingerprint, key)
+        payload = memoryview(out.numpy())  # type: ignore[arg-type]
+        if header.payload_len != payload.nbytes:
+            raise CorruptRecord(
+                f"record payload of {header.payload_len} bytes, expected {payload.nbytes}"
+            )
+        done = 0
+        while done < payload.nbytes:
+            piece = payload[done : done + READ_BLOCK]
+            n = _read_all(fd, [piece], HEADER_SIZE + done)
+            if on_piece is not None and n:
+                on_piece(piece[:n])
+            done += n
+            if n < piece.nbytes:
+                break  # the file ends early: caught by the size check below
         size = os.fstat(fd).st_size
     finally:
         os.close(fd)
-    header = decode_header(header_buf, fingerprint, key)
-    if size != header.record_len or got != header.record_len:
+    if size != header.record_len or done != header.payload_len:
         raise CorruptRecord(f"file of {size} bytes, its header says {header.record_len}")
     return header
 

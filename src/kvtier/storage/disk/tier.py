@@ -16,8 +16,9 @@ Protocol (on top of :mod:`kvtier.storage.base`)::
 :meth:`flush` returns every callback has run (the storage manager's staging pages are back).
 The payload page is read, never written, until then.
 
-Reads go straight into the caller's page (``preadv``), then the payload checksum is checked
-there; a mismatch, a bad header or a wrong length is a miss: logged, file removed, counted in
+Reads go straight into the caller's page (``preadv``, in 1 MiB pieces each hashed right after
+it lands, so the checksum costs no second pass over memory), then the checksum is compared;
+a mismatch, a bad header or a wrong length is a miss: logged, file removed, counted in
 ``counters.corrupt``. At open the index is rebuilt from the headers alone (oldest file first,
 by mtime, which writes and read hits set), temporary leftovers of this fingerprint are
 deleted, and bad files are removed and counted. The index is never written anywhere: the
@@ -54,7 +55,12 @@ from kvtier.storage.disk.bounded_reads import BoundedReads
 from kvtier.storage.disk.directory import ChunkDirectory
 from kvtier.storage.disk.index import DiskEntry, DiskIndex
 from kvtier.storage.disk.options import DiskOptions, options_from_config
-from kvtier.storage.records import HEADER_SIZE, encode_header, verify_payload
+from kvtier.storage.records import (
+    HEADER_SIZE,
+    check_payload_digest,
+    encode_header,
+    payload_hasher,
+)
 
 log = logging.getLogger(__name__)
 
@@ -336,10 +342,13 @@ class DiskTier(Tier):
         if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < payload_len:
             raise ValueError(f"out must be a flat uint8 tensor of >= {payload_len} bytes")
         target = out[:payload_len]
+        hasher = payload_hasher()  # fed piece by piece as the payload lands: one pass
         try:
-            header = files.read_record_into(dir_fd, key, self.fingerprint, self.fp_hex, target)
+            header = files.read_record_into(
+                dir_fd, key, self.fingerprint, self.fp_hex, target, hasher.update
+            )
             if header is not None:
-                verify_payload(header, target)
+                check_payload_digest(header, hasher.digest())
         except CorruptRecord as exc:
             log.warning("disk chunk %s is corrupt (%s): removed, counted as a miss", key.hex(), exc)
             self._forget(key, corrupt=True)

@@ -200,10 +200,11 @@ class RedisTier(Tier):
             found.append(header)
             return memoryview(out[:rest].numpy())  # type: ignore[arg-type]
 
+        hasher = records.payload_hasher()  # fed as the payload lands: no second pass
         pool = self._pool_for(client, name)
         conn = pool.get_connection()
         try:
-            length = get_into(conn, name, memoryview(head), place)
+            length = get_into(conn, name, memoryview(head), place, hasher.update)
         except ValueError as exc:
             raise CorruptRecord(str(exc)) from exc
         except (MovedError, AskError):
@@ -214,7 +215,7 @@ class RedisTier(Tier):
         if length is None:
             return None
         header = found[0]
-        records.verify_payload(header, out[: header.payload_len])
+        records.check_payload_digest(header, hasher.digest())
         return header.num_tokens
 
     def _read_via_client(

@@ -65,9 +65,12 @@ def get_into(
     name: bytes,
     head: memoryview,
     place: Callable[[memoryview, int], memoryview],
+    on_piece: Callable[[memoryview], object] | None = None,
 ) -> int | None:
     """``GET name``: read the value's first ``len(head)`` bytes into ``head``, then call
     ``place(head, rest_len)`` for where the remaining bytes go and read them there.
+    ``on_piece`` sees each piece of those remaining bytes right after it lands, while it is
+    still in the CPU cache (the tier hashes the payload there instead of in a second pass).
 
     Returns the value's length, or None when the key does not exist. A value shorter than
     ``head`` raises ``ValueError``; ``place`` may raise to refuse the value. Either way the
@@ -92,7 +95,7 @@ def get_into(
                 f"value of {length} bytes is shorter than its {head.nbytes}-byte header"
             )
         reader.readinto(head)
-        reader.readinto(place(head, length - head.nbytes))
+        reader.readinto(place(head, length - head.nbytes), on_piece)
         reader.expect(_CRLF)
         reader.check_drained()
         return length
@@ -141,15 +144,23 @@ class _ReplyReader:
                 raise RedisConnectionError("reply status line too long")
             self.end += self._recv(memoryview(self.buf)[self.end :])
 
-    def readinto(self, dest: memoryview) -> None:
-        """Fill ``dest`` completely: buffered bytes first, then straight from the socket."""
+    def readinto(
+        self, dest: memoryview, on_piece: Callable[[memoryview], object] | None = None
+    ) -> None:
+        """Fill ``dest`` completely: buffered bytes first, then straight from the socket;
+        ``on_piece`` (if any) sees each filled piece in order."""
         want = dest.nbytes
         have = min(self.end - self.start, want)
         if have:
             dest[:have] = self.buf[self.start : self.start + have]
             self.start += have
+            if on_piece is not None:
+                on_piece(dest[:have])
         while have < want:
-            have += self._recv(dest[have:])
+            got = self._recv(dest[have:])
+            if on_piece is not None:
+                on_piece(dest[have : have + got])
+            have += got
 
     def expect(self, data: bytes) -> None:
         got = bytearray(len(data))

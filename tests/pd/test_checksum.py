@@ -1,0 +1,102 @@
+"""The PD chunk checksum: one definition, whichever way it is computed (whole, fed in pieces,
+fused with a copy on one or two threads, from a strided view), and it sees every byte."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from kvtier.pd.checksum import (
+    BLOCK_BYTES,
+    BlockHasher,
+    CopyThreads,
+    checksum,
+    copy_with_checksum,
+)
+
+SIZES = [0, 3, BLOCK_BYTES - 1, BLOCK_BYTES, 2 * BLOCK_BYTES + 17, 5 * BLOCK_BYTES]
+
+
+@pytest.fixture(scope="module")
+def helper() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(1) as pool:
+        yield pool
+
+
+def data(nbytes: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.manual_seed(seed))
+
+
+@pytest.mark.parametrize("nbytes", SIZES)
+def test_the_checksum_is_the_documented_block_digest(nbytes: int) -> None:
+    raw = data(nbytes).numpy().tobytes()
+    blocks = [raw[i : i + BLOCK_BYTES] for i in range(0, len(raw), BLOCK_BYTES)]
+    digests = b"".join(xxhash.xxh3_64_intdigest(b).to_bytes(8, "little") for b in blocks)
+    assert checksum(data(nbytes)) == xxhash.xxh3_64_intdigest(digests)
+
+
+@pytest.mark.parametrize("nbytes", [*SIZES, 9 * BLOCK_BYTES + 3])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("hash_source", [False, True])
+def test_copy_with_checksum_copies_exactly_and_agrees(
+    nbytes: int, threads: int, hash_source: bool, helper: ThreadPoolExecutor
+) -> None:
+    src = data(nbytes, 1)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    pool = helper if threads == 2 else None
+    digest = copy_with_checksum(dst, src, pool, hash_source=hash_source)
+    assert torch.equal(dst, src) and digest == checksum(src)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_strided_chunk_of_a_longer_kv_tensor_is_copied_and_hashed_in_canonical_order(
+    threads: int, helper: ThreadPoolExecutor
+) -> None:
+    kv = torch.randn(2, 4, 3000, 64, generator=torch.manual_seed(2)).to(torch.bfloat16)
+    for start, end in ((0, 1024), (1024, 2048), (2900, 3000)):
+        view = kv[:, :, start:end, :]
+        dst = torch.zeros(view.numel() * 2, dtype=torch.uint8)
+        digest = copy_with_checksum(dst, view, helper if threads == 2 else None)
+        assert torch.equal(dst.view(torch.bfloat16).view(view.shape), view)
+        assert digest == checksum(view.contiguous())
+
+
+@pytest.mark.parametrize("piece", [1, 4095, BLOCK_BYTES // 3, BLOCK_BYTES, 3 * BLOCK_BYTES])
+def test_pieces_of_any_size_give_the_same_checksum(piece: int) -> None:
+    src = data(3 * BLOCK_BYTES + 5, 3).numpy()
+    hasher = BlockHasher()
+    for start in range(0, len(src), piece):
+        hasher.update(src[start : start + piece])
+    assert hasher.intdigest() == checksum(torch.from_numpy(src))
+
+
+@pytest.mark.parametrize("offset", [0, BLOCK_BYTES - 1, BLOCK_BYTES, 3 * BLOCK_BYTES + 4])
+def test_a_flipped_byte_in_any_block_changes_the_checksum(offset: int) -> None:
+    src = data(3 * BLOCK_BYTES + 5, 4)
+    before = checksum(src)
+    flipped = src.clone()
+    flipped[offset] ^= 1
+    assert checksum(flipped) != before
+
+
+def test_two_blocks_swapped_change_the_checksum() -> None:
+    src = data(2 * BLOCK_BYTES, 5).numpy()
+    swapped = np.concatenate([src[BLOCK_BYTES:], src[:BLOCK_BYTES]])
+    assert checksum(torch.from_numpy(swapped)) != checksum(torch.from_numpy(src))
+
+
+def test_copy_threads_tries_both_modes_and_always_gives_the_checksum(
+    helper: ThreadPoolExecutor,
+) -> None:
+    copier = CopyThreads(helper)
+    src = data(3 * BLOCK_BYTES + 1, 6)
+    for _ in range(2 * CopyThreads.EXPLORE_EVERY + 2):
+        dst = torch.zeros_like(src)
+        assert copier.copy(dst, src, hash_source=True) == checksum(src)
+        assert torch.equal(dst, src)
+    assert set(copier._rate) == {True, False}  # one thread and two were both measured
