@@ -99,4 +99,4 @@ def test_copy_threads_tries_both_modes_and_always_gives_the_checksum(
         dst = torch.zeros_like(src)
         assert copier.copy(dst, src, hash_source=True) == checksum(src)
         assert torch.equal(dst, src)
-    assert set(copier._rate) == {True, False}  # one thread and two were both measured
+    assert set(copier.measured()) == {True, False}  # one thread and two were both measured

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from concurrent.futures import Executor
 
 import numpy as np
@@ -26,9 +27,10 @@ import torch
 import xxhash
 
 BLOCK_BYTES = 1 << 20
-# Copies go in pieces of a few blocks: one 4 MiB memcpy measured about 40% faster than four
-# of 1 MiB, and its blocks are still in the L3 cache when they are hashed.
-COPY_BYTES = 4 * BLOCK_BYTES
+# Copies go in pieces of two blocks: larger memcpys run faster (4 MiB ones about 40% faster
+# than 1 MiB ones), smaller pieces are still in L2 when hashed; fused copy-and-hash measured
+# best between 1 and 4 MiB, by under the run-to-run noise of a shared two-core host.
+COPY_BYTES = 2 * BLOCK_BYTES
 
 
 def combine(digests: list[int]) -> int:
@@ -157,16 +159,20 @@ class CopyThreads:
 
     Two threads win on an idle two-core host (a 2-thread copy ran 14 GB/s against 8.4 for
     one); on a host whose cores are busy with other work the hand-off loses and one thread
-    wins (0.91 against 0.70 of the best memcpy, measured under load). So each mode keeps a
-    moving average of its GB/s, the faster one is used, and the other is tried again every
-    ``EXPLORE_EVERY`` chunks so that a change in load is noticed.
+    wins (0.91 against 0.70 of the best memcpy, measured under load). So each mode keeps its
+    last few speeds, the mode whose best recent speed is higher is used (other work only
+    ever slows a copy down, so the best sample is the least disturbed), and the other mode is
+    tried again every ``EXPLORE_EVERY`` chunks so that a change in load is noticed.
     """
 
-    EXPLORE_EVERY = 16
+    EXPLORE_EVERY = 8
+    SAMPLES = 4
 
     def __init__(self, helper: Executor) -> None:
         self.helper = helper
-        self._rate: dict[bool, float] = {}  # two threads? -> bytes per second
+        self._rates: dict[bool, deque[float]] = {
+            two: deque(maxlen=self.SAMPLES) for two in (True, False)
+        }
         self._count = 0
         self._lock = threading.Lock()
 
@@ -178,12 +184,17 @@ class CopyThreads:
         digest = copy_with_checksum(dst, src, self.helper if two else None, hash_source=hash_source)
         rate = dst.numel() / max(time.perf_counter() - start, 1e-9)
         with self._lock:
-            old = self._rate.get(two)
-            self._rate[two] = rate if old is None else 0.7 * old + 0.3 * rate
+            self._rates[two].append(rate)
         return digest
 
+    def measured(self) -> dict[bool, float]:
+        """Best recent bytes per second of each mode measured so far (two threads? -> rate)."""
+        with self._lock:
+            return {two: max(r) for two, r in self._rates.items() if r}
+
     def _choose(self) -> bool:
-        if len(self._rate) < 2:
-            return True not in self._rate  # each mode once first: two threads, then one
-        faster = self._rate[True] >= self._rate[False]
+        two, one = self._rates[True], self._rates[False]
+        if not two or not one:
+            return not two  # each mode once first: two threads, then one
+        faster = max(two) >= max(one)
         return not faster if self._count % self.EXPLORE_EVERY == 0 else faster
