@@ -1,0 +1,45 @@
+"""What the scheduler side tells the workers each step (vLLM's connector metadata).
+
+Positions are token indices of the request; blocks are the request's whole block table for
+vLLM's first KV cache group (a position ``p`` lives in ``block_ids[p // block_size]``)::
+
+    LoadSpec   tokens [start, end) go from kvtier into the request's blocks.
+               start: what vLLM already holds (its own prefix cache, whole blocks);
+               end:   the kvtier hit vLLM accepted (whole blocks, < len(prompt)).
+    SaveSpec   tokens [start, end) go from the blocks into kvtier: whole chunks of the
+               prompt that this step finished computing and kvtier does not hold.
+
+Both carry the prompt's tokens (a load: the whole prompt, which is what the lookup hashed, so
+the worker reuses the pinned plan; a save: the prompt up to ``end``). The metadata is pickled
+to the worker processes, so it holds plain Python values only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    request_id: str
+    tokens: list[int]
+    block_ids: list[int]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    request_id: str
+    tokens: list[int]
+    block_ids: list[int]
+    start: int
+    end: int
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

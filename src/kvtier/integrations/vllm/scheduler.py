@@ -1,0 +1,164 @@
+"""The scheduler side of the connector (runs in vLLM's engine-core process).
+
+It owns no KV and no pins: it asks the workers' Engines over the lookup channel and turns
+vLLM's scheduling decisions into per-step load and save specs. Per request it remembers::
+
+    tokens     the prompt (what kvtier hashes)
+    hit        tokens kvtier holds and has pinned for this request (asked once; the pin
+               lives in the worker's lease until the request ends)
+    local      tokens vLLM's own prefix cache supplied (whole blocks) when it last asked
+    block_ids  the request's block table (first KV cache group)
+    load       a load waiting for the next metadata: [local, local + accepted)
+    saved      prompt tokens kvtier holds or is being given (whole chunks)
+
+Hits count in whole chunks (the Engine), then whole vLLM blocks, and never the prompt's last
+token (vLLM needs its logits)::
+
+    prompt  |--------------------------------------------|  n
+    hit     |=========chunk=========|=========chunk======|   (all n cached)
+    usable  |===|===|===|===|===|===|===|===|===|===|===|    floor((min(hit, n-1)) / block)
+    vLLM    |===|===|                                        its own prefix cache (local)
+    load            |===|===|===|===|===|===|===|===|===|    usable - local
+
+Ending a request: :meth:`finished` sends ``end`` to every worker at once, so a request
+aborted while the engine is idle releases its pins now, not at the next step. A preempted
+request keeps its lease (the pinned chunks are exactly what it reloads when it resumes) and
+ends like any other request: once, when vLLM finishes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.errors import TransferError
+from kvtier.integrations.vllm.channel import LookupClient
+from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    tokens: list[int]
+    hit: int | None = None
+    local: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    load: tuple[int, int] | None = None
+    saved: int = 0
+
+
+class SchedulerSide:
+    """Scheduler-side state of one vLLM instance. ``loads``/``saves`` follow the kv_role:
+    kv_both does both, a producer only saves, a consumer only loads."""
+
+    def __init__(
+        self,
+        clients: list[LookupClient],
+        *,
+        block_size: int,
+        chunk_size: int,
+        loads: bool,
+        saves: bool,
+    ) -> None:
+        self.clients = clients
+        self.block_size = block_size
+        self.chunk_size = chunk_size
+        self.loads = loads
+        self.saves = saves
+        self._requests: dict[str, _Request] = {}
+
+    # -- vLLM's scheduler hooks ------------------------------------------------------------
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens kvtier can add beyond ``num_computed_tokens`` (whole blocks)."""
+        rid = request.request_id
+        state = self._state(rid, request.prompt_token_ids)
+        state.local = num_computed_tokens
+        if not self.loads or len(state.tokens) < 2:
+            return 0
+        if state.hit is None:
+            state.hit = self._lookup(rid, state.tokens)
+            state.saved = max(state.saved, state.hit // self.chunk_size * self.chunk_size)
+        usable = min(state.hit, len(state.tokens) - 1) // self.block_size * self.block_size
+        return max(0, usable - num_computed_tokens)
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        state = self._state(request.request_id, request.prompt_token_ids)
+        state.block_ids = list(block_ids)
+        if num_external_tokens > 0:
+            state.load = (state.local, state.local + num_external_tokens)
+
+    def build_meta(self, out: Any) -> KVTierMetadata:
+        """Loads and saves for the step vLLM just scheduled (``out``: SchedulerOutput)."""
+        meta = KVTierMetadata()
+        for rid in out.preempted_req_ids or ():
+            state = self._requests.get(rid)
+            if state is not None:  # its blocks are gone; new ones come when it resumes
+                state.block_ids, state.load = [], None
+        for new in out.scheduled_new_reqs:
+            state = self._state(new.req_id, new.prompt_token_ids)
+            state.block_ids = list(new.block_ids[0])
+            done = new.num_computed_tokens + out.num_scheduled_tokens[new.req_id]
+            self._add_specs(meta, new.req_id, state, done)
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            state = self._requests.get(rid)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            done = cached.num_computed_tokens[i] + out.num_scheduled_tokens[rid]
+            self._add_specs(meta, rid, state, done)
+        return meta
+
+    def finished(self, request_id: str) -> None:
+        """The request ended, however: release what its lookup pinned, in every worker."""
+        state = self._requests.pop(request_id, None)
+        if state is None or state.hit is None:
+            return  # never looked up: nothing pinned anywhere
+        for client in self.clients:
+            try:
+                client.call("end", request_id)
+            except TransferError as exc:
+                # The worker is gone or stuck; its Engine ends every lease when it closes.
+                log.warning("kvtier: could not end request %s: %s", request_id, exc)
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _state(self, rid: str, prompt: list[int] | None) -> _Request:
+        state = self._requests.get(rid)
+        if state is None:
+            state = self._requests[rid] = _Request(tokens=list(prompt or ()))
+        return state
+
+    def _lookup(self, rid: str, tokens: list[int]) -> int:
+        """The hit every worker holds (the smallest); a worker that fails means no hit."""
+        hits: list[int] = []
+        for client in self.clients:
+            try:
+                hits.append(int(client.call("lookup", rid, tokens)))
+            except TransferError as exc:
+                log.warning("kvtier lookup for %s failed, treating as a miss: %s", rid, exc)
+                hits.append(0)
+        return min(hits) if hits else 0
+
+    def _add_specs(self, meta: KVTierMetadata, rid: str, state: _Request, done: int) -> None:
+        if state.load is not None:
+            start, end = state.load
+            meta.loads.append(LoadSpec(rid, state.tokens, state.block_ids[:], start, end))
+            state.load = None
+        if not self.saves:
+            return
+        end = min(done, len(state.tokens)) // self.chunk_size * self.chunk_size
+        if end > state.saved:
+            meta.saves.append(
+                SaveSpec(rid, state.tokens[:end], state.block_ids[:], state.saved, end)
+            )
+            state.saved = end
