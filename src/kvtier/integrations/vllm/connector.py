@@ -19,12 +19,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
+from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.config import Config
 from kvtier.errors import StateError
 from kvtier.integrations.vllm.channel import LookupClient
-from kvtier.integrations.vllm.metadata import KVTierMetadata
+from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
 
@@ -126,6 +128,10 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().failed_blocks()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        short = self._worker_side().short_loads()
+        return KVTierWorkerMetadata(short) if short else None
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         return  # saves are synchronous: nothing in flight reads a preempted request's blocks
 
@@ -150,6 +156,11 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler_side().build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVTierWorkerMetadata):
+            self._scheduler_side().short_loads(meta.short_loads)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,3 +46,19 @@ class SaveSpec:
 class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler after a step: requests whose load came up short, with the tokens
+    that did arrive. The scheduler then saves those chunks again once vLLM recomputes them
+    (the tier dropped the bad copy). With several workers the shortest load counts."""
+
+    short_loads: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVTierWorkerMetadata)
+        merged = dict(self.short_loads)
+        for rid, loaded in other.short_loads.items():
+            merged[rid] = min(loaded, merged.get(rid, loaded))
+        return KVTierWorkerMetadata(merged)

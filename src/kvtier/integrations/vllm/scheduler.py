@@ -115,6 +115,15 @@ class SchedulerSide:
             self._add_specs(meta, rid, state, done)
         return meta
 
+    def short_loads(self, short: dict[str, int]) -> None:
+        """Loads that delivered fewer tokens than planned (a chunk failed its checksum or
+        vanished): vLLM recomputes from there, and the chunks it recomputes must be saved
+        again, since the tier dropped its bad copy."""
+        for rid, loaded in short.items():
+            state = self._requests.get(rid)
+            if state is not None:
+                state.saved = min(state.saved, loaded // self.chunk_size * self.chunk_size)
+
     def finished(self, request_id: str) -> None:
         """The request ended, however: release what its lookup pinned, in every worker."""
         state = self._requests.pop(request_id, None)

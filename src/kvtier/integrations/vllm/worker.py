@@ -4,7 +4,9 @@ Lifecycle::
 
     register(kv_caches)   read the paged layout, open the Engine, open the lookup channel
     load(meta)            before the forward: kvtier pages -> the request's vLLM blocks
-    save(meta)            after the forward: whole new chunks of prompts -> kvtier
+    save(meta)            after the forward: whole new chunks of prompts -> kvtier (not for
+                          a request whose load this step came up short: its forward used
+                          unfilled blocks, and vLLM recomputes it)
     failed_blocks()       blocks a load could not fill (a chunk that failed its checksum or
                           vanished from a lower tier): vLLM recomputes them
     close()               channel closed, Engine closed (ends every lease, drains writes)
@@ -63,6 +65,7 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._live: set[str] = set()  # requests with a lease: looked up, not ended
         self._failed: set[int] = set()
+        self._short: dict[str, int] = {}  # request -> tokens its load delivered, this step
         self._scratch: torch.Tensor | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -115,6 +118,7 @@ class WorkerSide:
             if loaded > spec.start:
                 paged.scatter(spec.block_ids, spec.start, loaded, out)
             if loaded < spec.end:
+                self._short[spec.request_id] = loaded
                 # vLLM recomputes from the first failed block on: report every block of the
                 # range from the one holding the first token that did not arrive.
                 first, last = loaded // self.block_size, -(-spec.end // self.block_size)
@@ -131,6 +135,11 @@ class WorkerSide:
             return
         engine, paged = self._parts()
         for spec in meta.saves:
+            if spec.request_id in self._short:
+                # This step computed the request on top of blocks its load could not fill:
+                # vLLM throws that away and recomputes, and so must kvtier (never store KV
+                # that attended to garbage). The scheduler re-offers the chunks later.
+                continue
             out = self._scratch_for(spec.end)
             paged.gather(spec.block_ids, spec.start, spec.end, out)
             with self._lock:
@@ -139,6 +148,11 @@ class WorkerSide:
     def failed_blocks(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
+
+    def short_loads(self) -> dict[str, int]:
+        """Requests whose load this step came up short (called once per step, after save)."""
+        short, self._short = self._short, {}
+        return short
 
     # -- the lookup channel ----------------------------------------------------------------
     def _handle(self, op: str, args: tuple[Any, ...]) -> Any:
