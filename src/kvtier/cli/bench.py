@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "redis": "redis tier put/get vs raw redis-py SET/GET",
     "ttft": "time to first token with 0, 50 and 90 percent of the prompt cached (transformers)",
     "pd": "prefill-to-decode transfer per transport vs memcpy and a raw socket",
+    "vllm": "time to first token inside vLLM: cold, vLLM's prefix cache, kvtier CPU and disk",
 }
 
 

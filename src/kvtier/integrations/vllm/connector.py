@@ -12,6 +12,7 @@ accepted and dropped). Both processes load the same config, so they agree on the
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,12 +27,14 @@ from vllm.v1.outputs import KVConnectorOutput
 from kvtier.config import Config
 from kvtier.errors import StateError
 from kvtier.integrations.vllm.channel import LookupClient
+from kvtier.integrations.vllm.events import to_vllm
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -67,6 +70,9 @@ class KVTierConnector(KVConnectorBase_V1):
         parallel = vllm_config.parallel_config
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        events_config = vllm_config.kv_events_config
+        self._events_on = bool(events_config and events_config.enable_kv_cache_events)
+        self._events: list[tuple[Any, ...]] = []
         if role == KVConnectorRole.SCHEDULER:
             loads, saves = ROLES[kv_role]
             clients = [LookupClient(engine_id, r) for r in range(parallel.tensor_parallel_size)]
@@ -96,6 +102,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 block_size=block_size,
                 num_kv_heads=model.get_num_kv_heads(parallel),
                 head_dim=model.get_head_size(),
+                events=self._events_on,
             )
 
     # -- worker side -----------------------------------------------------------------------
@@ -129,8 +136,9 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._worker_side().failed_blocks()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        short = self._worker_side().short_loads()
-        return KVTierWorkerMetadata(short) if short else None
+        worker = self._worker_side()
+        short, events = worker.short_loads(), worker.take_events()
+        return KVTierWorkerMetadata(short, events) if short or events else None
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         return  # saves are synchronous: nothing in flight reads a preempted request's blocks
@@ -161,12 +169,24 @@ class KVTierConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVTierWorkerMetadata):
             self._scheduler_side().short_loads(meta.short_loads)
+            if self._events_on:
+                self._events.extend(meta.events)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """kvtier's stores and evictions (medium CPU, DISK, REMOTE) for vLLM's publisher."""
+        events, self._events = self._events, []
+        return to_vllm(events)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler_side().finished(request.request_id)
         return False, None
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's reset of the external prefix cache (``reset_prefix_cache(reset_connector=
+        True)``): every tier drops its unpinned entries."""
+        return self._scheduler_side().reset()
 
     # -- helpers ---------------------------------------------------------------------------
     def _meta(self) -> KVTierMetadata:

@@ -17,6 +17,7 @@ to the worker processes, so it holds plain Python values only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -50,15 +51,20 @@ class KVTierMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler after a step: requests whose load came up short, with the tokens
-    that did arrive. The scheduler then saves those chunks again once vLLM recomputes them
-    (the tier dropped the bad copy). With several workers the shortest load counts."""
+    """Worker -> scheduler after a step.
+
+    ``short_loads``: requests whose load came up short, with the tokens that did arrive; the
+    scheduler saves those chunks again once vLLM recomputes them (the tier dropped the bad
+    copy). With several workers the shortest load counts.
+    ``events``: kvtier's stores and evictions since the last step (:mod:`.events`).
+    """
 
     short_loads: dict[str, int] = field(default_factory=dict)
+    events: list[tuple[Any, ...]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
         merged = dict(self.short_loads)
         for rid, loaded in other.short_loads.items():
             merged[rid] = min(loaded, merged.get(rid, loaded))
-        return KVTierWorkerMetadata(merged)
+        return KVTierWorkerMetadata(merged, self.events + other.events)

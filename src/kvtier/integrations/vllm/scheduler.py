@@ -136,6 +136,17 @@ class SchedulerSide:
                 # The worker is gone or stuck; its Engine ends every lease when it closes.
                 log.warning("kvtier: could not end request %s: %s", request_id, exc)
 
+    def reset(self) -> bool:
+        """Clear every worker's tiers (pinned entries stay). False if a worker failed."""
+        ok = True
+        for client in self.clients:
+            try:
+                client.call("clear")
+            except TransferError as exc:
+                log.warning("kvtier: reset failed: %s", exc)
+                ok = False
+        return ok
+
     def close(self) -> None:
         for client in self.clients:
             client.close()

@@ -32,6 +32,7 @@ from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import InputError, KVTierError, StateError
 from kvtier.integrations.vllm.channel import LookupServer
+from kvtier.integrations.vllm.events import MEDIUM, EventLog, chain_evictions
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.paged import PagedKV
 
@@ -50,6 +51,7 @@ class WorkerSide:
         block_size: int,
         num_kv_heads: int,
         head_dim: int,
+        events: bool = False,
     ) -> None:
         self.config = config
         self.model_name = model_name
@@ -67,6 +69,9 @@ class WorkerSide:
         self._failed: set[int] = set()
         self._short: dict[str, int] = {}  # request -> tokens its load delivered, this step
         self._scratch: torch.Tensor | None = None
+        # Only rank 0 reports events: every rank stores the same chunks (its own slice).
+        self.events = EventLog() if events and tp_rank == 0 else None
+        self._media: list[str] = []
 
     # -- lifecycle -------------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -84,6 +89,12 @@ class WorkerSide:
             tp_world_size=self.tp_world_size,
         ).open()
         self.paged, self.engine = paged, engine
+        self._media = [MEDIUM[name] for name in MEDIUM if engine.tier(name) is not None]
+        if self.events is not None:
+            for name in ("cpu", "disk"):
+                tier = engine.tier(name)
+                if tier is not None:
+                    chain_evictions(tier, MEDIUM[name], self.events)
         self._server = LookupServer(self.engine_id, self.tp_rank, self._handle).open()
         log.info(
             "kvtier worker %d: %s, channel %s", self.tp_rank, paged.describe(), self._server.path
@@ -144,10 +155,18 @@ class WorkerSide:
             paged.gather(spec.block_ids, spec.start, spec.end, out)
             with self._lock:
                 engine.store(spec.tokens, out[:, :, : spec.end], skip_leading_tokens=spec.start)
+            if self.events is not None:
+                spans = engine.keychain.keys(spec.tokens, include_partial=False)
+                first = spec.start // engine.config.chunk_size
+                parent = spans[first - 1].key if first else None
+                self.events.stored(spans[first:], parent, spec.tokens, self._media)
 
     def failed_blocks(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
+
+    def take_events(self) -> list[tuple[Any, ...]]:
+        return self.events.drain() if self.events is not None else []
 
     def short_loads(self) -> dict[str, int]:
         """Requests whose load this step came up short (called once per step, after save)."""
