@@ -24,6 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+TRANSFER_ID = "kvtier_transfer_id"  # PD: the key in vLLM's kv_transfer_params (see .pd)
+
 
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
@@ -41,6 +43,7 @@ class SaveSpec:
     block_ids: list[int]
     start: int
     end: int
+    transfer_id: str | None = None  # a prefiller's request: also send [start, end) (.pd)
 
 
 @dataclass

@@ -34,7 +34,7 @@ from typing import Any
 
 from kvtier.errors import TransferError
 from kvtier.integrations.vllm.channel import LookupClient
-from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.integrations.vllm.metadata import TRANSFER_ID, KVTierMetadata, LoadSpec, SaveSpec
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     load: tuple[int, int] | None = None
     saved: int = 0
+    transfer_id: str | None = None  # PD: the id the proxy gave both instances
 
 
 class SchedulerSide:
@@ -74,12 +75,17 @@ class SchedulerSide:
         """Tokens kvtier can add beyond ``num_computed_tokens`` (whole blocks)."""
         rid = request.request_id
         state = self._state(rid, request.prompt_token_ids)
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if state.transfer_id is None and params.get(TRANSFER_ID):
+            state.transfer_id = str(params[TRANSFER_ID])
         state.local = num_computed_tokens
         if not self.loads or len(state.tokens) < 2:
             return 0
         if state.hit is None:
             state.hit = self._lookup(rid, state.tokens)
-            state.saved = max(state.saved, state.hit // self.chunk_size * self.chunk_size)
+            if state.transfer_id is None or not self.saves:
+                # Chunks kvtier holds need no save; a prefiller still sends them all.
+                state.saved = max(state.saved, state.hit // self.chunk_size * self.chunk_size)
         usable = min(state.hit, len(state.tokens) - 1) // self.block_size * self.block_size
         return max(0, usable - num_computed_tokens)
 
@@ -127,14 +133,18 @@ class SchedulerSide:
     def finished(self, request_id: str) -> None:
         """The request ended, however: release what its lookup pinned, in every worker."""
         state = self._requests.pop(request_id, None)
-        if state is None or state.hit is None:
-            return  # never looked up: nothing pinned anywhere
-        for client in self.clients:
-            try:
-                client.call("end", request_id)
-            except TransferError as exc:
-                # The worker is gone or stuck; its Engine ends every lease when it closes.
-                log.warning("kvtier: could not end request %s: %s", request_id, exc)
+        if state is None:
+            return
+        ending = [request_id] if state.hit is not None else []  # else: nothing pinned
+        if state.transfer_id is not None and self.loads:
+            ending.append(state.transfer_id)  # a decoder: the PD reservation's lease
+        for rid in ending:
+            for client in self.clients:
+                try:
+                    client.call("end", rid)
+                except TransferError as exc:
+                    # The worker is gone or stuck; its Engine ends every lease when it closes.
+                    log.warning("kvtier: could not end request %s: %s", rid, exc)
 
     def reset(self) -> bool:
         """Clear every worker's tiers (pinned entries stay). False if a worker failed."""
@@ -179,6 +189,8 @@ class SchedulerSide:
         end = min(done, len(state.tokens)) // self.chunk_size * self.chunk_size
         if end > state.saved:
             meta.saves.append(
-                SaveSpec(rid, state.tokens[:end], state.block_ids[:], state.saved, end)
+                SaveSpec(
+                    rid, state.tokens[:end], state.block_ids[:], state.saved, end, state.transfer_id
+                )
             )
             state.saved = end

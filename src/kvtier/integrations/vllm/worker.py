@@ -35,6 +35,7 @@ from kvtier.integrations.vllm.channel import LookupServer
 from kvtier.integrations.vllm.events import MEDIUM, EventLog, chain_evictions
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.paged import PagedKV
+from kvtier.integrations.vllm.pd import PDLink
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class WorkerSide:
         # Only rank 0 reports events: every rank stores the same chunks (its own slice).
         self.events = EventLog() if events and tp_rank == 0 else None
         self._media: list[str] = []
+        self._pd: PDLink | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -95,6 +97,7 @@ class WorkerSide:
                 tier = engine.tier(name)
                 if tier is not None:
                     chain_evictions(tier, MEDIUM[name], self.events)
+        self._pd = PDLink(engine, self.tp_rank)
         self._server = LookupServer(self.engine_id, self.tp_rank, self._handle).open()
         log.info(
             "kvtier worker %d: %s, channel %s", self.tp_rank, paged.describe(), self._server.path
@@ -104,6 +107,9 @@ class WorkerSide:
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._pd is not None:
+            self._pd.close()
+            self._pd = None
         with self._lock:
             if self.engine is not None:
                 self.engine.close()
@@ -155,9 +161,13 @@ class WorkerSide:
             paged.gather(spec.block_ids, spec.start, spec.end, out)
             with self._lock:
                 engine.store(spec.tokens, out[:, :, : spec.end], skip_leading_tokens=spec.start)
+            if self.events is None and spec.transfer_id is None:
+                continue
+            spans = engine.keychain.keys(spec.tokens, include_partial=False)
+            first = spec.start // engine.config.chunk_size
+            if spec.transfer_id is not None and self._pd is not None:
+                self._pd.send(spec.transfer_id, spans[first:], out)
             if self.events is not None:
-                spans = engine.keychain.keys(spec.tokens, include_partial=False)
-                first = spec.start // engine.config.chunk_size
                 parent = spans[first - 1].key if first else None
                 self.events.stored(spans[first:], parent, spec.tokens, self._media)
 
