@@ -3,6 +3,8 @@ the same prefix loaded from kvtier."""
 
 from __future__ import annotations
 
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,5 +59,28 @@ def test_openai_completion_and_a_prefix_hit(server: str) -> None:
         assert after["hit_tokens"] - before["hit_tokens"] == 512
         assert after["retrieved_tokens"] - before["retrieved_tokens"] == 512
         assert probe.call("leaks") == [] and probe.call("check") == []
+        # kvtier's counters reach vLLM's own /metrics (through vLLM's connector stats).
+        assert metric(server, "vllm:kvtier_hit_tokens_total") == 512
+        assert metric(server, "vllm:kvtier_retrieved_tokens_total") == 512
+        assert metric(server, "vllm:kvtier_stored_chunks_total") == 2
     finally:
         probe.close()
+
+
+def metric(url: str, name: str, timeout: float = 15.0) -> float:
+    """The value of ``name`` on /metrics (summed over labels), once it is reported: vLLM
+    hands stats to its API process asynchronously."""
+    deadline = time.monotonic() + timeout
+    value = 0.0
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        value = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name + "{") or line.startswith(name + " ")
+        )
+        if value:
+            return value
+        time.sleep(0.5)
+    return value

@@ -29,12 +29,19 @@ from kvtier.errors import StateError
 from kvtier.integrations.vllm.channel import LookupClient
 from kvtier.integrations.vllm.events import to_vllm
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.metrics import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -139,6 +146,27 @@ class KVTierConnector(KVConnectorBase_V1):
         worker = self._worker_side()
         short, events = worker.short_loads(), worker.take_events()
         return KVTierWorkerMetadata(short, events) if short or events else None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        # vLLM asks both sides (the scheduler merges its own stats in); only workers count.
+        if self._worker is None:
+            return None
+        deltas = self._worker.counter_deltas()
+        return KVTierStats(dict(deltas)) if deltas else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVTierStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         return  # saves are synchronous: nothing in flight reads a preempted request's blocks

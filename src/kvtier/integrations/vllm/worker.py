@@ -34,6 +34,7 @@ from kvtier.errors import InputError, KVTierError, StateError
 from kvtier.integrations.vllm.channel import LookupServer
 from kvtier.integrations.vllm.events import MEDIUM, EventLog, chain_evictions
 from kvtier.integrations.vllm.metadata import KVTierMetadata
+from kvtier.integrations.vllm.metrics import CounterDeltas
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.pd import PDLink
 
@@ -74,6 +75,7 @@ class WorkerSide:
         self.events = EventLog() if events and tp_rank == 0 else None
         self._media: list[str] = []
         self._pd: PDLink | None = None
+        self._deltas = CounterDeltas()
 
     # -- lifecycle -------------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -177,6 +179,12 @@ class WorkerSide:
 
     def take_events(self) -> list[tuple[Any, ...]]:
         return self.events.drain() if self.events is not None else []
+
+    def counter_deltas(self) -> dict[str, int]:
+        """The Engine's counters' increase since the last call (for vLLM's /metrics)."""
+        if self.engine is None:
+            return {}
+        return self._deltas.take(self.engine.counters.as_dict())
 
     def short_loads(self) -> dict[str, int]:
         """Requests whose load this step came up short (called once per step, after save)."""
