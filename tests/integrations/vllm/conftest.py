@@ -23,7 +23,7 @@ PROMPTS["b"] = PROMPTS["a"][:512] + tokens(300, seed=2)  # shares 2 chunks with 
 PROMPTS["a_exact"] = PROMPTS["a"][:768]  # exactly 3 chunks: the last token is recomputed
 
 
-LONG = 64  # decode tokens of the lifecycle test's longest requests (they grow into new blocks)
+LONG = 32  # decode tokens of the lifecycle test's longest requests (they grow into new blocks)
 
 
 def lifecycle_prompts(n: int = 200) -> list[list[int]]:

@@ -117,12 +117,18 @@ class KVTierConnector(KVConnectorBase_V1):
         self._worker_side().register(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        # Whole chunks hold every layer, so the load is done before the forward starts and
-        # wait_for_layer_load has nothing to wait for.
+        # Whole chunks hold every layer, so a CPU-tier load is done before the forward starts
+        # and wait_for_layer_load has nothing to wait for; disk and Redis loads start here
+        # and finish in the background (get_finished).
         self._worker_side().load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(no async saves, the requests whose async load from disk/Redis is done)."""
+        done = self._worker_side().finished_loads()
+        return None, done or None
 
     def save_kv_layer(
         self,
@@ -181,8 +187,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        tokens = self._scheduler_side().num_new_matched_tokens(request, num_computed_tokens)
-        return tokens, False
+        return self._scheduler_side().num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -6,6 +6,8 @@ vLLM's first KV cache group (a position ``p`` lives in ``block_ids[p // block_si
     LoadSpec   tokens [start, end) go from kvtier into the request's blocks.
                start: what vLLM already holds (its own prefix cache, whole blocks);
                end:   the kvtier hit vLLM accepted (whole blocks, < len(prompt)).
+               async_load: some of it is on disk or in Redis, so it loads in the
+               background while the request waits (vLLM's asynchronous external load).
     SaveSpec   tokens [start, end) go from the blocks into kvtier: whole chunks of the
                prompt that this step finished computing and kvtier does not hold.
 
@@ -34,6 +36,7 @@ class LoadSpec:
     block_ids: list[int]
     start: int
     end: int
+    async_load: bool = False  # from disk/Redis: in the background, reported when done
 
 
 @dataclass(frozen=True, slots=True)

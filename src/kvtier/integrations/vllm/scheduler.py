@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 class _Request:
     tokens: list[int]
     hit: int | None = None
+    cpu_hit: int = 0
     local: int = 0
+    load_async: bool = False
     block_ids: list[int] = field(default_factory=list)
     load: tuple[int, int] | None = None
     saved: int = 0
@@ -69,10 +71,12 @@ class SchedulerSide:
         self.loads = loads
         self.saves = saves
         self._requests: dict[str, _Request] = {}
+        self._async_loads: list[LoadSpec] = []  # for requests vLLM does not schedule yet
 
     # -- vLLM's scheduler hooks ------------------------------------------------------------
-    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens kvtier can add beyond ``num_computed_tokens`` (whole blocks)."""
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens kvtier can add beyond ``num_computed_tokens`` (whole blocks), and whether
+        they load asynchronously (some come from disk or Redis)."""
         rid = request.request_id
         state = self._state(rid, request.prompt_token_ids)
         params = getattr(request, "kv_transfer_params", None) or {}
@@ -80,24 +84,36 @@ class SchedulerSide:
             state.transfer_id = str(params[TRANSFER_ID])
         state.local = num_computed_tokens
         if not self.loads or len(state.tokens) < 2:
-            return 0
+            return 0, False
         if state.hit is None:
-            state.hit = self._lookup(rid, state.tokens)
+            state.hit, state.cpu_hit = self._lookup(rid, state.tokens)
             if state.transfer_id is None or not self.saves:
                 # Chunks kvtier holds need no save; a prefiller still sends them all.
                 state.saved = max(state.saved, state.hit // self.chunk_size * self.chunk_size)
-        usable = min(state.hit, len(state.tokens) - 1) // self.block_size * self.block_size
-        return max(0, usable - num_computed_tokens)
+        last = len(state.tokens) - 1
+        usable = min(state.hit, last) // self.block_size * self.block_size
+        in_cpu = min(state.cpu_hit, last) // self.block_size * self.block_size
+        new = max(0, usable - num_computed_tokens)
+        state.load_async = new > 0 and usable > max(in_cpu, num_computed_tokens)
+        return new, state.load_async
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         state = self._state(request.request_id, request.prompt_token_ids)
         state.block_ids = list(block_ids)
-        if num_external_tokens > 0:
-            state.load = (state.local, state.local + num_external_tokens)
+        if num_external_tokens <= 0:
+            return
+        start, end = state.local, state.local + num_external_tokens
+        if state.load_async:
+            # vLLM schedules the request only after the load: send it with the next step.
+            spec = LoadSpec(request.request_id, state.tokens, state.block_ids[:], start, end, True)
+            self._async_loads.append(spec)
+        else:
+            state.load = (start, end)
 
     def build_meta(self, out: Any) -> KVTierMetadata:
         """Loads and saves for the step vLLM just scheduled (``out``: SchedulerOutput)."""
-        meta = KVTierMetadata()
+        meta = KVTierMetadata(loads=self._async_loads)
+        self._async_loads = []
         for rid in out.preempted_req_ids or ():
             state = self._requests.get(rid)
             if state is not None:  # its blocks are gone; new ones come when it resumes
@@ -168,16 +184,20 @@ class SchedulerSide:
             state = self._requests[rid] = _Request(tokens=list(prompt or ()))
         return state
 
-    def _lookup(self, rid: str, tokens: list[int]) -> int:
-        """The hit every worker holds (the smallest); a worker that fails means no hit."""
-        hits: list[int] = []
+    def _lookup(self, rid: str, tokens: list[int]) -> tuple[int, int]:
+        """(hit, of which in CPU) that every worker holds (the smallest); a worker that
+        fails means no hit."""
+        hits: list[tuple[int, int]] = []
         for client in self.clients:
             try:
-                hits.append(int(client.call("lookup", rid, tokens)))
+                hit, cpu_hit = client.call("lookup", rid, tokens)
+                hits.append((int(hit), int(cpu_hit)))
             except TransferError as exc:
                 log.warning("kvtier lookup for %s failed, treating as a miss: %s", rid, exc)
-                hits.append(0)
-        return min(hits) if hits else 0
+                hits.append((0, 0))
+        if not hits:
+            return 0, 0
+        return min(h for h, _ in hits), min(c for _, c in hits)
 
     def _add_specs(self, meta: KVTierMetadata, rid: str, state: _Request, done: int) -> None:
         if state.load is not None:

@@ -3,26 +3,27 @@
 Lifecycle::
 
     register(kv_caches)   read the paged layout, open the Engine, open the lookup channel
-    load(meta)            before the forward: kvtier pages -> the request's vLLM blocks
+    load(meta)            kvtier pages -> the request's vLLM blocks: CPU hits before the
+                          forward, disk/Redis hits on the loader thread (:mod:`.loads`)
     save(meta)            after the forward: whole new chunks of prompts -> kvtier (not for
                           a request whose load this step came up short: its forward used
                           unfilled blocks, and vLLM recomputes it)
     failed_blocks()       blocks a load could not fill (a chunk that failed its checksum or
                           vanished from a lower tier): vLLM recomputes them
-    close()               channel closed, Engine closed (ends every lease, drains writes)
+    close()               channel closed, loads drained, Engine closed (ends every lease)
 
-Who touches the Engine: the lookup channel's threads (lookup, end, stats) and vLLM's model
-thread (load, save). One lock serialises them; the scheduler never asks while a step runs on
-CPU (vLLM schedules the next step after this one returns), so the lock is uncontended there.
+Who touches the Engine: the lookup channel's threads (lookup, end, stats), vLLM's model
+thread (sync loads, saves) and the loader thread (async loads). The Engine is thread-safe;
+what must not interleave is an ``end`` with a load of the same request, which
+:class:`~kvtier.integrations.vllm.loads.Leases` orders.
 
-A load for a request whose lease has ended (an abort that overtook the step) is skipped and
-its blocks reported as failed: a retrieve would otherwise open a fresh lease nobody ends.
+The lookup answers two numbers: the hit, and how much of it is in the CPU tier (the rest
+comes from disk or Redis and is loaded asynchronously).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,9 +31,10 @@ import torch
 
 from kvtier.config import Config
 from kvtier.engine import Engine
-from kvtier.errors import InputError, KVTierError, StateError
+from kvtier.errors import InputError, StateError
 from kvtier.integrations.vllm.channel import LookupServer
 from kvtier.integrations.vllm.events import MEDIUM, EventLog, chain_evictions
+from kvtier.integrations.vllm.loads import Loads
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.metrics import CounterDeltas
 from kvtier.integrations.vllm.paged import PagedKV
@@ -66,10 +68,7 @@ class WorkerSide:
         self.engine: Engine | None = None
         self.paged: PagedKV | None = None
         self._server: LookupServer | None = None
-        self._lock = threading.Lock()
-        self._live: set[str] = set()  # requests with a lease: looked up, not ended
-        self._failed: set[int] = set()
-        self._short: dict[str, int] = {}  # request -> tokens its load delivered, this step
+        self._loads: Loads | None = None
         self._scratch: torch.Tensor | None = None
         # Only rank 0 reports events: every rank stores the same chunks (its own slice).
         self.events = EventLog() if events and tp_rank == 0 else None
@@ -93,6 +92,7 @@ class WorkerSide:
             tp_world_size=self.tp_world_size,
         ).open()
         self.paged, self.engine = paged, engine
+        self._loads = Loads(engine, paged, self.block_size)
         self._media = [MEDIUM[name] for name in MEDIUM if engine.tier(name) is not None]
         if self.events is not None:
             for name in ("cpu", "disk"):
@@ -112,57 +112,34 @@ class WorkerSide:
         if self._pd is not None:
             self._pd.close()
             self._pd = None
-        with self._lock:
-            if self.engine is not None:
-                self.engine.close()
-            self._live.clear()
+        if self._loads is not None:
+            self._loads.close()
+        if self.engine is not None:
+            self.engine.close()
 
     # -- the step --------------------------------------------------------------------------
     def load(self, meta: KVTierMetadata) -> None:
-        engine, paged = self._parts()
+        loads = self._loads_part()
         for spec in meta.loads:
-            loaded = spec.start
-            out = self._scratch_for(len(spec.tokens))
-            with self._lock:
-                if spec.request_id not in self._live:
-                    log.warning("kvtier: load for ended request %s skipped", spec.request_id)
-                else:
-                    try:
-                        hit = engine.retrieve_into(
-                            spec.tokens, spec.request_id, out, skip_leading_tokens=spec.start
-                        )
-                        loaded = max(spec.start, min(hit, spec.end))
-                    except KVTierError as exc:  # a tier failed outright: recompute it all
-                        log.warning("kvtier: load for %s failed: %s", spec.request_id, exc)
-            if loaded > spec.start:
-                paged.scatter(spec.block_ids, spec.start, loaded, out)
-            if loaded < spec.end:
-                self._short[spec.request_id] = loaded
-                # vLLM recomputes from the first failed block on: report every block of the
-                # range from the one holding the first token that did not arrive.
-                first, last = loaded // self.block_size, -(-spec.end // self.block_size)
-                self._failed.update(spec.block_ids[first:last])
-                log.warning(
-                    "kvtier: request %s loaded %d of %d tokens; vLLM recomputes the rest",
-                    spec.request_id,
-                    loaded - spec.start,
-                    spec.end - spec.start,
-                )
+            if spec.async_load:
+                loads.submit(spec)
+            else:
+                loads.run(spec, self._scratch_for(len(spec.tokens)))
 
     def save(self, meta: KVTierMetadata) -> None:
         if not meta.saves:
             return
         engine, paged = self._parts()
+        loads = self._loads_part()
         for spec in meta.saves:
-            if spec.request_id in self._short:
+            if loads.is_short(spec.request_id):
                 # This step computed the request on top of blocks its load could not fill:
                 # vLLM throws that away and recomputes, and so must kvtier (never store KV
                 # that attended to garbage). The scheduler re-offers the chunks later.
                 continue
             out = self._scratch_for(spec.end)
             paged.gather(spec.block_ids, spec.start, spec.end, out)
-            with self._lock:
-                engine.store(spec.tokens, out[:, :, : spec.end], skip_leading_tokens=spec.start)
+            engine.store(spec.tokens, out[:, :, : spec.end], skip_leading_tokens=spec.start)
             if self.events is None and spec.transfer_id is None:
                 continue
             spans = engine.keychain.keys(spec.tokens, include_partial=False)
@@ -174,8 +151,11 @@ class WorkerSide:
                 self.events.stored(spans[first:], parent, spec.tokens, self._media)
 
     def failed_blocks(self) -> set[int]:
-        failed, self._failed = self._failed, set()
-        return failed
+        return self._loads.failed_blocks() if self._loads is not None else set()
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose async load is done (vLLM's finished_recving)."""
+        return self._loads.finished() if self._loads is not None else set()
 
     def take_events(self) -> list[tuple[Any, ...]]:
         return self.events.drain() if self.events is not None else []
@@ -188,37 +168,54 @@ class WorkerSide:
 
     def short_loads(self) -> dict[str, int]:
         """Requests whose load this step came up short (called once per step, after save)."""
-        short, self._short = self._short, {}
-        return short
+        return self._loads.short_loads() if self._loads is not None else {}
 
     # -- the lookup channel ----------------------------------------------------------------
     def _handle(self, op: str, args: tuple[Any, ...]) -> Any:
         engine, _ = self._parts()
-        with self._lock:
-            if op == "lookup":
-                rid, tokens = args
-                hit = engine.lookup(tokens, rid)
-                self._live.add(rid)
-                return hit
-            if op == "end":
-                (rid,) = args
-                self._live.discard(rid)
-                return engine.end_request(rid)
-            if op == "stats":
-                return engine.stats()
-            if op == "leaks":
-                return [(i.request_id, i.pinned_pages, list(i.holds)) for i in engine.leaks()]
-            if op == "check":
-                return engine.check_invariants()
-            if op == "flush":
-                return engine.flush(*args)
-            if op == "clear":
-                return engine.clear()
+        if op == "lookup":
+            rid, tokens = args
+            hit = engine.lookup(tokens, rid)
+            self._loads_part().leases.looked_up(rid)
+            return hit, self._cpu_prefix(tokens, hit)
+        if op == "end":
+            (rid,) = args
+            return self._loads_part().leases.end(rid)
+        if op == "stats":
+            return engine.stats()
+        if op == "leaks":
+            return [(i.request_id, i.pinned_pages, list(i.holds)) for i in engine.leaks()]
+        if op == "check":
+            return engine.check_invariants()
+        if op == "flush":
+            return engine.flush(*args)
+        if op == "clear":
+            return engine.clear()
         raise InputError(
             f"unknown kvtier channel op {op!r}; use lookup, end, stats, leaks, check, flush, clear"
         )
 
+    def _cpu_prefix(self, tokens: list[int], hit: int) -> int:
+        """How much of the ``hit`` prefix sits in the CPU tier (pinned, so it stays)."""
+        engine, _ = self._parts()
+        cpu = engine.tier("cpu")
+        if not hit or cpu is None:
+            return 0
+        spans = engine.keychain.keys(tokens, include_partial=engine.config.save_unfull_chunk)
+        spans = [s for s in spans if s.end <= hit]
+        end = 0
+        for span, held in zip(spans, cpu.contains([s.key for s in spans]), strict=True):
+            if not held:
+                break
+            end = span.end
+        return end
+
     # -- helpers ---------------------------------------------------------------------------
+    def _loads_part(self) -> Loads:
+        if self._loads is None:
+            raise StateError("kvtier worker: vLLM has not registered its KV caches yet")
+        return self._loads
+
     def _parts(self) -> tuple[Engine, PagedKV]:
         if self.engine is None or self.paged is None:
             raise StateError("kvtier worker: vLLM has not registered its KV caches yet")
