@@ -168,6 +168,18 @@ def test_disk_hits_load_in_the_background(tmp_path: Path) -> None:
         )
         request = SimpleNamespace(request_id="r", prompt_token_ids=tokens)
         assert scheduler.num_new_matched_tokens(request, 0) == (64, True)
+        in_step = SchedulerSide(
+            [LookupClient(second.engine_id)],
+            block_size=BLOCK,
+            chunk_size=CHUNK,
+            loads=True,
+            saves=True,
+            async_lower_loads=False,
+        )
+        other = SimpleNamespace(request_id="r-sync", prompt_token_ids=tokens)
+        assert in_step.num_new_matched_tokens(other, 0) == (64, False)  # the opt-out
+        in_step.finished("r-sync")
+        in_step.close()
         dst = [30, 31, 32, 33, 34]
         scheduler.after_alloc(request, dst, 64)
         # vLLM does not schedule a request waiting for its KV, yet the load goes out.

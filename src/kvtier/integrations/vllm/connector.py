@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.config import Config
-from kvtier.errors import StateError
+from kvtier.errors import ConfigError, StateError
 from kvtier.integrations.vllm.channel import LookupClient
 from kvtier.integrations.vllm.events import to_vllm
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
@@ -54,10 +54,26 @@ log = logging.getLogger(__name__)
 ROLES = {"kv_both": (True, True), "kv_consumer": (True, False), "kv_producer": (False, True)}
 
 
+# Keys of kv_connector_extra_config that belong to the connector, not to kvtier's Config.
+CONNECTOR_KEYS = {"async_lower_loads"}
+
+
 def load_config(extra: dict[str, Any] | None) -> Config:
     """kvtier's config for a vLLM instance: file and env, then the connector's extra config."""
-    overrides = {k.removeprefix("kvtier."): v for k, v in (extra or {}).items()}
+    overrides = {
+        k.removeprefix("kvtier."): v for k, v in (extra or {}).items() if k not in CONNECTOR_KEYS
+    }
     return Config.load(overrides=overrides)
+
+
+def async_lower_loads(extra: dict[str, Any] | None) -> bool:
+    """``async_lower_loads`` (default true): disk and Redis hits load in the background, so
+    they never stall the batch; false loads them in the step (a little sooner for a request
+    that runs alone)."""
+    value = (extra or {}).get("async_lower_loads", True)
+    if not isinstance(value, bool):
+        raise ConfigError("async_lower_loads", value, "true or false")
+    return value
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -87,6 +103,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 clients,
                 block_size=block_size,
                 chunk_size=self.config.chunk_size,
+                async_lower_loads=async_lower_loads(transfer.kv_connector_extra_config),
                 loads=loads,
                 saves=saves,
             )

@@ -24,7 +24,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -96,8 +96,8 @@ class Loads:
         self._short: dict[str, int] = {}
         self._done: set[str] = set()
         self._thread_scratch: torch.Tensor | None = None
+        # One loader thread, started by the first submit: loads queue behind each other.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-load")
-        self._pending: list[Future[None]] = []
 
     def run(self, spec: LoadSpec, out: torch.Tensor) -> None:
         """Load ``spec`` now (``out``: a ``[2, layers, >=len(tokens), hidden]`` scratch)."""
@@ -133,8 +133,7 @@ class Loads:
 
     def submit(self, spec: LoadSpec) -> None:
         """Load ``spec`` on the loader thread; :meth:`finished` names it when done."""
-        self._pending = [f for f in self._pending if not f.done()]
-        self._pending.append(self._pool.submit(self._run_async, spec))
+        self._pool.submit(self._run_async, spec)
 
     def _run_async(self, spec: LoadSpec) -> None:
         try:

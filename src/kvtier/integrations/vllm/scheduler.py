@@ -6,10 +6,13 @@ vLLM's scheduling decisions into per-step load and save specs. Per request it re
     tokens     the prompt (what kvtier hashes)
     hit        tokens kvtier holds and has pinned for this request (asked once; the pin
                lives in the worker's lease until the request ends)
+    cpu_hit    the part of it in the CPU tier: a load reaching beyond it (disk, Redis) is
+               asynchronous, the request waits and the batch keeps stepping
     local      tokens vLLM's own prefix cache supplied (whole blocks) when it last asked
     block_ids  the request's block table (first KV cache group)
     load       a load waiting for the next metadata: [local, local + accepted)
     saved      prompt tokens kvtier holds or is being given (whole chunks)
+    transfer_id  PD: the id kvtier pd-proxy gave both instances (kv_transfer_params)
 
 Hits count in whole chunks (the Engine), then whole vLLM blocks, and never the prompt's last
 token (vLLM needs its logits)::
@@ -64,12 +67,14 @@ class SchedulerSide:
         chunk_size: int,
         loads: bool,
         saves: bool,
+        async_lower_loads: bool = True,
     ) -> None:
         self.clients = clients
         self.block_size = block_size
         self.chunk_size = chunk_size
         self.loads = loads
         self.saves = saves
+        self.async_lower_loads = async_lower_loads
         self._requests: dict[str, _Request] = {}
         self._async_loads: list[LoadSpec] = []  # for requests vLLM does not schedule yet
 
@@ -94,7 +99,9 @@ class SchedulerSide:
         usable = min(state.hit, last) // self.block_size * self.block_size
         in_cpu = min(state.cpu_hit, last) // self.block_size * self.block_size
         new = max(0, usable - num_computed_tokens)
-        state.load_async = new > 0 and usable > max(in_cpu, num_computed_tokens)
+        state.load_async = (
+            self.async_lower_loads and new > 0 and usable > max(in_cpu, num_computed_tokens)
+        )
         return new, state.load_async
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
