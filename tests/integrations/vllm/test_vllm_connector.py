@@ -61,6 +61,22 @@ def delta(after: dict[str, Any], before: dict[str, Any], key: str) -> int:
     return int(after[key]) - int(before[key])
 
 
+def test_vllm_and_transformers_agree_on_the_checkpoint(
+    reference: dict[str, list[list[int]]], model_dir: Path
+) -> None:
+    """The reference itself is checked: transformers, reading the same files, generates the
+    same greedy tokens as vLLM with no connector (so vLLM really loaded those weights)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
+    ids = list(PROMPTS["d"])
+    with torch.no_grad():  # plain greedy argmax: no EOS handling, like ignore_eos in vLLM
+        for _ in range(MAX_TOKENS):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    assert ids[len(PROMPTS["d"]) :] == reference["d"][0]
+
+
 def test_cpu_tier_hits_give_the_same_tokens(
     reference: dict[str, list[list[int]]],
     model_dir: Path,
