@@ -18,6 +18,7 @@ PROMPTS: dict[str, list[int]] = {
     "c": tokens(1000, seed=3),  # stored, then corrupted on disk
     "d": tokens(700, seed=4),  # read back from disk in a fresh instance
     "e": tokens(600, seed=5),  # stored by one vLLM, read through Redis by another
+    "long": tokens(3900, seed=6),  # long enough to kill a prefiller while it works on it
 }
 PROMPTS["b"] = PROMPTS["a"][:512] + tokens(300, seed=2)  # shares 2 chunks with "a"
 PROMPTS["a_exact"] = PROMPTS["a"][:768]  # exactly 3 chunks: the last token is recomputed

@@ -68,6 +68,12 @@ class Server:
         except OSError:
             return False
 
+    def kill(self) -> None:
+        """SIGKILL the whole group at once: the server, its engine core and its worker."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
     def stop(self) -> None:
         """SIGINT (vLLM shuts its engine down), then SIGKILL."""
         with contextlib.suppress(ProcessLookupError):

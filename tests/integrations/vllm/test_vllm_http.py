@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ class Servers:
     prefiller: str
     decoder: str
     proxy: str
+    kill_prefiller: Callable[[], None]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,8 @@ def servers(
         decoder.wait_ready()
         prefiller.wait_ready()
         thread.start()
-        yield Servers(prefiller.url, decoder.url, f"http://127.0.0.1:{proxy.server_port}")
+        proxy_url = f"http://127.0.0.1:{proxy.server_port}"
+        yield Servers(prefiller.url, decoder.url, proxy_url, prefiller.kill)
     finally:
         proxy.shutdown()
         proxy.server_close()
@@ -150,3 +152,33 @@ def metric(url: str, name: str, timeout: float = 15.0) -> float:
             return value
         time.sleep(0.5)
     return value
+
+
+def test_a_prefiller_killed_mid_request_leaves_the_decoder_prefilling(
+    servers: Servers, reference: dict[str, list[list[int]]]
+) -> None:
+    """Last in this module: it kills the prefiller 0.15 s into a 3,900-token prompt, while it
+    prefills (chunk by chunk) and sends what it has. Whatever arrived, the proxy's request
+    gets the single-instance answer from the decoder, which prefills the rest itself, and the
+    decoder is left holding nothing: no lease, no reserved buffer page."""
+    answers: list[dict[str, Any]] = []
+    client = threading.Thread(
+        target=lambda: answers.append(
+            complete(servers.proxy, words_for(PROMPTS["long"]), max_tokens=MAX_TOKENS)
+        )
+    )
+    client.start()
+    time.sleep(0.15)
+    servers.kill_prefiller()
+    client.join(timeout=300)
+    words = [f"w{t - 3}" for t in reference["long"][0] if t >= 3]
+    assert len(answers) == 1 and answers[0]["choices"][0]["text"].split() == words
+    decoder = LookupClient(DECODER)
+    try:
+        deadline = time.monotonic() + 10
+        while decoder.call("leaks") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert decoder.call("leaks") == [] and decoder.call("check") == []
+        assert decoder.call("stats")["tiers"]["pd"]["used_bytes"] == 0
+    finally:
+        decoder.close()
