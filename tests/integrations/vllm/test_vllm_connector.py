@@ -9,6 +9,7 @@ connector (``reference``). Instances are shared in file order: "main" (CPU + dis
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,10 @@ import torch
 
 from kvtier.keys import Fingerprint, KeyChain
 from kvtier.layout import KVLayout
-from tests.redis_servers import RedisServer
+from tests.redis_servers import RedisServer, free_port
 
 from .conftest import LONG, PROMPTS, lifecycle_prompts
-from .vllm_helpers import MAX_TOKENS, Instances, VllmInstance
+from .vllm_helpers import MAX_TOKENS, Instances, VllmInstance, tokens
 
 pytestmark = pytest.mark.slow
 
@@ -47,9 +48,20 @@ def tiers(disk: Path) -> dict[str, Any]:
     return {"max_local_cpu_size": "64MiB", "local_disk": str(disk), "max_local_disk_size": "1GiB"}
 
 
+EVENTS_PORT = free_port()
+
+
 def start_main(model_dir: Path, disk: Path, redis_url: str) -> VllmInstance:
     extra = {**tiers(disk), "remote_url": redis_url}
-    return VllmInstance(model_dir, engine_id="kvtier-test-main", extra=extra)
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        # "*" makes vLLM bind (a host name would make it connect, to a subscriber's bind).
+        "endpoint": f"tcp://*:{EVENTS_PORT}",
+    }
+    return VllmInstance(
+        model_dir, engine_id="kvtier-test-main", extra=extra, kv_events_config=events
+    )
 
 
 def start_fresh(model_dir: Path, disk: Path, redis_url: str) -> VllmInstance:
@@ -122,6 +134,43 @@ def test_cpu_tier_hits_give_the_same_tokens(
     # "e" stays in Redis only, so the fresh instance must get it from there.
     for index in range(2):
         chunk_file(disk_dir, model_dir, PROMPTS["e"], index).unlink()
+
+
+def test_stores_reach_vllms_kv_event_publisher(
+    model_dir: Path, instances: Instances, disk_dir: Path, redis_url: str
+) -> None:
+    """kvtier's stores come out of vLLM's own ZMQ KV-event stream, one BlockStored per chunk
+    and tier (medium CPU, DISK, REMOTE), chained by parent hash."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    main = instances.get("main", lambda: start_main(model_dir, disk_dir, redis_url))
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{EVENTS_PORT}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    try:
+        time.sleep(0.5)  # a SUB socket sees only what is published after it joined
+        main.generate([tokens(600, seed=77)])  # new: two whole chunks stored
+        ours: list[Any] = []
+        deadline = time.monotonic() + 15
+        while len(ours) < 6 and time.monotonic() < deadline:
+            if not sub.poll(200):
+                continue
+            _topic, _seq, payload = sub.recv_multipart()
+            batch = decoder.decode(payload)
+            ours += [e for e in batch.events if getattr(e, "block_size", 0) == CHUNK]
+    finally:
+        sub.close(linger=0)
+        context.term()
+    assert sorted(e.medium for e in ours) == ["CPU", "CPU", "DISK", "DISK", "REMOTE", "REMOTE"]
+    first = [e for e in ours if e.parent_block_hash is None]
+    second = [e for e in ours if e.parent_block_hash is not None]
+    assert len(first) == 3 and len(second) == 3
+    assert {e.parent_block_hash for e in second} == {first[0].block_hashes[0]}
+    assert all(len(e.token_ids) == CHUNK for e in ours)
 
 
 def test_disk_and_redis_hits_in_a_fresh_vllm(
@@ -237,8 +286,8 @@ def test_lifecycle_aborts_preemption_chunked_prefill(
     engine.abort_request(["final"])
     small.assert_clean(wait_s=10.0)
 
-    for i, tokens in outputs.items():
-        assert tokens == reference["lifecycle"][i][: max_tokens[i]], f"request {i}"
+    for i, generated in outputs.items():
+        assert generated == reference["lifecycle"][i][: max_tokens[i]], f"request {i}"
     assert len(outputs) + len(aborted) >= len(prompts) and len(aborted) >= 10
     assert 7 in outputs or 7 in aborted
     metrics = {m.name: m for m in small.llm.get_metrics()}
