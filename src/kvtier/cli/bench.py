@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "ttft": "time to first token with 0, 50 and 90 percent of the prompt cached (transformers)",
     "pd": "prefill-to-decode transfer per transport vs memcpy and a raw socket",
     "server": "store/retrieve through a kvtier server vs in-process, lookup RTT, 1-4 clients",
+    "vllm": "time to first token inside vLLM: cold, vLLM's prefix cache, kvtier CPU and disk",
 }
 
 

@@ -1,0 +1,110 @@
+"""A tiny Llama-style checkpoint written by code: seeded random weights, no download.
+
+vLLM loads models from files, so tests, ``kvtier bench vllm`` and ``kvtier demo --engine
+vllm`` need a real checkpoint on disk. :func:`write_tiny_llama` writes one into a directory:
+
+    config.json              LlamaConfig (4 layers, hidden 256, 4 heads / 2 KV heads)
+    model.safetensors        random weights from ``torch.manual_seed(seed)``
+    tokenizer.json + ...     a word-level tokenizer over ``w0 .. w{vocab-4}`` plus specials
+
+The weights are random, so the "text" is meaningless, but vLLM loads them for real (not
+``load_format=dummy``) and transformers loads the very same files, so both engines can be
+compared. The same seed always writes the same bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.errors import InputError
+
+SPECIALS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class TinyLlama:
+    """The shape of the checkpoint; defaults are the model the vLLM tests and bench run."""
+
+    num_layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 512
+    vocab: int = 1024
+    max_positions: int = 16384
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def write_tiny_llama(path: str | Path, shape: TinyLlama | None = None, *, seed: int = 0) -> Path:
+    """Write config, safetensors weights and tokenizer into ``path`` (created if missing)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = shape or TinyLlama()
+    if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
+        raise InputError(
+            f"TinyLlama: hidden ({shape.hidden}) must divide by heads ({shape.heads}) and heads "
+            f"by kv_heads ({shape.kv_heads})"
+        )
+    if shape.vocab <= len(SPECIALS):
+        raise InputError(f"TinyLlama.vocab must be above {len(SPECIALS)}, got {shape.vocab}")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    settings: dict[str, Any] = dict(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.max_positions,
+        # Wider than the usual 0.02: random logits with clear winners keep greedy decoding
+        # away from near-ties, so a rounding difference between batch shapes cannot flip a
+        # token when cached KV replaces recomputed KV.
+        initializer_range=0.08,
+        tie_word_embeddings=False,
+        unk_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        dtype="float32",
+    )
+    config = LlamaConfig(**settings)
+    # Initialization draws from torch's global generator: restore it afterwards so writing a
+    # checkpoint does not change the caller's later random draws.
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
+    finally:
+        torch.random.set_rng_state(state)
+    model.save_pretrained(out)
+    _tokenizer(shape.vocab).save_pretrained(out)
+    return out
+
+
+def _tokenizer(vocab: int):  # type: ignore[no-untyped-def]
+    """A word-level tokenizer: ``w17`` is token 17 + 3; unknown words map to ``<unk>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {tok: i for i, tok in enumerate(SPECIALS)}
+    words.update({f"w{i}": i + len(SPECIALS) for i in range(vocab - len(SPECIALS))})
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token=SPECIALS[0]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, unk_token=SPECIALS[0], bos_token=SPECIALS[1], eos_token=SPECIALS[2]
+    )
+
+
+def words_for(tokens: list[int]) -> str:
+    """The text that the tiny tokenizer turns back into ``tokens`` (all ids >= 3)."""
+    if any(t < len(SPECIALS) for t in tokens):
+        raise InputError("words_for: special token ids (0, 1, 2) have no word")
+    return " ".join(f"w{t - len(SPECIALS)}" for t in tokens)

@@ -1,0 +1,255 @@
+"""``KVTierConnector``: vLLM's KV connector API mapped onto the two sides.
+
+vLLM builds one instance per role: ``SCHEDULER`` in the engine-core process, ``WORKER`` in each
+worker process. Each instance holds only its side (:class:`SchedulerSide` or
+:class:`WorkerSide`); a call for the other side is a programming error of vLLM's, not ours.
+
+Config: ``Config.load()`` (``KVTIER_CONFIG_FILE`` / ``LMCACHE_CONFIG_FILE`` / ``KVTIER_*``
+env), then ``kv_connector_extra_config`` on top (keys as in the YAML; a ``kvtier.`` prefix is
+accepted and dropped). Both processes load the same config, so they agree on the chunk size.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.outputs import KVConnectorOutput
+
+from kvtier.config import Config
+from kvtier.errors import ConfigError, StateError
+from kvtier.integrations.vllm.channel import LookupClient
+from kvtier.integrations.vllm.events import to_vllm
+from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.metrics import KVTierPromMetrics, KVTierStats
+from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+ROLES = {"kv_both": (True, True), "kv_consumer": (True, False), "kv_producer": (False, True)}
+
+
+# Keys of kv_connector_extra_config that belong to the connector, not to kvtier's Config.
+CONNECTOR_KEYS = {"async_lower_loads"}
+
+
+def load_config(extra: dict[str, Any] | None) -> Config:
+    """kvtier's config for a vLLM instance: file and env, then the connector's extra config."""
+    overrides = {
+        k.removeprefix("kvtier."): v for k, v in (extra or {}).items() if k not in CONNECTOR_KEYS
+    }
+    return Config.load(overrides=overrides)
+
+
+def async_lower_loads(extra: dict[str, Any] | None) -> bool:
+    """``async_lower_loads`` (default true): disk and Redis hits load in the background, so
+    they never stall the batch; false loads them in the step (a little sooner for a request
+    that runs alone)."""
+    value = (extra or {}).get("async_lower_loads", True)
+    if not isinstance(value, bool):
+        raise ConfigError("async_lower_loads", value, "true or false")
+    return value
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """kvtier as a vLLM v1 KV connector (prefix cache across CPU, disk and Redis)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.config = load_config(transfer.kv_connector_extra_config)
+        kv_role = transfer.kv_role or "kv_both"
+        if kv_role not in ROLES:
+            raise StateError(f"kv_role {kv_role!r} is not supported; use {', '.join(ROLES)}")
+        block_size = vllm_config.cache_config.block_size
+        engine_id = str(transfer.engine_id)
+        parallel = vllm_config.parallel_config
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        events_config = vllm_config.kv_events_config
+        self._events_on = bool(events_config and events_config.enable_kv_cache_events)
+        self._events: list[tuple[Any, ...]] = []
+        if role == KVConnectorRole.SCHEDULER:
+            loads, saves = ROLES[kv_role]
+            clients = [LookupClient(engine_id, r) for r in range(parallel.tensor_parallel_size)]
+            self._scheduler = SchedulerSide(
+                clients,
+                block_size=block_size,
+                chunk_size=self.config.chunk_size,
+                async_lower_loads=async_lower_loads(transfer.kv_connector_extra_config),
+                loads=loads,
+                saves=saves,
+            )
+            if loads and transfer.kv_load_failure_policy != "recompute":
+                log.warning(
+                    "kvtier: kv_load_failure_policy is %r, so a chunk that fails its checksum "
+                    "fails the request; set it to 'recompute' to recompute such blocks",
+                    transfer.kv_load_failure_policy,
+                )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            model = vllm_config.model_config
+            self._worker = WorkerSide(
+                self.config,
+                model_name=str(model.model),
+                engine_id=engine_id,
+                tp_rank=get_tensor_model_parallel_rank(),
+                tp_world_size=parallel.tensor_parallel_size,
+                block_size=block_size,
+                num_kv_heads=model.get_num_kv_heads(parallel),
+                head_dim=model.get_head_size(),
+                events=self._events_on,
+            )
+
+    # -- worker side -----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_side().register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        # Whole chunks hold every layer, so a CPU-tier load is done before the forward starts
+        # and wait_for_layer_load has nothing to wait for; disk and Redis loads start here
+        # and finish in the background (get_finished).
+        self._worker_side().load(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(no async saves, the requests whose async load from disk/Redis is done)."""
+        done = self._worker_side().finished_loads()
+        return None, done or None
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # a chunk page needs every layer: saved once in wait_for_save
+
+    def wait_for_save(self) -> None:
+        # The copy into kvtier's pages is done before this returns, so vLLM may free or
+        # reuse the blocks at once (request_finished never has to delay them).
+        if self.has_connector_metadata():
+            self._worker_side().save(self._meta())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side().failed_blocks()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        worker = self._worker_side()
+        short, events = worker.short_loads(), worker.take_events()
+        return KVTierWorkerMetadata(short, events) if short or events else None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        # vLLM asks both sides (the scheduler merges its own stats in); only workers count.
+        if self._worker is None:
+            return None
+        deltas = self._worker.counter_deltas()
+        return KVTierStats(dict(deltas)) if deltas else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVTierStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        return  # saves are synchronous: nothing in flight reads a preempted request's blocks
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    # -- scheduler side --------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler_side().num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        block_ids = blocks.get_block_ids()[0] if blocks is not None else []
+        self._scheduler_side().after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler_side().build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVTierWorkerMetadata):
+            self._scheduler_side().short_loads(meta.short_loads)
+            if self._events_on:
+                self._events.extend(meta.events)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """kvtier's stores and evictions (medium CPU, DISK, REMOTE) for vLLM's publisher."""
+        events, self._events = self._events, []
+        return to_vllm(events)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler_side().finished(request.request_id)
+        return False, None
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's reset of the external prefix cache (``reset_prefix_cache(reset_connector=
+        True)``): every tier drops its unpinned entries."""
+        return self._scheduler_side().reset()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _meta(self) -> KVTierMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        return meta
+
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise StateError("a worker-side KV connector call reached the scheduler side")
+        return self._worker
+
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise StateError("a scheduler-side KV connector call reached a worker")
+        return self._scheduler

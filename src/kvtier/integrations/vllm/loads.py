@@ -1,0 +1,183 @@
+"""Loads on the worker: kvtier pages -> a request's vLLM blocks, in the step or in the
+background.
+
+    sync   (every chunk in the CPU tier)   in start_load_kv, before the forward
+    async  (some chunk on disk or Redis)   on a loader thread while vLLM keeps stepping other
+                                           requests; vLLM holds the request in
+                                           WAITING_FOR_REMOTE_KVS until :meth:`finished`
+                                           names it
+
+A load that comes up short (a chunk failed its checksum or vanished) reports the blocks from
+the first one it could not fill (:meth:`failed_blocks`: vLLM recomputes them) and the tokens
+it did deliver (:meth:`short_loads`: the scheduler re-saves the recomputed chunks). For an
+async load both are recorded before the request is reported finished, as vLLM requires.
+
+Leases and loads (:class:`Leases`): a load runs only for a request whose lookup lease is
+open, and an ``end`` that arrives while one of its loads is running is deferred until the
+load is done: the pins it reads must stay until its last byte is copied. A load for a
+request that already ended is skipped (a retrieve would open a fresh lease nobody ends).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from kvtier.engine import Engine
+from kvtier.errors import KVTierError
+from kvtier.integrations.vllm.metadata import LoadSpec
+from kvtier.integrations.vllm.paged import PagedKV
+
+log = logging.getLogger(__name__)
+
+Scratch = Callable[[int], torch.Tensor]
+
+
+class Leases:
+    """Which requests hold a lookup lease, and which are being loaded right now."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._live: set[str] = set()
+        self._loading: Counter[str] = Counter()
+        self._deferred: set[str] = set()
+
+    def looked_up(self, rid: str) -> None:
+        with self._lock:
+            self._live.add(rid)
+
+    def end(self, rid: str) -> bool:
+        """End ``rid``'s lease now, or when its running loads are done. True if it held one."""
+        with self._lock:
+            held = rid in self._live
+            self._live.discard(rid)
+            if self._loading[rid]:
+                self._deferred.add(rid)
+                return held
+        return self.engine.end_request(rid) or held
+
+    def begin_load(self, rid: str) -> bool:
+        with self._lock:
+            if rid not in self._live:
+                return False
+            self._loading[rid] += 1
+            return True
+
+    def end_load(self, rid: str) -> None:
+        with self._lock:
+            self._loading[rid] -= 1
+            if self._loading[rid]:
+                return
+            del self._loading[rid]
+            if rid not in self._deferred:
+                return
+            self._deferred.discard(rid)
+        self.engine.end_request(rid)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._live.clear()
+
+
+class Loads:
+    def __init__(self, engine: Engine, paged: PagedKV, block_size: int) -> None:
+        self.engine = engine
+        self.paged = paged
+        self.block_size = block_size
+        self.leases = Leases(engine)
+        self._lock = threading.Lock()  # guards the three result fields
+        self._failed: set[int] = set()
+        self._short: dict[str, int] = {}
+        self._done: set[str] = set()
+        self._thread_scratch: torch.Tensor | None = None
+        # One loader thread, started by the first submit: loads queue behind each other.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-load")
+
+    def run(self, spec: LoadSpec, out: torch.Tensor) -> None:
+        """Load ``spec`` now (``out``: a ``[2, layers, >=len(tokens), hidden]`` scratch)."""
+        loaded = spec.start
+        if self.leases.begin_load(spec.request_id):
+            try:
+                hit = self.engine.retrieve_into(
+                    spec.tokens, spec.request_id, out, skip_leading_tokens=spec.start
+                )
+                loaded = max(spec.start, min(hit, spec.end))
+                if loaded > spec.start:
+                    self.paged.scatter(spec.block_ids, spec.start, loaded, out)
+            except KVTierError as exc:  # a tier failed outright: recompute all of it
+                log.warning("kvtier: load for %s failed: %s", spec.request_id, exc)
+                loaded = spec.start
+            finally:
+                self.leases.end_load(spec.request_id)
+        else:
+            log.warning("kvtier: load for ended request %s skipped", spec.request_id)
+        if loaded < spec.end:
+            # vLLM recomputes from the first failed block on: report every block from the
+            # one holding the first token that did not arrive.
+            first, last = loaded // self.block_size, -(-spec.end // self.block_size)
+            with self._lock:
+                self._short[spec.request_id] = loaded
+                self._failed.update(spec.block_ids[first:last])
+            log.warning(
+                "kvtier: request %s loaded %d of %d tokens; vLLM recomputes the rest",
+                spec.request_id,
+                loaded - spec.start,
+                spec.end - spec.start,
+            )
+
+    def submit(self, spec: LoadSpec) -> None:
+        """Load ``spec`` on the loader thread; :meth:`finished` names it when done."""
+        self._pool.submit(self._run_async, spec)
+
+    def _run_async(self, spec: LoadSpec) -> None:
+        try:
+            self.run(spec, self._scratch_async(len(spec.tokens)))
+        except Exception:  # never leave vLLM waiting: report every block as failed
+            log.exception("kvtier: async load for %s crashed", spec.request_id)
+            with self._lock:
+                self._short[spec.request_id] = spec.start
+                self._failed.update(spec.block_ids[spec.start // self.block_size :])
+        finally:
+            with self._lock:
+                self._done.add(spec.request_id)
+
+    # -- what the step reports -------------------------------------------------------------
+    def finished(self) -> set[str]:
+        with self._lock:
+            done, self._done = self._done, set()
+        return done
+
+    def failed_blocks(self) -> set[int]:
+        with self._lock:
+            failed, self._failed = self._failed, set()
+        return failed
+
+    def short_loads(self) -> dict[str, int]:
+        with self._lock:
+            short, self._short = self._short, {}
+        return short
+
+    def is_short(self, rid: str) -> bool:
+        with self._lock:
+            return rid in self._short
+
+    def close(self) -> None:
+        """Wait for running loads (they hold pins), then stop the loader thread."""
+        self._pool.shutdown(wait=True)
+        self.leases.clear()
+
+    def _scratch_async(self, tokens: int) -> torch.Tensor:
+        # The loader thread's own buffer: the model thread's scratch may be in use.
+        layout, chunk = self.engine.layout, self.engine.config.chunk_size
+        if self._thread_scratch is None or self._thread_scratch.shape[2] < tokens:
+            capacity = -(-tokens // chunk) * chunk
+            self._thread_scratch = torch.zeros(
+                layout.kv_shape(capacity), dtype=layout.dtype, device=self.paged.layers[0].device
+            )
+        return self._thread_scratch

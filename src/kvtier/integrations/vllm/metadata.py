@@ -1,0 +1,76 @@
+"""What the scheduler side tells the workers each step (vLLM's connector metadata).
+
+Positions are token indices of the request; blocks are the request's whole block table for
+vLLM's first KV cache group (a position ``p`` lives in ``block_ids[p // block_size]``)::
+
+    LoadSpec   tokens [start, end) go from kvtier into the request's blocks.
+               start: what vLLM already holds (its own prefix cache, whole blocks);
+               end:   the kvtier hit vLLM accepted (whole blocks, < len(prompt)).
+               async_load: some of it is on disk or in Redis, so it loads in the
+               background while the request waits (vLLM's asynchronous external load).
+    SaveSpec   tokens [start, end) go from the blocks into kvtier: whole chunks of the
+               prompt that this step finished computing and kvtier does not hold.
+
+Both carry the prompt's tokens (a load: the whole prompt, which is what the lookup hashed, so
+the worker reuses the pinned plan; a save: the prompt up to ``end``). The metadata is pickled
+to the worker processes, so it holds plain Python values only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+TRANSFER_ID = "kvtier_transfer_id"  # PD: the key in vLLM's kv_transfer_params (see .pd)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    request_id: str
+    tokens: list[int]
+    block_ids: list[int]
+    start: int
+    end: int
+    async_load: bool = False  # from disk/Redis: in the background, reported when done
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    request_id: str
+    tokens: list[int]
+    block_ids: list[int]
+    start: int
+    end: int
+    transfer_id: str | None = None  # a prefiller's request: also send [start, end) (.pd)
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler after a step.
+
+    ``short_loads``: requests whose load came up short, with the tokens that did arrive; the
+    scheduler saves those chunks again once vLLM recomputes them (the tier dropped the bad
+    copy). With several workers the shortest load counts.
+    ``events``: kvtier's stores and evictions since the last step (:mod:`.events`).
+    """
+
+    short_loads: dict[str, int] = field(default_factory=dict)
+    events: list[tuple[Any, ...]] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVTierWorkerMetadata)
+        merged = dict(self.short_loads)
+        for rid, loaded in other.short_loads.items():
+            merged[rid] = min(loaded, merged.get(rid, loaded))
+        return KVTierWorkerMetadata(merged, self.events + other.events)

@@ -1,0 +1,223 @@
+"""The scheduler side of the connector (runs in vLLM's engine-core process).
+
+It owns no KV and no pins: it asks the workers' Engines over the lookup channel and turns
+vLLM's scheduling decisions into per-step load and save specs. Per request it remembers::
+
+    tokens     the prompt (what kvtier hashes)
+    hit        tokens kvtier holds and has pinned for this request (asked once; the pin
+               lives in the worker's lease until the request ends)
+    cpu_hit    the part of it in the CPU tier: a load reaching beyond it (disk, Redis) is
+               asynchronous, the request waits and the batch keeps stepping
+    local      tokens vLLM's own prefix cache supplied (whole blocks) when it last asked
+    block_ids  the request's block table (first KV cache group)
+    load       a load waiting for the next metadata: [local, local + accepted)
+    saved      prompt tokens kvtier holds or is being given (whole chunks)
+    transfer_id  PD: the id kvtier pd-proxy gave both instances (kv_transfer_params)
+
+Hits count in whole chunks (the Engine), then whole vLLM blocks, and never the prompt's last
+token (vLLM needs its logits)::
+
+    prompt  |--------------------------------------------|  n
+    hit     |=========chunk=========|=========chunk======|   (all n cached)
+    usable  |===|===|===|===|===|===|===|===|===|===|===|    floor((min(hit, n-1)) / block)
+    vLLM    |===|===|                                        its own prefix cache (local)
+    load            |===|===|===|===|===|===|===|===|===|    usable - local
+
+Ending a request: :meth:`finished` sends ``end`` to every worker at once, so a request
+aborted while the engine is idle releases its pins now, not at the next step. A preempted
+request keeps its lease (the pinned chunks are exactly what it reloads when it resumes) and
+ends like any other request: once, when vLLM finishes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.errors import TransferError
+from kvtier.integrations.vllm.channel import LookupClient
+from kvtier.integrations.vllm.metadata import TRANSFER_ID, KVTierMetadata, LoadSpec, SaveSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    tokens: list[int]
+    hit: int | None = None
+    cpu_hit: int = 0
+    local: int = 0
+    load_async: bool = False
+    block_ids: list[int] = field(default_factory=list)
+    load: tuple[int, int] | None = None
+    saved: int = 0
+    transfer_id: str | None = None  # PD: the id the proxy gave both instances
+
+
+class SchedulerSide:
+    """Scheduler-side state of one vLLM instance. ``loads``/``saves`` follow the kv_role:
+    kv_both does both, a producer only saves, a consumer only loads."""
+
+    def __init__(
+        self,
+        clients: list[LookupClient],
+        *,
+        block_size: int,
+        chunk_size: int,
+        loads: bool,
+        saves: bool,
+        async_lower_loads: bool = True,
+    ) -> None:
+        self.clients = clients
+        self.block_size = block_size
+        self.chunk_size = chunk_size
+        self.loads = loads
+        self.saves = saves
+        self.async_lower_loads = async_lower_loads
+        self._requests: dict[str, _Request] = {}
+        self._async_loads: list[LoadSpec] = []  # for requests vLLM does not schedule yet
+
+    # -- vLLM's scheduler hooks ------------------------------------------------------------
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens kvtier can add beyond ``num_computed_tokens`` (whole blocks), and whether
+        they load asynchronously (some come from disk or Redis)."""
+        rid = request.request_id
+        state = self._state(rid, request.prompt_token_ids)
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if state.transfer_id is None and params.get(TRANSFER_ID):
+            state.transfer_id = str(params[TRANSFER_ID])
+        state.local = num_computed_tokens
+        if not self.loads or len(state.tokens) < 2:
+            return 0, False
+        if state.hit is None:
+            state.hit, state.cpu_hit = self._lookup(rid, state.tokens)
+            if state.transfer_id is None or not self.saves:
+                # Chunks kvtier holds need no save; a prefiller still sends them all.
+                state.saved = max(state.saved, state.hit // self.chunk_size * self.chunk_size)
+        last = len(state.tokens) - 1
+        usable = min(state.hit, last) // self.block_size * self.block_size
+        in_cpu = min(state.cpu_hit, last) // self.block_size * self.block_size
+        new = max(0, usable - num_computed_tokens)
+        state.load_async = (
+            self.async_lower_loads and new > 0 and usable > max(in_cpu, num_computed_tokens)
+        )
+        return new, state.load_async
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        state = self._state(request.request_id, request.prompt_token_ids)
+        state.block_ids = list(block_ids)
+        if num_external_tokens <= 0:
+            return
+        start, end = state.local, state.local + num_external_tokens
+        if state.load_async:
+            # vLLM schedules the request only after the load: send it with the next step.
+            spec = LoadSpec(request.request_id, state.tokens, state.block_ids[:], start, end, True)
+            self._async_loads.append(spec)
+        else:
+            state.load = (start, end)
+
+    def build_meta(self, out: Any) -> KVTierMetadata:
+        """Loads and saves for the step vLLM just scheduled (``out``: SchedulerOutput)."""
+        meta = KVTierMetadata(loads=self._async_loads)
+        self._async_loads = []
+        for rid in out.preempted_req_ids or ():
+            state = self._requests.get(rid)
+            if state is not None:  # its blocks are gone; new ones come when it resumes
+                state.block_ids, state.load = [], None
+        for new in out.scheduled_new_reqs:
+            state = self._state(new.req_id, new.prompt_token_ids)
+            state.block_ids = list(new.block_ids[0])
+            done = new.num_computed_tokens + out.num_scheduled_tokens[new.req_id]
+            self._add_specs(meta, new.req_id, state, done)
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            state = self._requests.get(rid)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            done = cached.num_computed_tokens[i] + out.num_scheduled_tokens[rid]
+            self._add_specs(meta, rid, state, done)
+        return meta
+
+    def short_loads(self, short: dict[str, int]) -> None:
+        """Loads that delivered fewer tokens than planned (a chunk failed its checksum or
+        vanished): vLLM recomputes from there, and the chunks it recomputes must be saved
+        again, since the tier dropped its bad copy."""
+        for rid, loaded in short.items():
+            state = self._requests.get(rid)
+            if state is not None:
+                state.saved = min(state.saved, loaded // self.chunk_size * self.chunk_size)
+
+    def finished(self, request_id: str) -> None:
+        """The request ended, however: release what its lookup pinned, in every worker."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        ending = [request_id] if state.hit is not None else []  # else: nothing pinned
+        if state.transfer_id is not None and self.loads:
+            ending.append(state.transfer_id)  # a decoder: the PD reservation's lease
+        for rid in ending:
+            for client in self.clients:
+                try:
+                    client.call("end", rid)
+                except TransferError as exc:
+                    # The worker is gone or stuck; its Engine ends every lease when it closes.
+                    log.warning("kvtier: could not end request %s: %s", rid, exc)
+
+    def reset(self) -> bool:
+        """Clear every worker's tiers (pinned entries stay). False if a worker failed."""
+        ok = True
+        for client in self.clients:
+            try:
+                client.call("clear")
+            except TransferError as exc:
+                log.warning("kvtier: reset failed: %s", exc)
+                ok = False
+        return ok
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _state(self, rid: str, prompt: list[int] | None) -> _Request:
+        state = self._requests.get(rid)
+        if state is None:
+            state = self._requests[rid] = _Request(tokens=list(prompt or ()))
+        return state
+
+    def _lookup(self, rid: str, tokens: list[int]) -> tuple[int, int]:
+        """(hit, of which in CPU) that every worker holds (the smallest); a worker that
+        fails means no hit."""
+        hits: list[tuple[int, int]] = []
+        for client in self.clients:
+            try:
+                hit, cpu_hit = client.call("lookup", rid, tokens)
+                hits.append((int(hit), int(cpu_hit)))
+            except TransferError as exc:
+                log.warning("kvtier lookup for %s failed, treating as a miss: %s", rid, exc)
+                hits.append((0, 0))
+        if not hits:
+            return 0, 0
+        return min(h for h, _ in hits), min(c for _, c in hits)
+
+    def _add_specs(self, meta: KVTierMetadata, rid: str, state: _Request, done: int) -> None:
+        if state.load is not None:
+            start, end = state.load
+            meta.loads.append(LoadSpec(rid, state.tokens, state.block_ids[:], start, end))
+            state.load = None
+        if not self.saves:
+            return
+        end = min(done, len(state.tokens)) // self.chunk_size * self.chunk_size
+        if end > state.saved:
+            meta.saves.append(
+                SaveSpec(
+                    rid, state.tokens[:end], state.block_ids[:], state.saved, end, state.transfer_id
+                )
+            )
+            state.saved = end

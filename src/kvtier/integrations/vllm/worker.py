@@ -1,0 +1,235 @@
+"""The worker side of the connector (runs in each vLLM worker process): it owns the Engine.
+
+Lifecycle::
+
+    register(kv_caches)   read the paged layout, open the Engine, open the lookup channel
+    load(meta)            kvtier pages -> the request's vLLM blocks: CPU hits before the
+                          forward, disk/Redis hits on the loader thread (:mod:`.loads`)
+    save(meta)            after the forward: whole new chunks of prompts -> kvtier (not for
+                          a request whose load this step came up short: its forward used
+                          unfilled blocks, and vLLM recomputes it)
+    failed_blocks()       blocks a load could not fill (a chunk that failed its checksum or
+                          vanished from a lower tier): vLLM recomputes them
+    close()               channel closed, loads drained, Engine closed (ends every lease)
+
+Who touches the Engine: the lookup channel's threads (lookup, end, stats), vLLM's model
+thread (sync loads, saves) and the loader thread (async loads). The Engine is thread-safe;
+what must not interleave is an ``end`` with a load of the same request, which
+:class:`~kvtier.integrations.vllm.loads.Leases` orders.
+
+The lookup answers two numbers: the hit, and how much of it is in the CPU tier (the rest
+comes from disk or Redis and is loaded asynchronously).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from kvtier.config import Config
+from kvtier.engine import Engine
+from kvtier.errors import InputError, StateError
+from kvtier.integrations.vllm.channel import LookupServer
+from kvtier.integrations.vllm.events import MEDIUM, EventLog, chain_evictions
+from kvtier.integrations.vllm.loads import Loads
+from kvtier.integrations.vllm.metadata import KVTierMetadata
+from kvtier.integrations.vllm.metrics import CounterDeltas
+from kvtier.integrations.vllm.paged import PagedKV
+from kvtier.integrations.vllm.pd import PDLink
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        model_name: str,
+        engine_id: str,
+        tp_rank: int,
+        tp_world_size: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        events: bool = False,
+    ) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.engine_id = engine_id
+        self.tp_rank = tp_rank
+        self.tp_world_size = tp_world_size
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.engine: Engine | None = None
+        self.paged: PagedKV | None = None
+        self._server: LookupServer | None = None
+        self._loads: Loads | None = None
+        self._scratch: torch.Tensor | None = None
+        # Only rank 0 reports events: every rank stores the same chunks (its own slice).
+        self.events = EventLog() if events and tp_rank == 0 else None
+        self._media: list[str] = []
+        self._pd: PDLink | None = None
+        self._deltas = CounterDeltas()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        paged = PagedKV.from_vllm(
+            kv_caches,
+            block_size=self.block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+        )
+        engine = Engine(
+            self.config,
+            paged.layout(),
+            model_name=self.model_name,
+            tp_rank=self.tp_rank,
+            tp_world_size=self.tp_world_size,
+        ).open()
+        self.paged, self.engine = paged, engine
+        self._loads = Loads(engine, paged, self.block_size)
+        self._media = [MEDIUM[name] for name in MEDIUM if engine.tier(name) is not None]
+        if self.events is not None:
+            for name in ("cpu", "disk"):
+                tier = engine.tier(name)
+                if tier is not None:
+                    chain_evictions(tier, MEDIUM[name], self.events)
+        self._pd = PDLink(engine, self.tp_rank)
+        self._server = LookupServer(self.engine_id, self.tp_rank, self._handle).open()
+        log.info(
+            "kvtier worker %d: %s, channel %s", self.tp_rank, paged.describe(), self._server.path
+        )
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._pd is not None:
+            self._pd.close()
+            self._pd = None
+        if self._loads is not None:
+            self._loads.close()
+        if self.engine is not None:
+            self.engine.close()
+
+    # -- the step --------------------------------------------------------------------------
+    def load(self, meta: KVTierMetadata) -> None:
+        loads = self._loads_part()
+        for spec in meta.loads:
+            if spec.async_load:
+                loads.submit(spec)
+            else:
+                loads.run(spec, self._scratch_for(len(spec.tokens)))
+
+    def save(self, meta: KVTierMetadata) -> None:
+        if not meta.saves:
+            return
+        engine, paged = self._parts()
+        loads = self._loads_part()
+        for spec in meta.saves:
+            if loads.is_short(spec.request_id):
+                # This step computed the request on top of blocks its load could not fill:
+                # vLLM throws that away and recomputes, and so must kvtier (never store KV
+                # that attended to garbage). The scheduler re-offers the chunks later.
+                continue
+            out = self._scratch_for(spec.end)
+            paged.gather(spec.block_ids, spec.start, spec.end, out)
+            engine.store(spec.tokens, out[:, :, : spec.end], skip_leading_tokens=spec.start)
+            if self.events is None and spec.transfer_id is None:
+                continue
+            spans = engine.keychain.keys(spec.tokens, include_partial=False)
+            first = spec.start // engine.config.chunk_size
+            if spec.transfer_id is not None and self._pd is not None:
+                self._pd.send(spec.transfer_id, spans[first:], out)
+            if self.events is not None:
+                parent = spans[first - 1].key if first else None
+                self.events.stored(spans[first:], parent, spec.tokens, self._media)
+
+    def failed_blocks(self) -> set[int]:
+        return self._loads.failed_blocks() if self._loads is not None else set()
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose async load is done (vLLM's finished_recving)."""
+        return self._loads.finished() if self._loads is not None else set()
+
+    def take_events(self) -> list[tuple[Any, ...]]:
+        return self.events.drain() if self.events is not None else []
+
+    def counter_deltas(self) -> dict[str, int]:
+        """The Engine's counters' increase since the last call (for vLLM's /metrics)."""
+        if self.engine is None:
+            return {}
+        return self._deltas.take(self.engine.counters.as_dict())
+
+    def short_loads(self) -> dict[str, int]:
+        """Requests whose load this step came up short (called once per step, after save)."""
+        return self._loads.short_loads() if self._loads is not None else {}
+
+    # -- the lookup channel ----------------------------------------------------------------
+    def _handle(self, op: str, args: tuple[Any, ...]) -> Any:
+        engine, _ = self._parts()
+        if op == "lookup":
+            rid, tokens = args
+            hit = engine.lookup(tokens, rid)
+            self._loads_part().leases.looked_up(rid)
+            return hit, self._cpu_prefix(tokens, hit)
+        if op == "end":
+            (rid,) = args
+            return self._loads_part().leases.end(rid)
+        if op == "stats":
+            return engine.stats()
+        if op == "leaks":
+            return [(i.request_id, i.pinned_pages, list(i.holds)) for i in engine.leaks()]
+        if op == "check":
+            return engine.check_invariants()
+        if op == "flush":
+            return engine.flush(*args)
+        if op == "clear":
+            return engine.clear()
+        raise InputError(
+            f"unknown kvtier channel op {op!r}; use lookup, end, stats, leaks, check, flush, clear"
+        )
+
+    def _cpu_prefix(self, tokens: list[int], hit: int) -> int:
+        """How much of the ``hit`` prefix sits in the CPU tier (pinned, so it stays)."""
+        engine, _ = self._parts()
+        cpu = engine.tier("cpu")
+        if not hit or cpu is None:
+            return 0
+        chain = engine.keychain.keys(tokens, include_partial=engine.config.save_unfull_chunk)
+        spans = [s for s in chain if s.end <= hit]
+        end = 0
+        for span, held in zip(spans, cpu.contains([s.key for s in spans]), strict=True):
+            if not held:
+                break
+            end = span.end
+        return end
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _loads_part(self) -> Loads:
+        if self._loads is None:
+            raise StateError("kvtier worker: vLLM has not registered its KV caches yet")
+        return self._loads
+
+    def _parts(self) -> tuple[Engine, PagedKV]:
+        if self.engine is None or self.paged is None:
+            raise StateError("kvtier worker: vLLM has not registered its KV caches yet")
+        return self.engine, self.paged
+
+    def _scratch_for(self, tokens: int) -> torch.Tensor:
+        """A reusable ``[2, layers, >=tokens, hidden]`` buffer: fresh memory is slow to touch,
+        so it grows in whole chunks and is kept."""
+        engine, paged = self._parts()
+        layout = engine.layout
+        if self._scratch is None or self._scratch.shape[2] < tokens:
+            chunk = engine.config.chunk_size
+            capacity = -(-tokens // chunk) * chunk
+            self._scratch = torch.zeros(
+                layout.kv_shape(capacity), dtype=layout.dtype, device=paged.layers[0].device
+            )
+        return self._scratch

@@ -1,0 +1,59 @@
+"""Session fixtures for the vLLM tests: the tiny checkpoint, the one-at-a-time vLLM holder,
+and the reference outputs of a vLLM with no connector."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.integrations.vllm.checkpoint import write_tiny_llama
+
+from .vllm_helpers import Instances, VllmInstance, tokens
+
+# Named prompts shared by the tests (token ids; vLLM block 128, kvtier chunk 256).
+PROMPTS: dict[str, list[int]] = {
+    "a": tokens(1000, seed=1),  # 3 whole chunks + 232 tokens
+    "c": tokens(1000, seed=3),  # stored, then corrupted on disk
+    "d": tokens(700, seed=4),  # read back from disk in a fresh instance
+    "e": tokens(600, seed=5),  # stored by one vLLM, read through Redis by another
+    "long": tokens(3900, seed=6),  # long enough to kill a prefiller while it works on it
+}
+PROMPTS["b"] = PROMPTS["a"][:512] + tokens(300, seed=2)  # shares 2 chunks with "a"
+PROMPTS["a_exact"] = PROMPTS["a"][:768]  # exactly 3 chunks: the last token is recomputed
+
+
+LONG = 32  # decode tokens of the lifecycle test's longest requests (they grow into new blocks)
+
+
+def lifecycle_prompts(n: int = 200) -> list[list[int]]:
+    """Requests over 8 shared documents (so kvtier hits), some longer than the batch."""
+    docs = [tokens(256 + 128 * (i % 4), seed=100 + i) for i in range(8)]
+    out = [docs[i % 8] + tokens(16 + (i * 37) % 200, seed=1000 + i) for i in range(n)]
+    out[7] = docs[7] + tokens(1100, seed=7)  # > max_num_batched_tokens: chunked prefill
+    return out
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def instances() -> Iterator[Instances]:
+    holder = Instances()
+    yield holder
+    holder.close()
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir: Path, instances: Instances) -> dict[str, list[list[int]]]:
+    """Greedy outputs of vLLM without any connector: what kvtier must reproduce."""
+    plain = instances.get("plain", lambda: VllmInstance(model_dir, engine_id=None))
+    names = list(PROMPTS)
+    outs = plain.generate([PROMPTS[n] for n in names])
+    ref = {n: [o] for n, o in zip(names, outs, strict=True)}
+    ref["lifecycle"] = plain.generate(lifecycle_prompts(), max_tokens=LONG)
+    instances.close()
+    return ref

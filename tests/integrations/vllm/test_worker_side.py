@@ -1,0 +1,226 @@
+"""The connector's two sides with a real Engine and real paged tensors, without vLLM's
+processes: the socket protocol, loads, saves, short loads, events and the ended-request
+guard (fast, so every rule has a test that runs in a second)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvtier.config import Config
+from kvtier.errors import TransferError
+from kvtier.integrations.vllm.channel import LookupClient
+from kvtier.integrations.vllm.events import to_vllm
+from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.worker import WorkerSide
+
+LAYERS, HEADS, DIM, BLOCK, BLOCKS, CHUNK = 2, 2, 8, 16, 64, 32
+CHUNK_BYTES = 2 * LAYERS * CHUNK * HEADS * DIM * 4
+
+
+def kv_caches() -> dict[str, torch.Tensor]:
+    return {
+        f"model.layers.{i}.attn": torch.zeros(BLOCKS, HEADS, BLOCK, 2 * DIM) for i in range(LAYERS)
+    }
+
+
+@pytest.fixture
+def worker() -> Iterator[WorkerSide]:
+    side = make_worker()
+    yield side
+    side.close()
+
+
+def make_worker(**overrides: object) -> WorkerSide:
+    values = {"chunk_size": CHUNK, "max_local_cpu_size": f"{8 * CHUNK_BYTES}B", **overrides}
+    side = WorkerSide(
+        Config.load(overrides=values, env={}),
+        model_name="tiny",
+        engine_id=f"test-{uuid.uuid4().hex}",
+        tp_rank=0,
+        tp_world_size=1,
+        block_size=BLOCK,
+        num_kv_heads=HEADS,
+        head_dim=DIM,
+        events=True,
+    )
+    side.register(kv_caches())
+    return side
+
+
+def fill(worker: WorkerSide, blocks: list[int], seed: int) -> None:
+    assert worker.paged is not None
+    gen = torch.Generator().manual_seed(seed)
+    for layer in worker.paged.layers:
+        layer[blocks] = torch.randn(len(blocks), HEADS, BLOCK, 2 * DIM, generator=gen)
+
+
+def test_save_lookup_load_round_trip_through_the_socket(worker: WorkerSide) -> None:
+    assert worker.paged is not None and worker.engine is not None
+    tokens = list(range(100, 180))  # 80 tokens: 2 whole chunks + 16
+    src = [3, 4, 5, 6, 7]
+    fill(worker, src, seed=1)
+    worker.save(KVTierMetadata(saves=[SaveSpec("r1", tokens[:64], src, 0, 64)]))
+
+    scheduler = SchedulerSide(
+        [LookupClient(worker.engine_id)], block_size=BLOCK, chunk_size=CHUNK, loads=True, saves=True
+    )
+    request = SimpleNamespace(request_id="r2", prompt_token_ids=tokens)
+    # beyond vLLM's own block, all in the CPU tier: loaded in the step
+    assert scheduler.num_new_matched_tokens(request, 16) == (64 - 16, False)
+    dst = [20, 21, 22, 23, 24]
+    scheduler.after_alloc(request, dst, 48)
+    out = SimpleNamespace(
+        preempted_req_ids=set(),
+        scheduled_new_reqs=[
+            SimpleNamespace(
+                req_id="r2", prompt_token_ids=tokens, block_ids=(dst,), num_computed_tokens=16
+            )
+        ],
+        num_scheduled_tokens={"r2": 16},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+    )
+    meta = scheduler.build_meta(out)
+    assert meta.loads == [LoadSpec("r2", tokens, dst, 16, 64)] and meta.saves == []
+    worker.load(meta)
+    for layer in worker.paged.layers:
+        assert torch.equal(layer[dst[1:4]], layer[src[1:4]])  # tokens 16..63
+        assert not layer[dst[0]].any()  # vLLM's own block is never written
+    assert worker.failed_blocks() == set() and worker.short_loads() == {}
+
+    assert worker.engine.stats()["pinned_pages"] == 2
+    scheduler.finished("r2")
+    assert worker.engine.leaks() == [] and worker.engine.check_invariants() == []
+    scheduler.finished("r2")  # a second end is a no-op
+    assert worker.engine.stats()["requests"] == 1
+    scheduler.close()
+
+
+def test_a_load_for_an_ended_request_is_skipped_and_reported(worker: WorkerSide) -> None:
+    tokens = list(range(64))
+    fill(worker, [1, 2, 3, 4], seed=2)
+    worker.save(KVTierMetadata(saves=[SaveSpec("a", tokens, [1, 2, 3, 4], 0, 64)]))
+    client = LookupClient(worker.engine_id)
+    assert client.call("lookup", "b", tokens) == (64, 64)  # hit, of which in the CPU tier
+    assert client.call("end", "b") is True
+    worker.load(KVTierMetadata(loads=[LoadSpec("b", tokens, [9, 10, 11, 12], 0, 48)]))
+    assert worker.failed_blocks() == {9, 10, 11}
+    assert worker.short_loads() == {"b": 0}
+    assert client.call("leaks") == []  # the late load opened no lease
+    with pytest.raises(TransferError, match="unknown kvtier channel op"):
+        client.call("nonsense")
+    client.close()
+
+
+def test_a_short_load_skips_that_requests_saves_in_the_step(worker: WorkerSide) -> None:
+    tokens = list(range(64))
+    meta = KVTierMetadata(
+        loads=[LoadSpec("x", tokens, [1, 2, 3, 4], 0, 48)],  # x never looked up: fails
+        saves=[SaveSpec("x", tokens, [1, 2, 3, 4], 0, 64)],
+    )
+    worker.load(meta)
+    worker.save(meta)
+    assert worker.failed_blocks() == {1, 2, 3}
+    assert worker.engine is not None and worker.engine.stats()["stored_chunks"] == 0
+
+
+def test_stores_and_evictions_become_vllm_events(worker: WorkerSide) -> None:
+    for n in range(10):  # 10 chunks into 8 pages: the oldest two are evicted
+        tokens = [1000 * n + t for t in range(CHUNK)]
+        fill(worker, [1, 2], seed=n)
+        worker.save(KVTierMetadata(saves=[SaveSpec(f"s{n}", tokens, [1, 2], 0, CHUNK)]))
+    events = to_vllm(worker.take_events())
+    stored = [e for e in events if type(e).__name__ == "BlockStored"]
+    removed = [e for e in events if type(e).__name__ == "BlockRemoved"]
+    assert len(stored) == 10 and {e.medium for e in stored} == {"CPU"}
+    assert stored[0].token_ids == list(range(CHUNK)) and stored[0].block_size == CHUNK
+    assert len(removed) == 2 and removed[0].block_hashes == stored[0].block_hashes
+    assert worker.take_events() == []
+
+
+def test_disk_hits_load_in_the_background(tmp_path: Path) -> None:
+    """A hit that is on disk only: the scheduler says async, the load runs on the loader
+    thread, and the worker reports the request finished when the blocks are filled."""
+    disk = {"local_disk": str(tmp_path), "max_local_disk_size": f"{64 * CHUNK_BYTES}B"}
+    tokens = list(range(500, 580))
+    first = make_worker(**disk)
+    fill(first, [3, 4, 5, 6], seed=4)
+    first.save(KVTierMetadata(saves=[SaveSpec("w", tokens[:64], [3, 4, 5, 6], 0, 64)]))
+    assert first.paged is not None
+    expected = [layer[[3, 4, 5, 6]].clone() for layer in first.paged.layers]
+    first.close()  # drains the disk writes
+
+    second = make_worker(**disk)  # a restart: CPU empty, the disk index rebuilt
+    try:
+        scheduler = SchedulerSide(
+            [LookupClient(second.engine_id)],
+            block_size=BLOCK,
+            chunk_size=CHUNK,
+            loads=True,
+            saves=True,
+        )
+        request = SimpleNamespace(request_id="r", prompt_token_ids=tokens)
+        assert scheduler.num_new_matched_tokens(request, 0) == (64, True)
+        in_step = SchedulerSide(
+            [LookupClient(second.engine_id)],
+            block_size=BLOCK,
+            chunk_size=CHUNK,
+            loads=True,
+            saves=True,
+            async_lower_loads=False,
+        )
+        other = SimpleNamespace(request_id="r-sync", prompt_token_ids=tokens)
+        assert in_step.num_new_matched_tokens(other, 0) == (64, False)  # the opt-out
+        in_step.finished("r-sync")
+        in_step.close()
+        dst = [30, 31, 32, 33, 34]
+        scheduler.after_alloc(request, dst, 64)
+        # vLLM does not schedule a request waiting for its KV, yet the load goes out.
+        out = SimpleNamespace(
+            preempted_req_ids=None,
+            scheduled_new_reqs=[],
+            num_scheduled_tokens={},
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+        )
+        meta = scheduler.build_meta(out)
+        assert [(s.request_id, s.async_load) for s in meta.loads] == [("r", True)]
+        second.load(meta)
+        deadline = time.monotonic() + 10
+        done: set[str] = set()
+        while "r" not in done and time.monotonic() < deadline:
+            done |= second.finished_loads()
+            time.sleep(0.01)
+        assert done == {"r"} and second.failed_blocks() == set()
+        assert second.paged is not None
+        for layer, want in zip(second.paged.layers, expected, strict=True):
+            assert torch.equal(layer[dst[:4]], want)
+        scheduler.finished("r")
+        assert second.engine is not None
+        assert second.engine.leaks() == [] and second.engine.check_invariants() == []
+        scheduler.close()
+    finally:
+        second.close()
+
+
+def test_an_end_during_a_load_waits_for_it(worker: WorkerSide) -> None:
+    tokens = list(range(64))
+    fill(worker, [1, 2, 3, 4], seed=5)
+    worker.save(KVTierMetadata(saves=[SaveSpec("a", tokens, [1, 2, 3, 4], 0, 64)]))
+    client = LookupClient(worker.engine_id)
+    assert client.call("lookup", "b", tokens)[0] == 64
+    assert worker._loads is not None and worker.engine is not None
+    leases = worker._loads.leases
+    assert leases.begin_load("b")  # a load of b is running...
+    assert client.call("end", "b") is True  # ...so the end is deferred:
+    assert worker.engine.stats()["pinned_pages"] == 2  # the pins stay while it copies
+    leases.end_load("b")
+    assert worker.engine.stats()["pinned_pages"] == 0 and worker.engine.leaks() == []
+    assert not leases.begin_load("b")  # ended: a late load is refused
+    client.close()

@@ -1,0 +1,148 @@
+"""Real vLLM instances for the connector tests, one at a time.
+
+Each :class:`VllmInstance` is an ``LLM`` (engine-core and worker processes, spawned) with the
+tiny checkpoint, ``enforce_eager`` and float32; ``probe`` reaches the worker's Engine over the
+connector's own lookup channel (stats, leaks, check_invariants, flush). :class:`Instances`
+keeps at most one running and shuts it down explicitly (a leftover LLM can hang the
+interpreter at exit).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from kvtier.integrations.vllm.channel import LookupClient
+
+CONNECTOR = {
+    "kv_connector": "KVTierConnector",
+    "kv_connector_module_path": "kvtier.integrations.vllm",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
+MAX_TOKENS = 8
+
+
+@contextmanager
+def _env(values: dict[str, str | None]) -> Iterator[None]:
+    """vLLM's children copy the environment when they start: set it around the start."""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        for key, value in values.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class VllmInstance:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        engine_id: str | None,
+        extra: dict[str, Any] | None = None,
+        transfer: dict[str, Any] | None = None,
+        kv_cache_bytes: int | None = None,
+        **llm_args: Any,
+    ) -> None:
+        from vllm import LLM
+
+        args: dict[str, Any] = {
+            "model": str(model_dir),
+            "enforce_eager": True,
+            "dtype": "float32",
+            "max_model_len": 4096,
+            "seed": 0,
+            **llm_args,
+        }
+        if engine_id is not None:
+            args["kv_transfer_config"] = {
+                **CONNECTOR,
+                **(transfer or {}),
+                "engine_id": engine_id,
+                "kv_connector_extra_config": extra or {},
+            }
+        # VLLM_CPU_KVCACHE_SPACE (GiB) overrides kv_cache_memory_bytes on the CPU build.
+        env: dict[str, str | None] = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+        if kv_cache_bytes is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = None
+            args["kv_cache_memory_bytes"] = kv_cache_bytes
+        with _env(env):
+            self.llm = LLM(**args)
+        self.probe = LookupClient(engine_id) if engine_id is not None else None
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int = MAX_TOKENS
+    ) -> list[list[int]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+        )
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def stats(self) -> dict[str, Any]:
+        assert self.probe is not None
+        return dict(self.probe.call("stats"))
+
+    def assert_clean(self, wait_s: float = 0.0) -> None:
+        """No request holds anything and every reference has an owner. ``wait_s``: an abort
+        is asynchronous (the client does not wait for the engine core), so give it time."""
+        assert self.probe is not None
+        deadline = time.monotonic() + wait_s
+        while self.probe.call("leaks") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.probe.call("leaks") == []
+        assert self.probe.call("check") == []
+        stats = self.stats()
+        assert stats["open_requests"] == 0 and stats["pinned_pages"] == 0
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+
+
+class Instances:
+    """At most one running vLLM; ``get(name, factory)`` reuses it while the name matches."""
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.instance: VllmInstance | None = None
+
+    def get(self, name: str, factory: Callable[[], VllmInstance]) -> VllmInstance:
+        if self.name != name:
+            self.close()
+            self.instance = factory()
+            self.name = name
+        assert self.instance is not None
+        return self.instance
+
+    def close(self) -> None:
+        if self.instance is not None:
+            self.instance.close()
+        self.instance, self.name = None, None
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    """``n`` ids the tiny tokenizer has words for (3..1023), reproducibly."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1024) for _ in range(n)]
