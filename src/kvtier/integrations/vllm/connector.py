@@ -55,7 +55,7 @@ ROLES = {"kv_both": (True, True), "kv_consumer": (True, False), "kv_producer": (
 
 
 # Keys of kv_connector_extra_config that belong to the connector, not to kvtier's Config.
-CONNECTOR_KEYS = {"async_lower_loads"}
+CONNECTOR_KEYS = {"async_lower_loads", "server"}
 
 
 def load_config(extra: dict[str, Any] | None) -> Config:
@@ -73,6 +73,18 @@ def async_lower_loads(extra: dict[str, Any] | None) -> bool:
     value = (extra or {}).get("async_lower_loads", True)
     if not isinstance(value, bool):
         raise ConfigError("async_lower_loads", value, "true or false")
+    return value
+
+
+def server_url(extra: dict[str, Any] | None) -> str | None:
+    """``server`` (default none): the host's ``kvtier server`` (``unix:///path/kvtier.sock``)
+    holds the cache, shared by every vLLM instance on the host; none: each worker owns an
+    Engine."""
+    value = (extra or {}).get("server")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.startswith("unix://") or len(value) <= 7:
+        raise ConfigError("server", value, 'a kvtier server URL such as "unix:///path/kvtier.sock"')
     return value
 
 
@@ -127,6 +139,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 num_kv_heads=model.get_num_kv_heads(parallel),
                 head_dim=model.get_head_size(),
                 events=self._events_on,
+                server=server_url(transfer.kv_connector_extra_config),
             )
 
     # -- worker side -----------------------------------------------------------------------

@@ -28,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvtier.engine import Engine
 from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.metadata import LoadSpec
 from kvtier.integrations.vllm.paged import PagedKV
+from kvtier.server.surface import KVCache
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ Scratch = Callable[[int], torch.Tensor]
 class Leases:
     """Which requests hold a lookup lease, and which are being loaded right now."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: KVCache) -> None:
         self.engine = engine
         self._lock = threading.Lock()
         self._live: set[str] = set()
@@ -86,7 +86,7 @@ class Leases:
 
 
 class Loads:
-    def __init__(self, engine: Engine, paged: PagedKV, block_size: int) -> None:
+    def __init__(self, engine: KVCache, paged: PagedKV, block_size: int) -> None:
         self.engine = engine
         self.paged = paged
         self.block_size = block_size

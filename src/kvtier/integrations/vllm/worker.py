@@ -1,8 +1,14 @@
-"""The worker side of the connector (runs in each vLLM worker process): it owns the Engine.
+"""The worker side of the connector (runs in each vLLM worker process): it owns the cache.
+
+The cache is an Engine in this process, or, with ``kv_connector_extra_config: {"server":
+"unix:///path/kvtier.sock"}``, a client of the host's ``kvtier server`` (one cache shared by
+every vLLM instance on the host, outliving them). With a server, a lookup's pins and a load's
+lease live in the server, keyed by (this worker's connection, vLLM request id), and end by
+the same ``end`` path; a worker that dies releases them all when its socket closes.
 
 Lifecycle::
 
-    register(kv_caches)   read the paged layout, open the Engine, open the lookup channel
+    register(kv_caches)   read the paged layout, open the cache, open the lookup channel
     load(meta)            kvtier pages -> the request's vLLM blocks: CPU hits before the
                           forward, disk/Redis hits on the loader thread (:mod:`.loads`)
     save(meta)            after the forward: whole new chunks of prompts -> kvtier (not for
@@ -10,15 +16,18 @@ Lifecycle::
                           unfilled blocks, and vLLM recomputes it)
     failed_blocks()       blocks a load could not fill (a chunk that failed its checksum or
                           vanished from a lower tier): vLLM recomputes them
-    close()               channel closed, loads drained, Engine closed (ends every lease)
+    close()               channel closed, loads drained, cache closed (ends every lease)
 
-Who touches the Engine: the lookup channel's threads (lookup, end, stats), vLLM's model
+Who touches the cache: the lookup channel's threads (lookup, end, stats), vLLM's model
 thread (sync loads, saves) and the loader thread (async loads). The Engine is thread-safe;
 what must not interleave is an ``end`` with a load of the same request, which
 :class:`~kvtier.integrations.vllm.loads.Leases` orders.
 
 The lookup answers two numbers: the hit, and how much of it is in the CPU tier (the rest
-comes from disk or Redis and is loaded asynchronously).
+comes from disk or Redis and is loaded asynchronously). Through a server the CPU share is
+not known here, so every hit is loaded like a lower-tier one (in the background); what needs
+the Engine itself (eviction events, ``leaks``, ``clear``, PD, counters for vLLM's /metrics)
+is the server's business then: its admin API and /metrics.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ import torch
 
 from kvtier.config import Config
 from kvtier.engine import Engine
-from kvtier.errors import InputError, StateError
+from kvtier.errors import ConfigError, InputError, StateError
 from kvtier.integrations.vllm.channel import LookupServer
 from kvtier.integrations.vllm.events import MEDIUM, EventLog, chain_evictions
 from kvtier.integrations.vllm.loads import Loads
@@ -39,6 +48,7 @@ from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.metrics import CounterDeltas
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.pd import PDLink
+from kvtier.server.surface import KVCache, open_cache
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +66,14 @@ class WorkerSide:
         num_kv_heads: int,
         head_dim: int,
         events: bool = False,
+        server: str | None = None,
     ) -> None:
+        if server is not None and config.enable_pd:
+            raise ConfigError(
+                "server", server, "no server with enable_pd (PD runs in the worker's own Engine)"
+            )
         self.config = config
+        self.server = server
         self.model_name = model_name
         self.engine_id = engine_id
         self.tp_rank = tp_rank
@@ -65,7 +81,8 @@ class WorkerSide:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.engine: Engine | None = None
+        self.cache: KVCache | None = None  # what loads, saves and lookups use
+        self.engine: Engine | None = None  # the same object when in-process, else None
         self.paged: PagedKV | None = None
         self._server: LookupServer | None = None
         self._loads: Loads | None = None
@@ -84,25 +101,36 @@ class WorkerSide:
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
         )
-        engine = Engine(
+        cache = open_cache(
+            self.server,
             self.config,
             paged.layout(),
             model_name=self.model_name,
             tp_rank=self.tp_rank,
             tp_world_size=self.tp_world_size,
-        ).open()
-        self.paged, self.engine = paged, engine
-        self._loads = Loads(engine, paged, self.block_size)
-        self._media = [MEDIUM[name] for name in MEDIUM if engine.tier(name) is not None]
-        if self.events is not None:
-            for name in ("cpu", "disk"):
-                tier = engine.tier(name)
-                if tier is not None:
-                    chain_evictions(tier, MEDIUM[name], self.events)
-        self._pd = PDLink(engine, self.tp_rank)
+        )
+        self.paged, self.cache = paged, cache
+        self._loads = Loads(cache, paged, self.block_size)
+        if isinstance(cache, Engine):
+            self.engine = cache
+            self._media = [MEDIUM[name] for name in MEDIUM if cache.tier(name) is not None]
+            if self.events is not None:
+                for name in ("cpu", "disk"):
+                    tier = cache.tier(name)
+                    if tier is not None:
+                        chain_evictions(tier, MEDIUM[name], self.events)
+            self._pd = PDLink(cache, self.tp_rank)
+        else:
+            # The server evicts on its own; stores are reported in the media it has.
+            tiers = cache.stats().get("tiers", {})
+            self._media = [MEDIUM[name] for name in MEDIUM if name in tiers] or [MEDIUM["cpu"]]
         self._server = LookupServer(self.engine_id, self.tp_rank, self._handle).open()
         log.info(
-            "kvtier worker %d: %s, channel %s", self.tp_rank, paged.describe(), self._server.path
+            "kvtier worker %d: %s, cache %s, channel %s",
+            self.tp_rank,
+            paged.describe(),
+            self.server or "in-process",
+            self._server.path,
         )
 
     def close(self) -> None:
@@ -114,8 +142,8 @@ class WorkerSide:
             self._pd = None
         if self._loads is not None:
             self._loads.close()
-        if self.engine is not None:
-            self.engine.close()
+        if self.cache is not None:
+            self.cache.close()
 
     # -- the step --------------------------------------------------------------------------
     def load(self, meta: KVTierMetadata) -> None:
@@ -161,7 +189,8 @@ class WorkerSide:
         return self.events.drain() if self.events is not None else []
 
     def counter_deltas(self) -> dict[str, int]:
-        """The Engine's counters' increase since the last call (for vLLM's /metrics)."""
+        """The Engine's counters' increase since the last call (for vLLM's /metrics; through a
+        server, its own /metrics counts for every instance)."""
         if self.engine is None:
             return {}
         return self._deltas.take(self.engine.counters.as_dict())
@@ -183,23 +212,32 @@ class WorkerSide:
             return self._loads_part().leases.end(rid)
         if op == "stats":
             return engine.stats()
-        if op == "leaks":
-            return [(i.request_id, i.pinned_pages, list(i.holds)) for i in engine.leaks()]
         if op == "check":
             return engine.check_invariants()
         if op == "flush":
             return engine.flush(*args)
-        if op == "clear":
-            return engine.clear()
+        if op in ("leaks", "clear"):
+            if self.engine is None:
+                raise StateError(
+                    f"kvtier channel op {op!r} needs an in-process Engine; this worker uses "
+                    f"the kvtier server at {self.server} (use its admin API)"
+                )
+            if op == "clear":
+                return self.engine.clear()
+            leaks = self.engine.leaks()
+            return [(i.request_id, i.pinned_pages, list(i.holds)) for i in leaks]
         raise InputError(
             f"unknown kvtier channel op {op!r}; use lookup, end, stats, leaks, check, flush, clear"
         )
 
     def _cpu_prefix(self, tokens: list[int], hit: int) -> int:
-        """How much of the ``hit`` prefix sits in the CPU tier (pinned, so it stays)."""
-        engine, _ = self._parts()
+        """How much of the ``hit`` prefix sits in the CPU tier (pinned, so it stays); 0
+        through a server, which loads the hit in the background."""
+        engine = self.engine
+        if not hit or engine is None:
+            return 0
         cpu = engine.tier("cpu")
-        if not hit or cpu is None:
+        if cpu is None:
             return 0
         chain = engine.keychain.keys(tokens, include_partial=engine.config.save_unfull_chunk)
         spans = [s for s in chain if s.end <= hit]
@@ -216,10 +254,10 @@ class WorkerSide:
             raise StateError("kvtier worker: vLLM has not registered its KV caches yet")
         return self._loads
 
-    def _parts(self) -> tuple[Engine, PagedKV]:
-        if self.engine is None or self.paged is None:
+    def _parts(self) -> tuple[KVCache, PagedKV]:
+        if self.cache is None or self.paged is None:
             raise StateError("kvtier worker: vLLM has not registered its KV caches yet")
-        return self.engine, self.paged
+        return self.cache, self.paged
 
     def _scratch_for(self, tokens: int) -> torch.Tensor:
         """A reusable ``[2, layers, >=tokens, hidden]`` buffer: fresh memory is slow to touch,
