@@ -28,6 +28,7 @@ from tests.server.server_helpers import (
     idle_server_state,
     remove_tempdir,
     short_tempdir,
+    wait_until,
 )
 
 from .conftest import PROMPTS
@@ -109,6 +110,7 @@ def test_second_vllm_hits_what_the_first_stored_in_the_server(
             second.probe.call("clear")  # the server's admin API clears, not a vLLM worker
         instances.close()
 
+        wait_until(lambda: checker.stats()["open_requests"] == 0, what="no lease left")
         assert idle_server_state(checker) == IDLE
         assert checker.stats()["tiers"]["cpu"]["entries"] == 3 + 2 + 1
     finally:

@@ -1,0 +1,126 @@
+"""The connector's worker side on a real ``kvtier server`` (``server`` in the extra config),
+with real paged tensors and no vLLM processes: what one worker saves another loads, leases
+are per (worker connection, vLLM request id), end once through the channel, and a worker that
+goes away leaves nothing held in the server."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvtier.config import Config
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.channel import LookupClient
+from kvtier.integrations.vllm.events import MEDIUM
+from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.integrations.vllm.worker import WorkerSide
+from kvtier.layout import KVLayout
+from kvtier.server.client import ServerClient
+from tests.server.server_helpers import (
+    IDLE,
+    ServerProcess,
+    idle_server_state,
+    remove_tempdir,
+    short_tempdir,
+    wait_until,
+)
+
+from .test_worker_side import BLOCK, CHUNK, CHUNK_BYTES, DIM, HEADS, LAYERS, fill, kv_caches
+
+LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def kvserver() -> Iterator[ServerProcess]:
+    path = short_tempdir()
+    proc = ServerProcess(path, max_local_cpu_size=f"{64 * CHUNK_BYTES}B").start()
+    yield proc
+    proc.stop()
+    remove_tempdir(path)
+
+
+def config(**overrides: object) -> Config:
+    return Config.load(overrides={"chunk_size": CHUNK, **overrides}, env={})
+
+
+def server_worker(url: str, **overrides: object) -> WorkerSide:
+    side = WorkerSide(
+        config(**overrides),
+        model_name="tiny-server",
+        engine_id=f"test-{uuid.uuid4().hex}",
+        tp_rank=0,
+        tp_world_size=1,
+        block_size=BLOCK,
+        num_kv_heads=HEADS,
+        head_dim=DIM,
+        events=True,
+        server=url,
+    )
+    side.register(kv_caches())
+    return side
+
+
+def test_one_worker_loads_what_another_saved_and_leases_end_once(kvserver: ServerProcess) -> None:
+    checker = ServerClient(kvserver.url, LAYOUT, model_name="tiny-server", config=config()).open()
+    first, second = server_worker(kvserver.url), server_worker(kvserver.url)
+    a, b = LookupClient(first.engine_id), LookupClient(second.engine_id)
+    try:
+        assert first.engine is None and second.engine is None  # no Engine in the worker
+        tokens = list(range(500, 580))  # 2 whole chunks + 16
+        fill(first, [3, 4, 5, 6], seed=7)
+        first.save(KVTierMetadata(saves=[SaveSpec("s", tokens[:64], [3, 4, 5, 6], 0, 64)]))
+        # one event per chunk, in the media the server has (only its CPU tier here)
+        assert [(e[0], e[5]) for e in first.take_events()] == [("stored", MEDIUM["cpu"])] * 2
+
+        # the same vLLM request id in both workers: two leases, one per connection
+        assert a.call("lookup", "same", tokens) == (64, 0)  # CPU share unknown: async load
+        assert b.call("lookup", "same", tokens) == (64, 0)
+        assert checker.stats()["open_requests"] == 2
+        assert checker.stats()["pinned_pages"] == 4
+
+        second.load(KVTierMetadata(loads=[LoadSpec("same", tokens, [20, 21, 22, 23], 0, 64)]))
+        assert first.paged is not None and second.paged is not None
+        for mine, theirs in zip(second.paged.layers, first.paged.layers, strict=True):
+            assert torch.equal(mine[[20, 21, 22, 23]], theirs[[3, 4, 5, 6]])
+        assert second.failed_blocks() == set() and second.short_loads() == {}
+
+        assert a.call("end", "same") is True
+        assert checker.stats()["open_requests"] == 1  # b's lease of "same" is its own
+        assert b.call("end", "same") is True
+        assert b.call("end", "same") is False  # ended exactly once
+        assert idle_server_state(checker) == IDLE
+
+        # a worker that goes away with a lease open releases it in the server
+        assert b.call("lookup", "open", tokens) == (64, 0)
+        assert checker.stats()["pinned_pages"] == 2
+        b.close()
+        second.close()
+        # the server notices the closed socket on its own thread, a moment later
+        wait_until(lambda: checker.stats()["open_requests"] == 0, what="the lease released")
+        assert idle_server_state(checker) == IDLE
+        with pytest.raises(Exception, match="kvtier server"):
+            a.call("leaks")
+    finally:
+        a.close()
+        b.close()
+        first.close()
+        second.close()
+        checker.close()
+
+
+def test_server_and_pd_are_refused_together(kvserver: ServerProcess) -> None:
+    with pytest.raises(ConfigError, match="enable_pd"):
+        WorkerSide(
+            config(enable_pd=True, pd_role="receiver", pd_buffer_size="1MiB"),
+            model_name="tiny-server",
+            engine_id="x",
+            tp_rank=0,
+            tp_world_size=1,
+            block_size=BLOCK,
+            num_kv_heads=HEADS,
+            head_dim=DIM,
+            server=kvserver.url,
+        )
