@@ -92,28 +92,51 @@ def run_vllm_demo(options: VllmOptions) -> DemoResult:
             ("cpu", "kvtier CPU tier (+ disk write-through)", tiers),
             ("restart", "restart: cold CPU, warm disk", tiers),
         ]
-        runs = []
-        for name, label, extra in jobs:
-            connector = None
-            if extra is not None:
-                connector = {
-                    **CONNECTOR,
-                    "engine_id": f"kvtier-demo-{name}-{uuid.uuid4().hex[:8]}",
-                    "kv_connector_extra_config": extra,
-                }
-            job = _Job(
-                name,
-                label,
-                str(model_dir),
-                options.dtype,
-                workload,
-                connector,
-                options.kv_cache_gib,
-                options.progress,
-                str(work / f"{name}.pickle"),
-            )
-            runs.append(_run_child(job))
+        runs: list[ConfigRun] = []
+        children: list[_Child] = []
+        try:
+            for name, label, extra in jobs:
+                if extra is not None and children and children[-1].job.connector is not None:
+                    # The restart must not open the disk directory while the run before it
+                    # still has it open; the baseline may shut down while the next starts.
+                    children[-1].finish()
+                children.append(
+                    _Child(_job(name, label, extra, options, workload, model_dir, work))
+                )
+                runs.append(children[-1].result())
+        finally:
+            for child in children:
+                child.finish()
     return DemoResult(workload, model_name, runs, notes)
+
+
+def _job(
+    name: str,
+    label: str,
+    extra: dict[str, Any] | None,
+    options: VllmOptions,
+    workload: Workload,
+    model_dir: Path,
+    work: Path,
+) -> _Job:
+    connector = None
+    if extra is not None:
+        connector = {
+            **CONNECTOR,
+            "engine_id": f"kvtier-demo-{name}-{uuid.uuid4().hex[:8]}",
+            "kv_connector_extra_config": extra,
+        }
+    return _Job(
+        name,
+        label,
+        str(model_dir),
+        options.dtype,
+        workload,
+        connector,
+        options.kv_cache_gib,
+        options.progress,
+        str(work / f"{name}.pickle"),
+    )
 
 
 def _vocab_size(model_dir: Path) -> int:
@@ -147,26 +170,42 @@ def _tiers(
     }
 
 
-def _run_child(job: _Job) -> ConfigRun:
-    """Start the configuration's process, wait for it, read back what it recorded."""
-    proc = multiprocessing.get_context("spawn").Process(
-        target=_child_main, args=(job,), name=f"kvtier-demo-{job.name}"
-    )
-    proc.start()
-    proc.join(CONFIG_TIMEOUT_S)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-        raise StateError(f"demo configuration {job.name!r} did not finish in {CONFIG_TIMEOUT_S} s")
-    path = Path(job.result_path)
-    if proc.exitcode != 0 or not path.exists():
-        raise StateError(
-            f"demo configuration {job.name!r} failed (vLLM process exit code {proc.exitcode}); "
-            "its output above says why"
+class _Child:
+    """One configuration's process. Its result is read as soon as the workload is done (the
+    file is written before vLLM shuts down, which takes seconds); :meth:`finish` waits for
+    the process itself."""
+
+    def __init__(self, job: _Job) -> None:
+        self.job = job
+        self.proc = multiprocessing.get_context("spawn").Process(
+            target=_child_main, args=(job,), name=f"kvtier-demo-{job.name}"
         )
-    with path.open("rb") as f:
-        run: ConfigRun = pickle.load(f)  # written by our own child process just now
-    return run
+        self.proc.start()
+
+    def result(self) -> ConfigRun:
+        path = Path(self.job.result_path)
+        deadline = time.monotonic() + CONFIG_TIMEOUT_S
+        while not path.exists():
+            if not self.proc.is_alive() and not path.exists():
+                raise StateError(
+                    f"demo configuration {self.job.name!r} failed (vLLM process exit code "
+                    f"{self.proc.exitcode}); its output above says why"
+                )
+            if time.monotonic() > deadline:
+                self.finish(0)
+                raise StateError(
+                    f"demo configuration {self.job.name!r} did not finish in {CONFIG_TIMEOUT_S} s"
+                )
+            self.proc.join(0.1)
+        with path.open("rb") as f:
+            run: ConfigRun = pickle.load(f)  # written by our own child process just now
+        return run
+
+    def finish(self, timeout: float = 60.0) -> None:
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
 
 
 def _child_main(job: _Job) -> None:
@@ -193,11 +232,15 @@ def _child_main(job: _Job) -> None:
             probe.call("flush", 60.0, timeout=90.0)
             _record_cache(probe, run, before)
             probe.close()
+        # Before vLLM's shutdown (seconds): the parent goes on once the file appears.
+        # Written whole, then renamed, so it never reads half a file.
+        partial = job.result_path + ".partial"
+        with open(partial, "wb") as f:
+            pickle.dump(run, f)
+        os.replace(partial, job.result_path)
     finally:
         llm.llm_engine.engine_core.shutdown()  # a leftover engine can hang the exit
         del llm
-    with open(job.result_path, "wb") as f:
-        pickle.dump(run, f)
 
 
 def _start(job: _Job) -> Any:
