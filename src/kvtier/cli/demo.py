@@ -11,17 +11,28 @@ import argparse
 import importlib.util
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.demo.workload import Workload
 from kvtier.engine import Engine
+from kvtier.errors import InputError
 from kvtier.integrations.tiny_models import SIZES
 from kvtier.layout import dtype_from_name
+
+if TYPE_CHECKING:
+    from kvtier.demo.runner import DemoResult
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     d = Workload()
     add = parser.add_argument
+    add(
+        "--engine",
+        choices=("transformers", "vllm"),
+        default="transformers",
+        help="run the model in kvtier's transformers loop or in a real vLLM (kvtier[vllm]); "
+        "vLLM: one fresh vLLM per configuration, the tiny checkpoint unless --model-dir",
+    )
     add("--model-size", choices=sorted(SIZES), default="small", help="model built in code")
     add(
         "--model-dir", help="a local Hugging Face checkpoint (Llama/Mistral/Qwen2); never downloads"
@@ -43,8 +54,6 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.demo.plot import write_plot
-    from kvtier.demo.report import format_table, summary
     from kvtier.demo.runner import Options, run_demo
 
     workload = Workload(
@@ -56,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         answer_tokens=args.answer_tokens,
         seed=args.seed,
     )
+    if args.engine == "vllm":
+        return _run_vllm(args, workload)
     options = Options(
         workload=workload,
         model_size=args.model_size,
@@ -73,13 +84,43 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if dashboard is not None:
             dashboard.close()
+    return _report(result, args.plot, started)
+
+
+def _run_vllm(args: argparse.Namespace, workload: Workload) -> int:
+    from kvtier.demo.vllm_runner import VllmOptions, run_vllm_demo
+
+    if args.dashboard:
+        # The Engine lives in vLLM's worker process, out of this process's reach.
+        raise InputError(
+            "--dashboard works with --engine transformers only; with vLLM, turn on the admin "
+            "API in the connector's config (internal_api_server_enabled)"
+        )
+    options = VllmOptions(
+        workload=workload,
+        model_dir=args.model_dir,
+        dtype=args.dtype,
+        chunk_size=args.chunk_size,
+        disk_dir=args.disk_dir,
+        progress=not args.no_progress,
+        seed=args.seed,
+    )
+    started = time.perf_counter()
+    return _report(run_vllm_demo(options), args.plot, started)
+
+
+def _report(result: DemoResult, plot: str, started: float) -> int:
+    """Print the table, write the plot; 1 if any configuration's tokens differ."""
+    from kvtier.demo.plot import write_plot
+    from kvtier.demo.report import format_table, summary
+
     print(summary(result))
     print()
     print(format_table(result))
     for note in result.notes:
         print(f"note: {note}")
-    write_plot(result, args.plot)
-    print(f"\nplot: {args.plot}   total time: {time.perf_counter() - started:.0f} s")
+    write_plot(result, plot)
+    print(f"\nplot: {plot}   total time: {time.perf_counter() - started:.0f} s")
     mismatches = result.mismatches()
     if mismatches:
         print(
