@@ -16,7 +16,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kvtier.errors", "kvtier.lifecycle"),
+    ("kvtier.errors", "kvtier.lifecycle", "kvtier.framing"),
     ("kvtier.config", "kvtier.layout", "kvtier.keys", "kvtier.validation"),
     ("kvtier.memory",),
     ("kvtier.lease",),

@@ -40,15 +40,14 @@ idle between requests is closed after ``pd_idle_timeout_sec``.
 from __future__ import annotations
 
 import socket
-import struct
 
 import msgspec
 
 from kvtier.errors import ProtocolError, TransferError, TransferTimeout
+from kvtier.framing import HEADER, Framing
 
 MAGIC = b"KVP"
 VERSION = 2  # 2: the chunk checksum is the block checksum of kvtier.pd.checksum
-HEADER = struct.Struct("!3sBI")
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: an AllocRequest for ~30k chunks; anything bigger is abuse
 
 
@@ -132,37 +131,10 @@ Message = (
     | Abort
 )
 
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
-
-
-def encode(message: Message) -> bytes:
-    body = _encoder.encode(message)
-    if len(body) > MAX_BODY_BYTES:
-        raise ProtocolError(
-            f"{type(message).__name__} is {len(body)} bytes; the limit is {MAX_BODY_BYTES}"
-        )
-    return HEADER.pack(MAGIC, VERSION, len(body)) + body
-
-
-def parse_header(header: bytes) -> int:
-    """The body length announced by a frame header, after checking magic, version and bound."""
-    magic, version, length = HEADER.unpack(header)
-    if magic != MAGIC:
-        raise ProtocolError(f"bad frame magic {magic!r}")
-    if version != VERSION:
-        raise ProtocolError(f"unknown protocol version {version} (this side speaks {VERSION})")
-    if length > MAX_BODY_BYTES:
-        raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_BODY_BYTES}-byte limit")
-    return int(length)
-
-
-def decode_body(body: bytes) -> Message:
-    try:
-        message: Message = _decoder.decode(body)
-        return message
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"malformed message: {exc}") from None
+FRAMING: Framing[Message] = Framing(MAGIC, VERSION, MAX_BODY_BYTES, Message)
+encode = FRAMING.encode
+parse_header = FRAMING.parse_header
+decode_body = FRAMING.decode_body
 
 
 def send_message(sock: socket.socket, message: Message) -> None:

@@ -39,16 +39,15 @@ the connection held. Other connections never notice.
 from __future__ import annotations
 
 import socket
-import struct
 from typing import Any
 
 import msgspec
 
 from kvtier.errors import ProtocolError, TransferError, TransferTimeout
+from kvtier.framing import HEADER, Framing
 
 MAGIC = b"KVS"
 VERSION = 1
-HEADER = struct.Struct("!3sBI")
 MAX_BODY_BYTES = 4 << 20  # a 1M-token prompt as int32; anything bigger is abuse
 STALL_TIMEOUT_S = 10.0  # a frame begun must end within this (between frames: no limit)
 
@@ -175,37 +174,10 @@ Request = (
 Reply = Welcome | Refused | Hit | Pages | Stored | Ended | StatsReply | Problems | Failed
 Message = Request | Reply
 
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
-
-
-def encode(message: Message) -> bytes:
-    body = _encoder.encode(message)
-    if len(body) > MAX_BODY_BYTES:
-        raise ProtocolError(
-            f"{type(message).__name__} is {len(body)} bytes; the limit is {MAX_BODY_BYTES}"
-        )
-    return HEADER.pack(MAGIC, VERSION, len(body)) + body
-
-
-def parse_header(header: bytes | bytearray | memoryview) -> int:
-    """The body length a frame header announces, after checking magic, version and bound."""
-    magic, version, length = HEADER.unpack(header)
-    if magic != MAGIC:
-        raise ProtocolError(f"bad frame magic {magic!r} (expected {MAGIC!r}): not a kvtier client")
-    if version != VERSION:
-        raise ProtocolError(f"protocol version {version} is not this side's {VERSION}")
-    if length > MAX_BODY_BYTES:
-        raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_BODY_BYTES}-byte limit")
-    return int(length)
-
-
-def decode_body(body: bytes | bytearray | memoryview) -> Message:
-    try:
-        message: Message = _decoder.decode(body)
-        return message
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"malformed message: {exc}") from None
+FRAMING: Framing[Message] = Framing(MAGIC, VERSION, MAX_BODY_BYTES, Message)
+encode = FRAMING.encode
+parse_header = FRAMING.parse_header
+decode_body = FRAMING.decode_body
 
 
 class FrameReader:
