@@ -59,7 +59,7 @@ class Service:
                 raise StateError("this Service is closed; create a new one")
             self.engine.open()
             try:
-                self.admin = self._open_admin()
+                self.admin = open_admin(self.engine)
                 if self.engine.pd_buffer is not None:
                     self.receiver = PDReceiver.for_engine(self.engine).open()
             except BaseException:
@@ -87,22 +87,6 @@ class Service:
         finally:
             self.engine.close()
 
-    def _open_admin(self) -> AdminServer | None:
-        cfg = self.config
-        if not cfg.internal_api_server_enabled:
-            return None
-        server = AdminServer(
-            self.engine,
-            cfg.internal_api_server_host,
-            cfg.internal_api_server_port_start,
-            cfg.admin_token,
-        )
-        try:
-            return server.open()
-        except OSError as exc:
-            log.error("kvtier admin API not started: %s", exc)
-            return None
-
     @property
     def state(self) -> Lifecycle:
         return self._state
@@ -122,3 +106,20 @@ class Service:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def open_admin(engine: Engine) -> AdminServer | None:
+    """The admin API ``engine``'s config asks for (``internal_api_server_enabled``), open,
+    or None. A port that cannot be bound is logged: the cache never fails for its dashboard.
+    For any process that owns an open engine (a Service, a vLLM worker)."""
+    cfg = engine.config
+    if not cfg.internal_api_server_enabled:
+        return None
+    server = AdminServer(
+        engine, cfg.internal_api_server_host, cfg.internal_api_server_port_start, cfg.admin_token
+    )
+    try:
+        return server.open()
+    except OSError as exc:
+        log.error("kvtier admin API not started: %s", exc)
+        return None

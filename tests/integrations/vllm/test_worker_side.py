@@ -4,7 +4,9 @@ guard (fast, so every rule has a test that runs in a second)."""
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -224,3 +226,19 @@ def test_an_end_during_a_load_waits_for_it(worker: WorkerSide) -> None:
     assert worker.engine.stats()["pinned_pages"] == 0 and worker.engine.leaks() == []
     assert not leases.begin_load("b")  # ended: a late load is refused
     client.close()
+
+
+def test_the_worker_that_owns_the_cache_serves_its_admin_api() -> None:
+    side = make_worker(internal_api_server_enabled=True, internal_api_server_port_start=0)
+    try:
+        assert side.admin is not None
+        url = side.admin.url
+        with urllib.request.urlopen(url + "/health", timeout=5) as reply:
+            assert json.loads(reply.read()) == {"status": "ok"}
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as reply:
+            assert b"kvtier_lookups_total" in reply.read()
+    finally:
+        side.close()
+    assert side.admin is None
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url + "/health", timeout=2)

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from kvtier.admin.server import AdminServer
 from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError, InputError, StateError
@@ -49,6 +50,7 @@ from kvtier.integrations.vllm.metrics import CounterDeltas
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.pd import PDLink
 from kvtier.server.surface import KVCache, open_cache
+from kvtier.service import open_admin
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,7 @@ class WorkerSide:
         self.events = EventLog() if events and tp_rank == 0 else None
         self._media: list[str] = []
         self._pd: PDLink | None = None
+        self.admin: AdminServer | None = None  # in the process that owns the cache
         self._deltas = CounterDeltas()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -120,6 +123,7 @@ class WorkerSide:
                     if tier is not None:
                         chain_evictions(tier, MEDIUM[name], self.events)
             self._pd = PDLink(cache, self.tp_rank)
+            self.admin = open_admin(cache)
         else:
             # The server evicts on its own; stores are reported in the media it has.
             tiers = cache.stats().get("tiers", {})
@@ -134,6 +138,9 @@ class WorkerSide:
         )
 
     def close(self) -> None:
+        if self.admin is not None:
+            self.admin.close()
+            self.admin = None
         if self._server is not None:
             self._server.close()
             self._server = None
