@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test check bench system-deps clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml src/kvtier/memory/_stream_copy.c
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, pinned: an unpinned torch pulls gigabytes of CUDA packages.

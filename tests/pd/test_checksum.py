@@ -42,14 +42,13 @@ def test_the_checksum_is_the_documented_block_digest(nbytes: int) -> None:
 
 @pytest.mark.parametrize("nbytes", [*SIZES, 9 * BLOCK_BYTES + 3])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("hash_source", [False, True])
 def test_copy_with_checksum_copies_exactly_and_agrees(
-    nbytes: int, threads: int, hash_source: bool, helper: ThreadPoolExecutor
+    nbytes: int, threads: int, helper: ThreadPoolExecutor
 ) -> None:
     src = data(nbytes, 1)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
     pool = helper if threads == 2 else None
-    digest = copy_with_checksum(dst, src, pool, hash_source=hash_source)
+    digest = copy_with_checksum(dst, src, pool)
     assert torch.equal(dst, src) and digest == checksum(src)
 
 
@@ -95,8 +94,23 @@ def test_copy_threads_tries_both_modes_and_always_gives_the_checksum(
 ) -> None:
     copier = CopyThreads(helper)
     src = data(3 * BLOCK_BYTES + 1, 6)
-    for _ in range(2 * CopyThreads.EXPLORE_EVERY + 2):
+    for _ in range(4):
         dst = torch.zeros_like(src)
-        assert copier.copy(dst, src, hash_source=True) == checksum(src)
+        assert copier.copy(dst, src) == checksum(src)
         assert torch.equal(dst, src)
     assert set(copier.measured()) == {True, False}  # one thread and two were both measured
+
+
+def test_copy_threads_retries_the_slower_mode_only_once_its_sample_is_old(
+    helper: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copier = CopyThreads(helper)
+    src = data(2 * BLOCK_BYTES, 7)
+    for _ in range(2 * CopyThreads.WARMUP):  # each mode measured
+        copier.copy(torch.zeros_like(src), src)
+    rates = copier.measured()
+    faster = rates[True] >= rates[False]
+    monkeypatch.setattr(CopyThreads, "EXPLORE_SECONDS", 3600.0)
+    assert [copier._choose() for _ in range(20)] == [faster] * 20
+    monkeypatch.setattr(CopyThreads, "EXPLORE_SECONDS", 0.0)
+    assert copier._choose() is (not faster)

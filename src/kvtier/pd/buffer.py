@@ -292,8 +292,9 @@ class PDBuffer(Tier):
                 return None
             nbytes = entry.num_tokens * self.token_bytes
             src = self.pool.page_bytes_view(entry.page, nbytes)
-            # Copy and verify in one pass: what lands in out is what is checked. On a
-            # mismatch out holds garbage, but the caller serves nothing from a miss.
+            # Copy and verify in one pass: each piece of the page is copied out, then hashed
+            # from the cache the copy left it in, so the bytes checked are the bytes served.
+            # On a mismatch out holds garbage, but the caller serves nothing from a miss.
             assert self._copier is not None  # set with the pool, at open
             if self._copier.copy(out[:nbytes], src) != entry.checksum:
                 log.error("PD chunk %s does not match its sender's checksum; dropped", key.hex())

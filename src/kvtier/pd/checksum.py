@@ -7,12 +7,15 @@ Definition (the sender computes it, the decoder verifies every byte it serves ag
     d_j          = xxh3-64(block j), as 8 little-endian bytes
     checksum     = xxh3-64(d_0 || d_1 || ...)              (xxh3-64 of b"" for no bytes)
 
-Why blocks rather than one digest of the whole chunk: a block is hashed right after it is
-copied, while it is still in the core's cache, so copy and check cost one pass over memory,
-not two; and two threads can each copy and hash half of a chunk. The copies are numpy
-copies, which run without the GIL, so one thread copies while the other hashes (xxhash holds
-the GIL); torch's own copy would fan each 1 MiB block out to its intra-op threads, which
-measured several times slower on two busy cores.
+Why blocks rather than one digest of the whole chunk: a copy copies a block and hashes its
+source right after, while the block is still in the core's cache, so copy and check cost one
+pass over memory, not two; and two threads can each copy and hash half of a chunk.
+
+The copy is :func:`kvtier.memory.stream_copy.copy_bytes`: streaming stores without the GIL,
+so the destination is never read (no read-for-ownership) and the other thread copies while
+this one hashes (xxhash holds the GIL, for about 17 us a block in cache). What is hashed is
+the source the copy read: a sender states what it meant to send; a reader serving a page
+checks the page's bytes in the pass that copies them out.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ import numpy as np
 import torch
 import xxhash
 
+from kvtier.memory.stream_copy import copy_bytes
+
 BLOCK_BYTES = 1 << 20
-# Copies go in pieces of two blocks: larger memcpys run faster (4 MiB ones about 40% faster
-# than 1 MiB ones), smaller pieces are still in L2 when hashed; fused copy-and-hash measured
-# best between 1 and 4 MiB, by under the run-to-run noise of a shared two-core host.
-COPY_BYTES = 2 * BLOCK_BYTES
+# Copies go a block at a time: a block just copied is still in the core's 1 MiB L2 when it is
+# hashed. Smaller pieces measured slower on two threads (256 KiB: 17 GB/s against 23 for
+# 1 MiB), each hand-off of the GIL between the hashing threads costing more than it saves.
+COPY_BYTES = BLOCK_BYTES
 
 
 def combine(digests: list[int]) -> int:
@@ -80,25 +85,20 @@ def checksum(data: torch.Tensor) -> int:
     return hasher.intdigest()
 
 
-def copy_with_checksum(
-    dst: torch.Tensor, src: torch.Tensor, helper: Executor | None, *, hash_source: bool = False
-) -> int:
+def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor, helper: Executor | None) -> int:
     """Copy ``src`` (any shape and strides; its bytes in canonical order) into ``dst`` (flat
-    contiguous uint8, exactly that many bytes) and return the checksum, each piece hashed
-    right after it is copied, while it is in cache: by default of what landed in ``dst`` (a
-    reader verifying what it serves), with ``hash_source`` of ``src`` (a sender stating what
-    it meant to send; the source is the side the copy only read, and it measured faster to
-    hash). With ``helper`` (an executor with a free thread) the second half of the chunk is
-    copied and hashed there at the same time.
+    contiguous uint8, exactly that many bytes) and return the checksum of the bytes copied,
+    each piece hashed right after its copy, from the cache. With ``helper`` (an executor
+    with a free thread) the second half of the chunk is copied and hashed there at the same
+    time.
     """
     pieces = _pieces(dst, src)
     split = _half(pieces)
-    side = 2 if hash_source else 1  # which array of a Piece to hash
     if helper is None or split in (0, len(pieces)):
-        return combine(_copy_and_hash(pieces, side))
-    second = helper.submit(_copy_and_hash, pieces[split:], side)
+        return combine(_copy_and_hash(pieces))
+    second = helper.submit(_copy_and_hash, pieces[split:])
     try:
-        first = _copy_and_hash(pieces[:split], side)
+        first = _copy_and_hash(pieces[:split])
     finally:
         rest = second.result()  # even on an error: the helper must be done with dst
     return combine(first + rest)
@@ -139,11 +139,14 @@ def _half(pieces: list[Piece]) -> int:
     return len(pieces)
 
 
-def _copy_and_hash(pieces: list[Piece], side: int) -> list[int]:
+def _copy_and_hash(pieces: list[Piece]) -> list[int]:
     hasher = BlockHasher()
     for _, out, data in pieces:
-        np.copyto(out, data)  # without the GIL: the other thread hashes meanwhile
-        hasher.update(data if side == 2 else out)
+        # The copy reads the piece from memory without the GIL, leaving it in the cache for
+        # the hash, which holds the GIL: this way round the other thread's copy runs while
+        # this one hashes (hash first, the hash's reads from memory held the GIL: 10% slower).
+        copy_bytes(out, data)
+        hasher.update(data)
     return hasher.block_digests()
 
 
@@ -157,31 +160,34 @@ def _flat_bytes(data: torch.Tensor) -> np.ndarray:
 class CopyThreads:
     """Picks one thread or two for each :func:`copy_with_checksum`, by measured speed.
 
-    Two threads win on an idle two-core host (a 2-thread copy ran 14 GB/s against 8.4 for
-    one); on a host whose cores are busy with other work the hand-off loses and one thread
-    wins (0.91 against 0.70 of the best memcpy, measured under load). So each mode keeps its
-    last few speeds, the mode whose best recent speed is higher is used (other work only
-    ever slows a copy down, so the best sample is the least disturbed), and the other mode is
-    tried again every ``EXPLORE_EVERY`` chunks so that a change in load is noticed.
+    Two threads win on an idle two-core host (17-20 GB/s against 13-14 for one, streaming
+    copies with their hashing); on a host whose cores are busy with other work the hand-off
+    can lose and one thread win. So each mode keeps its last few speeds, the mode whose best
+    recent speed is higher is used (other work only ever slows a copy down, so the best sample
+    is the least disturbed), and the other mode is tried again once its last sample is
+    ``EXPLORE_SECONDS`` old, so that a change in load is noticed. A time bound rather than a
+    chunk count: trying the slower mode every 8th chunk cost about 10% of the throughput of a
+    busy transfer, once a second costs one chunk in hundreds.
     """
 
-    EXPLORE_EVERY = 8
+    EXPLORE_SECONDS = 1.0
     SAMPLES = 4
+    WARMUP = 2  # samples of each mode before the faster one is chosen
 
     def __init__(self, helper: Executor) -> None:
         self.helper = helper
         self._rates: dict[bool, deque[float]] = {
             two: deque(maxlen=self.SAMPLES) for two in (True, False)
         }
-        self._count = 0
+        self._tried: dict[bool, float] = {}  # monotonic time each mode was last chosen
         self._lock = threading.Lock()
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, hash_source: bool = False) -> int:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> int:
         with self._lock:
-            self._count += 1
             two = self._choose()
+            self._tried[two] = time.monotonic()
         start = time.perf_counter()
-        digest = copy_with_checksum(dst, src, self.helper if two else None, hash_source=hash_source)
+        digest = copy_with_checksum(dst, src, self.helper if two else None)
         rate = dst.numel() / max(time.perf_counter() - start, 1e-9)
         with self._lock:
             self._rates[two].append(rate)
@@ -194,7 +200,10 @@ class CopyThreads:
 
     def _choose(self) -> bool:
         two, one = self._rates[True], self._rates[False]
-        if not two or not one:
-            return not two  # each mode once first: two threads, then one
+        if len(two) < self.WARMUP or len(one) < self.WARMUP:
+            # Each mode a few times first, in turn: a first copy is often slow (cold pages,
+            # a thread starting), and one bad sample must not decide for good.
+            return len(two) <= len(one)
         faster = max(two) >= max(one)
-        return not faster if self._count % self.EXPLORE_EVERY == 0 else faster
+        stale = time.monotonic() - self._tried[not faster] >= self.EXPLORE_SECONDS
+        return not faster if stale else faster

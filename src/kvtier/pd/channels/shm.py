@@ -2,9 +2,10 @@
 
 The receiver creates the segment (a file in /dev/shm, unlinked at close), maps it and pages
 it with its :class:`BlockPool`; the HelloReply names the file. The sender maps the same file
-and copies each chunk once, straight into the page the AllocReply named, hashing each block
-right after copying it (:func:`kvtier.pd.checksum.copy_with_checksum`, two threads), then
-sends the ChunkSent header with that checksum.
+and copies each chunk once, straight into the page the AllocReply named, copying each block
+with streaming stores and hashing it from the cache right after
+(:func:`kvtier.pd.checksum.copy_with_checksum`, one thread or two), then sends the ChunkSent
+header with that checksum.
 
 The receiver does not hash at publish (``verify_at_serve``): the PD tier verifies every byte
 against the sender's checksum while it copies the chunk out to serve it, in the same pass
@@ -30,7 +31,7 @@ from kvtier.pd.checksum import CopyThreads
 from kvtier.pd.protocol import ChunkSent, HelloReply, send_message
 
 SHM_DIR = "/dev/shm"
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # pre-fault the mapping: no faults on the hot path
+POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # pre-fault the mapping: no faults on the hot path
 
 
 class ShmReceiver(ReceiverChannel):
@@ -47,7 +48,7 @@ class ShmReceiver(ReceiverChannel):
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.ftruncate(fd, nbytes)
-                mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
+                mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | POPULATE)
             finally:
                 os.close(fd)
         except OSError as exc:
@@ -92,7 +93,7 @@ class ShmSender(SenderChannel):
         try:
             fd = os.open(reply.shm_path, os.O_RDWR)
             try:
-                self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
+                self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | POPULATE)
             finally:
                 os.close(fd)
         except (OSError, ValueError) as exc:
@@ -117,7 +118,7 @@ class ShmSender(SenderChannel):
         dst = self._buffer[start : start + nbytes]
         # The one pass over the bytes; the checksum is of what this sender meant to send, and
         # the decoder checks the page against it when it serves the chunk.
-        digest = self._copier.copy(dst, data, hash_source=True)
+        digest = self._copier.copy(dst, data)
         send_message(sock, ChunkSent(request_id, index, nbytes, digest))
         return nbytes
 
