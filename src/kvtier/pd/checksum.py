@@ -167,12 +167,14 @@ class CopyThreads:
     is the least disturbed), and the other mode is tried again once its last sample is
     ``EXPLORE_SECONDS`` old, so that a change in load is noticed. A time bound rather than a
     chunk count: trying the slower mode every 8th chunk cost about 10% of the throughput of a
-    busy transfer, once a second costs one chunk in hundreds.
+    busy transfer, four times a second costs one 32 MiB chunk in about a hundred. The first
+    copies of a mode are often slow (a thread starting, torch's OpenMP workers still spinning
+    after the caller's last parallel op), so a wrong first choice must be undone soon.
     """
 
-    EXPLORE_SECONDS = 1.0
+    EXPLORE_SECONDS = 0.25
     SAMPLES = 4
-    WARMUP = 2  # samples of each mode before the faster one is chosen
+    WARMUP = 3  # samples of each mode before the faster one is chosen
 
     def __init__(self, helper: Executor) -> None:
         self.helper = helper
