@@ -22,7 +22,7 @@ from kvtier.layout import KVLayout
 from tests.redis_servers import RedisServer, free_port
 
 from .conftest import LONG, PROMPTS, lifecycle_prompts
-from .vllm_helpers import MAX_TOKENS, Instances, VllmInstance, tokens
+from .vllm_helpers import MAX_TOKENS, Instances, VllmInstance, tokens, unique_engine_id
 
 pytestmark = pytest.mark.slow
 
@@ -60,13 +60,16 @@ def start_main(model_dir: Path, disk: Path, redis_url: str) -> VllmInstance:
         "endpoint": f"tcp://*:{EVENTS_PORT}",
     }
     return VllmInstance(
-        model_dir, engine_id="kvtier-test-main", extra=extra, kv_events_config=events
+        model_dir,
+        engine_id=unique_engine_id("kvtier-test-main"),
+        extra=extra,
+        kv_events_config=events,
     )
 
 
 def start_fresh(model_dir: Path, disk: Path, redis_url: str) -> VllmInstance:
     extra = {**tiers(disk), "remote_url": redis_url}
-    return VllmInstance(model_dir, engine_id="kvtier-test-fresh", extra=extra)
+    return VllmInstance(model_dir, engine_id=unique_engine_id("kvtier-test-fresh"), extra=extra)
 
 
 def delta(after: dict[str, Any], before: dict[str, Any], key: str) -> int:
@@ -236,7 +239,7 @@ def test_lifecycle_aborts_preemption_chunked_prefill(
         "small",
         lambda: VllmInstance(
             model_dir,
-            engine_id="kvtier-test-small",
+            engine_id=unique_engine_id("kvtier-test-small"),
             extra={"max_local_cpu_size": "48MiB"},
             transfer={"kv_connector_module_path": None},
             kv_cache_bytes=17 * BLOCK * 4096,  # 4 KiB of KV per token; vLLM keeps one block back

@@ -25,11 +25,12 @@ from tests.redis_servers import free_port
 
 from .conftest import PROMPTS
 from .serve_helpers import Server, complete, post
-from .vllm_helpers import CONNECTOR, MAX_TOKENS, Instances, tokens
+from .vllm_helpers import CONNECTOR, MAX_TOKENS, Instances, tokens, unique_engine_id
 
 pytestmark = pytest.mark.slow
 
-PREFILLER, DECODER = "kvtier-test-prefiller", "kvtier-test-decoder"
+PREFILLER = unique_engine_id("kvtier-test-prefiller")
+DECODER = unique_engine_id("kvtier-test-decoder")
 
 
 @dataclass

@@ -32,7 +32,7 @@ from tests.server.server_helpers import (
 )
 
 from .conftest import PROMPTS
-from .vllm_helpers import Instances, VllmInstance
+from .vllm_helpers import Instances, VllmInstance, unique_engine_id
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,9 @@ def kvserver() -> Iterator[ServerProcess]:
 
 
 def _instance(model_dir: Path, name: str, url: str) -> VllmInstance:
-    return VllmInstance(model_dir, engine_id=f"kvtier-test-{name}", extra={"server": url})
+    return VllmInstance(
+        model_dir, engine_id=unique_engine_id(f"kvtier-test-{name}"), extra={"server": url}
+    )
 
 
 def _checker(model_dir: Path, url: str) -> ServerClient:

@@ -29,6 +29,12 @@ CONNECTOR = {
 MAX_TOKENS = 8
 
 
+def unique_engine_id(name: str) -> str:
+    """An engine id no other test run on this machine uses: the lookup channel's socket is
+    named after it, and two test runs at once must not answer each other's lookups."""
+    return f"{name}-{os.getpid()}"
+
+
 @contextmanager
 def _env(values: dict[str, str | None]) -> Iterator[None]:
     """vLLM's children copy the environment when they start: set it around the start."""
