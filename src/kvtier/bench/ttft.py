@@ -27,8 +27,8 @@ from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import StateError
 from kvtier.integrations.hf_kv import cache_from_kv, kv_from_cache, layout_from_model
-from kvtier.integrations.tiny_models import SIZES, build_model
 from kvtier.integrations.transformers import KVTierConnector
+from kvtier.testing.tiny_models import SIZES, build_model
 
 FRACTIONS = (50, 90)
 

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvtier.integrations.vllm.checkpoint import write_tiny_llama
+from kvtier.testing.checkpoint import write_tiny_llama
 
 CONNECTOR = {
     "kv_connector": "KVTierConnector",

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 from kvtier.demo.workload import Workload
 from kvtier.engine import Engine
 from kvtier.errors import InputError
-from kvtier.integrations.tiny_models import SIZES
 from kvtier.layout import dtype_from_name
+from kvtier.testing.tiny_models import SIZES
 
 if TYPE_CHECKING:
     from kvtier.demo.runner import DemoResult

@@ -27,9 +27,21 @@ import torch
 from kvtier.config import Config
 from kvtier.demo.workload import Workload, conversations, schedule
 from kvtier.engine import Engine
+from kvtier.errors import InputError
 from kvtier.integrations.hf_kv import layout_from_model
-from kvtier.integrations.tiny_models import build_model, load_local_model
 from kvtier.integrations.transformers import KVTierConnector
+from kvtier.testing.tiny_models import build_model
+
+
+def load_local_model(path: str, *, dtype: torch.dtype | None = None) -> Any:
+    """A Hugging Face checkpoint from a local directory (never downloads)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"cannot load a model from {path!r}: {exc}") from exc
+    return model.eval()  # type: ignore[no-untyped-call]
 
 
 def disk_tier_available() -> bool:

@@ -32,7 +32,7 @@ from typing import Any
 from kvtier.demo.runner import ConfigRun, DemoResult, RequestRecord
 from kvtier.demo.workload import Workload, conversations, schedule
 from kvtier.errors import InputError, StateError
-from kvtier.integrations.vllm.checkpoint import write_tiny_llama
+from kvtier.testing.checkpoint import write_tiny_llama
 
 CONNECTOR = {
     "kv_connector": "KVTierConnector",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.integrations.vllm.checkpoint import write_tiny_llama
+from kvtier.testing.checkpoint import write_tiny_llama
 
 from .vllm_helpers import Instances, VllmInstance, tokens
 

@@ -20,7 +20,7 @@ import pytest
 
 from kvtier.cli.pd_proxy import make_server
 from kvtier.integrations.vllm.channel import LookupClient
-from kvtier.integrations.vllm.checkpoint import words_for
+from kvtier.testing.checkpoint import words_for
 from tests.redis_servers import free_port
 
 from .conftest import PROMPTS

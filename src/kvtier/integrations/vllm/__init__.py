@@ -50,7 +50,7 @@ __all__ = ["KVTierConnector"]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so that kvtier.integrations.vllm.checkpoint works without importing vLLM.
+    # Lazy, so that importing this package (or a module in it) does not import vLLM.
     if name == "KVTierConnector":
         from kvtier.integrations.vllm.connector import KVTierConnector
 

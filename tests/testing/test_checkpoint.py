@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtier.errors import InputError
-from kvtier.integrations.vllm.checkpoint import TinyLlama, words_for, write_tiny_llama
+from kvtier.testing.checkpoint import TinyLlama, words_for, write_tiny_llama
 
 
 def test_transformers_loads_the_written_weights(tmp_path: Path) -> None:

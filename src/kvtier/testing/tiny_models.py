@@ -101,14 +101,3 @@ def build_model(
     finally:
         torch.random.set_rng_state(state)
     return model.to(dtype).eval()
-
-
-def load_local_model(path: str, *, dtype: torch.dtype | None = None) -> Any:
-    """A Hugging Face checkpoint from a local directory (never downloads)."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
-    except (OSError, ValueError) as exc:
-        raise InputError(f"cannot load a model from {path!r}: {exc}") from exc
-    return model.eval()  # type: ignore[no-untyped-call]
