@@ -88,3 +88,24 @@ def test_pin_prefix_pins_up_to_the_first_miss_and_marks_them_recent(pool: BlockP
     # is free anyway, so allocating two evicts exactly one).
     assert tier.allocate(2) is not None
     assert tier.contains(keys[:3]) == [True, True, False]
+
+
+def test_every_eviction_listener_hears_each_eviction_and_a_raising_one_harms_none(
+    pool: BlockPool,
+) -> None:
+    tier = CpuTier(pool, TOKEN_BYTES)
+    first: list[bytes] = []
+    second: list[bytes] = []
+
+    def broken(keys: object) -> None:
+        raise RuntimeError("listener bug")
+
+    tier.add_evict_listener(first.extend)
+    tier.add_evict_listener(broken)
+    tier.add_evict_listener(second.extend)  # added later: does not replace the first
+    keys = [random_key() for _ in range(4)]
+    for key in keys:
+        (page,) = pool.allocate(1) or []
+        tier.insert(key, page, CONTRACT_CHUNK)
+    assert tier.allocate(1) is not None  # evicts the oldest
+    assert first == second == [keys[0]]

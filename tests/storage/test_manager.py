@@ -101,7 +101,7 @@ def test_a_get_that_raises_gives_the_page_back_and_propagates(setup) -> None:  #
     manager.store(spans, kv)
     lease = leases.open("r")
     plan = manager.locate(spans, lease, 0)
-    assert [h.tier for h in plan.hits] == ["dict", "dict"]
+    assert [h.tier for h in plan.hits] == [lower, lower]  # the tier itself, not its name
     lower.fail_get = True
     plan.hits = plan.hits[:1]  # one chunk: the single-read path, not the batched one
     with pytest.raises(ValueError, match="bug in the tier"):

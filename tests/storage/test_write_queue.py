@@ -55,3 +55,25 @@ def test_a_raising_write_or_callback_still_completes_every_write_once() -> None:
     outcomes = sorted((r.key[0], r.outcome) for r in done.wait(6))
     assert [o for _, o in outcomes] == [PutOutcome.STORED, PutOutcome.FAILED] * 3
     assert len(calls) == 1 and calls[0].outcome is PutOutcome.FAILED
+
+
+def test_flush_returns_after_every_callback_and_holds_names_queued_keys() -> None:
+    gate = threading.Event()
+
+    def slow(write: Write) -> PutResult:
+        gate.wait(10)
+        return PutResult(write.key, PutOutcome.STORED)
+
+    queue = WriteQueue(1, limit_bytes=1000, write_fn=slow, name="t")
+    queue.open()
+    seen: list[PutResult] = []
+    first, second = _write(1, Outcomes()), _write(2, Outcomes())
+    first.on_done = second.on_done = seen.append
+    assert queue.submit(first) == "" and queue.submit(second) == ""
+    assert queue.holds(first.key) and queue.holds(second.key) and not queue.holds(b"\x00" * 16)
+    assert queue.inflight_bytes == 20
+    gate.set()
+    assert queue.flush(5.0)
+    assert len(seen) == 2  # flush means the callbacks ran, not only the writes
+    assert not queue.holds(first.key) and queue.inflight_bytes == 0
+    assert queue.close(1.0)

@@ -7,9 +7,10 @@ where it hit, or the reason it missed. The reasons, and what each one means exac
     No tier holds the chunk, and this process has no record of it ever being stored, dropped,
     evicted or found corrupt under this fingerprint or any other.
 ``evicted``
-    No tier holds it now, but this process stored it earlier. With a tier that reports keys it
-    evicts (the CPU tier does, through ``on_evict``) the detail names the tier and when;
-    otherwise the chunk was evicted by a lower tier that does not report keys, or cleared.
+    No tier holds it now, but this process stored it earlier. With a tier that reports keys
+    it evicts (the CPU and disk tiers do, through ``Tier.add_evict_listener``) the detail
+    names the tier and when; otherwise the chunk was evicted by a lower tier that does not
+    report keys, or cleared.
 ``store dropped``
     The last store of this chunk was dropped because every CPU page was pinned (it never
     reached a tier).

@@ -84,7 +84,7 @@ class Observer:
         """Called by ``Engine.open`` once the tiers exist: subscribe to eviction reports."""
         self._manager = manager
         for tier in manager.tiers:
-            tier.on_evict = _evict_reporter(self.explain, tier.name)
+            tier.add_evict_listener(_evict_reporter(self.explain, tier.name))
 
     # -- hooks -----------------------------------------------------------------------------
     def on_lookup(
@@ -98,9 +98,10 @@ class Observer:
         # Runs of chunks per tier, not chunks: a long cached prompt is one run.
         by_tier: dict[str, int] = {}
         size = plan.spans.chunk_size
-        for tier, first, end in plan.runs:
+        runs = [(tier.name, first, end) for tier, first, end in plan.runs]
+        for name, first, end in runs:
             tokens_hit = plan.spans.end(end - 1) - (plan.spans.first + first) * size
-            by_tier[tier] = by_tier.get(tier, 0) + tokens_hit
+            by_tier[name] = by_tier.get(name, 0) + tokens_hit
         with self._lock:
             for tier, tokens_hit in by_tier.items():
                 self.lookup_hit_tokens[tier] += tokens_hit
@@ -109,7 +110,7 @@ class Observer:
             request_id,
             tokens,
             plan.spans,
-            plan.runs,
+            runs,
             plan.hit_tokens,
             self._probe,
         )
@@ -125,7 +126,7 @@ class Observer:
         self.latency["retrieve"].observe(time.perf_counter() - started)
 
     def before_load(self, plan: LookupPlan) -> tuple[list[tuple[ChunkSpan, str]], dict[str, int]]:
-        hits = [(h.span, h.tier) for h in plan.hits]
+        hits = [(h.span, h.tier.name) for h in plan.hits]
         return hits, self._corrupt_counts()
 
     def after_load(

@@ -46,7 +46,7 @@ from kvtier.memory.block_pool import BlockPool, pages_for_capacity
 from kvtier.pd.channels import receiver_channel
 from kvtier.pd.channels.base import ReceiverChannel
 from kvtier.pd.checksum import CopyThreads, checksum
-from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
+from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierCounters, TierUsage
 from kvtier.storage.key_pins import KeyPins
 
 log = logging.getLogger(__name__)
@@ -102,8 +102,17 @@ class Reservation:
         return text + (f", {held} already held)" if held else ")")
 
 
+@dataclass
+class PDCounters(TierCounters):
+    """The PD buffer's own counts, beside every tier's."""
+
+    transfers: int = 0  # requests whose transfer completed (kvtier_pd_transfers)
+    transfer_failures: int = 0  # ... and whose transfer failed
+
+
 class PDBuffer(Tier):
     name = "pd"
+    counters: PDCounters
 
     def __init__(
         self,
@@ -113,6 +122,7 @@ class PDBuffer(Tier):
         channel: ReceiverChannel,
     ) -> None:
         super().__init__()
+        self.counters = PDCounters()
         self.num_pages = num_pages
         self.page_bytes = page_bytes
         self.token_bytes = token_bytes
@@ -253,8 +263,10 @@ class PDBuffer(Tier):
     def count_transfer(self, ok: bool) -> None:
         """One request's transfer ended (the receiver reports it): ``kvtier_pd_transfers``."""
         with self._cond:
-            name = "transfers" if ok else "transfer_failures"
-            self.counters.extra[name] = self.counters.extra.get(name, 0) + 1
+            if ok:
+                self.counters.transfers += 1
+            else:
+                self.counters.transfer_failures += 1
 
     def _end_reservation(self, reservation: Reservation) -> None:
         with self._cond:

@@ -48,7 +48,7 @@ def _pinned_cpu_hits_evicted(manager: StorageManager, leases: LeaseTable[LookupP
         plan = lease.plan
         if plan is None:
             continue
-        cpu_hits = [h for h in plan.hits if h.tier == "cpu"]
+        cpu_hits = [h for h in plan.hits if h.tier is manager.cpu]
         entries = manager.cpu.entries([h.span.key for h in cpu_hits])
         for hit, entry in zip(cpu_hits, entries, strict=True):
             if entry is None or entry.page != hit.page:

@@ -23,21 +23,33 @@ Protocol (who calls what, who owns what):
   (a uint8 view of an allocator page) stays valid and unchanged until ``on_done`` runs;
   ``on_done`` runs exactly once per put, also on failure, from any thread, and must not
   block. A tier that is busy or full may drop the write: it reports that outcome.
+* ``add_evict_listener(fn)``: ``fn(keys)`` is told the keys the tier evicted on its own (to
+  make room), from any thread, after the eviction; listeners add up (each added one is
+  called, in order) and one that raises is logged, never propagated. A tier that never
+  evicts by itself (a remote store that evicts on the server) never calls them.
+* ``counters`` is a typed :class:`TierCounters` (a tier with counts of its own subclasses it);
+  ``counters.as_dict()`` is what ``Engine.stats()`` reports for the tier.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvtier.errors import TierUnavailable
 from kvtier.keys import ChunkKey
+
+log = logging.getLogger(__name__)
+
+EvictListener = Callable[[Sequence[ChunkKey]], None]
 
 
 class PutOutcome(enum.Enum):
@@ -81,7 +93,9 @@ class ReadAbandoned(TierUnavailable):
 
 @dataclass
 class TierCounters:
-    """Per-tier event counts, reported in ``Engine.stats()``."""
+    """Per-tier event counts, reported in ``Engine.stats()``. Every tier has these; a tier
+    that counts more subclasses this dataclass with fields of its own (``DiskCounters``...),
+    so a counter is an attribute a type checker knows, never a string key."""
 
     hits: int = 0
     misses: int = 0
@@ -92,24 +106,35 @@ class TierCounters:
     corrupt: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, int]:
-        out = {k: v for k, v in vars(self).items() if k != "extra"}
-        out.update(self.extra)
-        return out
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 class Tier(ABC):
     """A place chunks can live. See the module docstring for the protocol."""
 
     name: str = "tier"
+    counters: TierCounters
 
     def __init__(self) -> None:
         self.counters = TierCounters()
-        # Told the keys a tier evicted on its own (to make room), for explain; a tier that
-        # never evicts by itself never calls it.
-        self.on_evict: Callable[[Sequence[ChunkKey]], None] | None = None
+        self._evict_listeners: list[EvictListener] = []
+
+    def add_evict_listener(self, listener: EvictListener) -> None:
+        """Tell ``listener`` the keys this tier evicts on its own from now on (see the module
+        docstring). Add listeners before the tier is shared between threads (at open)."""
+        self._evict_listeners.append(listener)
+
+    def report_evicted(self, keys: Sequence[ChunkKey]) -> None:
+        """For the tier itself: tell every listener, after the keys are gone."""
+        if not keys:
+            return
+        for listener in self._evict_listeners:
+            try:
+                listener(keys)
+            except Exception:  # a listener's bug must not fail the put that evicted
+                log.exception("%s tier: an eviction listener raised", self.name)
 
     @abstractmethod
     def open(self) -> None: ...

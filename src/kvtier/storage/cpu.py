@@ -121,8 +121,7 @@ class CpuTier(Tier):
         pages = [self._index.pop(key).page for key in victims]
         self.pool.release(pages)
         self.counters.evicted += len(pages)
-        if self.on_evict is not None and victims:
-            self.on_evict(victims)
+        self.report_evicted(victims)
         return len(pages)
 
     def page_tensor(self, entry: CpuEntry) -> torch.Tensor:

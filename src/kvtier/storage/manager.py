@@ -28,6 +28,7 @@ as the lower tier has the bytes.
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -49,13 +50,23 @@ from kvtier.storage.cpu import CpuTier
 
 log = logging.getLogger(__name__)
 
-ENGINE = "engine"  # chunks the engine already holds (skip_leading_tokens): hashed, not loaded
+
+class Skipped(enum.Enum):
+    """Where a chunk inside ``skip_leading_tokens`` is: the engine's caller already holds it,
+    so it is hashed, never loaded. A typed sentinel beside the tiers (``hit.tier is ENGINE``);
+    its ``name`` is ``"engine"``, so reports can name a hit's source the same way for both."""
+
+    engine = "engine"
+
+
+ENGINE = Skipped.engine
+Source = Tier | Skipped  # where a hit's bytes are: a tier, or already with the caller
 
 
 @dataclass(slots=True)
 class ChunkHit:
     span: ChunkSpan
-    tier: str
+    tier: Source
     page: int | None = None  # set once the chunk's bytes are in a page this request holds
     failed: bool = False  # a batched read of this chunk missed: the hit ends here
 
@@ -63,7 +74,7 @@ class ChunkHit:
 class LookupPlan:
     """The hit prefix of one lookup, pinned in the request's lease.
 
-    Kept as runs of chunks per tier (``runs``: tier name, first chunk, end chunk) plus the CPU
+    Kept as runs of chunks per tier (``runs``: tier, first chunk, end chunk) plus the CPU
     pages, because a lookup of a long cached prompt must not build an object per chunk; the
     per-chunk :class:`ChunkHit` list is made on first use of :attr:`hits` (by a retrieve,
     where each chunk is copied anyway).
@@ -74,7 +85,7 @@ class LookupPlan:
     def __init__(
         self,
         spans: ChunkSpans,
-        runs: list[tuple[str, int, int]],
+        runs: list[tuple[Source, int, int]],
         pages: list[int | None],
         hits: list[ChunkHit] | None = None,
     ) -> None:
@@ -205,7 +216,7 @@ class StorageManager:
         if not isinstance(spans, ChunkSpans):
             spans = ChunkSpans([s.key for s in spans], *_geometry(spans))
         skip = min(skip_chunks, len(spans))
-        runs: list[tuple[str, int, int]] = [(ENGINE, 0, skip)] if skip else []
+        runs: list[tuple[Source, int, int]] = [(ENGINE, 0, skip)] if skip else []
         pages: list[int | None] = [None] * skip
         done = skip
         if self.cpu_visible and done < len(spans):
@@ -213,14 +224,14 @@ class StorageManager:
             lease.take_pages(cpu_pages)
             if cpu_pages:
                 pages += cpu_pages
-                runs.append(("cpu", done, done + len(cpu_pages)))
+                runs.append((self.cpu, done, done + len(cpu_pages)))
                 done += len(cpu_pages)
         if done < len(spans):
             rest = spans[done:]
             for hit in self._locate_each(rest, lease):
                 index = hit.span.index - spans.first
                 pages.append(hit.page)
-                if runs and runs[-1][0] == hit.tier and runs[-1][2] == index:
+                if runs and runs[-1][0] is hit.tier and runs[-1][2] == index:
                     runs[-1] = (hit.tier, runs[-1][1], index + 1)
                 else:
                     runs.append((hit.tier, index, index + 1))
@@ -264,14 +275,14 @@ class StorageManager:
                 entry = cpu_entries.get(span.key)
                 if entry is None:
                     break
-                hits.append(ChunkHit(span, "cpu", entry.page))
+                hits.append(ChunkHit(span, self.cpu, entry.page))
                 continue
             if not tier.pin(span.key):
                 break
             lease.take_hold(
                 CallbackHold(0, f"{tier.name} pin {span.key.hex()}", _unpinner(tier, span.key))
             )
-            hits.append(ChunkHit(span, tier.name))
+            hits.append(ChunkHit(span, tier))
         return hits
 
     # -- retrieve --------------------------------------------------------------------------
@@ -290,13 +301,13 @@ class StorageManager:
         self._prefetch(plan, lease, start_token)
         for hit in plan.hits:
             span = hit.span
-            if hit.tier != ENGINE and span.end > start_token:
-                if hit.failed or (hit.page is None and not self._fetch(hit, lease)):
+            if hit.tier is not ENGINE and span.end > start_token:
+                if hit.failed or (hit.page is None and not self._fetch(hit, hit.tier, lease)):
                     break
                 assert hit.page is not None
                 if out is not None:
                     self._copy_out(hit.page, span, out)
-                self.counters.count_hit(hit.tier, span.num_tokens)
+                self.counters.count_hit(hit.tier.name, span.num_tokens)
             loaded_end = span.end
         # Chunks after a failed fetch are no longer usable: drop them from the plan.
         plan.hits = [h for h in plan.hits if h.span.end <= loaded_end]
@@ -306,13 +317,14 @@ class StorageManager:
         """Read the plan's lower-tier chunks with one ``get_many_into`` per tier (the disk
         tier overlaps the reads, a remote tier pipelines them). Hits that fail are marked
         ``failed`` (``load`` stops there); when pages are short, ``_fetch`` reads one by one."""
-        todo: dict[str, list[ChunkHit]] = {}
+        todo: dict[Tier, list[ChunkHit]] = {}
         for hit in plan.hits:
-            lower = hit.tier not in (ENGINE, "cpu") and hit.page is None
-            if lower and hit.span.end > start_token:
-                todo.setdefault(hit.tier, []).append(hit)
-        for name, hits in todo.items():
-            tier = next(t for t in self.lower if t.name == name)
+            tier = hit.tier
+            if tier is ENGINE or tier is self.cpu or hit.page is not None:
+                continue
+            if hit.span.end > start_token:
+                todo.setdefault(tier, []).append(hit)
+        for tier, hits in todo.items():
             pages = self.cpu.allocate(len(hits)) if len(hits) > 1 else None
             if pages is None:
                 continue
@@ -346,9 +358,8 @@ class StorageManager:
                     self.pool.release(pages[i + 1 :])
                     raise
 
-    def _fetch(self, hit: ChunkHit, lease: Lease[LookupPlan]) -> bool:
-        """Read a lower-tier chunk into a fresh page that ``lease`` holds."""
-        tier = next(t for t in self.lower if t.name == hit.tier)
+    def _fetch(self, hit: ChunkHit, tier: Tier, lease: Lease[LookupPlan]) -> bool:
+        """Read ``hit``'s chunk from ``tier`` (a lower one) into a fresh page ``lease`` holds."""
         pages = self.cpu.allocate(1)
         if pages is None:
             log.warning("no free CPU page to load a %s hit into; recomputing from here", tier.name)

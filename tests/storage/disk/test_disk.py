@@ -123,8 +123,8 @@ def test_open_removes_temp_leftovers_and_bad_files_and_counts_them(tmp_path: Pat
     second.open()
     try:
         assert second.contains([good, short, flipped]) == [True, False, False]
-        assert second.counters.extra["temp_removed"] == 1
-        assert second.counters.extra["bad_removed_at_open"] == 3
+        assert second.counters.temp_removed == 1
+        assert second.counters.bad_removed_at_open == 3
         assert second.counters.corrupt == 3
         assert sorted(os.listdir(tmp_path)) == sorted([f"{fp}-{good.hex()}.kvc", *foreign])
     finally:
@@ -220,7 +220,7 @@ def test_lru_eviction_skips_pinned_files(tmp_path: Path) -> None:
         assert tier.clear() == 2  # still pinned once
         tier.unpin(keys[0])
         tier.unpin(keys[0])  # one too many: ignored, never negative
-        assert tier.counters.extra["pinned_keys"] == 0
+        assert tier.counters.pinned_keys == 0
         assert tier.clear() == 1
         assert chunk_files(tmp_path) == []
     finally:
@@ -237,7 +237,7 @@ def test_a_disk_full_of_pinned_files_drops_the_write(tmp_path: Path) -> None:
             assert tier.pin(key)
         result = put_and_wait(tier, random_key(), payload(CONTRACT_CHUNK, 3), CONTRACT_CHUNK)
         assert result.outcome is PutOutcome.DROPPED and "pinned" in result.detail
-        assert tier.counters.extra["dropped_no_room"] == 1
+        assert tier.counters.dropped_no_room == 1
         assert tier.contains(keys) == [True, True]
     finally:
         tier.close()
@@ -253,7 +253,7 @@ def test_a_chunk_larger_than_the_capacity_is_refused_with_a_clear_message(tmp_pa
         (result,) = done.wait(1)
         assert result.outcome is PutOutcome.DROPPED
         assert "larger than max_local_disk_size" in result.detail
-        assert tier.counters.extra["dropped_too_large"] == 1
+        assert tier.counters.dropped_too_large == 1
     finally:
         tier.close()
 
@@ -287,7 +287,7 @@ def test_bytes_in_flight_are_bounded_and_excess_puts_drop_at_once(tmp_path: Path
         with lock:
             dropped = [r for r in results if r.outcome is PutOutcome.DROPPED]
         assert len(dropped) == 3 and "in flight" in dropped[0].detail
-        assert tier.counters.extra["dropped_inflight"] == 3
+        assert tier.counters.dropped_inflight == 3
         assert tier.flush(0.05) is False  # still in flight
     finally:
         gate.set()
@@ -481,5 +481,22 @@ def test_a_payload_read_in_pieces_is_checked_in_every_piece(tmp_path: Path, offs
             f.write(bytes([byte ^ 0x80]))
         assert tier.get_into(key, out) is None
         assert tier.counters.corrupt == 1 and not path.exists()
+    finally:
+        tier.close()
+
+
+def test_files_evicted_to_make_room_are_reported_to_the_listeners(tmp_path: Path) -> None:
+    tier = make_tier(tmp_path, capacity_records=2)
+    evicted: list[bytes] = []
+    tier.add_evict_listener(evicted.extend)
+    tier.open()
+    try:
+        keys = [random_key() for _ in range(3)]
+        for i, key in enumerate(keys):
+            assert put_and_wait(tier, key, payload(CONTRACT_CHUNK, i), CONTRACT_CHUNK).outcome is (
+                PutOutcome.STORED
+            )
+        assert evicted == [keys[0]] and tier.counters.evicted == 1
+        assert tier.contains(keys) == [False, True, True]
     finally:
         tier.close()

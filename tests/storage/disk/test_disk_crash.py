@@ -155,8 +155,8 @@ def test_enospc_fails_that_chunk_only_and_the_engine_keeps_going(
     assert manager is not None
     disk = manager.lower[0]
     assert isinstance(disk, DiskTier)
-    assert disk.counters.extra["no_space"] >= 1
-    assert disk.counters.failed == disk.counters.extra["no_space"]
+    assert disk.counters.no_space >= 1
+    assert disk.counters.failed == disk.counters.no_space
     assert disk.counters.stored >= 2
     assert temp_files(tiny_fs) == []
     assert engine.check_invariants() == []
@@ -191,7 +191,7 @@ LIMITED_WRITER = textwrap.dedent(
         assert engine.check_invariants() == []
         with engine.request("r"):
             assert engine.lookup(make_tokens(32, 7), "r") == 32  # still served from CPU
-        print(disk.counters.failed, disk.counters.extra["no_space"], disk.counters.stored)
+        print(disk.counters.failed, disk.counters.no_space, disk.counters.stored)
     """
 )
 

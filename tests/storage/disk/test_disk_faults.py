@@ -127,7 +127,7 @@ def test_a_stuck_read_is_a_miss_within_the_timeout_and_close_does_not_wait(
     finished, result = within(0.5, lambda: tier.get_many_into(many))
     assert finished and result == [None, None]
     tier.usage()  # refreshes the counters
-    assert tier.counters.extra["read_timeouts"] == 1
+    assert tier.counters.read_timeouts == 1
     finished, _ = within(TIMEOUT_S + SLACK_S + 1, tier.close)
     assert finished, "close waited on a stuck reader"
     stuck_reads.set()
@@ -189,8 +189,8 @@ def test_a_deleted_directory_is_reported_dropped_and_recovered(
         # No stale hits: the index of the deleted directory is dropped.
         assert tier.contains(keys) == [False, False, False]
         assert tier.usage().entries == 0
-        assert tier.counters.extra["directory_lost"] == 1
-        assert tier.counters.extra["available"] == 0
+        assert tier.counters.directory_lost == 1
+        assert tier.counters.available == 0
         lost = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
         assert any("was deleted" in m and str(path) in m for m in lost), lost
         result = put_and_wait(tier, keys[0], payload(CONTRACT_CHUNK, 0), CONTRACT_CHUNK)
@@ -207,7 +207,7 @@ def test_a_deleted_directory_is_reported_dropped_and_recovered(
         )
         assert chunk_path(path, keys[0]).exists()
         assert tier.contains(keys) == [True, False, False]
-        assert tier.counters.extra["available"] == 1
+        assert tier.counters.available == 1
         out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
         assert tier.get_into(keys[0], out) == CONTRACT_CHUNK
     finally:

@@ -115,7 +115,7 @@ class DiskLifecycle(RuleBasedStateMachine):
                 assert pool.free_pages + len(manager.cpu.owned_pages()) == pool.num_pages
                 (disk,) = manager.lower
                 assert isinstance(disk, DiskTier)
-                assert disk.counters.extra["pinned_keys"] == 0
+                assert disk.counters.pinned_keys == 0
                 assert disk.counters.corrupt == 0
                 engine.close()
         finally:

@@ -139,7 +139,7 @@ def test_killed_server_turns_into_misses_then_recovers(
         assert tier.link.wait_up(15.0), "tier did not reconnect by itself"
         put_and_wait(tier, key, payload(CONTRACT_CHUNK, 2), CONTRACT_CHUNK)
         assert tier.get_into(key, out) == CONTRACT_CHUNK
-        assert tier.counters.extra["outages"] == 1 and tier.usage().entries == 1
+        assert tier.counters.outages == 1 and tier.usage().entries == 1
     finally:
         tier.close()
 

@@ -20,10 +20,11 @@ metadata is pickled between processes, and the log may be filled from tier threa
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from kvtier.keys import ChunkKey, ChunkSpan
+from kvtier.storage.base import Tier
 
 MEDIUM = {"cpu": "CPU", "disk": "DISK", "redis": "REMOTE"}
 MAX_PENDING = 100_000  # events kept when nobody takes them (vLLM's events are off)
@@ -70,18 +71,14 @@ class EventLog:
                 del self._events[:overflow]
 
 
-def chain_evictions(tier: Any, medium: str, log: EventLog) -> None:
-    """Report ``tier``'s evictions to ``log`` too, keeping whoever listened before."""
-    before: Callable[[Sequence[ChunkKey]], None] | None = getattr(tier, "on_evict", None)
-    if not hasattr(tier, "on_evict"):
-        return  # this tier does not report evictions
+def chain_evictions(tier: Tier, medium: str, log: EventLog) -> None:
+    """Report ``tier``'s evictions to ``log`` as ``removed`` events, beside the tier's other
+    eviction listeners (explain's): ``Tier.add_evict_listener`` keeps them all."""
 
     def report(keys: Sequence[ChunkKey]) -> None:
-        if before is not None:
-            before(keys)
         log.removed(keys, medium)
 
-    tier.on_evict = report
+    tier.add_evict_listener(report)
 
 
 def to_vllm(events: Sequence[Event]) -> list[Any]:

@@ -6,15 +6,17 @@ Protocol (on top of :mod:`kvtier.storage.base`)::
       closed                                   -> on_done(FAILED)            at once
       key on disk or being written             -> on_done(EXISTS)            at once
       record larger than max_local_disk_size   -> on_done(DROPPED), counted  at once
-      bytes in flight + record > the bound     -> on_done(DROPPED), counted  at once (never waits)
-      else queued on the writer pool; a writer thread then:
+      refused by the write queue's admission   -> on_done(DROPPED), counted  at once (never waits)
+        (bytes in flight + record > disk_max_inflight_bytes, see storage/write_queue.py)
+      else queued on the write queue; a writer thread then:
         reserves room (evicting LRU unpinned files), or on_done(DROPPED) if all are pinned
         writes temp name, fsync, rename, fsync dir  -> on_done(STORED)
         OSError (ENOSPC, EIO, ...)                  -> on_done(FAILED), counted, temp removed
 
 ``on_done`` runs exactly once per put, before the put stops counting as in flight, so once
 :meth:`flush` returns every callback has run (the storage manager's staging pages are back).
-The payload page is read, never written, until then.
+The payload page is read, never written, until then. Files evicted to make room are reported
+to the eviction listeners (``Tier.add_evict_listener``) once they are unlinked.
 
 Reads go straight into the caller's page (``preadv``, in 1 MiB pieces each hashed right after
 it lands, so the checksum costs no second pass over memory), then the checksum is compared;
@@ -39,7 +41,7 @@ import errno
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -49,7 +51,7 @@ from kvtier.errors import ConfigError, CorruptRecord, StateError
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import CallGuard, Lifecycle
-from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
+from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierCounters, TierUsage
 from kvtier.storage.disk import files
 from kvtier.storage.disk.bounded_reads import BoundedReads
 from kvtier.storage.disk.directory import ChunkDirectory
@@ -61,30 +63,37 @@ from kvtier.storage.records import (
     encode_header,
     payload_hasher,
 )
+from kvtier.storage.write_queue import Write, WriteQueue, complete
 
 log = logging.getLogger(__name__)
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-_EXTRA_COUNTERS = (
-    "dropped_inflight",  # bytes-in-flight bound reached: a slow disk throttles stores
-    "dropped_too_large",  # one record larger than the whole capacity
-    "dropped_no_room",  # every file is pinned: nothing to evict
-    "no_space",  # ENOSPC / EDQUOT / EFBIG while writing
-    "read_errors",  # an OSError while reading (counted as a miss)
-    "batched_reads",  # chunks read through get_many_into (overlapped on the reader pool)
-    "temp_removed",  # leftovers of interrupted writes, deleted at open
-    "bad_removed_at_open",  # files with a bad header or length, deleted at open
-    "pinned_keys",  # gauge: keys pinned now
-    "inflight_bytes",  # gauge: bytes queued or being written now
-    "read_timeouts",  # reads past blocking_timeout_secs (a stuck filesystem): misses
-    "stalled_reads",  # gauge: such reads still running
-    "directory_lost",  # the directory was deleted (or became unusable) while open
-    "directory_reopened",  # ... and was re-opened once usable again
-)
+
+
+@dataclass
+class DiskCounters(TierCounters):
+    """The disk tier's own counts, beside every tier's (changed under the tier's lock)."""
+
+    dropped_inflight: int = 0  # refused by the write queue: a slow disk throttles stores
+    dropped_too_large: int = 0  # one record larger than the whole capacity
+    dropped_no_room: int = 0  # every file is pinned: nothing to evict
+    no_space: int = 0  # ENOSPC / EDQUOT / EFBIG while writing
+    read_errors: int = 0  # an OSError while reading (counted as a miss)
+    batched_reads: int = 0  # chunks read through get_many_into (overlapped on the reader pool)
+    temp_removed: int = 0  # leftovers of interrupted writes, deleted at open
+    bad_removed_at_open: int = 0  # files with a bad header or length, deleted at open
+    pinned_keys: int = 0  # gauge: keys pinned now
+    inflight_bytes: int = 0  # gauge: bytes queued or being written (as of the last usage())
+    read_timeouts: int = 0  # reads past blocking_timeout_secs (a stuck filesystem): misses
+    stalled_reads: int = 0  # gauge: such reads still running
+    directory_lost: int = 0  # the directory was deleted (or became unusable) while open
+    directory_reopened: int = 0  # ... and was re-opened once usable again
+    available: int = 1  # gauge: 0 while the directory is lost
 
 
 class DiskTier(Tier):
     name = "disk"
+    counters: DiskCounters
 
     def __init__(self, options: DiskOptions, layout: KVLayout, fingerprint: Fingerprint) -> None:
         super().__init__()
@@ -92,16 +101,14 @@ class DiskTier(Tier):
         self.layout = layout
         self.fingerprint = fingerprint
         self.fp_hex = fingerprint.hex()
-        self.counters.extra.update(dict.fromkeys(_EXTRA_COUNTERS, 0))
+        self.counters = DiskCounters()
         self._index = DiskIndex(options.capacity_bytes)
-        self._pending: dict[ChunkKey, int] = {}  # key -> record bytes, queued or being written
-        self._inflight_bytes = 0
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
         self._guard = CallGuard("disk tier")
         self._dir = ChunkDirectory(options.path, self.fp_hex)
-        self.counters.extra["available"] = 1
-        self._writer: ThreadPoolExecutor | None = None
+        self._writes = WriteQueue(
+            options.io_threads, options.max_inflight_bytes, self._write, "kvtier-disk-write"
+        )
         self._reader: BoundedReads | None = None
 
     @classmethod
@@ -122,8 +129,8 @@ class DiskTier(Tier):
                 raise ConfigError(
                     "local_disk", self.options.path, f"a readable directory ({exc.strerror})"
                 ) from None
+            self._writes.open()
             n = self.options.io_threads
-            self._writer = ThreadPoolExecutor(n, thread_name_prefix="kvtier-disk-write")
             self._reader = BoundedReads(n, self.options.timeout_s, self.options.path)
             self._guard.open()
 
@@ -133,9 +140,8 @@ class DiskTier(Tier):
             self._index.add(
                 record.key, DiskEntry(record.header.num_tokens, record.header.record_len)
             )
-        extra = self.counters.extra
-        extra["temp_removed"] += found.temp_removed
-        extra["bad_removed_at_open"] += found.bad_removed
+        self.counters.temp_removed += found.temp_removed
+        self.counters.bad_removed_at_open += found.bad_removed
         self.counters.corrupt += found.bad_removed
         # Capacity may have shrunk since the files were written: trim the oldest.
         # (reserving 0 bytes evicts until used <= capacity)
@@ -163,12 +169,10 @@ class DiskTier(Tier):
         timeout = self.options.timeout_s
         calls_done = self._guard.close(timeout)
         with self._lock:
-            if self._writer is None or self._reader is None:
+            if self._reader is None:
                 return  # never opened, or closed already
-            writer, reader = self._writer, self._reader
-            self._writer = self._reader = None
-        writes_done = self.flush(timeout)
-        writer.shutdown(wait=writes_done)
+            reader, self._reader = self._reader, None
+        writes_done = self._writes.close(timeout)
         reader.close()
         stalled = reader.stalled
         if not (calls_done and writes_done and not stalled):
@@ -184,8 +188,7 @@ class DiskTier(Tier):
         self._dir.close(keep_open=not (calls_done and writes_done and not stalled))
 
     def flush(self, timeout: float | None = None) -> bool:
-        with self._idle:
-            return self._idle.wait_for(lambda: not self._pending, timeout)
+        return self._writes.flush(timeout)
 
     # -- writes ----------------------------------------------------------------------------
     def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
@@ -195,7 +198,7 @@ class DiskTier(Tier):
         except StateError as exc:
             with self._lock:
                 self.counters.failed += 1
-            _complete(on_done, PutResult(key, PutOutcome.FAILED, str(exc)))
+            complete(on_done, PutResult(key, PutOutcome.FAILED, str(exc)))
 
     def _put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
         nbytes = HEADER_SIZE + payload.numel()
@@ -203,13 +206,12 @@ class DiskTier(Tier):
         if self._dir.lost:
             self._try_reopen()
         with self._lock:
-            extra = self.counters.extra
             if self._dir.lost:
                 refused = PutResult(
                     key, PutOutcome.DROPPED, f"disk directory {self.options.path} is gone"
                 )
                 self.counters.dropped += 1
-            elif key in self._index or key in self._pending:
+            elif key in self._index or self._writes.holds(key):
                 refused = PutResult(key, PutOutcome.EXISTS)
             elif nbytes > self.options.capacity_bytes:
                 refused = PutResult(
@@ -219,46 +221,28 @@ class DiskTier(Tier):
                     f"({self.options.capacity_bytes} bytes)",
                 )
                 self.counters.dropped += 1
-                extra["dropped_too_large"] += 1
-            elif self._inflight_bytes + nbytes > self.options.max_inflight_bytes:
-                refused = PutResult(
-                    key,
-                    PutOutcome.DROPPED,
-                    f"{self._inflight_bytes} bytes already in flight (bound "
-                    f"{self.options.max_inflight_bytes}): the disk is slower than the stores",
-                )
-                self.counters.dropped += 1
-                extra["dropped_inflight"] += 1
+                self.counters.dropped_too_large += 1
             else:
-                self._pending[key] = nbytes
-                self._inflight_bytes += nbytes
-                extra["inflight_bytes"] = self._inflight_bytes
-                assert self._writer is not None
-                # Submitted under the guard: close() shuts the pool down only after this.
-                self._writer.submit(self._write, key, payload, num_tokens, nbytes, on_done)
+                # Under the guard: close() drains the queue only after this.
+                why = self._writes.submit(Write(key, payload, num_tokens, nbytes, on_done))
+                if why:
+                    refused = PutResult(key, PutOutcome.DROPPED, why)
+                    self.counters.dropped += 1
+                    self.counters.dropped_inflight += 1
         if refused is not None:
             if refused.outcome is PutOutcome.DROPPED:
                 log.debug("disk put of %s dropped: %s", key.hex(), refused.detail)
-            _complete(on_done, refused)
+            complete(on_done, refused)
 
-    def _write(
-        self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, nbytes: int, on_done: OnDone
-    ) -> None:
-        """Runs on a writer thread; calls ``on_done`` exactly once whatever happens."""
-        result = PutResult(key, PutOutcome.FAILED, "disk writer failed unexpectedly")
+    def _write(self, write: Write) -> PutResult:
+        """Runs on a writer thread (the queue completes ``on_done`` with what it returns)."""
         try:
-            result = self._write_record(key, payload, num_tokens, nbytes)
+            return self._write_record(write.key, write.payload, write.num_tokens, write.nbytes)
         except Exception:
-            log.exception("disk write of %s failed unexpectedly", key.hex())
+            log.exception("disk write of %s failed unexpectedly", write.key.hex())
             with self._lock:
                 self.counters.failed += 1
-        finally:
-            _complete(on_done, result)
-            with self._idle:
-                self._pending.pop(key, None)
-                self._inflight_bytes -= nbytes
-                self.counters.extra["inflight_bytes"] = self._inflight_bytes
-                self._idle.notify_all()
+            return PutResult(write.key, PutOutcome.FAILED, "disk writer failed unexpectedly")
 
     def _write_record(
         self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, nbytes: int
@@ -272,10 +256,11 @@ class DiskTier(Tier):
             victims = self._index.reserve(nbytes)
             if victims is None:
                 self.counters.dropped += 1
-                self.counters.extra["dropped_no_room"] += 1
+                self.counters.dropped_no_room += 1
                 return PutResult(key, PutOutcome.DROPPED, "disk tier is full of pinned chunks")
             self.counters.evicted += len(victims)
             self._unlink(victims)
+        self.report_evicted(victims)
         try:
             files.write_record(dir_fd, key, self.fp_hex, header, memoryview(payload.numpy()))  # type: ignore[arg-type]
         except OSError as exc:
@@ -283,7 +268,7 @@ class DiskTier(Tier):
                 self._index.cancel(nbytes)
                 self.counters.failed += 1
                 if exc.errno in _NO_SPACE:
-                    self.counters.extra["no_space"] += 1
+                    self.counters.no_space += 1
             if exc.errno == errno.ENOENT:
                 self._check_directory()  # the directory itself gone? (logged there)
             if not self._dir.lost:
@@ -317,7 +302,7 @@ class DiskTier(Tier):
         with self._guard.call():
             if len(items) > 1:
                 with self._lock:
-                    self.counters.extra["batched_reads"] += len(items)
+                    self.counters.batched_reads += len(items)
             return self._read_bounded(items)
 
     def _read_bounded(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[int | None]:
@@ -357,7 +342,7 @@ class DiskTier(Tier):
             log.warning("disk read of chunk %s failed (%s): counted as a miss", key.hex(), exc)
             with self._lock:
                 self.counters.misses += 1
-                self.counters.extra["read_errors"] += 1
+                self.counters.read_errors += 1
             return None
         if header is None:  # the file vanished under us (removed by hand, or evicted)
             self._forget(key, corrupt=False)
@@ -382,9 +367,9 @@ class DiskTier(Tier):
             if not self._dir.mark_lost():
                 return
             dropped = self._index.drop_all()
-            self.counters.extra["directory_lost"] += 1
-            self.counters.extra["available"] = 0
-            self.counters.extra["pinned_keys"] = 0
+            self.counters.directory_lost += 1
+            self.counters.available = 0
+            self.counters.pinned_keys = 0
         log.warning(
             "disk tier directory %s %s: the tier is unavailable (lookups miss, stores are "
             "dropped) and its index of %d chunks is dropped; it re-opens the path when usable",
@@ -397,8 +382,8 @@ class DiskTier(Tier):
         if not self._dir.try_reopen(self._rebuild_index, self._lock):
             return
         with self._lock:
-            self.counters.extra["available"] = 1
-            self.counters.extra["directory_reopened"] += 1
+            self.counters.available = 1
+            self.counters.directory_reopened += 1
         log.info("disk tier directory %s is usable again: re-opened", self.options.path)
 
     def _unlink(self, keys: Sequence[ChunkKey]) -> None:
@@ -413,7 +398,7 @@ class DiskTier(Tier):
             self.counters.misses += 1
             if corrupt:
                 self.counters.corrupt += 1
-            self.counters.extra["pinned_keys"] = self._index.pinned_keys
+            self.counters.pinned_keys = self._index.pinned_keys
             if corrupt:
                 self._unlink([key])
 
@@ -421,28 +406,30 @@ class DiskTier(Tier):
     def pin(self, key: ChunkKey) -> bool:
         with self._guard.call(), self._lock:
             pinned = self._index.pin(key)
-            self.counters.extra["pinned_keys"] = self._index.pinned_keys
+            self.counters.pinned_keys = self._index.pinned_keys
             return pinned
 
     def unpin(self, key: ChunkKey) -> None:
         with self._lock:
             if not self._index.unpin(key):
                 log.debug("unpin of %s, which holds no pin: ignored", key.hex())
-            self.counters.extra["pinned_keys"] = self._index.pinned_keys
+            self.counters.pinned_keys = self._index.pinned_keys
 
     def remove(self, key: ChunkKey) -> bool:
         with self._guard.call(), self._lock:
             if self._index.pop(key) is None:
                 return False
-            self.counters.extra["pinned_keys"] = self._index.pinned_keys
+            self.counters.pinned_keys = self._index.pinned_keys
             self._unlink([key])
         return True
 
     def usage(self) -> TierUsage:
+        """Also refreshes the gauges the write queue and the readers own."""
         with self._lock:
+            self.counters.inflight_bytes = self._writes.inflight_bytes
             if self._reader is not None:
-                self.counters.extra["read_timeouts"] = self._reader.timeouts
-                self.counters.extra["stalled_reads"] = self._reader.stalled
+                self.counters.read_timeouts = self._reader.timeouts
+                self.counters.stalled_reads = self._reader.stalled
             return TierUsage(self._index.used_bytes, self.options.capacity_bytes, len(self._index))
 
     def clear(self) -> int:
@@ -456,10 +443,3 @@ class DiskTier(Tier):
     def is_pinned(self, key: ChunkKey) -> bool:
         with self._lock:
             return self._index.is_pinned(key)
-
-
-def _complete(on_done: OnDone, result: PutResult) -> None:
-    try:
-        on_done(result)
-    except Exception:  # a callback bug must not kill an I/O thread or skip accounting
-        log.exception("disk put callback for %s raised", result.key.hex())

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -49,7 +50,7 @@ from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import CallGuard, Lifecycle
 from kvtier.storage import records
-from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
+from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierCounters, TierUsage
 from kvtier.storage.redis.link import RedisLink
 from kvtier.storage.redis.options import RedisOptions
 from kvtier.storage.redis.wire import get_into, set_parts
@@ -67,10 +68,21 @@ _EXISTS_EACH = (
 )
 
 
+@dataclass
+class RedisCounters(TierCounters):
+    """The Redis tier's own counts, beside every tier's (copied from the link at usage())."""
+
+    outages: int = 0  # the server became unreachable
+    reconnects: int = 0  # ... and came back
+    busy_timeouts: int = 0  # every connection was busy past the timeout
+    available: int = 1  # gauge: 0 while the server is down
+
+
 class RedisTier(Tier):
     """See the module docstring."""
 
     name = "redis"
+    counters: RedisCounters
 
     def __init__(
         self,
@@ -80,6 +92,7 @@ class RedisTier(Tier):
         options: RedisOptions,
     ) -> None:
         super().__init__()
+        self.counters = RedisCounters()
         self.target = target
         self.layout = layout
         self.fingerprint = fingerprint
@@ -329,10 +342,10 @@ class RedisTier(Tier):
             self._last_usage = self._call(read)
         except TierError as exc:
             self._note_failure("usage", exc)
-        self.counters.extra["outages"] = self.link.outages
-        self.counters.extra["reconnects"] = self.link.reconnects
-        self.counters.extra["busy_timeouts"] = self.link.busy_timeouts
-        self.counters.extra["available"] = int(self.link.is_up)
+        self.counters.outages = self.link.outages
+        self.counters.reconnects = self.link.reconnects
+        self.counters.busy_timeouts = self.link.busy_timeouts
+        self.counters.available = int(self.link.is_up)
         return self._last_usage
 
     # -- helpers ---------------------------------------------------------------------------
