@@ -260,5 +260,5 @@ def test_a_hold_for_an_ended_request_is_released_not_leaked(engine: Engine) -> N
     engine.end_request("decoder-request")  # the decoder gave up waiting and prefilled locally
     late = CallbackHold(4096, "PD reservation", lambda: released.append("late"))
     with pytest.raises(StateError, match="already ended"):
-        engine.attach_hold("decoder-request", late)
+        engine.receiver_host().attach_hold("decoder-request", late)
     assert released == ["late"] and engine.leaks() == []

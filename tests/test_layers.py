@@ -22,8 +22,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvtier.lease",),
     ("kvtier.storage",),
     ("kvtier.pd",),
+    ("kvtier.tiers",),  # builds the lower tiers of both storage and pd
     ("kvtier.observability",),
-    ("kvtier.engine",),
+    ("kvtier.engine", "kvtier.engine_pages"),
     ("kvtier.admin",),
     ("kvtier.service", "kvtier.server"),
     ("kvtier.integrations",),

@@ -10,37 +10,42 @@ Who calls what::
 Every reference a request takes lives in its lease until ``end_request``. Call it on every
 path that ends a request (finished, aborted, failed, timed out): a ``try/finally`` in the
 caller, or the :meth:`request` context manager that does it for you.
+
+Two narrower faces are views in their own modules: ``engine.pages()``
+(:mod:`kvtier.engine_pages`, for a process that maps the page buffer) and
+``engine.receiver_host()`` (:mod:`kvtier.pd.host`, for a decoder's PD receiver). Which tiers
+exist is the config's business (:mod:`kvtier.tiers`); the engine opens what it is given.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import mmap
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, suppress
 from types import TracebackType
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any
 
 import torch
 
 from kvtier.config import Config
+from kvtier.engine_pages import EnginePages
 from kvtier.errors import InputError, StateError, TierError
 from kvtier.keys import ChunkSpans, Fingerprint, KeyChain, as_token_array
 from kvtier.layout import KVLayout
-from kvtier.lease import Hold, LeaseInfo, LeaseTable
-from kvtier.lifecycle import CallGuard, Lifecycle
+from kvtier.lease import LeaseInfo, LeaseTable
+from kvtier.lifecycle import CallGuard, Lifecycle, guarded
 from kvtier.memory.block_pool import BlockPool, pages_for_capacity
 from kvtier.observability.observer import Observer
-from kvtier.pd.buffer import PDBuffer
+from kvtier.observability.stats import engine_stats
+from kvtier.pd.host import EngineReceiverHost
 from kvtier.storage.audit import audit_references
 from kvtier.storage.base import Tier
 from kvtier.storage.counters import EngineCounters
-from kvtier.storage.cpu import CpuTier
-from kvtier.storage.factory import build_lower_tiers
-from kvtier.storage.manager import ENGINE, LookupPlan, StorageManager, StoreSlot
+from kvtier.storage.manager import ENGINE, LookupPlan, StorageManager
+from kvtier.tiers import open_storage
 from kvtier.validation import (
     check_dense,
     check_fits_in_memory,
@@ -54,20 +59,7 @@ log = logging.getLogger(__name__)
 
 EngineState = Lifecycle  # the public name of the engine's lifecycle states
 
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def _guarded(method: Callable[Concatenate[Engine, P], R]) -> Callable[Concatenate[Engine, P], R]:
-    """A public call that uses the engine's parts: counted in flight (so :meth:`Engine.close`
-    waits for it before freeing them) and refused with StateError once close has begun."""
-
-    @functools.wraps(method)
-    def call(self: Engine, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        with self._guard.call():
-            return method(self, *args, **kwargs)
-
-    return call
+_guarded = guarded  # a public call: counted in flight, refused once close has begun
 
 
 class Engine:
@@ -115,7 +107,6 @@ class Engine:
         self._pool: BlockPool | None = None
         self._manager: StorageManager | None = None
         self._leases: LeaseTable[LookupPlan] | None = None
-        self._pd_buffer: PDBuffer | None = None
         self._page_memory = page_memory
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -125,32 +116,16 @@ class Engine:
                 return self
             if self._guard.state is EngineState.CLOSED:
                 raise StateError("this Engine is closed; create a new one")
-            memory = self._page_memory
-            pool = BlockPool(
+            self._manager = open_storage(
+                self.config,
+                self.layout,
+                self.fingerprint,
                 self.num_pages,
-                self.chunk_bytes,
-                mapping=memory(self.num_pages * self.chunk_bytes) if memory else None,
+                self.counters,
+                self._page_memory,
             )
-            lower: list[Tier] = []
-            try:
-                if self.config.enable_pd and self.config.pd_role == "receiver":
-                    # First below CPU: what the prefiller sent is what this decoder needs.
-                    lower.append(PDBuffer.from_config(self.config, self.layout, self.fingerprint))
-                lower.extend(build_lower_tiers(self.config, self.layout, self.fingerprint))
-                for tier in lower:
-                    tier.open()
-            except BaseException:
-                for tier in lower:
-                    tier.close()
-                pool.close()
-                raise
-            cpu = CpuTier(pool, self.layout.token_bytes())
-            self._pool = pool
-            self._pd_buffer = next((t for t in lower if isinstance(t, PDBuffer)), None)
-            self._leases = LeaseTable[LookupPlan](pool)
-            self._manager = StorageManager(
-                self.config, self.layout, pool, cpu, lower, self.counters
-            )
+            self._pool = self._manager.pool
+            self._leases = LeaseTable[LookupPlan](self._pool)
             self.observer.attach(self._manager)
             self._guard.open()
             log.info(
@@ -215,6 +190,10 @@ class Engine:
             raise StateError(f"Engine is {state.value}: {hint}")
         assert self._manager is not None and self._leases is not None
         return self._manager, self._leases
+
+    def _call(self) -> AbstractContextManager[None]:
+        """A call counted in flight (see ``_guarded``), for the views in other modules."""
+        return self._guard.call()
 
     # -- the request API -------------------------------------------------------------------
     @_guarded
@@ -303,57 +282,6 @@ class Engine:
         self.observer.on_store(array, offered, dropped, started)
         return stored
 
-    # -- pages, for a process that maps the page buffer (kvtier.server) ----------------------
-    @_guarded
-    def lease_pages(
-        self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0
-    ) -> tuple[int, list[tuple[int, int, int]]]:
-        """:meth:`retrieve_into` without the copy: the chunks of the cached prefix from the
-        skip on, each resident in a page that ``request_id``'s lease holds until
-        :meth:`end_request`. Returns (end of the loaded prefix, [(page, start, tokens)])."""
-        started = time.perf_counter()
-        plan = self._plan(tokens, request_id, skip_leading_tokens)
-        start = (skip_leading_tokens // self.config.chunk_size) * self.config.chunk_size
-        loaded_end = self._load(plan, request_id, None, start)
-        self.observer.on_retrieve(started)
-        pages = [
-            (h.page, h.span.start, h.span.num_tokens)
-            for h in plan.hits
-            if h.tier != ENGINE and h.span.end > start and h.page is not None
-        ]
-        return loaded_end, pages
-
-    @_guarded
-    def reserve_pages(
-        self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0
-    ) -> list[StoreSlot]:
-        """:meth:`store` without the copy: a page for each chunk of ``tokens`` not yet held
-        (from the skip on), held by ``request_id``'s lease. Fill them, then
-        :meth:`commit_pages`; ending the request first gives them back unstored."""
-        started = time.perf_counter()
-        manager, leases = self._open_parts()
-        check_request_id(request_id)
-        array = as_token_array(tokens)
-        spans = self._spans(array, skip_leading_tokens)
-        self.counters.add(stores=1)
-        offered = spans[skip_leading_tokens // self.config.chunk_size :]
-        slots, dropped = manager.reserve(offered)
-        leases.open(request_id).take_pages([slot.page for slot in slots])
-        self.observer.on_store(array, offered, dropped, started)
-        return slots
-
-    @_guarded
-    def commit_pages(self, request_id: str, slots: list[StoreSlot]) -> int:
-        """Publish pages :meth:`reserve_pages` gave ``request_id`` and filled since, then end
-        the request. Returns chunks newly stored."""
-        manager, leases = self._open_parts()
-        lease = leases.get(request_id)
-        if lease is None or not set(s.page for s in slots) <= set(lease.pages):
-            raise StateError(f"request {request_id!r} holds no reservation for these pages")
-        stored = manager.commit(slots)
-        self.end_request(request_id)
-        return stored
-
     @_guarded
     def end_request(self, request_id: str) -> bool:
         """Release everything ``request_id`` holds. Returns False if it held nothing (already
@@ -379,37 +307,10 @@ class Engine:
     # -- inspection ------------------------------------------------------------------------
     @_guarded
     def stats(self) -> dict[str, Any]:
+        """Counts, gauges and every tier's usage and counters, as one plain dict (the
+        admin API, the metrics and the demo read it; :mod:`kvtier.observability.stats`)."""
         manager, leases = self._open_parts()
-        pool = manager.pool
-        lease_infos = leases.snapshot()
-        tiers: dict[str, Any] = {}
-        for tier in manager.tiers:
-            usage = tier.usage()
-            tiers[tier.name] = {
-                "used_bytes": usage.used_bytes,
-                "capacity_bytes": usage.capacity_bytes,
-                "entries": usage.entries,
-                **tier.counters.as_dict(),
-            }
-        counts = self.counters.as_dict()
-        counts["miss_tokens"] = counts["lookup_tokens"] - counts["hit_tokens"]
-        return {
-            "open_requests": len(lease_infos),
-            "pinned_pages": sum(i.pinned_pages for i in lease_infos),
-            "pinned_bytes": sum(i.pinned_bytes for i in lease_infos),
-            "pinned_by_request": {
-                i.request_id: {"pages": i.pinned_pages, "bytes": i.pinned_bytes}
-                for i in lease_infos
-            },
-            "allocator": {
-                "page_bytes": pool.page_bytes,
-                "pages_total": pool.num_pages,
-                "pages_free": pool.free_pages,
-                "pages_used": pool.used_pages,
-            },
-            "tiers": tiers,
-            **counts,
-        }
+        return engine_stats(manager, leases, self.counters)
 
     @_guarded
     def leases(self) -> list[LeaseInfo]:
@@ -438,8 +339,8 @@ class Engine:
         """
         manager, leases = self._open_parts()
         problems = audit_references(manager, leases)
-        if self._pd_buffer is not None:
-            problems.extend(self._pd_buffer.audit(leases))
+        for tier in manager.lower:
+            problems.extend(tier.audit(leases))
         return problems
 
     @_guarded
@@ -464,41 +365,21 @@ class Engine:
         manager, _ = self._open_parts()
         return manager.flush(timeout)
 
-    @property
-    def pd_buffer(self) -> PDBuffer | None:
-        """The decoder's PD receive buffer (``enable_pd`` with ``pd_role: receiver``), or None."""
-        self._open_parts()
-        return self._pd_buffer
-
     @_guarded
     def tier(self, name: str) -> Tier | None:
         """The open tier called ``name`` (``"cpu"``, ``"disk"``, ``"pd"``, ...), or None."""
         manager, _ = self._open_parts()
         return next((t for t in manager.tiers if t.name == name), None)
 
-    @_guarded
-    def attach_hold(self, request_id: str, hold: Hold) -> None:
-        """Put ``hold`` (e.g. a PD reservation) into ``request_id``'s lease: released, once,
-        by :meth:`end_request`. Raises StateError, with the hold already released, if the
-        request ended before (or while) the hold arrived: a late transfer never opens a lease
-        that nobody would end."""
-        _, leases = self._open_parts()
-        check_request_id(request_id)
-        try:
-            lease = leases.join(request_id)
-        except StateError:
-            hold.release()
-            raise
-        lease.take_hold(hold)
+    # -- views ---------------------------------------------------------------------------------
+    def pages(self) -> EnginePages:
+        """The page API, for a process that maps the page buffer (:mod:`kvtier.engine_pages`)."""
+        return EnginePages(self)
 
-    def expire_unclaimed(self, ttl: float, busy: Collection[str] = ()) -> list[str]:
-        """End the requests that only a PD receiver opened (:meth:`attach_hold`) and that
-        no lookup claimed within ``ttl`` seconds: cancelled upstream, routed to another
-        decoder, or never real. Their reservations go back to the buffer, once; a later
-        ``end_request`` for them is a no-op. ``busy``: requests whose transfer is still in
-        flight (kept; their TTL starts again). Returns the ids ended."""
-        _, leases = self._open_parts()
-        return leases.expire_unclaimed(ttl, busy=busy)
+    def receiver_host(self) -> EngineReceiverHost:
+        """This engine as a PD receiver sees it (:mod:`kvtier.pd.host`); needs an open engine."""
+        manager, leases = self._open_parts()
+        return EngineReceiverHost(self.config, self.fingerprint, manager.lower, leases, self._guard)
 
     # -- helpers ---------------------------------------------------------------------------
     def _spans(self, tokens: object, skip_leading_tokens: int) -> ChunkSpans:

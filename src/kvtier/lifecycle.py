@@ -4,9 +4,11 @@ open (threads, connections and memory live), closed (everything released; use ra
 from __future__ import annotations
 
 import enum
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 from kvtier.errors import KVTierError, StateError
 
@@ -75,3 +77,26 @@ class CallGuard:
     def running(self) -> int:
         with self._cond:
             return self._running
+
+
+class Guarded(Protocol):
+    """An object whose public calls a :class:`CallGuard` counts."""
+
+    _guard: CallGuard
+
+
+G = TypeVar("G", bound=Guarded)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def guarded(method: Callable[Concatenate[G, P], R]) -> Callable[Concatenate[G, P], R]:
+    """A public call that uses the object's parts: counted in flight (so ``close`` waits for
+    it before freeing them) and refused with StateError once close has begun."""
+
+    @functools.wraps(method)
+    def call(self: G, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self._guard.call():
+            return method(self, *args, **kwargs)
+
+    return call

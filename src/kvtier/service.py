@@ -60,7 +60,7 @@ class Service:
             self.engine.open()
             try:
                 self.admin = open_admin(self.engine)
-                if self.engine.pd_buffer is not None:
+                if self.engine.receiver_host().pd_buffer is not None:
                     self.receiver = PDReceiver.for_engine(self.engine).open()
             except BaseException:
                 self._close_parts()

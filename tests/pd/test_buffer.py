@@ -198,7 +198,7 @@ def test_decoder_pins_are_released_by_end_request() -> None:
         tokens = make_tokens(40, 3)
         spans = engine.keychain.keys(tokens, include_partial=True)
         res, _ = tier.reserve("r", [s.key for s in spans], [s.num_tokens for s in spans], 1.0)
-        engine.attach_hold("r", res)
+        engine.receiver_host().attach_hold("r", res)
         kv = torch.randn(SMALL_LAYOUT.kv_shape(40))
         for page, span in zip(res.new, spans, strict=True):
             chunk = kv[:, :, span.start : span.end, :].contiguous().view(-1).view(torch.uint8)
@@ -277,10 +277,10 @@ def test_engine_audit_covers_the_pd_buffer() -> None:
     """check_invariants on a decoder finds an owner for every PD buffer reference: a
     reservation in a lease is accounted for; a reference nobody owns is reported."""
     with pd_engine("16KiB") as engine:
-        buffer = engine.pd_buffer
+        buffer = engine.receiver_host().pd_buffer
         assert buffer is not None
         res, _ = buffer.reserve("r1", [random_key()], [CONTRACT_CHUNK], timeout=1.0)
-        engine.attach_hold("r1", res)
+        engine.receiver_host().attach_hold("r1", res)
         assert engine.check_invariants() == []
         buffer.pool.retain([res.pages[0]])  # a reference no lease, pin or entry owns
         problems = engine.check_invariants()

@@ -116,7 +116,7 @@ def decoder_main(args: argparse.Namespace, jobs: Any, results: Any) -> None:
     config = _config(args, "receiver", layout.chunk_bytes(args.chunk_size), 0)
     with Engine(config, layout, model_name=f"llama-{args.model_size}") as engine:
         receiver = PDReceiver.for_engine(engine, host="127.0.0.1", port=0).open()
-        tier = engine.pd_buffer
+        tier = engine.receiver_host().pd_buffer
         assert tier is not None
         results.put(("ready", receiver.port, tier.num_pages))
         connector = KVTierConnector(engine, model)

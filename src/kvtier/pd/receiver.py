@@ -79,7 +79,8 @@ Expire = Callable[[float, Collection[str]], list[str]]
 
 
 class ReceiverHost(Protocol):
-    """The decoder's engine as the receiver sees it (``kvtier.engine.Engine`` is one)."""
+    """The decoder's engine as the receiver sees it: ``Engine.receiver_host()`` returns one
+    (:class:`kvtier.pd.host.EngineReceiverHost`)."""
 
     config: Config
     fingerprint: Fingerprint
@@ -90,6 +91,13 @@ class ReceiverHost(Protocol):
     def attach_hold(self, request_id: str, hold: Hold) -> None: ...
 
     def expire_unclaimed(self, ttl: float, busy: Collection[str] = ()) -> list[str]: ...
+
+
+class HostsReceiver(Protocol):
+    """What :meth:`PDReceiver.for_engine` takes: an engine that can show itself as a
+    :class:`ReceiverHost` (``kvtier.engine.Engine``)."""
+
+    def receiver_host(self) -> ReceiverHost: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +168,13 @@ class PDReceiver:
 
     @classmethod
     def for_engine(
+        cls, engine: HostsReceiver, *, host: str | None = None, port: int | None = None
+    ) -> PDReceiver:
+        """A receiver feeding ``engine``'s PD buffer, its reservations held in its leases."""
+        return cls.for_host(engine.receiver_host(), host=host, port=port)
+
+    @classmethod
+    def for_host(
         cls, engine: ReceiverHost, *, host: str | None = None, port: int | None = None
     ) -> PDReceiver:
         """A receiver feeding ``engine``'s PD buffer, its reservations held in its leases."""

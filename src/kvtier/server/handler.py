@@ -102,7 +102,7 @@ def _dispatch(
             hit = engine.lookup(_tokens(raw), session.request_id(rid), skip_leading_tokens=skip)
             return wire.Hit(hit)
         case wire.Retrieve(request_id=rid, tokens=raw, skip=skip):
-            end, held = engine.lease_pages(
+            end, held = engine.pages().lease_pages(
                 _tokens(raw), session.request_id(rid), skip_leading_tokens=skip
             )
             return wire.Pages(
@@ -114,7 +114,7 @@ def _dispatch(
                     f"Reserve({store_id}) while store {session.store[0]} is not committed"
                 )
             rid = session.store_request_id(store_id)
-            slots = engine.reserve_pages(_tokens(raw), rid, skip_leading_tokens=skip)
+            slots = engine.pages().reserve_pages(_tokens(raw), rid, skip_leading_tokens=skip)
             session.store = (store_id, rid, slots)
             return wire.Pages(
                 0,
@@ -129,7 +129,7 @@ def _dispatch(
             session.store = None
             session.forget(rid)
             try:
-                return wire.Stored(engine.commit_pages(rid, slots) if ok else 0)
+                return wire.Stored(engine.pages().commit_pages(rid, slots) if ok else 0)
             finally:
                 engine.end_request(rid)  # commit_pages ended it already; again is a no-op
         case wire.EndRequest(request_id=rid):

@@ -46,6 +46,7 @@ import torch
 
 from kvtier.errors import TierUnavailable
 from kvtier.keys import ChunkKey
+from kvtier.lease import LeaseTable
 
 log = logging.getLogger(__name__)
 
@@ -176,3 +177,8 @@ class Tier(ABC):
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until writes submitted so far have landed. True when nothing is in flight."""
         return True
+
+    def audit(self, leases: LeaseTable[Any]) -> list[str]:
+        """Problems with references this tier hands to request leases, as sentences (the
+        engine's ``check_invariants``); a tier whose pins leases do not hold has none."""
+        return []

@@ -1,0 +1,115 @@
+"""The engine's page API, for a process that maps the page buffer (the kvtier server).
+
+``Engine.pages()`` returns this view; nothing else in the engine knows it exists. Instead of
+copying KV in or out, a caller that shares the engine's page memory is handed pages::
+
+    lease_pages(tokens, rid)     retrieve without the copy: the cached prefix's chunks, each
+                                 resident in a page rid's lease holds   -> (end, [(page, start, n)])
+    reserve_pages(tokens, rid)   store without the copy: a page for each chunk not yet held,
+                                 held by rid's lease                    -> [StoreSlot]
+        ... the caller fills the pages ...
+    commit_pages(rid, slots)     publish them, then end rid             -> chunks stored
+
+Ending ``rid`` before the commit gives reserved pages back unstored. Every call runs under the
+engine's call guard, like the engine's own public calls.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+import torch
+
+from kvtier.config import Config
+from kvtier.errors import StateError
+from kvtier.keys import ChunkSpans, as_token_array
+from kvtier.lease import LeaseTable
+from kvtier.observability.observer import Observer
+from kvtier.storage.counters import EngineCounters
+from kvtier.storage.manager import ENGINE, LookupPlan, StorageManager, StoreSlot
+from kvtier.validation import check_request_id
+
+
+class PageHost(Protocol):
+    """The engine's parts this view uses (``kvtier.engine.Engine`` is the one host)."""
+
+    config: Config
+    counters: EngineCounters
+    observer: Observer
+
+    def end_request(self, request_id: str) -> bool: ...
+
+    def _call(self) -> AbstractContextManager[None]: ...
+
+    def _open_parts(self) -> tuple[StorageManager, LeaseTable[LookupPlan]]: ...
+
+    def _spans(self, tokens: object, skip_leading_tokens: int) -> ChunkSpans: ...
+
+    def _plan(self, tokens: object, request_id: str, skip_leading_tokens: int) -> LookupPlan: ...
+
+    def _load(
+        self, plan: LookupPlan, request_id: str, out: torch.Tensor | None, start: int
+    ) -> int: ...
+
+
+class EnginePages:
+    """See the module docstring."""
+
+    def __init__(self, engine: PageHost) -> None:
+        self._engine = engine
+
+    def lease_pages(
+        self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0
+    ) -> tuple[int, list[tuple[int, int, int]]]:
+        """``Engine.retrieve_into`` without the copy: the chunks of the cached prefix from the
+        skip on, each resident in a page that ``request_id``'s lease holds until
+        ``end_request``. Returns (end of the loaded prefix, [(page, start, tokens)])."""
+        engine = self._engine
+        with engine._call():
+            started = time.perf_counter()
+            plan = engine._plan(tokens, request_id, skip_leading_tokens)
+            chunk = engine.config.chunk_size
+            start = (skip_leading_tokens // chunk) * chunk
+            loaded_end = engine._load(plan, request_id, None, start)
+            engine.observer.on_retrieve(started)
+            pages = [
+                (h.page, h.span.start, h.span.num_tokens)
+                for h in plan.hits
+                if h.tier is not ENGINE and h.span.end > start and h.page is not None
+            ]
+            return loaded_end, pages
+
+    def reserve_pages(
+        self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0
+    ) -> list[StoreSlot]:
+        """``Engine.store`` without the copy: a page for each chunk of ``tokens`` not yet held
+        (from the skip on), held by ``request_id``'s lease. Fill them, then
+        :meth:`commit_pages`; ending the request first gives them back unstored."""
+        engine = self._engine
+        with engine._call():
+            started = time.perf_counter()
+            manager, leases = engine._open_parts()
+            check_request_id(request_id)
+            array = as_token_array(tokens)
+            spans = engine._spans(array, skip_leading_tokens)
+            engine.counters.add(stores=1)
+            offered = spans[skip_leading_tokens // engine.config.chunk_size :]
+            slots, dropped = manager.reserve(offered)
+            leases.open(request_id).take_pages([slot.page for slot in slots])
+            engine.observer.on_store(array, offered, dropped, started)
+            return slots
+
+    def commit_pages(self, request_id: str, slots: list[StoreSlot]) -> int:
+        """Publish pages :meth:`reserve_pages` gave ``request_id`` and filled since, then end
+        the request. Returns chunks newly stored."""
+        engine = self._engine
+        with engine._call():
+            manager, leases = engine._open_parts()
+            lease = leases.get(request_id)
+            if lease is None or not set(s.page for s in slots) <= set(lease.pages):
+                raise StateError(f"request {request_id!r} holds no reservation for these pages")
+            stored = manager.commit(slots)
+            engine.end_request(request_id)
+            return stored
