@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier.integrations.transformers import KVTierConnector
+from kvtier.integrations.transformers import HFConnector
 from tests.integrations.oracle import CHUNK, make_engine, reference, tiny_model, tokens
 from tests.redis_servers import RedisServer
 
@@ -34,14 +34,14 @@ def warm_then_serve(model: Any, tol: float, tier: str, **overrides: object) -> N
     base = tokens(4 * CHUNK + 5, seed=21)
     first = make_engine(model, **overrides)
     try:
-        KVTierConnector(first, model).generate(base, 2)
+        HFConnector(first, model).generate(base, 2)
         assert first.flush(10)
     finally:
         first.close()  # drains writes: the data is in the lower tier, the CPU copy is gone
 
     second = make_engine(model, **overrides)
     try:
-        conn = KVTierConnector(second, model)
+        conn = HFConnector(second, model)
         prompt = torch.cat([base, tokens(11, seed=22)])
         want_tokens, want_logits = reference(model, prompt, NEW)
         pre = conn.prefill(prompt)
@@ -85,7 +85,7 @@ def test_corrupt_chunk_on_disk_is_recomputed_not_served(tmp_path: Path) -> None:
     base = tokens(4 * CHUNK + 5, seed=23)
     first = make_engine(model, **overrides)
     try:
-        KVTierConnector(first, model).generate(base, 2)
+        HFConnector(first, model).generate(base, 2)
         spans = first.keychain.keys(base, include_partial=False)
         name = f"{first.fingerprint.hex()}-{spans[2].key.hex()}.kvc"
     finally:
@@ -98,7 +98,7 @@ def test_corrupt_chunk_on_disk_is_recomputed_not_served(tmp_path: Path) -> None:
 
     second = make_engine(model, **overrides)
     try:
-        conn = KVTierConnector(second, model)
+        conn = HFConnector(second, model)
         want_tokens, want_logits = reference(model, base, NEW)
         pre = conn.prefill(base)
         assert pre.loaded_tokens == 2 * CHUNK and pre.reused_tokens == 2 * CHUNK

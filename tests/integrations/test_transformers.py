@@ -11,7 +11,7 @@ import torch
 
 from kvtier import Engine, InputError, KVLayout
 from kvtier.integrations.sampling import Sampling
-from kvtier.integrations.transformers import KVTierConnector
+from kvtier.integrations.transformers import HFConnector, KVTierConnector
 from tests.integrations.oracle import (
     CASE_IDS,
     CASES,
@@ -36,13 +36,13 @@ def engines() -> Iterator[list[Engine]]:
         engine.close()
 
 
-def connect(engines: list[Engine], model: Any, **overrides: object) -> KVTierConnector:
+def connect(engines: list[Engine], model: Any, **overrides: object) -> HFConnector:
     engine = make_engine(model, **overrides)
     engines.append(engine)
-    return KVTierConnector(engine, model)
+    return HFConnector(engine, model)
 
 
-def check(conn: KVTierConnector, prompt: torch.Tensor, tol: float) -> Any:
+def check(conn: HFConnector, prompt: torch.Tensor, tol: float) -> Any:
     """Generate through kvtier and compare tokens and prefill logits with the reference."""
     want_tokens, want_logits = reference(conn.model, prompt, NEW)
     got = conn.generate(prompt, NEW)
@@ -188,7 +188,7 @@ def test_engine_for_another_layout_is_refused(engines: list[Engine]) -> None:
     engine = make_engine(tiny_model("llama", torch.bfloat16))
     engines.append(engine)
     with pytest.raises(InputError, match="does not match"):
-        KVTierConnector(engine, model)
+        HFConnector(engine, model)
     assert isinstance(engine.layout, KVLayout)
 
 
@@ -215,3 +215,7 @@ def test_generate_reports_ttft_and_reused_tokens_to_the_engine(engines: list[Eng
     assert totals.requests == 2
     assert totals.hit_tokens == first.reused_tokens + second.reused_tokens == 3 * CHUNK
     assert totals.seconds == pytest.approx(first.ttft_s + second.ttft_s)
+
+
+def test_the_former_name_still_imports_the_same_connector() -> None:
+    assert KVTierConnector is HFConnector

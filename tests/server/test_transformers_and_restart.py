@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvtier.integrations.hf_kv import layout_from_model
-from kvtier.integrations.transformers import KVTierConnector
+from kvtier.integrations.transformers import HFConnector
 from kvtier.server.client import ServerClient
 from tests.integrations.oracle import CASE_IDS, CASES, CHUNK, reference, tiny_model, tokens
 from tests.server.server_helpers import (
@@ -35,7 +35,7 @@ def model_client(url: str, model: Any, **overrides: object) -> ServerClient:
     return client.open()
 
 
-def check(conn: KVTierConnector, prompt: torch.Tensor, tol: float) -> Any:
+def check(conn: HFConnector, prompt: torch.Tensor, tol: float) -> Any:
     want_tokens, want_logits = reference(conn.model, prompt, NEW)
     eos = conn.model.generation_config.eos_token_id  # generate() stops there too
     got = conn.generate(prompt, NEW, eos_token_id=eos if isinstance(eos, int) else None)
@@ -53,14 +53,14 @@ def test_connector_on_a_server_client_matches_recompute(
 ) -> None:
     model = tiny_model(family, dtype)
     with model_client(server.url, model) as client, model_client(server.url, model) as other:
-        conn = KVTierConnector(client, model)  # type: ignore[arg-type]  # the Engine surface
+        conn = HFConnector(client, model)  # type: ignore[arg-type]  # the Engine surface
         base = tokens(5 * CHUNK + 7, seed=61)
         cold = check(conn, base, tol)
         assert cold.hit_tokens == 0 and cold.stored_chunks == 5
         branch = torch.cat([base[: 3 * CHUNK + 9], tokens(40, seed=62)])
         assert check(conn, branch, tol).reused_tokens == 3 * CHUNK
         # another connection (another engine process, as far as the server knows) hits too
-        other_conn = KVTierConnector(other, model)  # type: ignore[arg-type]
+        other_conn = HFConnector(other, model)  # type: ignore[arg-type]
         longer = torch.cat([base, tokens(30, seed=63)])
         assert check(other_conn, longer, tol).reused_tokens == 5 * CHUNK
         assert idle_server_state(client) == IDLE
@@ -73,7 +73,7 @@ def test_server_killed_then_restarted_with_a_warm_disk_tier(tmp_path: Any) -> No
     proc = ServerProcess(directory, max_local_cpu_size="4MiB", **disk).start()
     try:
         with model_client(proc.url, model) as client:
-            conn = KVTierConnector(client, model)  # type: ignore[arg-type]
+            conn = HFConnector(client, model)  # type: ignore[arg-type]
             prompt = tokens(6 * CHUNK + 3, seed=71)
             assert check(conn, prompt, 1e-5).stored_chunks == 6
             assert client.flush(10)  # on disk before the crash
@@ -105,7 +105,7 @@ def test_sigterm_drains_and_exits_cleanly(tmp_path: Any) -> None:
     proc = ServerProcess(directory, max_local_cpu_size="4MiB", **disk).start()
     try:
         with model_client(proc.url, model) as client:
-            conn = KVTierConnector(client, model)  # type: ignore[arg-type]
+            conn = HFConnector(client, model)  # type: ignore[arg-type]
             prompt = tokens(4 * CHUNK, seed=81)
             assert conn.generate(prompt, 2).stored_chunks == 4  # no flush: the drain must
             assert client.lookup(prompt, "open-at-exit") == 4 * CHUNK  # held at SIGTERM

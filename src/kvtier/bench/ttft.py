@@ -27,7 +27,7 @@ from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import StateError
 from kvtier.integrations.hf_kv import cache_from_kv, kv_from_cache, layout_from_model
-from kvtier.integrations.transformers import KVTierConnector
+from kvtier.integrations.transformers import HFConnector
 from kvtier.testing.tiny_models import SIZES, build_model
 
 FRACTIONS = (50, 90)
@@ -56,14 +56,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         env={},
     )
-    baseline = KVTierConnector(None, model)
+    baseline = HFConnector(None, model)
     times: dict[str, list[float]] = {"full": []}
     # One engine per fraction, so that the 90% prefix is not found by the 50% requests.
     engines = {
         f: Engine(config, layout, model_name=f"bench-ttft-{args.model_size}") for f in FRACTIONS
     }
     try:
-        conns = {f: KVTierConnector(engine.open(), model) for f, engine in engines.items()}
+        conns = {f: HFConnector(engine.open(), model) for f, engine in engines.items()}
         for _ in range(2):  # warm-up: kernel selection, thread start, first touch of buffers
             baseline.generate(prompt, 1, store=False)
         prefixes: dict[int, Any] = {}

@@ -108,7 +108,7 @@ def decoder_main(args: argparse.Namespace, jobs: Any, results: Any) -> None:
     """Decoder process: receive, load, generate, compare with local generation, end."""
     from kvtier.engine import Engine
     from kvtier.integrations.hf_kv import layout_from_model
-    from kvtier.integrations.transformers import KVTierConnector
+    from kvtier.integrations.transformers import HFConnector
     from kvtier.pd.receiver import PDReceiver
 
     model = _model(args)
@@ -119,8 +119,8 @@ def decoder_main(args: argparse.Namespace, jobs: Any, results: Any) -> None:
         tier = engine.receiver_host().pd_buffer
         assert tier is not None
         results.put(("ready", receiver.port, tier.num_pages))
-        connector = KVTierConnector(engine, model)
-        local = KVTierConnector(None, model)
+        connector = HFConnector(engine, model)
+        local = HFConnector(None, model)
         while (job := jobs.get()) is not None:
             rid, prompt = job
             outcome = receiver.wait_outcome(rid, 60.0)
@@ -149,14 +149,14 @@ def prefiller_main(args: argparse.Namespace, port: int, jobs: Any, results: Any)
     from kvtier.engine import Engine
     from kvtier.errors import TransferError
     from kvtier.integrations.hf_kv import kv_from_cache, layout_from_model
-    from kvtier.integrations.transformers import KVTierConnector
+    from kvtier.integrations.transformers import HFConnector
     from kvtier.pd.sender import PDSender, chunks_from_kv
 
     model = _model(args)
     layout = layout_from_model(model)
     config = _config(args, "sender", layout.chunk_bytes(args.chunk_size), port)
     with Engine(config, layout, model_name=f"llama-{args.model_size}") as engine:
-        connector = KVTierConnector(engine, model)
+        connector = HFConnector(engine, model)
         with PDSender.from_config(config, layout, engine.fingerprint.hex()) as sender:
             while (job := jobs.get()) is not None:
                 rid, prompt = job

@@ -29,7 +29,7 @@ from kvtier.demo.workload import Workload, conversations, schedule
 from kvtier.engine import Engine
 from kvtier.errors import InputError
 from kvtier.integrations.hf_kv import layout_from_model
-from kvtier.integrations.transformers import KVTierConnector
+from kvtier.integrations.transformers import HFConnector
 from kvtier.testing.tiny_models import build_model
 
 
@@ -142,8 +142,8 @@ def run_demo(options: Options, *, on_engine: Callable[[Engine], None] | None = N
                 runs.append(cpu)
                 # Request by request, baseline then kvtier: a noisy neighbour slows both alike.
                 pairs = [
-                    (baseline, KVTierConnector(None, model)),
-                    (cpu, KVTierConnector(engine, model)),
+                    (baseline, HFConnector(None, model)),
+                    (cpu, HFConnector(engine, model)),
                 ]
                 _run(pairs, workload, bar)
             if disk_dir is not None:
@@ -153,13 +153,13 @@ def run_demo(options: Options, *, on_engine: Callable[[Engine], None] | None = N
                         on_engine(engine)
                     restart = ConfigRun("restart", "restart: cold CPU, warm disk")
                     runs.append(restart)
-                    _run([(restart, KVTierConnector(engine, model))], workload, bar)
+                    _run([(restart, HFConnector(engine, model))], workload, bar)
     finally:
         bar.close()
     return DemoResult(workload, model_name, runs, notes)
 
 
-def _run(pairs: list[tuple[ConfigRun, KVTierConnector]], workload: Workload, bar: Any) -> None:
+def _run(pairs: list[tuple[ConfigRun, HFConnector]], workload: Workload, bar: Any) -> None:
     """Every request of the workload through each connector in turn (each its own history)."""
     bar.set_description(" / ".join(run.label for run, _ in pairs))
     convs = [conversations(workload) for _ in pairs]
@@ -212,7 +212,7 @@ def _fit_vocab(workload: Workload, model: Any) -> Workload:
 def _warm_up(model: Any, workload: Workload) -> None:
     # The first forward passes pay for kernel selection and thread start-up (~0.5 s here);
     # without this the first configuration's first request would look slow for no reason.
-    conn = KVTierConnector(None, model)
+    conn = HFConnector(None, model)
     gen = torch.Generator().manual_seed(12345)
     for n in (64, workload.max_prompt_tokens()):
         conn.generate(torch.randint(0, workload.vocab_size, (n,), generator=gen), 2)

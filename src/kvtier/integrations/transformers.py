@@ -1,6 +1,6 @@
 """The transformers connector: prefix caching for decoder-only models with a ``DynamicCache``.
 
-Protocol of one request (:meth:`KVTierConnector.prefill`)::
+Protocol of one request (:meth:`HFConnector.prefill`)::
 
     lookup(tokens, rid)          longest cached prefix, pinned in the request's lease
     retrieve_into(tokens, rid)   chunk pages -> scratch [2, L, hit, H*D] (one copy per chunk)
@@ -59,7 +59,7 @@ class Prefill:
 
 @dataclass
 class Generation:
-    """What :meth:`KVTierConnector.generate` produced, with its timing."""
+    """What :meth:`HFConnector.generate` produced, with its timing."""
 
     prompt_tokens: int
     tokens: list[int]  # the new tokens only
@@ -72,7 +72,7 @@ class Generation:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-class KVTierConnector:
+class HFConnector:
     """Connects one transformers causal LM to a kvtier :class:`~kvtier.Engine`.
 
     ``engine=None`` runs the very same prefill/decode loop with no cache at all: the baseline
@@ -275,3 +275,8 @@ def _model_device(model: Any) -> torch.device:
     for param in model.parameters():
         return torch.device(param.device)
     return torch.device("cpu")
+
+
+# The name this connector had before the vLLM connector took it too: kept so that users'
+# ``from kvtier.integrations.transformers import KVTierConnector`` goes on working.
+KVTierConnector = HFConnector

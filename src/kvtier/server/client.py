@@ -37,7 +37,7 @@ from kvtier.layout import KVLayout, dtype_name
 from kvtier.lifecycle import Lifecycle
 from kvtier.server import protocol as wire
 from kvtier.server.endpoint import socket_path
-from kvtier.server.link import Link
+from kvtier.server.link import ServerLink
 from kvtier.validation import check_kv, check_request_id, check_skip
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,9 @@ class ServerClient:
             save_unfull_chunk=self.config.save_unfull_chunk,
         )
         path = socket_path(self.config, url)
-        self._link = Link(path, hello, self.config.blocking_timeout_secs, max_backoff=max_backoff)
+        self._link = ServerLink(
+            path, hello, self.config.blocking_timeout_secs, max_backoff=max_backoff
+        )
         self._lock = threading.Lock()
         self._store_ids = itertools.count(1)
         self._state = Lifecycle.NEW

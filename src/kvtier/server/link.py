@@ -29,7 +29,10 @@ class ServerRefused(TransferError):
     """The server answered the handshake with Refused (quota, capacity, peer check)."""
 
 
-class Link:
+class ServerLink:
+    """A link (a client's self-healing connection to one server, like ``RedisLink``) to the
+    kvtier server: see the module docstring."""
+
     def __init__(
         self,
         path: str,

@@ -29,8 +29,8 @@ from kvtier.pd.sender import PDSender, chunks_from_kv
 log = logging.getLogger(__name__)
 
 
-class PDLink:
-    """The worker's PD endpoint: a receiver on a decoder, a sender on a prefiller."""
+class PDEndpoint:
+    """The worker's end of PD transfer: a receiver on a decoder, a sender on a prefiller."""
 
     def __init__(self, engine: Engine, tp_rank: int) -> None:
         cfg = engine.config

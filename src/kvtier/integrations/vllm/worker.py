@@ -48,7 +48,7 @@ from kvtier.integrations.vllm.loads import Loads
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.metrics import CounterDeltas
 from kvtier.integrations.vllm.paged import PagedKV
-from kvtier.integrations.vllm.pd import PDLink
+from kvtier.integrations.vllm.pd import PDEndpoint
 from kvtier.server.surface import KVCache, open_cache
 from kvtier.service import open_admin
 
@@ -92,7 +92,7 @@ class WorkerSide:
         # Only rank 0 reports events: every rank stores the same chunks (its own slice).
         self.events = EventLog() if events and tp_rank == 0 else None
         self._media: list[str] = []
-        self._pd: PDLink | None = None
+        self._pd: PDEndpoint | None = None
         self.admin: AdminServer | None = None  # in the process that owns the cache
         self._deltas = CounterDeltas()
 
@@ -122,7 +122,7 @@ class WorkerSide:
                     tier = cache.tier(name)
                     if tier is not None:
                         chain_evictions(tier, MEDIUM[name], self.events)
-            self._pd = PDLink(cache, self.tp_rank)
+            self._pd = PDEndpoint(cache, self.tp_rank)
             self.admin = open_admin(cache)
         else:
             # The server evicts on its own; stores are reported in the media it has.

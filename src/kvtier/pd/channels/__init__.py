@@ -2,6 +2,12 @@
 
 Each transport imports only :mod:`kvtier.pd.channels.base`; this module imports them, lazily,
 so ``nixl`` is loaded only where it is asked for.
+
+Words: in kvtier a *channel* is a PD transport (``tcp``, ``shm``, ``nixl``: how chunk bytes
+go from a prefiller to a decoder), and nothing else; a *link* is a client's self-healing
+connection to one server (:class:`~kvtier.storage.redis.link.RedisLink`,
+:class:`~kvtier.server.link.ServerLink`); the vLLM worker's PD sender/receiver pair is its
+*endpoint* (``integrations/vllm/pd.py``).
 """
 
 from __future__ import annotations
