@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+import torch
 
 from kvtier import Config, Service
 from kvtier.errors import StateError
@@ -67,3 +68,21 @@ def test_a_plain_service_is_just_the_engine() -> None:
         service.engine.store(list(range(16)), make_kv(16))
         assert service.engine.lookup(list(range(16)), "r") == 16
         service.engine.end_request("r")
+
+
+def test_a_service_is_a_cache_whose_calls_go_to_its_local_engine() -> None:
+    """What ``open_cache`` is to return in process: the KVCache surface plus the engine."""
+    tokens, kv = list(range(32)), make_kv(32)
+    with Service(small_config(), SMALL_LAYOUT, model_name="m") as service:
+        assert service.local_engine is service.engine
+        assert service.fingerprint == service.engine.fingerprint
+        assert service.store(tokens, kv) == 2
+        assert service.lookup(tokens, "r") == 32
+        assert torch.equal(service.retrieve(tokens, "r"), kv)
+        assert service.engine.stats()["open_requests"] == 1
+        assert service.end_request("r") and not service.end_request("r")
+        with service.request("s") as rid:
+            assert service.lookup(tokens, rid) == 32
+        assert service.stats()["open_requests"] == 0  # the context manager ended it
+        assert service.flush(5.0) and service.check_invariants() == []
+    assert service.engine.state is Lifecycle.CLOSED

@@ -11,18 +11,30 @@ library user (a connector, a test, a benchmark) gets exactly what it asked for. 
 so nothing serves an engine that is not open yet or any more. An admin port that cannot be
 bound is logged and the service runs without it (the cache itself is unaffected); a PD port
 that cannot be bound fails ``open`` (a decoder that cannot receive is no decoder).
+
+A Service is also a cache: it has the surface connectors use (``kvtier.server.surface.KVCache``:
+lookup, retrieve, store, end_request, stats, ...), each call going to its engine, and
+``local_engine`` (its engine; a server client's is None) for what only an in-process engine
+offers (PD hooks, the page API, ``tier(name)``). So whoever needs "the cache this process
+runs" opens one Service and never assembles engine, admin API and receiver by hand.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import TracebackType
+from typing import Any
+
+import torch
 
 from kvtier.admin.server import AdminServer
 from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import StateError
+from kvtier.keys import Fingerprint, KeyChain
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import Lifecycle
 from kvtier.pd.receiver import PDReceiver
@@ -51,6 +63,11 @@ class Service:
         self._state = Lifecycle.NEW
         self._lock = threading.Lock()
 
+    @property
+    def local_engine(self) -> Engine:
+        """The engine this process runs (a server client's ``local_engine`` is None)."""
+        return self.engine
+
     def open(self) -> Service:
         with self._lock:
             if self._state is Lifecycle.OPEN:
@@ -60,7 +77,7 @@ class Service:
             self.engine.open()
             try:
                 self.admin = open_admin(self.engine)
-                if self.engine.receiver_host().pd_buffer is not None:
+                if self.engine.receiver_host().pd_buffer is not None:  # pd_role receiver
                     self.receiver = PDReceiver.for_engine(self.engine).open()
             except BaseException:
                 self._close_parts()
@@ -98,6 +115,59 @@ class Service:
 
     def __enter__(self) -> Service:
         return self.open()
+
+    # -- the cache surface (KVCache): the engine's ------------------------------------------
+    @property
+    def layout(self) -> KVLayout:
+        return self.engine.layout
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        return self.engine.fingerprint
+
+    @property
+    def keychain(self) -> KeyChain:
+        return self.engine.keychain
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.engine.chunk_bytes
+
+    def lookup(self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0) -> int:
+        return self.engine.lookup(tokens, request_id, skip_leading_tokens=skip_leading_tokens)
+
+    def retrieve(self, tokens: object, request_id: str) -> torch.Tensor:
+        return self.engine.retrieve(tokens, request_id)
+
+    def retrieve_into(
+        self, tokens: object, request_id: str, out: torch.Tensor, *, skip_leading_tokens: int = 0
+    ) -> int:
+        return self.engine.retrieve_into(
+            tokens, request_id, out, skip_leading_tokens=skip_leading_tokens
+        )
+
+    def store(self, tokens: object, kv: torch.Tensor, *, skip_leading_tokens: int = 0) -> int:
+        return self.engine.store(tokens, kv, skip_leading_tokens=skip_leading_tokens)
+
+    def end_request(self, request_id: str) -> bool:
+        return self.engine.end_request(request_id)
+
+    @contextmanager
+    def request(self, request_id: str) -> Iterator[str]:
+        with self.engine.request(request_id) as rid:
+            yield rid
+
+    def record_ttft(self, seconds: float, *, prompt_tokens: int, hit_tokens: int) -> None:
+        self.engine.record_ttft(seconds, prompt_tokens=prompt_tokens, hit_tokens=hit_tokens)
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def check_invariants(self) -> list[str]:
+        return self.engine.check_invariants()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self.engine.flush(timeout)
 
     def __exit__(
         self,

@@ -106,18 +106,19 @@ def _model(args: argparse.Namespace) -> Any:
 
 def decoder_main(args: argparse.Namespace, jobs: Any, results: Any) -> None:
     """Decoder process: receive, load, generate, compare with local generation, end."""
-    from kvtier.engine import Engine
     from kvtier.integrations.hf_kv import layout_from_model
     from kvtier.integrations.transformers import HFConnector
-    from kvtier.pd.receiver import PDReceiver
+    from kvtier.service import Service
 
     model = _model(args)
     layout = layout_from_model(model)
     config = _config(args, "receiver", layout.chunk_bytes(args.chunk_size), 0)
-    with Engine(config, layout, model_name=f"llama-{args.model_size}") as engine:
-        receiver = PDReceiver.for_engine(engine, host="127.0.0.1", port=0).open()
+    # The Service opens the engine, then its PD receiver (pd_role receiver, 127.0.0.1, a free
+    # port), and closes them in reverse.
+    with Service(config, layout, model_name=f"llama-{args.model_size}") as service:
+        engine, receiver = service.local_engine, service.receiver
         tier = engine.receiver_host().pd_buffer
-        assert tier is not None
+        assert receiver is not None and tier is not None
         results.put(("ready", receiver.port, tier.num_pages))
         connector = HFConnector(engine, model)
         local = HFConnector(None, model)
@@ -137,7 +138,7 @@ def decoder_main(args: argparse.Namespace, jobs: Any, results: Any) -> None:
             )
             results.put(answer)
             engine.end_request(rid)  # no-op: the connector already ended it; kept for clarity
-        receiver.close()
+        receiver.close()  # early (the Service closes it again, a no-op): no transfer lands now
         leaks = len(engine.leaks())
         results.put(
             EndState(tier.pool.free_pages, tier.num_pages, leaks, engine.check_invariants())
@@ -146,16 +147,17 @@ def decoder_main(args: argparse.Namespace, jobs: Any, results: Any) -> None:
 
 def prefiller_main(args: argparse.Namespace, port: int, jobs: Any, results: Any) -> None:
     """Prefiller process: prefill (reusing its own cache), send the KV, report the transfer."""
-    from kvtier.engine import Engine
     from kvtier.errors import TransferError
     from kvtier.integrations.hf_kv import kv_from_cache, layout_from_model
     from kvtier.integrations.transformers import HFConnector
     from kvtier.pd.sender import PDSender, chunks_from_kv
+    from kvtier.service import Service
 
     model = _model(args)
     layout = layout_from_model(model)
     config = _config(args, "sender", layout.chunk_bytes(args.chunk_size), port)
-    with Engine(config, layout, model_name=f"llama-{args.model_size}") as engine:
+    with Service(config, layout, model_name=f"llama-{args.model_size}") as service:
+        engine = service.local_engine
         connector = HFConnector(engine, model)
         with PDSender.from_config(config, layout, engine.fingerprint.hex()) as sender:
             while (job := jobs.get()) is not None:

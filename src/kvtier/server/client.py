@@ -135,6 +135,11 @@ class ServerClient:
     def connected(self) -> bool:
         return self._link.connected
 
+    @property
+    def local_engine(self) -> None:
+        """No engine runs in this process (a Service's ``local_engine`` is its engine)."""
+        return None
+
     # -- the request API (as Engine) ---------------------------------------------------------
     def lookup(self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0) -> int:
         """Tokens of the longest cached prefix, pinned for ``request_id`` until

@@ -19,6 +19,7 @@ from kvtier.keys import Fingerprint, KeyChain
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import Lifecycle
 from kvtier.server.client import ServerClient
+from kvtier.service import Service
 
 
 class KVCache(Protocol):
@@ -92,7 +93,9 @@ def open_cache(
     return engine.open()
 
 
-def _both_conform(engine: Engine, client: ServerClient) -> Iterator[KVCache]:
-    """Never called: mypy --strict checks here that both classes have the whole surface."""
+def _all_conform(engine: Engine, service: Service, client: ServerClient) -> Iterator[KVCache]:
+    """Never called: mypy --strict checks here that all three classes have the whole surface
+    (``open_cache`` is to return a Service rather than a bare Engine, see Service)."""
     yield engine
+    yield service
     yield client
