@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import socket
 
 import pytest
@@ -86,3 +87,15 @@ def test_a_service_is_a_cache_whose_calls_go_to_its_local_engine() -> None:
         assert service.stats()["open_requests"] == 0  # the context manager ended it
         assert service.flush(5.0) and service.check_invariants() == []
     assert service.engine.state is Lifecycle.CLOSED
+
+
+def test_a_service_puts_its_pages_in_the_memory_it_is_given() -> None:
+    """The kvtier server's per-model table passes shared memory the same way."""
+    asked: list[int] = []
+
+    def memory(nbytes: int) -> mmap.mmap:
+        asked.append(nbytes)
+        return mmap.mmap(-1, nbytes)
+
+    with Service(small_config(cpu_chunks=4), SMALL_LAYOUT, model_name="m", page_memory=memory):
+        assert asked == [4 * SMALL_LAYOUT.chunk_bytes(16)]

@@ -32,7 +32,7 @@ import torch
 
 from kvtier.config import Config
 from kvtier.engine_pages import EnginePages
-from kvtier.errors import InputError, StateError, TierError
+from kvtier.errors import InputError, StateError
 from kvtier.keys import ChunkSpans, Fingerprint, KeyChain, as_token_array
 from kvtier.layout import KVLayout
 from kvtier.lease import LeaseInfo, LeaseTable
@@ -45,7 +45,7 @@ from kvtier.storage.audit import audit_references
 from kvtier.storage.base import Tier
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.manager import ENGINE, LookupPlan, StorageManager
-from kvtier.tiers import open_storage
+from kvtier.tiers import clear_tiers, open_storage
 from kvtier.validation import (
     check_dense,
     check_fits_in_memory,
@@ -348,16 +348,7 @@ class Engine:
         """Drop every unpinned entry of every tier (pinned ones stay); tier -> entries dropped.
         A tier that fails is skipped, the others are cleared, then :class:`TierError` names it."""
         manager, _ = self._open_parts()
-        dropped: dict[str, int] = {}
-        failed: list[str] = []
-        for tier in manager.tiers:
-            try:
-                dropped[tier.name] = tier.clear()
-            except TierError as exc:
-                failed.append(f"{tier.name}: {exc}")
-        if failed:
-            raise TierError(f"clear dropped {dropped} but failed on " + "; ".join(failed))
-        return dropped
+        return clear_tiers(manager.tiers)
 
     @_guarded
     def flush(self, timeout: float | None = None) -> bool:

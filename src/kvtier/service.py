@@ -22,8 +22,9 @@ runs" opens one Service and never assembles engine, admin API and receiver by ha
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
@@ -53,9 +54,16 @@ class Service:
         model_name: str,
         tp_rank: int = 0,
         tp_world_size: int = 1,
+        page_memory: Callable[[int], mmap.mmap] | None = None,
     ) -> None:
+        """``page_memory``: as :class:`Engine`'s (the kvtier server passes shared memory)."""
         self.engine = Engine(
-            config, layout, model_name=model_name, tp_rank=tp_rank, tp_world_size=tp_world_size
+            config,
+            layout,
+            model_name=model_name,
+            tp_rank=tp_rank,
+            tp_world_size=tp_world_size,
+            page_memory=page_memory,
         )
         self.config = self.engine.config
         self.admin: AdminServer | None = None

@@ -14,9 +14,10 @@ and never names a role. This module sits above both ``storage`` and ``pd`` in th
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvtier.config import Config
+from kvtier.errors import TierError
 from kvtier.keys import Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.memory.block_pool import BlockPool
@@ -70,3 +71,18 @@ def open_storage(
         raise
     cpu = CpuTier(pool, layout.token_bytes())
     return StorageManager(config, layout, pool, cpu, lower, counters)
+
+
+def clear_tiers(tiers: Sequence[Tier]) -> dict[str, int]:
+    """Drop every unpinned entry of every tier; tier name -> entries dropped. A tier that
+    fails is skipped, the others are cleared, then :class:`TierError` names it."""
+    dropped: dict[str, int] = {}
+    failed: list[str] = []
+    for tier in tiers:
+        try:
+            dropped[tier.name] = tier.clear()
+        except TierError as exc:
+            failed.append(f"{tier.name}: {exc}")
+    if failed:
+        raise TierError(f"clear dropped {dropped} but failed on " + "; ".join(failed))
+    return dropped
