@@ -1,5 +1,5 @@
 """The disk tier under a real Engine: restart survival, the three tier roles of DESIGN.md's
-table (seed 002), and the chained prefix across CPU and disk."""
+table (local_cpu / use_only_staging_buffer), and the chained prefix across CPU and disk."""
 
 from __future__ import annotations
 
