@@ -1,4 +1,5 @@
-"""The PD receive tier: contract, sizing (seed 000), held keys (seed 001), pins (seed 003)."""
+"""The PD receive tier: the tier contract; pd_buffer_size is a ceiling in whole chunks; a held
+key takes one reference per request; every pin is released once, on every path."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def fill(tier: PDBuffer, res: Reservation, seed: int = 0) -> None:
         assert tier.publish(res, page, checksum(data))
 
 
-# -- seed 000: pd_buffer_size is a ceiling rounded down to whole chunks ---------------------
+# -- pd_buffer_size is a ceiling rounded down to whole chunks ----------------------------
 def pd_engine(buffer: object, **kw: object) -> Engine:
     cfg = small_config(enable_pd=True, pd_role="receiver", pd_buffer_size=buffer, **kw)
     return Engine(cfg, SMALL_LAYOUT, model_name="m")
@@ -142,7 +143,7 @@ def test_nixl_without_the_package_is_refused_with_the_reason(
     assert info.value.key == "transfer_channel"
 
 
-# -- seed 001: a held key takes one reference for the request, given back with it -----------
+# -- a held key takes one reference for the request, given back with it ------------------
 def test_held_keys_take_exactly_one_reference_per_request(tier: PDBuffer) -> None:
     k1, k2, k3 = random_key(), random_key(), random_key()
     a, held_a = tier.reserve("a", [k1, k2], [16, 16], timeout=1.0)
@@ -177,7 +178,7 @@ def test_shared_prefixes_never_exhaust_the_buffer(tier: PDBuffer) -> None:
     assert tier.check_invariants() == []
 
 
-# -- seed 003: every pin released once, on every path --------------------------------------
+# -- every pin released once, on every path ---------------------------------------------
 def test_abort_then_request_end_releases_once(tier: PDBuffer) -> None:
     leases = LeaseTable(BlockPool(1, 64))
     res, _ = tier.reserve("r", [random_key(), random_key()], [16, 16], timeout=1.0)

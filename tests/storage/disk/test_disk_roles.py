@@ -1,5 +1,6 @@
 """The disk tier under a real Engine: restart survival, the three tier roles of DESIGN.md's
-table (seed 002), and the chained prefix across CPU and disk."""
+table (what ``local_cpu`` and ``use_only_staging_buffer`` make of CPU memory: cache tier,
+visible staging, or staging only), and the chained prefix across CPU and disk."""
 
 from __future__ import annotations
 
