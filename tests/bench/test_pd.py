@@ -18,7 +18,11 @@ from tests.pd.test_pd_demo import kvtier
 
 
 def test_bench_pd_reports_every_field() -> None:
-    done = kvtier("bench", "pd", "--json", "--chunks", "1", "--repeats", "1", "--pages", "1")
+    # Two-chunk requests: the checked request is served through one staging page per chunk.
+    done = kvtier(
+        "bench", "pd", "--json", "--chunks", "2", "--repeats", "1", "--pages", "2",
+        "--request-chunks", "2",
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     for key in (

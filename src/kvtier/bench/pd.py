@@ -99,7 +99,9 @@ def _config(channel: str, pages: int) -> Config:
         env={},
         overrides={
             "chunk_size": CHUNK_TOKENS,
-            "max_local_cpu_size": f"{chunk_bytes}B",
+            # A PD hit is served through a CPU staging page per chunk, held until the request
+            # ends: as many as the buffer has pages, or a retrieve of a request comes up short.
+            "max_local_cpu_size": f"{pages * chunk_bytes}B",
             "enable_pd": True,
             "pd_role": "receiver",
             "pd_buffer_size": f"{pages * chunk_bytes}B",
