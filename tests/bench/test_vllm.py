@@ -49,7 +49,7 @@ def serve(worker: WorkerSide, rid: str) -> None:
 
 
 def test_a_run_kvtier_served_passes_and_reports_its_tokens(worker: WorkerSide) -> None:
-    with _served(handle(worker), "kvtier_cpu", 64, tier="cpu") as counts:
+    with _served(handle(worker), "kvtier_cpu", (64, 64), tier="cpu") as counts:
         serve(worker, "a")
     assert counts == {"retrieved_tokens": 64}
 
@@ -59,16 +59,18 @@ def test_a_run_kvtier_did_not_serve_fails_instead_of_giving_a_figure(
 ) -> None:
     # vLLM's own prefix cache answered (no reset): kvtier retrieved nothing.
     with (
-        pytest.raises(AssertionError, match="kvtier_cpu: kvtier served 0 tokens, expected 64"),
-        _served(handle(worker), "kvtier_cpu", 64, tier="cpu"),
+        pytest.raises(
+            AssertionError, match="kvtier_cpu: kvtier served 0 tokens, expected 32 to 64"
+        ),
+        _served(handle(worker), "kvtier_cpu", (32, 64), tier="cpu"),
     ):
         pass
 
 
 def test_a_run_served_by_another_tier_fails(worker: WorkerSide) -> None:
     with (
-        pytest.raises(AssertionError, match="the disk tier served 0 tokens"),
-        _served(handle(worker), "kvtier_disk", 64, tier="disk"),
+        pytest.raises(AssertionError, match="the disk tier served 0 of the 64 tokens"),
+        _served(handle(worker), "kvtier_disk", (64, 64), tier="disk"),
     ):
         serve(worker, "b")
 
@@ -76,7 +78,7 @@ def test_a_run_served_by_another_tier_fails(worker: WorkerSide) -> None:
 def test_a_run_meant_for_vllms_own_cache_fails_when_kvtier_served(worker: WorkerSide) -> None:
     with (
         pytest.raises(AssertionError, match="apc: kvtier served 64 tokens, expected 0"),
-        _served(handle(worker), "apc", 0),
+        _served(handle(worker), "apc", (0, 0)),
     ):
         serve(worker, "c")
 
