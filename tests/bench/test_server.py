@@ -1,9 +1,25 @@
-"""``kvtier bench server --json`` runs end to end and reports every field."""
+"""``kvtier bench server``: every field end to end, and its many-client figure counts only
+the bytes retrieves returned."""
 
 from __future__ import annotations
 
 import json
+import os
+import queue
+import shutil
+import tempfile
+import threading
 
+import torch
+
+from kvtier.bench.server import (
+    BIG_LAYOUT,
+    _retrieve_loop,
+    _start_server,
+    _stored_prompt,
+)
+from kvtier.config import Config
+from kvtier.server.client import connect
 from tests.cli.test_main import run_cli
 
 
@@ -30,3 +46,44 @@ def test_bench_server_prints_every_field() -> None:
     ):
         assert data[field] > 0, field
     assert data["chunk_bytes"] == 2 * 32 * 16 * 1024 * 2
+
+
+def test_many_client_loop_counts_only_bytes_returned() -> None:
+    """The server dies after the client warmed up: every timed retrieve is then a miss (the
+    client's answer to server trouble), and the loop must report no bytes moved."""
+    chunks, chunk_size = 2, 16
+    config = Config.load(
+        env={},
+        overrides={
+            "chunk_size": chunk_size,
+            "max_local_cpu_size": f"{4 * BIG_LAYOUT.chunk_bytes(chunk_size)}B",
+        },
+    )
+    directory = tempfile.mkdtemp(prefix="kvtier-bt-", dir="/tmp")  # a short socket path
+    url = f"unix://{os.path.join(directory, 'kvtier.sock')}"
+    server = _start_server(url, config)
+    try:
+        prompt = _stored_prompt(chunks, chunk_size)
+        kv = torch.zeros(BIG_LAYOUT.kv_shape(len(prompt)), dtype=BIG_LAYOUT.dtype)
+        with connect(url, BIG_LAYOUT, model_name="bench-server", config=config) as client:
+            assert client.store(prompt, kv) == chunks
+        ready: queue.Queue[int] = queue.Queue()
+        results: queue.Queue[tuple[int, float, float]] = queue.Queue()
+        go = threading.Event()
+        loop = threading.Thread(
+            target=_retrieve_loop,
+            args=(url, config, chunks, 0.5, ready, go, results),  # type: ignore[arg-type]
+        )
+        loop.start()
+        assert ready.get(timeout=60) == 1  # its warm-up retrieve got every token
+        server.kill()
+        server.wait(30)
+        go.set()
+        moved, start, end = results.get(timeout=120)
+        loop.join(30)
+        assert end > start and moved == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(30)
+        shutil.rmtree(directory, ignore_errors=True)

@@ -41,7 +41,8 @@ def test_vllm_demo_same_tokens_cpu_and_disk_hits(
     assert code == 0, out
     assert "tokens: identical in every configuration" in out
     assert "leases: none left open" in out
-    baseline = _row(out, "no kvtier")
+    baseline = _row(out, "no kvtier (vLLM prefix cache off)")  # the baseline says what it is
+    assert "vLLM's own prefix cache is off in every configuration, the baseline included" in out
     cpu = _row(out, "kvtier CPU tier (+ disk write-through)")
     restart = _row(out, "restart: cold CPU, warm disk")
     assert _hit_rate(baseline) == 0

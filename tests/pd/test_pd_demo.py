@@ -1,13 +1,10 @@
-"""``kvtier pd-demo`` and ``kvtier bench pd`` end to end, small (real processes, real model)."""
+"""``kvtier pd-demo`` end to end, small (real processes, real model)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-
-from kvtier.config.channels import nixl_installed
 
 ENV = {**os.environ, "PYTHONPATH": "src"}
 
@@ -31,25 +28,3 @@ def test_pd_demo_answers_match_local_generation_and_frees_the_buffer() -> None:
     assert "fell back to a local prefill 1" in out  # the one prompt larger than the buffer
     held = int(out.split("already held by the decoder (not sent again) ")[1].split()[0])
     assert held > 0  # shared prefixes were answered as held, and still nothing leaked
-
-
-def test_bench_pd_reports_every_field() -> None:
-    done = kvtier("bench", "pd", "--json", "--chunks", "1", "--repeats", "1", "--pages", "1")
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
-    for key in (
-        "shm_gbps",
-        "tcp_gbps",
-        "memcpy_gbps",
-        "streaming_copy_gbps",
-        "raw_socket_gbps",
-        "shm_ratio",
-        "shm_ratio_streaming",
-        "tcp_ratio",
-    ):
-        assert result[key] > 0, key
-    assert result["streaming_copy_built"] is True
-    if nixl_installed():
-        assert result["nixl_gbps"] > 0 and result["nixl_ratio"] > 0
-    else:
-        assert result["nixl_gbps"] is None and "nixl" in result["nixl_reason"]

@@ -6,6 +6,9 @@ same way (best of N). A store is a hash of the tokens, a page allocation and one
 chunk into the page; a retrieve is a lookup, pins and one copy per chunk out of the page, so
 the ratios show the cost kvtier adds.
 
+After timing, the buffer the retrieves wrote into is zeroed and the prompt retrieved once
+more the same way; the bench fails unless those bytes equal the stored KV.
+
 ``lookup_128k_ms`` uses a small layout (lookup cost must not depend on chunk bytes): hashing
 plus index probe plus pinning of a fully cached 131072-token prompt.
 """
@@ -93,8 +96,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         memcpy_s = min(stores[b] for b in baselines)
         memcpy_s = min(memcpy_s, *(retrieves[b] for b in baselines))
         store_s, retrieve_s = stores["store"], retrieves["retrieve"]
+        # The check: the timed path once more into a zeroed buffer, so bytes a retrieve did
+        # not write (or wrote wrong) cannot pass for the ones the timing loop left there.
+        out.zero_()
+        retrieve_once()
         if not torch.equal(out, kv):
-            raise AssertionError("retrieved bytes differ from the stored bytes")
+            raise AssertionError("bench cpu: retrieved bytes differ from the stored bytes")
 
     lookup_ms, hash_rate = _lookup_cost(chunk_size, repeats)
     memcpy = gbps(nbytes, memcpy_s)

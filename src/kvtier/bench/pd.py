@@ -24,10 +24,19 @@ streaming copy (the physical limit: what shm would do if checking the bytes were
 does, not on torch's intra-op pool: its idle OpenMP workers spin on the cores for a while after
 each copy, and measured half the transport's speed when it ran right after one.
 
-shm moves each byte once and checks it: the sender hashes each 1 MiB block of the chunk and
-copies it into the decoder's page while it is still in the cache (one thread or two), and the
-decoder verifies every byte against that checksum when it serves the chunk, fused with its copy
-out (not timed here: it replaces a copy the decoder makes anyway).
+What ``shm_gbps`` times: the sender's side. shm moves each byte once: the sender copies each
+1 MiB block of the chunk into the decoder's page and hashes it while it is still in the cache
+(one thread or two); the decoder verifies every byte against that checksum only when it serves
+the chunk, fused with its copy out, so that check is not in ``shm_gbps`` (it replaces a copy
+the decoder makes anyway). ``shm_serve_gbps`` times it: the decoder's ``retrieve_into`` of one
+checked request (verify + copy out, best of ``--repeats``), and ``shm_with_serve_gbps`` is the
+two one after the other (``1 / (1/shm + 1/serve)``), the figure that includes every check.
+``tcp_serve_gbps`` is the same serve for tcp, whose bytes were verified on arrival.
+
+Every figure is checked: after timing each transport, the sender sends one more request,
+keyed by real tokens, with seeded KV; the decoder looks it up and retrieves it into a zeroed
+buffer, and the bench fails (no figures) unless it found and loaded every token and every
+byte equals what was sent.
 
 Each transport is measured while only its own decoder process runs: a NIXL decoder's UCX
 worker polls a core even when idle, and with it alive the other transports measured about
@@ -38,14 +47,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import mmap
 import multiprocessing
 import os
 import signal
 import socket
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
@@ -55,11 +68,12 @@ from kvtier.bench.timing import best_interleaved, gbps
 from kvtier.config import Config
 from kvtier.config.channels import NIXL_UNAVAILABLE, nixl_installed
 from kvtier.engine import Engine
+from kvtier.keys import Fingerprint, KeyChain
 from kvtier.layout import KVLayout
 from kvtier.memory.stream_copy import STREAMING, copy_bytes
 from kvtier.pd.channels.shm import POPULATE, SHM_DIR
 from kvtier.pd.receiver import PDReceiver
-from kvtier.pd.sender import OutChunk, PDSender
+from kvtier.pd.sender import OutChunk, PDSender, chunks_from_kv
 
 # 32 layers x 8 KV heads x 128 head dim, fp16, 256-token chunks: 32 MiB per chunk.
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.float16)
@@ -85,7 +99,9 @@ def _config(channel: str, pages: int) -> Config:
         env={},
         overrides={
             "chunk_size": CHUNK_TOKENS,
-            "max_local_cpu_size": f"{chunk_bytes}B",
+            # A PD hit is served through a CPU staging page per chunk, held until the request
+            # ends: as many as the buffer has pages, or a retrieve of a request comes up short.
+            "max_local_cpu_size": f"{pages * chunk_bytes}B",
             "enable_pd": True,
             "pd_role": "receiver",
             "pd_buffer_size": f"{pages * chunk_bytes}B",
@@ -95,16 +111,71 @@ def _config(channel: str, pages: int) -> Config:
     )
 
 
-def decoder_process(channel: str, pages: int, ports: Any) -> None:
-    """Child: a decoder that ends every request once its transfer is done."""
+def decoder_process(channel: str, pages: int, ports: Any, control: Connection) -> None:
+    """Child: a decoder that ends every request once its transfer is done. When the sender
+    has announced a check on ``control`` (before sending that request: a pipe's send is
+    written by the time it returns), the decoder first serves the request as a real one
+    would be: lookup, then ``retrieve_into`` a zeroed buffer, timed, ``repeats`` times; it
+    answers with the tokens found and loaded, the best serve time and a digest of each
+    retrieve's bytes."""
     with Engine(_config(channel, pages), LAYOUT, model_name=MODEL) as engine:
         receiver = PDReceiver.for_engine(engine, host="127.0.0.1", port=0).open()
         ports.put((engine.fingerprint.hex(), receiver.port))
         i = 0
-        while receiver.wait_outcome(f"b{i}", 600.0) is not None:
+        while (outcome := receiver.wait_outcome(f"b{i}", 600.0)) is not None:
+            if control.poll():
+                tokens, repeats = control.recv()
+                control.send(_serve_check(engine, f"b{i}", tokens, repeats, outcome.ok))
             engine.end_request(f"b{i}")
             i += 1
         receiver.close()
+
+
+def _serve_check(
+    engine: Engine, rid: str, tokens: list[int], repeats: int, transfer_ok: bool
+) -> ServeCheck:
+    hit = engine.lookup(tokens, rid)
+    out = torch.empty(LAYOUT.kv_shape(len(tokens)), dtype=LAYOUT.dtype)
+    loaded: list[int] = []
+    digests: list[str] = []
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        out.zero_()
+        start = time.perf_counter()
+        loaded.append(engine.retrieve_into(tokens, rid, out))
+        best = min(best, time.perf_counter() - start)
+        digests.append(_digest(out))
+    return ServeCheck(transfer_ok, hit, min(loaded), best, tuple(digests))
+
+
+@dataclass(frozen=True)
+class ServeCheck:
+    """The decoder's answer to a check: what it found, loaded and served."""
+
+    transfer_ok: bool
+    hit_tokens: int
+    loaded_tokens: int  # the fewest any retrieve returned
+    serve_s: float  # best seconds of one lookup-free retrieve_into (verify + copy out)
+    digests: tuple[str, ...]  # blake2b of each retrieve's whole buffer
+
+
+def _digest(kv: torch.Tensor) -> str:
+    return hashlib.blake2b(kv.contiguous().view(-1).view(torch.uint8).numpy().data).hexdigest()
+
+
+def _check_source(fingerprint: str, num_chunks: int) -> tuple[list[int], list[OutChunk], str]:
+    """The checked request: seeded tokens, their chunk keys as the decoder computes them, KV
+    of seeded random bytes, and the digest the decoder's retrieve must match."""
+    chain = KeyChain(Fingerprint(model_name=MODEL, layout=LAYOUT, chunk_size=CHUNK_TOKENS))
+    if chain.fingerprint.hex() != fingerprint:
+        raise AssertionError("bench pd: the decoder hashes its keys another way than the bench")
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 32000, (num_chunks * CHUNK_TOKENS,), generator=generator).tolist()
+    shape = LAYOUT.kv_shape(len(tokens))
+    ints = torch.randint(-(2**15), 2**15, shape, generator=generator)
+    kv = (ints.to(torch.float32) / 2**13).to(LAYOUT.dtype)  # no NaN: bytes compare as values
+    spans = chain.keys(tokens, include_partial=False)
+    return tokens, chunks_from_kv(spans, kv), _digest(kv)
 
 
 def sink_process(chunk_bytes: int, ports: Any) -> None:
@@ -139,6 +210,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             timed = _measure_channel(channel, args, src, per_request, baselines, chunk_bytes)
             for name, seconds in timed.items():
                 best[name] = min(best.get(name, float("inf")), seconds)
+    served = {c: gbps(per_request * chunk_bytes, best.pop(f"{c}_serve")) for c in channels}
     rate = {name: gbps(nbytes, seconds) for name, seconds in best.items()}
     memcpy_gbps = max(rate["memcpy1"], rate["memcpy2"])
     streaming_gbps = max(rate["stream1"], rate["stream2"])
@@ -149,6 +221,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "chunks_per_request": per_request,
         "shm_gbps": rate["shm"],
         "tcp_gbps": rate["tcp"],
+        # The decoder serving one checked request (lookup done; verify and copy out):
+        "shm_serve_gbps": served["shm"],
+        "tcp_serve_gbps": served["tcp"],
+        # shm with the decoder's check it defers to serve time, done one after the other:
+        "shm_with_serve_gbps": 1 / (1 / rate["shm"] + 1 / served["shm"]),
+        "bytes_checked": True,
         "nixl_gbps": nixl_gbps,
         "nixl_reason": NIXL_REASON if nixl_gbps is not None else NIXL_UNAVAILABLE,
         "memcpy_gbps": memcpy_gbps,
@@ -162,6 +240,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tcp_ratio": rate["tcp"] / rate["raw"],
         "nixl_ratio": nixl_gbps / memcpy_gbps if nixl_gbps is not None else None,
     }
+
+
+def _check_transfer(
+    channel: str,
+    sender: PDSender,
+    request_id: str,
+    control: Connection,
+    fingerprint: str,
+    num_chunks: int,
+    args: argparse.Namespace,
+) -> ServeCheck:
+    """After timing: one more request of ``num_chunks`` chunks over the same sender, keyed by
+    real tokens, which the decoder looks up and retrieves (its serve-time checks included);
+    every retrieved byte must equal the source. Raises :class:`AssertionError` otherwise,
+    so a transport that moves wrong bytes reports a failure, never a figure."""
+    tokens, chunks, expected = _check_source(fingerprint, num_chunks)
+    control.send((tokens, args.repeats))  # announced before the request can arrive
+    sender.send(request_id, chunks)
+    if not control.poll(300.0):
+        raise AssertionError(f"bench pd {channel}: the decoder did not answer the byte check")
+    served: ServeCheck = control.recv()
+    problems = []
+    if not served.transfer_ok:
+        problems.append("the decoder recorded the transfer as failed")
+    if served.hit_tokens != len(tokens) or served.loaded_tokens != len(tokens):
+        problems.append(
+            f"found {served.hit_tokens} and loaded {served.loaded_tokens} of {len(tokens)} tokens"
+        )
+    elif any(d != expected for d in served.digests):
+        problems.append("the bytes served differ from the bytes sent")
+    if problems:
+        raise AssertionError(f"bench pd {channel}: " + "; ".join(problems))
+    return served
 
 
 @contextlib.contextmanager
@@ -218,8 +329,9 @@ def _measure_channel(
     procs: list[multiprocessing.process.BaseProcess] = []
     try:
         ports = SPAWN.Queue()
+        control, decoder_end = SPAWN.Pipe()
         decoder = SPAWN.Process(
-            target=decoder_process, args=(channel, args.pages, ports), daemon=True
+            target=decoder_process, args=(channel, args.pages, ports, decoder_end), daemon=True
         )
         procs.append(decoder)
         decoder.start()
@@ -257,7 +369,12 @@ def _measure_channel(
 
             timed["raw"] = raw_socket
         try:
-            return best_interleaved(timed, args.repeats)
+            best = best_interleaved(timed, args.repeats)
+            served = _check_transfer(
+                channel, sender, f"b{next(request_ids)}", control, fingerprint, per_request, args
+            )
+            best[f"{channel}_serve"] = served.serve_s
+            return best
         finally:
             sender.close()
             if raw is not None:

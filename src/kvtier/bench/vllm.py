@@ -12,16 +12,25 @@ with the next measurement::
         apc           the same prompt again: vLLM's own prefix cache      ttft_apc_ms
         kvtier_cpu    vLLM's prefix cache reset, kvtier's CPU tier serves ttft_kvtier_cpu_ms
     instance 2: a fresh vLLM + kvtier on the same disk directory
-        kvtier_disk   the prompts again: kvtier's disk tier serves        ttft_kvtier_disk_ms
+        kvtier_disk   the prompts again: kvtier's disk tier serves,       ttft_kvtier_disk_ms
+                      its files still in the page cache (warm)
+        kvtier_disk_cold  other prompts stored by instance 1, their files ttft_kvtier_disk_cold_ms
+                      dropped from the page cache before each request
     instance 3: vLLM's ExampleConnector (safetensors files per layer)
         example       stored once, prefix cache reset, asked again        ttft_example_ms
 
     efficiency_cpu  = (cold - kvtier_cpu) / (cold - apc)    1.0: as good as vLLM's own cache
-    efficiency_disk = (cold - kvtier_disk) / (cold - apc)
+    efficiency_disk = (cold - kvtier_disk) / (cold - apc)          (and _disk_cold)
     speedup_vs_example = example / kvtier_cpu
 
 Every prefix hit still recomputes the prompt's last block (vLLM needs the last token's
 logits), in all the cached variants alike.
+
+Each figure is checked to be what it says: ``reset_prefix_cache()`` must succeed before a
+kvtier_cpu run, and the worker Engine's counters (read over its channel around each request)
+must show kvtier served every whole chunk but the last token's (``kvtier_served_tokens``),
+from the CPU tier for kvtier_cpu and from the disk tier for the disk runs, and nothing for
+apc; otherwise the bench fails instead of printing a figure that measured something else.
 """
 
 from __future__ import annotations
@@ -40,6 +49,11 @@ from typing import Any
 
 from kvtier.testing.checkpoint import write_tiny_llama
 
+DISK_PAGE_CACHE = (
+    "ttft_kvtier_disk_ms: the disk tier's files were written minutes before and are in the "
+    "page cache (warm); ttft_kvtier_disk_cold_ms: each file dropped from the page cache "
+    "(posix_fadvise DONTNEED) before the request"
+)
 CONNECTOR = {
     "kv_connector": "KVTierConnector",
     "kv_connector_module_path": "kvtier.integrations.vllm",
@@ -70,6 +84,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_local_disk_size": "4GiB",
         }
         times: dict[str, float] = {}
+        served: dict[str, int] = {}
+        # Stored in instance 1 but first asked in instance 2 with their files dropped from
+        # the page cache: the cold-disk figure.
+        cold_prompts = [
+            [rng.randrange(3, 1024) for _ in range(args.prompt_tokens)] for _ in range(args.repeats)
+        ]
+        expected = _expected_hit(args.prompt_tokens)
 
         with _llm(
             model, args.prompt_tokens, {**CONNECTOR, "kv_connector_extra_config": tiers}
@@ -82,9 +103,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # The cold run's disk writes go on in the background; on a 2-core machine
                 # they would slow whatever is measured next.
                 _flush(llm)
-                apc.append(ttft(prompt))
-                llm.reset_prefix_cache()
-                cpu.append(ttft(prompt))
+                with _served(llm, "apc", (0, 0)):
+                    apc.append(ttft(prompt))
+                _reset_prefix_cache(llm)
+                with _served(llm, "kvtier_cpu", expected, tier="cpu") as counts:
+                    cpu.append(ttft(prompt))
+                served["kvtier_cpu"] = counts["retrieved_tokens"]
+            for prompt in cold_prompts:
+                ttft(prompt)  # stored on disk for instance 2
             times.update(cold=min(cold), apc=min(apc), kvtier_cpu=min(cpu))
             _flush(llm)
 
@@ -93,22 +119,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ) as llm:
             ttft = _ttft(llm)
             ttft(prompts[0])
-            times["kvtier_disk"] = min(ttft(p) for p in prompts[1:])
-
-        example = {
-            "kv_connector": "ExampleConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": str(work / "example")},
-        }
-        with _llm(model, args.prompt_tokens, example) as llm:
-            ttft = _ttft(llm)
-            ttft(prompts[0])
-            best = float("inf")
+            warm = []
             for prompt in prompts[1:]:
-                ttft(prompt)  # stores it
-                llm.reset_prefix_cache()
-                best = min(best, ttft(prompt))
-            times["example"] = best
+                with _served(llm, "kvtier_disk", expected, tier="disk") as counts:
+                    warm.append(ttft(prompt))
+            served["kvtier_disk"] = counts["retrieved_tokens"]
+            times["kvtier_disk"] = min(warm)
+            cold_disk = []
+            for prompt in cold_prompts:
+                _drop_page_cache(disk)
+                with _served(llm, "kvtier_disk_cold", expected, tier="disk") as counts:
+                    cold_disk.append(ttft(prompt))
+            times["kvtier_disk_cold"] = min(cold_disk)
+            served["kvtier_disk_cold"] = counts["retrieved_tokens"]
 
     saved_ideal = times["cold"] - times["apc"]
     return {
@@ -117,8 +140,83 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **{f"ttft_{k}_ms": round(v * 1000, 2) for k, v in times.items()},
         "efficiency_cpu": round((times["cold"] - times["kvtier_cpu"]) / saved_ideal, 3),
         "efficiency_disk": round((times["cold"] - times["kvtier_disk"]) / saved_ideal, 3),
+        "efficiency_disk_cold": round((times["cold"] - times["kvtier_disk_cold"]) / saved_ideal, 3),
         "speedup_vs_example": round(times["example"] / times["kvtier_cpu"], 2),
+        "kvtier_served_tokens": served,  # per kvtier run, each checked against the hit
+        "disk_page_cache": DISK_PAGE_CACHE,
     }
+
+
+def _expected_hit(prompt_tokens: int) -> tuple[int, int]:
+    """Tokens kvtier serves for a fully cached prompt, as a range: whole chunks only; the chunk
+    holding the last token (vLLM computes that token for its logits) is loaded whole when it
+    is a whole chunk, and not at all when vLLM's blocks end before it."""
+    from kvtier.config import Config
+
+    chunk = Config.load(env={}).chunk_size
+    return (prompt_tokens - 1) // chunk * chunk, prompt_tokens // chunk * chunk
+
+
+def _reset_prefix_cache(llm: Any) -> None:
+    if not llm.reset_prefix_cache():
+        raise AssertionError(
+            "bench vllm: vLLM refused to reset its prefix cache, so the next run would "
+            "measure vLLM's own cache, not kvtier"
+        )
+
+
+@contextmanager
+def _served(
+    llm: Any, run: str, expected: tuple[int, int], tier: str | None = None
+) -> Iterator[dict[str, int]]:
+    """Check that the request run inside got between ``expected[0]`` and ``expected[1]``
+    tokens from kvtier (the worker Engine's ``retrieved_tokens`` counter, read over its
+    channel before and after), all from ``tier``'s hits when given. Yields the counts, filled
+    in on exit; a run kvtier did not serve as claimed raises :class:`AssertionError`: its
+    figure would be another one's."""
+    low, high = expected
+    wanted = f"{low}" if low == high else f"{low} to {high}"
+    counts: dict[str, int] = {}
+    before = _stats(llm)
+    yield counts
+    after = _stats(llm)
+    got = counts["retrieved_tokens"] = after["retrieved_tokens"] - before["retrieved_tokens"]
+    if not low <= got <= high:
+        raise AssertionError(f"bench vllm {run}: kvtier served {got} tokens, expected {wanted}")
+    if tier is not None:
+        by_tier = after["hit_tokens_by_tier"]
+        from_tier = by_tier.get(tier, 0) - before["hit_tokens_by_tier"].get(tier, 0)
+        if from_tier != got:
+            raise AssertionError(
+                f"bench vllm {run}: the {tier} tier served {from_tier} of the {got} tokens"
+            )
+
+
+def _stats(llm: Any) -> dict[str, Any]:
+    """The worker Engine's stats, over its channel."""
+    from kvtier.integrations.vllm.channel import LookupClient
+
+    client = LookupClient(llm.llm_engine.vllm_config.kv_transfer_config.engine_id)
+    try:
+        stats: dict[str, Any] = client.call("stats")
+        return stats
+    finally:
+        client.close()
+
+
+def _drop_page_cache(directory: Path) -> None:
+    """Evict the disk tier's files from the page cache (``posix_fadvise`` DONTNEED on each:
+    clean pages of unmapped files go, without root and without touching other files)."""
+    for path in directory.rglob("*"):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except (FileNotFoundError, IsADirectoryError):
+            continue  # a temporary file renamed meanwhile, or a directory
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _ttft(llm: Any) -> Callable[[list[int]], float]:

@@ -73,7 +73,9 @@ class _Job:
 def run_vllm_demo(options: VllmOptions) -> DemoResult:
     """Run the three configurations, each in a fresh vLLM, and collect what they saw."""
     notes = [
-        "vLLM's own prefix cache is off in every configuration: reuse comes from kvtier only",
+        "vLLM's own prefix cache is off in every configuration, the baseline included: reuse "
+        "comes from kvtier only, and the speedups are over a vLLM that reuses nothing (with its "
+        "prefix cache on, vLLM alone would reuse what still fits in its KV cache)",
         "TTFT: vLLM's RequestOutput.metrics.first_token_latency (arrival to first token)",
     ]
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-vllm-") as tmp:
@@ -88,7 +90,7 @@ def run_vllm_demo(options: VllmOptions) -> DemoResult:
         disk_dir = options.disk_dir or str(work / "disk")
         tiers = _tiers(options, workload, model_dir, disk_dir)
         jobs = [
-            ("no-cache", "no kvtier", None),
+            ("no-cache", "no kvtier (vLLM prefix cache off)", None),
             ("cpu", "kvtier CPU tier (+ disk write-through)", tiers),
             ("restart", "restart: cold CPU, warm disk", tiers),
         ]

@@ -1,0 +1,68 @@
+"""``kvtier bench cpu``: every field, and a failure (not a figure) when the timed retrieve
+path writes wrong bytes or none."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from kvtier.bench import cpu
+from kvtier.keys import ChunkSpan
+from kvtier.storage.manager import StorageManager
+from tests.cli.test_main import run_cli
+
+
+def test_bench_cpu_prints_every_field() -> None:
+    result = run_cli(
+        "bench", "cpu", "--json", "--chunks", "2", "--repeats", "1", "--chunk-size", "16"
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    for field in (
+        "chunk_bytes",
+        "store_gbps",
+        "retrieve_gbps",
+        "memcpy_gbps",
+        "store_ratio",
+        "retrieve_ratio",
+        "lookup_128k_ms",
+        "hash_tokens_per_s",
+    ):
+        assert field in data
+    assert data["chunk_bytes"] == 2 * 32 * 16 * 1024 * 2
+    assert data["store_ratio"] > 0 and data["retrieve_ratio"] > 0 and data["lookup_128k_ms"] > 0
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cpu.add_arguments(parser)
+    return parser.parse_args(["--chunks", "2", "--repeats", "1", "--chunk-size", "16", *argv])
+
+
+def test_bench_cpu_fails_when_the_timed_retrieve_flips_a_byte(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The timed retrieve copies each chunk out of its CPU page (``_copy_out``); one byte
+    wrong there must end the bench with an error, not a GB/s figure."""
+    copy_out = StorageManager._copy_out
+
+    def flipping(self: StorageManager, page: int, span: ChunkSpan, out: torch.Tensor) -> None:
+        copy_out(self, page, span, out)
+        out[1, 0, span.start].view(torch.uint8)[1] ^= 0x10  # one byte of the chunk
+
+    monkeypatch.setattr(StorageManager, "_copy_out", flipping)
+    with pytest.raises(AssertionError, match="retrieved bytes differ"):
+        cpu.run(_args())
+
+
+def test_bench_cpu_fails_when_the_timed_retrieve_writes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A retrieve that reports every token but copies none: the destination must not hold
+    the expected bytes from before (it used to be filled with them before timing)."""
+    monkeypatch.setattr(StorageManager, "_copy_out", lambda *args: None)
+    with pytest.raises(AssertionError, match="retrieved bytes differ"):
+        cpu.run(_args())

@@ -1,0 +1,93 @@
+"""``kvtier bench pd``: every field, and a failure (not a figure) when the bytes that arrive
+differ from the bytes sent, on each transport's timed path."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+
+import pytest
+import torch
+
+from kvtier.bench import pd
+from kvtier.config.channels import nixl_installed
+from kvtier.pd.channels.shm import ShmSender
+from kvtier.pd.channels.tcp import TcpSender
+from tests.pd.test_pd_demo import kvtier
+
+
+def test_bench_pd_reports_every_field() -> None:
+    # Two-chunk requests: the checked request is served through one staging page per chunk.
+    done = kvtier(
+        "bench", "pd", "--json", "--chunks", "2", "--repeats", "1", "--pages", "2",
+        "--request-chunks", "2",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    for key in (
+        "shm_gbps",
+        "tcp_gbps",
+        "memcpy_gbps",
+        "streaming_copy_gbps",
+        "raw_socket_gbps",
+        "shm_ratio",
+        "shm_ratio_streaming",
+        "tcp_ratio",
+        "shm_serve_gbps",
+        "tcp_serve_gbps",
+        "shm_with_serve_gbps",
+    ):
+        assert result[key] > 0, key
+    assert result["bytes_checked"] is True
+    assert result["shm_with_serve_gbps"] < result["shm_gbps"]
+    assert result["streaming_copy_built"] is True
+    if nixl_installed():
+        assert result["nixl_gbps"] > 0 and result["nixl_ratio"] > 0
+    else:
+        assert result["nixl_gbps"] is None and "nixl" in result["nixl_reason"]
+
+
+def _args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    pd.add_arguments(parser)
+    return parser.parse_args(["--chunks", "1", "--repeats", "1", "--pages", "1"])
+
+
+def test_bench_pd_fails_when_shm_pages_hold_a_flipped_byte(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The timed shm path: the sender writes the decoder's page and sends its checksum. A
+    byte changed in the page after that (a stray write) must come out of the bench as a
+    failure: the decoder's serve-time check turns the chunk into a miss."""
+    send_chunk = ShmSender.send_chunk
+
+    def flipping(
+        self: ShmSender, sock: socket.socket, rid: str, index: int, page: int, data: torch.Tensor
+    ) -> int:
+        nbytes = send_chunk(self, sock, rid, index, page, data)
+        assert self._buffer is not None
+        self._buffer[page * self._page_bytes + nbytes // 2] ^= 0x01
+        return nbytes
+
+    monkeypatch.setattr(ShmSender, "send_chunk", flipping)
+    with pytest.raises(AssertionError, match=r"bench pd shm: found \d+ and loaded 0 of"):
+        pd.run(_args())
+
+
+def test_bench_pd_fails_when_tcp_delivers_other_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timed tcp path with a sender that puts one wrong byte on the wire under a checksum
+    of those wrong bytes: the receiver accepts it, and only comparing what the decoder serves
+    with the source catches it."""
+    send_chunk = TcpSender.send_chunk
+
+    def flipping(
+        self: TcpSender, sock: socket.socket, rid: str, index: int, page: int, data: torch.Tensor
+    ) -> int:
+        wrong = data.contiguous().clone()
+        wrong.view(-1).view(torch.uint8)[7] ^= 0x01
+        return send_chunk(self, sock, rid, index, page, wrong)
+
+    monkeypatch.setattr(TcpSender, "send_chunk", flipping)
+    with pytest.raises(AssertionError, match="bench pd tcp: the bytes served differ"):
+        pd.run(_args())
