@@ -20,7 +20,9 @@ from kvtier.server.daemon import KVTierServer
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--config", help="kvtier or LMCache YAML (default: $KVTIER_CONFIG_FILE, else defaults)"
+        "--config",
+        help="kvtier or LMCache YAML (default: $KVTIER_CONFIG_FILE, else $LMCACHE_CONFIG_FILE, "
+        "else defaults); KVTIER_<KEY> / LMCACHE_<KEY> environment variables apply on top",
     )
     parser.add_argument(
         "--socket",
