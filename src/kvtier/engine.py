@@ -229,9 +229,10 @@ class Engine:
         lease = leases.open(request_id)
         plan = manager.locate(spans, lease, skip_leading_tokens // self.config.chunk_size)
         lease.plan = plan
-        # lookup_tokens: the whole prompt, partial tail included
-        self.counters.add(lookups=1, lookup_tokens=len(tokens), hit_tokens=plan.hit_tokens)
-        self.observer.on_lookup(request_id, tokens, spans, plan, started)
+        found = self.observer.on_lookup(request_id, tokens, spans, plan, started)
+        # lookup_tokens: the whole prompt, partial tail included. The hit is counted when
+        # loaded (_load): a lookup only finds.
+        self.counters.add(lookups=1, lookup_tokens=len(tokens), found_tokens=found)
         return plan.hit_tokens
 
     @_guarded
@@ -362,8 +363,8 @@ class Engine:
         lease = leases.get(request_id)
         ended = leases.end(request_id)
         if ended:
-            self.counters.add(requests=1)
-            self.observer.on_request_end(lease)
+            unused = self.observer.on_request_end(request_id, lease)
+            self.counters.add(requests=1, unused_tokens=unused)
         return ended
 
     @contextmanager
@@ -392,7 +393,7 @@ class Engine:
                 **tier.counters.as_dict(),
             }
         counts = self.counters.as_dict()
-        counts["miss_tokens"] = counts["lookup_tokens"] - counts["hit_tokens"]
+        counts["miss_tokens"] = max(0, counts["lookup_tokens"] - counts["found_tokens"])
         return {
             "open_requests": len(lease_infos),
             "pinned_pages": sum(i.pinned_pages for i in lease_infos),
@@ -548,5 +549,7 @@ class Engine:
         before = self.observer.before_load(plan)
         loaded = manager.load(plan, lease, out, start)
         self.observer.after_load(request_id, before, loaded)
-        self.counters.add(retrieved_tokens=max(0, loaded - start))
+        copied = max(0, loaded - start)
+        self.counters.add(retrieved_tokens=copied, hit_tokens=copied)
+        self.observer.on_loaded(request_id, copied)
         return loaded
