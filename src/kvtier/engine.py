@@ -549,7 +549,6 @@ class Engine:
         before = self.observer.before_load(plan)
         loaded = manager.load(plan, lease, out, start)
         self.observer.after_load(request_id, before, loaded)
-        copied = max(0, loaded - start)
+        copied = self.observer.on_loaded(request_id, plan, start, loaded)
         self.counters.add(retrieved_tokens=copied, hit_tokens=copied)
-        self.observer.on_loaded(request_id, copied)
         return loaded

@@ -29,7 +29,7 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +37,7 @@ from kvtier.errors import ConfigError, InputError, KVTierError
 from kvtier.keys import ChunkKey, ChunkSpan, Fingerprint
 from kvtier.observability.explain import ExplainLog
 from kvtier.observability.histogram import LATENCY_BUCKETS, LEASE_BUCKETS, Histogram
+from kvtier.observability.logs import REQUESTS
 
 if TYPE_CHECKING:
     from kvtier.config import Config
@@ -124,15 +125,28 @@ class Observer:
             plan.hit_tokens,
             self._probe,
         )
+        prompt = len(tokens) if isinstance(tokens, Sized) else plan.spans.num_tokens
+        REQUESTS.found(request_id, prompt, found)
         self.latency["lookup"].observe(time.perf_counter() - started)
         return found
 
-    def on_loaded(self, request_id: str, tokens: int) -> None:
-        """``tokens`` of ``request_id``'s hit were copied into the engine."""
+    def on_loaded(self, request_id: str, plan: LookupPlan, start: int, end: int) -> int:
+        """``request_id``'s hit ``[start, end)`` was copied into the engine; returns how many
+        tokens that is (the hit)."""
+        by_tier: dict[str, int] = {}
+        for hit in plan.hits:
+            if hit.tier == ENGINE_HELD:
+                continue
+            overlap = min(hit.span.end, end) - max(hit.span.start, start)
+            if overlap > 0:
+                by_tier[hit.tier] = by_tier.get(hit.tier, 0) + overlap
+        copied = max(0, end - start)
         with self._lock:
             entry = self._found_loaded.get(request_id)
             if entry is not None:
-                entry[1] += tokens
+                entry[1] += copied
+        REQUESTS.loaded(request_id, by_tier)
+        return copied
 
     def on_store(
         self, tokens: object, spans: Sequence[ChunkSpan], dropped: int, started: float
@@ -166,6 +180,7 @@ class Observer:
             self.lease_seconds.observe(time.monotonic() - lease.created)
         with self._lock:
             found, loaded = self._found_loaded.pop(request_id, (0, 0))
+        REQUESTS.end(request_id)
         return max(0, found - loaded)
 
     def record_ttft(self, seconds: float, *, prompt_tokens: int, hit_tokens: int) -> None:
