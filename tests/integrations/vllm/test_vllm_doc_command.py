@@ -115,7 +115,7 @@ def test_the_documented_cpu_command_starts_and_kvtier_says_so(doc_server: Runnin
     assert len(scheduler) == 1 and len(worker) == 1, (scheduler, worker)
     for line in scheduler + worker:
         assert re.search(r"pid=\d+\) INFO ", line), line
-    assert "kvtier engine open:" in text and "tiers cpu, disk" in text
+    assert "kvtier engine open:" in text and "tiers ['cpu', 'disk']" in text
 
 
 def test_a_repeat_served_by_vllms_prefix_cache_is_no_kvtier_hit(doc_server: Running) -> None:

@@ -81,6 +81,11 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.counters: dict[str, dict[int, PromMetric]] = {}
+        transfer = vllm_config.kv_transfer_config
+        if transfer is not None and (transfer.kv_connector_extra_config or {}).get("server"):
+            # The cache is the host's kvtier server: its own /metrics has the figures (for
+            # every instance); counters here would only ever read 0, so there are none.
+            return
         for name, documentation in COUNTERS.items():
             metric = self._counter_cls(
                 name=f"vllm:kvtier_{name}", documentation=documentation, labelnames=labelnames
