@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import sys
 from types import FrameType
 
 from kvtier.config import Config
@@ -44,8 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    with server:
-        print(f"kvtier server listening on unix://{server.path}", file=sys.stderr, flush=True)
+    with server:  # opening logs the one "listening" line, with where the admin API will be
         systemd.notify("READY=1")
         server.serve_forever()
         systemd.notify("STOPPING=1")
