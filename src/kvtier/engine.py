@@ -208,9 +208,10 @@ class Engine:
         lease = leases.open(request_id)
         plan = manager.locate(spans, lease, skip_leading_tokens // self.config.chunk_size)
         lease.plan = plan
-        # lookup_tokens: the whole prompt, partial tail included
-        self.counters.add(lookups=1, lookup_tokens=len(tokens), hit_tokens=plan.hit_tokens)
-        self.observer.on_lookup(request_id, tokens, spans, plan, started)
+        found = self.observer.on_lookup(request_id, tokens, spans, plan, started)
+        # lookup_tokens: the whole prompt, partial tail included. The hit is counted when
+        # loaded (_load): a lookup only finds.
+        self.counters.add(lookups=1, lookup_tokens=len(tokens), found_tokens=found)
         return plan.hit_tokens
 
     @_guarded
@@ -290,8 +291,8 @@ class Engine:
         lease = leases.get(request_id)
         ended = leases.end(request_id)
         if ended:
-            self.counters.add(requests=1)
-            self.observer.on_request_end(lease)
+            unused = self.observer.on_request_end(request_id, lease)
+            self.counters.add(requests=1, unused_tokens=unused)
         return ended
 
     @contextmanager
@@ -420,5 +421,6 @@ class Engine:
         before = self.observer.before_load(plan)
         loaded = manager.load(plan, lease, out, start)
         self.observer.after_load(request_id, before, loaded)
-        self.counters.add(retrieved_tokens=max(0, loaded - start))
+        copied = self.observer.on_loaded(request_id, plan, start, loaded)
+        self.counters.add(retrieved_tokens=copied, hit_tokens=copied)
         return loaded

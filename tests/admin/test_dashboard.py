@@ -48,6 +48,7 @@ def test_page_shows_occupancy_and_updates_after_a_store(
     tokens = make_tokens(48)
     engine.store(tokens, make_kv(48))  # 3 chunks
     engine.lookup(tokens, "open-request")  # pins them: a lease for the table
+    engine.retrieve(tokens, "open-request")  # loaded: the hit (a lookup alone only finds)
     later = make_tokens(32, seed=5)
 
     # The page polls /stats about once a second. Store 2 more chunks right before the
@@ -83,6 +84,7 @@ def test_page_shows_occupancy_and_updates_after_a_store(
     assert "cpu 3 \u2192 5 chunks" in dom.text["activity"]
     assert dom.text["status"].startswith("live")
     assert dom.text["hit-rate"] == "100.0%"
+    assert "loaded from kvtier" in dom.text["hit-detail"]
     assert dom.text["lease-count"] == "1"
     assert "open-request" in dom.text["leases"]
     assert "PD is off" in dom.text["pd"]

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,8 @@ from kvtier.cli.main import COMMANDS, build_parser, main
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    if env is not None and "PYTHONPATH" in os.environ:  # the tree under test, not an install
+        env = {**env, "PYTHONPATH": os.environ["PYTHONPATH"]}
     return subprocess.run(
         [sys.executable, "-m", "kvtier.cli.main", *args],
         capture_output=True,
@@ -59,3 +62,48 @@ def test_check_config_table_lists_every_key() -> None:
     assert result.returncode == 0
     for key in ("chunk_size", "max_local_cpu_size", "pd_buffer_size", "remote_url"):
         assert f"`{key}" in result.stdout
+
+
+def test_version_prints_the_installed_version() -> None:
+    result = run_cli("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("kvtier ") and len(result.stdout.split()) >= 2
+
+
+def test_log_level_has_help_and_works_before_or_after_the_command(tmp_path: Path) -> None:
+    top = run_cli("--help")
+    assert "--log-level" in top.stdout and "WARNING" in top.stdout
+    sub = run_cli("check-config", "--help")
+    assert "--log-level" in sub.stdout
+    path = tmp_path / "c.yaml"
+    path.write_text("chunk_size: 256\nno_such_key: 1\n")  # the unknown key is a WARNING
+    for args in (
+        ("--log-level", "error", "check-config", str(path)),
+        ("check-config", str(path), "--log-level", "ERROR"),
+    ):
+        quiet = run_cli(*args, env={"PATH": "/usr/bin"})
+        assert quiet.returncode == 0, quiet.stderr
+        assert "no_such_key" not in quiet.stderr
+    loud = run_cli("check-config", str(path), env={"PATH": "/usr/bin"})
+    assert "no_such_key" in loud.stderr
+    bad = run_cli("check-config", "--log-level", "chatty")
+    assert bad.returncode == 2 and "CHATTY" in bad.stderr and "WARNING" in bad.stderr
+
+
+def test_server_help_names_both_config_file_variables() -> None:
+    result = run_cli("server", "--help")
+    flat = " ".join(result.stdout.split())
+    assert "KVTIER_CONFIG_FILE" in flat and "LMCACHE_CONFIG_FILE" in flat
+
+
+def test_output_is_line_buffered_when_redirected() -> None:
+    """`kvtier demo > log` shows each line as it is printed, not in 8 KiB blocks at exit."""
+    code = (
+        "import sys; from kvtier.cli.main import main; main(['check-config', '--table']); "
+        "print(sys.stdout.line_buffering, file=sys.stderr)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "True"

@@ -181,3 +181,23 @@ def test_key_memory_is_bounded() -> None:
     )
     log.note_evicted("cpu", [bytes([i]) * 16 for i in range(10)])
     assert len(log._fate) == 4
+
+
+def test_the_id_a_vllm_client_knows_finds_the_internal_record(engine: Engine) -> None:
+    """vLLM answers cmpl-<id>; it runs the request as cmpl-<id>-0-<suffix> (a kvtier server
+    keys it c<conn>/...): explain takes the client's id."""
+    tokens = make_tokens(32)
+    engine.store(tokens, make_kv(32))
+    engine.lookup(tokens, "cmpl-abc123-0-9f8e7d6c")
+    engine.lookup(tokens, "c7/cmpl-srv42-0-01234567")
+    engine.lookup(tokens, "cmpl-abc1234-0-00000000")  # another request sharing the prefix
+    for asked, internal in (
+        ("cmpl-abc123", "cmpl-abc123-0-9f8e7d6c"),
+        ("cmpl-abc123-0-9f8e7d6c", "cmpl-abc123-0-9f8e7d6c"),
+        ("cmpl-srv42", "c7/cmpl-srv42-0-01234567"),
+    ):
+        record = engine.observer.explain.get(asked)
+        assert record is not None and record["request_id"] == internal
+    assert engine.observer.explain.get("cmpl-abc") is None  # a prefix of an id is not an id
+    for rid in ("cmpl-abc123-0-9f8e7d6c", "c7/cmpl-srv42-0-01234567", "cmpl-abc1234-0-00000000"):
+        engine.end_request(rid)

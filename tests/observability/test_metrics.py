@@ -40,7 +40,8 @@ def test_counts_after_one_store_and_one_partial_hit(engine_factory: Callable[...
     assert value(reg, "kvtier_tier_entries", tier="cpu") == 3
     assert value(reg, "kvtier_lookups_total") == 1
     assert value(reg, "kvtier_lookup_requested_tokens_total") == 48
-    assert value(reg, "kvtier_lookup_hit_tokens_total") == 32
+    assert value(reg, "kvtier_lookup_found_tokens_total") == 32
+    assert value(reg, "kvtier_lookup_hit_tokens_total") == 0  # found, not loaded (yet)
     assert value(reg, "kvtier_lookup_tier_hit_tokens_total", tier="cpu") == 32
     assert value(reg, "kvtier_open_leases") == 1
     assert value(reg, "kvtier_pinned_chunks") == 2
@@ -224,3 +225,26 @@ def test_tier_available_drops_to_zero_while_the_disk_directory_is_gone(
     engine.end_request("r")
     assert value(reg, "kvtier_tier_available", tier="disk") == 0
     assert engine.stats()["tiers"]["disk"]["directory_lost"] == 1
+
+
+def test_the_hit_is_what_was_loaded_and_found_but_unneeded_is_its_own_counter(
+    engine_factory: Callable[..., Engine],
+) -> None:
+    """As inside vLLM when its own prefix cache serves a repeat: kvtier finds the prefix, the
+    engine never loads it. The hit counter must stay at the tokens actually loaded."""
+    engine = engine_factory(cpu_chunks=8)
+    reg = engine_registry(engine)
+    tokens = make_tokens(48)
+    engine.store(tokens, make_kv(48))
+    with engine.request("loads"):
+        assert engine.lookup(tokens, "loads") == 48
+        engine.retrieve(tokens, "loads")
+    with engine.request("engine-had-it"):
+        assert engine.lookup(tokens, "engine-had-it") == 48  # found, never retrieved
+    assert value(reg, "kvtier_lookup_found_tokens_total") == 96
+    assert value(reg, "kvtier_lookup_hit_tokens_total") == 48
+    assert value(reg, "kvtier_retrieved_tokens_total") == 48
+    assert value(reg, "kvtier_found_unused_tokens_total") == 48
+    stats = engine.stats()
+    assert stats["hit_tokens"] == stats["retrieved_tokens"] == 48
+    assert stats["unused_tokens"] == 48 and stats["found_tokens"] == 96

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.error
 import urllib.request
 
@@ -43,6 +44,25 @@ def test_admin_api_and_metrics_of_a_served_model() -> None:
             status, leases = get(f"{admin}/leases", "s3cret")
             assert status == 200 and "seen-by-admin" in leases  # the client's lease, named
             client.end_request("seen-by-admin")
+    finally:
+        proc.stop()
+        remove_tempdir(directory)
+
+
+def test_the_server_says_listening_once_with_the_admin_api_at_start() -> None:
+    directory = short_tempdir()
+    proc = ServerProcess(
+        directory, max_local_cpu_size="1MiB", internal_api_server_enabled="true"
+    ).start()
+    try:
+        deadline = time.monotonic() + 10  # the socket answers a moment before the line
+        while "listening" not in proc.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # a second line, if any, would come right after
+        lines = [line for line in proc.log().splitlines() if "listening" in line]
+        assert len(lines) == 1, proc.log()
+        assert f"unix://{proc.path}" in lines[0]
+        assert "admin API" in lines[0] and "http://127.0.0.1:6999" in lines[0]  # no client yet
     finally:
         proc.stop()
         remove_tempdir(directory)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import logging
 import os
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 
 from kvtier.errors import KVTierError
 
@@ -28,11 +30,38 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def version() -> str:
+    """The installed distribution's version, else the source tree's (``PYTHONPATH=src``)."""
+    try:
+        return metadata.version("kvtier")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _log_level_option(parser: argparse.ArgumentParser, default: str | None) -> None:
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        # On a subcommand SUPPRESS keeps the value given before it (kvtier --log-level X cmd).
+        default=argparse.SUPPRESS if default is None else default,
+        metavar="LEVEL",
+        help="log level of kvtier's messages on stderr: "
+        + ", ".join(LOG_LEVELS)
+        + " (default: $KVTIER_LOG_LEVEL, else WARNING; INFO for `kvtier server`); "
+        "accepted before or after the command",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvtier", description="A tiered KV-cache layer for LLM inference."
     )
-    parser.add_argument("--log-level", default=os.environ.get("KVTIER_LOG_LEVEL", "WARNING"))
+    parser.add_argument("--version", action="version", version=f"kvtier {version()}")
+    _log_level_option(parser, os.environ.get("KVTIER_LOG_LEVEL", "WARNING").upper())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
         try:
@@ -43,14 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
             continue  # not built in this tree
         command = sub.add_parser(name, help=help_text, description=help_text)
         module.add_parser(command)
+        _log_level_option(command, None)
         command.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Progress and results reach a pipe or a file as they happen, not in 8 KiB blocks.
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
         return int(args._run(args))

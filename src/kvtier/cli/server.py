@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import sys
 from types import FrameType
 
 from kvtier.config import Config
@@ -20,7 +19,9 @@ from kvtier.server.daemon import KVTierServer
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--config", help="kvtier or LMCache YAML (default: $KVTIER_CONFIG_FILE, else defaults)"
+        "--config",
+        help="kvtier or LMCache YAML (default: $KVTIER_CONFIG_FILE, else $LMCACHE_CONFIG_FILE, "
+        "else defaults); KVTIER_<KEY> / LMCACHE_<KEY> environment variables apply on top",
     )
     parser.add_argument(
         "--socket",
@@ -42,8 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    with server:
-        print(f"kvtier server listening on unix://{server.path}", file=sys.stderr, flush=True)
+    with server:  # opening logs the one "listening" line, with where the admin API will be
         systemd.notify("READY=1")
         server.serve_forever()
         systemd.notify("STOPPING=1")

@@ -11,8 +11,9 @@ from typing import Any
 
 import yaml
 
+from kvtier.config import lmcache
 from kvtier.config.channels import check_channel
-from kvtier.config.schema import KEYS, KEYS_BY_NAME, KNOWN_LMCACHE_ONLY
+from kvtier.config.schema import KEYS, KEYS_BY_NAME
 from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -78,14 +79,12 @@ class Config:
     ) -> Config:
         """Resolve a config from defaults, a YAML file, the environment and ``overrides``."""
         env = os.environ if env is None else env
-        raw: dict[str, object] = {}
-        origin: dict[str, str] = {}
-        unknown: list[str] = []
+        given: lmcache.Raw = {}  # key -> (value, source), every source, later wins
 
         file_path = path or env.get("KVTIER_CONFIG_FILE") or env.get("LMCACHE_CONFIG_FILE")
         if file_path:
             for key, value in _read_yaml(Path(file_path)).items():
-                _take(key, value, f"file {file_path}", raw, origin, unknown)
+                given[key] = (value, f"file {file_path}")
 
         for prefix, lmcache_only in (("LMCACHE_", True), ("KVTIER_", False)):
             for name, value in sorted(env.items()):
@@ -98,11 +97,18 @@ class Config:
                 # A secret is taken as written: YAML would read an empty one as "none" (no
                 # auth) and one like "0123" or "yes" as a number or a boolean.
                 parsed = value if spec is not None and spec.secret else _env_value(value)
-                _take(key, parsed, f"env {name}", raw, origin, unknown)
+                given[key] = (parsed, f"env {name}")
 
         for key, value in (overrides or {}).items():
-            _take(key, value, "override", raw, origin, unknown)
+            given[key] = (value, "override")
 
+        # LMCache's own names for what kvtier has (or refusals naming what kvtier offers).
+        lmcache.translate(given, lambda line: log.info("LMCache config: %s", line))
+        raw = {key: value for key, (value, _) in given.items() if key in KEYS_BY_NAME}
+        origin = {key: source for key, (_, source) in given.items() if key in KEYS_BY_NAME}
+        unknown = [
+            f"{key} from {source}" for key, (_, source) in given.items() if key not in KEYS_BY_NAME
+        ]
         if unknown:
             log.warning(
                 "ignoring config keys kvtier does not implement: %s", ", ".join(sorted(unknown))
@@ -141,6 +147,10 @@ class Config:
                 from kvtier.config.remote_url import mask_password
 
                 value = mask_password(value)
+            elif mask_secrets and f.name == "extra_config":
+                value = {
+                    k: "***" if lmcache.secret_extra_key(k) and v else v for k, v in value.items()
+                }
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
@@ -156,22 +166,6 @@ class Config:
     def lower_tiers_configured(self) -> bool:
         """True when some tier below CPU (disk, remote) is configured."""
         return bool(self.local_disk or self.remote_url)
-
-
-def _take(
-    key: str,
-    value: object,
-    source: str,
-    raw: dict[str, object],
-    origin: dict[str, str],
-    unknown: list[str],
-) -> None:
-    if key in KEYS_BY_NAME:
-        raw[key] = value
-        origin[key] = source
-    else:
-        note = " (an LMCache key)" if key in KNOWN_LMCACHE_ONLY else ""
-        unknown.append(f"{key}{note} from {source}")
 
 
 def _read_yaml(path: Path) -> dict[str, object]:
@@ -225,7 +219,13 @@ def _check_combinations(cfg: Config) -> None:
     if cfg.enable_pd and cfg.pd_role == "receiver" and cfg.pd_buffer_size is None:
         raise ConfigError("pd_buffer_size", None, "a size in bytes for a PD receiver")
     if cfg.enable_pd and cfg.pd_role == "sender" and not cfg.pd_peer_alloc_port:
-        raise ConfigError("pd_peer_alloc_port", None, "the decoder's port for a PD sender")
+        raise ConfigError(
+            "pd_peer_alloc_port",
+            None,
+            "the decoder's port (and pd_peer_host) for a PD sender: a kvtier prefiller sends "
+            "to the one decoder its config names; taking the decoder's address per request "
+            "from the proxy (as LMCache's prefiller does) is not implemented",
+        )
     if cfg.pd_auth_token is not None and len(cfg.pd_auth_token) < MIN_TOKEN_CHARS:
         # Set but empty or short: refused, never taken as "auth off" or as a guessable key
         # (the handshake's proofs let an eavesdropper try tokens offline). Never echoed.

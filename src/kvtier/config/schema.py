@@ -175,20 +175,4 @@ KEYS: tuple[KeySpec, ...] = (
 
 KEYS_BY_NAME = {spec.name: spec for spec in KEYS}
 
-# LMCache keys kvtier does not implement, named (not silently dropped) when a file sets them.
-KNOWN_LMCACHE_ONLY = frozenset(
-    {
-        "local_cpu_use_hugepages",
-        "reserve_local_cpu_size",
-        "local_disk_path_sharding",
-        "remote_serde",
-        "use_layerwise",
-        "save_decode_cache",
-        "enable_blending",
-        "enable_p2p",
-        "enable_controller",
-        "pd_backend_mode",
-        "pin_timeout_sec",
-        "pin_check_interval_sec",
-    }
-)
+# LMCache keys kvtier reads under another name, ignores or refuses: kvtier.config.lmcache.

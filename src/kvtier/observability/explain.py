@@ -372,8 +372,17 @@ class ExplainLog:
 
     # -- queries ---------------------------------------------------------------------------
     def get(self, request_id: str) -> dict[str, Any] | None:
+        """The record of ``request_id``, or of the newest request whose id it names: vLLM's
+        OpenAI server answers a client with ``cmpl-<id>`` and runs the request as
+        ``cmpl-<id>-<n>-<suffix>`` (and a kvtier server keys it ``c<conn>/...``), so the
+        id the client knows finds the record too."""
         with self._lock:
             record = self._records.get(request_id)
+            if record is None and request_id:
+                for candidate in reversed(self._records.values()):
+                    if _names(request_id, candidate.request_id):
+                        record = candidate
+                        break
             return record.as_dict() if record is not None else None
 
     def recent(self, limit: int) -> list[dict[str, Any]]:
@@ -392,6 +401,13 @@ class ExplainLog:
 
     def __len__(self) -> int:
         return len(self._records)
+
+
+def _names(given: str, full: str) -> bool:
+    """True when ``full`` is the internal id of the request the client calls ``given``:
+    ``given-...``, optionally after a kvtier server's ``c<conn>/`` prefix."""
+    local = full.split("/", 1)[1] if full.startswith("c") and "/" in full else full
+    return local == given or local.startswith(given + "-")
 
 
 def _fate_reason(event: str, tier: str, when: float) -> tuple[str, str]:

@@ -54,7 +54,22 @@ ENGINE_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("requests", "kvtier_requests", "Requests ended (end_request that released a lease)."),
     ("lookups", "kvtier_lookups", "Lookups made."),
     ("lookup_tokens", "kvtier_lookup_requested_tokens", "Prompt tokens asked for by lookups."),
-    ("hit_tokens", "kvtier_lookup_hit_tokens", "Prompt tokens found cached by lookups."),
+    (
+        "hit_tokens",
+        "kvtier_lookup_hit_tokens",
+        "Prompt tokens loaded into the engine from kvtier (the hit; equals retrieved tokens).",
+    ),
+    (
+        "found_tokens",
+        "kvtier_lookup_found_tokens",
+        "Prompt tokens lookups found in kvtier's tiers (beyond what the engine said it holds).",
+    ),
+    (
+        "unused_tokens",
+        "kvtier_found_unused_tokens",
+        "Found tokens of ended requests that were never loaded (the engine, e.g. vLLM's own "
+        "prefix cache, had them): found but not needed.",
+    ),
     ("stores", "kvtier_stores", "Store calls."),
     ("stored_chunks", "kvtier_stored_chunks", "Chunks newly stored by store calls."),
     ("dropped_chunks", "kvtier_dropped_chunks", "Chunks a store dropped: every CPU page pinned."),

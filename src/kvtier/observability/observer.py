@@ -7,11 +7,14 @@ calls :meth:`attach` once its tiers exist (``open``), then on every request:
 =====================  =======================================================================
 engine call            observer hook
 =====================  =======================================================================
-``lookup``             :meth:`on_lookup` (latency, hit tokens per tier, explain record)
+``lookup``             :meth:`on_lookup` (latency, found tokens per tier, explain record);
+                       returns the tokens found beyond those the engine holds
+``retrieve[_into]``    :meth:`on_loaded` (tokens copied into the engine: the hit)
 ``store``              :meth:`on_store` (latency, which keys were stored or dropped)
 ``retrieve[_into]``    :meth:`on_retrieve` (latency); ``_load`` brackets the copy with
                        :meth:`before_load` / :meth:`after_load` (checksum failures at retrieve)
-``end_request``        :meth:`on_request_end` (how long the lease was held)
+``end_request``        :meth:`on_request_end` (how long the lease was held); returns the
+                       tokens found for the request and never loaded ("found, not needed")
 ``record_ttft``        :meth:`record_ttft` (a connector reports the time to first token)
 =====================  =======================================================================
 
@@ -26,7 +29,7 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +37,7 @@ from kvtier.errors import ConfigError, InputError, KVTierError
 from kvtier.keys import ChunkKey, ChunkSpan, Fingerprint
 from kvtier.observability.explain import ExplainLog
 from kvtier.observability.histogram import LATENCY_BUCKETS, LEASE_BUCKETS, Histogram
+from kvtier.observability.logs import REQUESTS
 
 if TYPE_CHECKING:
     from kvtier.config import Config
@@ -43,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 OPERATIONS = ("lookup", "store", "retrieve")
+ENGINE_HELD = "engine"  # the tier name of chunks inside skip_leading_tokens (storage.manager)
 DEFAULT_EXPLAIN_REQUESTS = 1000
 
 
@@ -77,6 +82,8 @@ class Observer:
         self.ttft_seconds = Histogram(LATENCY_BUCKETS)
         self.ttft = TtftTotals()
         self.lookup_hit_tokens: Counter[str] = Counter()  # tier -> tokens found by lookups
+        # request -> [tokens its last lookup found in kvtier's tiers, tokens loaded since]
+        self._found_loaded: dict[str, list[int]] = {}
         self._manager: StorageManager | None = None
         self._lock = threading.Lock()
 
@@ -94,7 +101,9 @@ class Observer:
         spans: Sequence[ChunkSpan],
         plan: LookupPlan,
         started: float,
-    ) -> None:
+    ) -> int:
+        """Record a lookup; return the tokens it found in kvtier's tiers (chunks inside
+        ``skip_leading_tokens``, which the engine holds already, are not counted)."""
         # Runs of chunks per tier, not chunks: a long cached prompt is one run.
         by_tier: dict[str, int] = {}
         size = plan.spans.chunk_size
@@ -102,9 +111,12 @@ class Observer:
         for name, first, end in runs:
             tokens_hit = plan.spans.end(end - 1) - (plan.spans.first + first) * size
             by_tier[name] = by_tier.get(name, 0) + tokens_hit
+        found = sum(n for tier, n in by_tier.items() if tier != ENGINE_HELD)
         with self._lock:
             for tier, tokens_hit in by_tier.items():
                 self.lookup_hit_tokens[tier] += tokens_hit
+            entry = self._found_loaded.setdefault(request_id, [0, 0])
+            entry[0] = found
         _guarded(
             self.explain.record_lookup,
             request_id,
@@ -114,7 +126,28 @@ class Observer:
             plan.hit_tokens,
             self._probe,
         )
+        prompt = len(tokens) if isinstance(tokens, Sized) else plan.spans.num_tokens
+        REQUESTS.found(request_id, prompt, found)
         self.latency["lookup"].observe(time.perf_counter() - started)
+        return found
+
+    def on_loaded(self, request_id: str, plan: LookupPlan, start: int, end: int) -> int:
+        """``request_id``'s hit ``[start, end)`` was copied into the engine; returns how many
+        tokens that is (the hit)."""
+        by_tier: dict[str, int] = {}
+        for hit in plan.hits:
+            if hit.tier.name == ENGINE_HELD:
+                continue
+            overlap = min(hit.span.end, end) - max(hit.span.start, start)
+            if overlap > 0:
+                by_tier[hit.tier.name] = by_tier.get(hit.tier.name, 0) + overlap
+        copied = max(0, end - start)
+        with self._lock:
+            entry = self._found_loaded.get(request_id)
+            if entry is not None:
+                entry[1] += copied
+        REQUESTS.loaded(request_id, by_tier)
+        return copied
 
     def on_store(
         self, tokens: object, spans: Sequence[ChunkSpan], dropped: int, started: float
@@ -141,9 +174,15 @@ class Observer:
             rose = {t for t, n in now.items() if n > corrupt_before.get(t, 0)}
             _guarded(self.explain.record_load, request_id, hits, loaded_end, rose)
 
-    def on_request_end(self, lease: Lease[Any] | None) -> None:
+    def on_request_end(self, request_id: str, lease: Lease[Any] | None) -> int:
+        """The request ended: observe its lease's duration; return the tokens its lookup
+        found that were never loaded (the engine had them already, or never asked)."""
         if lease is not None:
             self.lease_seconds.observe(time.monotonic() - lease.created)
+        with self._lock:
+            found, loaded = self._found_loaded.pop(request_id, (0, 0))
+        REQUESTS.end(request_id)
+        return max(0, found - loaded)
 
     def record_ttft(self, seconds: float, *, prompt_tokens: int, hit_tokens: int) -> None:
         """A connector reports one request's time to first token, its prompt length and how

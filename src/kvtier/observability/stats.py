@@ -31,7 +31,7 @@ def engine_stats(
             **tier.counters.as_dict(),
         }
     counts = counters.as_dict()
-    counts["miss_tokens"] = counts["lookup_tokens"] - counts["hit_tokens"]
+    counts["miss_tokens"] = max(0, counts["lookup_tokens"] - counts["found_tokens"])
     return {
         "open_requests": len(lease_infos),
         "pinned_pages": sum(i.pinned_pages for i in lease_infos),

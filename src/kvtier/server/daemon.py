@@ -42,6 +42,19 @@ log = logging.getLogger(__name__)
 _ACCEPT_POLL_S = 0.2  # how soon serve_forever notices stop()
 
 
+def admin_plan(config: Config) -> str:
+    """Where the admin APIs will be, said at start: each model gets its own when its first
+    client connects (its URL is logged then and in ``client.stats()["server"]``)."""
+    if not config.internal_api_server_enabled:
+        return "admin API off (internal_api_server_enabled: false)"
+    host, port = config.internal_api_server_host, config.internal_api_server_port_start
+    first = f"http://{host}:{port}" if port else f"http://{host}:<a free port>"
+    return (
+        f"admin API, dashboard and /metrics per model at {first} (the first model; the next "
+        "free port for each other), each URL logged when the model's first client connects"
+    )
+
+
 class KVTierServer:
     def __init__(self, config: Config | None = None, socket_path: str | None = None) -> None:
         self.config = config if config is not None else Config.load()
@@ -66,10 +79,11 @@ class KVTierServer:
             self._listener.settimeout(_ACCEPT_POLL_S)
             self._state = Lifecycle.OPEN
         log.info(
-            "kvtier server listening on %s (pid %d, at most %d clients)",
+            "kvtier server listening on unix://%s (pid %d, at most %d clients); %s",
             self.path,
             os.getpid(),
             self.sessions.max_clients,
+            admin_plan(self.config),
         )
         return self
 

@@ -15,7 +15,9 @@ class EngineCounters:
     requests: int = 0
     lookups: int = 0
     lookup_tokens: int = 0
-    hit_tokens: int = 0
+    hit_tokens: int = 0  # tokens loaded into the engine from kvtier (== retrieved_tokens)
+    found_tokens: int = 0  # tokens lookups found in kvtier's tiers
+    unused_tokens: int = 0  # found for a request that ended without loading them
     stores: int = 0
     stored_chunks: int = 0
     dropped_chunks: int = 0

@@ -53,6 +53,22 @@ class Server:
                 cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
             )
 
+    @classmethod
+    def from_script(cls, script: Path, port: int, log: Path, **env: str) -> Server:
+        """A server started by a bash script (a command block taken from the docs)."""
+        self = cls.__new__(cls)
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                ["bash", str(script)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env},
+                start_new_session=True,
+            )
+        return self
+
     def wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self.healthy():

@@ -115,10 +115,12 @@ def test_cpu_tier_hits_give_the_same_tokens(
     assert delta(s2, s1, "retrieved_tokens") == 768
     assert delta(s2, s1, "stored_chunks") == 0
 
-    # "b" shares 512 tokens with "a", and vLLM still holds them: kvtier loads nothing.
+    # "b" shares 512 tokens with "a", and vLLM still holds them: kvtier finds them and loads
+    # nothing, so that is no hit.
     assert main.generate([PROMPTS["b"]]) == reference["b"]
     s3 = main.stats()
-    assert delta(s3, s2, "hit_tokens") == 512
+    assert delta(s3, s2, "found_tokens") == 512
+    assert delta(s3, s2, "hit_tokens") == 0
     assert delta(s3, s2, "retrieved_tokens") == 0
     assert delta(s3, s2, "stored_chunks") == 1  # b's own third chunk
 
@@ -220,7 +222,8 @@ def test_a_corrupted_disk_chunk_is_recomputed(
     s0 = fresh.stats()
     assert fresh.generate([PROMPTS["c"]]) == reference["c"]
     s1 = fresh.stats()
-    assert delta(s1, s0, "hit_tokens") == 768  # the lookup saw 3 chunks on disk
+    assert delta(s1, s0, "found_tokens") == 768  # the lookup saw 3 chunks on disk
+    assert delta(s1, s0, "hit_tokens") == 256  # the hit is what was loaded
     assert delta(s1, s0, "retrieved_tokens") == 256  # only chunk 0 was delivered
     fresh.assert_clean()
     # The recomputed chunks were stored again: a second run loads all three.

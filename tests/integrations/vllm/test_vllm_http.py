@@ -8,6 +8,7 @@ through the proxy, and the prefiller's KV travels over kvtier's PD transport (tc
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import urllib.request
@@ -21,6 +22,7 @@ import pytest
 from kvtier.cli.pd_proxy import make_server
 from kvtier.integrations.vllm.channel import LookupClient
 from kvtier.testing.checkpoint import words_for
+from tests.docs.doc_blocks import block_after
 from tests.redis_servers import free_port
 
 from .conftest import PROMPTS
@@ -48,20 +50,17 @@ def servers(
     instances.close()  # the in-process vLLMs are done with; these two need to run together
     logs = tmp_path_factory.mktemp("http")
     pd_port = free_port()
-    common = {"max_local_cpu_size": "64MiB", "enable_pd": True, "pd_peer_alloc_port": [pd_port]}
     decoder = Server(
         model_dir,
         free_port(),
-        transfer(
-            "kv_consumer", DECODER, {**common, "pd_role": "receiver", "pd_buffer_size": "16MiB"}
-        ),
+        documented("The decoder's", DECODER, pd_port, pd_buffer_size="16MiB"),
         logs / "decoder.log",
     )
     # Dev mode adds POST /reset_prefix_cache, so a request cannot use vLLM's own cache.
     prefiller = Server(
         model_dir,
         free_port(),
-        transfer("kv_both", PREFILLER, {**common, "pd_role": "sender"}),
+        documented("The prefiller's", PREFILLER, pd_port),
         logs / "prefiller.log",
         VLLM_SERVER_DEV_MODE="1",
     )
@@ -80,13 +79,26 @@ def servers(
         decoder.stop()
 
 
-def transfer(role: str, engine_id: str, extra: dict[str, Any]) -> dict[str, Any]:
-    return {
-        **CONNECTOR,
-        "kv_role": role,
-        "engine_id": engine_id,
-        "kv_connector_extra_config": extra,
+def documented(side: str, engine_id: str, pd_port: int, **sizes: str) -> dict[str, Any]:
+    """The --kv-transfer-config JSON docs/vllm.md gives for one side, with this test's
+    engine id, PD port and sizes (scaled down for the tiny model); the rest as written."""
+    config = json.loads(block_after("docs/vllm.md", side, "json"))
+    assert {k: v for k, v in config.items() if k in CONNECTOR} == CONNECTOR | {
+        "kv_role": config["kv_role"]
     }
+    extra = config["kv_connector_extra_config"]
+    for key in ("pd_peer_alloc_port", "max_local_cpu_size", *sizes):
+        assert key in extra, f"docs/vllm.md's {side} config has no {key}"
+    extra.update(pd_peer_alloc_port=[pd_port], max_local_cpu_size="64MiB", **sizes)
+    return {**config, "engine_id": engine_id}
+
+
+def test_the_documented_pd_roles() -> None:
+    decoder = json.loads(block_after("docs/vllm.md", "The decoder's", "json"))
+    prefiller = json.loads(block_after("docs/vllm.md", "The prefiller's", "json"))
+    assert decoder["kv_role"] == "kv_consumer" and prefiller["kv_role"] == "kv_both"
+    assert decoder["kv_connector_extra_config"]["pd_role"] == "receiver"
+    assert prefiller["kv_connector_extra_config"]["pd_role"] == "sender"
 
 
 def test_openai_completion_then_a_prefix_hit_and_metrics(servers: Servers) -> None:

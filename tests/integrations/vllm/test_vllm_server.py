@@ -97,7 +97,7 @@ def test_second_vllm_hits_what_the_first_stored_in_the_server(
         outs = second.generate([PROMPTS[n] for n in SECOND])
         assert outs == [reference[n][0] for n in SECOND]
         after = second.stats()
-        hits = after["hit_tokens"] - before["hit_tokens"]
+        hits = after["found_tokens"] - before["found_tokens"]
         assert hits == EXPECTED_HITS, (hits, after["lookup_tokens"] - before["lookup_tokens"])
         # The server has no lower tier: every hit was copied out of its CPU pages (a's and
         # d's chunks at least; b's shared two may come from vLLM's own prefix cache instead).

@@ -124,3 +124,29 @@ def test_server_and_pd_are_refused_together(kvserver: ServerProcess) -> None:
             head_dim=DIM,
             server=kvserver.url,
         )
+
+
+def test_vllm_metrics_export_no_kvtier_counters_when_the_cache_is_a_server() -> None:
+    """Through a kvtier server the worker counts nothing itself: vLLM's /metrics would show
+    vllm:kvtier_* stuck at 0. It shows none; the server's /metrics has the figures."""
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+    from vllm.config import KVTransferConfig, VllmConfig
+
+    from kvtier.integrations.vllm.connector import KVTierConnector
+
+    transfer = KVTransferConfig(
+        kv_connector="KVTierConnector",
+        kv_connector_module_path="kvtier.integrations.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"server": "unix:///run/kvtier/kvtier.sock"},
+    )
+    metrics = KVTierConnector.build_prom_metrics(
+        VllmConfig(kv_transfer_config=transfer),
+        {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
+        ["engine"],
+        {0: ["0"]},
+    )
+    assert metrics.counters == {}  # type: ignore[attr-defined]
+    metrics.observe({"hit_tokens": 5})  # a stray report is dropped, not an error
+    names = {m.name for m in REGISTRY.collect()}
+    assert not any(name.startswith("vllm:kvtier") for name in names)

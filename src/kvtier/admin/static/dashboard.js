@@ -125,7 +125,8 @@ function renderTiers(stats, history) {
 function renderHitRate(stats, history) {
   document.getElementById("hit-rate").textContent = pct(stats.hit_tokens, stats.lookup_tokens);
   document.getElementById("hit-detail").textContent =
-    stats.hit_tokens + " of " + stats.lookup_tokens + " looked-up tokens hit \u00b7 " + stats.lookups + " lookups";
+    stats.hit_tokens + " of " + stats.lookup_tokens + " looked-up tokens loaded from kvtier \u00b7 " +
+    (stats.unused_tokens || 0) + " found but not needed (the engine had them) \u00b7 " + stats.lookups + " lookups";
   const points = [];
   for (let i = 1; i < history.length; i++) {
     const asked = history[i].lookup_tokens - history[i - 1].lookup_tokens;
@@ -146,7 +147,7 @@ function renderTtft(stats, history) {
       [{ color: COLORS[2], points: history.map((p) => [p.time, p.ttft_saved_seconds]) }], { format: seconds });
   } else {
     big.textContent = stats.hit_tokens + " tokens";
-    detail.textContent = "of prefill skipped (no TTFT reported yet: a connector calls engine.record_ttft)";
+    detail.textContent = "loaded from kvtier instead of prefilled (no TTFT reported yet: a connector calls engine.record_ttft)";
     lineChart(document.getElementById("ttft-chart"),
       [{ color: COLORS[2], points: history.map((p) => [p.time, p.hit_tokens]) }], { format: (v) => v + " tok" });
   }

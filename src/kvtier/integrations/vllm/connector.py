@@ -12,7 +12,8 @@ accepted and dropped). Both processes load the same config, so they agree on the
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +33,7 @@ from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetada
 from kvtier.integrations.vllm.metrics import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
+from kvtier.observability.logs import join_host_logging
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,6 +52,19 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def quiet_config_warnings() -> Iterator[None]:
+    """Config loading in the scheduler process says nothing the worker will not say too."""
+    config_log = logging.getLogger("kvtier.config")
+    saved = config_log.level
+    config_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        config_log.setLevel(saved)
+
 
 ROLES = {"kv_both": (True, True), "kv_consumer": (True, False), "kv_producer": (False, True)}
 
@@ -95,8 +110,14 @@ class KVTierConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        join_host_logging("vllm")  # kvtier's lines in vLLM's format, at KVTIER_LOG_LEVEL
         transfer = self._kv_transfer_config
-        self.config = load_config(transfer.kv_connector_extra_config)
+        if role == KVConnectorRole.SCHEDULER:
+            # The worker loads the same config and says what is wrong with it: once.
+            with quiet_config_warnings():
+                self.config = load_config(transfer.kv_connector_extra_config)
+        else:
+            self.config = load_config(transfer.kv_connector_extra_config)
         kv_role = transfer.kv_role or "kv_both"
         if kv_role not in ROLES:
             raise StateError(f"kv_role {kv_role!r} is not supported; use {', '.join(ROLES)}")
@@ -118,6 +139,14 @@ class KVTierConnector(KVConnectorBase_V1):
                 async_lower_loads=async_lower_loads(transfer.kv_connector_extra_config),
                 loads=loads,
                 saves=saves,
+            )
+            log.info(
+                "kvtier scheduler: %s, chunk %d tokens, vLLM block %d, %d worker(s), per-request "
+                "lines on kvtier.requests in the worker",
+                kv_role,
+                self.config.chunk_size,
+                block_size,
+                parallel.tensor_parallel_size,
             )
             if loads and transfer.kv_load_failure_policy != "recompute":
                 log.warning(

@@ -4,8 +4,9 @@
     vLLM     adds them up over workers and steps, ships them to the API server process
     server   KVTierPromMetrics.observe()  ->  vllm:kvtier_* counters, labelled per engine
 
-Counters (all ``_total`` in Prometheus): lookups, lookup_tokens, hit_tokens,
-retrieved_tokens, stored_chunks, dropped_chunks, load_failures. The Engine keeps its own
+Counters (all ``_total`` in Prometheus): lookups, lookup_tokens, hit_tokens (loaded into
+vLLM), found_tokens, unused_tokens (found, not needed), retrieved_tokens, stored_chunks,
+dropped_chunks, load_failures. The Engine keeps its own
 totals; the worker sends only the increase since its previous report, so vLLM's sums are
 exact however often it asks.
 """
@@ -27,7 +28,9 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 COUNTERS = {
     "lookups": "Lookups kvtier answered",
     "lookup_tokens": "Prompt tokens kvtier was asked about",
-    "hit_tokens": "Prompt tokens kvtier held (pinned for the request)",
+    "hit_tokens": "Prompt tokens loaded from kvtier into vLLM (the hit)",
+    "found_tokens": "Prompt tokens kvtier found at lookup",
+    "unused_tokens": "Tokens kvtier found that vLLM did not need (its own prefix cache had them)",
     "retrieved_tokens": "Tokens loaded from kvtier into vLLM's KV cache",
     "stored_chunks": "Chunks stored into kvtier",
     "dropped_chunks": "Chunks not stored because every page was pinned",
@@ -78,6 +81,11 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.counters: dict[str, dict[int, PromMetric]] = {}
+        transfer = vllm_config.kv_transfer_config
+        if transfer is not None and (transfer.kv_connector_extra_config or {}).get("server"):
+            # The cache is the host's kvtier server: its own /metrics has the figures (for
+            # every instance); counters here would only ever read 0, so there are none.
+            return
         for name, documentation in COUNTERS.items():
             metric = self._counter_cls(
                 name=f"vllm:kvtier_{name}", documentation=documentation, labelnames=labelnames

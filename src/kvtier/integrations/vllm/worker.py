@@ -49,6 +49,7 @@ from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.metrics import CounterDeltas
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.pd import PDEndpoint
+from kvtier.observability.logs import REQUESTS
 from kvtier.server.surface import KVCache, open_cache
 from kvtier.service import open_admin
 
@@ -174,7 +175,12 @@ class WorkerSide:
                 continue
             out = self._scratch_for(spec.end)
             paged.gather(spec.block_ids, spec.start, spec.end, out)
-            engine.store(spec.tokens, out[:, :, : spec.end], skip_leading_tokens=spec.start)
+            stored = engine.store(
+                spec.tokens, out[:, :, : spec.end], skip_leading_tokens=spec.start
+            )
+            if self.engine is not None:  # in-process: its end_request writes the request's line
+                chunk = engine.config.chunk_size
+                REQUESTS.stored(spec.request_id, stored * chunk, len(spec.tokens))
             if self.events is None and spec.transfer_id is None:
                 continue
             spans = engine.keychain.keys(spec.tokens, include_partial=False)

@@ -1,0 +1,181 @@
+"""LMCache's example configs load unchanged, or are refused for a feature kvtier lacks, named.
+
+The configs below are written here with the same keys and values as the examples in LMCache's
+repository (CPU offload, disk, legacy ``local_device``, Redis, RESP, LMCache's server, PD
+prefiller and decoder, CacheBlend, Redis ACL); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from kvtier.cli.main import main
+from kvtier.config import Config
+from kvtier.config.lmcache import LMCACHE_KEYS, NO_CPU_TIER_STAGING
+from kvtier.config.sizes import GIB, parse_size
+from kvtier.engine import Engine
+from kvtier.errors import ConfigError
+from kvtier.layout import KVLayout
+from tests.redis_servers import RedisServer
+
+CPU_OFFLOAD = "chunk_size: 256\nlocal_cpu: True\nmax_local_cpu_size: 5.0\n"
+DISK = (
+    "chunk_size: 256\nlocal_cpu: False\nmax_local_cpu_size: 5.0\n"
+    'local_disk: "file://local/disk_test/local_disk/"\nmax_local_disk_size: 5.0\n'
+)
+LEGACY_DISK = (
+    'chunk_size: 256\nlocal_device: "file://local/disk_test/"\nmax_local_cache_size: 5\n'
+    'remote_url: null\nremote_serde: "naive"\npipelined_backend: False\n'
+)
+REDIS = (
+    "chunk_size: 256\nlocal_cpu: True\nmax_local_cpu_size: 5\n"
+    'remote_url: "redis://localhost:6379"\nremote_serde: "naive"\n'
+)
+RESP = 'chunk_size: 256\nremote_url: "resp://localhost:6379"\nremote_serde: "naive"\n'
+LM_SERVER = 'chunk_size: 256\nlocal_cpu: False\nremote_url: "lm://localhost:65432"\n'
+DECODER = (
+    "local_cpu: False\nmax_local_cpu_size: 0\nmax_local_disk_size: 0\n"
+    'enable_pd: True\npd_role: "receiver"\npd_peer_host: "localhost"\npd_peer_init_port: 7300\n'
+    'pd_peer_alloc_port: 7400\npd_buffer_size: 1073741824\npd_buffer_device: "cpu"\n'
+    'transfer_channel: "tcp"\nnixl_backends: ["UCX"]\n'
+)
+PREFILLER = (
+    "local_cpu: False\nmax_local_cpu_size: 0\nmax_local_disk_size: 0\n"
+    'enable_pd: True\npd_role: "sender"\npd_proxy_host: "localhost"\npd_proxy_port: 7500\n'
+    'pd_buffer_size: 1073741824\npd_buffer_device: "cpu"\ntransfer_channel: "tcp"\n'
+)
+BLEND = (
+    "chunk_size: 256\nlocal_cpu: True\nmax_local_cpu_size: 5\nenable_blending: True\n"
+    'blend_special_str: " # # "\nuse_layerwise: True\n'
+)
+LAYERWISE = "chunk_size: 256\nlocal_cpu: True\nmax_local_cpu_size: 5\nuse_layerwise: True\n"
+GPU_DEVICE = 'chunk_size: 256\nlocal_device: "cuda"\n'
+
+
+def load(tmp_path: Path, text: str) -> Config:
+    path = tmp_path / "lmcache.yaml"
+    path.write_text(text)
+    return Config.load(env={"LMCACHE_CONFIG_FILE": str(path)})
+
+
+def test_cpu_offload_and_disk_examples_load(tmp_path: Path) -> None:
+    assert load(tmp_path, CPU_OFFLOAD).max_local_cpu_size == 5 * GIB
+    disk = load(tmp_path, DISK)
+    assert disk.local_disk == "file://local/disk_test/local_disk/" and not disk.local_cpu
+
+
+def test_legacy_local_device_file_is_the_disk_tier(tmp_path: Path) -> None:
+    config = load(tmp_path, LEGACY_DISK)
+    assert config.local_disk == "file://local/disk_test/"
+    assert config.max_local_disk_size == 5 * GIB
+    assert config.origin["local_disk"].startswith("file ")
+
+
+def test_resp_is_redis_and_redis_loads(tmp_path: Path) -> None:
+    assert load(tmp_path, REDIS).remote_url == "redis://localhost:6379"
+    assert load(tmp_path, RESP).remote_url == "redis://localhost:6379"
+
+
+def test_lmcache_server_url_is_refused_naming_kvtier_server(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="remote_url") as info:
+        load(tmp_path, LM_SERVER)
+    assert "kvtier server" in str(info.value) and "redis://" in str(info.value)
+
+
+def test_decoder_with_no_cpu_tier_loads(tmp_path: Path) -> None:
+    config = load(tmp_path, DECODER)
+    assert config.enable_pd and config.pd_role == "receiver"
+    assert config.local_cpu is False
+    assert config.max_local_cpu_size == parse_size("x", NO_CPU_TIER_STAGING, GIB)
+    assert config.pd_peer_alloc_port == (7400,)
+
+
+def test_prefiller_without_a_peer_port_is_refused_naming_what_is_missing(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ConfigError, match="pd_peer_alloc_port") as info:
+        load(tmp_path, PREFILLER)
+    assert "per request" in str(info.value) and "pd_peer_host" in str(info.value)
+    # with the decoder named, the same file loads
+    config = load(tmp_path, PREFILLER + 'pd_peer_host: "decoder"\npd_peer_alloc_port: 7400\n')
+    assert config.pd_role == "sender" and not config.local_cpu
+
+
+def test_features_kvtier_lacks_are_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="enable_blending") as info:
+        load(tmp_path, BLEND)
+    assert "CacheBlend" in str(info.value)
+    with pytest.raises(ConfigError, match="local_device"):
+        load(tmp_path, GPU_DEVICE)
+    with pytest.raises(ConfigError, match="remote_serde"):
+        load(tmp_path, REDIS.replace('"naive"', '"cachegen"'))
+
+
+def test_ignored_keys_are_said_once_each_at_info(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="kvtier.config"):
+        config = load(tmp_path, LAYERWISE)
+    assert config.chunk_size == 256
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("use_layerwise" in line for line in lines) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_legacy_nixl_keys_are_the_pd_keys(tmp_path: Path) -> None:
+    config = load(
+        tmp_path,
+        "enable_nixl: True\nnixl_role: receiver\nnixl_receiver_host: 0.0.0.0\n"
+        "nixl_receiver_port: 55555\nnixl_buffer_size: 1073741824\nnixl_buffer_device: cpu\n",
+    )
+    assert config.enable_pd and config.pd_role == "receiver"
+    assert config.transfer_channel == "nixl" and config.pd_peer_alloc_port == (55555,)
+    assert config.pd_buffer_size == 1073741824 and config.pd_peer_host == "0.0.0.0"
+
+
+ACL_PASSWORD = "s3cret-acl-password"
+
+
+def test_redis_acl_user_is_used_and_masked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = RedisServer().start()
+    with server.client() as admin:  # from now on only the ACL user gets in
+        admin.execute_command("ACL", "SETUSER", "kvtier", "on", f">{ACL_PASSWORD}", "~*", "+@all")
+        admin.execute_command("ACL", "SETUSER", "default", "off")
+    try:
+        text = (
+            f'chunk_size: 16\nmax_local_cpu_size: "8MiB"\nremote_url: "redis://127.0.0.1:'
+            f'{server.port}"\nextra_config:\n  username: kvtier\n  password: "{ACL_PASSWORD}"\n'
+        )
+        config = load(tmp_path, text)
+        assert ACL_PASSWORD not in repr(config) and ACL_PASSWORD not in json.dumps(config.as_dict())
+        # used: the remote tier authenticates as the ACL user and writes
+        layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+        with Engine(config, layout, model_name="acl") as engine:
+            engine.store(list(range(32)), torch.randn(2, 2, 32, 16))
+            engine.flush()
+            assert engine.stats()["tiers"]["redis"]["stored"] == 2
+        with redis.Redis(
+            port=server.port, username="kvtier", password=ACL_PASSWORD, socket_timeout=5
+        ) as client:
+            assert client.dbsize() == 2
+        # masked: check-config prints neither the URL's password nor extra_config's
+        assert main(["check-config", str(tmp_path / "lmcache.yaml"), "--json"]) == 0
+        out = capsys.readouterr().out
+        assert ACL_PASSWORD not in out and "kvtier" in out
+    finally:
+        server.stop()
+        server.cleanup()
+
+
+def test_the_key_table_in_docs_is_the_one_kvtier_applies() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "lmcache.md").read_text()
+    for row in LMCACHE_KEYS:
+        assert f"| `{row.name}` | {row.status} | {row.meaning} |" in doc, row.name

