@@ -88,7 +88,7 @@ def test_files_written_or_removed_after_the_save_are_reconciled(
             new,
             FP.hex(),
             encode_header(new, FP, CONTRACT_CHUNK, data),
-            memoryview(data.numpy()),
+            memoryview(data.numpy()),  # type: ignore[arg-type]
         )
     finally:
         os.close(fd)
