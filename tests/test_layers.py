@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvtier.admin",),
     ("kvtier.service", "kvtier.server"),
     ("kvtier.integrations",),
+    ("kvtier.testing",),  # fixtures built in code: used by demo, bench, cli and the tests
     ("kvtier.demo", "kvtier.bench", "kvtier.cli", "kvtier"),
 )
 
