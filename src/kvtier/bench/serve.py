@@ -341,9 +341,9 @@ def benchmark_arguments(
     from vllm.benchmarks.serve import add_cli_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = FlexibleArgumentParser()
+    parser = FlexibleArgumentParser()  # type: ignore[no-untyped-call]
     add_cli_args(parser)
-    return parser.parse_args(
+    parsed: argparse.Namespace = parser.parse_args(
         [
             "--backend", "vllm",
             "--base-url", url,
@@ -359,6 +359,7 @@ def benchmark_arguments(
             *dataset,
         ]
     )  # fmt: skip
+    return parsed
 
 
 def _free_port() -> int:
