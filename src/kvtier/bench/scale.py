@@ -38,6 +38,7 @@ import argparse
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -97,11 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"machine_cpus": os.cpu_count(), "load_avg_1m": _load()}
     curves: dict[str, Any] = {}
+    _say("lookup curve")
     lookup = _lookup_curve(args.lookup_tokens, args.repeats)
     curves["lookup"] = lookup
     for n, (ms, hash_ms) in lookup.items():
         result[f"lookup_ms_{label(n)}_tokens"] = round(ms, 3)
         result[f"hash_ms_{label(n)}_tokens"] = round(hash_ms, 3)
+    _say("disk restart curve")
     disk = _disk_curve(args.disk_files, args.dir)
     curves["disk"] = disk
     for n, row in disk.items():
@@ -111,7 +114,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if disk:
         result["disk_index_rss_bytes_per_chunk"] = round(disk[max(disk)]["rss_per_chunk"])
     result["rss_chunks"] = args.rss_chunks
+    _say(f"resident memory of {args.rss_chunks} chunks")
     result["rss_bytes_per_chunk"] = round(_rss_per_chunk(args.rss_chunks))
+    _say("CPU tier under concurrent threads")
     throughput = _throughput(args.threads, args.throughput_chunks, args.duration)
     curves["threads"] = throughput
     result["memcpy_gbps"] = round(throughput.pop("memcpy_gbps"), 3)
@@ -119,6 +124,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result[f"cpu_retrieve_gbps_t{k}"] = round(row["gbps"], 3)
         result[f"cpu_lookups_per_s_t{k}"] = round(row["lookups_per_s"])
     if args.redis_tokens:
+        _say("redis lookup")
         ms, contains_ms = _redis_lookup(args.redis_tokens, args.repeats)
         result[f"redis_lookup_ms_{label(args.redis_tokens)}_tokens"] = round(ms, 3)
         result[f"redis_contains_ms_{label(args.redis_tokens)}_tokens"] = round(contains_ms, 3)
@@ -127,6 +133,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         plot(curves, result, args.plot)
         result["plot"] = args.plot
     return result
+
+
+def _say(message: str) -> None:
+    """Progress on stderr (a full run takes tens of minutes; ``--json`` stays on stdout)."""
+    print(f"[bench scale {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def label(n: int) -> str:
@@ -243,8 +254,10 @@ def _disk_curve(counts: list[int], where: str | None) -> dict[int, dict[str, flo
     probe = torch.empty(TINY_LAYOUT.chunk_bytes(1), dtype=torch.uint8)
     try:
         for n in sorted(counts):
+            _say(f"writing {n - have} chunk files")
             _fill(path, have, n)
             have = n
+            _say(f"restarts over {n} files")
             options = DiskOptions(path, capacity_bytes=2 * n * record, io_threads=2)
             index = os.path.join(path, f".{DISK_FP.hex()}.index")
             if os.path.exists(index):
