@@ -19,6 +19,8 @@ BENCHMARKS: dict[str, str] = {
     "pd": "prefill-to-decode transfer per transport vs memcpy and a raw socket",
     "server": "store/retrieve through a kvtier server vs in-process, lookup RTT, 1-4 clients",
     "vllm": "time to first token inside vLLM: cold, vLLM's prefix cache, kvtier CPU and disk",
+    "serve": "vLLM's serving benchmark per cache configuration: TTFT efficiency, throughput",
+    "scale": "how costs grow: lookup vs prompt length, disk restart vs files, RSS, threads",
 }
 
 

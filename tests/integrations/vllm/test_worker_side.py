@@ -242,3 +242,24 @@ def test_the_worker_that_owns_the_cache_serves_its_admin_api() -> None:
     assert side.admin is None
     with pytest.raises(OSError):
         urllib.request.urlopen(url + "/health", timeout=2)
+
+
+def test_counter_deltas_report_each_increase_once_and_nothing_on_idle_steps(
+    worker: WorkerSide,
+) -> None:
+    """vLLM asks for the counters every step (its /metrics); an idle step reports nothing."""
+    assert worker.counter_deltas() == {}
+    tokens = list(range(64))
+    fill(worker, [1, 2, 3, 4], seed=3)
+    worker.save(KVTierMetadata(saves=[SaveSpec("s", tokens, [1, 2, 3, 4], 0, 64)]))
+    assert worker.counter_deltas() == {"stored_chunks": 2}
+    assert worker.counter_deltas() == {}  # a decode step: nothing moved
+    client = LookupClient(worker.engine_id)
+    assert client.call("lookup", "t", tokens)[0] == 64
+    client.call("end", "t")
+    client.close()
+    assert worker.counter_deltas() == {"lookups": 1, "lookup_tokens": 64, "hit_tokens": 64}
+    assert worker.counter_deltas() == {}
+    # an idle step also answers the load reports without finding anything
+    assert worker.finished_loads() == set() and worker.failed_blocks() == set()
+    assert worker.short_loads() == {}

@@ -148,22 +148,33 @@ class Loads:
                 self._done.add(spec.request_id)
 
     # -- what the step reports -------------------------------------------------------------
+    # vLLM asks these every step, and on almost every step there is nothing: an empty
+    # container is answered without the lock (a load that lands meanwhile is reported at
+    # the next step, exactly as if it had landed just after the call).
     def finished(self) -> set[str]:
+        if not self._done:
+            return set()
         with self._lock:
             done, self._done = self._done, set()
         return done
 
     def failed_blocks(self) -> set[int]:
+        if not self._failed:
+            return set()
         with self._lock:
             failed, self._failed = self._failed, set()
         return failed
 
     def short_loads(self) -> dict[str, int]:
+        if not self._short:
+            return {}
         with self._lock:
             short, self._short = self._short, {}
         return short
 
     def is_short(self, rid: str) -> bool:
+        if not self._short:
+            return False
         with self._lock:
             return rid in self._short
 

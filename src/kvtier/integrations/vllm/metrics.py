@@ -63,12 +63,22 @@ class CounterDeltas:
 
     def __init__(self) -> None:
         self._last: dict[str, int] = {}
+        self._last_values: tuple[int, ...] = ()
 
     def take(self, totals: dict[str, Any]) -> dict[str, int]:
         now = {k: int(totals.get(k, 0)) for k in COUNTERS}
         delta = {k: v - self._last.get(k, 0) for k, v in now.items()}
         self._last = now
+        self._last_values = tuple(now.values())
         return {k: v for k, v in delta.items() if v}
+
+    def take_from(self, counters: object) -> dict[str, int]:
+        """:meth:`take` reading the counters' attributes directly (vLLM asks every step;
+        most steps change nothing, and then no dict is built)."""
+        values = tuple(int(getattr(counters, k, 0)) for k in COUNTERS)
+        if values == self._last_values:
+            return {}
+        return self.take(dict(zip(COUNTERS, values, strict=True)))
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):

@@ -155,6 +155,8 @@ class WorkerSide:
 
     # -- the step --------------------------------------------------------------------------
     def load(self, meta: KVTierMetadata) -> None:
+        if not meta.loads:
+            return  # a decode step: nothing to load
         loads = self._loads_part()
         for spec in meta.loads:
             if spec.async_load:
@@ -206,7 +208,7 @@ class WorkerSide:
         server, its own /metrics counts for every instance)."""
         if self.engine is None:
             return {}
-        return self._deltas.take(self.engine.counters.as_dict())
+        return self._deltas.take_from(self.engine.counters)
 
     def short_loads(self) -> dict[str, int]:
         """Requests whose load this step came up short (called once per step, after save)."""

@@ -19,8 +19,8 @@ import errno
 import itertools
 import os
 import stat
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Container, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -193,21 +193,37 @@ class ScanResult:
     records: list[FoundRecord]
     temp_removed: int = 0
     bad_removed: int = 0
+    known_present: set[ChunkKey] = field(default_factory=set)
 
 
-def scan(dir_fd: int, fingerprint: Fingerprint, fp_hex: str) -> ScanResult:
+def scan(
+    dir_fd: int,
+    fingerprint: Fingerprint,
+    fp_hex: str,
+    known: Container[ChunkKey] = frozenset(),
+) -> ScanResult:
     """Find this fingerprint's records by reading headers only, oldest first. Removes this
-    fingerprint's temporary leftovers and every record with a bad name, header or length.
-    Files of other fingerprints and foreign files are left alone."""
+    fingerprint's temporary leftovers (of chunk writes and of index snapshots) and every
+    record with a bad name, header or length. Files of other fingerprints and foreign files
+    are left alone. A file whose key is in ``known`` (a saved index's keys:
+    :mod:`kvtier.storage.disk.snapshot`) is not opened: its key lands in ``known_present``."""
     result = ScanResult([])
     prefix, tmp_prefix = f"{fp_hex}-", f".{fp_hex}-"
+    snapshot_tmp = f".{fp_hex}.index."
     for name in _names(dir_fd):
         if name.startswith(tmp_prefix) and name.endswith(TMP_SUFFIX):
             result.temp_removed += unlink_quietly(dir_fd, name)
             continue
+        if name.startswith(snapshot_tmp) and name.endswith(".part"):
+            result.temp_removed += unlink_quietly(dir_fd, name)
+            continue
         if not (name.startswith(prefix) and name.endswith(SUFFIX)):
             continue
-        found = _check_file(dir_fd, name, fingerprint, prefix)
+        key = _key_of(name, prefix)
+        if key is not None and key in known:
+            result.known_present.add(key)
+            continue
+        found = None if key is None else _check_file(dir_fd, name, key, fingerprint)
         if found is None:
             result.bad_removed += unlink_quietly(dir_fd, name)
         else:
@@ -223,16 +239,17 @@ def _names(dir_fd: int) -> Iterator[str]:
                 yield entry.name
 
 
-def _check_file(
-    dir_fd: int, name: str, fingerprint: Fingerprint, prefix: str
-) -> FoundRecord | None:
-    key_hex = name[len(prefix) : -len(SUFFIX)]
+def _key_of(name: str, prefix: str) -> ChunkKey | None:
     try:
-        key = bytes.fromhex(key_hex)
+        key = bytes.fromhex(name[len(prefix) : -len(SUFFIX)])
     except ValueError:
         return None
-    if len(key) != KEY_BYTES:
-        return None
+    return key if len(key) == KEY_BYTES else None
+
+
+def _check_file(
+    dir_fd: int, name: str, key: ChunkKey, fingerprint: Fingerprint
+) -> FoundRecord | None:
     try:
         fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:

@@ -1,7 +1,8 @@
 """The disk tier's in-memory index: which chunk files exist, in LRU order, and their pins.
 
-The index is the only state the disk tier keeps besides the files themselves, and it is
-rebuilt from the files' headers at every open, so it never needs to be saved.
+The index is the only state the disk tier keeps besides the files themselves. It is rebuilt
+at every open from the files (a clean close saves it, :mod:`kvtier.storage.disk.snapshot`,
+so that a restart reads the headers of only the files it does not name).
 
 Capacity accounting counts whole files (header + payload), because that is what the disk
 holds. A write first *reserves* its bytes (evicting least recently used, unpinned files to
@@ -132,3 +133,6 @@ class DiskIndex:
 
     def oldest_first(self) -> list[ChunkKey]:
         return list(self._entries)
+
+    def items_oldest_first(self) -> list[tuple[ChunkKey, DiskEntry]]:
+        return list(self._entries.items())

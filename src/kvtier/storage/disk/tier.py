@@ -23,8 +23,10 @@ it lands, so the checksum costs no second pass over memory), then the checksum i
 a mismatch, a bad header or a wrong length is a miss: logged, file removed, counted in
 ``counters.corrupt``. At open the index is rebuilt from the headers alone (oldest file first,
 by mtime, which writes and read hits set), temporary leftovers of this fingerprint are
-deleted, and bad files are removed and counted. The index is never written anywhere: the
-files are the truth.
+deleted, and bad files are removed and counted. A clean close saves the index
+(:mod:`~kvtier.storage.disk.snapshot`) so that the next open reads the headers of only the files
+the saved index does not name; the files stay the truth (a saved entry whose file is gone is
+dropped, and every read checks the file).
 
 Faults (docs/disk.md): reads are bounded by ``blocking_timeout_secs``
 (:mod:`~kvtier.storage.disk.bounded_reads`); a chunk name that is not a regular file (a
@@ -52,7 +54,7 @@ from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import CallGuard, Lifecycle
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierCounters, TierUsage
-from kvtier.storage.disk import files
+from kvtier.storage.disk import files, snapshot
 from kvtier.storage.disk.bounded_reads import BoundedReads
 from kvtier.storage.disk.directory import ChunkDirectory
 from kvtier.storage.disk.index import DiskEntry, DiskIndex
@@ -135,8 +137,12 @@ class DiskTier(Tier):
             self._guard.open()
 
     def _rebuild_index(self, dir_fd: int) -> None:
-        found = files.scan(dir_fd, self.fingerprint, self.fp_hex)
-        for record in found.records:
+        saved = snapshot.load(dir_fd, self.fingerprint) or {}
+        found = files.scan(dir_fd, self.fingerprint, self.fp_hex, saved)
+        for entry in saved.values():  # least recently used first, as saved
+            if entry.key in found.known_present:
+                self._index.add(entry.key, DiskEntry(entry.num_tokens, entry.file_bytes))
+        for record in found.records:  # files the snapshot does not know, oldest first
             self._index.add(
                 record.key, DiskEntry(record.header.num_tokens, record.header.record_len)
             )
@@ -150,11 +156,14 @@ class DiskTier(Tier):
             self._unlink(trimmed)
             self.counters.evicted += len(trimmed)
         log.info(
-            "disk tier %s: %d chunks (%s) found, %d evicted to fit %s, %d temporary and %d bad "
+            "disk tier %s: %d chunks (%s) found (%d from the saved index, %d headers read), "
+            "%d evicted to fit %s, %d temporary and %d bad "
             "files removed",
             self.options.path,
             len(self._index),
             format_size(self._index.used_bytes),
+            len(found.known_present),
+            len(found.records),
             len(trimmed or []),
             format_size(self.options.capacity_bytes),
             found.temp_removed,
@@ -175,6 +184,8 @@ class DiskTier(Tier):
         writes_done = self._writes.close(timeout)
         reader.close()
         stalled = reader.stalled
+        if calls_done and writes_done and not stalled:
+            self._save_index()
         if not (calls_done and writes_done and not stalled):
             log.warning(
                 "disk tier %s closed with %d calls, %d reads and %s writes still running "
@@ -186,6 +197,23 @@ class DiskTier(Tier):
                 timeout,
             )
         self._dir.close(keep_open=not (calls_done and writes_done and not stalled))
+
+    def _save_index(self) -> None:
+        """Save the index for the next open (kvtier.storage.disk.snapshot); never raises."""
+        with self._lock:
+            if self._dir.lost:
+                return
+            entries = [
+                snapshot.SavedEntry(key, entry.num_tokens, entry.file_bytes)
+                for key, entry in self._index.items_oldest_first()
+            ]
+            dir_fd = self._dir.fd
+        try:
+            snapshot.save(dir_fd, self.fingerprint, entries)
+        except OSError as exc:
+            log.warning(
+                "disk tier %s: index not saved (%s); the next open scans", self.options.path, exc
+            )
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._writes.flush(timeout)
