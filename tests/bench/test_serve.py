@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
-from kvtier.integrations.vllm.checkpoint import words_for
 
 from kvtier.bench import serve
 from kvtier.cli.bench import BENCHMARKS
+from kvtier.testing.checkpoint import words_for
 
 
 def parsed(*extra: str) -> argparse.Namespace:

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.redis import _server as redis_server
-from kvtier.integrations.vllm.checkpoint import words_for
+from kvtier.testing.checkpoint import words_for
 from kvtier.testing.shapes import SHAPES, write_shape
 
 CONFIGS = ("none", "apc", "cpu", "disk", "redis", "server", "example")

@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvtier.errors import InputError
-from kvtier.integrations.vllm.checkpoint import TinyLlama, write_tiny_llama
+from kvtier.testing.checkpoint import TinyLlama, write_tiny_llama
 
 SHAPES: dict[str, TinyLlama] = {
     "tiny": TinyLlama(),
