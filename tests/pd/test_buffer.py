@@ -1,5 +1,5 @@
-"""The PD receive tier: the tier contract; pd_buffer_size is a ceiling in whole chunks; a held
-key takes one reference per request; every pin is released once, on every path."""
+"""The PD receive tier: the tier contract, sizing (a ceiling in whole chunks), held keys (one
+reference per request), pins (each released once, on every path)."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def fill(tier: PDBuffer, res: Reservation, seed: int = 0) -> None:
         assert tier.publish(res, page, checksum(data))
 
 
-# -- pd_buffer_size is a ceiling rounded down to whole chunks ----------------------------
+# -- pd_buffer_size is a ceiling rounded down to whole chunks --------------------------------
 def pd_engine(buffer: object, **kw: object) -> Engine:
     cfg = small_config(enable_pd=True, pd_role="receiver", pd_buffer_size=buffer, **kw)
     return Engine(cfg, SMALL_LAYOUT, model_name="m")
@@ -143,7 +143,7 @@ def test_nixl_without_the_package_is_refused_with_the_reason(
     assert info.value.key == "transfer_channel"
 
 
-# -- a held key takes one reference for the request, given back with it ------------------
+# -- a held key takes one reference for the request, given back with it ----------------------
 def test_held_keys_take_exactly_one_reference_per_request(tier: PDBuffer) -> None:
     k1, k2, k3 = random_key(), random_key(), random_key()
     a, held_a = tier.reserve("a", [k1, k2], [16, 16], timeout=1.0)
@@ -178,7 +178,7 @@ def test_shared_prefixes_never_exhaust_the_buffer(tier: PDBuffer) -> None:
     assert tier.check_invariants() == []
 
 
-# -- every pin released once, on every path ---------------------------------------------
+# -- every pin released once, on every path -------------------------------------------------
 def test_abort_then_request_end_releases_once(tier: PDBuffer) -> None:
     leases = LeaseTable(BlockPool(1, 64))
     res, _ = tier.reserve("r", [random_key(), random_key()], [16, 16], timeout=1.0)
@@ -199,7 +199,7 @@ def test_decoder_pins_are_released_by_end_request() -> None:
         tokens = make_tokens(40, 3)
         spans = engine.keychain.keys(tokens, include_partial=True)
         res, _ = tier.reserve("r", [s.key for s in spans], [s.num_tokens for s in spans], 1.0)
-        engine.attach_hold("r", res)
+        engine.receiver_host().attach_hold("r", res)
         kv = torch.randn(SMALL_LAYOUT.kv_shape(40))
         for page, span in zip(res.new, spans, strict=True):
             chunk = kv[:, :, span.start : span.end, :].contiguous().view(-1).view(torch.uint8)
@@ -278,10 +278,10 @@ def test_engine_audit_covers_the_pd_buffer() -> None:
     """check_invariants on a decoder finds an owner for every PD buffer reference: a
     reservation in a lease is accounted for; a reference nobody owns is reported."""
     with pd_engine("16KiB") as engine:
-        buffer = engine.pd_buffer
+        buffer = engine.receiver_host().pd_buffer
         assert buffer is not None
         res, _ = buffer.reserve("r1", [random_key()], [CONTRACT_CHUNK], timeout=1.0)
-        engine.attach_hold("r1", res)
+        engine.receiver_host().attach_hold("r1", res)
         assert engine.check_invariants() == []
         buffer.pool.retain([res.pages[0]])  # a reference no lease, pin or entry owns
         problems = engine.check_invariants()

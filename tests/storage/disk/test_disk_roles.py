@@ -1,6 +1,5 @@
 """The disk tier under a real Engine: restart survival, the three tier roles of DESIGN.md's
-table (what ``local_cpu`` and ``use_only_staging_buffer`` make of CPU memory: cache tier,
-visible staging, or staging only), and the chained prefix across CPU and disk."""
+table (local_cpu / use_only_staging_buffer), and the chained prefix across CPU and disk."""
 
 from __future__ import annotations
 
@@ -46,7 +45,7 @@ def assert_quiet(engine: Engine) -> None:
     cpu, disk = tiers(engine)
     pool = cpu.pool
     assert pool.free_pages + len(cpu.owned_pages()) == pool.num_pages
-    assert disk.counters.extra["pinned_keys"] == 0
+    assert disk.counters.pinned_keys == 0
 
 
 def test_store_close_reopen_hits_identical_bytes(engine_factory: Factory, tmp_path: Path) -> None:
@@ -61,7 +60,7 @@ def test_store_close_reopen_hits_identical_bytes(engine_factory: Factory, tmp_pa
         assert second.lookup(tokens, "r1") == N_TOKENS
         assert torch.equal(second.retrieve(tokens, "r1"), kv)
     assert second.counters.hit_tokens_by_tier["disk"] == N_TOKENS
-    assert tiers(second)[1].counters.extra["batched_reads"] == 3  # one batch for the lookup
+    assert tiers(second)[1].counters.batched_reads == 3  # one batch for the lookup
     assert_quiet(second)
 
 
