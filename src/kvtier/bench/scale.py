@@ -18,8 +18,7 @@ Each curve comes with a baseline measured in the same run, so a loaded machine s
 ``rss_bytes_per_chunk``
     Resident memory the CPU tier adds per cached chunk beyond the chunk's payload bytes
     (index, keys, allocator bookkeeping), measured in a fresh process storing ``--rss-chunks``
-    chunks in batches; ``disk_index_rss_bytes_per_chunk`` is the same for the disk tier's
-    index after the largest restart.
+    chunks in batches.
 ``cpu_retrieve_gbps_t<k>`` / ``cpu_lookups_per_s_t<k>``
     ``k`` threads each looping lookup + retrieve + end_request of a cached prompt on one
     Engine (lock contention, the GIL), against ``memcpy_gbps``: one ``Tensor.copy_`` of the
@@ -111,8 +110,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result[f"disk_open_s_{label(n)}"] = round(row["open_s"], 3)
         result[f"disk_scan_open_s_{label(n)}"] = round(row["scan_open_s"], 3)
         result[f"disk_save_s_{label(n)}"] = round(row["save_s"], 3)
-    if disk:
-        result["disk_index_rss_bytes_per_chunk"] = round(disk[max(disk)]["rss_per_chunk"])
     result["rss_chunks"] = args.rss_chunks
     _say(f"resident memory of {args.rss_chunks} chunks")
     result["rss_bytes_per_chunk"] = round(_rss_per_chunk(args.rss_chunks))
@@ -268,15 +265,12 @@ def _disk_curve(counts: list[int], where: str | None) -> dict[int, dict[str, flo
             start = time.perf_counter()
             tier.close()  # saves the index
             save_s = time.perf_counter() - start
-            rss_before = _rss()
             tier, open_s = _restart(options, first_key, n, probe)
-            rss_per_chunk = (_rss() - rss_before) / n
             tier.close()
             out[n] = {
                 "open_s": open_s,
                 "scan_open_s": scan_s,
                 "save_s": save_s,
-                "rss_per_chunk": rss_per_chunk,
             }
     finally:
         shutil.rmtree(top, ignore_errors=True)
