@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from kvtier.cli.pd_proxy import make_server
-from kvtier.integrations.vllm.channel import LookupClient
 from kvtier.integrations.vllm.checkpoint import words_for
+from kvtier.integrations.vllm.rpc import LookupClient
 from tests.redis_servers import free_port
 
 from .conftest import PROMPTS
