@@ -24,6 +24,7 @@ class KeySpec:
     doc: str
     lmcache: bool = True
     secret: bool = False
+    verbatim: bool = False  # an environment value is this text as written (not YAML)
 
 
 KEYS: tuple[KeySpec, ...] = (
@@ -153,8 +154,10 @@ KEYS: tuple[KeySpec, ...] = (
         p.text(),
         None,
         "kvtier server's Unix socket (path or unix:// URL); default "
-        "$XDG_RUNTIME_DIR/kvtier.sock, else /tmp/kvtier-<uid>.sock.",
+        "$XDG_RUNTIME_DIR/kvtier.sock, else $TMPDIR/kvtier-<uid>/kvtier.sock (a 0700 "
+        "directory).",
         lmcache=False,
+        verbatim=True,
     ),
     KeySpec(
         "server_max_clients",
