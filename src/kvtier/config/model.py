@@ -60,6 +60,9 @@ class Config:
     server_socket: str | None = None
     server_max_clients: int = 64
     server_tenant_quota: int | None = None
+    server_max_memory: int | None = None
+    server_model_idle_secs: float = 300.0
+    server_client_pin_share: float = 0.5
     extra_config: dict[str, Any] = field(default_factory=dict)
     # Where each non-default value came from ("file /x.yaml", "env KVTIER_CHUNK_SIZE", ...).
     origin: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -242,9 +245,8 @@ def _check_combinations(cfg: Config) -> None:
         raise ConfigError(
             "server_socket", cfg.server_socket, "an absolute path or unix:///absolute/path URL"
         )
-    if cfg.server_tenant_quota == 0:
-        raise ConfigError(
-            "server_tenant_quota", 0, "a size above 0 (every model would be refused), or null"
-        )
+    for key in ("server_tenant_quota", "server_max_memory"):
+        if getattr(cfg, key) == 0:
+            raise ConfigError(key, 0, "a size above 0 (every model would be refused), or null")
     if cfg.enable_pd and cfg.transfer_channel == "nixl":
         check_channel(cfg.transfer_channel)  # raises, naming why nixl is unavailable
