@@ -42,7 +42,7 @@ class RepeatedLog:
             held = self._held.pop(key, 0)
             self._last[key] = now
         if held:
-            message += " (and %d more like it in the last %.0f s)"
+            message += " (and %d more like it in the last %g s)"
             args = (*args, held, self.interval)
         self.logger.log(level, message, *args)
         return True

@@ -49,6 +49,7 @@ from kvtier.errors import ConfigError, CorruptRecord, StateError
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import CallGuard, Lifecycle
+from kvtier.repeated_log import RepeatedLog
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
 from kvtier.storage.disk import files
 from kvtier.storage.disk.bounded_reads import BoundedReads
@@ -63,6 +64,7 @@ from kvtier.storage.records import (
 )
 
 log = logging.getLogger(__name__)
+_repeated = RepeatedLog(log)  # a full disk fails every chunk: one line per 30 s, with a count
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _EXTRA_COUNTERS = (
@@ -287,7 +289,12 @@ class DiskTier(Tier):
             if exc.errno == errno.ENOENT:
                 self._check_directory()  # the directory itself gone? (logged there)
             if not self._dir.lost:
-                log.warning("disk write of chunk %s failed (%s); it is not stored", key.hex(), exc)
+                _repeated.warning(
+                    ("write", exc.errno),
+                    "disk write of chunk %s failed (%s); it is not stored",
+                    key.hex(),
+                    exc,
+                )
             return PutResult(key, PutOutcome.FAILED, f"disk write failed: {exc}")
         with self._lock:
             if generation != self._dir.generation:  # landed in a directory lost meanwhile

@@ -48,6 +48,7 @@ from kvtier.errors import CorruptRecord, StateError, TierError, TierUnavailable
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import CallGuard, Lifecycle
+from kvtier.repeated_log import RepeatedLog
 from kvtier.storage import records
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
 from kvtier.storage.redis.link import RedisLink
@@ -56,6 +57,7 @@ from kvtier.storage.redis.wire import get_into, set_parts
 from kvtier.storage.write_queue import Write, WriteQueue, complete
 
 log = logging.getLogger(__name__)
+_repeated = RepeatedLog(log)  # Redis at maxmemory refuses every put: one line per 30 s
 
 T = TypeVar("T")
 
@@ -354,7 +356,7 @@ class RedisTier(Tier):
     def _note_failure(self, what: str, exc: BaseException) -> None:
         # An outage is logged once by the link; other errors (a refused command) each time.
         if not isinstance(exc, TierUnavailable):
-            log.warning("redis %s failed: %s", what, exc)
+            _repeated.warning((what, type(exc).__name__), "redis %s failed: %s", what, exc)
 
     def _bump(self, **deltas: int) -> None:
         with self._lock:
