@@ -468,15 +468,17 @@ class LookupClient:
                 f"call's deadline"
             )
         try:
-            self._connect(deadline)
-            assert self._sock is not None and self._reader is not None
             try:
+                self._connect(deadline)
+                assert self._sock is not None and self._reader is not None
                 send(self._sock, request, deadline)
                 reply = self._reader.read(deadline)
                 if reply is None:
                     raise TransferError("the worker closed the connection")
             except TransferError as exc:
                 self._drop()  # a half-read reply would answer the next call
+                if str(self.path) in str(exc):
+                    raise
                 raise type(exc)(f"kvtier worker at {self.path}: {exc}") from None
             except Exception as exc:  # e.g. a token msgpack cannot encode: still a failed call
                 self._drop()
