@@ -233,6 +233,8 @@ class ModelTable:
             self._wake.wait(min(1.0, grace / 4))
             self._wake.clear()
             now = time.monotonic()
+            # Closed under the lock: a Hello for the same model waits for the old engine to
+            # drain its disk writes, so two engines never share its disk files at once.
             with self._lock:
                 if self._closed:
                     return
@@ -243,8 +245,7 @@ class ModelTable:
                 ]
                 for slot in expired:
                     del self._slots[slot.fingerprint]
-            for slot in expired:
-                self._close_slot(slot, f"no client for {grace:g} s")
+                    self._close_slot(slot, f"no client for {grace:g} s")
 
     def _close_slot(self, slot: ModelSlot, why: str) -> None:
         self.released += 1

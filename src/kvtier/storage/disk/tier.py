@@ -64,7 +64,6 @@ from kvtier.storage.records import (
 )
 
 log = logging.getLogger(__name__)
-_repeated = RepeatedLog(log)  # a full disk fails every chunk: one line per 30 s, with a count
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _EXTRA_COUNTERS = (
@@ -99,6 +98,8 @@ class DiskTier(Tier):
         self._pending: dict[ChunkKey, int] = {}  # key -> record bytes, queued or being written
         self._inflight_bytes = 0
         self._lock = threading.Lock()
+        # A full disk / Redis at maxmemory fails every chunk: one line per 30 s, with a count.
+        self._repeated = RepeatedLog(log)
         self._idle = threading.Condition(self._lock)
         self._guard = CallGuard("disk tier")
         self._dir = ChunkDirectory(options.path, self.fp_hex)
@@ -289,7 +290,7 @@ class DiskTier(Tier):
             if exc.errno == errno.ENOENT:
                 self._check_directory()  # the directory itself gone? (logged there)
             if not self._dir.lost:
-                _repeated.warning(
+                self._repeated.warning(
                     ("write", exc.errno),
                     "disk write of chunk %s failed (%s); it is not stored",
                     key.hex(),

@@ -57,7 +57,6 @@ from kvtier.storage.redis.wire import get_into, set_parts
 from kvtier.storage.write_queue import Write, WriteQueue, complete
 
 log = logging.getLogger(__name__)
-_repeated = RepeatedLog(log)  # Redis at maxmemory refuses every put: one line per 30 s
 
 T = TypeVar("T")
 
@@ -101,6 +100,8 @@ class RedisTier(Tier):
         )
         self._guard = CallGuard("redis tier")
         self._lock = threading.Lock()
+        # A full disk / Redis at maxmemory fails every chunk: one line per 30 s, with a count.
+        self._repeated = RepeatedLog(log)
         self._pins: dict[ChunkKey, int] = {}
         self._last_usage = TierUsage(0, 0, 0)
         self._use_script = True  # until the server refuses EVAL
@@ -356,7 +357,7 @@ class RedisTier(Tier):
     def _note_failure(self, what: str, exc: BaseException) -> None:
         # An outage is logged once by the link; other errors (a refused command) each time.
         if not isinstance(exc, TierUnavailable):
-            _repeated.warning((what, type(exc).__name__), "redis %s failed: %s", what, exc)
+            self._repeated.warning((what, type(exc).__name__), "redis %s failed: %s", what, exc)
 
     def _bump(self, **deltas: int) -> None:
         with self._lock:
