@@ -252,9 +252,13 @@ class PDBuffer(Tier):
 
     def count_transfer(self, ok: bool) -> None:
         """One request's transfer ended (the receiver reports it): ``kvtier_pd_transfers``."""
+        self.count_event("transfers" if ok else "transfer_failures")
+
+    def count_event(self, name: str, n: int = 1) -> None:
+        """A receiver event for the tier's stats and /metrics: ``auth_failures``,
+        ``timeouts``, ``protocol_errors``, ``expired_reservations``."""
         with self._cond:
-            name = "transfers" if ok else "transfer_failures"
-            self.counters.extra[name] = self.counters.extra.get(name, 0) + 1
+            self.counters.extra[name] = self.counters.extra.get(name, 0) + n
 
     def _end_reservation(self, reservation: Reservation) -> None:
         with self._cond:
