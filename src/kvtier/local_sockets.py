@@ -54,11 +54,14 @@ def check_peer(sock: socket.socket, expected_uid: int, what: str) -> int:
     return pid
 
 
-def private_directory(path: str, *, create: bool = True, root_owned_ok: bool = False) -> None:
+def private_directory(
+    path: str, *, create: bool = True, root_owned_ok: bool = False, closed: bool = False
+) -> None:
     """Check that only this user can add names to ``path`` (create it 0700 when missing and
     ``create``). Refused with :class:`StateError`: a directory of another user (or of root,
-    unless ``root_owned_ok``), a group- or world-writable one, or something not a directory.
-    ``root_owned_ok`` is for paths an operator chose (``/run/kvtier``), never for defaults."""
+    unless ``root_owned_ok``), a group- or world-writable one (with ``closed``: any access
+    for group or others), or something not a directory. ``root_owned_ok`` is for paths an
+    operator chose (``/run/kvtier``), never for defaults."""
     me = os.geteuid()
     if create and not os.path.lexists(path):
         parent = os.path.dirname(path.rstrip("/")) or "/"
@@ -81,11 +84,11 @@ def private_directory(path: str, *, create: bool = True, root_owned_ok: bool = F
             f"(uid {me}); another user may have created it to pose as kvtier: remove it or "
             f"choose a directory you own"
         )
-    if info.st_mode & 0o022:
+    if info.st_mode & (0o077 if closed else 0o022):
         raise StateError(
             f"socket directory {path} has mode {stat.S_IMODE(info.st_mode):04o}: others can "
-            f"write to it (and bind our socket's name first); use a directory that is not "
-            f"group- or world-writable (e.g. chmod 700 {path})"
+            f"reach or write to it (and bind our socket's name first); use a directory only "
+            f"you can use (chmod 700 {path})"
         )
 
 

@@ -130,7 +130,12 @@ def test_a_directory_of_another_user_or_writable_by_others_is_refused(
     directory: str,
 ) -> None:
     engine_id = f"rpc-{uuid.uuid4().hex}"
-    for mode, owner in ((0o777, os.geteuid()), (0o700, NOBODY), (0o770, os.geteuid())):
+    for mode, owner in (
+        (0o777, os.geteuid()),
+        (0o700, NOBODY),
+        (0o770, os.geteuid()),
+        (0o755, os.geteuid()),
+    ):
         shared = os.path.join(directory, f"d{mode:o}-{owner}")
         os.mkdir(shared)
         os.chmod(shared, mode)
@@ -184,6 +189,7 @@ def test_a_client_of_another_uid_is_refused(
     got = out.get(timeout=60)
     child.join(10)
     assert "Welcome" not in got and server.refused == 1, got
+    os.chmod(directory, 0o700)  # a client refuses a directory others can reach
     assert LookupClient(engine_id, directory=directory).lookup("r", TOKENS) == (64, 32)
 
 
@@ -200,6 +206,20 @@ def worker_process(directory: str) -> Iterator[tuple[Any, str]]:
     child.join(10)
 
 
+def wait_stopped(pid: int) -> None:
+    """Until every thread of ``pid`` is stopped (SIGSTOP reaches each one in its own time)."""
+    deadline = time.monotonic() + 30
+    while True:
+        states = set()
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.add(f.read().rsplit(")", 1)[1].split()[0])
+        if states <= {"T", "t"}:
+            return
+        assert time.monotonic() < deadline, states
+        time.sleep(0.05)
+
+
 def test_a_paused_worker_makes_every_call_fail_in_bounded_time(
     worker_process: tuple[Any, str], directory: str
 ) -> None:
@@ -210,6 +230,7 @@ def test_a_paused_worker_makes_every_call_fail_in_bounded_time(
     client = LookupClient(engine_id, directory=directory, timeout=1.0)
     assert client.lookup("warm", TOKENS) == (64, 32)
     os.kill(child.pid, signal.SIGSTOP)
+    wait_stopped(child.pid)
     slack = 8.0  # the machine is loaded; the point is "returns", not how fast
     for _ in range(2):  # the second one reconnects: today's code blocked here for good
         started = time.monotonic()

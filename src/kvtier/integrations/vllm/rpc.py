@@ -242,7 +242,7 @@ class LookupServer:
     def open(self) -> LookupServer:
         """Listen. :class:`StateError` when the directory is not private to this user, or
         the path holds something that is not a stale socket of ours."""
-        local_sockets.private_directory(str(self.path.parent))
+        local_sockets.private_directory(str(self.path.parent), closed=True)
         self._listener = local_sockets.bind(str(self.path), backlog=64)
         self._listener.settimeout(0.2)  # how soon the accept loop notices close()
         threading.Thread(target=self._accept, name="kvtier-lookup-accept", daemon=True).start()
@@ -497,7 +497,9 @@ class LookupClient:
             left = deadline - time.monotonic()
             try:
                 if os.path.lexists(self.path.parent):
-                    local_sockets.private_directory(str(self.path.parent), create=False)
+                    local_sockets.private_directory(
+                        str(self.path.parent), create=False, closed=True
+                    )
                 sock = local_sockets.connect(str(self.path), max(left, 0.001), self.peer_uid, what)
             except StateError as exc:  # the directory is not private: trust nothing in it
                 raise TransferError(str(exc)) from None
