@@ -16,7 +16,13 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kvtier.errors", "kvtier.lifecycle", "kvtier.framing"),
+    (
+        "kvtier.errors",
+        "kvtier.lifecycle",
+        "kvtier.framing",
+        "kvtier.repeated_log",
+        "kvtier.local_sockets",
+    ),
     ("kvtier.config", "kvtier.layout", "kvtier.keys", "kvtier.validation"),
     ("kvtier.memory",),
     ("kvtier.lease",),

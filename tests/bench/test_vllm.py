@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from kvtier.bench.vllm import _drop_page_cache, _reset_prefix_cache, _served
-from kvtier.integrations.vllm.channel import LookupClient
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.worker import WorkerSide
 from tests.integrations.vllm.test_worker_side import fill, make_worker
 

@@ -215,3 +215,20 @@ def test_a_rejected_secret_is_never_echoed() -> None:
             Config.load(env={}, overrides={"admin_token": bad})
         message = str(info.value) + repr(info.value.value)
         assert "s3cret" not in message and "12345678" not in message, message
+
+
+@pytest.mark.parametrize(
+    ("env", "key"),
+    [
+        ({"KVTIER_SERVER_TENANT_QUOTA": "0"}, "server_tenant_quota"),
+        ({"KVTIER_PD_AUTH_TOKEN": " " * 20}, "pd_auth_token"),
+        ({"KVTIER_PD_AUTH_TOKEN": "\t" * 8 + "short" + " " * 8}, "pd_auth_token"),
+        ({"KVTIER_SERVER_SOCKET": ""}, "server_socket"),
+    ],
+    ids=["quota-0", "token-spaces", "token-padded", "socket-empty"],
+)
+def test_values_that_would_quietly_break_something_are_refused(
+    env: dict[str, str], key: str
+) -> None:
+    with pytest.raises(ConfigError, match=key):
+        Config.load(env=env)

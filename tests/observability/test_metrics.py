@@ -158,6 +158,10 @@ def test_pd_fields_become_metrics() -> None:
             "received_bytes": 123,
             "transfers": 4,
             "failures": 1,
+            "auth_failures": 2,
+            "timeouts": 3,
+            "protocol_errors": 5,
+            "expired_reservations": 6,
             "role": "receiver",  # not a number: ignored
         }
         assert value(reg, "kvtier_pd_buffer_used_bytes") == 8192
@@ -165,7 +169,11 @@ def test_pd_fields_become_metrics() -> None:
         assert value(reg, "kvtier_pd_received_bytes_total") == 123
         assert value(reg, "kvtier_pd_transfers_total") == 4
         assert value(reg, "kvtier_pd_transfer_failures_total") == 1
-        assert len(PD_FIELDS) == 5
+        assert value(reg, "kvtier_pd_auth_failures_total") == 2
+        assert value(reg, "kvtier_pd_timeouts_total") == 3
+        assert value(reg, "kvtier_pd_protocol_errors_total") == 5
+        assert value(reg, "kvtier_pd_expired_reservations_total") == 6
+        assert len(PD_FIELDS) == 9
 
 
 def test_every_metric_is_named_by_convention(engine: Engine) -> None:

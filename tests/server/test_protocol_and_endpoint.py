@@ -63,7 +63,7 @@ def test_socket_path_defaults_and_urls(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     assert endpoint.socket_path(cfg) == os.path.join(str(tmp_path), "kvtier.sock")
     monkeypatch.delenv("XDG_RUNTIME_DIR")
-    assert endpoint.socket_path(cfg) == f"/tmp/kvtier-{os.getuid()}.sock"
+    assert endpoint.socket_path(cfg) == f"/tmp/kvtier-{os.getuid()}/kvtier.sock"
     with pytest.raises(ConfigError, match="server_socket"):
         endpoint.socket_path(cfg, "unix://relative.sock")
 

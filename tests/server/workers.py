@@ -92,3 +92,39 @@ def connect_as(uid: int, path: str, out: Queue[Any]) -> None:
         out.put(f"OSError: {exc}")
     finally:
         sock.close()
+
+
+def impostor_server(uid: int, path: str, page_bytes: int, out: Queue[Any]) -> None:
+    """Become ``uid`` and pose as the kvtier server at ``path``: a Welcome with a memfd of
+    forged pages, then a 64-token hit for every lookup."""
+    import os
+    import socket
+
+    from kvtier.server import protocol as wire
+
+    os.setgid(uid)
+    os.setuid(uid)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    os.chmod(path, 0o666)
+    listener.listen(8)
+    out.put("listening")
+    while True:
+        conn, _ = listener.accept()
+        fd = os.memfd_create("forged")
+        os.ftruncate(fd, 64 * page_bytes)
+        try:
+            reader = wire.FrameReader(conn)
+            while (message := reader.read()) is not None:
+                if isinstance(message, wire.Hello):
+                    welcome = wire.encode(wire.Welcome(64, page_bytes, os.getpid()))
+                    socket.send_fds(conn, [welcome], [fd])
+                elif isinstance(message, wire.EndRequest):
+                    wire.send(conn, wire.Ended(True))
+                else:
+                    wire.send(conn, wire.Hit(64))
+        except Exception:
+            pass
+        finally:
+            os.close(fd)
+            conn.close()

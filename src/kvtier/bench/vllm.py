@@ -209,7 +209,7 @@ def _served(
 
 def _stats(llm: Any) -> dict[str, Any]:
     """The worker Engine's stats, over its channel."""
-    from kvtier.integrations.vllm.channel import LookupClient
+    from kvtier.integrations.vllm.rpc import LookupClient
 
     client = LookupClient(llm.llm_engine.vllm_config.kv_transfer_config.engine_id)
     try:
@@ -250,7 +250,7 @@ def _ttft(llm: Any) -> Callable[[list[int]], float]:
 
 def _flush(llm: Any) -> None:
     """Wait until the disk tier holds everything (the worker's Engine, over its channel)."""
-    from kvtier.integrations.vllm.channel import LookupClient
+    from kvtier.integrations.vllm.rpc import LookupClient
 
     engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
     client = LookupClient(engine_id)

@@ -61,6 +61,9 @@ class Config:
     server_socket: str | None = None
     server_max_clients: int = 64
     server_tenant_quota: int | None = None
+    server_max_memory: int | None = None
+    server_model_idle_secs: float = 300.0
+    server_client_pin_share: float = 0.5
     extra_config: dict[str, Any] = field(default_factory=dict)
     # Where each non-default value came from ("file /x.yaml", "env KVTIER_CHUNK_SIZE", ...).
     origin: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -94,9 +97,10 @@ class Config:
                 spec = KEYS_BY_NAME.get(key)
                 if lmcache_only and spec is not None and not spec.lmcache:
                     continue  # kvtier's own keys are read from KVTIER_* only
-                # A secret is taken as written: YAML would read an empty one as "none" (no
-                # auth) and one like "0123" or "yes" as a number or a boolean.
-                parsed = value if spec is not None and spec.secret else _env_value(value)
+                # A secret (or a path) is taken as written: YAML would read an empty one as
+                # "none" (no auth, the default path) and "0123" or "yes" as a number or a bool.
+                as_written = spec is not None and (spec.secret or spec.verbatim)
+                parsed = value if as_written else _env_value(value)
                 given[key] = (parsed, f"env {name}")
 
         for key, value in (overrides or {}).items():
@@ -226,14 +230,23 @@ def _check_combinations(cfg: Config) -> None:
             "to the one decoder its config names; taking the decoder's address per request "
             "from the proxy (as LMCache's prefiller does) is not implemented",
         )
-    if cfg.pd_auth_token is not None and len(cfg.pd_auth_token) < MIN_TOKEN_CHARS:
+    if cfg.pd_auth_token is not None and len(cfg.pd_auth_token.strip()) < MIN_TOKEN_CHARS:
         # Set but empty or short: refused, never taken as "auth off" or as a guessable key
         # (the handshake's proofs let an eavesdropper try tokens offline). Never echoed.
         raise ConfigError(
             "pd_auth_token",
             f"<{len(cfg.pd_auth_token)} characters>",
-            f"at least {MIN_TOKEN_CHARS} characters, e.g. the output of "
+            f"at least {MIN_TOKEN_CHARS} characters other than whitespace, e.g. the output of "
             "python -c 'import secrets; print(secrets.token_urlsafe(32))'",
         )
+    if cfg.server_socket is not None and not cfg.server_socket.strip():
+        # An empty KVTIER_SERVER_SOCKET is a mistake (an unset variable expanded), never
+        # a quiet "use the default".
+        raise ConfigError(
+            "server_socket", cfg.server_socket, "an absolute path or unix:///absolute/path URL"
+        )
+    for key in ("server_tenant_quota", "server_max_memory"):
+        if getattr(cfg, key) == 0:
+            raise ConfigError(key, 0, "a size above 0 (every model would be refused), or null")
     if cfg.enable_pd and cfg.transfer_channel == "nixl":
         check_channel(cfg.transfer_channel)  # raises, naming why nixl is unavailable

@@ -24,6 +24,7 @@ class KeySpec:
     doc: str
     lmcache: bool = True
     secret: bool = False
+    verbatim: bool = False  # an environment value is this text as written (not YAML)
 
 
 KEYS: tuple[KeySpec, ...] = (
@@ -153,8 +154,10 @@ KEYS: tuple[KeySpec, ...] = (
         p.text(),
         None,
         "kvtier server's Unix socket (path or unix:// URL); default "
-        "$XDG_RUNTIME_DIR/kvtier.sock, else /tmp/kvtier-<uid>.sock.",
+        "$XDG_RUNTIME_DIR/kvtier.sock, else $TMPDIR/kvtier-<uid>/kvtier.sock (a 0700 "
+        "directory).",
         lmcache=False,
+        verbatim=True,
     ),
     KeySpec(
         "server_max_clients",
@@ -168,6 +171,30 @@ KEYS: tuple[KeySpec, ...] = (
         p.size(1, optional=True),
         None,
         "kvtier server: CPU bytes each cache_salt (tenant) may hold; none: no quota.",
+        lmcache=False,
+    ),
+    KeySpec(
+        "server_max_memory",
+        p.size(1, optional=True),
+        None,
+        "kvtier server: CPU bytes all models together may hold; a model that does not fit "
+        "(after idle ones are released) is refused. none: the machine's memory.",
+        lmcache=False,
+    ),
+    KeySpec(
+        "server_model_idle_secs",
+        p.positive_float(86400.0),
+        300.0,
+        "kvtier server: a model with no client for this long is released (its CPU tier; "
+        "its disk tier stays).",
+        lmcache=False,
+    ),
+    KeySpec(
+        "server_client_pin_share",
+        p.positive_float(1.0),
+        0.5,
+        "kvtier server: the share of a model's pages one connection may hold pinned; "
+        "lookups and stores beyond it are misses.",
         lmcache=False,
     ),
     KeySpec("extra_config", p.mapping, None, "Free-form mapping of tier options (see README)."),

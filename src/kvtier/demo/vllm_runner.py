@@ -271,7 +271,7 @@ def _start(job: _Job) -> Any:
 def _probe(job: _Job) -> Any:
     if job.connector is None:
         return None
-    from kvtier.integrations.vllm.channel import LookupClient
+    from kvtier.integrations.vllm.rpc import LookupClient
 
     return LookupClient(str(job.connector["engine_id"]))
 

@@ -97,6 +97,15 @@ PD_FIELDS: tuple[tuple[str, str, str, str], ...] = (
     ("received_bytes", "kvtier_pd_received_bytes", "counter", "KV bytes received."),
     ("transfers", "kvtier_pd_transfers", "counter", "Request transfers completed."),
     ("failures", "kvtier_pd_transfer_failures", "counter", "Request transfers failed."),
+    ("auth_failures", "kvtier_pd_auth_failures", "counter", "PD peers refused at the handshake."),
+    ("timeouts", "kvtier_pd_timeouts", "counter", "PD connections closed at a deadline."),
+    ("protocol_errors", "kvtier_pd_protocol_errors", "counter", "PD connections broken."),
+    (
+        "expired_reservations",
+        "kvtier_pd_expired_reservations",
+        "counter",
+        "PD reservations freed unclaimed (pd_reservation_ttl_sec).",
+    ),
 )
 
 
@@ -115,6 +124,9 @@ def pd_view(stats: Mapping[str, Any]) -> dict[str, Any] | None:
         view["received_bytes"] = tier.get("bytes_written", 0)
         view["transfers"] = tier.get("transfers", 0)
         view["failures"] = tier.get("transfer_failures", 0)
+        for name in ("auth_failures", "timeouts", "protocol_errors", "expired_reservations"):
+            if name in tier:  # a receiver counts them (a buffer without one does not)
+                view[name] = tier[name]
     if isinstance(reported, Mapping):
         view.update(reported)
     return view

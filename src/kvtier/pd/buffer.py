@@ -108,6 +108,10 @@ class PDCounters(TierCounters):
 
     transfers: int = 0  # requests whose transfer completed (kvtier_pd_transfers)
     transfer_failures: int = 0  # ... and whose transfer failed
+    auth_failures: int = 0  # peers that failed the handshake
+    timeouts: int = 0  # connections closed at a deadline (a silent or half-sent peer)
+    protocol_errors: int = 0  # malformed, oversized or out-of-order frames
+    expired_reservations: int = 0  # reservations freed by pd_reservation_ttl_sec
 
 
 class PDBuffer(Tier):
@@ -262,11 +266,13 @@ class PDBuffer(Tier):
 
     def count_transfer(self, ok: bool) -> None:
         """One request's transfer ended (the receiver reports it): ``kvtier_pd_transfers``."""
+        self.count_event("transfers" if ok else "transfer_failures")
+
+    def count_event(self, name: str, n: int = 1) -> None:
+        """A receiver event for the tier's stats and /metrics: ``auth_failures``,
+        ``timeouts``, ``protocol_errors``, ``expired_reservations``."""
         with self._cond:
-            if ok:
-                self.counters.transfers += 1
-            else:
-                self.counters.transfer_failures += 1
+            setattr(self.counters, name, getattr(self.counters, name) + n)
 
     def _end_reservation(self, reservation: Reservation) -> None:
         with self._cond:

@@ -165,6 +165,9 @@ class PDReceiver:
         self.protocol_errors = 0
         self.auth_failures = 0
         self.expired_reservations = 0
+        self.timeouts = 0  # connections closed at a deadline
+        for name in ("auth_failures", "timeouts", "protocol_errors", "expired_reservations"):
+            tier.count_event(name, 0)  # in the tier's stats (and /metrics) from the start
 
     @classmethod
     def for_engine(
@@ -311,13 +314,17 @@ class PDReceiver:
 
     def _closed_on(self, state: Connection, current: _InFlight | None, exc: TransferError) -> None:
         if state.overdue:  # whatever the read saw, the cause is the deadline
+            self.timeouts += 1
+            self.tier.count_event("timeouts")
             log.warning("PD connection from %s closed: %s", state.peer, state.overdue)
             self._fail(current, state.overdue)
         elif isinstance(exc, AuthError):
             self.auth_failures += 1
+            self.tier.count_event("auth_failures")
             log.warning("PD connection from %s refused: %s", state.peer, exc)
         elif isinstance(exc, ProtocolError):
             self.protocol_errors += 1
+            self.tier.count_event("protocol_errors")
             log.error("PD connection from %s closed: %s", state.peer, exc)
             self._fail(current, f"protocol error: {exc}")
         else:
@@ -345,6 +352,8 @@ class PDReceiver:
             log.debug("PD reservation sweep skipped: %s", exc)
             return
         self.expired_reservations += len(expired)
+        if expired:
+            self.tier.count_event("expired_reservations", len(expired))
         for rid in expired:
             log.warning(
                 "PD reservation for request %r freed: the decoder did not look it up within "

@@ -10,11 +10,19 @@ The order a connection must follow (anything else is a :class:`ProtocolError`)::
 A request the engine refuses (bad tokens, a request id that ended) is answered with
 ``Failed`` and the connection stays open; a protocol violation closes it. Either way, when
 the connection ends, everything it held is released (:meth:`Session.release_all`).
+
+Bounds, so one client cannot starve the others: the Hello must come within
+:data:`HELLO_TIMEOUT_S` of the connect (a silent connection does not keep a client slot);
+a client of another protocol version gets ``Refused`` naming both versions; a connection
+may hold pinned at most ``server_client_pin_share`` of its model's pages: a Lookup beyond
+that is a miss (``Hit(0)``, nothing pinned) and a Reserve gets no pages (the store is
+dropped), until the client ends some of its requests.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 from collections.abc import Callable
@@ -30,6 +38,8 @@ from kvtier.server.sessions import Session
 
 log = logging.getLogger(__name__)
 
+HELLO_TIMEOUT_S = 10.0
+
 
 def serve_connection(
     session: Session, models: ModelTable, info: Callable[[], dict[str, Any]]
@@ -37,18 +47,25 @@ def serve_connection(
     """Serve ``session`` until it closes or breaks the protocol, then release what it held.
     ``info``: live server facts added to every stats reply (clients, pid, socket)."""
     sock = session.sock
+    sock.settimeout(HELLO_TIMEOUT_S)
     reader = wire.FrameReader(sock)
     reason = "closed by the client"
     try:
-        first = reader.read()
+        try:
+            first = reader.read()
+        except ProtocolError as exc:
+            if not reader.started:  # nothing at all within the deadline
+                raise ProtocolError(f"no Hello within {HELLO_TIMEOUT_S:g} s") from None
+            raise exc
         if first is None:
             return
         if not isinstance(first, wire.Hello):
             raise ProtocolError(f"expected Hello first, got {type(first).__name__}")
         if first.version != wire.VERSION:
-            raise ProtocolError(
-                f"client speaks protocol version {first.version}, server {wire.VERSION}"
-            )
+            why = f"client speaks protocol version {first.version}, server {wire.VERSION}"
+            wire.send(sock, wire.Refused(why))
+            raise ProtocolError(why)
+        reader.set_idle_timeout(None)  # a client may idle between requests
         try:
             session.slot = models.slot_for(first)
         except KVTierError as exc:
@@ -75,6 +92,8 @@ def serve_connection(
         log.exception("%s: internal error; closing its connection", session)
     finally:
         released = session.release_all()
+        if session.slot is not None:
+            models.release(session.slot)
         sock.close()
         log.info("%s gone (%s); released %d requests", session, reason, released)
 
@@ -99,7 +118,10 @@ def _dispatch(
 ) -> wire.Reply:
     match message:
         case wire.Lookup(request_id=rid, tokens=raw, skip=skip):
-            hit = engine.lookup(_tokens(raw), session.request_id(rid), skip_leading_tokens=skip)
+            tokens = _tokens(raw)
+            if _over_pin_budget(session, engine):
+                return wire.Hit(skip)  # a miss: nothing pinned
+            hit = engine.lookup(tokens, session.request_id(rid), skip_leading_tokens=skip)
             return wire.Hit(hit)
         case wire.Retrieve(request_id=rid, tokens=raw, skip=skip):
             end, held = engine.pages().lease_pages(
@@ -113,8 +135,12 @@ def _dispatch(
                 raise ProtocolError(
                     f"Reserve({store_id}) while store {session.store[0]} is not committed"
                 )
+            tokens = _tokens(raw)
             rid = session.store_request_id(store_id)
-            slots = engine.pages().reserve_pages(_tokens(raw), rid, skip_leading_tokens=skip)
+            if _over_pin_budget(session, engine):
+                slots = []  # no pages: the client commits nothing, the store is dropped
+            else:
+                slots = engine.pages().reserve_pages(tokens, rid, skip_leading_tokens=skip)
             session.store = (store_id, rid, slots)
             return wire.Pages(
                 0,
@@ -142,6 +168,10 @@ def _dispatch(
         case wire.CheckInvariants():
             return wire.Problems(engine.check_invariants())
         case wire.Flush(timeout=timeout):
+            if timeout is not None and not (math.isfinite(timeout) and timeout >= 0):
+                raise InputError(
+                    f"Flush timeout must be a finite number of seconds >= 0, got {timeout}"
+                )
             return wire.Ended(engine.flush(timeout))
         case wire.RecordTTFT(seconds=seconds, prompt_tokens=prompt, hit_tokens=hit):
             engine.record_ttft(seconds, prompt_tokens=prompt, hit_tokens=hit)
@@ -150,6 +180,16 @@ def _dispatch(
             raise ProtocolError("a second Hello on one connection")
         case _:
             raise ProtocolError(f"{type(message).__name__} is a server message, not a request")
+
+
+def _over_pin_budget(session: Session, engine: Engine) -> bool:
+    """Whether this connection already holds its share of the model's pages pinned."""
+    share = session.slot.pin_budget if session.slot is not None else engine.num_pages
+    held = session.pinned_pages(engine)
+    if held >= share:
+        log.debug("%s holds %d pinned pages, its budget is %d", session, held, share)
+        return True
+    return False
 
 
 def _tokens(raw: bytes) -> np.ndarray:

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import time
 
 import torch
 
+from kvtier import local_sockets
 from kvtier.errors import ProtocolError, TransferError
 from kvtier.server import protocol as wire
 from kvtier.server.shared_memory import map_pages
@@ -41,8 +43,10 @@ class ServerLink:
         *,
         first_backoff: float = 0.05,
         max_backoff: float = 2.0,
+        server_uid: int | None = None,
     ) -> None:
         self.path = path
+        self.server_uid = os.geteuid() if server_uid is None else server_uid
         self.hello = hello
         self.timeout = timeout
         self.first_backoff = first_backoff
@@ -111,10 +115,10 @@ class ServerLink:
         self.sock = self.reader = self.pages = None
 
     def _connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Trust nothing from a listener of another uid: it may have bound the path first.
+        what = f"the kvtier server at {self.path}"
+        sock = local_sockets.connect(self.path, self.timeout, self.server_uid, what)
         try:
-            sock.settimeout(self.timeout)
-            sock.connect(self.path)
             wire.send(sock, self.hello)
             data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 1)
             try:

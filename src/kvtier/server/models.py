@@ -3,27 +3,33 @@
 A fingerprint (model, layout, chunk size, hash, tensor-parallel rank, tenant salt) gets its
 own :class:`~kvtier.engine.Engine` whose CPU page buffer is a memfd its clients map. Two
 fingerprints never share a page or a chunk; they do share the disk directory and the Redis
-server, where every file and record is named by its fingerprint already. An engine lives as
-long as the server (the CPU tier outlives the clients that filled it). With
+server, where every file and record is named by its fingerprint already. An engine outlives
+the clients that filled it by ``server_model_idle_secs`` (300 s): when its last client has
+been gone that long, its CPU tier and shared memory are released (its disk tier stays, and
+the next client of that model finds it warm). With
 ``internal_api_server_enabled`` each engine has its admin API, dashboard and Prometheus
 ``/metrics`` (token as everywhere: ``admin_token``), one port per model.
 
 Sizing: each engine gets ``max_local_cpu_size``, less when ``server_tenant_quota`` is set and
 the tenant (``cache_salt``; the unsalted tenant too) already holds part of its quota in other
-engines. A new engine that would leave less than one chunk for the tenant, or take the
-server past the machine's memory, is refused: its client sees misses, the others are served.
+engines. ``server_max_memory`` bounds all engines together: a new engine that does not fit
+first releases idle engines (the longest idle first); if it still does not fit, or it would
+leave less than one chunk for the tenant, or take the server past the machine's memory, it
+is refused (:class:`~kvtier.errors.CapacityError` / :class:`~kvtier.errors.ConfigError`,
+sent as ``Refused`` with that sentence): its client sees misses, the others are served.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, replace
 
 from kvtier.admin.server import AdminServer
 from kvtier.config import Config
 from kvtier.engine import Engine
-from kvtier.errors import ConfigError, ProtocolError, StateError
+from kvtier.errors import CapacityError, ConfigError, ProtocolError, StateError
 from kvtier.keys import Fingerprint
 from kvtier.layout import KVLayout, dtype_from_name
 from kvtier.server.protocol import Hello
@@ -40,10 +46,18 @@ class ModelSlot:
     engine: Engine
     memory: SharedPages
     admin: AdminServer | None = None
+    clients: int = 0  # connections served by this engine now
+    idle_since: float | None = None  # monotonic time its last client left
 
     @property
     def admin_url(self) -> str | None:
         return self.admin.url if self.admin is not None and self.admin.running else None
+
+    @property
+    def pin_budget(self) -> int:
+        """Pages one connection may hold pinned (``server_client_pin_share``, at least 1)."""
+        share = self.engine.config.server_client_pin_share
+        return max(1, int(self.engine.num_pages * share))
 
     @property
     def cpu_bytes(self) -> int:
@@ -56,6 +70,9 @@ class ModelTable:
         self._slots: dict[str, ModelSlot] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._wake = threading.Event()
+        self._reaper: threading.Thread | None = None
+        self.released = 0  # idle engines released
 
     def slot_for(self, hello: Hello) -> ModelSlot:
         """The open engine for the client's fingerprint, made on first use. Raises a
@@ -93,6 +110,7 @@ class ModelTable:
             slot = self._slots.get(fingerprint)
             if slot is None:
                 slot = self._slots[fingerprint] = self._make(hello, layout, config)
+                self._start_reaper()
             elif slot.engine.config.save_unfull_chunk != hello.save_unfull_chunk:
                 raise ConfigError(
                     "save_unfull_chunk",
@@ -100,10 +118,22 @@ class ModelTable:
                     f"{slot.engine.config.save_unfull_chunk}, as the clients already serving "
                     "this model set it",
                 )
+            slot.clients += 1
+            slot.idle_since = None
             return slot
+
+    def release(self, slot: ModelSlot) -> None:
+        """A client of ``slot`` left; the engine is released once idle long enough."""
+        with self._lock:
+            slot.clients -= 1
+            if slot.clients <= 0:
+                slot.clients = 0
+                slot.idle_since = time.monotonic()
+        self._wake.set()
 
     def _make(self, hello: Hello, layout: KVLayout, config: Config) -> ModelSlot:
         config = replace(config, max_local_cpu_size=self._cpu_budget(hello, layout))
+        self._make_room(config.max_local_cpu_size, layout.chunk_bytes(hello.chunk_size))
         memory = SharedPages(f"kvtier-{hello.fingerprint[:16]}")
         engine = Engine(
             config,
@@ -167,6 +197,73 @@ class ModelTable:
             )
         return budget
 
+    def _make_room(self, wanted: int, chunk: int) -> None:
+        """Release idle engines (longest idle first) until ``wanted`` bytes fit within
+        ``server_max_memory``; :class:`CapacityError` if they cannot. Under the lock."""
+        limit = self.config.server_max_memory
+        if limit is None:
+            return
+        need = wanted // chunk * chunk  # what the engine will allocate: whole pages
+        idle = sorted(
+            (s for s in self._slots.values() if s.clients == 0 and s.idle_since is not None),
+            key=lambda s: s.idle_since or 0.0,
+        )
+        while sum(s.cpu_bytes for s in self._slots.values()) + need > limit and idle:
+            victim = idle.pop(0)
+            del self._slots[victim.fingerprint]
+            self._close_slot(victim, "to make room for a new model")
+        held = sum(s.cpu_bytes for s in self._slots.values())
+        if held + need > limit:
+            raise CapacityError(
+                f"server_max_memory is {limit} bytes; {len(self._slots)} models in use hold "
+                f"{held} and this model needs {need} (max_local_cpu_size): not served until "
+                f"a model goes idle, or raise server_max_memory"
+            )
+
+    def _start_reaper(self) -> None:
+        if self._reaper is None:
+            self._reaper = threading.Thread(
+                target=self._reap, name="kvtier-idle-models", daemon=True
+            )
+            self._reaper.start()
+
+    def _reap(self) -> None:
+        grace = self.config.server_model_idle_secs
+        while True:
+            self._wake.wait(min(1.0, grace / 4))
+            self._wake.clear()
+            now = time.monotonic()
+            # Closed under the lock: a Hello for the same model waits for the old engine to
+            # drain its disk writes, so two engines never share its disk files at once.
+            with self._lock:
+                if self._closed:
+                    return
+                expired = [
+                    s
+                    for s in self._slots.values()
+                    if s.clients == 0 and s.idle_since is not None and now - s.idle_since >= grace
+                ]
+                for slot in expired:
+                    del self._slots[slot.fingerprint]
+                    self._close_slot(slot, f"no client for {grace:g} s")
+
+    def _close_slot(self, slot: ModelSlot, why: str) -> None:
+        self.released += 1
+        log.info(
+            "releasing model %s (%d bytes of CPU tier; its disk tier stays): %s",
+            slot.fingerprint[:16],
+            slot.cpu_bytes,
+            why,
+        )
+        try:
+            if slot.admin is not None:
+                slot.admin.close()
+            slot.engine.close()
+        except Exception as exc:  # one engine failing to close must not skip the others
+            log.error("closing model %s: %s", slot.fingerprint[:16], exc)
+        finally:
+            slot.memory.close()
+
     def slots(self) -> list[ModelSlot]:
         with self._lock:
             return list(self._slots.values())
@@ -176,12 +273,7 @@ class ModelTable:
         with self._lock:
             self._closed = True
             slots, self._slots = list(self._slots.values()), {}
+        self._wake.set()
         for slot in slots:
-            try:
-                if slot.admin is not None:
-                    slot.admin.close()
-                slot.engine.close()
-            except Exception as exc:  # one engine failing to close must not skip the others
-                log.error("closing model %s: %s", slot.fingerprint[:16], exc)
-            finally:
-                slot.memory.close()
+            self._close_slot(slot, "the server is stopping")
+        self.released -= len(slots)  # counted as shutdown, not as idle releases

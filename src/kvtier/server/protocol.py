@@ -192,6 +192,17 @@ class FrameReader:
         self.stall_timeout = stall_timeout
         self._buf = bytearray()
         self._idle_timeout = sock.gettimeout()
+        self._seen = False
+
+    @property
+    def started(self) -> bool:
+        """Whether any byte has arrived on this connection yet."""
+        return self._seen
+
+    def set_idle_timeout(self, timeout: float | None) -> None:
+        """How long to wait for a frame to begin (None: forever)."""
+        self._idle_timeout = timeout
+        self.sock.settimeout(timeout)
 
     def feed(self, data: bytes) -> None:
         """Bytes already taken off the socket (e.g. by ``recv_fds``) that belong to frames."""
@@ -230,6 +241,7 @@ class FrameReader:
             if partial:
                 sock.settimeout(self._idle_timeout)
         self._buf += data
+        self._seen = self._seen or bool(data)
         return bool(data)
 
 

@@ -14,6 +14,7 @@ import itertools
 import socket
 import threading
 
+from kvtier.engine import Engine
 from kvtier.server.models import ModelSlot
 from kvtier.storage.manager import StoreSlot
 
@@ -43,6 +44,11 @@ class Session:
 
     def forget(self, rid: str) -> None:
         self._requests.discard(rid)
+
+    def pinned_pages(self, engine: Engine) -> int:
+        """Pages this connection's requests hold pinned in ``engine`` now."""
+        mine = self._requests
+        return sum(info.pinned_pages for info in engine.leases() if info.request_id in mine)
 
     @property
     def open_requests(self) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from kvtier.cli.pd_proxy import make_server
-from kvtier.integrations.vllm.channel import LookupClient
+from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.testing.checkpoint import words_for
 from tests.docs.doc_blocks import block_after
 from tests.redis_servers import free_port

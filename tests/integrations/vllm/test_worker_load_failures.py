@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.integrations.vllm.channel import LookupClient
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.worker import WorkerSide
 
 from .test_worker_side import BLOCK, CHUNK, CHUNK_BYTES, fill, make_worker

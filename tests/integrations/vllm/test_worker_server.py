@@ -13,9 +13,9 @@ import torch
 
 from kvtier.config import Config
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.channel import LookupClient
 from kvtier.integrations.vllm.events import MEDIUM
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.layout import KVLayout
 from kvtier.server.client import ServerClient

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from kvtier.config import Config
-from kvtier.errors import TransferError
-from kvtier.integrations.vllm.channel import LookupClient
+from kvtier.errors import InputError
 from kvtier.integrations.vllm.events import to_vllm
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
 
@@ -116,7 +116,7 @@ def test_a_load_for_an_ended_request_is_skipped_and_reported(worker: WorkerSide)
     assert worker.failed_blocks() == {9, 10, 11}
     assert worker.short_loads() == {"b": 0}
     assert client.call("leaks") == []  # the late load opened no lease
-    with pytest.raises(TransferError, match="unknown kvtier channel op"):
+    with pytest.raises(InputError, match="unknown kvtier channel op"):
         client.call("nonsense")
     client.close()
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvtier.integrations.vllm.channel import LookupClient
+from kvtier.integrations.vllm.rpc import LookupClient
 
 CONNECTOR = {
     "kv_connector": "KVTierConnector",

@@ -27,10 +27,10 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.config import Config
 from kvtier.errors import ConfigError, StateError
-from kvtier.integrations.vllm.channel import LookupClient
 from kvtier.integrations.vllm.events import to_vllm
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierPromMetrics, KVTierStats
+from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.observability.logs import join_host_logging

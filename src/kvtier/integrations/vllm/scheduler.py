@@ -35,9 +35,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.errors import TransferError
-from kvtier.integrations.vllm.channel import LookupClient
+from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.metadata import TRANSFER_ID, KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.integrations.vllm.rpc import LookupClient
+from kvtier.repeated_log import RepeatedLog
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class SchedulerSide:
         self.async_lower_loads = async_lower_loads
         self._requests: dict[str, _Request] = {}
         self._async_loads: list[LoadSpec] = []  # for requests vLLM does not schedule yet
+        self._complaints = RepeatedLog(log)  # a worker down fails every call: log it once
 
     # -- vLLM's scheduler hooks ------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -165,9 +167,11 @@ class SchedulerSide:
             for client in self.clients:
                 try:
                     client.call("end", rid)
-                except TransferError as exc:
+                except KVTierError as exc:
                     # The worker is gone or stuck; its Engine ends every lease when it closes.
-                    log.warning("kvtier: could not end request %s: %s", rid, exc)
+                    self._complaints.warning(
+                        ("end", client.path), "kvtier: could not end request %s: %s", rid, exc
+                    )
 
     def reset(self) -> bool:
         """Clear every worker's tiers (pinned entries stay). False if a worker failed."""
@@ -175,7 +179,7 @@ class SchedulerSide:
         for client in self.clients:
             try:
                 client.call("clear")
-            except TransferError as exc:
+            except KVTierError as exc:
                 log.warning("kvtier: reset failed: %s", exc)
                 ok = False
         return ok
@@ -199,8 +203,13 @@ class SchedulerSide:
             try:
                 hit, cpu_hit = client.call("lookup", rid, tokens)
                 hits.append((int(hit), int(cpu_hit)))
-            except TransferError as exc:
-                log.warning("kvtier lookup for %s failed, treating as a miss: %s", rid, exc)
+            except KVTierError as exc:  # whatever the channel met: a miss, never an exception
+                self._complaints.warning(
+                    ("lookup", client.path),
+                    "kvtier lookup for %s failed, treating as a miss: %s",
+                    rid,
+                    exc,
+                )
                 hits.append((0, 0))
         if not hits:
             return 0, 0

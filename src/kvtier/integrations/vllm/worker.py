@@ -42,13 +42,13 @@ from kvtier.admin.server import AdminServer
 from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError, InputError, StateError
-from kvtier.integrations.vllm.channel import LookupServer
 from kvtier.integrations.vllm.events import MEDIUM, EventLog, chain_evictions
 from kvtier.integrations.vllm.loads import Loads
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.metrics import CounterDeltas
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.pd import PDEndpoint
+from kvtier.integrations.vllm.rpc import LookupServer, OpHandler
 from kvtier.observability.logs import REQUESTS
 from kvtier.server.surface import KVCache, open_cache
 from kvtier.service import open_admin
@@ -129,7 +129,7 @@ class WorkerSide:
             # The server evicts on its own; stores are reported in the media it has.
             tiers = cache.stats().get("tiers", {})
             self._media = [MEDIUM[name] for name in MEDIUM if name in tiers] or [MEDIUM["cpu"]]
-        self._server = LookupServer(self.engine_id, self.tp_rank, self._handle).open()
+        self._server = LookupServer(self.engine_id, self.tp_rank, OpHandler(self._handle)).open()
         log.info(
             "kvtier worker %d: %s, cache %s, channel %s",
             self.tp_rank,
@@ -218,7 +218,7 @@ class WorkerSide:
     def _handle(self, op: str, args: tuple[Any, ...]) -> Any:
         engine, _ = self._parts()
         if op == "lookup":
-            rid, tokens = args
+            rid, tokens, _salt = args
             hit = engine.lookup(tokens, rid)
             self._loads_part().leases.looked_up(rid)
             return hit, self._cpu_prefix(tokens, hit)

@@ -53,6 +53,7 @@ from kvtier.errors import ConfigError, CorruptRecord, StateError
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import CallGuard, Lifecycle
+from kvtier.repeated_log import RepeatedLog
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierCounters, TierUsage
 from kvtier.storage.disk import files, snapshot
 from kvtier.storage.disk.bounded_reads import BoundedReads
@@ -106,6 +107,8 @@ class DiskTier(Tier):
         self.counters = DiskCounters()
         self._index = DiskIndex(options.capacity_bytes)
         self._lock = threading.Lock()
+        # A full disk / Redis at maxmemory fails every chunk: one line per 30 s, with a count.
+        self._repeated = RepeatedLog(log)
         self._guard = CallGuard("disk tier")
         self._dir = ChunkDirectory(options.path, self.fp_hex)
         self._writes = WriteQueue(
@@ -300,7 +303,12 @@ class DiskTier(Tier):
             if exc.errno == errno.ENOENT:
                 self._check_directory()  # the directory itself gone? (logged there)
             if not self._dir.lost:
-                log.warning("disk write of chunk %s failed (%s); it is not stored", key.hex(), exc)
+                self._repeated.warning(
+                    ("write", exc.errno),
+                    "disk write of chunk %s failed (%s); it is not stored",
+                    key.hex(),
+                    exc,
+                )
             return PutResult(key, PutOutcome.FAILED, f"disk write failed: {exc}")
         with self._lock:
             if generation != self._dir.generation:  # landed in a directory lost meanwhile

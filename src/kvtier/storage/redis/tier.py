@@ -49,6 +49,7 @@ from kvtier.errors import CorruptRecord, StateError, TierError, TierUnavailable
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import CallGuard, Lifecycle
+from kvtier.repeated_log import RepeatedLog
 from kvtier.storage import records
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierCounters, TierUsage
 from kvtier.storage.redis.link import RedisLink
@@ -112,6 +113,8 @@ class RedisTier(Tier):
         )
         self._guard = CallGuard("redis tier")
         self._lock = threading.Lock()
+        # A full disk / Redis at maxmemory fails every chunk: one line per 30 s, with a count.
+        self._repeated = RepeatedLog(log)
         self._pins: dict[ChunkKey, int] = {}
         self._last_usage = TierUsage(0, 0, 0)
         self._use_script = True  # until the server refuses EVAL
@@ -367,7 +370,7 @@ class RedisTier(Tier):
     def _note_failure(self, what: str, exc: BaseException) -> None:
         # An outage is logged once by the link; other errors (a refused command) each time.
         if not isinstance(exc, TierUnavailable):
-            log.warning("redis %s failed: %s", what, exc)
+            self._repeated.warning((what, type(exc).__name__), "redis %s failed: %s", what, exc)
 
     def _bump(self, **deltas: int) -> None:
         with self._lock:
