@@ -120,7 +120,10 @@ def _dispatch(
         case wire.Lookup(request_id=rid, tokens=raw, skip=skip):
             tokens = _tokens(raw)
             if _over_pin_budget(session, engine):
-                return wire.Hit(skip)  # a miss: nothing pinned
+                # A miss, but the request is open as after any lookup (and ends once): a
+                # lookup of its first token alone, shorter than a chunk, pins nothing.
+                engine.lookup(tokens[:1], session.request_id(rid))
+                return wire.Hit(skip)
             hit = engine.lookup(tokens, session.request_id(rid), skip_leading_tokens=skip)
             return wire.Hit(hit)
         case wire.Retrieve(request_id=rid, tokens=raw, skip=skip):
@@ -154,6 +157,9 @@ def _dispatch(
             _, rid, slots = session.store
             session.store = None
             session.forget(rid)
+            if not slots:  # nothing reserved (all held already, or over the pin budget)
+                engine.end_request(rid)
+                return wire.Stored(0)
             try:
                 return wire.Stored(engine.pages().commit_pages(rid, slots) if ok else 0)
             finally:
