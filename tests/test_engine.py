@@ -262,3 +262,27 @@ def test_a_hold_for_an_ended_request_is_released_not_leaked(engine: Engine) -> N
     with pytest.raises(StateError, match="already ended"):
         engine.attach_hold("decoder-request", late)
     assert released == ["late"] and engine.leaks() == []
+
+
+def test_requests_of_two_salts_never_share_a_chunk(engine: Engine) -> None:
+    tokens, kv = make_tokens(48), make_kv(48)
+    assert engine.store(tokens, kv, cache_salt="tenant-A") == 3
+    assert engine.lookup(tokens, "b", cache_salt="tenant-B") == 0
+    assert engine.lookup(tokens, "plain") == 0  # nor with no salt at all
+    assert engine.lookup(tokens, "a", cache_salt="tenant-A") == 48
+    assert torch.equal(engine.retrieve(tokens, "a", cache_salt="tenant-A"), kv)
+    for rid in ("a", "b", "plain"):
+        engine.end_request(rid)
+    # an unsalted store is not visible to a salted request either
+    other, other_kv = make_tokens(32, seed=9), make_kv(32, seed=9)
+    engine.store(other, other_kv)
+    assert engine.lookup(other, "s", cache_salt="tenant-A") == 0
+    engine.end_request("s")
+    # the server's page API keys by the salt too
+    slots = engine.reserve_pages(other, "w", cache_salt="tenant-B")
+    assert len(slots) == 2
+    engine.end_request("w")
+    end, pages = engine.lease_pages(tokens, "p", cache_salt="tenant-B")
+    assert (end, pages) == (0, [])
+    engine.end_request("p")
+    assert engine.check_invariants() == []

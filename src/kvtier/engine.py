@@ -7,6 +7,10 @@ Who calls what::
     engine.store(tokens, kv)                -> stores the chunks not yet held (never blocks)
     engine.end_request(request_id)          -> releases everything the request holds; again: no-op
 
+Each of the first three takes ``cache_salt`` (vLLM's per-request salt): a salted request's
+chunk keys are its own (see :mod:`kvtier.keys`), so requests of two salts never share a chunk;
+pass the same salt to every call of one request.
+
 Every reference a request takes lives in its lease until ``end_request``. Call it on every
 path that ends a request (finished, aborted, failed, timed out): a ``try/finally`` in the
 caller, or the :meth:`request` context manager that does it for you.
@@ -218,15 +222,26 @@ class Engine:
 
     # -- the request API -------------------------------------------------------------------
     @_guarded
-    def lookup(self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0) -> int:
+    def lookup(
+        self,
+        tokens: object,
+        request_id: str,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
+    ) -> int:
         """Tokens of the longest cached prefix (including ``skip_leading_tokens`` the engine
         already holds), pinned for ``request_id`` until :meth:`end_request`."""
         started = time.perf_counter()
         manager, leases = self._open_parts()
         check_request_id(request_id)
         tokens = as_token_array(tokens)  # once: the observer reuses the array
-        spans = self._spans(tokens, skip_leading_tokens)
+        spans = self._spans(tokens, skip_leading_tokens, cache_salt)
         lease = leases.open(request_id)
+        if lease.limit is not None:
+            # A load of this request came up short at chunk ``limit``: from there on the
+            # chunks are a miss for it, whatever the tiers say now (never offered again).
+            spans = spans[: lease.limit]
         plan = manager.locate(spans, lease, skip_leading_tokens // self.config.chunk_size)
         lease.plan = plan
         # lookup_tokens: the whole prompt, partial tail included
@@ -235,7 +250,9 @@ class Engine:
         return plan.hit_tokens
 
     @_guarded
-    def retrieve(self, tokens: object, request_id: str) -> torch.Tensor:
+    def retrieve(
+        self, tokens: object, request_id: str, *, cache_salt: str | None = None
+    ) -> torch.Tensor:
         """KV of the cached prefix, shape ``[2, layers, hit, kv_heads*head_dim]``.
 
         ``hit`` may be shorter than :meth:`lookup` said when a lower-tier entry vanished or
@@ -246,7 +263,7 @@ class Engine:
         all this raises :class:`InputError`: use :meth:`retrieve_into` with the same skip.
         """
         started = time.perf_counter()
-        plan = self._plan(tokens, request_id, 0)
+        plan = self._plan(tokens, request_id, 0, cache_salt)
         if plan.hits and plan.hits[0].tier == ENGINE:
             self._locate_skipped(plan, request_id)
         out = torch.empty(self.layout.kv_shape(plan.hit_tokens), dtype=self.layout.dtype)
@@ -256,13 +273,19 @@ class Engine:
 
     @_guarded
     def retrieve_into(
-        self, tokens: object, request_id: str, out: torch.Tensor, *, skip_leading_tokens: int = 0
+        self,
+        tokens: object,
+        request_id: str,
+        out: torch.Tensor,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
     ) -> int:
         """Write the cached prefix into ``out`` (``[2, layers, >=hit, hidden]``, indexed by
         token position; any device) without an intermediate copy. Chunks wholly inside
         ``skip_leading_tokens`` are not written. Returns the end of the loaded prefix."""
         started = time.perf_counter()
-        plan = self._plan(tokens, request_id, skip_leading_tokens)
+        plan = self._plan(tokens, request_id, skip_leading_tokens, cache_salt)
         lay = self.layout
         if isinstance(out, torch.Tensor):
             check_dense("out", out)
@@ -285,7 +308,14 @@ class Engine:
         return loaded_end
 
     @_guarded
-    def store(self, tokens: object, kv: torch.Tensor, *, skip_leading_tokens: int = 0) -> int:
+    def store(
+        self,
+        tokens: object,
+        kv: torch.Tensor,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
+    ) -> int:
         """Store the KV of ``tokens`` (``[2, layers, len(tokens), kv_heads*head_dim]``).
 
         Chunks already held are skipped without taking anything; chunks wholly inside
@@ -295,7 +325,7 @@ class Engine:
         started = time.perf_counter()
         manager, _ = self._open_parts()
         array = as_token_array(tokens)
-        spans = self._spans(array, skip_leading_tokens)
+        spans = self._spans(array, skip_leading_tokens, cache_salt)
         check_kv(kv, self.layout, len(array))
         self.counters.add(stores=1)
         offered = spans[skip_leading_tokens // self.config.chunk_size :]
@@ -306,13 +336,18 @@ class Engine:
     # -- pages, for a process that maps the page buffer (kvtier.server) ----------------------
     @_guarded
     def lease_pages(
-        self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0
+        self,
+        tokens: object,
+        request_id: str,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
     ) -> tuple[int, list[tuple[int, int, int]]]:
         """:meth:`retrieve_into` without the copy: the chunks of the cached prefix from the
         skip on, each resident in a page that ``request_id``'s lease holds until
         :meth:`end_request`. Returns (end of the loaded prefix, [(page, start, tokens)])."""
         started = time.perf_counter()
-        plan = self._plan(tokens, request_id, skip_leading_tokens)
+        plan = self._plan(tokens, request_id, skip_leading_tokens, cache_salt)
         start = (skip_leading_tokens // self.config.chunk_size) * self.config.chunk_size
         loaded_end = self._load(plan, request_id, None, start)
         self.observer.on_retrieve(started)
@@ -325,7 +360,12 @@ class Engine:
 
     @_guarded
     def reserve_pages(
-        self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0
+        self,
+        tokens: object,
+        request_id: str,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
     ) -> list[StoreSlot]:
         """:meth:`store` without the copy: a page for each chunk of ``tokens`` not yet held
         (from the skip on), held by ``request_id``'s lease. Fill them, then
@@ -334,7 +374,7 @@ class Engine:
         manager, leases = self._open_parts()
         check_request_id(request_id)
         array = as_token_array(tokens)
-        spans = self._spans(array, skip_leading_tokens)
+        spans = self._spans(array, skip_leading_tokens, cache_salt)
         self.counters.add(stores=1)
         offered = spans[skip_leading_tokens // self.config.chunk_size :]
         slots, dropped = manager.reserve(offered)
@@ -501,21 +541,23 @@ class Engine:
         return leases.expire_unclaimed(ttl, busy=busy)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _spans(self, tokens: object, skip_leading_tokens: int) -> ChunkSpans:
+    def _spans(self, tokens: object, skip_leading_tokens: int, salt: str | None) -> ChunkSpans:
         check_skip(skip_leading_tokens)
-        return self.keychain.keys(tokens, include_partial=self.config.save_unfull_chunk)
+        return self.keychain.keys(tokens, include_partial=self.config.save_unfull_chunk, salt=salt)
 
-    def _plan(self, tokens: object, request_id: str, skip_leading_tokens: int) -> LookupPlan:
+    def _plan(
+        self, tokens: object, request_id: str, skip_leading_tokens: int, salt: str | None
+    ) -> LookupPlan:
         _, leases = self._open_parts()
         check_request_id(request_id)
         lease = leases.get(request_id)
         if lease is not None and lease.plan is not None:
-            keys = self._spans(tokens, skip_leading_tokens).keys
+            keys = self._spans(tokens, skip_leading_tokens, salt).keys
             plan = lease.plan
             hit = plan.hit_chunks
             if tuple(keys[:hit]) == plan.keys[:hit]:
                 return plan
-        self.lookup(tokens, request_id, skip_leading_tokens=skip_leading_tokens)
+        self.lookup(tokens, request_id, skip_leading_tokens=skip_leading_tokens, cache_salt=salt)
         lease = leases.get(request_id)
         assert lease is not None and lease.plan is not None
         return lease.plan
@@ -539,6 +581,7 @@ class Engine:
                 f"{request_id!r}, out, skip_leading_tokens={n}) instead"
             )
         plan.hits[: len(skipped)] = found.hits
+        plan.spare.extend(found.spare)
 
     def _load(self, plan: LookupPlan, request_id: str, out: torch.Tensor | None, start: int) -> int:
         manager, leases = self._open_parts()
@@ -546,7 +589,10 @@ class Engine:
         if lease is None:
             raise StateError(f"request {request_id!r} ended before its retrieve")
         before = self.observer.before_load(plan)
+        planned = plan.hit_tokens
         loaded = manager.load(plan, lease, out, start)
+        if loaded < planned:
+            lease.limit = plan.hit_chunks  # the rest is a miss for this request from now on
         self.observer.after_load(request_id, before, loaded)
         self.counters.add(retrieved_tokens=max(0, loaded - start))
         return loaded

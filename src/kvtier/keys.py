@@ -5,6 +5,11 @@ For chunks ``c_0, c_1, ...`` of ``chunk_size`` tokens (int32, little-endian)::
     h_-1 = H(fingerprint)                 the fingerprint seeds the chain, so two models,
     h_i  = H(h_{i-1} || bytes(c_i))       layouts or tenants never produce the same key
 
+A request may carry its own salt (vLLM's per-request ``cache_salt``): it re-seeds that
+request's chain, ``h_-1 = H(H(fingerprint) || "\x1fcache_salt\x1f" || salt)``, so every key
+of the request differs from every key of another salt or of no salt, while equal salts share.
+It composes with the fingerprint's own (engine-wide) ``cache_salt``: both are in the seed.
+
 ``h_i`` names chunk ``i`` *and everything before it*: equal keys mean equal prefixes.
 ``H`` is deterministic across processes and machines (xxh3-128 by default; never Python's
 salted ``hash()``).
@@ -250,19 +255,53 @@ class ChunkSpans(Sequence[ChunkSpan]):
         return f"ChunkSpans({len(self.keys)} chunks from {self.first}, size {self.chunk_size})"
 
 
+MAX_SALT_CHARS = 1024
+_SEEDS_KEPT = 4096  # salted seeds remembered (one hash each to make; tenants are few)
+
+
+def check_salt(salt: object) -> str | None:
+    """A per-request salt: None or a string (``""`` means none), at most
+    :data:`MAX_SALT_CHARS` characters. Anything else is an :class:`InputError`."""
+    if salt is None or salt == "":
+        return None
+    if not isinstance(salt, str):
+        raise InputError(f"cache_salt must be a string or None, got {type(salt).__name__}")
+    if len(salt) > MAX_SALT_CHARS:
+        raise InputError(
+            f"cache_salt has {len(salt)} characters; at most {MAX_SALT_CHARS} are accepted"
+        )
+    return salt
+
+
 class KeyChain:
-    """Turns token sequences into chunk keys for one fingerprint."""
+    """Turns token sequences into chunk keys for one fingerprint (and a request's salt)."""
 
     def __init__(self, fingerprint: Fingerprint) -> None:
         self.fingerprint = fingerprint
         self.chunk_size = fingerprint.chunk_size
         self._hash = _HASHERS[fingerprint.hash_algorithm]
         self._seed = fingerprint.digest()
+        self._salted: dict[str, bytes] = {}
         # numpy dtype whose items are whole chunks: .tolist() gives one bytes per chunk in C
         self._chunk_dtype = np.dtype((np.void, self.chunk_size * 4))
 
-    def keys(self, tokens: object, *, include_partial: bool) -> ChunkSpans:
-        """Spans of every full chunk, plus the last partial one when ``include_partial``."""
+    def seed(self, salt: str | None = None) -> bytes:
+        """``h_-1`` of a chain: the fingerprint's digest, re-seeded by a request's salt."""
+        salt = check_salt(salt)
+        if salt is None:
+            return self._seed
+        seed = self._salted.get(salt)
+        if seed is None:
+            seed = self._hash(self._seed + b"\x1fcache_salt\x1f" + salt.encode())
+            if len(self._salted) >= _SEEDS_KEPT:
+                self._salted.clear()
+            self._salted[salt] = seed
+        return seed
+
+    def keys(self, tokens: object, *, include_partial: bool, salt: str | None = None) -> ChunkSpans:
+        """Spans of every full chunk, plus the last partial one when ``include_partial``;
+        ``salt``: the request's own salt (see the module docstring)."""
+        seed = self.seed(salt)
         array = as_token_array(tokens)
         size = self.chunk_size
         n_full = len(array) // size
@@ -270,7 +309,7 @@ class KeyChain:
         chunks: list[bytes] = array[: n_full * size].view(self._chunk_dtype).tolist()
         if len(tail):
             chunks.append(tail.tobytes())
-        chain = [self._seed]
+        chain = [seed]
         # Each step reads the key the step before appended (see the module docstring).
         steps = map(chain.append, map(self._hash, map(operator.add, iter(chain), chunks)))
         deque(steps, maxlen=0)

@@ -85,6 +85,9 @@ class Lease(Generic[PlanT]):
     released: bool = False
     # The last lookup of this request, reused by retrieve (see StorageManager.locate).
     plan: PlanT | None = None
+    # Set when a load of this request came up short: the chunks it holds from the first
+    # failed one on (a count from chunk 0). A later lookup of the request stops there.
+    limit: int | None = None
     # False while only something acting for the request (a PD receiver) opened the lease and
     # the request itself (a lookup) has not come: since ``joined``, such a lease may expire.
     claimed: bool = True
@@ -104,6 +107,16 @@ class Lease(Generic[PlanT]):
                 return
         self.pool.release(pages)
         raise StateError(f"request {self.request_id!r} ended while it was taking pages")
+
+    def untake_pages(self, pages: list[int]) -> None:
+        """Move the references to ``pages`` (which this lease holds) back to the caller, who
+        must then release or hand them on. Raises :class:`StateError`, moving nothing, if the
+        request ended meanwhile (its pages were given back already)."""
+        with self._lock:
+            if self.released:
+                raise StateError(f"request {self.request_id!r} ended while it was loading")
+            for page in pages:
+                self.pages.remove(page)
 
     def take_hold(self, hold: Hold) -> None:
         with self._lock:

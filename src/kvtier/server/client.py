@@ -32,7 +32,7 @@ import torch
 
 from kvtier.config import Config
 from kvtier.errors import InputError, StateError, TransferError
-from kvtier.keys import Fingerprint, KeyChain, as_token_array
+from kvtier.keys import Fingerprint, KeyChain, as_token_array, check_salt
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.lifecycle import Lifecycle
 from kvtier.server import protocol as wire
@@ -134,21 +134,31 @@ class ServerClient:
         return self._link.connected
 
     # -- the request API (as Engine) ---------------------------------------------------------
-    def lookup(self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0) -> int:
+    def lookup(
+        self,
+        tokens: object,
+        request_id: str,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
+    ) -> int:
         """Tokens of the longest cached prefix, pinned for ``request_id`` until
         :meth:`end_request` (0 beyond the skip when the server is unreachable)."""
         check_request_id(request_id)
         check_skip(skip_leading_tokens)
         array = as_token_array(tokens)
-        request = wire.Lookup(request_id, array.tobytes(), skip_leading_tokens)
+        salt = check_salt(cache_salt)
+        request = wire.Lookup(request_id, array.tobytes(), skip_leading_tokens, salt)
         held = self._held(len(array), skip_leading_tokens)
         return self._exchange(request, lambda r: _expect(r, wire.Hit).tokens, held)
 
-    def retrieve(self, tokens: object, request_id: str) -> torch.Tensor:
+    def retrieve(
+        self, tokens: object, request_id: str, *, cache_salt: str | None = None
+    ) -> torch.Tensor:
         """KV of the cached prefix, ``[2, layers, hit, hidden]`` (hit 0 without a server)."""
         check_request_id(request_id)
         array = as_token_array(tokens)
-        request = wire.Retrieve(request_id, array.tobytes(), 0)
+        request = wire.Retrieve(request_id, array.tobytes(), 0, check_salt(cache_salt))
 
         def copy(reply: wire.Reply) -> torch.Tensor:
             pages = _expect(reply, wire.Pages)
@@ -160,7 +170,13 @@ class ServerClient:
         return self._exchange(request, copy, nothing)
 
     def retrieve_into(
-        self, tokens: object, request_id: str, out: torch.Tensor, *, skip_leading_tokens: int = 0
+        self,
+        tokens: object,
+        request_id: str,
+        out: torch.Tensor,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
     ) -> int:
         """Copy the cached prefix from the shared pages into ``out`` (``[2, layers, >=hit,
         hidden]``, any device). Returns the end of the loaded prefix."""
@@ -180,7 +196,8 @@ class ServerClient:
                 f"[2, {lay.num_layers}, >=hit, {lay.hidden}], got {shape}"
             )
         array = as_token_array(tokens)
-        request = wire.Retrieve(request_id, array.tobytes(), skip_leading_tokens)
+        salt = check_salt(cache_salt)
+        request = wire.Retrieve(request_id, array.tobytes(), skip_leading_tokens, salt)
 
         def copy(reply: wire.Reply) -> int:
             pages = _expect(reply, wire.Pages)
@@ -191,19 +208,27 @@ class ServerClient:
 
         return self._exchange(request, copy, self._held(len(array), skip_leading_tokens))
 
-    def store(self, tokens: object, kv: torch.Tensor, *, skip_leading_tokens: int = 0) -> int:
+    def store(
+        self,
+        tokens: object,
+        kv: torch.Tensor,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
+    ) -> int:
         """Store the KV of ``tokens`` (``[2, layers, len(tokens), hidden]``): the server gives
         pages for the chunks it lacks, this process copies into them. Returns chunks stored
         (0 without a server: the store is dropped)."""
         check_skip(skip_leading_tokens)
         array = as_token_array(tokens)
+        salt = check_salt(cache_salt)
         check_kv(kv, self.layout, len(array))
         store_id = next(self._store_ids)
         with self._lock:
             if not self._ready():
                 return 0
             try:
-                reserve = wire.Reserve(store_id, array.tobytes(), skip_leading_tokens)
+                reserve = wire.Reserve(store_id, array.tobytes(), skip_leading_tokens, salt)
                 slots = _expect(_raise_failed(self._link.call(reserve)), wire.Pages)
                 try:
                     self._copy_in(slots, kv)

@@ -98,23 +98,27 @@ def _dispatch(
     session: Session, engine: Engine, message: wire.Message, info: Callable[[], dict[str, Any]]
 ) -> wire.Reply:
     match message:
-        case wire.Lookup(request_id=rid, tokens=raw, skip=skip):
-            hit = engine.lookup(_tokens(raw), session.request_id(rid), skip_leading_tokens=skip)
+        case wire.Lookup(request_id=rid, tokens=raw, skip=skip, cache_salt=salt):
+            hit = engine.lookup(
+                _tokens(raw), session.request_id(rid), skip_leading_tokens=skip, cache_salt=salt
+            )
             return wire.Hit(hit)
-        case wire.Retrieve(request_id=rid, tokens=raw, skip=skip):
+        case wire.Retrieve(request_id=rid, tokens=raw, skip=skip, cache_salt=salt):
             end, held = engine.lease_pages(
-                _tokens(raw), session.request_id(rid), skip_leading_tokens=skip
+                _tokens(raw), session.request_id(rid), skip_leading_tokens=skip, cache_salt=salt
             )
             return wire.Pages(
                 end, [p for p, _, _ in held], [s for _, s, _ in held], [n for _, _, n in held]
             )
-        case wire.Reserve(store_id=store_id, tokens=raw, skip=skip):
+        case wire.Reserve(store_id=store_id, tokens=raw, skip=skip, cache_salt=salt):
             if session.store is not None:
                 raise ProtocolError(
                     f"Reserve({store_id}) while store {session.store[0]} is not committed"
                 )
             rid = session.store_request_id(store_id)
-            slots = engine.reserve_pages(_tokens(raw), rid, skip_leading_tokens=skip)
+            slots = engine.reserve_pages(
+                _tokens(raw), rid, skip_leading_tokens=skip, cache_salt=salt
+            )
             session.store = (store_id, rid, slots)
             return wire.Pages(
                 0,

@@ -17,7 +17,7 @@ answered by exactly one reply::
                                                  or makes the model's engine
                                              <-  Welcome(num_pages, page_bytes) + memfd
                                                  | Refused(message), then closes
-    Lookup(rid, tokens, skip)                ->  pins the hit prefix in lease (conn, rid)
+    Lookup(rid, tokens, skip, salt)          ->  pins the hit prefix in lease (conn, rid)
                                              <-  Hit(tokens)
     Retrieve(rid, tokens, skip)              ->  makes the hit resident in pages of the lease
                                              <-  Pages(end, pages, starts, counts)
@@ -73,18 +73,21 @@ class Lookup(msgspec.Struct, tag=True):
     request_id: str
     tokens: bytes  # int32 little-endian
     skip: int = 0
+    cache_salt: str | None = None  # the request's own salt (vLLM's cache_salt): its keys
 
 
 class Retrieve(msgspec.Struct, tag=True):
     request_id: str
     tokens: bytes
     skip: int = 0
+    cache_salt: str | None = None
 
 
 class Reserve(msgspec.Struct, tag=True):
     store_id: int
     tokens: bytes
     skip: int = 0
+    cache_salt: str | None = None
 
 
 class Commit(msgspec.Struct, tag=True):

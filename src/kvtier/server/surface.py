@@ -40,15 +40,37 @@ class KVCache(Protocol):
     @property
     def state(self) -> Lifecycle: ...
 
-    def lookup(self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0) -> int: ...
-
-    def retrieve(self, tokens: object, request_id: str) -> torch.Tensor: ...
-
-    def retrieve_into(
-        self, tokens: object, request_id: str, out: torch.Tensor, *, skip_leading_tokens: int = 0
+    def lookup(
+        self,
+        tokens: object,
+        request_id: str,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
     ) -> int: ...
 
-    def store(self, tokens: object, kv: torch.Tensor, *, skip_leading_tokens: int = 0) -> int: ...
+    def retrieve(
+        self, tokens: object, request_id: str, *, cache_salt: str | None = None
+    ) -> torch.Tensor: ...
+
+    def retrieve_into(
+        self,
+        tokens: object,
+        request_id: str,
+        out: torch.Tensor,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
+    ) -> int: ...
+
+    def store(
+        self,
+        tokens: object,
+        kv: torch.Tensor,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
+    ) -> int: ...
 
     def end_request(self, request_id: str) -> bool: ...
 

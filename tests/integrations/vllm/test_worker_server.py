@@ -124,3 +124,32 @@ def test_server_and_pd_are_refused_together(kvserver: ServerProcess) -> None:
             head_dim=DIM,
             server=kvserver.url,
         )
+
+
+def test_a_cache_salt_crosses_the_server(kvserver: ServerProcess) -> None:
+    """The salt travels in Lookup, Retrieve and Reserve: a chunk stored for one salt is
+    never served to another through the server either."""
+    checker = ServerClient(kvserver.url, LAYOUT, model_name="tiny-server", config=config()).open()
+    first, second = server_worker(kvserver.url), server_worker(kvserver.url)
+    client = LookupClient(second.engine_id)
+    try:
+        tokens = list(range(900, 980))
+        fill(first, [3, 4, 5, 6], seed=8)
+        spec = SaveSpec("s", tokens[:64], [3, 4, 5, 6], 0, 64, None, "tenant-A")
+        first.save(KVTierMetadata(saves=[spec]))
+        assert client.call("lookup", "b", tokens, "tenant-B")[0] == 0
+        assert client.call("lookup", "n", tokens)[0] == 0
+        assert client.call("lookup", "a", tokens, "tenant-A")[0] == 64
+        load = LoadSpec("a", tokens, [20, 21, 22, 23], 0, 64, cache_salt="tenant-A")
+        second.load(KVTierMetadata(loads=[load]))
+        assert second.paged is not None and first.paged is not None
+        for mine, theirs in zip(second.paged.layers, first.paged.layers, strict=True):
+            assert torch.equal(mine[[20, 21, 22, 23]], theirs[[3, 4, 5, 6]])
+        for rid in ("a", "b", "n"):
+            client.call("end", rid)
+        assert idle_server_state(checker) == IDLE
+    finally:
+        client.close()
+        first.close()
+        second.close()
+        checker.close()

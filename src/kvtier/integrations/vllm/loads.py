@@ -105,7 +105,11 @@ class Loads:
         if self.leases.begin_load(spec.request_id):
             try:
                 hit = self.engine.retrieve_into(
-                    spec.tokens, spec.request_id, out, skip_leading_tokens=spec.start
+                    spec.tokens,
+                    spec.request_id,
+                    out,
+                    skip_leading_tokens=spec.start,
+                    cache_salt=spec.cache_salt,
                 )
                 loaded = max(spec.start, min(hit, spec.end))
                 if loaded > spec.start:

@@ -174,10 +174,15 @@ class WorkerSide:
                 continue
             out = self._scratch_for(spec.end)
             paged.gather(spec.block_ids, spec.start, spec.end, out)
-            engine.store(spec.tokens, out[:, :, : spec.end], skip_leading_tokens=spec.start)
+            engine.store(
+                spec.tokens,
+                out[:, :, : spec.end],
+                skip_leading_tokens=spec.start,
+                cache_salt=spec.cache_salt,
+            )
             if self.events is None and spec.transfer_id is None:
                 continue
-            spans = engine.keychain.keys(spec.tokens, include_partial=False)
+            spans = engine.keychain.keys(spec.tokens, include_partial=False, salt=spec.cache_salt)
             first = spec.start // engine.config.chunk_size
             if spec.transfer_id is not None and self._pd is not None:
                 self._pd.send(spec.transfer_id, spans[first:], out)
@@ -210,10 +215,11 @@ class WorkerSide:
     def _handle(self, op: str, args: tuple[Any, ...]) -> Any:
         engine, _ = self._parts()
         if op == "lookup":
-            rid, tokens = args
-            hit = engine.lookup(tokens, rid)
+            rid, tokens, *rest = args  # (rid, tokens[, cache_salt])
+            salt = rest[0] if rest else None
+            hit = engine.lookup(tokens, rid, cache_salt=salt)
             self._loads_part().leases.looked_up(rid)
-            return hit, self._cpu_prefix(tokens, hit)
+            return hit, self._cpu_prefix(tokens, hit, salt)
         if op == "end":
             (rid,) = args
             return self._loads_part().leases.end(rid)
@@ -237,7 +243,7 @@ class WorkerSide:
             f"unknown kvtier channel op {op!r}; use lookup, end, stats, leaks, check, flush, clear"
         )
 
-    def _cpu_prefix(self, tokens: list[int], hit: int) -> int:
+    def _cpu_prefix(self, tokens: list[int], hit: int, salt: str | None) -> int:
         """How much of the ``hit`` prefix sits in the CPU tier (pinned, so it stays); 0
         through a server, which loads the hit in the background."""
         engine = self.engine
@@ -246,7 +252,9 @@ class WorkerSide:
         cpu = engine.tier("cpu")
         if cpu is None:
             return 0
-        chain = engine.keychain.keys(tokens, include_partial=engine.config.save_unfull_chunk)
+        chain = engine.keychain.keys(
+            tokens, include_partial=engine.config.save_unfull_chunk, salt=salt
+        )
         spans = [s for s in chain if s.end <= hit]
         end = 0
         for span, held in zip(spans, cpu.contains([s.key for s in spans]), strict=True):
