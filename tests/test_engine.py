@@ -286,3 +286,23 @@ def test_requests_of_two_salts_never_share_a_chunk(engine: Engine) -> None:
     assert (end, pages) == (0, [])
     engine.end_request("p")
     assert engine.check_invariants() == []
+
+
+def test_a_lookup_says_how_much_of_its_hit_is_in_the_cpu_tier(
+    engine_factory: EngineFactory, tmp_path: object
+) -> None:
+    engine = engine_factory(local_disk=str(tmp_path), max_local_disk_size="1MiB")
+    tokens = make_tokens(48)
+    engine.store(tokens, make_kv(48))
+    hit = engine.lookup(tokens, "r")
+    assert (hit, hit.tokens, hit.cpu_tokens) == (48, 48, 48)
+    engine.end_request("r")
+    assert engine.flush(10.0)
+    cpu = engine.tier("cpu")
+    assert cpu is not None
+    cpu.clear()  # the chunks are on disk only now
+    hit = engine.lookup(tokens, "d")
+    assert (hit.tokens, hit.cpu_tokens) == (48, 0)
+    assert torch.equal(engine.retrieve(tokens, "d"), make_kv(48))
+    engine.end_request("d")
+    assert engine.check_invariants() == []

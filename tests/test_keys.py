@@ -189,3 +189,13 @@ def test_a_request_salt_composes_with_the_engine_wide_salt() -> None:
 def test_a_bad_salt_is_an_input_error(salt: object) -> None:
     with pytest.raises(InputError, match="cache_salt"):
         chain().keys([1, 2, 3, 4], include_partial=False, salt=salt)  # type: ignore[arg-type]
+
+
+def test_known_keys_are_reused_and_only_new_chunks_are_hashed() -> None:
+    c = chain()
+    tokens = list(range(22))  # 5 whole chunks of 4 and a tail of 2
+    first = c.keys(tokens[:8], include_partial=False, salt="s")
+    before = c.chunks_hashed
+    longer = c.keys(tokens, include_partial=True, salt="s", known=first.keys)
+    assert c.chunks_hashed - before == 4  # chunks 2..4 and the partial tail, not 0..1
+    assert longer.keys == c.keys(tokens, include_partial=True, salt="s").keys

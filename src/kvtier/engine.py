@@ -28,13 +28,14 @@ from contextlib import contextmanager, suppress
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+import numpy as np
 import torch
 
 from kvtier.config import Config
 from kvtier.errors import InputError, StateError, TierError
-from kvtier.keys import ChunkSpans, Fingerprint, KeyChain, as_token_array
+from kvtier.keys import Fingerprint, KeyChain, RequestKeys, as_token_array, check_salt
 from kvtier.layout import KVLayout
-from kvtier.lease import Hold, LeaseInfo, LeaseTable
+from kvtier.lease import Hold, Lease, LeaseInfo, LeaseTable
 from kvtier.lifecycle import CallGuard, Lifecycle
 from kvtier.memory.block_pool import BlockPool, pages_for_capacity
 from kvtier.observability.observer import Observer
@@ -57,6 +58,28 @@ log = logging.getLogger(__name__)
 
 
 EngineState = Lifecycle  # the public name of the engine's lifecycle states
+
+
+class Hit(int):
+    """What :meth:`Engine.lookup` found: the hit tokens (an ``int``, so a lookup still reads
+    as a number), and ``cpu_tokens``: how many of them, from token 0, are in the CPU tier or
+    held by the caller (the skip). Those load without reading disk, Redis or PD, so a
+    connector loads them in the step and the rest in the background."""
+
+    cpu_tokens: int
+
+    def __new__(cls, tokens: int, cpu_tokens: int = 0) -> Hit:
+        hit = super().__new__(cls, tokens)
+        hit.cpu_tokens = max(0, min(cpu_tokens, tokens))
+        return hit
+
+    @property
+    def tokens(self) -> int:
+        return int(self)
+
+    def __repr__(self) -> str:
+        return f"Hit(tokens={int(self)}, cpu_tokens={self.cpu_tokens})"
+
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -229,15 +252,21 @@ class Engine:
         *,
         skip_leading_tokens: int = 0,
         cache_salt: str | None = None,
-    ) -> int:
+    ) -> Hit:
         """Tokens of the longest cached prefix (including ``skip_leading_tokens`` the engine
-        already holds), pinned for ``request_id`` until :meth:`end_request`."""
+        already holds), pinned for ``request_id`` until :meth:`end_request`; ``cpu_tokens``
+        of them in the CPU tier. The prompt's keys stay with the request's lease, so its
+        loads do not hash it again (nor its stores, for the chunks the lookup hashed)."""
         started = time.perf_counter()
         manager, leases = self._open_parts()
         check_request_id(request_id)
+        check_skip(skip_leading_tokens)
+        salt = check_salt(cache_salt)
         tokens = as_token_array(tokens)  # once: the observer reuses the array
-        spans = self._spans(tokens, skip_leading_tokens, cache_salt)
         lease = leases.open(request_id)
+        keys = self._request_keys(tokens, salt, lease)
+        lease.keys = keys  # what the plan below is made of
+        spans = keys.spans
         if lease.limit is not None:
             # A load of this request came up short at chunk ``limit``: from there on the
             # chunks are a miss for it, whatever the tiers say now (never offered again).
@@ -247,7 +276,7 @@ class Engine:
         # lookup_tokens: the whole prompt, partial tail included
         self.counters.add(lookups=1, lookup_tokens=len(tokens), hit_tokens=plan.hit_tokens)
         self.observer.on_lookup(request_id, tokens, spans, plan, started)
-        return plan.hit_tokens
+        return Hit(plan.hit_tokens, plan.cpu_tokens)
 
     @_guarded
     def retrieve(
@@ -315,17 +344,33 @@ class Engine:
         *,
         skip_leading_tokens: int = 0,
         cache_salt: str | None = None,
+        keys: RequestKeys | None = None,
     ) -> int:
         """Store the KV of ``tokens`` (``[2, layers, len(tokens), kv_heads*head_dim]``).
 
         Chunks already held are skipped without taking anything; chunks wholly inside
         ``skip_leading_tokens`` are hashed but not stored. Returns chunks newly stored. When
         memory is full of pinned pages, the rest is dropped and counted (never waits).
+        ``keys``: the tokens' keys from :meth:`request_keys` (nothing is hashed here then).
         """
         started = time.perf_counter()
         manager, _ = self._open_parts()
         array = as_token_array(tokens)
-        spans = self._spans(array, skip_leading_tokens, cache_salt)
+        check_skip(skip_leading_tokens)
+        salt = check_salt(cache_salt)
+        if keys is None:
+            spans = self._request_keys(array, salt, None).spans
+        elif (
+            not isinstance(keys, RequestKeys)
+            or keys.chain is not self.keychain
+            or keys.salt != salt
+            or not np.array_equal(keys.tokens, array)
+        ):
+            raise InputError(
+                "keys must be this engine's request_keys() of the same tokens and cache_salt"
+            )
+        else:
+            spans = keys.spans
         check_kv(kv, self.layout, len(array))
         self.counters.add(stores=1)
         offered = spans[skip_leading_tokens // self.config.chunk_size :]
@@ -374,7 +419,8 @@ class Engine:
         manager, leases = self._open_parts()
         check_request_id(request_id)
         array = as_token_array(tokens)
-        spans = self._spans(array, skip_leading_tokens, cache_salt)
+        check_skip(skip_leading_tokens)
+        spans = self._request_keys(array, check_salt(cache_salt), None).spans
         self.counters.add(stores=1)
         offered = spans[skip_leading_tokens // self.config.chunk_size :]
         slots, dropped = manager.reserve(offered)
@@ -541,22 +587,74 @@ class Engine:
         return leases.expire_unclaimed(ttl, busy=busy)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _spans(self, tokens: object, skip_leading_tokens: int, salt: str | None) -> ChunkSpans:
-        check_skip(skip_leading_tokens)
-        return self.keychain.keys(tokens, include_partial=self.config.save_unfull_chunk, salt=salt)
+    def _request_keys(
+        self, tokens: np.ndarray, salt: str | None, lease: Lease[LookupPlan] | None
+    ) -> RequestKeys:
+        """The keys of ``tokens``: reused from the lease where it knows them (only chunks it
+        does not know are hashed); the lease keeps them when they extend its tokens."""
+        known = lease.keys if lease is not None else None
+        if known is None:
+            return RequestKeys(self.keychain, tokens, salt, self.config.save_unfull_chunk)
+        made = known.for_tokens(tokens, salt)
+        if (
+            lease is not None
+            and made is not known
+            and salt == known.salt
+            and len(tokens) > len(known.tokens)
+            and np.array_equal(tokens[: len(known.tokens)], known.tokens)
+        ):
+            lease.keys = made  # the same prompt, longer: what a later store hashed
+        return made
+
+    @_guarded
+    def request_keys(
+        self, tokens: object, request_id: str | None = None, *, cache_salt: str | None = None
+    ) -> RequestKeys:
+        """The chunk keys of ``tokens`` for ``request_id``, to pass to :meth:`store` and to
+        name its chunks (events, PD). What the request's lookup hashed is reused (a request
+        is hashed once); without a request id, or for one with no lease, they are hashed."""
+        _, leases = self._open_parts()
+        lease = None
+        if request_id is not None:
+            check_request_id(request_id)
+            lease = leases.get(request_id)
+        return self._request_keys(as_token_array(tokens), check_salt(cache_salt), lease)
+
+    @contextmanager
+    def loading(self, request_id: str) -> Iterator[bool]:
+        """``with engine.loading(rid) as live:`` load ``rid``'s hit only when ``live`` (it
+        holds a lease: looked up and not ended; a retrieve for an ended request would open
+        a lease nobody ends). Inside the block an :meth:`end_request` of ``rid`` (from
+        another thread) returns at once and releases the lease when the block exits: the
+        pages the load reads stay pinned until its last byte is copied."""
+        _, leases = self._open_parts()
+        lease = leases.begin_busy(request_id)
+        try:
+            yield lease is not None
+        finally:
+            if lease is not None:
+                leases.end_busy(lease)
 
     def _plan(
         self, tokens: object, request_id: str, skip_leading_tokens: int, salt: str | None
     ) -> LookupPlan:
         _, leases = self._open_parts()
         check_request_id(request_id)
+        check_skip(skip_leading_tokens)
+        salt = check_salt(salt)
         lease = leases.get(request_id)
-        if lease is not None and lease.plan is not None:
-            keys = self._spans(tokens, skip_leading_tokens, salt).keys
-            plan = lease.plan
-            hit = plan.hit_chunks
-            if tuple(keys[:hit]) == plan.keys[:hit]:
-                return plan
+        if lease is not None and lease.plan is not None and lease.keys is not None:
+            # The lookup's tokens stay with the lease: the same hit prefix (a memory compare,
+            # no hash) reuses the plan it pinned.
+            array = as_token_array(tokens)
+            hit = lease.plan.hit_tokens
+            known = lease.keys
+            if (
+                salt == known.salt
+                and len(array) >= hit
+                and np.array_equal(array[:hit], known.tokens[:hit])
+            ):
+                return lease.plan
         self.lookup(tokens, request_id, skip_leading_tokens=skip_leading_tokens, cache_salt=salt)
         lease = leases.get(request_id)
         assert lease is not None and lease.plan is not None

@@ -102,7 +102,7 @@ def _dispatch(
             hit = engine.lookup(
                 _tokens(raw), session.request_id(rid), skip_leading_tokens=skip, cache_salt=salt
             )
-            return wire.Hit(hit)
+            return wire.Hit(hit.tokens, hit.cpu_tokens)
         case wire.Retrieve(request_id=rid, tokens=raw, skip=skip, cache_salt=salt):
             end, held = engine.lease_pages(
                 _tokens(raw), session.request_id(rid), skip_leading_tokens=skip, cache_salt=salt

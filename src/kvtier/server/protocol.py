@@ -18,11 +18,11 @@ answered by exactly one reply::
                                              <-  Welcome(num_pages, page_bytes) + memfd
                                                  | Refused(message), then closes
     Lookup(rid, tokens, skip, salt)          ->  pins the hit prefix in lease (conn, rid)
-                                             <-  Hit(tokens)
-    Retrieve(rid, tokens, skip)              ->  makes the hit resident in pages of the lease
+                                             <-  Hit(tokens, cpu_tokens)
+    Retrieve(rid, tokens, skip, salt)        ->  makes the hit resident in pages of the lease
                                              <-  Pages(end, pages, starts, counts)
       client copies each page out of the shared buffer (the one copy)
-    Reserve(store_id, tokens, skip)          ->  a page per chunk not held, in lease (conn, #id)
+    Reserve(store_id, tokens, skip, salt)    ->  a page per chunk not held, in lease (conn, #id)
                                              <-  Pages(0, pages, starts, counts)
       client copies its KV into each page (the one copy)
     Commit(store_id, ok)                     ->  publishes the pages (ok) or gives them back
@@ -130,6 +130,7 @@ class Refused(msgspec.Struct, tag=True):
 
 class Hit(msgspec.Struct, tag=True):
     tokens: int
+    cpu_tokens: int = 0  # of which in the CPU tier (load at once; the rest reads a lower tier)
 
 
 class Pages(msgspec.Struct, tag=True):

@@ -14,8 +14,8 @@ from typing import Any, Protocol
 import torch
 
 from kvtier.config import Config
-from kvtier.engine import Engine
-from kvtier.keys import Fingerprint, KeyChain
+from kvtier.engine import Engine, Hit
+from kvtier.keys import Fingerprint, KeyChain, RequestKeys
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import Lifecycle
 from kvtier.server.client import ServerClient
@@ -47,7 +47,7 @@ class KVCache(Protocol):
         *,
         skip_leading_tokens: int = 0,
         cache_salt: str | None = None,
-    ) -> int: ...
+    ) -> Hit: ...
 
     def retrieve(
         self, tokens: object, request_id: str, *, cache_salt: str | None = None
@@ -70,7 +70,14 @@ class KVCache(Protocol):
         *,
         skip_leading_tokens: int = 0,
         cache_salt: str | None = None,
+        keys: RequestKeys | None = None,
     ) -> int: ...
+
+    def request_keys(
+        self, tokens: object, request_id: str | None = None, *, cache_salt: str | None = None
+    ) -> RequestKeys: ...
+
+    def loading(self, request_id: str) -> AbstractContextManager[bool]: ...
 
     def end_request(self, request_id: str) -> bool: ...
 

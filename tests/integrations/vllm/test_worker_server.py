@@ -76,8 +76,9 @@ def test_one_worker_loads_what_another_saved_and_leases_end_once(kvserver: Serve
         assert [(e[0], e[5]) for e in first.take_events()] == [("stored", MEDIUM["cpu"])] * 2
 
         # the same vLLM request id in both workers: two leases, one per connection
-        assert a.call("lookup", "same", tokens) == (64, 0)  # CPU share unknown: async load
-        assert b.call("lookup", "same", tokens) == (64, 0)
+        # the CPU share crosses the server too (wire.Hit): a CPU hit loads in the step
+        assert a.call("lookup", "same", tokens) == (64, 64)
+        assert b.call("lookup", "same", tokens) == (64, 64)
         assert checker.stats()["open_requests"] == 2
         assert checker.stats()["pinned_pages"] == 4
 
@@ -94,7 +95,7 @@ def test_one_worker_loads_what_another_saved_and_leases_end_once(kvserver: Serve
         assert idle_server_state(checker) == IDLE
 
         # a worker that goes away with a lease open releases it in the server
-        assert b.call("lookup", "open", tokens) == (64, 0)
+        assert b.call("lookup", "open", tokens) == (64, 64)
         assert checker.stats()["pinned_pages"] == 2
         b.close()
         second.close()

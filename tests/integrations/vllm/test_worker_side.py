@@ -217,14 +217,14 @@ def test_an_end_during_a_load_waits_for_it(worker: WorkerSide) -> None:
     worker.save(KVTierMetadata(saves=[SaveSpec("a", tokens, [1, 2, 3, 4], 0, 64)]))
     client = LookupClient(worker.engine_id)
     assert client.call("lookup", "b", tokens)[0] == 64
-    assert worker._loads is not None and worker.engine is not None
-    leases = worker._loads.leases
-    assert leases.begin_load("b")  # a load of b is running...
-    assert client.call("end", "b") is True  # ...so the end is deferred:
-    assert worker.engine.stats()["pinned_pages"] == 2  # the pins stay while it copies
-    leases.end_load("b")
+    assert worker.engine is not None
+    with worker.engine.loading("b") as live:  # a load of b is running...
+        assert live
+        assert client.call("end", "b") is True  # ...so the end is deferred:
+        assert worker.engine.stats()["pinned_pages"] == 2  # the pins stay while it copies
     assert worker.engine.stats()["pinned_pages"] == 0 and worker.engine.leaks() == []
-    assert not leases.begin_load("b")  # ended: a late load is refused
+    with worker.engine.loading("b") as live:
+        assert not live  # ended: a late load is refused
     client.close()
 
 
@@ -348,3 +348,47 @@ def test_a_load_that_fails_is_never_offered_again() -> None:
             second.close()
     finally:
         redis.cleanup()
+
+
+def test_one_request_is_hashed_once_through_lookup_load_save_and_end(worker: WorkerSide) -> None:
+    """The prompt's chunks are hashed by its lookup and by nothing after it: the load reuses
+    the plan the lease pinned, the save of its new chunks and their events reuse the keys
+    kept with the lease, the end hashes nothing (before: lookup, CPU share, load, store and
+    events each hashed the prompt again)."""
+    assert worker.engine is not None
+    chain = worker.engine.keychain
+    tokens = list(range(2000, 2000 + 4 * CHUNK + 8))  # 4 whole chunks + 8
+    fill(worker, [1, 2, 3, 4], seed=13)
+    worker.save(KVTierMetadata(saves=[SaveSpec("w", tokens[:64], [1, 2, 3, 4], 0, 64)]))
+    worker.take_events()
+    scheduler = SchedulerSide(
+        [LookupClient(worker.engine_id)], block_size=BLOCK, chunk_size=CHUNK, loads=True, saves=True
+    )
+    before = chain.chunks_hashed
+    request = SimpleNamespace(request_id="r", prompt_token_ids=tokens)
+    assert scheduler.num_new_matched_tokens(request, 0) == (64, False)
+    assert chain.chunks_hashed - before == 4  # the lookup: each whole chunk, once
+    dst = list(range(20, 29))
+    scheduler.after_alloc(request, dst, 64)
+    out = SimpleNamespace(
+        preempted_req_ids=set(),
+        scheduled_new_reqs=[
+            SimpleNamespace(
+                req_id="r", prompt_token_ids=tokens, block_ids=(dst,), num_computed_tokens=64
+            )
+        ],
+        num_scheduled_tokens={"r": len(tokens) - 64},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+    )
+    meta = scheduler.build_meta(out)
+    assert [(s.start, s.end) for s in meta.loads] == [(0, 64)]
+    assert [(s.start, s.end) for s in meta.saves] == [(64, 128)]
+    worker.load(meta)
+    worker.save(meta)
+    assert worker.failed_blocks() == set()
+    assert len([e for e in worker.take_events() if e[0] == "stored"]) == 2  # chunks 2 and 3
+    scheduler.finished("r")
+    assert chain.chunks_hashed - before == 4  # load, save, events and end: no hash
+    assert worker.engine.stats()["stored_chunks"] == 4
+    assert worker.engine.leaks() == [] and worker.engine.check_invariants() == []
+    scheduler.close()
