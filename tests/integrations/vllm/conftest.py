@@ -22,7 +22,7 @@ PROMPTS: dict[str, list[int]] = {
     "salted": tokens(1000, seed=21),  # stored under one cache_salt, asked under others
     "corrupt": tokens(1000, seed=22),  # every disk chunk corrupted (prefix cache off)
     "deleted": tokens(700, seed=23),  # its disk files deleted under the live index
-    **{f"busy{i}": tokens(800, seed=30 + i) for i in range(6)},  # concurrent disk hits
+    **{f"busy{i}": tokens(600, seed=30 + i) for i in range(6)},  # concurrent disk hits
 }
 PROMPTS["b"] = PROMPTS["a"][:512] + tokens(300, seed=2)  # shares 2 chunks with "a"
 PROMPTS["a_exact"] = PROMPTS["a"][:768]  # exactly 3 chunks: the last token is recomputed
