@@ -262,3 +262,47 @@ def test_a_hold_for_an_ended_request_is_released_not_leaked(engine: Engine) -> N
     with pytest.raises(StateError, match="already ended"):
         engine.receiver_host().attach_hold("decoder-request", late)
     assert released == ["late"] and engine.leaks() == []
+
+
+def test_requests_of_two_salts_never_share_a_chunk(engine: Engine) -> None:
+    tokens, kv = make_tokens(48), make_kv(48)
+    assert engine.store(tokens, kv, cache_salt="tenant-A") == 3
+    assert engine.lookup(tokens, "b", cache_salt="tenant-B") == 0
+    assert engine.lookup(tokens, "plain") == 0  # nor with no salt at all
+    assert engine.lookup(tokens, "a", cache_salt="tenant-A") == 48
+    assert torch.equal(engine.retrieve(tokens, "a", cache_salt="tenant-A"), kv)
+    for rid in ("a", "b", "plain"):
+        engine.end_request(rid)
+    # an unsalted store is not visible to a salted request either
+    other, other_kv = make_tokens(32, seed=9), make_kv(32, seed=9)
+    engine.store(other, other_kv)
+    assert engine.lookup(other, "s", cache_salt="tenant-A") == 0
+    engine.end_request("s")
+    # the server's page API keys by the salt too
+    slots = engine.reserve_pages(other, "w", cache_salt="tenant-B")
+    assert len(slots) == 2
+    engine.end_request("w")
+    end, pages = engine.lease_pages(tokens, "p", cache_salt="tenant-B")
+    assert (end, pages) == (0, [])
+    engine.end_request("p")
+    assert engine.check_invariants() == []
+
+
+def test_a_lookup_says_how_much_of_its_hit_is_in_the_cpu_tier(
+    engine_factory: EngineFactory, tmp_path: object
+) -> None:
+    engine = engine_factory(local_disk=str(tmp_path), max_local_disk_size="1MiB")
+    tokens = make_tokens(48)
+    engine.store(tokens, make_kv(48))
+    hit = engine.lookup(tokens, "r")
+    assert (hit, hit.tokens, hit.cpu_tokens) == (48, 48, 48)
+    engine.end_request("r")
+    assert engine.flush(10.0)
+    cpu = engine.tier("cpu")
+    assert cpu is not None
+    cpu.clear()  # the chunks are on disk only now
+    hit = engine.lookup(tokens, "d")
+    assert (hit.tokens, hit.cpu_tokens) == (48, 0)
+    assert torch.equal(engine.retrieve(tokens, "d"), make_kv(48))
+    engine.end_request("d")
+    assert engine.check_invariants() == []

@@ -156,3 +156,46 @@ def test_chunk_spans_slice_and_index_like_a_list() -> None:
         assert [part.end(i) for i in range(len(part))] == [s.end for s in as_list[cut]]
     with pytest.raises(IndexError):
         spans[4]
+
+
+def test_a_request_salt_reseeds_every_key_and_equal_salts_share() -> None:
+    c = chain()
+    tokens = list(range(12))
+    plain = [s.key for s in c.keys(tokens, include_partial=False)]
+    a = [s.key for s in c.keys(tokens, include_partial=False, salt="tenant-A")]
+    b = [s.key for s in c.keys(tokens, include_partial=False, salt="tenant-B")]
+    again = [s.key for s in c.keys(tokens, include_partial=False, salt="tenant-A")]
+    assert a == again  # equal salts share every chunk
+    assert not set(a) & set(b) and not set(a) & set(plain) and not set(b) & set(plain)
+    # "" and None both mean "no salt" (vLLM's default), and a fresh chain agrees
+    assert [s.key for s in c.keys(tokens, include_partial=False, salt="")] == plain
+    assert [s.key for s in chain().keys(tokens, include_partial=False, salt="tenant-A")] == a
+
+
+def test_a_request_salt_composes_with_the_engine_wide_salt() -> None:
+    tokens = list(range(8))
+    keys = {
+        (engine_salt, salt): tuple(
+            s.key
+            for s in chain(cache_salt=engine_salt).keys(tokens, include_partial=False, salt=salt)
+        )
+        for engine_salt in ("", "fleet-1")
+        for salt in (None, "t")
+    }
+    assert len(set(keys.values())) == 4  # every combination is its own key space
+
+
+@pytest.mark.parametrize("salt", [3, b"x", "x" * 1025])
+def test_a_bad_salt_is_an_input_error(salt: object) -> None:
+    with pytest.raises(InputError, match="cache_salt"):
+        chain().keys([1, 2, 3, 4], include_partial=False, salt=salt)  # type: ignore[arg-type]
+
+
+def test_known_keys_are_reused_and_only_new_chunks_are_hashed() -> None:
+    c = chain()
+    tokens = list(range(22))  # 5 whole chunks of 4 and a tail of 2
+    first = c.keys(tokens[:8], include_partial=False, salt="s")
+    before = c.chunks_hashed
+    longer = c.keys(tokens, include_partial=True, salt="s", known=first.keys)
+    assert c.chunks_hashed - before == 4  # chunks 2..4 and the partial tail, not 0..1
+    assert longer.keys == c.keys(tokens, include_partial=True, salt="s").keys

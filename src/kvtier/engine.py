@@ -7,6 +7,10 @@ Who calls what::
     engine.store(tokens, kv)                -> stores the chunks not yet held (never blocks)
     engine.end_request(request_id)          -> releases everything the request holds; again: no-op
 
+Each of the first three takes ``cache_salt`` (vLLM's per-request salt): a salted request's
+chunk keys are its own (see :mod:`kvtier.keys`), so requests of two salts never share a chunk;
+pass the same salt to every call of one request.
+
 Every reference a request takes lives in its lease until ``end_request``. Call it on every
 path that ends a request (finished, aborted, failed, timed out): a ``try/finally`` in the
 caller, or the :meth:`request` context manager that does it for you.
@@ -28,14 +32,15 @@ from contextlib import AbstractContextManager, contextmanager, suppress
 from types import TracebackType
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtier.config import Config
 from kvtier.engine_pages import EnginePages
 from kvtier.errors import InputError, StateError
-from kvtier.keys import ChunkSpans, Fingerprint, KeyChain, as_token_array
+from kvtier.keys import Fingerprint, KeyChain, RequestKeys, as_token_array, check_salt
 from kvtier.layout import KVLayout
-from kvtier.lease import LeaseInfo, LeaseTable
+from kvtier.lease import Lease, LeaseInfo, LeaseTable
 from kvtier.lifecycle import CallGuard, Lifecycle, guarded
 from kvtier.memory.block_pool import BlockPool, pages_for_capacity
 from kvtier.observability.observer import Observer
@@ -60,6 +65,27 @@ log = logging.getLogger(__name__)
 EngineState = Lifecycle  # the public name of the engine's lifecycle states
 
 _guarded = guarded  # a public call: counted in flight, refused once close has begun
+
+
+class Hit(int):
+    """What :meth:`Engine.lookup` found: the hit tokens (an ``int``, so a lookup still reads
+    as a number), and ``cpu_tokens``: how many of them, from token 0, are in the CPU tier or
+    held by the caller (the skip). Those load without reading disk, Redis or PD, so a
+    connector loads them in the step and the rest in the background."""
+
+    cpu_tokens: int
+
+    def __new__(cls, tokens: int, cpu_tokens: int = 0) -> Hit:
+        hit = super().__new__(cls, tokens)
+        hit.cpu_tokens = max(0, min(cpu_tokens, tokens))
+        return hit
+
+    @property
+    def tokens(self) -> int:
+        return int(self)
+
+    def __repr__(self) -> str:
+        return f"Hit(tokens={int(self)}, cpu_tokens={self.cpu_tokens})"
 
 
 class Engine:
@@ -197,25 +223,44 @@ class Engine:
 
     # -- the request API -------------------------------------------------------------------
     @_guarded
-    def lookup(self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0) -> int:
+    def lookup(
+        self,
+        tokens: object,
+        request_id: str,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
+    ) -> Hit:
         """Tokens of the longest cached prefix (including ``skip_leading_tokens`` the engine
-        already holds), pinned for ``request_id`` until :meth:`end_request`."""
+        already holds), pinned for ``request_id`` until :meth:`end_request`; ``cpu_tokens``
+        of them in the CPU tier. The prompt's keys stay with the request's lease, so its
+        loads do not hash it again (nor its stores, for the chunks the lookup hashed)."""
         started = time.perf_counter()
         manager, leases = self._open_parts()
         check_request_id(request_id)
+        check_skip(skip_leading_tokens)
+        salt = check_salt(cache_salt)
         tokens = as_token_array(tokens)  # once: the observer reuses the array
-        spans = self._spans(tokens, skip_leading_tokens)
         lease = leases.open(request_id)
+        keys = self._request_keys(tokens, salt, lease)
+        lease.keys = keys  # what the plan below is made of
+        spans = keys.spans
+        if lease.limit is not None:
+            # A load of this request came up short at chunk ``limit``: from there on the
+            # chunks are a miss for it, whatever the tiers say now (never offered again).
+            spans = spans[: lease.limit]
         plan = manager.locate(spans, lease, skip_leading_tokens // self.config.chunk_size)
         lease.plan = plan
         found = self.observer.on_lookup(request_id, tokens, spans, plan, started)
         # lookup_tokens: the whole prompt, partial tail included. The hit is counted when
         # loaded (_load): a lookup only finds.
         self.counters.add(lookups=1, lookup_tokens=len(tokens), found_tokens=found)
-        return plan.hit_tokens
+        return Hit(plan.hit_tokens, plan.cpu_tokens)
 
     @_guarded
-    def retrieve(self, tokens: object, request_id: str) -> torch.Tensor:
+    def retrieve(
+        self, tokens: object, request_id: str, *, cache_salt: str | None = None
+    ) -> torch.Tensor:
         """KV of the cached prefix, shape ``[2, layers, hit, kv_heads*head_dim]``.
 
         ``hit`` may be shorter than :meth:`lookup` said when a lower-tier entry vanished or
@@ -226,8 +271,8 @@ class Engine:
         all this raises :class:`InputError`: use :meth:`retrieve_into` with the same skip.
         """
         started = time.perf_counter()
-        plan = self._plan(tokens, request_id, 0)
-        if plan.hits and plan.hits[0].tier == ENGINE:
+        plan = self._plan(tokens, request_id, 0, cache_salt)
+        if plan.hits and plan.hits[0].tier is ENGINE:
             self._locate_skipped(plan, request_id)
         out = torch.empty(self.layout.kv_shape(plan.hit_tokens), dtype=self.layout.dtype)
         loaded = self._load(plan, request_id, out, 0)
@@ -236,13 +281,19 @@ class Engine:
 
     @_guarded
     def retrieve_into(
-        self, tokens: object, request_id: str, out: torch.Tensor, *, skip_leading_tokens: int = 0
+        self,
+        tokens: object,
+        request_id: str,
+        out: torch.Tensor,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
     ) -> int:
         """Write the cached prefix into ``out`` (``[2, layers, >=hit, hidden]``, indexed by
         token position; any device) without an intermediate copy. Chunks wholly inside
         ``skip_leading_tokens`` are not written. Returns the end of the loaded prefix."""
         started = time.perf_counter()
-        plan = self._plan(tokens, request_id, skip_leading_tokens)
+        plan = self._plan(tokens, request_id, skip_leading_tokens, cache_salt)
         lay = self.layout
         if isinstance(out, torch.Tensor):
             check_dense("out", out)
@@ -265,17 +316,40 @@ class Engine:
         return loaded_end
 
     @_guarded
-    def store(self, tokens: object, kv: torch.Tensor, *, skip_leading_tokens: int = 0) -> int:
+    def store(
+        self,
+        tokens: object,
+        kv: torch.Tensor,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
+        keys: RequestKeys | None = None,
+    ) -> int:
         """Store the KV of ``tokens`` (``[2, layers, len(tokens), kv_heads*head_dim]``).
 
         Chunks already held are skipped without taking anything; chunks wholly inside
         ``skip_leading_tokens`` are hashed but not stored. Returns chunks newly stored. When
         memory is full of pinned pages, the rest is dropped and counted (never waits).
+        ``keys``: the tokens' keys from :meth:`request_keys` (nothing is hashed here then).
         """
         started = time.perf_counter()
         manager, _ = self._open_parts()
         array = as_token_array(tokens)
-        spans = self._spans(array, skip_leading_tokens)
+        check_skip(skip_leading_tokens)
+        salt = check_salt(cache_salt)
+        if keys is None:
+            spans = self._request_keys(array, salt, None).spans
+        elif (
+            not isinstance(keys, RequestKeys)
+            or keys.chain is not self.keychain
+            or keys.salt != salt
+            or not np.array_equal(keys.tokens, array)
+        ):
+            raise InputError(
+                "keys must be this engine's request_keys() of the same tokens and cache_salt"
+            )
+        else:
+            spans = keys.spans
         check_kv(kv, self.layout, len(array))
         self.counters.add(stores=1)
         offered = spans[skip_leading_tokens // self.config.chunk_size :]
@@ -374,21 +448,75 @@ class Engine:
         return EngineReceiverHost(self.config, self.fingerprint, manager.lower, leases, self._guard)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _spans(self, tokens: object, skip_leading_tokens: int) -> ChunkSpans:
-        check_skip(skip_leading_tokens)
-        return self.keychain.keys(tokens, include_partial=self.config.save_unfull_chunk)
+    def _request_keys(
+        self, tokens: np.ndarray, salt: str | None, lease: Lease[LookupPlan] | None
+    ) -> RequestKeys:
+        """The keys of ``tokens``: reused from the lease where it knows them (only chunks it
+        does not know are hashed); the lease keeps them when they extend its tokens."""
+        known = lease.keys if lease is not None else None
+        if known is None:
+            return RequestKeys(self.keychain, tokens, salt, self.config.save_unfull_chunk)
+        made = known.for_tokens(tokens, salt)
+        if (
+            lease is not None
+            and made is not known
+            and salt == known.salt
+            and len(tokens) > len(known.tokens)
+            and np.array_equal(tokens[: len(known.tokens)], known.tokens)
+        ):
+            lease.keys = made  # the same prompt, longer: what a later store hashed
+        return made
 
-    def _plan(self, tokens: object, request_id: str, skip_leading_tokens: int) -> LookupPlan:
+    @_guarded
+    def request_keys(
+        self, tokens: object, request_id: str | None = None, *, cache_salt: str | None = None
+    ) -> RequestKeys:
+        """The chunk keys of ``tokens`` for ``request_id``, to pass to :meth:`store` and to
+        name its chunks (events, PD). What the request's lookup hashed is reused (a request
+        is hashed once); without a request id, or for one with no lease, they are hashed."""
+        _, leases = self._open_parts()
+        lease = None
+        if request_id is not None:
+            check_request_id(request_id)
+            lease = leases.get(request_id)
+        return self._request_keys(as_token_array(tokens), check_salt(cache_salt), lease)
+
+    @contextmanager
+    def loading(self, request_id: str) -> Iterator[bool]:
+        """``with engine.loading(rid) as live:`` load ``rid``'s hit only when ``live`` (it
+        holds a lease: looked up and not ended; a retrieve for an ended request would open
+        a lease nobody ends). Inside the block an :meth:`end_request` of ``rid`` (from
+        another thread) returns at once and releases the lease when the block exits: the
+        pages the load reads stay pinned until its last byte is copied."""
+        _, leases = self._open_parts()
+        lease = leases.begin_busy(request_id)
+        try:
+            yield lease is not None
+        finally:
+            if lease is not None:
+                leases.end_busy(lease)
+
+    def _plan(
+        self, tokens: object, request_id: str, skip_leading_tokens: int, salt: str | None
+    ) -> LookupPlan:
         _, leases = self._open_parts()
         check_request_id(request_id)
+        check_skip(skip_leading_tokens)
+        salt = check_salt(salt)
         lease = leases.get(request_id)
-        if lease is not None and lease.plan is not None:
-            keys = self._spans(tokens, skip_leading_tokens).keys
-            plan = lease.plan
-            hit = plan.hit_chunks
-            if tuple(keys[:hit]) == plan.keys[:hit]:
-                return plan
-        self.lookup(tokens, request_id, skip_leading_tokens=skip_leading_tokens)
+        if lease is not None and lease.plan is not None and lease.keys is not None:
+            # The lookup's tokens stay with the lease: the same hit prefix (a memory compare,
+            # no hash) reuses the plan it pinned.
+            array = as_token_array(tokens)
+            hit = lease.plan.hit_tokens
+            known = lease.keys
+            if (
+                salt == known.salt
+                and len(array) >= hit
+                and np.array_equal(array[:hit], known.tokens[:hit])
+            ):
+                return lease.plan
+        self.lookup(tokens, request_id, skip_leading_tokens=skip_leading_tokens, cache_salt=salt)
         lease = leases.get(request_id)
         assert lease is not None and lease.plan is not None
         return lease.plan
@@ -401,7 +529,7 @@ class Engine:
         lease = leases.get(request_id)
         if lease is None:
             raise StateError(f"request {request_id!r} ended before its retrieve")
-        skipped = [h.span for h in plan.hits if h.tier == ENGINE]
+        skipped = [h.span for h in plan.hits if h.tier is ENGINE]
         found = manager.locate(skipped, lease, 0)
         if len(found.hits) < len(skipped):
             n = skipped[-1].end
@@ -412,6 +540,7 @@ class Engine:
                 f"{request_id!r}, out, skip_leading_tokens={n}) instead"
             )
         plan.hits[: len(skipped)] = found.hits
+        plan.spare.extend(found.spare)
 
     def _load(self, plan: LookupPlan, request_id: str, out: torch.Tensor | None, start: int) -> int:
         manager, leases = self._open_parts()
@@ -419,7 +548,10 @@ class Engine:
         if lease is None:
             raise StateError(f"request {request_id!r} ended before its retrieve")
         before = self.observer.before_load(plan)
+        planned = plan.hit_tokens
         loaded = manager.load(plan, lease, out, start)
+        if loaded < planned:
+            lease.limit = plan.hit_chunks  # the rest is a miss for this request from now on
         self.observer.after_load(request_id, before, loaded)
         copied = self.observer.on_loaded(request_id, plan, start, loaded)
         self.counters.add(retrieved_tokens=copied, hit_tokens=copied)

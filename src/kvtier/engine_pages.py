@@ -20,16 +20,17 @@ import time
 from contextlib import AbstractContextManager
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from kvtier.config import Config
 from kvtier.errors import StateError
-from kvtier.keys import ChunkSpans, as_token_array
-from kvtier.lease import LeaseTable
+from kvtier.keys import RequestKeys, as_token_array, check_salt
+from kvtier.lease import Lease, LeaseTable
 from kvtier.observability.observer import Observer
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.manager import ENGINE, LookupPlan, StorageManager, StoreSlot
-from kvtier.validation import check_request_id
+from kvtier.validation import check_request_id, check_skip
 
 
 class PageHost(Protocol):
@@ -45,9 +46,13 @@ class PageHost(Protocol):
 
     def _open_parts(self) -> tuple[StorageManager, LeaseTable[LookupPlan]]: ...
 
-    def _spans(self, tokens: object, skip_leading_tokens: int) -> ChunkSpans: ...
+    def _request_keys(
+        self, tokens: np.ndarray, salt: str | None, lease: Lease[LookupPlan] | None
+    ) -> RequestKeys: ...
 
-    def _plan(self, tokens: object, request_id: str, skip_leading_tokens: int) -> LookupPlan: ...
+    def _plan(
+        self, tokens: object, request_id: str, skip_leading_tokens: int, salt: str | None
+    ) -> LookupPlan: ...
 
     def _load(
         self, plan: LookupPlan, request_id: str, out: torch.Tensor | None, start: int
@@ -61,7 +66,12 @@ class EnginePages:
         self._engine = engine
 
     def lease_pages(
-        self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0
+        self,
+        tokens: object,
+        request_id: str,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
     ) -> tuple[int, list[tuple[int, int, int]]]:
         """``Engine.retrieve_into`` without the copy: the chunks of the cached prefix from the
         skip on, each resident in a page that ``request_id``'s lease holds until
@@ -69,7 +79,7 @@ class EnginePages:
         engine = self._engine
         with engine._call():
             started = time.perf_counter()
-            plan = engine._plan(tokens, request_id, skip_leading_tokens)
+            plan = engine._plan(tokens, request_id, skip_leading_tokens, cache_salt)
             chunk = engine.config.chunk_size
             start = (skip_leading_tokens // chunk) * chunk
             loaded_end = engine._load(plan, request_id, None, start)
@@ -82,7 +92,12 @@ class EnginePages:
             return loaded_end, pages
 
     def reserve_pages(
-        self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0
+        self,
+        tokens: object,
+        request_id: str,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
     ) -> list[StoreSlot]:
         """``Engine.store`` without the copy: a page for each chunk of ``tokens`` not yet held
         (from the skip on), held by ``request_id``'s lease. Fill them, then
@@ -93,7 +108,8 @@ class EnginePages:
             manager, leases = engine._open_parts()
             check_request_id(request_id)
             array = as_token_array(tokens)
-            spans = engine._spans(array, skip_leading_tokens)
+            check_skip(skip_leading_tokens)
+            spans = engine._request_keys(array, check_salt(cache_salt), None).spans
             engine.counters.add(stores=1)
             offered = spans[skip_leading_tokens // engine.config.chunk_size :]
             slots, dropped = manager.reserve(offered)

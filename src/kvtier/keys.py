@@ -5,6 +5,11 @@ For chunks ``c_0, c_1, ...`` of ``chunk_size`` tokens (int32, little-endian)::
     h_-1 = H(fingerprint)                 the fingerprint seeds the chain, so two models,
     h_i  = H(h_{i-1} || bytes(c_i))       layouts or tenants never produce the same key
 
+A request may carry its own salt (vLLM's per-request ``cache_salt``): it re-seeds that
+request's chain, ``h_-1 = H(H(fingerprint) || "\x1fcache_salt\x1f" || salt)``, so every key
+of the request differs from every key of another salt or of no salt, while equal salts share.
+It composes with the fingerprint's own (engine-wide) ``cache_salt``: both are in the seed.
+
 ``h_i`` names chunk ``i`` *and everything before it*: equal keys mean equal prefixes.
 ``H`` is deterministic across processes and machines (xxh3-128 by default; never Python's
 salted ``hash()``).
@@ -250,31 +255,118 @@ class ChunkSpans(Sequence[ChunkSpan]):
         return f"ChunkSpans({len(self.keys)} chunks from {self.first}, size {self.chunk_size})"
 
 
+MAX_SALT_CHARS = 1024
+_SEEDS_KEPT = 4096  # salted seeds remembered (one hash each to make; tenants are few)
+
+
+def check_salt(salt: object) -> str | None:
+    """A per-request salt: None or a string (``""`` means none), at most
+    :data:`MAX_SALT_CHARS` characters. Anything else is an :class:`InputError`."""
+    if salt is None or salt == "":
+        return None
+    if not isinstance(salt, str):
+        raise InputError(f"cache_salt must be a string or None, got {type(salt).__name__}")
+    if len(salt) > MAX_SALT_CHARS:
+        raise InputError(
+            f"cache_salt has {len(salt)} characters; at most {MAX_SALT_CHARS} are accepted"
+        )
+    return salt
+
+
 class KeyChain:
-    """Turns token sequences into chunk keys for one fingerprint."""
+    """Turns token sequences into chunk keys for one fingerprint (and a request's salt)."""
 
     def __init__(self, fingerprint: Fingerprint) -> None:
         self.fingerprint = fingerprint
         self.chunk_size = fingerprint.chunk_size
         self._hash = _HASHERS[fingerprint.hash_algorithm]
         self._seed = fingerprint.digest()
+        self._salted: dict[str, bytes] = {}
+        self.chunks_hashed = 0  # chunks hashed since made (a diagnostic: tests count it)
         # numpy dtype whose items are whole chunks: .tolist() gives one bytes per chunk in C
         self._chunk_dtype = np.dtype((np.void, self.chunk_size * 4))
 
-    def keys(self, tokens: object, *, include_partial: bool) -> ChunkSpans:
-        """Spans of every full chunk, plus the last partial one when ``include_partial``."""
+    def seed(self, salt: str | None = None) -> bytes:
+        """``h_-1`` of a chain: the fingerprint's digest, re-seeded by a request's salt."""
+        salt = check_salt(salt)
+        if salt is None:
+            return self._seed
+        seed = self._salted.get(salt)
+        if seed is None:
+            seed = self._hash(self._seed + b"\x1fcache_salt\x1f" + salt.encode())
+            if len(self._salted) >= _SEEDS_KEPT:
+                self._salted.clear()
+            self._salted[salt] = seed
+        return seed
+
+    def keys(
+        self,
+        tokens: object,
+        *,
+        include_partial: bool,
+        salt: str | None = None,
+        known: Sequence[ChunkKey] = (),
+    ) -> ChunkSpans:
+        """Spans of every full chunk, plus the last partial one when ``include_partial``;
+        ``salt``: the request's own salt (see the module docstring). ``known``: the keys of
+        the first whole chunks of these same tokens and salt, computed before (a request's
+        lookup): they are reused, and only the chunks after them are hashed."""
+        seed = self.seed(salt)
         array = as_token_array(tokens)
         size = self.chunk_size
         n_full = len(array) // size
+        reuse = min(len(known), n_full)
         tail = array[n_full * size :] if include_partial else array[:0]
-        chunks: list[bytes] = array[: n_full * size].view(self._chunk_dtype).tolist()
+        chunks: list[bytes] = array[reuse * size : n_full * size].view(self._chunk_dtype).tolist()
         if len(tail):
             chunks.append(tail.tobytes())
-        chain = [self._seed]
+        self.chunks_hashed += len(chunks)
+        chain = [known[reuse - 1] if reuse else seed]
         # Each step reads the key the step before appended (see the module docstring).
         steps = map(chain.append, map(self._hash, map(operator.add, iter(chain), chunks)))
         deque(steps, maxlen=0)
         del chain[0]
-        keys = chain
+        keys = list(known[:reuse]) + chain if reuse else chain
         covered = len(array) if len(tail) else n_full * size
         return ChunkSpans(keys, size, covered)
+
+
+class RequestKeys:
+    """One request's tokens (int32) and salt with their chunk keys, kept with its lease so
+    the request is hashed once: a later call with the same tokens, or with more of them,
+    reuses the keys of every whole chunk whose tokens are unchanged (a memory compare, no
+    hash) and hashes only the rest."""
+
+    __slots__ = ("chain", "include_partial", "salt", "spans", "tokens")
+
+    def __init__(
+        self,
+        chain: KeyChain,
+        tokens: np.ndarray,
+        salt: str | None,
+        include_partial: bool,
+        known: Sequence[ChunkKey] = (),
+    ) -> None:
+        self.chain = chain
+        self.tokens = tokens
+        self.salt = salt
+        self.include_partial = include_partial
+        self.spans = chain.keys(tokens, include_partial=include_partial, salt=salt, known=known)
+
+    def whole_chunks_shared(self, tokens: np.ndarray, salt: str | None) -> int:
+        """How many leading whole chunks ``tokens`` (and ``salt``) share with these."""
+        if salt != self.salt:
+            return 0
+        size = self.chain.chunk_size
+        n = min(len(tokens), len(self.tokens)) // size * size
+        differ = np.flatnonzero(tokens[:n] != self.tokens[:n])
+        same = int(differ[0]) if len(differ) else n
+        return same // size
+
+    def for_tokens(self, tokens: np.ndarray, salt: str | None) -> RequestKeys:
+        """The keys of ``tokens``: these when they are the same, else new ones that reuse
+        the whole chunks they share."""
+        if salt == self.salt and np.array_equal(tokens, self.tokens):
+            return self
+        shared = self.whole_chunks_shared(tokens, salt)
+        return RequestKeys(self.chain, tokens, salt, self.include_partial, self.spans.keys[:shared])

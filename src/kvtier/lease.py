@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from kvtier.errors import StateError
+from kvtier.keys import RequestKeys
 from kvtier.memory.block_pool import BlockPool
 
 PlanT = TypeVar("PlanT")
@@ -85,6 +86,15 @@ class Lease(Generic[PlanT]):
     released: bool = False
     # The last lookup of this request, reused by retrieve (see StorageManager.locate).
     plan: PlanT | None = None
+    # The request's tokens and chunk keys (hashed once, by its lookup; see RequestKeys).
+    keys: RequestKeys | None = None
+    # Loads of the request running now (Engine.loading); an end that comes meanwhile only
+    # sets ``ending``, and the last load to finish releases the lease.
+    busy: int = 0
+    ending: bool = False
+    # Set when a load of this request came up short: the chunks it holds from the first
+    # failed one on (a count from chunk 0). A later lookup of the request stops there.
+    limit: int | None = None
     # False while only something acting for the request (a PD receiver) opened the lease and
     # the request itself (a lookup) has not come: since ``joined``, such a lease may expire.
     claimed: bool = True
@@ -105,6 +115,16 @@ class Lease(Generic[PlanT]):
         self.pool.release(pages)
         raise StateError(f"request {self.request_id!r} ended while it was taking pages")
 
+    def untake_pages(self, pages: list[int]) -> None:
+        """Move the references to ``pages`` (which this lease holds) back to the caller, who
+        must then release or hand them on. Raises :class:`StateError`, moving nothing, if the
+        request ended meanwhile (its pages were given back already)."""
+        with self._lock:
+            if self.released:
+                raise StateError(f"request {self.request_id!r} ended while it was loading")
+            for page in pages:
+                self.pages.remove(page)
+
     def take_hold(self, hold: Hold) -> None:
         with self._lock:
             if not self.released:
@@ -122,6 +142,7 @@ class Lease(Generic[PlanT]):
             pages, self.pages = self.pages, []
             holds, self.holds = self.holds, []
             self.plan = None
+            self.keys = None
         try:
             for hold in holds:
                 hold.release()
@@ -199,14 +220,42 @@ class LeaseTable(Generic[PlanT]):
             return self._leases.get(request_id)
 
     def end(self, request_id: str) -> bool:
-        """Release the request's lease. Returns False when it had none (already ended)."""
+        """Release the request's lease. Returns False when it had none (already ended). While
+        a load of the request runs (:meth:`begin_busy`), the release waits for its end."""
         with self._lock:
-            lease = self._leases.pop(request_id, None)
+            lease = self._leases.get(request_id)
+            if lease is not None and lease.busy:
+                if lease.ending:
+                    return False  # ended already, the release is pending
+                lease.ending = True
+                return True
+            self._leases.pop(request_id, None)
             self._remember_ended(request_id)
         if lease is None:
             return False
         lease.release()
         return True
+
+    def begin_busy(self, request_id: str) -> Lease[PlanT] | None:
+        """Mark a load of ``request_id`` running; None (nothing marked) when the request holds
+        no lease or is ending: a load for it must not run. Pair with :meth:`end_busy`."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.ending:
+                return None
+            lease.busy += 1
+            return lease
+
+    def end_busy(self, lease: Lease[PlanT]) -> None:
+        """The load :meth:`begin_busy` marked is done; an end that came meanwhile happens now."""
+        with self._lock:
+            lease.busy -= 1
+            if lease.busy or not lease.ending:
+                return
+            if self._leases.get(lease.request_id) is lease:
+                del self._leases[lease.request_id]
+                self._remember_ended(lease.request_id)
+        lease.release()
 
     def expire_unclaimed(
         self, ttl: float, now: float | None = None, busy: Collection[str] = ()

@@ -25,7 +25,7 @@ import logging
 import mmap
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
 from typing import Any
 
@@ -33,9 +33,9 @@ import torch
 
 from kvtier.admin.server import AdminServer
 from kvtier.config import Config
-from kvtier.engine import Engine
+from kvtier.engine import Engine, Hit
 from kvtier.errors import StateError
-from kvtier.keys import Fingerprint, KeyChain
+from kvtier.keys import Fingerprint, KeyChain, RequestKeys
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import Lifecycle
 from kvtier.pd.receiver import PDReceiver
@@ -141,21 +141,56 @@ class Service:
     def chunk_bytes(self) -> int:
         return self.engine.chunk_bytes
 
-    def lookup(self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0) -> int:
-        return self.engine.lookup(tokens, request_id, skip_leading_tokens=skip_leading_tokens)
-
-    def retrieve(self, tokens: object, request_id: str) -> torch.Tensor:
-        return self.engine.retrieve(tokens, request_id)
-
-    def retrieve_into(
-        self, tokens: object, request_id: str, out: torch.Tensor, *, skip_leading_tokens: int = 0
-    ) -> int:
-        return self.engine.retrieve_into(
-            tokens, request_id, out, skip_leading_tokens=skip_leading_tokens
+    def lookup(
+        self,
+        tokens: object,
+        request_id: str,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
+    ) -> Hit:
+        return self.engine.lookup(
+            tokens, request_id, skip_leading_tokens=skip_leading_tokens, cache_salt=cache_salt
         )
 
-    def store(self, tokens: object, kv: torch.Tensor, *, skip_leading_tokens: int = 0) -> int:
-        return self.engine.store(tokens, kv, skip_leading_tokens=skip_leading_tokens)
+    def retrieve(
+        self, tokens: object, request_id: str, *, cache_salt: str | None = None
+    ) -> torch.Tensor:
+        return self.engine.retrieve(tokens, request_id, cache_salt=cache_salt)
+
+    def retrieve_into(
+        self,
+        tokens: object,
+        request_id: str,
+        out: torch.Tensor,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
+    ) -> int:
+        return self.engine.retrieve_into(
+            tokens, request_id, out, skip_leading_tokens=skip_leading_tokens, cache_salt=cache_salt
+        )
+
+    def store(
+        self,
+        tokens: object,
+        kv: torch.Tensor,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
+        keys: RequestKeys | None = None,
+    ) -> int:
+        return self.engine.store(
+            tokens, kv, skip_leading_tokens=skip_leading_tokens, cache_salt=cache_salt, keys=keys
+        )
+
+    def request_keys(
+        self, tokens: object, request_id: str | None = None, *, cache_salt: str | None = None
+    ) -> RequestKeys:
+        return self.engine.request_keys(tokens, request_id, cache_salt=cache_salt)
+
+    def loading(self, request_id: str) -> AbstractContextManager[bool]:
+        return self.engine.loading(request_id)
 
     def end_request(self, request_id: str) -> bool:
         return self.engine.end_request(request_id)

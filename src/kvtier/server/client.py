@@ -31,8 +31,9 @@ from typing import Any, TypeVar
 import torch
 
 from kvtier.config import Config
+from kvtier.engine import Hit
 from kvtier.errors import InputError, StateError, TransferError
-from kvtier.keys import Fingerprint, KeyChain, as_token_array
+from kvtier.keys import Fingerprint, KeyChain, RequestKeys, as_token_array, check_salt
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.lifecycle import Lifecycle
 from kvtier.server import protocol as wire
@@ -95,6 +96,9 @@ class ServerClient:
             path, hello, self.config.blocking_timeout_secs, max_backoff=max_backoff
         )
         self._lock = threading.Lock()
+        # Requests this client looked up and has not ended: they hold a lease in the server.
+        self._live: set[str] = set()
+        self._live_lock = threading.Lock()
         self._store_ids = itertools.count(1)
         self._state = Lifecycle.NEW
         self.unserved = 0  # calls answered locally as a miss: no server, or it broke
@@ -141,21 +145,39 @@ class ServerClient:
         return None
 
     # -- the request API (as Engine) ---------------------------------------------------------
-    def lookup(self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0) -> int:
+    def lookup(
+        self,
+        tokens: object,
+        request_id: str,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
+    ) -> Hit:
         """Tokens of the longest cached prefix, pinned for ``request_id`` until
-        :meth:`end_request` (0 beyond the skip when the server is unreachable)."""
+        :meth:`end_request`, and how many of them are in the server's CPU tier (0 beyond
+        the skip when the server is unreachable)."""
         check_request_id(request_id)
         check_skip(skip_leading_tokens)
         array = as_token_array(tokens)
-        request = wire.Lookup(request_id, array.tobytes(), skip_leading_tokens)
+        salt = check_salt(cache_salt)
+        request = wire.Lookup(request_id, array.tobytes(), skip_leading_tokens, salt)
         held = self._held(len(array), skip_leading_tokens)
-        return self._exchange(request, lambda r: _expect(r, wire.Hit).tokens, held)
 
-    def retrieve(self, tokens: object, request_id: str) -> torch.Tensor:
+        def hit(reply: wire.Reply) -> Hit:
+            found = _expect(reply, wire.Hit)
+            with self._live_lock:
+                self._live.add(request_id)
+            return Hit(found.tokens, found.cpu_tokens)
+
+        return self._exchange(request, hit, Hit(held, held))
+
+    def retrieve(
+        self, tokens: object, request_id: str, *, cache_salt: str | None = None
+    ) -> torch.Tensor:
         """KV of the cached prefix, ``[2, layers, hit, hidden]`` (hit 0 without a server)."""
         check_request_id(request_id)
         array = as_token_array(tokens)
-        request = wire.Retrieve(request_id, array.tobytes(), 0)
+        request = wire.Retrieve(request_id, array.tobytes(), 0, check_salt(cache_salt))
 
         def copy(reply: wire.Reply) -> torch.Tensor:
             pages = _expect(reply, wire.Pages)
@@ -167,7 +189,13 @@ class ServerClient:
         return self._exchange(request, copy, nothing)
 
     def retrieve_into(
-        self, tokens: object, request_id: str, out: torch.Tensor, *, skip_leading_tokens: int = 0
+        self,
+        tokens: object,
+        request_id: str,
+        out: torch.Tensor,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
     ) -> int:
         """Copy the cached prefix from the shared pages into ``out`` (``[2, layers, >=hit,
         hidden]``, any device). Returns the end of the loaded prefix."""
@@ -187,7 +215,8 @@ class ServerClient:
                 f"[2, {lay.num_layers}, >=hit, {lay.hidden}], got {shape}"
             )
         array = as_token_array(tokens)
-        request = wire.Retrieve(request_id, array.tobytes(), skip_leading_tokens)
+        salt = check_salt(cache_salt)
+        request = wire.Retrieve(request_id, array.tobytes(), skip_leading_tokens, salt)
 
         def copy(reply: wire.Reply) -> int:
             pages = _expect(reply, wire.Pages)
@@ -198,19 +227,28 @@ class ServerClient:
 
         return self._exchange(request, copy, self._held(len(array), skip_leading_tokens))
 
-    def store(self, tokens: object, kv: torch.Tensor, *, skip_leading_tokens: int = 0) -> int:
+    def store(
+        self,
+        tokens: object,
+        kv: torch.Tensor,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
+        keys: RequestKeys | None = None,
+    ) -> int:
         """Store the KV of ``tokens`` (``[2, layers, len(tokens), hidden]``): the server gives
         pages for the chunks it lacks, this process copies into them. Returns chunks stored
         (0 without a server: the store is dropped)."""
         check_skip(skip_leading_tokens)
         array = as_token_array(tokens)
+        salt = check_salt(cache_salt)
         check_kv(kv, self.layout, len(array))
         store_id = next(self._store_ids)
         with self._lock:
             if not self._ready():
                 return 0
             try:
-                reserve = wire.Reserve(store_id, array.tobytes(), skip_leading_tokens)
+                reserve = wire.Reserve(store_id, array.tobytes(), skip_leading_tokens, salt)
                 slots = _expect(_raise_failed(self._link.call(reserve)), wire.Pages)
                 try:
                     self._copy_in(slots, kv)
@@ -232,9 +270,30 @@ class ServerClient:
         """Release everything ``request_id`` holds on the server. False if it held nothing
         (or the server is gone, which released it already)."""
         check_request_id(request_id)
+        with self._live_lock:
+            self._live.discard(request_id)
         return self._exchange(
             wire.EndRequest(request_id), lambda r: _expect(r, wire.Ended).ok, False
         )
+
+    def request_keys(
+        self, tokens: object, request_id: str | None = None, *, cache_salt: str | None = None
+    ) -> RequestKeys:
+        """The chunk keys of ``tokens`` as the server computes them (hashed here: the
+        server keeps its own with the lease), e.g. to name stored chunks in events."""
+        array = as_token_array(tokens)
+        salt = check_salt(cache_salt)
+        return RequestKeys(self.keychain, array, salt, self.config.save_unfull_chunk)
+
+    @contextmanager
+    def loading(self, request_id: str) -> Iterator[bool]:
+        """``with client.loading(rid) as live:`` load only when ``live``: this client looked
+        ``rid`` up and has not ended it (a retrieve for an ended request would open a server
+        lease nobody ends). An end waits for a retrieve in flight anyway: both take this
+        client's one connection in turn."""
+        with self._live_lock:
+            live = request_id in self._live
+        yield live
 
     @contextmanager
     def request(self, request_id: str) -> Iterator[str]:
@@ -296,6 +355,8 @@ class ServerClient:
     def _lost(self, exc: Exception) -> None:
         self.unserved += 1
         self._link.drop(str(exc))
+        with self._live_lock:
+            self._live.clear()  # the server released the connection's leases
 
     def _held(self, num_tokens: int, skip: int) -> int:
         """What a miss reports: the whole chunks the engine already holds (the skip)."""

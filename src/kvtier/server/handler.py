@@ -117,23 +117,25 @@ def _dispatch(
     session: Session, engine: Engine, message: wire.Message, info: Callable[[], dict[str, Any]]
 ) -> wire.Reply:
     match message:
-        case wire.Lookup(request_id=rid, tokens=raw, skip=skip):
+        case wire.Lookup(request_id=rid, tokens=raw, skip=skip, cache_salt=salt):
             tokens = _tokens(raw)
             if _over_pin_budget(session, engine):
                 # A miss, but the request is open as after any lookup (and ends once): a
                 # lookup of its first token alone, shorter than a chunk, pins nothing.
                 engine.lookup(tokens[:1], session.request_id(rid))
                 return wire.Hit(skip)
-            hit = engine.lookup(tokens, session.request_id(rid), skip_leading_tokens=skip)
-            return wire.Hit(hit)
-        case wire.Retrieve(request_id=rid, tokens=raw, skip=skip):
+            hit = engine.lookup(
+                tokens, session.request_id(rid), skip_leading_tokens=skip, cache_salt=salt
+            )
+            return wire.Hit(hit.tokens, hit.cpu_tokens)
+        case wire.Retrieve(request_id=rid, tokens=raw, skip=skip, cache_salt=salt):
             end, held = engine.pages().lease_pages(
-                _tokens(raw), session.request_id(rid), skip_leading_tokens=skip
+                _tokens(raw), session.request_id(rid), skip_leading_tokens=skip, cache_salt=salt
             )
             return wire.Pages(
                 end, [p for p, _, _ in held], [s for _, s, _ in held], [n for _, _, n in held]
             )
-        case wire.Reserve(store_id=store_id, tokens=raw, skip=skip):
+        case wire.Reserve(store_id=store_id, tokens=raw, skip=skip, cache_salt=salt):
             if session.store is not None:
                 raise ProtocolError(
                     f"Reserve({store_id}) while store {session.store[0]} is not committed"
@@ -143,7 +145,9 @@ def _dispatch(
             if _over_pin_budget(session, engine):
                 slots = []  # no pages: the client commits nothing, the store is dropped
             else:
-                slots = engine.pages().reserve_pages(tokens, rid, skip_leading_tokens=skip)
+                slots = engine.pages().reserve_pages(
+                    tokens, rid, skip_leading_tokens=skip, cache_salt=salt
+                )
             session.store = (store_id, rid, slots)
             return wire.Pages(
                 0,

@@ -17,12 +17,12 @@ answered by exactly one reply::
                                                  or makes the model's engine
                                              <-  Welcome(num_pages, page_bytes) + memfd
                                                  | Refused(message), then closes
-    Lookup(rid, tokens, skip)                ->  pins the hit prefix in lease (conn, rid)
-                                             <-  Hit(tokens)
-    Retrieve(rid, tokens, skip)              ->  makes the hit resident in pages of the lease
+    Lookup(rid, tokens, skip, salt)          ->  pins the hit prefix in lease (conn, rid)
+                                             <-  Hit(tokens, cpu_tokens)
+    Retrieve(rid, tokens, skip, salt)        ->  makes the hit resident in pages of the lease
                                              <-  Pages(end, pages, starts, counts)
       client copies each page out of the shared buffer (the one copy)
-    Reserve(store_id, tokens, skip)          ->  a page per chunk not held, in lease (conn, #id)
+    Reserve(store_id, tokens, skip, salt)    ->  a page per chunk not held, in lease (conn, #id)
                                              <-  Pages(0, pages, starts, counts)
       client copies its KV into each page (the one copy)
     Commit(store_id, ok)                     ->  publishes the pages (ok) or gives them back
@@ -73,18 +73,21 @@ class Lookup(msgspec.Struct, tag=True):
     request_id: str
     tokens: bytes  # int32 little-endian
     skip: int = 0
+    cache_salt: str | None = None  # the request's own salt (vLLM's cache_salt): its keys
 
 
 class Retrieve(msgspec.Struct, tag=True):
     request_id: str
     tokens: bytes
     skip: int = 0
+    cache_salt: str | None = None
 
 
 class Reserve(msgspec.Struct, tag=True):
     store_id: int
     tokens: bytes
     skip: int = 0
+    cache_salt: str | None = None
 
 
 class Commit(msgspec.Struct, tag=True):
@@ -127,6 +130,7 @@ class Refused(msgspec.Struct, tag=True):
 
 class Hit(msgspec.Struct, tag=True):
     tokens: int
+    cpu_tokens: int = 0  # of which in the CPU tier (load at once; the rest reads a lower tier)
 
 
 class Pages(msgspec.Struct, tag=True):

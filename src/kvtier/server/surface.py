@@ -14,8 +14,8 @@ from typing import Any, Protocol
 import torch
 
 from kvtier.config import Config
-from kvtier.engine import Engine
-from kvtier.keys import Fingerprint, KeyChain
+from kvtier.engine import Engine, Hit
+from kvtier.keys import Fingerprint, KeyChain, RequestKeys
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import Lifecycle
 from kvtier.server.client import ServerClient
@@ -41,15 +41,44 @@ class KVCache(Protocol):
     @property
     def state(self) -> Lifecycle: ...
 
-    def lookup(self, tokens: object, request_id: str, *, skip_leading_tokens: int = 0) -> int: ...
+    def lookup(
+        self,
+        tokens: object,
+        request_id: str,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
+    ) -> Hit: ...
 
-    def retrieve(self, tokens: object, request_id: str) -> torch.Tensor: ...
+    def retrieve(
+        self, tokens: object, request_id: str, *, cache_salt: str | None = None
+    ) -> torch.Tensor: ...
 
     def retrieve_into(
-        self, tokens: object, request_id: str, out: torch.Tensor, *, skip_leading_tokens: int = 0
+        self,
+        tokens: object,
+        request_id: str,
+        out: torch.Tensor,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
     ) -> int: ...
 
-    def store(self, tokens: object, kv: torch.Tensor, *, skip_leading_tokens: int = 0) -> int: ...
+    def store(
+        self,
+        tokens: object,
+        kv: torch.Tensor,
+        *,
+        skip_leading_tokens: int = 0,
+        cache_salt: str | None = None,
+        keys: RequestKeys | None = None,
+    ) -> int: ...
+
+    def request_keys(
+        self, tokens: object, request_id: str | None = None, *, cache_salt: str | None = None
+    ) -> RequestKeys: ...
+
+    def loading(self, request_id: str) -> AbstractContextManager[bool]: ...
 
     def end_request(self, request_id: str) -> bool: ...
 

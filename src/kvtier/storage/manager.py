@@ -12,6 +12,11 @@ Every counted chunk is pinned for the request in its lease: a CPU page reference
 the lower-tier entry (a tier that cannot pin, such as a shared remote store, may still miss
 at retrieve; the hit then ends there and the engine recomputes the rest).
 
+A lower-tier chunk is read into a CPU page at load time, so the lookup also reserves one free
+page per lower-tier chunk of the hit (``LookupPlan.spare``, held by the lease): a hit is never
+promised that cannot get a page to load into. When the pages run out the hit ends before the
+first lower-tier chunk without one (declined now, rather than failing at load).
+
 Tier roles (the three modes LMCache users run, see README)::
 
     local_cpu  use_only_staging_buffer   CPU index visible   disk/remote hit copied to CPU
@@ -80,7 +85,7 @@ class LookupPlan:
     where each chunk is copied anyway).
     """
 
-    __slots__ = ("_hits", "_pages", "keys", "runs", "spans")
+    __slots__ = ("_hits", "_pages", "keys", "runs", "spans", "spare")
 
     def __init__(
         self,
@@ -88,12 +93,26 @@ class LookupPlan:
         runs: list[tuple[Source, int, int]],
         pages: list[int | None],
         hits: list[ChunkHit] | None = None,
+        spare: list[int] | None = None,
     ) -> None:
         self.spans = spans
         self.keys: tuple[ChunkKey, ...] = tuple(spans.keys)
         self.runs = runs  # (tier, first chunk, end chunk), consecutive from chunk 0
         self._pages = pages  # by chunk: the CPU page the lease holds for it, or None
         self._hits = hits
+        # Free pages the lease holds for this plan's lower-tier chunks to be read into.
+        self.spare: list[int] = spare if spare is not None else []
+
+    @property
+    def cpu_tokens(self) -> int:
+        """The end of the hit's leading run in the CPU tier (or held by the engine): what
+        loads without reading a lower tier."""
+        end = 0
+        for tier, _, last in self.runs:
+            if tier is not ENGINE and tier.name != "cpu":
+                break
+            end = last
+        return self.spans.end(end - 1) if end else 0
 
     @property
     def hit_chunks(self) -> int:
@@ -226,16 +245,54 @@ class StorageManager:
                 pages += cpu_pages
                 runs.append((self.cpu, done, done + len(cpu_pages)))
                 done += len(cpu_pages)
+        spare: list[int] = []
         if done < len(spans):
             rest = spans[done:]
-            for hit in self._locate_each(rest, lease):
+            located = self._locate_each(rest, lease)
+            located, spare = self._reserve_loads(located, lease)
+            for hit in located:
                 index = hit.span.index - spans.first
                 pages.append(hit.page)
                 if runs and runs[-1][0] is hit.tier and runs[-1][2] == index:
                     runs[-1] = (hit.tier, runs[-1][1], index + 1)
                 else:
                     runs.append((hit.tier, index, index + 1))
-        return LookupPlan(spans, runs, pages)
+        return LookupPlan(spans, runs, pages, spare=spare)
+
+    def _reserve_loads(
+        self, hits: list[ChunkHit], lease: Lease[LookupPlan]
+    ) -> tuple[list[ChunkHit], list[int]]:
+        """A free page, held by the lease, for each lower-tier chunk of ``hits`` to be read
+        into at load. Where pages run out the hit ends (before the first chunk without one):
+        a hit that could not be loaded is never promised."""
+        lower = [i for i, h in enumerate(hits) if h.page is None]
+        spare: list[int] = []
+        for _ in lower:
+            got = self.cpu.allocate(1)
+            if got is None:
+                break
+            spare.extend(got)
+        lease.take_pages(spare)
+        if len(spare) < len(lower):
+            end = lower[len(spare)]
+            log.debug(
+                "lookup declined %d lower-tier chunks: no free CPU page to load them into",
+                len(hits) - end,
+            )
+            hits = hits[:end]  # their pins stay in the lease until it ends
+        return hits, spare
+
+    def _load_pages(self, plan: LookupPlan, lease: Lease[LookupPlan], count: int) -> list[int]:
+        """Up to ``count`` pages for lower-tier reads, each with one reference for the caller:
+        the plan's reserved ones first (taken back from the lease), then fresh ones if the
+        pool has them. Fewer (maybe none) when neither has enough."""
+        take = plan.spare[:count]
+        if take:
+            lease.untake_pages(take)  # StateError if the request ended: pages stay its
+            del plan.spare[: len(take)]
+        if len(take) < count:
+            take += self.cpu.allocate(count - len(take)) or []
+        return take
 
     def _locate_each(self, rest: ChunkSpans, lease: Lease[LookupPlan]) -> list[ChunkHit]:
         """Chunk by chunk, every tier: where the CPU prefix ended (a lower-tier hit, or a
@@ -302,7 +359,7 @@ class StorageManager:
         for hit in plan.hits:
             span = hit.span
             if hit.tier is not ENGINE and span.end > start_token:
-                if hit.failed or (hit.page is None and not self._fetch(hit, hit.tier, lease)):
+                if hit.failed or (hit.page is None and not self._fetch(hit, hit.tier, plan, lease)):
                     break
                 assert hit.page is not None
                 if out is not None:
@@ -325,8 +382,12 @@ class StorageManager:
             if hit.span.end > start_token:
                 todo.setdefault(tier, []).append(hit)
         for tier, hits in todo.items():
-            pages = self.cpu.allocate(len(hits)) if len(hits) > 1 else None
-            if pages is None:
+            if len(hits) < 2:
+                continue
+            pages = self._load_pages(plan, lease, len(hits))
+            hits = hits[: len(pages)]  # the rest are read one by one (_fetch)
+            if len(pages) < 2:
+                self.pool.release(pages)
                 continue
             try:
                 views = [self.pool.page_bytes_view(p) for p in pages]
@@ -358,10 +419,11 @@ class StorageManager:
                     self.pool.release(pages[i + 1 :])
                     raise
 
-    def _fetch(self, hit: ChunkHit, tier: Tier, lease: Lease[LookupPlan]) -> bool:
-        """Read ``hit``'s chunk from ``tier`` (a lower one) into a fresh page ``lease`` holds."""
-        pages = self.cpu.allocate(1)
-        if pages is None:
+    def _fetch(self, hit: ChunkHit, tier: Tier, plan: LookupPlan, lease: Lease[LookupPlan]) -> bool:
+        """Read ``hit``'s chunk from ``tier`` (a lower one) into a page (reserved at lookup,
+        else a fresh one) that ``lease`` then holds."""
+        pages = self._load_pages(plan, lease, 1)
+        if not pages:
             log.warning("no free CPU page to load a %s hit into; recomputing from here", tier.name)
             self.counters.add(load_failures=1)
             return False

@@ -19,6 +19,10 @@ PROMPTS: dict[str, list[int]] = {
     "d": tokens(700, seed=4),  # read back from disk in a fresh instance
     "e": tokens(600, seed=5),  # stored by one vLLM, read through Redis by another
     "long": tokens(3900, seed=6),  # long enough to kill a prefiller while it works on it
+    "salted": tokens(1000, seed=21),  # stored under one cache_salt, asked under others
+    "corrupt": tokens(1000, seed=22),  # every disk chunk corrupted (prefix cache off)
+    "deleted": tokens(700, seed=23),  # its disk files deleted under the live index
+    **{f"busy{i}": tokens(600, seed=30 + i) for i in range(6)},  # concurrent disk hits
 }
 PROMPTS["b"] = PROMPTS["a"][:512] + tokens(300, seed=2)  # shares 2 chunks with "a"
 PROMPTS["a_exact"] = PROMPTS["a"][:768]  # exactly 3 chunks: the last token is recomputed

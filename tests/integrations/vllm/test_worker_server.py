@@ -76,8 +76,9 @@ def test_one_worker_loads_what_another_saved_and_leases_end_once(kvserver: Serve
         assert [(e[0], e[5]) for e in first.take_events()] == [("stored", MEDIUM["cpu"])] * 2
 
         # the same vLLM request id in both workers: two leases, one per connection
-        assert a.call("lookup", "same", tokens) == (64, 0)  # CPU share unknown: async load
-        assert b.call("lookup", "same", tokens) == (64, 0)
+        # the CPU share crosses the server too (wire.Hit): a CPU hit loads in the step
+        assert a.call("lookup", "same", tokens) == (64, 64)
+        assert b.call("lookup", "same", tokens) == (64, 64)
         assert checker.stats()["open_requests"] == 2
         assert checker.stats()["pinned_pages"] == 4
 
@@ -94,7 +95,7 @@ def test_one_worker_loads_what_another_saved_and_leases_end_once(kvserver: Serve
         assert idle_server_state(checker) == IDLE
 
         # a worker that goes away with a lease open releases it in the server
-        assert b.call("lookup", "open", tokens) == (64, 0)
+        assert b.call("lookup", "open", tokens) == (64, 64)
         assert checker.stats()["pinned_pages"] == 2
         b.close()
         second.close()
@@ -150,3 +151,32 @@ def test_vllm_metrics_export_no_kvtier_counters_when_the_cache_is_a_server() -> 
     metrics.observe({"hit_tokens": 5})  # a stray report is dropped, not an error
     names = {m.name for m in REGISTRY.collect()}
     assert not any(name.startswith("vllm:kvtier") for name in names)
+
+
+def test_a_cache_salt_crosses_the_server(kvserver: ServerProcess) -> None:
+    """The salt travels in Lookup, Retrieve and Reserve: a chunk stored for one salt is
+    never served to another through the server either."""
+    checker = ServerClient(kvserver.url, LAYOUT, model_name="tiny-server", config=config()).open()
+    first, second = server_worker(kvserver.url), server_worker(kvserver.url)
+    client = LookupClient(second.engine_id)
+    try:
+        tokens = list(range(900, 980))
+        fill(first, [3, 4, 5, 6], seed=8)
+        spec = SaveSpec("s", tokens[:64], [3, 4, 5, 6], 0, 64, None, "tenant-A")
+        first.save(KVTierMetadata(saves=[spec]))
+        assert client.call("lookup", "b", tokens, "tenant-B")[0] == 0
+        assert client.call("lookup", "n", tokens)[0] == 0
+        assert client.call("lookup", "a", tokens, "tenant-A")[0] == 64
+        load = LoadSpec("a", tokens, [20, 21, 22, 23], 0, 64, cache_salt="tenant-A")
+        second.load(KVTierMetadata(loads=[load]))
+        assert second.paged is not None and first.paged is not None
+        for mine, theirs in zip(second.paged.layers, first.paged.layers, strict=True):
+            assert torch.equal(mine[[20, 21, 22, 23]], theirs[[3, 4, 5, 6]])
+        for rid in ("a", "b", "n"):
+            client.call("end", rid)
+        assert idle_server_state(checker) == IDLE
+    finally:
+        client.close()
+        first.close()
+        second.close()
+        checker.close()

@@ -217,14 +217,14 @@ def test_an_end_during_a_load_waits_for_it(worker: WorkerSide) -> None:
     worker.save(KVTierMetadata(saves=[SaveSpec("a", tokens, [1, 2, 3, 4], 0, 64)]))
     client = LookupClient(worker.engine_id)
     assert client.call("lookup", "b", tokens)[0] == 64
-    assert worker._loads is not None and worker.engine is not None
-    leases = worker._loads.leases
-    assert leases.begin_load("b")  # a load of b is running...
-    assert client.call("end", "b") is True  # ...so the end is deferred:
-    assert worker.engine.stats()["pinned_pages"] == 2  # the pins stay while it copies
-    leases.end_load("b")
+    assert worker.engine is not None
+    with worker.engine.loading("b") as live:  # a load of b is running...
+        assert live
+        assert client.call("end", "b") is True  # ...so the end is deferred:
+        assert worker.engine.stats()["pinned_pages"] == 2  # the pins stay while it copies
     assert worker.engine.stats()["pinned_pages"] == 0 and worker.engine.leaks() == []
-    assert not leases.begin_load("b")  # ended: a late load is refused
+    with worker.engine.loading("b") as live:
+        assert not live  # ended: a late load is refused
     client.close()
 
 
@@ -258,8 +258,158 @@ def test_counter_deltas_report_each_increase_once_and_nothing_on_idle_steps(
     assert client.call("lookup", "t", tokens)[0] == 64
     client.call("end", "t")
     client.close()
-    assert worker.counter_deltas() == {"lookups": 1, "lookup_tokens": 64, "hit_tokens": 64}
+    assert worker.counter_deltas() == {"lookups": 1, "lookup_tokens": 64, "found_tokens": 64}
     assert worker.counter_deltas() == {}
     # an idle step also answers the load reports without finding anything
     assert worker.finished_loads() == set() and worker.failed_blocks() == set()
     assert worker.short_loads() == {}
+
+
+def test_a_requests_cache_salt_keys_its_lookup_load_save_and_events(worker: WorkerSide) -> None:
+    """vLLM's per-request cache_salt: what a request salted "A" saved is a miss for "B" and
+    for no salt, a hit for "A"; its events carry the salted keys."""
+    assert worker.engine is not None and worker.paged is not None
+    tokens = list(range(300, 380))
+    fill(worker, [3, 4, 5, 6], seed=11)
+    worker.save(KVTierMetadata(saves=[SaveSpec("s", tokens[:64], [3, 4, 5, 6], 0, 64, None, "A")]))
+    stored = [e for e in worker.take_events() if e[0] == "stored"]
+    salted = [
+        s.key for s in worker.engine.keychain.keys(tokens[:64], include_partial=False, salt="A")
+    ]
+    assert [e[1] for e in stored] == salted
+    scheduler = SchedulerSide(
+        [LookupClient(worker.engine_id)], block_size=BLOCK, chunk_size=CHUNK, loads=True, saves=True
+    )
+    for rid, salt in (("b", "B"), ("none", None)):
+        request = SimpleNamespace(request_id=rid, prompt_token_ids=tokens, cache_salt=salt)
+        assert scheduler.num_new_matched_tokens(request, 0) == (0, False)
+    request = SimpleNamespace(request_id="a", prompt_token_ids=tokens, cache_salt="A")
+    assert scheduler.num_new_matched_tokens(request, 0) == (64, False)
+    scheduler.after_alloc(request, [20, 21, 22, 23, 24], 64)
+    out = SimpleNamespace(
+        preempted_req_ids=set(),
+        scheduled_new_reqs=[
+            SimpleNamespace(
+                req_id="a",
+                prompt_token_ids=tokens,
+                block_ids=([20, 21, 22, 23, 24],),
+                num_computed_tokens=64,
+            )
+        ],
+        num_scheduled_tokens={"a": 16},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+    )
+    meta = scheduler.build_meta(out)
+    assert [(s.request_id, s.cache_salt) for s in meta.loads] == [("a", "A")]
+    worker.load(meta)
+    for layer in worker.paged.layers:
+        assert torch.equal(layer[[20, 21, 22, 23]], layer[[3, 4, 5, 6]])
+    for rid in ("a", "b", "none"):
+        scheduler.finished(rid)
+    assert worker.engine.leaks() == [] and worker.engine.check_invariants() == []
+    scheduler.close()
+
+
+def test_a_load_that_fails_is_never_offered_again() -> None:
+    """Redis holds the hit, then stops before the load: the load fails, and from then on
+    the failed chunks are a miss for that request, on both sides: the scheduler offers
+    nothing when vLLM asks again, and a new lookup of it on the worker finds nothing."""
+    from tests.redis_servers import RedisServer
+
+    redis = RedisServer().start()
+    try:
+        tokens = list(range(700, 780))
+        first = make_worker(remote_url=redis.url)
+        fill(first, [3, 4, 5, 6], seed=12)
+        first.save(KVTierMetadata(saves=[SaveSpec("w", tokens[:64], [3, 4, 5, 6], 0, 64)]))
+        first.close()  # drains the Redis writes
+        second = make_worker(remote_url=redis.url)  # CPU empty: the hit is in Redis only
+        scheduler = SchedulerSide(
+            [LookupClient(second.engine_id)],
+            block_size=BLOCK,
+            chunk_size=CHUNK,
+            loads=True,
+            saves=True,
+        )
+        try:
+            request = SimpleNamespace(request_id="r", prompt_token_ids=tokens)
+            assert scheduler.num_new_matched_tokens(request, 0) == (64, True)
+            scheduler.after_alloc(request, [30, 31, 32, 33, 34], 64)
+            redis.stop()  # mid-load: after the lookup promised it, before the read
+            out = SimpleNamespace(
+                preempted_req_ids=None,
+                scheduled_new_reqs=[],
+                num_scheduled_tokens={},
+                scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+            )
+            second.load(scheduler.build_meta(out))
+            deadline = time.monotonic() + 30
+            while "r" not in second.finished_loads():
+                assert time.monotonic() < deadline, "the failed load was never reported"
+                time.sleep(0.01)
+            assert second.failed_blocks() == {30, 31, 32, 33}
+            scheduler.short_loads(second.short_loads())
+            # vLLM reschedules the request from token 0 and asks again: nothing is offered
+            assert scheduler.num_new_matched_tokens(request, 0) == (0, False)
+            assert second.engine is not None
+            # The worker's lease remembers it too: with the chunks back (stored again, in
+            # the CPU tier now), another request hits them and this one still does not.
+            redis.start()
+            fill(second, [3, 4, 5, 6], seed=12)
+            second.save(KVTierMetadata(saves=[SaveSpec("w2", tokens[:64], [3, 4, 5, 6], 0, 64)]))
+            probe = LookupClient(second.engine_id)
+            assert probe.call("lookup", "other", tokens) == (64, 64)
+            assert probe.call("lookup", "r", tokens) == (0, 0)
+            probe.call("end", "other")
+            probe.close()
+            scheduler.finished("r")
+            assert second.engine.leaks() == [] and second.engine.check_invariants() == []
+        finally:
+            scheduler.close()
+            second.close()
+    finally:
+        redis.cleanup()
+
+
+def test_one_request_is_hashed_once_through_lookup_load_save_and_end(worker: WorkerSide) -> None:
+    """The prompt's chunks are hashed by its lookup and by nothing after it: the load reuses
+    the plan the lease pinned, the save of its new chunks and their events reuse the keys
+    kept with the lease, the end hashes nothing (before: lookup, CPU share, load, store and
+    events each hashed the prompt again)."""
+    assert worker.engine is not None
+    chain = worker.engine.keychain
+    tokens = list(range(2000, 2000 + 4 * CHUNK + 8))  # 4 whole chunks + 8
+    fill(worker, [1, 2, 3, 4], seed=13)
+    worker.save(KVTierMetadata(saves=[SaveSpec("w", tokens[:64], [1, 2, 3, 4], 0, 64)]))
+    worker.take_events()
+    scheduler = SchedulerSide(
+        [LookupClient(worker.engine_id)], block_size=BLOCK, chunk_size=CHUNK, loads=True, saves=True
+    )
+    before = chain.chunks_hashed
+    request = SimpleNamespace(request_id="r", prompt_token_ids=tokens)
+    assert scheduler.num_new_matched_tokens(request, 0) == (64, False)
+    assert chain.chunks_hashed - before == 4  # the lookup: each whole chunk, once
+    dst = list(range(20, 29))
+    scheduler.after_alloc(request, dst, 64)
+    out = SimpleNamespace(
+        preempted_req_ids=set(),
+        scheduled_new_reqs=[
+            SimpleNamespace(
+                req_id="r", prompt_token_ids=tokens, block_ids=(dst,), num_computed_tokens=64
+            )
+        ],
+        num_scheduled_tokens={"r": len(tokens) - 64},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+    )
+    meta = scheduler.build_meta(out)
+    assert [(s.start, s.end) for s in meta.loads] == [(0, 64)]
+    assert [(s.start, s.end) for s in meta.saves] == [(64, 128)]
+    worker.load(meta)
+    worker.save(meta)
+    assert worker.failed_blocks() == set()
+    assert len([e for e in worker.take_events() if e[0] == "stored"]) == 2  # chunks 2 and 3
+    scheduler.finished("r")
+    assert chain.chunks_hashed - before == 4  # load, save, events and end: no hash
+    assert worker.engine.stats()["stored_chunks"] == 4
+    assert worker.engine.leaks() == [] and worker.engine.check_invariants() == []
+    scheduler.close()

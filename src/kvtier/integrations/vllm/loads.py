@@ -12,17 +12,17 @@ the first one it could not fill (:meth:`failed_blocks`: vLLM recomputes them) an
 it did deliver (:meth:`short_loads`: the scheduler re-saves the recomputed chunks). For an
 async load both are recorded before the request is reported finished, as vLLM requires.
 
-Leases and loads (:class:`Leases`): a load runs only for a request whose lookup lease is
-open, and an ``end`` that arrives while one of its loads is running is deferred until the
-load is done: the pins it reads must stay until its last byte is copied. A load for a
-request that already ended is skipped (a retrieve would open a fresh lease nobody ends).
+Leases and loads: each load runs inside ``cache.loading(rid)``, the cache's own busy count
+on the request's lease. A load runs only for a request whose lookup lease is open, and an
+``end`` that arrives while one of its loads is running releases the lease when the load is
+done: the pins it reads must stay until its last byte is copied. A load for a request that
+already ended is skipped (a retrieve would open a fresh lease nobody ends).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -38,59 +38,11 @@ log = logging.getLogger(__name__)
 Scratch = Callable[[int], torch.Tensor]
 
 
-class Leases:
-    """Which requests hold a lookup lease, and which are being loaded right now."""
-
-    def __init__(self, engine: KVCache) -> None:
-        self.engine = engine
-        self._lock = threading.Lock()
-        self._live: set[str] = set()
-        self._loading: Counter[str] = Counter()
-        self._deferred: set[str] = set()
-
-    def looked_up(self, rid: str) -> None:
-        with self._lock:
-            self._live.add(rid)
-
-    def end(self, rid: str) -> bool:
-        """End ``rid``'s lease now, or when its running loads are done. True if it held one."""
-        with self._lock:
-            held = rid in self._live
-            self._live.discard(rid)
-            if self._loading[rid]:
-                self._deferred.add(rid)
-                return held
-        return self.engine.end_request(rid) or held
-
-    def begin_load(self, rid: str) -> bool:
-        with self._lock:
-            if rid not in self._live:
-                return False
-            self._loading[rid] += 1
-            return True
-
-    def end_load(self, rid: str) -> None:
-        with self._lock:
-            self._loading[rid] -= 1
-            if self._loading[rid]:
-                return
-            del self._loading[rid]
-            if rid not in self._deferred:
-                return
-            self._deferred.discard(rid)
-        self.engine.end_request(rid)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._live.clear()
-
-
 class Loads:
     def __init__(self, engine: KVCache, paged: PagedKV, block_size: int) -> None:
         self.engine = engine
         self.paged = paged
         self.block_size = block_size
-        self.leases = Leases(engine)
         self._lock = threading.Lock()  # guards the three result fields
         self._failed: set[int] = set()
         self._short: dict[str, int] = {}
@@ -102,21 +54,24 @@ class Loads:
     def run(self, spec: LoadSpec, out: torch.Tensor) -> None:
         """Load ``spec`` now (``out``: a ``[2, layers, >=len(tokens), hidden]`` scratch)."""
         loaded = spec.start
-        if self.leases.begin_load(spec.request_id):
-            try:
-                hit = self.engine.retrieve_into(
-                    spec.tokens, spec.request_id, out, skip_leading_tokens=spec.start
-                )
-                loaded = max(spec.start, min(hit, spec.end))
-                if loaded > spec.start:
-                    self.paged.scatter(spec.block_ids, spec.start, loaded, out)
-            except KVTierError as exc:  # a tier failed outright: recompute all of it
-                log.warning("kvtier: load for %s failed: %s", spec.request_id, exc)
-                loaded = spec.start
-            finally:
-                self.leases.end_load(spec.request_id)
-        else:
-            log.warning("kvtier: load for ended request %s skipped", spec.request_id)
+        with self.engine.loading(spec.request_id) as live:
+            if live:
+                try:
+                    hit = self.engine.retrieve_into(
+                        spec.tokens,
+                        spec.request_id,
+                        out,
+                        skip_leading_tokens=spec.start,
+                        cache_salt=spec.cache_salt,
+                    )
+                    loaded = max(spec.start, min(hit, spec.end))
+                    if loaded > spec.start:
+                        self.paged.scatter(spec.block_ids, spec.start, loaded, out)
+                except KVTierError as exc:  # a tier failed outright: recompute all of it
+                    log.warning("kvtier: load for %s failed: %s", spec.request_id, exc)
+                    loaded = spec.start
+            else:
+                log.warning("kvtier: load for ended request %s skipped", spec.request_id)
         if loaded < spec.end:
             # vLLM recomputes from the first failed block on: report every block from the
             # one holding the first token that did not arrive.
@@ -181,7 +136,6 @@ class Loads:
     def close(self) -> None:
         """Wait for running loads (they hold pins), then stop the loader thread."""
         self._pool.shutdown(wait=True)
-        self.leases.clear()
 
     def _scratch_async(self, tokens: int) -> torch.Tensor:
         # The loader thread's own buffer: the model thread's scratch may be in use.

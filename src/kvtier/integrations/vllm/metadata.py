@@ -12,8 +12,9 @@ vLLM's first KV cache group (a position ``p`` lives in ``block_ids[p // block_si
                prompt that this step finished computing and kvtier does not hold.
 
 Both carry the prompt's tokens (a load: the whole prompt, which is what the lookup hashed, so
-the worker reuses the pinned plan; a save: the prompt up to ``end``). The metadata is pickled
-to the worker processes, so it holds plain Python values only.
+the worker reuses the pinned plan; a save: the prompt up to ``end``) and the request's
+``cache_salt`` (vLLM's per-request salt), which seeds every chunk key of the request. The
+metadata is pickled to the worker processes, so it holds plain Python values only.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class LoadSpec:
     start: int
     end: int
     async_load: bool = False  # from disk/Redis: in the background, reported when done
+    cache_salt: str | None = None  # the request's own salt: part of every key it uses
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,7 @@ class SaveSpec:
     start: int
     end: int
     transfer_id: str | None = None  # a prefiller's request: also send [start, end) (.pd)
+    cache_salt: str | None = None
 
 
 @dataclass

@@ -4,6 +4,8 @@ It owns no KV and no pins: it asks the workers' Engines over the lookup channel 
 vLLM's scheduling decisions into per-step load and save specs. Per request it remembers::
 
     tokens     the prompt (what kvtier hashes)
+    salt       vLLM's per-request ``cache_salt``: it seeds every key of the request (lookup,
+               load, save, PD, events), so two salts never share a chunk
     hit        tokens kvtier holds and has pinned for this request (asked once; the pin
                lives in the worker's lease until the request ends)
     cpu_hit    the part of it in the CPU tier: a load reaching beyond it (disk, Redis) is
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Request:
     tokens: list[int]
+    salt: str | None = None
     hit: int | None = None
     cpu_hit: int = 0
     local: int = 0
@@ -85,7 +88,7 @@ class SchedulerSide:
         """Tokens kvtier can add beyond ``num_computed_tokens`` (whole blocks), and whether
         they load asynchronously (some come from disk or Redis)."""
         rid = request.request_id
-        state = self._state(rid, request.prompt_token_ids)
+        state = self._state(rid, request.prompt_token_ids, getattr(request, "cache_salt", None))
         params = getattr(request, "kv_transfer_params", None) or {}
         if state.transfer_id is None and params.get(TRANSFER_ID):
             state.transfer_id = str(params[TRANSFER_ID])
@@ -93,7 +96,7 @@ class SchedulerSide:
         if not self.loads or len(state.tokens) < 2:
             return 0, False
         if state.hit is None:
-            state.hit, state.cpu_hit = self._lookup(rid, state.tokens)
+            state.hit, state.cpu_hit = self._lookup(rid, state.tokens, state.salt)
             if state.transfer_id is None or not self.saves:
                 # Chunks kvtier holds need no save; a prefiller still sends them all.
                 state.saved = max(state.saved, state.hit // self.chunk_size * self.chunk_size)
@@ -107,14 +110,18 @@ class SchedulerSide:
         return new, state.load_async
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        state = self._state(request.request_id, request.prompt_token_ids)
+        state = self._state(
+            request.request_id, request.prompt_token_ids, getattr(request, "cache_salt", None)
+        )
         state.block_ids = list(block_ids)
         if num_external_tokens <= 0:
             return
         start, end = state.local, state.local + num_external_tokens
         if state.load_async:
             # vLLM schedules the request only after the load: send it with the next step.
-            spec = LoadSpec(request.request_id, state.tokens, state.block_ids[:], start, end, True)
+            spec = LoadSpec(
+                request.request_id, state.tokens, state.block_ids[:], start, end, True, state.salt
+            )
             self._async_loads.append(spec)
         else:
             state.load = (start, end)
@@ -148,12 +155,19 @@ class SchedulerSide:
 
     def short_loads(self, short: dict[str, int]) -> None:
         """Loads that delivered fewer tokens than planned (a chunk failed its checksum or
-        vanished): vLLM recomputes from there, and the chunks it recomputes must be saved
-        again, since the tier dropped its bad copy."""
+        vanished, a tier went down, no page to load into): vLLM recomputes from there, and
+        the chunks it recomputes must be saved again, since the tier dropped its bad copy.
+
+        The request's hit ends where its load did: when vLLM reschedules it (its own prefix
+        cache off, it asks again from token 0), kvtier never offers the failed chunks again,
+        so a load that fails can neither repeat nor wedge the request."""
         for rid, loaded in short.items():
             state = self._requests.get(rid)
             if state is not None:
                 state.saved = min(state.saved, loaded // self.chunk_size * self.chunk_size)
+                if state.hit is not None and loaded < state.hit:
+                    state.hit = loaded
+                    state.cpu_hit = min(state.cpu_hit, loaded)
 
     def finished(self, request_id: str) -> None:
         """The request ended, however: release what its lookup pinned, in every worker."""
@@ -189,19 +203,21 @@ class SchedulerSide:
             client.close()
 
     # -- helpers ---------------------------------------------------------------------------
-    def _state(self, rid: str, prompt: list[int] | None) -> _Request:
+    def _state(self, rid: str, prompt: list[int] | None, salt: str | None = None) -> _Request:
+        """The request's state; made by its first hook, which is the one that sees the salt
+        (vLLM's Request: ``get_num_new_matched_tokens``, ``update_state_after_alloc``)."""
         state = self._requests.get(rid)
         if state is None:
-            state = self._requests[rid] = _Request(tokens=list(prompt or ()))
+            state = self._requests[rid] = _Request(tokens=list(prompt or ()), salt=salt or None)
         return state
 
-    def _lookup(self, rid: str, tokens: list[int]) -> tuple[int, int]:
+    def _lookup(self, rid: str, tokens: list[int], salt: str | None) -> tuple[int, int]:
         """(hit, of which in CPU) that every worker holds (the smallest); a worker that
         fails means no hit."""
         hits: list[tuple[int, int]] = []
         for client in self.clients:
             try:
-                hit, cpu_hit = client.call("lookup", rid, tokens)
+                hit, cpu_hit = client.call("lookup", rid, tokens, salt)
                 hits.append((int(hit), int(cpu_hit)))
             except KVTierError as exc:  # whatever the channel met: a miss, never an exception
                 self._complaints.warning(
@@ -218,7 +234,9 @@ class SchedulerSide:
     def _add_specs(self, meta: KVTierMetadata, rid: str, state: _Request, done: int) -> None:
         if state.load is not None:
             start, end = state.load
-            meta.loads.append(LoadSpec(rid, state.tokens, state.block_ids[:], start, end))
+            meta.loads.append(
+                LoadSpec(rid, state.tokens, state.block_ids[:], start, end, False, state.salt)
+            )
             state.load = None
         if not self.saves:
             return
@@ -226,7 +244,13 @@ class SchedulerSide:
         if end > state.saved:
             meta.saves.append(
                 SaveSpec(
-                    rid, state.tokens[:end], state.block_ids[:], state.saved, end, state.transfer_id
+                    rid,
+                    state.tokens[:end],
+                    state.block_ids[:],
+                    state.saved,
+                    end,
+                    state.transfer_id,
+                    state.salt,
                 )
             )
             state.saved = end

@@ -20,14 +20,17 @@ Lifecycle::
 
 Who touches the cache: the lookup channel's threads (lookup, end, stats), vLLM's model
 thread (sync loads, saves) and the loader thread (async loads). The Engine is thread-safe;
-what must not interleave is an ``end`` with a load of the same request, which
-:class:`~kvtier.integrations.vllm.loads.Leases` orders.
+what must not interleave is an ``end`` with a load of the same request, which the cache
+orders itself (``cache.loading(rid)``: an end during a load releases when it is done).
 
-The lookup answers two numbers: the hit, and how much of it is in the CPU tier (the rest
-comes from disk or Redis and is loaded asynchronously). Through a server the CPU share is
-not known here, so every hit is loaded like a lower-tier one (in the background); what needs
-the Engine itself (eviction events, ``leaks``, ``clear``, PD, counters for vLLM's /metrics)
-is the server's business then: its admin API and /metrics.
+One request, one registry: the lease in the cache (the Engine's, or the server's) holds the
+request's pins, the plan its lookup pinned and the prompt's keys, so the prompt is hashed
+once, by the lookup; loads reuse the plan, saves and events reuse the keys.
+
+The lookup answers two numbers: the hit, and how much of it is in the CPU tier (``Hit``:
+the rest comes from disk or Redis and is loaded asynchronously), the same through a server.
+What needs the Engine itself (eviction events, ``leaks``, ``clear``, PD, counters for vLLM's
+/metrics) is the server's business then: its admin API and /metrics.
 """
 
 from __future__ import annotations
@@ -177,15 +180,21 @@ class WorkerSide:
                 continue
             out = self._scratch_for(spec.end)
             paged.gather(spec.block_ids, spec.start, spec.end, out)
+            # The keys its lookup hashed, extended by the new chunks only.
+            keys = engine.request_keys(spec.tokens, spec.request_id, cache_salt=spec.cache_salt)
             stored = engine.store(
-                spec.tokens, out[:, :, : spec.end], skip_leading_tokens=spec.start
+                spec.tokens,
+                out[:, :, : spec.end],
+                skip_leading_tokens=spec.start,
+                cache_salt=spec.cache_salt,
+                keys=keys,
             )
             if self.engine is not None:  # in-process: its end_request writes the request's line
                 chunk = engine.config.chunk_size
                 REQUESTS.stored(spec.request_id, stored * chunk, len(spec.tokens))
             if self.events is None and spec.transfer_id is None:
                 continue
-            spans = engine.keychain.keys(spec.tokens, include_partial=False)
+            spans = keys.spans
             first = spec.start // engine.config.chunk_size
             if spec.transfer_id is not None and self._pd is not None:
                 self._pd.send(spec.transfer_id, spans[first:], out)
@@ -218,13 +227,13 @@ class WorkerSide:
     def _handle(self, op: str, args: tuple[Any, ...]) -> Any:
         engine, _ = self._parts()
         if op == "lookup":
-            rid, tokens, _salt = args
-            hit = engine.lookup(tokens, rid)
-            self._loads_part().leases.looked_up(rid)
-            return hit, self._cpu_prefix(tokens, hit)
+            rid, tokens, *rest = args  # (rid, tokens[, cache_salt])
+            salt = rest[0] if rest else None
+            hit = engine.lookup(tokens, rid, cache_salt=salt)
+            return hit.tokens, hit.cpu_tokens
         if op == "end":
             (rid,) = args
-            return self._loads_part().leases.end(rid)
+            return engine.end_request(rid)  # during a load of rid: released when it is done
         if op == "stats":
             return engine.stats()
         if op == "check":
@@ -244,24 +253,6 @@ class WorkerSide:
         raise InputError(
             f"unknown kvtier channel op {op!r}; use lookup, end, stats, leaks, check, flush, clear"
         )
-
-    def _cpu_prefix(self, tokens: list[int], hit: int) -> int:
-        """How much of the ``hit`` prefix sits in the CPU tier (pinned, so it stays); 0
-        through a server, which loads the hit in the background."""
-        engine = self.engine
-        if not hit or engine is None:
-            return 0
-        cpu = engine.tier("cpu")
-        if cpu is None:
-            return 0
-        chain = engine.keychain.keys(tokens, include_partial=engine.config.save_unfull_chunk)
-        spans = [s for s in chain if s.end <= hit]
-        end = 0
-        for span, held in zip(spans, cpu.contains([s.key for s in spans]), strict=True):
-            if not held:
-                break
-            end = span.end
-        return end
 
     # -- helpers ---------------------------------------------------------------------------
     def _loads_part(self) -> Loads:
