@@ -279,10 +279,10 @@ def test_requests_of_two_salts_never_share_a_chunk(engine: Engine) -> None:
     assert engine.lookup(other, "s", cache_salt="tenant-A") == 0
     engine.end_request("s")
     # the server's page API keys by the salt too
-    slots = engine.reserve_pages(other, "w", cache_salt="tenant-B")
+    slots = engine.pages().reserve_pages(other, "w", cache_salt="tenant-B")
     assert len(slots) == 2
     engine.end_request("w")
-    end, pages = engine.lease_pages(tokens, "p", cache_salt="tenant-B")
+    end, pages = engine.pages().lease_pages(tokens, "p", cache_salt="tenant-B")
     assert (end, pages) == (0, [])
     engine.end_request("p")
     assert engine.check_invariants() == []

@@ -258,7 +258,12 @@ def test_counter_deltas_report_each_increase_once_and_nothing_on_idle_steps(
     assert client.call("lookup", "t", tokens)[0] == 64
     client.call("end", "t")
     client.close()
-    assert worker.counter_deltas() == {"lookups": 1, "lookup_tokens": 64, "found_tokens": 64}
+    assert worker.counter_deltas() == {
+        "lookups": 1,
+        "lookup_tokens": 64,
+        "found_tokens": 64,
+        "unused_tokens": 64,  # found, then ended without a load
+    }
     assert worker.counter_deltas() == {}
     # an idle step also answers the load reports without finding anything
     assert worker.finished_loads() == set() and worker.failed_blocks() == set()
