@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvtier.engine",),
     ("kvtier.admin",),
     ("kvtier.service", "kvtier.server"),
-    ("kvtier.integrations",),
+    ("kvtier.integrations", "kvtier.testing"),
     ("kvtier.demo", "kvtier.bench", "kvtier.cli", "kvtier"),
 )
 

@@ -7,6 +7,11 @@ worker process. Each instance holds only its side (:class:`SchedulerSide` or
 Config: ``Config.load()`` (``KVTIER_CONFIG_FILE`` / ``LMCACHE_CONFIG_FILE`` / ``KVTIER_*``
 env), then ``kv_connector_extra_config`` on top (keys as in the YAML; a ``kvtier.`` prefix is
 accepted and dropped). Both processes load the same config, so they agree on the chunk size.
+
+Hybrid models: the connector implements ``SupportsHMA``, so vLLM keeps its hybrid KV cache
+manager on (sliding-window layers keep only their window; Mamba / gated delta-net hybrids
+start at all). Block ids then come per KV-cache group (:mod:`.groups`); a model with a group
+kvtier does not model runs with kvtier off (one warning), never a failed start.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.outputs import KVConnectorOutput
 
@@ -28,6 +34,7 @@ from kvtier.config import Config
 from kvtier.errors import ConfigError, StateError
 from kvtier.integrations.vllm.channel import LookupClient
 from kvtier.integrations.vllm.events import to_vllm
+from kvtier.integrations.vllm.groups import classify
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.scheduler import SchedulerSide
@@ -88,7 +95,7 @@ def server_url(extra: dict[str, Any] | None) -> str | None:
     return value
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """kvtier as a vLLM v1 KV connector (prefix cache across CPU, disk and Redis)."""
 
     def __init__(
@@ -108,7 +115,11 @@ class KVTierConnector(KVConnectorBase_V1):
         events_config = vllm_config.kv_events_config
         self._events_on = bool(events_config and events_config.enable_kv_cache_events)
         self._events: list[tuple[Any, ...]] = []
+        groups = classify(kv_cache_config)
+        self._off = bool(groups.unsupported)
         if role == KVConnectorRole.SCHEDULER:
+            if self._off:
+                groups.warn_unsupported(str(vllm_config.model_config.model))
             loads, saves = ROLES[kv_role]
             clients = [LookupClient(engine_id, r) for r in range(parallel.tensor_parallel_size)]
             self._scheduler = SchedulerSide(
@@ -140,6 +151,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 head_dim=model.get_head_size(),
                 events=self._events_on,
                 server=server_url(transfer.kv_connector_extra_config),
+                groups=groups,
             )
 
     # -- worker side -----------------------------------------------------------------------
@@ -217,15 +229,21 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if self._off:
+            return 0, False
         return self._scheduler_side().num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        block_ids = blocks.get_block_ids()[0] if blocks is not None else []
-        self._scheduler_side().after_alloc(request, block_ids, num_external_tokens)
+        if self._off:
+            return
+        tables = blocks.get_block_ids() if blocks is not None else ([],)
+        self._scheduler_side().after_alloc(request, tables[0], num_external_tokens, tables)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._off:
+            return KVTierMetadata()
         return self._scheduler_side().build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -246,9 +264,19 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler_side().finished(request.request_id)
         return False, None
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's one end-of-request call with the hybrid manager on (every group's blocks):
+        the lease ends once, exactly as in :meth:`request_finished`."""
+        self._scheduler_side().finished(request.request_id)
+        return False, None
+
     def reset_cache(self) -> bool | None:
         """vLLM's reset of the external prefix cache (``reset_prefix_cache(reset_connector=
         True)``): every tier drops its unpinned entries."""
+        if self._off:
+            return True
         return self._scheduler_side().reset()
 
     # -- helpers ---------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import torch
 
 from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.metadata import LoadSpec
-from kvtier.integrations.vllm.paged import PagedKV
+from kvtier.integrations.vllm.paged import NULL_BLOCK, PagedKV
 from kvtier.server.surface import KVCache
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class Loads:
                 )
                 loaded = max(spec.start, min(hit, spec.end))
                 if loaded > spec.start:
-                    self.paged.scatter(spec.block_ids, spec.start, loaded, out)
+                    self.paged.scatter(spec.tables, spec.start, loaded, out)
             except KVTierError as exc:  # a tier failed outright: recompute all of it
                 log.warning("kvtier: load for %s failed: %s", spec.request_id, exc)
                 loaded = spec.start
@@ -123,7 +123,7 @@ class Loads:
             first, last = loaded // self.block_size, -(-spec.end // self.block_size)
             with self._lock:
                 self._short[spec.request_id] = loaded
-                self._failed.update(spec.block_ids[first:last])
+                self._failed.update(_blocks(spec, first, last))
             log.warning(
                 "kvtier: request %s loaded %d of %d tokens; vLLM recomputes the rest",
                 spec.request_id,
@@ -142,7 +142,7 @@ class Loads:
             log.exception("kvtier: async load for %s crashed", spec.request_id)
             with self._lock:
                 self._short[spec.request_id] = spec.start
-                self._failed.update(spec.block_ids[spec.start // self.block_size :])
+                self._failed.update(_blocks(spec, spec.start // self.block_size, None))
         finally:
             with self._lock:
                 self._done.add(spec.request_id)
@@ -181,3 +181,9 @@ class Loads:
                 layout.kv_shape(capacity), dtype=layout.dtype, device=self.paged.layers[0].device
             )
         return self._thread_scratch
+
+
+def _blocks(spec: LoadSpec, first: int, last: int | None) -> set[int]:
+    """Block ids ``first..last-1`` of every group's table (never vLLM's null block)."""
+    tables = spec.group_block_ids or (spec.block_ids,)
+    return {b for table in tables for b in table[first:last] if b != NULL_BLOCK}

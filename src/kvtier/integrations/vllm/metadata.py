@@ -37,6 +37,14 @@ class LoadSpec:
     start: int
     end: int
     async_load: bool = False  # from disk/Redis: in the background, reported when done
+    # Several KV-cache groups (vLLM's hybrid manager): every group's table, in group order
+    # (``block_ids`` is the first); empty with one group.
+    group_block_ids: tuple[list[int], ...] = ()
+
+    @property
+    def tables(self) -> tuple[list[int], ...] | list[int]:
+        """What :class:`~kvtier.integrations.vllm.paged.PagedKV` addresses with."""
+        return self.group_block_ids or self.block_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +55,11 @@ class SaveSpec:
     start: int
     end: int
     transfer_id: str | None = None  # a prefiller's request: also send [start, end) (.pd)
+    group_block_ids: tuple[list[int], ...] = ()  # as in LoadSpec
+
+    @property
+    def tables(self) -> tuple[list[int], ...] | list[int]:
+        return self.group_block_ids or self.block_ids
 
 
 @dataclass

@@ -10,6 +10,8 @@ vLLM's scheduling decisions into per-step load and save specs. Per request it re
                asynchronous, the request waits and the batch keeps stepping
     local      tokens vLLM's own prefix cache supplied (whole blocks) when it last asked
     block_ids  the request's block table (first KV cache group)
+    tables     with vLLM's hybrid KV cache manager and several KV-cache groups: every
+               group's block table (``block_ids`` is ``tables[0]``); empty otherwise
     load       a load waiting for the next metadata: [local, local + accepted)
     saved      prompt tokens kvtier holds or is being given (whole chunks)
     transfer_id  PD: the id kvtier pd-proxy gave both instances (kv_transfer_params)
@@ -50,6 +52,7 @@ class _Request:
     local: int = 0
     load_async: bool = False
     block_ids: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)  # every group's, when several
     load: tuple[int, int] | None = None
     saved: int = 0
     transfer_id: str | None = None  # PD: the id the proxy gave both instances
@@ -104,15 +107,31 @@ class SchedulerSide:
         )
         return new, state.load_async
 
-    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+    def after_alloc(
+        self,
+        request: Any,
+        block_ids: list[int],
+        num_external_tokens: int,
+        tables: tuple[list[int], ...] = (),
+    ) -> None:
+        """``tables``: every KV-cache group's block table when there are several."""
         state = self._state(request.request_id, request.prompt_token_ids)
         state.block_ids = list(block_ids)
+        _set_tables(state, tables)
         if num_external_tokens <= 0:
             return
         start, end = state.local, state.local + num_external_tokens
         if state.load_async:
             # vLLM schedules the request only after the load: send it with the next step.
-            spec = LoadSpec(request.request_id, state.tokens, state.block_ids[:], start, end, True)
+            spec = LoadSpec(
+                request.request_id,
+                state.tokens,
+                state.block_ids[:],
+                start,
+                end,
+                True,
+                _copy_tables(state),
+            )
             self._async_loads.append(spec)
         else:
             state.load = (start, end)
@@ -125,9 +144,11 @@ class SchedulerSide:
             state = self._requests.get(rid)
             if state is not None:  # its blocks are gone; new ones come when it resumes
                 state.block_ids, state.load = [], None
+                _set_tables(state, ())
         for new in out.scheduled_new_reqs:
             state = self._state(new.req_id, new.prompt_token_ids)
             state.block_ids = list(new.block_ids[0])
+            _set_tables(state, new.block_ids)
             done = new.num_computed_tokens + out.num_scheduled_tokens[new.req_id]
             self._add_specs(meta, new.req_id, state, done)
         cached = out.scheduled_cached_reqs
@@ -138,8 +159,11 @@ class SchedulerSide:
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
                 state.block_ids = list(new_ids[0]) if new_ids else []
+                _set_tables(state, new_ids or ())
             elif new_ids:
-                state.block_ids.extend(new_ids[0])
+                state.block_ids.extend(new_ids[0])  # also tables[0], the same list
+                for table, more in zip(state.tables[1:], new_ids[1:], strict=False):
+                    table.extend(more)
             done = cached.num_computed_tokens[i] + out.num_scheduled_tokens[rid]
             self._add_specs(meta, rid, state, done)
         return meta
@@ -209,7 +233,11 @@ class SchedulerSide:
     def _add_specs(self, meta: KVTierMetadata, rid: str, state: _Request, done: int) -> None:
         if state.load is not None:
             start, end = state.load
-            meta.loads.append(LoadSpec(rid, state.tokens, state.block_ids[:], start, end))
+            meta.loads.append(
+                LoadSpec(
+                    rid, state.tokens, state.block_ids[:], start, end, False, _copy_tables(state)
+                )
+            )
             state.load = None
         if not self.saves:
             return
@@ -217,7 +245,24 @@ class SchedulerSide:
         if end > state.saved:
             meta.saves.append(
                 SaveSpec(
-                    rid, state.tokens[:end], state.block_ids[:], state.saved, end, state.transfer_id
+                    rid,
+                    state.tokens[:end],
+                    state.block_ids[:],
+                    state.saved,
+                    end,
+                    state.transfer_id,
+                    _copy_tables(state),
                 )
             )
             state.saved = end
+
+
+def _set_tables(state: _Request, tables: Any) -> None:
+    """Keep every group's table when there are several (one group: ``block_ids`` is all)."""
+    state.tables = [list(t) for t in tables] if tables and len(tables) > 1 else []
+    if state.tables:
+        state.tables[0] = state.block_ids
+
+
+def _copy_tables(state: _Request) -> tuple[list[int], ...]:
+    return tuple(t[:] for t in state.tables)

@@ -1,0 +1,1 @@
+"""Test helpers that ship with kvtier: tiny checkpoints written by code."""
