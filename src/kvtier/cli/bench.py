@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "pd": "prefill-to-decode transfer per transport vs memcpy and a raw socket",
     "server": "store/retrieve through a kvtier server vs in-process, lookup RTT, 1-4 clients",
     "vllm": "time to first token inside vLLM: cold, vLLM's prefix cache, kvtier CPU and disk",
+    "families": "bytes stored per token per KV-cache group kind vs naive full KV, per family",
 }
 
 

@@ -80,8 +80,10 @@ def classify(kv_cache_config: Any) -> ModelGroups:
         spec = group.kv_cache_spec
         kind: GroupKind | None
         window = 0
-        if isinstance(spec, MLAAttentionSpec):
+        if type(spec) is MLAAttentionSpec:
             kind = GroupKind.MLA
+        elif "MLA" in type(spec).__name__:
+            kind = None  # sliding-window MLA and other latent variants: not modelled
         elif isinstance(spec, SlidingWindowSpec):
             kind, window = GroupKind.SLIDING, int(spec.sliding_window)
         elif isinstance(spec, FullAttentionSpec) and type(spec).__name__ in (
@@ -91,5 +93,9 @@ def classify(kv_cache_config: Any) -> ModelGroups:
             kind = GroupKind.FULL
         else:
             kind = None
-        groups.append(VllmGroup(kind, window, tuple(group.layer_names), type(spec).__name__))
+        spec_name = type(spec).__name__
+        mamba_type = getattr(spec, "mamba_type", None)
+        if kind is None and mamba_type is not None:
+            spec_name += f"({getattr(mamba_type, 'name', mamba_type)})"  # MAMBA2, GDN_ATTN...
+        groups.append(VllmGroup(kind, window, tuple(group.layer_names), spec_name))
     return ModelGroups(tuple(groups))
