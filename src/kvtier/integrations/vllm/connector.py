@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -146,6 +147,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 async_lower_loads=async_lower_loads(transfer.kv_connector_extra_config),
                 loads=loads,
                 saves=saves,
+                all_async=len(groups.groups) > 1,
             )
             if loads and transfer.kv_load_failure_policy != "recompute":
                 log.warning(
@@ -203,6 +205,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         # reuse the blocks at once (request_finished never has to delay them).
         if self.has_connector_metadata():
             self._worker_side().save(self._meta())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished async loads, and (several KV-cache groups) the failed ones by request:
+        vLLM cannot map block ids back to requests when groups share ids."""
+        worker = self._worker_side()
+        done = worker.finished_loads()
+        failed = worker.failed_requests(done)
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().failed_blocks()

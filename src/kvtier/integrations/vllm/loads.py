@@ -93,6 +93,10 @@ class Loads:
         self.leases = Leases(engine)
         self._lock = threading.Lock()  # guards the three result fields
         self._failed: set[int] = set()
+        # Several KV-cache groups: block ids are unique only within a group, so vLLM takes
+        # failures per request (failed_recving, async loads only), never per block.
+        self.per_request = paged.num_groups > 1
+        self._failed_requests: set[str] = set()
         self._short: dict[str, int] = {}
         self._done: set[str] = set()
         self._thread_scratch: torch.Tensor | None = None
@@ -123,7 +127,10 @@ class Loads:
             first, last = loaded // self.block_size, -(-spec.end // self.block_size)
             with self._lock:
                 self._short[spec.request_id] = loaded
-                self._failed.update(_blocks(spec, first, last))
+                if self.per_request:
+                    self._failed_requests.add(spec.request_id)
+                else:
+                    self._failed.update(_blocks(spec, first, last))
             log.warning(
                 "kvtier: request %s loaded %d of %d tokens; vLLM recomputes the rest",
                 spec.request_id,
@@ -142,7 +149,10 @@ class Loads:
             log.exception("kvtier: async load for %s crashed", spec.request_id)
             with self._lock:
                 self._short[spec.request_id] = spec.start
-                self._failed.update(_blocks(spec, spec.start // self.block_size, None))
+                if self.per_request:
+                    self._failed_requests.add(spec.request_id)
+                else:
+                    self._failed.update(_blocks(spec, spec.start // self.block_size, None))
         finally:
             with self._lock:
                 self._done.add(spec.request_id)
@@ -156,6 +166,15 @@ class Loads:
     def failed_blocks(self) -> set[int]:
         with self._lock:
             failed, self._failed = self._failed, set()
+        return failed
+
+    def failed_requests(self, done: set[str]) -> set[str]:
+        """Of the finished async loads ``done``, those that failed (several KV-cache groups):
+        vLLM recomputes each from its start. A failure whose load is not reported done yet
+        stays for a later step."""
+        with self._lock:
+            failed = self._failed_requests & done
+            self._failed_requests -= failed
         return failed
 
     def short_loads(self) -> dict[str, int]:

@@ -71,13 +71,18 @@ class SchedulerSide:
         loads: bool,
         saves: bool,
         async_lower_loads: bool = True,
+        all_async: bool = False,
     ) -> None:
+        """``all_async``: every load in the background, also from the CPU tier (a model with
+        several KV-cache groups: vLLM takes load failures only per request, from async
+        loads)."""
         self.clients = clients
         self.block_size = block_size
         self.chunk_size = chunk_size
         self.loads = loads
         self.saves = saves
         self.async_lower_loads = async_lower_loads
+        self.all_async = all_async
         self._requests: dict[str, _Request] = {}
         self._async_loads: list[LoadSpec] = []  # for requests vLLM does not schedule yet
 
@@ -102,8 +107,8 @@ class SchedulerSide:
         usable = min(state.hit, last) // self.block_size * self.block_size
         in_cpu = min(state.cpu_hit, last) // self.block_size * self.block_size
         new = max(0, usable - num_computed_tokens)
-        state.load_async = (
-            self.async_lower_loads and new > 0 and usable > max(in_cpu, num_computed_tokens)
+        state.load_async = new > 0 and (
+            self.all_async or (self.async_lower_loads and usable > max(in_cpu, num_computed_tokens))
         )
         return new, state.load_async
 
@@ -176,6 +181,11 @@ class SchedulerSide:
             state = self._requests.get(rid)
             if state is not None:
                 state.saved = min(state.saved, loaded // self.chunk_size * self.chunk_size)
+                if state.hit is not None:
+                    # A request whose load failed as a whole (several KV-cache groups) is
+                    # asked again from scratch: offer only what did arrive this time.
+                    state.hit = min(state.hit, loaded)
+                    state.cpu_hit = min(state.cpu_hit, state.hit)
 
     def finished(self, request_id: str) -> None:
         """The request ended, however: release what its lookup pinned, in every worker."""

@@ -207,6 +207,10 @@ class WorkerSide:
             return set()
         return self._loads.failed_blocks() if self._loads is not None else set()
 
+    def failed_requests(self, done: set[str]) -> set[str]:
+        """Of the finished loads ``done``, those that failed (several KV-cache groups)."""
+        return self._loads.failed_requests(done) if self._loads is not None else set()
+
     def finished_loads(self) -> set[str]:
         """Requests whose async load is done (vLLM's finished_recving)."""
         return self._loads.finished() if self._loads is not None else set()
