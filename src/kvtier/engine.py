@@ -301,14 +301,14 @@ class Engine:
             not isinstance(out, torch.Tensor)
             or out.dtype != lay.dtype
             or out.dim() != 4
-            or tuple(out.shape[:2]) != (2, lay.num_layers)
+            or tuple(out.shape[:2]) != lay.kv_shape(0)[:2]
             or out.shape[3] != lay.hidden
             or out.shape[2] < plan.hit_tokens
         ):
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise InputError(
                 f"out must be a {lay.dtype} tensor of shape "
-                f"[2, {lay.num_layers}, >={plan.hit_tokens}, {lay.hidden}], got {shape}"
+                f"[{lay.planes}, {lay.num_layers}, >={plan.hit_tokens}, {lay.hidden}], got {shape}"
             )
         start = (skip_leading_tokens // self.config.chunk_size) * self.config.chunk_size
         loaded_end = self._load(plan, request_id, out, start)

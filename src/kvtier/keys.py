@@ -89,16 +89,23 @@ class Fingerprint:
     def canonical(self) -> bytes:
         """A stable byte string of every field (the seed of the chain)."""
         lay = self.layout
-        parts = (
+        # MLA KV is the same on every tensor-parallel rank: one copy serves every rank (and
+        # every TP size), so the rank is left out and ranks share keys.
+        tp = "tp-shared" if lay.tp_shared else f"tp{self.tp_rank}/{self.tp_world_size}"
+        parts = [
             "kvtier-fp-1",
             self.model_name,
             f"{lay.num_layers}x{lay.num_kv_heads}x{lay.head_dim}",
             dtype_name(lay.dtype),
             str(self.chunk_size),
             self.hash_algorithm,
-            f"tp{self.tp_rank}/{self.tp_world_size}",
+            tp,
             self.cache_salt,
-        )
+        ]
+        if lay.groups != KVLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype).groups:
+            # Every group's kind, window and layers (a one-group Llama-shaped layout keeps the
+            # string it always had, so caches written before groups existed still match).
+            parts.append(f"planes{lay.planes}|{lay.describe_groups()}")
         return "\x1f".join(parts).encode()
 
     def digest(self) -> bytes:

@@ -1,19 +1,40 @@
 """The shape of the KV a model produces, and the byte arithmetic that follows from it.
 
-One chunk holds K and V of every layer for ``chunk_size`` tokens, contiguous::
+One chunk holds the per-token cache of every layer for ``chunk_size`` tokens, contiguous::
 
-    chunk tensor: [2, num_layers, tokens, num_kv_heads * head_dim]
-                   K/V  layer     token   hidden (all KV heads)
+    chunk tensor: [planes, num_layers, tokens, num_kv_heads * head_dim]
+                   K/V     layer       token   hidden (all KV heads)
 
-    chunk_bytes = 2 * num_layers * chunk_size * num_kv_heads * head_dim * dtype_bytes
+    chunk_bytes = planes * num_layers * chunk_size * num_kv_heads * head_dim * dtype_bytes
 
+``planes`` is 2 (K and V) for attention that caches keys and values, 1 for multi-head latent
+attention (MLA: one latent vector per token, e.g. 512 + 64 rope dims, no separate K and V).
 A partial chunk of ``t < chunk_size`` tokens uses the first
-``2 * num_layers * t * hidden * dtype_bytes`` bytes of its page, laid out the same way.
+``planes * num_layers * t * hidden * dtype_bytes`` bytes of its page, laid out the same way.
+
+A model is described as a list of KV-cache groups (:class:`KVGroup`, as vLLM's hybrid KV
+cache manager sees it): each group has a kind and the layers in it, in model order::
+
+    kind      one token (or position) costs                 a resume at token t needs
+    full      K and V of every layer of the group           all tokens < t
+    sliding   K and V (window w; sinks where the model has   tokens in [t - w, t)
+              them: a per-head constant, in the weights)
+    mla       one latent vector per layer, same on every     all tokens < t
+              tensor-parallel rank
+    state     a recurrent + conv state per position (Mamba,  the state at t only
+              gated delta-net); kvtier does not store it yet
+
+The layout's ``groups`` (every group's kind, layers and window) enter the model fingerprint,
+so two models whose caches differ in any group never share a key. Groups of the chunk tensor
+(``full``, ``sliding``, ``mla``) are stored with every token of the chunk; a ``state`` group
+makes the layout one kvtier cannot serve (:meth:`KVLayout.unsupported`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
+from typing import cast
 
 import torch
 
@@ -43,14 +64,99 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise InputError(f"KV dtype {name!r} is not supported; use one of {allowed}") from None
 
 
+class GroupKind(StrEnum):
+    """What a KV-cache group keeps per token (or per position)."""
+
+    FULL = "full"
+    SLIDING = "sliding"
+    MLA = "mla"
+    STATE = "state"
+
+
+# Kinds whose per-token cache lives in the chunk tensor (kvtier stores and serves them).
+CHUNK_KINDS = (GroupKind.FULL, GroupKind.SLIDING, GroupKind.MLA)
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One KV-cache group: layers that share a kind (and, for vLLM, one block table).
+
+    ``layers`` are indexes into the model's cached layers in model order (the chunk tensor's
+    layer axis); ``window`` is the sliding window in tokens (0 for other kinds); ``detail``
+    names what kvtier does not model for a ``state`` group (e.g. ``"MambaSpec"``)."""
+
+    kind: GroupKind
+    layers: tuple[int, ...]
+    window: int = 0
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, GroupKind):
+            try:
+                object.__setattr__(self, "kind", GroupKind(self.kind))
+            except ValueError:
+                kinds = ", ".join(k.value for k in GroupKind)
+                raise InputError(
+                    f"KVGroup.kind {self.kind!r} unknown; use one of {kinds}"
+                ) from None
+        if not self.layers or any(
+            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.layers
+        ):
+            raise InputError(
+                f"KVGroup.layers must be a non-empty tuple of layer indexes, got {self.layers!r}"
+            )
+        if (self.kind == GroupKind.SLIDING) != (self.window > 0):
+            raise InputError(
+                f"KVGroup.window is {self.window!r} for a {self.kind.value} group; a sliding "
+                "group needs a window above 0, other kinds 0"
+            )
+
+    def describe(self) -> str:
+        window = f"/w{self.window}" if self.window else ""
+        detail = f"/{self.detail}" if self.detail else ""
+        return f"{self.kind.value}{window}{detail}:{','.join(map(str, self.layers))}"
+
+
+def parse_groups(text: str) -> tuple[KVGroup, ...]:
+    """The groups of :meth:`KVLayout.describe_groups` (``"sliding/w128:0,2;full:1,3"``), as
+    a client sends them to the kvtier server. Empty text: no groups (the default)."""
+    if not text:
+        return ()
+    groups = []
+    for part in text.split(";"):
+        head, _, layers = part.partition(":")
+        kind, *rest = head.split("/")
+        window, detail = 0, ""
+        for item in rest:
+            if item.startswith("w") and item[1:].isdigit():
+                window = int(item[1:])
+            else:
+                detail = item
+        try:
+            indexes = tuple(int(i) for i in layers.split(","))
+        except ValueError:
+            raise InputError(
+                f"KV-cache group {part!r} has layers {layers!r}; expected comma-separated "
+                "layer indexes, e.g. 'full:0,1,2'"
+            ) from None
+        groups.append(KVGroup(cast(GroupKind, kind), indexes, window, detail))
+    return tuple(groups)
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """Per-rank KV geometry of a model: what one token's KV looks like."""
+    """Per-rank KV geometry of a model: what one token's KV looks like.
+
+    ``planes`` is 2 (K and V) or 1 (an MLA latent). ``groups`` lists the model's KV-cache
+    groups; empty means one group of every layer, ``full`` (planes 2) or ``mla`` (planes 1).
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    planes: int = 2
+    groups: tuple[KVGroup, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -62,6 +168,53 @@ class KVLayout:
         if isinstance(self.dtype, str):  # allow KVLayout(..., dtype="bfloat16")
             object.__setattr__(self, "dtype", dtype_from_name(self.dtype))
         dtype_name(self.dtype)
+        if self.planes not in (1, 2):
+            raise InputError(
+                f"KVLayout.planes must be 2 (K and V) or 1 (an MLA latent), got {self.planes!r}"
+            )
+        if not self.groups:
+            kind = GroupKind.FULL if self.planes == 2 else GroupKind.MLA
+            object.__setattr__(self, "groups", (KVGroup(kind, tuple(range(self.num_layers))),))
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        cached = sorted(i for g in self.groups if g.kind in CHUNK_KINDS for i in g.layers)
+        if cached != list(range(self.num_layers)):
+            raise InputError(
+                f"KVLayout.groups cover layers {cached} of the chunk tensor, but it has "
+                f"{self.num_layers} layers: every layer 0..{self.num_layers - 1} must be in "
+                "exactly one full, sliding or mla group"
+            )
+        mla = any(g.kind == GroupKind.MLA for g in self.groups)
+        kv = any(g.kind in (GroupKind.FULL, GroupKind.SLIDING) for g in self.groups)
+        if (mla and kv) or mla != (self.planes == 1):
+            raise InputError(
+                f"KVLayout.groups {self.describe_groups()} do not fit planes={self.planes}: "
+                "mla groups need planes 1, full and sliding groups planes 2, never both"
+            )
+
+    @property
+    def tp_shared(self) -> bool:
+        """True when every tensor-parallel rank holds the same KV (MLA): one copy serves all
+        ranks, so the fingerprint leaves the rank out."""
+        return self.planes == 1
+
+    def unsupported(self) -> list[KVGroup]:
+        """Groups kvtier cannot store or restore (recurrent state): a layout with any of
+        them must not be served (a partial state would be a wrong token)."""
+        return [g for g in self.groups if g.kind not in CHUNK_KINDS]
+
+    def describe_groups(self) -> str:
+        return ";".join(g.describe() for g in self.groups)
+
+    def group_token_bytes(self) -> dict[str, int]:
+        """Bytes kvtier stores per token for each group kind present (all its layers)."""
+        out: dict[str, int] = {}
+        per_layer = self.planes * self.hidden * self.dtype_bytes
+        for g in self.groups:
+            if g.kind in CHUNK_KINDS:
+                out[g.kind.value] = out.get(g.kind.value, 0) + per_layer * len(g.layers)
+        return out
 
     @property
     def hidden(self) -> int:
@@ -73,17 +226,21 @@ class KVLayout:
         return torch.empty((), dtype=self.dtype).element_size()
 
     def token_bytes(self) -> int:
-        """Bytes of K and V of all layers for one token."""
-        return 2 * self.num_layers * self.hidden * self.dtype_bytes
+        """Bytes of K and V (or the latent) of all layers for one token."""
+        return self.planes * self.num_layers * self.hidden * self.dtype_bytes
 
     def chunk_bytes(self, chunk_size: int) -> int:
         return self.token_bytes() * chunk_size
 
     def kv_shape(self, tokens: int) -> tuple[int, int, int, int]:
-        return (2, self.num_layers, tokens, self.hidden)
+        return (self.planes, self.num_layers, tokens, self.hidden)
 
     def describe(self) -> str:
-        return (
-            f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim} "
+        what = "KV heads" if self.planes == 2 else "MLA latent"
+        text = (
+            f"{self.num_layers} layers x {self.num_kv_heads} {what} x {self.head_dim} "
             f"head dim, {dtype_name(self.dtype)}"
         )
+        if len(self.groups) > 1 or self.groups[0].kind not in (GroupKind.FULL, GroupKind.MLA):
+            text += f", groups {self.describe_groups()}"
+        return text

@@ -21,8 +21,8 @@ def check_kv(kv: object, layout: KVLayout, num_tokens: int) -> None:
         raise InputError(f"kv dtype is {kv.dtype}, but the layout says {layout.dtype}")
     if kv.dim() != 4 or tuple(kv.shape[:2]) != expected[:2] or kv.shape[3] != expected[3]:
         raise InputError(
-            f"kv shape is {tuple(kv.shape)}; expected [2, num_layers={layout.num_layers}, "
-            f"tokens, kv_heads*head_dim={layout.hidden}]"
+            f"kv shape is {tuple(kv.shape)}; expected [{layout.planes}, "
+            f"num_layers={layout.num_layers}, tokens, kv_heads*head_dim={layout.hidden}]"
         )
     if kv.shape[2] != num_tokens:
         raise InputError(f"kv holds {kv.shape[2]} tokens but {num_tokens} tokens were given")

@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "vllm": "time to first token inside vLLM: cold, vLLM's prefix cache, kvtier CPU and disk",
     "serve": "vLLM's serving benchmark per cache configuration: TTFT efficiency, throughput",
     "scale": "how costs grow: lookup vs prompt length, disk restart vs files, RSS, threads",
+    "families": "bytes stored per token per KV-cache group kind vs naive full KV, per family",
 }
 
 

@@ -90,6 +90,8 @@ class ServerClient:
             tp_world_size=tp_world_size,
             cache_salt=self.config.cache_salt,
             save_unfull_chunk=self.config.save_unfull_chunk,
+            planes=layout.planes,
+            groups=layout.describe_groups(),
         )
         path = socket_path(self.config, url)
         self._link = ServerLink(

@@ -31,7 +31,7 @@ from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import CapacityError, ConfigError, ProtocolError, StateError
 from kvtier.keys import Fingerprint
-from kvtier.layout import KVLayout, dtype_from_name
+from kvtier.layout import KVLayout, dtype_from_name, parse_groups
 from kvtier.server.protocol import Hello
 from kvtier.server.shared_memory import SharedPages
 from kvtier.validation import check_fits_in_memory
@@ -81,7 +81,12 @@ class ModelTable:
         The fingerprint is recomputed here from the fields the client sent, every time: a
         client that claims another model's fingerprint gets a mismatch, never its pages."""
         layout = KVLayout(
-            hello.num_layers, hello.num_kv_heads, hello.head_dim, dtype_from_name(hello.dtype)
+            hello.num_layers,
+            hello.num_kv_heads,
+            hello.head_dim,
+            dtype_from_name(hello.dtype),
+            planes=hello.planes,
+            groups=parse_groups(hello.groups),
         )
         config = self.config.with_overrides(
             chunk_size=hello.chunk_size,

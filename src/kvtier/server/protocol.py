@@ -67,6 +67,8 @@ class Hello(msgspec.Struct, tag=True):
     tp_world_size: int
     cache_salt: str
     save_unfull_chunk: bool
+    planes: int = 2  # 1: an MLA latent (KVLayout.planes)
+    groups: str = ""  # KVLayout.describe_groups(); "" for the one-group default
 
 
 class Lookup(msgspec.Struct, tag=True):

@@ -84,3 +84,61 @@ def test_unknown_layouts_and_short_tables_are_refused() -> None:
     pkv = paged(caches(False))
     with pytest.raises(InputError, match="not covered by 2 blocks"):
         pkv.gather([0, 1], 0, 33, torch.zeros(2, LAYERS, 40, HEADS * DIM))
+
+
+# -- MLA latents and KV-cache groups ----------------------------------------------------------
+LATENT = 576
+
+
+def test_mla_latent_round_trips_and_names_its_layout() -> None:
+    """vLLM's MLA tensor [blocks, 1, block, 576] is one latent per token: planes 1."""
+    gen = torch.Generator().manual_seed(3)
+    kv = {f"l{i}": torch.randn(BLOCKS, 1, BLOCK, LATENT, generator=gen) for i in range(LAYERS)}
+    p = PagedKV.from_vllm(kv, block_size=BLOCK, num_kv_heads=1, head_dim=LATENT, mla=True)
+    layout = p.layout()
+    assert (layout.planes, layout.hidden, layout.tp_shared) == (1, LATENT, True)
+    assert layout.describe_groups() == "mla:0,1,2"
+    table = [5, 2, 9]
+    out = torch.zeros(layout.kv_shape(40))
+    p.gather(table, 0, 40, out)
+    slot = table[35 // BLOCK] * BLOCK + 35 % BLOCK
+    assert torch.equal(out[0, 1, 35], kv["l1"][slot // BLOCK, 0, slot % BLOCK])
+    fresh = {n: torch.zeros_like(t) for n, t in kv.items()}
+    q = PagedKV.from_vllm(fresh, block_size=BLOCK, num_kv_heads=1, head_dim=LATENT, mla=True)
+    q.scatter(table, 0, 40, out)
+    back = torch.zeros_like(out)
+    q.gather(table, 0, 40, back)
+    assert torch.equal(back, out)
+
+
+def test_mla_tensor_without_mla_flag_is_a_clear_error() -> None:
+    kv = {"l0": torch.zeros(BLOCKS, 1, BLOCK, LATENT)}
+    with pytest.raises(InputError, match=r"MLA|blocks"):
+        PagedKV.from_vllm(kv, block_size=BLOCK, num_kv_heads=1, head_dim=LATENT)
+
+
+def test_groups_read_their_own_block_table_and_skip_the_null_block() -> None:
+    """Two groups (sliding window on layers 0 and 2, full on 1): each layer addresses its
+    group's table; the sliding group's null blocks are never written and make a range
+    incomplete."""
+    from kvtier.layout import GroupKind
+
+    kv = caches(kv_first=False)
+    names = list(kv)
+    groups = [
+        (GroupKind.SLIDING, 16, [names[0], names[2]]),
+        (GroupKind.FULL, 0, [names[1]]),
+    ]
+    p = PagedKV.from_vllm(kv, block_size=BLOCK, num_kv_heads=HEADS, head_dim=DIM, groups=groups)
+    assert p.layer_groups == (0, 1, 0)
+    assert p.layout().describe_groups() == "sliding/w16:0,2;full:1"
+    tables = ([0, 7, 3], [4, 8, 1])  # the sliding group dropped its first block
+    assert not p.complete(tables, 0, 48) and p.complete(tables, 16, 48)
+    out = torch.zeros(p.layout().kv_shape(48))
+    p.gather(([6, 7, 3], [4, 8, 1]), 0, 48, out)
+    assert torch.equal(out[:, 1, 5], expected_token(kv, False, 4 * BLOCK + 5, BLOCK)[:, 1])
+    assert torch.equal(out[:, 0, 5], expected_token(kv, False, 6 * BLOCK + 5, BLOCK)[:, 0])
+    null_before = kv[names[0]][0].clone()
+    p.scatter(tables, 0, 48, torch.ones_like(out))
+    assert torch.equal(kv[names[0]][0], null_before)  # the null block is untouched
+    assert bool((kv[names[0]][7] == 1).all()) and bool((kv[names[1]][4] == 1).all())

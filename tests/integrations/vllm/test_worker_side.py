@@ -418,3 +418,100 @@ def test_one_request_is_hashed_once_through_lookup_load_save_and_end(worker: Wor
     assert worker.engine.stats()["stored_chunks"] == 4
     assert worker.engine.leaks() == [] and worker.engine.check_invariants() == []
     scheduler.close()
+
+
+def test_two_kv_cache_groups_save_and_load_by_their_own_block_tables() -> None:
+    """vLLM's hybrid manager (SupportsHMA): layer 0 in a sliding-window group, layer 1 in a
+    full-attention group, each with its own block table. Saves read each layer through its
+    group's table; loads are asynchronous (vLLM takes failures per request for such models)
+    and never write the sliding group's null block (id 0)."""
+    from kvtier.integrations.vllm.groups import ModelGroups, VllmGroup
+    from kvtier.layout import GroupKind
+
+    names = list(kv_caches())
+    groups = ModelGroups(
+        (
+            VllmGroup(GroupKind.SLIDING, BLOCK, (names[0],), "SlidingWindowSpec"),
+            VllmGroup(GroupKind.FULL, 0, (names[1],), "FullAttentionSpec"),
+        )
+    )
+    values = {"chunk_size": CHUNK, "max_local_cpu_size": f"{8 * CHUNK_BYTES}B"}
+    side = WorkerSide(
+        Config.load(overrides=values, env={}),
+        model_name="tiny-hybrid",
+        engine_id=f"test-{uuid.uuid4().hex}",
+        tp_rank=0,
+        tp_world_size=1,
+        block_size=BLOCK,
+        num_kv_heads=HEADS,
+        head_dim=DIM,
+        groups=groups,
+    )
+    side.register(kv_caches())
+    try:
+        assert side.paged is not None and side.engine is not None
+        assert side.engine.layout.describe_groups() == f"sliding/w{BLOCK}:0;full:1"
+        sliding, full = side.paged.layers
+        gen = torch.Generator().manual_seed(5)
+        for layer in (sliding, full):
+            layer[1:] = torch.randn(BLOCKS - 1, HEADS, BLOCK, 2 * DIM, generator=gen)
+        tokens = list(range(500, 580))
+        src = ([3, 4, 5, 6], [7, 8, 9, 10])
+        side.save(
+            KVTierMetadata(saves=[SaveSpec("r1", tokens[:64], src[0], 0, 64, group_block_ids=src)])
+        )
+        # A range the sliding group no longer holds (null block) is not stored at all.
+        side.save(
+            KVTierMetadata(
+                saves=[
+                    SaveSpec(
+                        "r0",
+                        list(range(900, 932)),
+                        [0, 11],
+                        0,
+                        32,
+                        group_block_ids=([0, 11], [12, 13]),
+                    )
+                ]
+            )
+        )
+        assert side.engine.stats()["stored_chunks"] == 2
+
+        scheduler = SchedulerSide(
+            [LookupClient(side.engine_id)],
+            block_size=BLOCK,
+            chunk_size=CHUNK,
+            loads=True,
+            saves=True,
+            all_async=True,
+        )
+        request = SimpleNamespace(request_id="r2", prompt_token_ids=tokens)
+        assert scheduler.num_new_matched_tokens(request, 0) == (64, True)  # CPU, yet async
+        dst = ([0, 0, 22, 23, 24], [30, 31, 32, 33, 34])  # sliding: first blocks dropped
+        null_before = sliding[0].clone()
+        scheduler.after_alloc(request, dst[0], 64, dst)
+        meta = scheduler.build_meta(
+            SimpleNamespace(
+                preempted_req_ids=set(),
+                scheduled_new_reqs=[],
+                num_scheduled_tokens={},
+                scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+            )
+        )
+        (spec,) = meta.loads
+        assert spec.async_load and spec.group_block_ids == dst
+        side.load(meta)
+        deadline = time.monotonic() + 10
+        done: set[str] = set()
+        while not done and time.monotonic() < deadline:
+            done = side.finished_loads()
+            time.sleep(0.01)
+        assert done == {"r2"} and side.failed_requests(done) == set()
+        assert torch.equal(full[dst[1][:4]], full[src[1]])  # full group: every token
+        assert torch.equal(sliding[dst[0][2:4]], sliding[src[0][2:4]])  # in the window
+        assert torch.equal(sliding[0], null_before)  # the null block is never written
+        scheduler.finished("r2")
+        assert side.engine.leaks() == [] and side.engine.check_invariants() == []
+        scheduler.close()
+    finally:
+        side.close()

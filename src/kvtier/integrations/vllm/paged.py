@@ -8,10 +8,21 @@ are recognised from the tensors' shapes, never assumed::
                   attention backend's native layout)
     kv-first      [2, num_blocks, block_tokens, kv_heads, head_dim]  K and V planes
                   (CUDA flash-attention's classic layout)
+    latent        [num_blocks, 1, block_tokens, latent_dim]          MLA: one latent vector
+                  or [num_blocks, block_tokens, latent_dim]          per token (e.g. 512+64)
 
-kvtier's chunk page is ``[2, layers, tokens, kv_heads*head_dim]``. A token at position ``p``
-of a request lives in the request's block ``block_ids[p // block_size]`` at offset
-``p % block_size``; its slot is ``block_id * block_size + offset``. The tensor's own block
+kvtier's chunk page is ``[2, layers, tokens, kv_heads*head_dim]`` (``[1, layers, tokens,
+latent_dim]`` for MLA).
+
+With vLLM's hybrid KV cache manager, layers belong to KV-cache groups and each group has its
+own block table: ``block_ids`` is then one list per group (``layer_groups[i]`` says which
+list layer ``i`` reads). A sliding-window group's blocks before the window are vLLM's null
+block (id 0, shared padding): a scatter never writes there, and :meth:`PagedKV.complete`
+says whether a token range still has real blocks in every group (a save needs that).
+
+A token at position ``p`` of a request lives in the request's block
+``block_ids[p // block_size]`` at offset ``p % block_size``; its slot is
+``block_id * block_size + offset``. The tensor's own block
 (``block_tokens``) may be smaller than vLLM's scheduler block when the kernel splits it, so
 the slot is re-divided by the tensor's block length::
 
@@ -25,11 +36,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from kvtier.errors import InputError
-from kvtier.layout import KVLayout
+from kvtier.layout import GroupKind, KVGroup, KVLayout
+
+NULL_BLOCK = 0  # vLLM's shared null block: padding for blocks a group no longer holds
+
+# One block table (every group shares it) or one table per KV-cache group.
+BlockIds = Sequence[int] | Sequence[Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -43,6 +60,9 @@ class PagedKV:
     tensor_block: int  # N: tokens per block of the tensor itself
     num_kv_heads: int
     head_dim: int
+    planes: int = 2  # 1: MLA latent [B, 1, N, D] (or [B, N, D]: viewed as [B, 1, N, D])
+    layer_groups: tuple[int, ...] = ()  # per layer: its KV-cache group (block table)
+    groups: tuple[KVGroup, ...] = ()  # the layout's groups (default: one of every layer)
 
     @classmethod
     def from_vllm(
@@ -52,23 +72,37 @@ class PagedKV:
         block_size: int,
         num_kv_heads: int,
         head_dim: int,
+        mla: bool = False,
+        groups: Sequence[tuple[GroupKind, int, Sequence[str]]] = (),
     ) -> PagedKV:
-        """Recognise the layout of ``kv_caches`` (layer name -> tensor, in model order)."""
+        """Recognise the layout of ``kv_caches`` (layer name -> tensor, in model order).
+
+        ``mla``: the model caches one latent of ``head_dim`` per token (vLLM's
+        ``use_mla``). ``groups``: vLLM's KV-cache groups in order, as (kind, window, layer
+        names); empty means one full-attention (or MLA) group of every layer."""
         if not kv_caches:
             raise InputError("register_kv_caches got no KV tensors; kvtier needs attention layers")
         names = tuple(kv_caches)
         layers = tuple(kv_caches[name] for name in names)
         first = layers[0]
         shape = tuple(first.shape)
-        if len(shape) == 4 and shape[1] == num_kv_heads and shape[3] == 2 * head_dim:
+        planes = 2
+        if mla and len(shape) == 3 and shape[2] == head_dim:
+            layers = tuple(t.unsqueeze(1) for t in layers)
+            shape = tuple(layers[0].shape)
+        if mla and len(shape) == 4 and shape[1] == 1 and shape[3] == head_dim:
+            kv_first, tensor_block, planes, num_kv_heads = False, shape[2], 1, 1
+        elif len(shape) == 4 and shape[1] == num_kv_heads and shape[3] == 2 * head_dim:
             kv_first, tensor_block = False, shape[2]
         elif len(shape) == 5 and shape[0] == 2 and shape[3:] == (num_kv_heads, head_dim):
             kv_first, tensor_block = True, shape[2]
         else:
+            latent = f" or [blocks, 1, block_tokens, {head_dim}] (MLA latent)" if mla else ""
             raise InputError(
                 f"KV cache tensor of layer {names[0]!r} has shape {shape}; kvtier reads "
                 f"[blocks, {num_kv_heads}, block_tokens, {2 * head_dim}] (CPU / standardized) "
                 f"or [2, blocks, block_tokens, {num_kv_heads}, {head_dim}] (flash-attention)"
+                f"{latent}"
             )
         for name, tensor in zip(names, layers, strict=True):
             if tuple(tensor.shape) != shape or tensor.dtype != first.dtype:
@@ -82,7 +116,19 @@ class PagedKV:
                 f"vLLM block_size {block_size} is not a multiple of the KV tensor's block "
                 f"length {tensor_block}"
             )
-        return cls(layers, names, kv_first, block_size, tensor_block, num_kv_heads, head_dim)
+        layer_groups, kv_groups = _layer_groups(names, groups)
+        return cls(
+            layers,
+            names,
+            kv_first,
+            block_size,
+            tensor_block,
+            num_kv_heads,
+            head_dim,
+            planes,
+            layer_groups,
+            kv_groups,
+        )
 
     def layout(self) -> KVLayout:
         return KVLayout(
@@ -90,18 +136,52 @@ class PagedKV:
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             dtype=self.layers[0].dtype,
+            planes=self.planes,
+            groups=self.groups,
+        )
+
+    @property
+    def num_groups(self) -> int:
+        return max(self.layer_groups, default=0) + 1
+
+    def tables(self, block_ids: BlockIds) -> tuple[Sequence[int], ...]:
+        """``block_ids`` as one table per group (a flat list is the table of every group)."""
+        if block_ids and not isinstance(block_ids[0], int):
+            tables = tuple(cast(Sequence[Sequence[int]], block_ids))
+        else:
+            tables = (cast(Sequence[int], block_ids),) * self.num_groups
+        if len(tables) != self.num_groups:
+            raise InputError(
+                f"got {len(tables)} block tables for {self.num_groups} KV-cache groups"
+            )
+        return tables
+
+    def complete(self, block_ids: BlockIds, start: int, end: int) -> bool:
+        """Whether every group still has a real block (not the null block) for every token
+        in ``start..end-1``: a sliding-window group drops blocks behind its window."""
+        first, last = start // self.block_size, (end - 1) // self.block_size
+        return all(
+            len(table) > last and NULL_BLOCK not in table[first : last + 1]
+            for table in self.tables(block_ids)
         )
 
     def describe(self) -> str:
         kind = "kv-first [2,B,N,H,D]" if self.kv_first else "blocks-first [B,H,N,2D]"
+        if self.planes == 1:
+            kind = "MLA latent [B,1,N,D]"
+        if self.num_groups > 1:
+            kind += f", groups {self.layout().describe_groups()}"
         return (
             f"{len(self.layers)} layers {kind} {tuple(self.layers[0].shape)} "
             f"{self.layers[0].dtype} on {self.layers[0].device}, block {self.block_size}"
         )
 
     # -- addressing ------------------------------------------------------------------------
-    def _slots(self, block_ids: Sequence[int], start: int, end: int) -> tuple[torch.Tensor, ...]:
-        """(tensor block, offset) index tensors for token positions ``start..end-1``."""
+    def _slots(
+        self, block_ids: Sequence[int], start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tensor block, offset, real) for token positions ``start..end-1``; ``real`` is
+        False where the table holds the null block (nothing to read or write there)."""
         last_block = (end - 1) // self.block_size
         if end <= start or start < 0 or last_block >= len(block_ids):
             raise InputError(
@@ -111,39 +191,91 @@ class PagedKV:
         device = self.layers[0].device
         positions = torch.arange(start, end)
         table = torch.as_tensor(list(block_ids), dtype=torch.long)
-        slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
+        blocks = table[positions // self.block_size]
+        slots = blocks * self.block_size + positions % self.block_size
         return (
             (slots // self.tensor_block).to(device),
             (slots % self.tensor_block).to(device),
+            (blocks != NULL_BLOCK).to(device),
         )
 
+    def _group_slots(
+        self, block_ids: BlockIds, start: int, end: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        tables = self.tables(block_ids)
+        if len(self.groups) <= 1 or all(t is tables[0] for t in tables):
+            return [self._slots(tables[0], start, end)] * len(tables)
+        return [self._slots(table, start, end) for table in tables]
+
     # -- copies ----------------------------------------------------------------------------
-    def gather(self, block_ids: Sequence[int], start: int, end: int, out: torch.Tensor) -> None:
+    def gather(self, block_ids: BlockIds, start: int, end: int, out: torch.Tensor) -> None:
         """Copy tokens ``start..end-1`` of a request into ``out[:, :, start:end]``
-        (``out``: ``[2, layers, >=end, kv_heads*head_dim]``, any device)."""
-        blk, off = self._slots(block_ids, start, end)
+        (``out``: ``[planes, layers, >=end, kv_heads*head_dim]``, any device). The caller
+        checks :meth:`complete` first where groups may hold the null block."""
+        slots = self._group_slots(block_ids, start, end)
         n = end - start
         hidden = self.num_kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
-            if self.kv_first:
+            blk, off, _ = slots[self.layer_groups[index] if self.layer_groups else 0]
+            if self.planes == 1:
+                kv = layer[blk, 0, off].unsqueeze(0)  # [1, n, D]
+            elif self.kv_first:
                 kv = layer[:, blk, off]  # [2, n, H, D]
             else:
                 # [n, H, 2D] -> [n, H, 2, D] -> [2, n, H, D]
                 kv = layer[blk, :, off].view(n, self.num_kv_heads, 2, self.head_dim)
                 kv = kv.permute(2, 0, 1, 3)
-            out[:, index, start:end].copy_(kv.reshape(2, n, hidden), non_blocking=True)
+            out[:, index, start:end].copy_(kv.reshape(self.planes, n, hidden), non_blocking=True)
 
-    def scatter(self, block_ids: Sequence[int], start: int, end: int, src: torch.Tensor) -> None:
-        """Write ``src[:, :, start:end]`` (a chunk-layout tensor) into the request's blocks."""
-        blk, off = self._slots(block_ids, start, end)
+    def scatter(self, block_ids: BlockIds, start: int, end: int, src: torch.Tensor) -> None:
+        """Write ``src[:, :, start:end]`` (a chunk-layout tensor) into the request's blocks;
+        positions a group maps to the null block are skipped."""
+        slots = self._group_slots(block_ids, start, end)
         n = end - start
         device = self.layers[0].device
         for index, layer in enumerate(self.layers):
+            blk, off, real = slots[self.layer_groups[index] if self.layer_groups else 0]
             kv = src[:, index, start:end].to(device, non_blocking=True)
-            kv = kv.reshape(2, n, self.num_kv_heads, self.head_dim)
+            if not bool(real.all()):
+                blk, off, kv, m = blk[real], off[real], kv[:, real], int(real.sum())
+            else:
+                m = n
+            if m == 0:
+                continue
+            if self.planes == 1:
+                layer[blk, 0, off] = kv[0]
+                continue
+            kv = kv.reshape(2, m, self.num_kv_heads, self.head_dim)
             if self.kv_first:
                 layer[:, blk, off] = kv
             else:
                 layer[blk, :, off] = kv.permute(1, 2, 0, 3).reshape(
-                    n, self.num_kv_heads, 2 * self.head_dim
+                    m, self.num_kv_heads, 2 * self.head_dim
                 )
+
+
+def _layer_groups(
+    names: tuple[str, ...], groups: Sequence[tuple[GroupKind, int, Sequence[str]]]
+) -> tuple[tuple[int, ...], tuple[KVGroup, ...]]:
+    """Per layer (in ``names`` order) its group index, and the layout's groups."""
+    if not groups:
+        return (0,) * len(names), ()
+    where: dict[str, int] = {}
+    for gi, (_, _, layer_names) in enumerate(groups):
+        for name in layer_names:
+            where[name] = gi
+    missing = [n for n in names if n not in where]
+    if missing:
+        raise InputError(
+            f"KV cache layers {missing} are in no KV-cache group of {[list(g[2]) for g in groups]}"
+        )
+    layer_groups = tuple(where[n] for n in names)
+    kv_groups = tuple(
+        KVGroup(
+            kind,
+            tuple(i for i, g in enumerate(layer_groups) if g == gi),
+            window if kind == GroupKind.SLIDING else 0,
+        )
+        for gi, (kind, window, _) in enumerate(groups)
+    )
+    return layer_groups, kv_groups

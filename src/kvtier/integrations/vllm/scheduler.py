@@ -12,6 +12,8 @@ vLLM's scheduling decisions into per-step load and save specs. Per request it re
                asynchronous, the request waits and the batch keeps stepping
     local      tokens vLLM's own prefix cache supplied (whole blocks) when it last asked
     block_ids  the request's block table (first KV cache group)
+    tables     with vLLM's hybrid KV cache manager and several KV-cache groups: every
+               group's block table (``block_ids`` is ``tables[0]``); empty otherwise
     load       a load waiting for the next metadata: [local, local + accepted)
     saved      prompt tokens kvtier holds or is being given (whole chunks)
     transfer_id  PD: the id kvtier pd-proxy gave both instances (kv_transfer_params)
@@ -54,6 +56,7 @@ class _Request:
     local: int = 0
     load_async: bool = False
     block_ids: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)  # every group's, when several
     load: tuple[int, int] | None = None
     saved: int = 0
     transfer_id: str | None = None  # PD: the id the proxy gave both instances
@@ -72,13 +75,18 @@ class SchedulerSide:
         loads: bool,
         saves: bool,
         async_lower_loads: bool = True,
+        all_async: bool = False,
     ) -> None:
+        """``all_async``: every load in the background, also from the CPU tier (a model with
+        several KV-cache groups: vLLM takes load failures only per request, from async
+        loads)."""
         self.clients = clients
         self.block_size = block_size
         self.chunk_size = chunk_size
         self.loads = loads
         self.saves = saves
         self.async_lower_loads = async_lower_loads
+        self.all_async = all_async
         self._requests: dict[str, _Request] = {}
         self._async_loads: list[LoadSpec] = []  # for requests vLLM does not schedule yet
         self._complaints = RepeatedLog(log)  # a worker down fails every call: log it once
@@ -104,23 +112,38 @@ class SchedulerSide:
         usable = min(state.hit, last) // self.block_size * self.block_size
         in_cpu = min(state.cpu_hit, last) // self.block_size * self.block_size
         new = max(0, usable - num_computed_tokens)
-        state.load_async = (
-            self.async_lower_loads and new > 0 and usable > max(in_cpu, num_computed_tokens)
+        state.load_async = new > 0 and (
+            self.all_async or (self.async_lower_loads and usable > max(in_cpu, num_computed_tokens))
         )
         return new, state.load_async
 
-    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+    def after_alloc(
+        self,
+        request: Any,
+        block_ids: list[int],
+        num_external_tokens: int,
+        tables: tuple[list[int], ...] = (),
+    ) -> None:
+        """``tables``: every KV-cache group's block table when there are several."""
         state = self._state(
             request.request_id, request.prompt_token_ids, getattr(request, "cache_salt", None)
         )
         state.block_ids = list(block_ids)
+        _set_tables(state, tables)
         if num_external_tokens <= 0:
             return
         start, end = state.local, state.local + num_external_tokens
         if state.load_async:
             # vLLM schedules the request only after the load: send it with the next step.
             spec = LoadSpec(
-                request.request_id, state.tokens, state.block_ids[:], start, end, True, state.salt
+                request.request_id,
+                state.tokens,
+                state.block_ids[:],
+                start,
+                end,
+                True,
+                state.salt,
+                _copy_tables(state),
             )
             self._async_loads.append(spec)
         else:
@@ -134,9 +157,11 @@ class SchedulerSide:
             state = self._requests.get(rid)
             if state is not None:  # its blocks are gone; new ones come when it resumes
                 state.block_ids, state.load = [], None
+                _set_tables(state, ())
         for new in out.scheduled_new_reqs:
             state = self._state(new.req_id, new.prompt_token_ids)
             state.block_ids = list(new.block_ids[0])
+            _set_tables(state, new.block_ids)
             done = new.num_computed_tokens + out.num_scheduled_tokens[new.req_id]
             self._add_specs(meta, new.req_id, state, done)
         cached = out.scheduled_cached_reqs
@@ -147,8 +172,11 @@ class SchedulerSide:
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
                 state.block_ids = list(new_ids[0]) if new_ids else []
+                _set_tables(state, new_ids or ())
             elif new_ids:
-                state.block_ids.extend(new_ids[0])
+                state.block_ids.extend(new_ids[0])  # also tables[0], the same list
+                for table, more in zip(state.tables[1:], new_ids[1:], strict=False):
+                    table.extend(more)
             done = cached.num_computed_tokens[i] + out.num_scheduled_tokens[rid]
             self._add_specs(meta, rid, state, done)
         return meta
@@ -166,6 +194,8 @@ class SchedulerSide:
             if state is not None:
                 state.saved = min(state.saved, loaded // self.chunk_size * self.chunk_size)
                 if state.hit is not None and loaded < state.hit:
+                    # Never offer again what failed to load (a request whose load failed as
+                    # a whole, with several KV-cache groups, is asked again from scratch).
                     state.hit = loaded
                     state.cpu_hit = min(state.cpu_hit, loaded)
 
@@ -235,7 +265,16 @@ class SchedulerSide:
         if state.load is not None:
             start, end = state.load
             meta.loads.append(
-                LoadSpec(rid, state.tokens, state.block_ids[:], start, end, False, state.salt)
+                LoadSpec(
+                    rid,
+                    state.tokens,
+                    state.block_ids[:],
+                    start,
+                    end,
+                    False,
+                    state.salt,
+                    _copy_tables(state),
+                )
             )
             state.load = None
         if not self.saves:
@@ -251,6 +290,18 @@ class SchedulerSide:
                     end,
                     state.transfer_id,
                     state.salt,
+                    _copy_tables(state),
                 )
             )
             state.saved = end
+
+
+def _set_tables(state: _Request, tables: Any) -> None:
+    """Keep every group's table when there are several (one group: ``block_ids`` is all)."""
+    state.tables = [list(t) for t in tables] if tables and len(tables) > 1 else []
+    if state.tables:
+        state.tables[0] = state.block_ids
+
+
+def _copy_tables(state: _Request) -> tuple[list[int], ...]:
+    return tuple(t[:] for t in state.tables)

@@ -46,6 +46,7 @@ from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError, InputError, StateError
 from kvtier.integrations.vllm.events import MEDIUM, EventLog, chain_evictions
+from kvtier.integrations.vllm.groups import ModelGroups
 from kvtier.integrations.vllm.loads import Loads
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.metrics import CounterDeltas
@@ -73,6 +74,7 @@ class WorkerSide:
         head_dim: int,
         events: bool = False,
         server: str | None = None,
+        groups: ModelGroups | None = None,
     ) -> None:
         if server is not None and config.enable_pd:
             raise ConfigError(
@@ -87,6 +89,9 @@ class WorkerSide:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        # vLLM's KV-cache groups; one of a kind kvtier does not model turns kvtier off.
+        self.groups = groups or ModelGroups(())
+        self.off = bool(self.groups.unsupported)
         self.cache: KVCache | None = None  # what loads, saves and lookups use
         self.engine: Engine | None = None  # the same object when in-process, else None
         self.paged: PagedKV | None = None
@@ -102,11 +107,17 @@ class WorkerSide:
 
     # -- lifecycle -------------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        if self.off:
+            # The scheduler side warned once and asks nothing: no cache, no channel.
+            log.info("kvtier worker %d: off (%s)", self.tp_rank, ", ".join(self.groups.unsupported))
+            return
         paged = PagedKV.from_vllm(
             kv_caches,
             block_size=self.block_size,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
+            mla=self.groups.mla,
+            groups=self.groups.for_paged() if len(self.groups.groups) > 1 else (),
         )
         cache = open_cache(
             self.server,
@@ -158,8 +169,8 @@ class WorkerSide:
 
     # -- the step --------------------------------------------------------------------------
     def load(self, meta: KVTierMetadata) -> None:
-        if not meta.loads:
-            return  # a decode step: nothing to load
+        if self.off or not meta.loads:
+            return  # kvtier is off for this model, or a decode step: nothing to load
         loads = self._loads_part()
         for spec in meta.loads:
             if spec.async_load:
@@ -168,7 +179,7 @@ class WorkerSide:
                 loads.run(spec, self._scratch_for(len(spec.tokens)))
 
     def save(self, meta: KVTierMetadata) -> None:
-        if not meta.saves:
+        if not meta.saves or self.off:
             return
         engine, paged = self._parts()
         loads = self._loads_part()
@@ -178,8 +189,12 @@ class WorkerSide:
                 # vLLM throws that away and recomputes, and so must kvtier (never store KV
                 # that attended to garbage). The scheduler re-offers the chunks later.
                 continue
+            if not paged.complete(spec.tables, spec.start, spec.end):
+                # A sliding-window group already dropped blocks of this range (its chunk
+                # began in an earlier step): nothing whole to store, so store nothing.
+                continue
             out = self._scratch_for(spec.end)
-            paged.gather(spec.block_ids, spec.start, spec.end, out)
+            paged.gather(spec.tables, spec.start, spec.end, out)
             # The keys its lookup hashed, extended by the new chunks only.
             keys = engine.request_keys(spec.tokens, spec.request_id, cache_salt=spec.cache_salt)
             stored = engine.store(
@@ -203,7 +218,13 @@ class WorkerSide:
                 self.events.stored(spans[first:], parent, spec.tokens, self._media)
 
     def failed_blocks(self) -> set[int]:
+        if self.off:
+            return set()
         return self._loads.failed_blocks() if self._loads is not None else set()
+
+    def failed_requests(self, done: set[str]) -> set[str]:
+        """Of the finished loads ``done``, those that failed (several KV-cache groups)."""
+        return self._loads.failed_requests(done) if self._loads is not None else set()
 
     def finished_loads(self) -> set[str]:
         """Requests whose async load is done (vLLM's finished_recving)."""

@@ -1,0 +1,105 @@
+"""``kvtier bench families``: bytes kvtier stores per token, per KV-cache group kind, for the
+model families of :mod:`kvtier.testing.families`, against the naive full-KV size.
+
+Naive full KV: every layer keeps K and V of every KV head per token, decompressed (for MLA:
+``heads * (qk_nope + qk_rope)`` key and ``heads * v_head_dim`` value elements), in the model's
+dtype. kvtier stores per token what its layout holds (the chunk tensor, see
+:mod:`kvtier.layout`)::
+
+    full      2 * kv_heads * head_dim * dtype      per layer
+    sliding   same as full today (every token of the chunk; trimming a group to its window
+              is not done yet)
+    mla       (kv_lora_rank + qk_rope_head_dim) * dtype per layer, once for all TP ranks
+    state     not stored: kvtier is off for such a model (0)
+
+The figures are arithmetic on each family's config (no vLLM start); the vLLM tests check the
+same numbers against the records the connector writes to disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from kvtier.testing.families import FAMILIES, family
+
+STATE_TYPES = ("linear_attention", "mamba")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--family",
+        action="append",
+        choices=sorted(FAMILIES),
+        help="families to report (default: all)",
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    names = args.family or list(FAMILIES)
+    out: dict[str, Any] = {}
+    for name in names:
+        row = bytes_per_token(name)
+        for key, value in row.items():
+            out[f"{name}.{key}"] = value
+    return out
+
+
+def bytes_per_token(name: str) -> dict[str, Any]:
+    """``naive``, ``stored`` and ``stored.<kind>`` bytes per token, ``ratio`` naive/stored."""
+    spec = family(name)
+    cfg = spec.config()
+    size = torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()
+    layers = int(cfg.num_hidden_layers)
+    kinds = _layer_kinds(cfg, layers)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    per_kind: dict[str, int] = {}
+    naive = 0
+    for kind in kinds:
+        if kind == "mla":
+            heads = int(cfg.num_attention_heads)
+            k = heads * (int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim))
+            naive += (k + heads * int(cfg.v_head_dim)) * size
+            stored = (int(cfg.kv_lora_rank) + int(cfg.qk_rope_head_dim)) * size
+        elif kind == "state":
+            continue  # a recurrent state per sequence, not per token
+        else:
+            naive += 2 * kv_heads * head_dim * size
+            stored = 2 * kv_heads * head_dim * size
+        per_kind[kind] = per_kind.get(kind, 0) + stored
+    served = "state" not in kinds
+    total = sum(per_kind.values()) if served else 0
+    row: dict[str, Any] = {"served": served, "naive": naive, "stored": total}
+    for kind, value in per_kind.items():
+        row[f"stored.{kind}"] = value if served else 0
+    row["ratio"] = round(naive / total, 2) if total else 0.0
+    return row
+
+
+def _layer_kinds(cfg: Any, layers: int) -> list[str]:
+    if getattr(cfg, "kv_lora_rank", None):
+        return ["mla"] * layers
+    if getattr(cfg, "model_type", "") == "falcon_h1":  # attention and Mamba in every layer
+        return ["full"] * layers + ["state"]
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        out = []
+        for t in types[:layers]:
+            if t in STATE_TYPES:
+                out.append("state")
+            elif t == "sliding_attention":
+                out.append("sliding")
+            else:
+                out.append("full")
+        return out
+    attn = getattr(cfg, "attn_layer_indices", None)
+    if attn is not None:  # Bamba
+        return ["full" if i in attn else "state" for i in range(layers)]
+    period = getattr(cfg, "attn_layer_period", None)
+    if period:  # Jamba
+        offset = int(cfg.attn_layer_offset)
+        return ["full" if i % period == offset else "state" for i in range(layers)]
+    return ["full"] * layers

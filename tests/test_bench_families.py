@@ -1,0 +1,24 @@
+"""``kvtier bench families``: bytes per token per group kind, from each family's config."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvtier.bench.families import bytes_per_token, run
+
+
+def test_mla_stores_the_latent_and_full_attention_stores_k_and_v() -> None:
+    mla = bytes_per_token("deepseek-v2")
+    # 4 layers x (512 + 64) fp32, against 4 heads x (64 + 64) K + 4 x 64 V decompressed.
+    assert mla["stored.mla"] == 4 * 576 * 4 and mla["naive"] == 4 * (4 * 128 + 4 * 64) * 4
+    llama = bytes_per_token("llama")
+    assert llama["stored"] == llama["naive"] == 2 * 4 * 2 * 64 * 4
+    gemma = bytes_per_token("gemma3")
+    assert gemma["stored.sliding"] == gemma["stored.full"] == 2 * 2 * 2 * 64 * 4
+
+
+def test_families_with_a_state_kind_are_reported_as_not_served() -> None:
+    result = run(argparse.Namespace(family=["qwen3-next", "bamba", "qwen3"]))
+    assert result["qwen3-next.served"] is False and result["qwen3-next.stored"] == 0
+    assert result["bamba.served"] is False
+    assert result["qwen3.served"] is True and result["qwen3.ratio"] == 1.0

@@ -1,0 +1,97 @@
+"""A layout is a list of KV-cache groups: kinds, windows and layers enter the fingerprint;
+MLA's latent (planes 1) is the same on every tensor-parallel rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.errors import InputError
+from kvtier.keys import Fingerprint
+from kvtier.layout import GroupKind, KVGroup, KVLayout, parse_groups
+
+LLAMA = KVLayout(4, 2, 64, torch.float32)
+GEMMA = KVLayout(
+    4,
+    2,
+    64,
+    torch.float32,
+    groups=(KVGroup(GroupKind.SLIDING, (0, 2), 128), KVGroup(GroupKind.FULL, (1, 3))),
+)
+MLA = KVLayout(4, 1, 576, torch.float32, planes=1)
+
+
+def fp(layout: KVLayout, rank: int = 0, world: int = 1) -> str:
+    return Fingerprint("m", layout, 256, tp_rank=rank, tp_world_size=world).hex()
+
+
+def test_a_one_group_layout_keeps_the_fingerprint_it_always_had() -> None:
+    """Caches written before groups existed must still match (the old canonical string)."""
+    old = "\x1f".join(
+        ["kvtier-fp-1", "m", "4x2x64", "float32", "256", "xxh3_128", "tp0/1", ""]
+    ).encode()
+    assert Fingerprint("m", LLAMA, 256).canonical() == old
+    assert LLAMA.describe_groups() == "full:0,1,2,3"
+
+
+def test_groups_windows_and_planes_enter_the_fingerprint() -> None:
+    other_window = KVLayout(
+        4,
+        2,
+        64,
+        torch.float32,
+        groups=(KVGroup(GroupKind.SLIDING, (0, 2), 256), KVGroup(GroupKind.FULL, (1, 3))),
+    )
+    assert len({fp(LLAMA), fp(GEMMA), fp(other_window)}) == 3
+    assert fp(MLA) != fp(KVLayout(4, 1, 576, torch.float32))
+
+
+def test_mla_is_stored_once_for_every_tensor_parallel_rank() -> None:
+    assert fp(MLA, 0, 2) == fp(MLA, 1, 2) == fp(MLA, 0, 1)
+    assert fp(LLAMA, 0, 2) != fp(LLAMA, 1, 2)  # K/V heads are split across ranks
+
+
+def test_bytes_per_token_per_group_kind() -> None:
+    assert MLA.token_bytes() == 4 * 576 * 4 and MLA.kv_shape(3) == (1, 4, 3, 576)
+    assert GEMMA.group_token_bytes() == {"sliding": 2 * 2 * 128 * 4, "full": 2 * 2 * 128 * 4}
+    assert LLAMA.token_bytes() == 2 * 4 * 128 * 4
+
+
+def test_describe_and_parse_round_trip() -> None:
+    for layout in (LLAMA, GEMMA, MLA):
+        assert parse_groups(layout.describe_groups()) == layout.groups
+    assert "sliding/w128:0,2" in GEMMA.describe()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"groups": (KVGroup(GroupKind.FULL, (0, 1)),)}, "every layer"),
+        ({"planes": 3}, "planes"),
+        ({"planes": 1, "groups": (KVGroup(GroupKind.FULL, (0, 1, 2, 3)),)}, "planes"),
+    ],
+)
+def test_bad_groups_name_what_is_wrong(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(InputError, match=match):
+        KVLayout(4, 2, 64, torch.float32, **kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_group_kind_and_window() -> None:
+    with pytest.raises(InputError, match="unknown"):
+        KVGroup("ring", (0,))  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="window"):
+        KVGroup(GroupKind.SLIDING, (0,))
+    with pytest.raises(InputError, match="layers"):
+        parse_groups("full:a,b")
+
+
+def test_a_state_group_is_reported_unsupported() -> None:
+    hybrid = KVLayout(
+        1,
+        2,
+        64,
+        torch.bfloat16,
+        groups=(KVGroup(GroupKind.STATE, (0, 1, 2), detail="MambaSpec"), KVGroup("full", (0,))),
+    )
+    assert [g.detail for g in hybrid.unsupported()] == ["MambaSpec"]
+    assert fp(hybrid) != fp(KVLayout(1, 2, 64, torch.bfloat16))
