@@ -72,7 +72,7 @@ def test_a_plain_service_is_just_the_engine() -> None:
 
 
 def test_a_service_is_a_cache_whose_calls_go_to_its_local_engine() -> None:
-    """What ``open_cache`` is to return in process: the KVCache surface plus the engine."""
+    """What ``open_cache`` returns in process: the KVCache surface plus the engine."""
     tokens, kv = list(range(32)), make_kv(32)
     with Service(small_config(), SMALL_LAYOUT, model_name="m") as service:
         assert service.local_engine is service.engine

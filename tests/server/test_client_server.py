@@ -12,6 +12,7 @@ import torch
 import kvtier
 from kvtier import Engine, InputError, StateError
 from kvtier.server.surface import open_cache
+from kvtier.service import Service
 from tests.conftest import SMALL_LAYOUT, make_kv, make_tokens, small_config
 from tests.server.conftest import SPAWN
 from tests.server.server_helpers import (
@@ -156,10 +157,12 @@ def test_closing_a_client_releases_its_leases(server: ServerProcess) -> None:
 
 def test_open_cache_picks_the_server_when_named(server: ServerProcess) -> None:
     tokens, kv = make_tokens(32, 91), make_kv(32, 91)
-    for url, kind in ((None, Engine), (server.url, kvtier.ServerClient)):
+    for url, kind in ((None, Service), (server.url, kvtier.ServerClient)):
         cache = open_cache(url, small_config(), SMALL_LAYOUT, model_name="either")
         try:
             assert isinstance(cache, kind)
+            # in process: a Service, whose engine is local; through a server: none here
+            assert isinstance(cache.local_engine, Engine) is (url is None)
             assert cache.store(tokens, kv) == 2
             with cache.request("r"):
                 assert cache.lookup(tokens, "r") == 32

@@ -146,6 +146,11 @@ class ServerClient:
         """No engine runs in this process (a Service's ``local_engine`` is its engine)."""
         return None
 
+    @property
+    def admin(self) -> None:
+        """No admin API in this process: the kvtier server serves its own."""
+        return None
+
     # -- the request API (as Engine) ---------------------------------------------------------
     def lookup(
         self,

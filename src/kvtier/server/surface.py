@@ -1,8 +1,11 @@
-"""The cache surface connectors use, met by an in-process Engine and by a server client alike.
+"""The cache surface connectors use, met by an in-process Service and by a server client alike.
 
-A connector typed against :class:`KVCache` takes either: ``open_cache`` gives an open Engine
-when no server is named, or a :class:`~kvtier.server.client.ServerClient` when one is (the
-vLLM connector's ``kv_connector_extra_config: {"server": "unix:///..."}``).
+A connector typed against :class:`KVCache` takes either: ``open_cache`` gives an open
+:class:`~kvtier.service.Service` (an Engine with the admin API and PD receiver its config asks
+for) when no server is named, or a :class:`~kvtier.server.client.ServerClient` when one is (the
+vLLM connector's ``kv_connector_extra_config: {"server": "unix:///..."}``). What only an
+in-process engine offers (PD hooks, ``tier(name)``, ``leaks``) is behind ``local_engine``,
+None for a server client.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvtier.admin.server import AdminServer
 from kvtier.config import Config
 from kvtier.engine import Engine, Hit
 from kvtier.keys import Fingerprint, KeyChain, RequestKeys
@@ -40,6 +44,17 @@ class KVCache(Protocol):
 
     @property
     def state(self) -> Lifecycle: ...
+
+    @property
+    def local_engine(self) -> Engine | None:
+        """The engine running in this process, or None (a server client)."""
+        ...
+
+    @property
+    def admin(self) -> AdminServer | None:
+        """The admin API this process serves for the cache, or None (off, or a server
+        client: the server serves its own)."""
+        ...
 
     def lookup(
         self,
@@ -105,7 +120,8 @@ def open_cache(
     tp_world_size: int = 1,
 ) -> KVCache:
     """An open cache: the kvtier server at ``server`` (``unix:///path``) when given, else an
-    in-process Engine."""
+    in-process :class:`Service` (engine, then the admin API and PD receiver its config asks
+    for; closing it closes them in reverse)."""
     if server:
         client = ServerClient(
             server,
@@ -116,15 +132,13 @@ def open_cache(
             tp_world_size=tp_world_size,
         )
         return client.open()
-    engine = Engine(
+    service = Service(
         config, layout, model_name=model_name, tp_rank=tp_rank, tp_world_size=tp_world_size
     )
-    return engine.open()
+    return service.open()
 
 
-def _all_conform(engine: Engine, service: Service, client: ServerClient) -> Iterator[KVCache]:
-    """Never called: mypy --strict checks here that all three classes have the whole surface
-    (``open_cache`` is to return a Service rather than a bare Engine, see Service)."""
-    yield engine
+def _all_conform(service: Service, client: ServerClient) -> Iterator[KVCache]:
+    """Never called: mypy --strict checks here that both classes have the whole surface."""
     yield service
     yield client

@@ -1,7 +1,9 @@
 """The worker side of the connector (runs in each vLLM worker process): it owns the cache.
 
-The cache is an Engine in this process, or, with ``kv_connector_extra_config: {"server":
-"unix:///path/kvtier.sock"}``, a client of the host's ``kvtier server`` (one cache shared by
+The cache is a :class:`~kvtier.service.Service` in this process (its engine, plus the admin
+API and the decoder's PD receiver its config asks for; ``cache.local_engine`` is the engine),
+or, with ``kv_connector_extra_config: {"server": "unix:///path/kvtier.sock"}``, a client of
+the host's ``kvtier server`` (one cache shared by
 every vLLM instance on the host, outliving them). With a server, a lookup's pins and a load's
 lease live in the server, keyed by (this worker's connection, vLLM request id), and end by
 the same ``end`` path; a worker that dies releases them all when its socket closes.
@@ -55,7 +57,6 @@ from kvtier.integrations.vllm.pd import PDEndpoint
 from kvtier.integrations.vllm.rpc import LookupServer, OpHandler
 from kvtier.observability.logs import REQUESTS
 from kvtier.server.surface import KVCache, open_cache
-from kvtier.service import open_admin
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class WorkerSide:
         self.groups = groups or ModelGroups(())
         self.off = bool(self.groups.unsupported)
         self.cache: KVCache | None = None  # what loads, saves and lookups use
-        self.engine: Engine | None = None  # the same object when in-process, else None
+        self.engine: Engine | None = None  # cache.local_engine: in-process, else None
         self.paged: PagedKV | None = None
         self._server: LookupServer | None = None
         self._loads: Loads | None = None
@@ -102,7 +103,6 @@ class WorkerSide:
         self.events = EventLog() if events and tp_rank == 0 else None
         self._media: list[str] = []
         self._pd: PDEndpoint | None = None
-        self.admin: AdminServer | None = None  # in the process that owns the cache
         self._deltas = CounterDeltas()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -129,16 +129,17 @@ class WorkerSide:
         )
         self.paged, self.cache = paged, cache
         self._loads = Loads(cache, paged, self.block_size)
-        if isinstance(cache, Engine):
-            self.engine = cache
-            self._media = [MEDIUM[name] for name in MEDIUM if cache.tier(name) is not None]
+        engine = cache.local_engine  # in-process: a Service, with its admin API and receiver
+        if engine is not None:
+            self.engine = engine
+            self._media = [MEDIUM[name] for name in MEDIUM if engine.tier(name) is not None]
             if self.events is not None:
                 for name in ("cpu", "disk"):
-                    tier = cache.tier(name)
+                    tier = engine.tier(name)
                     if tier is not None:
                         chain_evictions(tier, MEDIUM[name], self.events)
-            self._pd = PDEndpoint(cache, self.tp_rank)
-            self.admin = open_admin(cache)
+            if engine.config.enable_pd and engine.config.pd_role == "sender":
+                self._pd = PDEndpoint(engine, self.tp_rank)
         else:
             # The server evicts on its own; stores are reported in the media it has.
             tiers = cache.stats().get("tiers", {})
@@ -152,10 +153,12 @@ class WorkerSide:
             self._server.path,
         )
 
+    @property
+    def admin(self) -> AdminServer | None:
+        """The admin API of the cache this worker owns (its Service's), or None."""
+        return self.cache.admin if self.cache is not None else None
+
     def close(self) -> None:
-        if self.admin is not None:
-            self.admin.close()
-            self.admin = None
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -165,7 +168,7 @@ class WorkerSide:
         if self._loads is not None:
             self._loads.close()
         if self.cache is not None:
-            self.cache.close()
+            self.cache.close()  # a Service closes its receiver and admin API, then its engine
 
     # -- the step --------------------------------------------------------------------------
     def load(self, meta: KVTierMetadata) -> None:
