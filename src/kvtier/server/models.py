@@ -1,9 +1,10 @@
 """The server's engines: one per fingerprint, made on the first Hello that names it.
 
 A fingerprint (model, layout, chunk size, hash, tensor-parallel rank, tenant salt) gets its
-own :class:`~kvtier.engine.Engine` whose CPU page buffer is a memfd its clients map. Two
-fingerprints never share a page or a chunk; they do share the disk directory and the Redis
-server, where every file and record is named by its fingerprint already. An engine outlives
+own :class:`~kvtier.service.Service` (an Engine and its admin API) whose CPU page buffer is
+a memfd its clients map. Two fingerprints never share a page or a chunk; they do share the
+disk directory and the Redis server, where every file and record is named by its fingerprint
+already. An engine outlives
 the clients that filled it by ``server_model_idle_secs`` (300 s): when its last client has
 been gone that long, its CPU tier and shared memory are released (its disk tier stays, and
 the next client of that model finds it warm). With
@@ -34,6 +35,7 @@ from kvtier.keys import Fingerprint
 from kvtier.layout import KVLayout, dtype_from_name, parse_groups
 from kvtier.server.protocol import Hello
 from kvtier.server.shared_memory import SharedPages
+from kvtier.service import Service
 from kvtier.validation import check_fits_in_memory
 
 log = logging.getLogger(__name__)
@@ -43,15 +45,22 @@ log = logging.getLogger(__name__)
 class ModelSlot:
     fingerprint: str  # hex
     tenant: str  # the cache_salt
-    engine: Engine
+    service: Service  # the model's engine and its admin API, opened and closed together
     memory: SharedPages
-    admin: AdminServer | None = None
     clients: int = 0  # connections served by this engine now
     idle_since: float | None = None  # monotonic time its last client left
 
     @property
+    def engine(self) -> Engine:
+        return self.service.engine
+
+    @property
+    def admin(self) -> AdminServer | None:
+        return self.service.admin
+
+    @property
     def admin_url(self) -> str | None:
-        return self.admin.url if self.admin is not None and self.admin.running else None
+        return self.service.admin_url
 
     @property
     def pin_budget(self) -> int:
@@ -140,22 +149,28 @@ class ModelTable:
         config = replace(config, max_local_cpu_size=self._cpu_budget(hello, layout))
         self._make_room(config.max_local_cpu_size, layout.chunk_bytes(hello.chunk_size))
         memory = SharedPages(f"kvtier-{hello.fingerprint[:16]}")
-        engine = Engine(
-            config,
-            layout,
-            model_name=hello.model_name,
-            tp_rank=hello.tp_rank,
-            tp_world_size=hello.tp_world_size,
-            page_memory=memory.make,
-        )
-        total = sum(s.cpu_bytes for s in self._slots.values())
-        check_fits_in_memory("max_local_cpu_size", total + engine.num_pages * engine.chunk_bytes)
         try:
-            engine.open()
+            # The Service opens the engine, then its admin API, dashboard and /metrics
+            # (internal_api_server_enabled): one port per model, the first free from
+            # internal_api_server_port_start. No PD receiver: enable_pd is off here.
+            service = Service(
+                config,
+                layout,
+                model_name=hello.model_name,
+                tp_rank=hello.tp_rank,
+                tp_world_size=hello.tp_world_size,
+                page_memory=memory.make,
+            )
+            engine = service.engine
+            total = sum(s.cpu_bytes for s in self._slots.values())
+            check_fits_in_memory(
+                "max_local_cpu_size", total + engine.num_pages * engine.chunk_bytes
+            )
+            service.open()
         except BaseException:
             memory.close()
             raise
-        slot = ModelSlot(hello.fingerprint, hello.cache_salt, engine, memory, self._admin(engine))
+        slot = ModelSlot(hello.fingerprint, hello.cache_salt, service, memory)
         log.info(
             "model %r (fingerprint %s, tenant %r): %d pages of %d bytes in shared memory%s",
             hello.model_name,
@@ -166,24 +181,6 @@ class ModelTable:
             f", admin API {slot.admin_url}" if slot.admin_url else "",
         )
         return slot
-
-    def _admin(self, engine: Engine) -> AdminServer | None:
-        """The model's admin API, dashboard and /metrics (``internal_api_server_enabled``):
-        one port per model, the first free from ``internal_api_server_port_start``."""
-        cfg = self.config
-        if not cfg.internal_api_server_enabled:
-            return None
-        admin = AdminServer(
-            engine,
-            cfg.internal_api_server_host,
-            cfg.internal_api_server_port_start,
-            cfg.admin_token,
-        )
-        try:
-            return admin.open()
-        except OSError as exc:
-            log.error("admin API not started for this model: %s", exc)
-            return None
 
     def _cpu_budget(self, hello: Hello, layout: KVLayout) -> int:
         wanted = self.config.max_local_cpu_size
@@ -261,9 +258,7 @@ class ModelTable:
             why,
         )
         try:
-            if slot.admin is not None:
-                slot.admin.close()
-            slot.engine.close()
+            slot.service.close()  # its admin API, then its engine
         except Exception as exc:  # one engine failing to close must not skip the others
             log.error("closing model %s: %s", slot.fingerprint[:16], exc)
         finally:
