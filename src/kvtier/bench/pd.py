@@ -72,8 +72,8 @@ from kvtier.keys import Fingerprint, KeyChain
 from kvtier.layout import KVLayout
 from kvtier.memory.stream_copy import STREAMING, copy_bytes
 from kvtier.pd.channels.shm import POPULATE, SHM_DIR
-from kvtier.pd.receiver import PDReceiver
 from kvtier.pd.sender import OutChunk, PDSender, chunks_from_kv
+from kvtier.service import Service
 
 # 32 layers x 8 KV heads x 128 head dim, fp16, 256-token chunks: 32 MiB per chunk.
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.float16)
@@ -118,8 +118,11 @@ def decoder_process(channel: str, pages: int, ports: Any, control: Connection) -
     would be: lookup, then ``retrieve_into`` a zeroed buffer, timed, ``repeats`` times; it
     answers with the tokens found and loaded, the best serve time and a digest of each
     retrieve's bytes."""
-    with Engine(_config(channel, pages), LAYOUT, model_name=MODEL) as engine:
-        receiver = PDReceiver.for_engine(engine, host="127.0.0.1", port=0).open()
+    # The Service opens the engine, then its PD receiver (pd_role receiver, 127.0.0.1, a free
+    # port: no pd_peer_* keys set), and closes them in reverse.
+    with Service(_config(channel, pages), LAYOUT, model_name=MODEL) as service:
+        engine, receiver = service.local_engine, service.receiver
+        assert receiver is not None  # pd_role receiver
         ports.put((engine.fingerprint.hex(), receiver.port))
         i = 0
         while (outcome := receiver.wait_outcome(f"b{i}", 600.0)) is not None:
@@ -128,7 +131,6 @@ def decoder_process(channel: str, pages: int, ports: Any, control: Connection) -
                 control.send(_serve_check(engine, f"b{i}", tokens, repeats, outcome.ok))
             engine.end_request(f"b{i}")
             i += 1
-        receiver.close()
 
 
 def _serve_check(
@@ -145,7 +147,7 @@ def _serve_check(
         loaded.append(engine.retrieve_into(tokens, rid, out))
         best = min(best, time.perf_counter() - start)
         digests.append(_digest(out))
-    return ServeCheck(transfer_ok, hit, min(loaded), best, tuple(digests))
+    return ServeCheck(transfer_ok, hit.tokens, min(loaded), best, tuple(digests))
 
 
 @dataclass(frozen=True)
