@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import mmap
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,3 +101,76 @@ def test_a_service_puts_its_pages_in_the_memory_it_is_given() -> None:
 
     with Service(small_config(cpu_chunks=4), SMALL_LAYOUT, model_name="m", page_memory=memory):
         assert asked == [4 * SMALL_LAYOUT.chunk_bytes(16)]
+
+
+# -- Service is the only composer ---------------------------------------------------------------
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Who may open a node's servers by hand, and why. Everyone else opens a Service (or calls
+# kvtier.server.surface.open_cache, which does).
+COMPOSERS: dict[str, frozenset[str]] = {
+    "kvtier/service.py": frozenset({"AdminServer", "PDReceiver"}),
+    # `kvtier demo --dashboard` moves one admin server, on the port the user named, from
+    # each engine the demo opens to the next (kvtier.demo opens plain Engines, no Service):
+    # a dashboard for a demo, not a node's admin API.
+    "kvtier/cli/demo.py": frozenset({"AdminServer"}),
+}
+
+
+def servers_opened_in(tree: ast.AST) -> list[tuple[str, int]]:
+    """Calls that build an admin API or a PD receiver: ``AdminServer(...)``,
+    ``PDReceiver(...)``, ``PDReceiver.for_engine(...)`` / ``.for_host(...)`` (also through
+    a module attribute, ``receiver.PDReceiver(...)``)."""
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr in ("for_engine", "for_host"):
+            func = func.value
+        name = (
+            func.id
+            if isinstance(func, ast.Name)
+            else func.attr
+            if isinstance(func, ast.Attribute)
+            else None
+        )
+        if name in ("AdminServer", "PDReceiver"):
+            found.append((name, node.lineno))
+    return sorted(found, key=lambda hit: hit[1])
+
+
+def composers_outside_service(src: Path) -> list[str]:
+    wrong: list[str] = []
+    for path in sorted(src.joinpath("kvtier").rglob("*.py")):
+        relative = path.relative_to(src).as_posix()
+        allowed = COMPOSERS.get(relative, frozenset())
+        for name, line in servers_opened_in(ast.parse(path.read_text(), filename=str(path))):
+            if name not in allowed:
+                wrong.append(f"{relative}:{line} opens {name}")
+    return wrong
+
+
+def test_the_finder_sees_every_way_of_opening_a_server() -> None:
+    code = (
+        "a = AdminServer(e)\n"
+        "b = PDReceiver.for_engine(e).open()\n"
+        "c = receiver.PDReceiver.for_host(h)\n"
+        "d = PDReceiver(buf, fingerprint='f')\n"
+        "e = server.AdminServer(e, port=0)\n"
+        "f = PDReceiver.wait_outcome  # not a call\n"
+    )
+    assert [name for name, _ in servers_opened_in(ast.parse(code))] == [
+        "AdminServer",
+        "PDReceiver",
+        "PDReceiver",
+        "PDReceiver",
+        "AdminServer",
+    ]
+
+
+def test_only_the_service_opens_an_admin_api_or_a_pd_receiver() -> None:
+    """A node (a vLLM worker, a server model, pd-demo, bench pd) is a Service: opening an
+    AdminServer or a PDReceiver anywhere else is a second composer to keep in step."""
+    assert composers_outside_service(SRC) == []
+    assert COMPOSERS.keys() <= {p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")}
