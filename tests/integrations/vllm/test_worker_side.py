@@ -5,6 +5,7 @@ guard (fast, so every rule has a test that runs in a second)."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 import urllib.request
 import uuid
@@ -22,6 +23,7 @@ from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
+from kvtier.service import Service
 
 LAYERS, HEADS, DIM, BLOCK, BLOCKS, CHUNK = 2, 2, 8, 16, 64, 32
 CHUNK_BYTES = 2 * LAYERS * CHUNK * HEADS * DIM * 4
@@ -242,6 +244,23 @@ def test_the_worker_that_owns_the_cache_serves_its_admin_api() -> None:
     assert side.admin is None
     with pytest.raises(OSError):
         urllib.request.urlopen(url + "/health", timeout=2)
+
+
+def test_a_decoder_worker_receives_through_its_service_and_closes_the_receiver_with_it() -> None:
+    """The worker opens no PD receiver itself: its cache is a Service, which opens the
+    receiver after the engine (pd_role receiver) and closes it before, on worker.close()."""
+    side = make_worker(enable_pd=True, pd_role="receiver", pd_buffer_size=f"{4 * CHUNK_BYTES}B")
+    try:
+        assert isinstance(side.cache, Service) and side.engine is side.cache.local_engine
+        receiver = side.cache.receiver
+        assert receiver is not None
+        with socket.create_connection(("127.0.0.1", receiver.port), timeout=5):
+            pass  # it listens
+    finally:
+        side.close()
+    assert side.cache.receiver is None
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", receiver.port), timeout=2).close()
 
 
 def test_counter_deltas_report_each_increase_once_and_nothing_on_idle_steps(
