@@ -141,6 +141,9 @@ def test_vllm_metrics_export_no_kvtier_counters_when_the_cache_is_a_server() -> 
         kv_role="kv_both",
         kv_connector_extra_config={"server": "unix:///run/kvtier/kvtier.sock"},
     )
+    # The registry is process-wide: an earlier test's vLLM may have registered its own
+    # kvtier metrics, so what counts is what this connector adds.
+    before = {m.name for m in REGISTRY.collect()}
     metrics = KVTierConnector.build_prom_metrics(
         VllmConfig(kv_transfer_config=transfer),
         {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
@@ -149,8 +152,8 @@ def test_vllm_metrics_export_no_kvtier_counters_when_the_cache_is_a_server() -> 
     )
     assert metrics.counters == {}  # type: ignore[attr-defined]
     metrics.observe({"hit_tokens": 5})  # a stray report is dropped, not an error
-    names = {m.name for m in REGISTRY.collect()}
-    assert not any(name.startswith("vllm:kvtier") for name in names)
+    added = {m.name for m in REGISTRY.collect()} - before
+    assert not any(name.startswith("vllm:kvtier") for name in added)
 
 
 def test_a_cache_salt_crosses_the_server(kvserver: ServerProcess) -> None:
