@@ -44,14 +44,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.isolation import stdout_to_stderr, work_dir
 from kvtier.bench.redis import _server as redis_server
 from kvtier.testing.checkpoint import words_for
 from kvtier.testing.shapes import SHAPES, write_shape
@@ -233,7 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in args.configs:
         if name not in CONFIGS:
             raise ValueError(f"--configs: {name!r} is unknown; use {', '.join(CONFIGS)}")
-    with _stdout_to_stderr(), _work_dir(args.work_dir) as work:
+    with stdout_to_stderr(), work_dir(args.work_dir, "kvtier-bench-serve-") as work:
         model = write_shape(work / f"model-{args.shape}", args.shape)
         datasets = datasets_for(args, work)
         table: dict[str, dict[str, dict[str, Any]]] = {w: {} for w in datasets}
@@ -455,27 +454,3 @@ def _healthy(url: str) -> bool:
             return bool(response.status == 200)
     except OSError:
         return False
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """vLLM's benchmark prints its report to stdout: keep ``--json`` output one object."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-@contextlib.contextmanager
-def _work_dir(path: str | None) -> Iterator[Path]:
-    if path is not None:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        yield Path(path)
-        return
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-serve-") as tmp:
-        yield Path(tmp)

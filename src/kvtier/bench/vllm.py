@@ -38,8 +38,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -47,6 +45,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.isolation import stdout_to_stderr, work_dir
 from kvtier.testing.checkpoint import write_tiny_llama
 
 DISK_PAGE_CACHE = (
@@ -70,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    with _stdout_to_stderr(), _work_dir(args.work_dir) as work:
+    with stdout_to_stderr(), work_dir(args.work_dir, "kvtier-bench-vllm-") as work:
         model = write_tiny_llama(work / "model")
         rng = random.Random(7)
         prompts = [
@@ -278,28 +277,3 @@ def _llm(model: Path, prompt_tokens: int, transfer: dict[str, Any]) -> Iterator[
     finally:
         llm.llm_engine.engine_core.shutdown()  # a leftover engine can hang the exit
         del llm
-
-
-@contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """vLLM logs to stdout, in this process and in the ones it starts: point file descriptor
-    1 at stderr while it runs, so ``--json`` prints one clean JSON object."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-@contextmanager
-def _work_dir(path: str | None) -> Iterator[Path]:
-    if path is not None:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        yield Path(path)
-        return
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-") as tmp:
-        yield Path(tmp)
