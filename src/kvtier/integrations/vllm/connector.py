@@ -111,6 +111,12 @@ def server_url(extra: dict[str, Any] | None) -> str | None:
     return value
 
 
+def pd_sender(config: Config) -> bool:
+    """A PD prefiller: it names a transfer for each request a proxy marks
+    ``do_remote_decode`` and sends the request's chunks to the decoder under it."""
+    return config.enable_pd and config.pd_role == "sender"
+
+
 def no_prefix_prefill(vllm_config: VllmConfig) -> bool:
     """True when vLLM cannot prefill on top of a cached prefix of this model: its CPU
     platform turns prefix caching (and chunked prefill) off for MLA unless AMX kernels are
@@ -169,6 +175,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 loads=loads,
                 saves=saves,
                 all_async=len(groups.groups) > 1,
+                pd_sender=engine_id if saves and pd_sender(self.config) else None,
             )
             log.info(
                 "kvtier scheduler: %s, chunk %d tokens, vLLM block %d, %d worker(s), per-request "
@@ -317,16 +324,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler_side().finished(request.request_id)
-        return False, None
+        """(free the blocks now: saves are done, the PD prefiller's answer for the decode
+        request or None)."""
+        params = self._scheduler_side().finished(request.request_id, request.kv_transfer_params)
+        return False, params
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's one end-of-request call with the hybrid manager on (every group's blocks):
         the lease ends once, exactly as in :meth:`request_finished`."""
-        self._scheduler_side().finished(request.request_id)
-        return False, None
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def reset_cache(self) -> bool | None:
         """vLLM's reset of the external prefix cache (``reset_prefix_cache(reset_connector=

@@ -27,7 +27,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-TRANSFER_ID = "kvtier_transfer_id"  # PD: the key in vLLM's kv_transfer_params (see .pd)
+# PD: keys of vLLM's per-request kv_transfer_params (the hand-off is drawn in .pd).
+TRANSFER_ID = "kvtier_transfer_id"  # kvtier's own: the prefiller's id for the transfer
+DO_REMOTE_DECODE = "do_remote_decode"  # the standard proxies' prefill request: true
+DO_REMOTE_PREFILL = "do_remote_prefill"  # the prefiller's answer, for the decode request
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,9 +11,12 @@ sender. A decoder's receiver is opened (and closed) by the worker's cache, a
     decoder lookup (vLLM request id) finds the chunks in the PD tier and pins them;
     request_finished ends both leases: the request's and the transfer's.
 
-The transfer id is the same on both sides: ``kvtier pd-proxy`` puts it in each request's
-``kv_transfer_params`` (``{"kvtier_transfer_id": ...}``), since vLLM's own request ids differ
-between the two instances.
+The transfer id is the same on both sides, since vLLM's own request ids differ between the two
+instances: the prefiller names it when a proxy's prefill request carries ``kv_transfer_params``
+``{"do_remote_decode": true}`` and answers it in its response's ``kv_transfer_params``
+(``{"do_remote_prefill": true, "kvtier_transfer_id": ...}``); the proxy (vllm-router, vLLM's
+example proxies) puts that answer in the decode request, as it does for NixlConnector. The
+scheduler side (:mod:`.scheduler`) draws the exchange.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ vLLM's scheduling decisions into per-step load and save specs. Per request it re
                group's block table (``block_ids`` is ``tables[0]``); empty otherwise
     load       a load waiting for the next metadata: [local, local + accepted)
     saved      prompt tokens kvtier holds or is being given (whole chunks)
-    transfer_id  PD: the id kvtier pd-proxy gave both instances (kv_transfer_params)
+    transfer_id  PD: the prefiller's id for the request's transfer (see below)
 
 Hits count in whole chunks (the Engine), then whole vLLM blocks, and never the prompt's last
 token (vLLM needs its logits)::
@@ -27,6 +27,16 @@ token (vLLM needs its logits)::
     vLLM    |===|===|                                        its own prefix cache (local)
     load            |===|===|===|===|===|===|===|===|===|    usable - local
 
+PD through any standard proxy (vllm-router, vLLM's example proxies), with vLLM's per-request
+``kv_transfer_params``; the proxy copies the prefiller's answer into the decode request::
+
+    proxy ──▶ prefiller  {"do_remote_decode": true, ...}      a PD sender names a transfer,
+                                                               sends each chunk it saves under it
+    prefiller ──▶ proxy  {"do_remote_prefill": true, "do_remote_decode": false,
+                          "kvtier_transfer_id": id}            request_finished's answer
+    proxy ──▶ decoder    the same object                       the decoder's lookup finds the
+                                                               chunks; its end frees the transfer
+
 Ending a request: :meth:`finished` sends ``end`` to every worker at once, so a request
 aborted while the engine is idle releases its pins now, not at the next step. A preempted
 request keeps its lease (the pinned chunks are exactly what it reloads when it resumes) and
@@ -36,15 +46,25 @@ ends like any other request: once, when vLLM finishes it.
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import KVTierError
-from kvtier.integrations.vllm.metadata import TRANSFER_ID, KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.integrations.vllm.metadata import (
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
+    TRANSFER_ID,
+    KVTierMetadata,
+    LoadSpec,
+    SaveSpec,
+)
 from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.repeated_log import RepeatedLog
 
 log = logging.getLogger(__name__)
+
+MAX_TRANSFER_ID = 256  # characters: a prefiller's engine id and 32 hex digits fit many times
 
 
 @dataclass
@@ -59,7 +79,7 @@ class _Request:
     tables: list[list[int]] = field(default_factory=list)  # every group's, when several
     load: tuple[int, int] | None = None
     saved: int = 0
-    transfer_id: str | None = None  # PD: the id the proxy gave both instances
+    transfer_id: str | None = None  # PD: named by the prefiller, passed on by the proxy
 
 
 class SchedulerSide:
@@ -76,10 +96,12 @@ class SchedulerSide:
         saves: bool,
         async_lower_loads: bool = True,
         all_async: bool = False,
+        pd_sender: str | None = None,
     ) -> None:
         """``all_async``: every load in the background, also from the CPU tier (a model with
         several KV-cache groups: vLLM takes load failures only per request, from async
-        loads)."""
+        loads). ``pd_sender``: a PD prefiller's engine id (its transfer ids start with it);
+        None on a decoder or without PD."""
         self.clients = clients
         self.block_size = block_size
         self.chunk_size = chunk_size
@@ -87,6 +109,7 @@ class SchedulerSide:
         self.saves = saves
         self.async_lower_loads = async_lower_loads
         self.all_async = all_async
+        self.pd_sender = pd_sender
         self._requests: dict[str, _Request] = {}
         self._async_loads: list[LoadSpec] = []  # for requests vLLM does not schedule yet
         self._complaints = RepeatedLog(log)  # a worker down fails every call: log it once
@@ -97,9 +120,8 @@ class SchedulerSide:
         they load asynchronously (some come from disk or Redis)."""
         rid = request.request_id
         state = self._state(rid, request.prompt_token_ids, getattr(request, "cache_salt", None))
-        params = getattr(request, "kv_transfer_params", None) or {}
-        if state.transfer_id is None and params.get(TRANSFER_ID):
-            state.transfer_id = str(params[TRANSFER_ID])
+        if state.transfer_id is None:
+            state.transfer_id = self._transfer_id(getattr(request, "kv_transfer_params", None))
         state.local = num_computed_tokens
         if not self.loads or len(state.tokens) < 2:
             return 0, False
@@ -199,14 +221,52 @@ class SchedulerSide:
                     state.hit = loaded
                     state.cpu_hit = min(state.cpu_hit, loaded)
 
-    def finished(self, request_id: str) -> None:
-        """The request ended, however: release what its lookup pinned, in every worker."""
+    def finished(self, request_id: str, params: Any = None) -> dict[str, Any] | None:
+        """The request ended, however: release what its lookup pinned, in every worker.
+        ``params``: its ``kv_transfer_params``. Returns what a PD prefiller's answer carries
+        for the decode request (vLLM puts it in the HTTP response), else None.
+
+        A decode request that vLLM's API server refused before the engine took it arrives
+        here already ended, with no state: its transfer (named in ``params``) is freed now,
+        not ``pd_reservation_ttl_sec`` later."""
         state = self._requests.pop(request_id, None)
         if state is None:
-            return
-        ending = [request_id] if state.hit is not None else []  # else: nothing pinned
-        if state.transfer_id is not None and self.loads:
-            ending.append(state.transfer_id)  # a decoder: the PD reservation's lease
+            transfer = self._transfer_id(params) if self.pd_sender is None else None
+            ending = [transfer] if transfer is not None else []
+        else:
+            ending = [request_id] if state.hit is not None else []  # else: nothing pinned
+            if state.transfer_id is not None and self.pd_sender is None:
+                ending.append(state.transfer_id)  # a decoder: the PD reservation's lease
+        self._end(ending)
+        if state is None or state.transfer_id is None or self.pd_sender is None:
+            return None
+        return {DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, TRANSFER_ID: state.transfer_id}
+
+    def _transfer_id(self, params: Any) -> str | None:
+        """PD: the transfer a request belongs to, from its ``kv_transfer_params``. A prefiller
+        names a new one when the proxy asks it to prefill for a remote decoder; a decoder takes
+        the one the prefiller named (anything but a short string is no transfer)."""
+        if not isinstance(params, dict):
+            return None
+        if self.pd_sender is not None:
+            wanted = params.get(DO_REMOTE_DECODE) is True
+            return f"{self.pd_sender}-{uuid.uuid4().hex}" if wanted else None
+        named = params.get(TRANSFER_ID)
+        if not self.loads or named is None:
+            return None
+        if not isinstance(named, str) or not 0 < len(named) <= MAX_TRANSFER_ID:
+            self._complaints.warning(
+                ("transfer_id",),
+                "kvtier PD: ignoring kv_transfer_params %s=%.80r: not a string of 1 to %d "
+                "characters; the decoder prefills this request itself",
+                TRANSFER_ID,
+                named,
+                MAX_TRANSFER_ID,
+            )
+            return None
+        return named
+
+    def _end(self, ending: list[str]) -> None:
         for rid in ending:
             for client in self.clients:
                 try:
