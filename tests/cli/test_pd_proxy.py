@@ -1,37 +1,55 @@
-"""``kvtier pd-proxy`` checks every request before doing any work, answers JSON errors,
-bounds each connection's time and the number of connections, and validates its arguments.
-The prefiller and decoder are small real HTTP servers that record what reaches them."""
+"""``kvtier pd-proxy`` runs vllm-router in PD mode; the hand-off it carries between a
+prefiller and a decoder is vLLM's standard ``kv_transfer_params`` one, which kvtier's
+connector answers. The prefiller and decoder here are small real HTTP servers that record what
+reaches them (the same with vLLM itself: tests/integrations/vllm/test_pd_router.py)."""
 
 from __future__ import annotations
 
 import json
-import socket
+import sys
 import threading
-import time
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvtier.cli import pd_proxy
-from kvtier.cli.main import main
+from kvtier.cli.main import build_parser, main
+from kvtier.cli.pd_proxy import router_command
+from tests.redis_servers import free_port
+from tests.vllm_router import RouterProcess
+
+ANSWER = {"do_remote_prefill": True, "do_remote_decode": False, "kvtier_transfer_id": "t-1"}
 
 
 class Upstream:
-    """A fake vLLM: answers every POST with a JSON completion, recording the bodies."""
+    """A fake vLLM: health, models, and a JSON completion for every POST (the prefiller's
+    carries ``ANSWER`` as its kv_transfer_params), recording the bodies."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
         self.bodies: list[dict[str, Any]] = []
         upstream = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
+            def do_GET(self) -> None:
+                self._send({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
             def do_POST(self) -> None:
                 length = int(self.headers["Content-Length"])
-                upstream.bodies.append(json.loads(self.rfile.read(length)))
-                data = json.dumps({"choices": [{"text": "ok"}]}).encode()
+                body = json.loads(self.rfile.read(length))
+                if not self.path.endswith("/render"):  # the router's tokenization probes
+                    upstream.bodies.append(body)
+                answer: dict[str, Any] = {"choices": [{"index": 0, "text": name}]}
+                if name == "prefiller":
+                    answer["kv_transfer_params"] = ANSWER
+                self._send(answer)
+
+            def _send(self, answer: dict[str, Any]) -> None:
+                data = json.dumps(answer).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -52,143 +70,80 @@ class Upstream:
 
 @pytest.fixture
 def upstreams() -> Iterator[tuple[Upstream, Upstream]]:
-    prefiller, decoder = Upstream(), Upstream()
+    prefiller, decoder = Upstream("prefiller"), Upstream("decoder")
     yield prefiller, decoder
     prefiller.close()
     decoder.close()
 
 
-@pytest.fixture
-def proxy(upstreams: tuple[Upstream, Upstream]) -> Iterator[int]:
-    server = pd_proxy.make_server(upstreams[0].url, upstreams[1].url, timeout=10.0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server.server_port
-    server.shutdown()
-    server.server_close()
-
-
-def exchange(port: int, raw: bytes, wait: float = 10.0) -> tuple[int, dict[str, Any]]:
-    """Send ``raw`` as is; the status and JSON body of the answer."""
-    with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
-        sock.sendall(raw)
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-            if b"\r\n\r\n" in data:
-                head, _, body = data.partition(b"\r\n\r\n")
-                length = [
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
-                ]
-                if length and len(body) >= length[0]:
-                    break
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), json.loads(body)
-
-
-def post(path: str, body: bytes, length: str | None = None) -> bytes:
-    size = str(len(body)) if length is None else length
-    header = f"Content-Length: {size}\r\n" if size != "" else ""
-    return (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{header}"
-        f"Connection: close\r\n\r\n"
-    ).encode() + body
-
-
-def test_a_good_request_prefills_then_decodes_with_one_transfer_id(
-    proxy: int, upstreams: tuple[Upstream, Upstream]
+def test_the_router_hands_the_prefillers_answer_to_the_decoder(
+    upstreams: tuple[Upstream, Upstream], tmp_path: Path
 ) -> None:
+    """What kvtier's connector relies on, through the real router the command execs."""
     prefiller, decoder = upstreams
-    body = {"model": "m", "prompt": "hi", "max_tokens": 5, "kv_transfer_params": {"x": 1}}
-    with socket.create_connection(("127.0.0.1", proxy), timeout=10) as sock:
-        sock.sendall(post("/v1/completions", json.dumps(body).encode()))
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    assert data.startswith(b"HTTP/1.1 200") and b'"ok"' in data
+    port = free_port()
+    command = [sys.executable, "-m", "kvtier.cli.main", "pd-proxy"]
+    command += ["--prefiller", prefiller.url, "--decoder", decoder.url, "--port", str(port)]
+    command += ["--", "--prometheus-port", str(free_port())]
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    router = RouterProcess(command, port, tmp_path / "router.log", PYTHONPATH=src)
+    try:
+        router.wait_ready()
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 5, "temperature": 0}
+        request = urllib.request.Request(
+            f"{router.url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            answer = json.loads(response.read())
+    finally:
+        router.stop()
+    assert answer["choices"][0]["text"] == "decoder"
     (sent_prefill,), (sent_decode,) = prefiller.bodies, decoder.bodies
-    assert sent_prefill["max_tokens"] == 1
-    transfer = sent_decode["kv_transfer_params"]
-    assert transfer["x"] == 1
-    assert (
-        transfer["kvtier_transfer_id"] == sent_prefill["kv_transfer_params"]["kvtier_transfer_id"]
+    assert sent_prefill["max_tokens"] == 1 and sent_prefill["stream"] is False
+    assert sent_prefill["kv_transfer_params"]["do_remote_decode"] is True
+    assert sent_decode["max_tokens"] == 5
+    assert sent_decode["kv_transfer_params"] == ANSWER  # as the prefiller answered it
+    assert "exec " in router.log.read_text()
+
+
+def test_the_router_command_line() -> None:
+    args = build_parser().parse_args(
+        ["pd-proxy", "--prefiller", "http://p:1/", "--prefiller", "http://q:2"]
+        + ["--decoder", "http://d:3", "--timeout", "30", "--", "--policy", "round_robin"]
     )
+    command = router_command(args)
+    assert Path(command[0]).name == "vllm-router"
+    assert command[1:] == [
+        "--vllm-pd-disaggregation",
+        "--prefill",
+        "http://p:1",
+        "--prefill",
+        "http://q:2",
+        "--decode",
+        "http://d:3",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8000",
+        "--request-timeout-secs",
+        "30",
+        "--worker-startup-check-interval",
+        "1",
+        "--policy",
+        "round_robin",
+    ]
 
 
-@pytest.mark.parametrize(
-    ("raw", "status"),
-    [
-        (post("/v1/completions", b"{}", "-1"), 400),
-        (post("/v1/completions", b"{}", "abc"), 400),
-        (post("/v1/completions", b"{}", "1.5"), 400),
-        (post("/v1/completions", b"{}", ""), 411),
-        (post("/v1/completions", b"", str(pd_proxy.MAX_BODY + 1)), 413),
-        (post("/v1/completions", b"[1, 2]"), 400),
-        (post("/v1/completions", b"not json"), 400),
-        (post("/v1/completions", b'{"prompt": "x", "kv_transfer_params": [1]}'), 400),
-        (post("/v1/completions", b'{"prompt": "x", "kv_transfer_params": "id"}'), 400),
-    ],
-    ids=[
-        "len-neg",
-        "len-text",
-        "len-float",
-        "len-missing",
-        "too-big",
-        "array",
-        "not-json",
-        "params-list",
-        "params-str",
-    ],
-)
-def test_bad_requests_get_a_json_error_before_any_work(
-    proxy: int, upstreams: tuple[Upstream, Upstream], raw: bytes, status: int
+def test_a_missing_router_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    got, body = exchange(proxy, raw)
-    assert got == status and body["error"]["code"] == status
-    assert upstreams[0].bodies == [] and upstreams[1].bodies == []  # no prefill, no decode
-
-
-def test_a_half_sent_request_is_answered_408_in_bounded_time(
-    upstreams: tuple[Upstream, Upstream], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(pd_proxy, "REQUEST_TIMEOUT_S", 1.0)
-    server = pd_proxy.make_server(upstreams[0].url, upstreams[1].url)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with socket.create_connection(("127.0.0.1", server.server_port), timeout=20) as sock:
-            sock.sendall(post("/v1/completions", b'{"pro', "100"))
-            started = time.monotonic()
-            data = b""
-            with pytest.raises((BrokenPipeError, ConnectionResetError)):
-                for _ in range(100):  # a byte every 0.2 s: never done, never idle
-                    time.sleep(0.2)
-                    sock.sendall(b" ")
-            data = sock.recv(65536)
-            assert data.startswith(b"HTTP/1.1 408"), data
-            assert time.monotonic() - started < 10  # generous: the machine is loaded
-        assert upstreams[0].bodies == []
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def test_connections_beyond_the_bound_get_503(
-    upstreams: tuple[Upstream, Upstream], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(pd_proxy, "MAX_CONNECTIONS", 3)
-    server = pd_proxy.make_server(upstreams[0].url, upstreams[1].url)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    held = [socket.create_connection(("127.0.0.1", server.server_port)) for _ in range(3)]
-    try:
-        time.sleep(0.5)  # let the server take them
-        status, body = exchange(server.server_port, post("/v1/completions", b"{}"))
-        assert status == 503 and "too many" in body["error"]["message"]
-    finally:
-        for sock in held:
-            sock.close()
-        server.shutdown()
-        server.server_close()
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    code = main(["pd-proxy", "--prefiller", "http://127.0.0.1:1", "--decoder", "http://h:2"])
+    assert code == 2
+    assert "vllm-router is not installed" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

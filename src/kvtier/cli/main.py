@@ -24,7 +24,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvtier.cli.bench", "measure a tier against its physical baseline"),
     "demo": ("kvtier.cli.demo", "multi-round chat workload: TTFT with and without kvtier"),
     "pd-demo": ("kvtier.cli.pd_demo", "prefill/decode disaggregation between two processes"),
-    "pd-proxy": ("kvtier.cli.pd_proxy", "OpenAI-compatible proxy: prefiller vLLM, then decoder"),
+    "pd-proxy": (
+        "kvtier.cli.pd_proxy",
+        "vllm-router in PD mode in front of kvtier prefillers and decoders",
+    ),
     "serve-admin": ("kvtier.cli.serve_admin", "run an engine with the admin API and dashboard"),
     "server": ("kvtier.cli.server", "one cache per host: the kvtier server on a Unix socket"),
 }

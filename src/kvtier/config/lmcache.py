@@ -145,7 +145,8 @@ LMCACHE_KEYS: tuple[LMCacheKey, ...] = (
     LMCacheKey(
         "enable_xpyd",
         "refused",
-        "when true: kvtier pairs one prefiller with one decoder (kvtier pd-proxy)",
+        "when true: each kvtier prefiller sends to the one decoder its pd_peer_* keys "
+        "name (several prefillers per decoder behind vllm-router, not several decoders)",
     ),
     LMCacheKey("external_backends", "refused", "when set: kvtier has no storage plugins"),
     LMCacheKey(
