@@ -1,9 +1,11 @@
-"""vLLM's OpenAI server with the connector, and disaggregated prefill behind kvtier pd-proxy.
+"""vLLM's OpenAI server with the connector, and disaggregated prefill behind vllm-router.
 
-One pair of servers serves both tests (start-up is the slow part): the prefiller is a
+One pair of servers serves every test (start-up is the slow part): the prefiller is a
 kv_both instance (a prefix cache in its own right, and a PD sender), the decoder a
-kv_consumer (PD receiver). The first test talks to the prefiller alone; the second goes
-through the proxy, and the prefiller's KV travels over kvtier's PD transport (tcp).
+kv_consumer (PD receiver). The first test talks to the prefiller alone; the others go
+through vllm-router in PD mode, unmodified (the command docs/vllm.md gives), with vLLM's
+standard kv_transfer_params hand-off; the prefiller's KV travels over kvtier's PD transport
+(tcp).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,43 +22,48 @@ from typing import Any
 
 import pytest
 
-from kvtier.cli.pd_proxy import make_server
 from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.testing.checkpoint import words_for
 from tests.docs.doc_blocks import block_after
 from tests.redis_servers import free_port
+from tests.vllm_router import RouterProcess, pd_command
 
 from .conftest import PROMPTS
 from .serve_helpers import Server, complete, post
 from .vllm_helpers import CONNECTOR, MAX_TOKENS, Instances, tokens, unique_engine_id
 
-pytestmark = pytest.mark.slow
+# The first test's setup computes the session's reference outputs (this module sorts first of
+# those that need them), then starts both servers: minutes on a loaded machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PREFILLER = unique_engine_id("kvtier-test-prefiller")
 DECODER = unique_engine_id("kvtier-test-decoder")
+RESERVATION_TTL_S = 10.0  # short, yet far beyond a decode request's trip through the router
 
 
 @dataclass
 class Servers:
     prefiller: str
     decoder: str
-    proxy: str
+    router: str
     kill_prefiller: Callable[[], None]
 
 
 @pytest.fixture(scope="module")
 def servers(
-    model_dir: Path, instances: Instances, tmp_path_factory: pytest.TempPathFactory
+    model_dir: Path,
+    instances: Instances,
+    reference: dict[str, list[list[int]]],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Servers]:
+    # The reference first (an in-process vLLM), so that no more than these two run at once.
     instances.close()  # the in-process vLLMs are done with; these two need to run together
     logs = tmp_path_factory.mktemp("http")
     pd_port = free_port()
-    decoder = Server(
-        model_dir,
-        free_port(),
-        documented("The decoder's", DECODER, pd_port, pd_buffer_size="16MiB"),
-        logs / "decoder.log",
-    )
+    decoder_config = documented("The decoder's", DECODER, pd_port, pd_buffer_size="16MiB")
+    # What a dead prefiller sent is freed this long after it arrived (120 s by default).
+    decoder_config["kv_connector_extra_config"]["pd_reservation_ttl_sec"] = RESERVATION_TTL_S
+    decoder = Server(model_dir, free_port(), decoder_config, logs / "decoder.log")
     # Dev mode adds POST /reset_prefix_cache, so a request cannot use vLLM's own cache.
     prefiller = Server(
         model_dir,
@@ -64,17 +72,18 @@ def servers(
         logs / "prefiller.log",
         VLLM_SERVER_DEV_MODE="1",
     )
-    proxy = make_server(prefiller.url, decoder.url)
-    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+    router: RouterProcess | None = None
     try:
         decoder.wait_ready()
         prefiller.wait_ready()
-        thread.start()
-        proxy_url = f"http://127.0.0.1:{proxy.server_port}"
-        yield Servers(prefiller.url, decoder.url, proxy_url, prefiller.kill)
+        port = free_port()
+        command = pd_command(prefiller.url, decoder.url, port, free_port())
+        router = RouterProcess(command, port, logs / "router.log")
+        router.wait_ready()
+        yield Servers(prefiller.url, decoder.url, router.url, prefiller.kill)
     finally:
-        proxy.shutdown()
-        proxy.server_close()
+        if router is not None:
+            router.stop()
         prefiller.stop()
         decoder.stop()
 
@@ -133,7 +142,7 @@ def test_disaggregated_prefill_gives_the_single_instance_tokens(
     decoder = LookupClient(DECODER)
     try:
         for name in ("a", "d"):
-            answer = complete(servers.proxy, words_for(PROMPTS[name]), max_tokens=MAX_TOKENS)
+            answer = complete(servers.router, words_for(PROMPTS[name]), max_tokens=MAX_TOKENS)
             words = [f"w{t - 3}" for t in reference[name][0] if t >= 3]  # specials print nothing
             assert answer["choices"][0]["text"].split() == words
         stats = decoder.call("stats")
@@ -144,6 +153,8 @@ def test_disaggregated_prefill_gives_the_single_instance_tokens(
         assert decoder.call("leaks") == [] and decoder.call("check") == []
         # Both leases ended (the request's and the transfer's): the buffer is free again.
         assert stats["tiers"]["pd"]["used_bytes"] == 0
+        # The same on vLLM's /metrics: the decoder loaded what the prefiller sent.
+        assert metric(servers.decoder, "vllm:kvtier_retrieved_tokens_total") == 768 + 512
     finally:
         decoder.close()
 
@@ -167,30 +178,35 @@ def metric(url: str, name: str, timeout: float = 15.0) -> float:
     return value
 
 
-def test_a_prefiller_killed_mid_request_leaves_the_decoder_prefilling(
-    servers: Servers, reference: dict[str, list[list[int]]]
+def test_a_prefiller_killed_mid_request_leaves_the_decoder_holding_nothing(
+    servers: Servers,
 ) -> None:
     """Last in this module: it kills the prefiller 0.15 s into a 3,900-token prompt, while it
-    prefills (chunk by chunk) and sends what it has. Whatever arrived, the proxy's request
-    gets the single-instance answer from the decoder, which prefills the rest itself, and the
-    decoder is left holding nothing: no lease, no reserved buffer page."""
-    answers: list[dict[str, Any]] = []
-    client = threading.Thread(
-        target=lambda: answers.append(
-            complete(servers.proxy, words_for(PROMPTS["long"]), max_tokens=MAX_TOKENS)
-        )
-    )
+    prefills (chunk by chunk) and sends what it has. vllm-router answers the client with an
+    error (it does not fall back to the decoder when a prefill fails), and whatever arrived
+    at the decoder is freed: no lease, no reserved buffer page once the reservation TTL has
+    passed."""
+    errors: list[int] = []
+
+    def ask() -> None:
+        try:
+            complete(servers.router, words_for(PROMPTS["long"]), max_tokens=MAX_TOKENS)
+        except urllib.error.HTTPError as exc:
+            errors.append(exc.code)
+
+    client = threading.Thread(target=ask)
     client.start()
     time.sleep(0.15)
     servers.kill_prefiller()
     client.join(timeout=300)
-    words = [f"w{t - 3}" for t in reference["long"][0] if t >= 3]
-    assert len(answers) == 1 and answers[0]["choices"][0]["text"].split() == words
+    assert len(errors) == 1 and errors[0] >= 500
     decoder = LookupClient(DECODER)
     try:
-        deadline = time.monotonic() + 10
-        while decoder.call("leaks") and time.monotonic() < deadline:
-            time.sleep(0.1)
+        deadline = time.monotonic() + RESERVATION_TTL_S + 20  # the TTL, then a watchdog tick
+        while time.monotonic() < deadline and (
+            decoder.call("leaks") or decoder.call("stats")["tiers"]["pd"]["used_bytes"]
+        ):
+            time.sleep(0.2)
         assert decoder.call("leaks") == [] and decoder.call("check") == []
         assert decoder.call("stats")["tiers"]["pd"]["used_bytes"] == 0
     finally:
