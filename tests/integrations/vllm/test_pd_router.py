@@ -155,8 +155,36 @@ def test_disaggregated_prefill_gives_the_single_instance_tokens(
         assert stats["tiers"]["pd"]["used_bytes"] == 0
         # The same on vLLM's /metrics: the decoder loaded what the prefiller sent.
         assert metric(servers.decoder, "vllm:kvtier_retrieved_tokens_total") == 768 + 512
+
+        # Streamed: the router streams the decoder's answer; the same tokens, the same end.
+        words = [f"w{t - 3}" for t in reference["e"][0] if t >= 3]
+        assert streamed(servers.router, words_for(PROMPTS["e"])).split() == words
+        stats = decoder.call("stats")
+        assert stats["hit_tokens_by_tier"]["pd"] == 768 + 512 + 512  # e: 2 whole chunks
+        assert stats["tiers"]["pd"]["used_bytes"] == 0 and decoder.call("leaks") == []
     finally:
         decoder.close()
+
+
+def streamed(url: str, prompt: str) -> str:
+    """The text of a streamed completion (server-sent events), joined."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    body |= {"ignore_eos": True, "stream": True}
+    request = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    text, events = "", 0
+    with urllib.request.urlopen(request, timeout=120) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events += 1
+            text += "".join(c.get("text", "") for c in json.loads(line[6:])["choices"])
+    assert events > 1  # it came in pieces
+    return text
 
 
 def metric(url: str, name: str, timeout: float = 15.0) -> float:
