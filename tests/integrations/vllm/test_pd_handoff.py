@@ -179,7 +179,13 @@ def test_requests_outside_the_hand_off_send_nothing_and_answer_nothing(
     assert [s.transfer_id for s in meta.saves] == [None]
     prefiller.save(meta)
     assert p_side.finished("plain") is None and pd_used(decoder) == 0
-    # A decoder ignores a transfer id that is not a short string (and the request prefills).
+    # A prefiller's ids stay short whatever its engine id; a decoder ignores an id that is
+    # not a short string (and the request prefills).
+    long_side = scheduler(prefiller, loads=False, saves=True, pd_sender="e" * 500)
+    long_side.num_new_matched_tokens(request("long", dict(ROUTER_PREFILL)), 0)
+    long_answer = long_side.finished("long")
+    assert long_answer is not None and len(long_answer["kvtier_transfer_id"]) == 64 + 1 + 32
+    long_side.close()
     for bad in (7, "", "x" * 300, ["a"]):
         params = {"do_remote_prefill": True, "kvtier_transfer_id": bad}
         assert d_side.num_new_matched_tokens(request(f"d{bad!r:.8}", params), 0) == (0, False)

@@ -64,7 +64,7 @@ from kvtier.repeated_log import RepeatedLog
 
 log = logging.getLogger(__name__)
 
-MAX_TRANSFER_ID = 256  # characters: a prefiller's engine id and 32 hex digits fit many times
+MAX_TRANSFER_ID = 256  # characters; a prefiller names ids of at most 97
 
 
 @dataclass
@@ -250,7 +250,8 @@ class SchedulerSide:
             return None
         if self.pd_sender is not None:
             wanted = params.get(DO_REMOTE_DECODE) is True
-            return f"{self.pd_sender}-{uuid.uuid4().hex}" if wanted else None
+            # At most 64 + 1 + 32 characters, whatever the engine id: a decoder takes it.
+            return f"{self.pd_sender[:64]}-{uuid.uuid4().hex}" if wanted else None
         named = params.get(TRANSFER_ID)
         if not self.loads or named is None:
             return None
