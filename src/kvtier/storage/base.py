@@ -16,6 +16,12 @@ Protocol (who calls what, who owns what):
   page, so reads land in their final place with no intermediate copy) after checking the
   checksum, and returns the chunk's token count, or None for a miss. A corrupt entry is a
   miss: logged, removed and counted, never returned.
+* A tier whose chunks already sit in this process's memory, checked as they are copied out
+  (``serves_views = True``: the PD buffer), also takes for ``out`` a view of the caller's KV
+  tensor of the chunk's shape (``[2, layers, tokens, hidden]`` in the layout's dtype; rows of
+  its last two dimensions contiguous) and copies into it directly: one copy from the tier to
+  the caller, no staging page. On a miss that view may hold garbage (the caller uses nothing
+  past the end of what was loaded).
 * A read that runs past ``blocking_timeout_secs`` (a stuck network filesystem) raises
   :class:`ReadAbandoned`: a miss, but the read is still running and may yet write into its
   ``out``, so the caller keeps each page in ``busy`` out of use until its future is done.
@@ -117,6 +123,7 @@ class Tier(ABC):
 
     name: str = "tier"
     counters: TierCounters
+    serves_views: bool = False  # get_into also takes a view of the caller's KV (see above)
 
     def __init__(self) -> None:
         self.counters = TierCounters()
