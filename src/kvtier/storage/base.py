@@ -11,7 +11,8 @@ Protocol (who calls what, who owns what):
   cannot pin against other clients (a shared remote store) returns True without a guarantee,
   and a later ``get_into`` may miss: the manager ends the hit at that chunk and the engine
   recomputes the rest. Pins are counted per key; the manager pairs every pin that returned
-  True with exactly one unpin, through a request lease.
+  True with exactly one unpin, through a request lease. ``pin_many`` / ``unpin_many`` are the
+  same for a run of keys (the manager pins a lower-tier run at once).
 * ``get_into(key, out)`` writes the chunk's bytes into ``out`` (a uint8 view of an allocator
   page, so reads land in their final place with no intermediate copy) after checking the
   checksum, and returns the chunk's token count, or None for a miss. A corrupt entry is a
@@ -173,6 +174,20 @@ class Tier(ABC):
 
     def unpin(self, key: ChunkKey) -> None:
         return None
+
+    def pin_many(self, keys: Sequence[ChunkKey]) -> int:
+        """Pin ``keys`` in order, stopping at the first that :meth:`pin` refuses; returns how
+        many were pinned (each of those needs one unpin). Tiers override it to take their
+        lock once for a long prompt's thousands of chunks."""
+        for i, key in enumerate(keys):
+            if not self.pin(key):
+                return i
+        return len(keys)
+
+    def unpin_many(self, keys: Sequence[ChunkKey]) -> None:
+        """:meth:`unpin` each of ``keys``."""
+        for key in keys:
+            self.unpin(key)
 
     @abstractmethod
     def usage(self) -> TierUsage: ...

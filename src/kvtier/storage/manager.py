@@ -269,12 +269,14 @@ class StorageManager:
         into at load. Where pages run out the hit ends (before the first chunk without one):
         a hit that could not be loaded is never promised."""
         lower = [i for i, h in enumerate(hits) if h.page is None]
-        spare: list[int] = []
-        for _ in lower:
-            got = self.cpu.allocate(1)
-            if got is None:
-                break
-            spare.extend(got)
+        spare = self.cpu.allocate(len(lower)) if lower else []
+        if spare is None:  # short of pages: as many as there are, one at a time
+            spare = []
+            for _ in lower:
+                got = self.cpu.allocate(1)
+                if got is None:
+                    break
+                spare.extend(got)
         lease.take_pages(spare)
         if len(spare) < len(lower):
             end = lower[len(spare)]
@@ -324,25 +326,45 @@ class StorageManager:
     def _pin(
         self, spans: Sequence[ChunkSpan], where: Sequence[Tier | None], lease: Lease[LookupPlan]
     ) -> list[ChunkHit]:
-        """Pin each located chunk in order; stop at the first that vanished meanwhile."""
+        """Pin each located chunk in order; stop at the first that vanished meanwhile. A run
+        of chunks in one lower tier is pinned with one ``pin_many`` and held by one hold (a
+        1M-token prompt is 4,096 chunks: one hold each cost more than the lookup itself)."""
         hits: list[ChunkHit] = []
-        cpu_run = [s.key for s, w in zip(spans, where, strict=True) if w is self.cpu]
+        all_keys = spans.keys if isinstance(spans, ChunkSpans) else [s.key for s in spans]
+        cpu_run = [k for k, w in zip(all_keys, where, strict=True) if w is self.cpu]
         cpu_entries = self.cpu.pin_keys(cpu_run) if cpu_run else {}
         lease.take_pages([e.page for e in cpu_entries.values()])
-        for span, tier in zip(spans, where, strict=True):
+        i = 0
+        while i < len(spans):
+            tier = where[i]
             assert tier is not None
             if tier is self.cpu:
-                entry = cpu_entries.get(span.key)
+                entry = cpu_entries.get(spans[i].key)
                 if entry is None:
                     break
-                hits.append(ChunkHit(span, self.cpu, entry.page))
+                hits.append(ChunkHit(spans[i], self.cpu, entry.page))
+                i += 1
                 continue
-            if not tier.pin(span.key):
+            end = i + 1
+            while end < len(spans) and where[end] is tier:
+                end += 1
+            run = spans[i:end]
+            keys = all_keys[i:end]
+            pinned = tier.pin_many(keys)
+            if pinned:
+                held = keys[:pinned]
+                lease.take_hold(
+                    CallbackHold(
+                        0,
+                        f"{tier.name} pin {held[0].hex()}"
+                        + (f" and {pinned - 1} more" if pinned > 1 else ""),
+                        _unpinner(tier, held),
+                    )
+                )
+                hits.extend(ChunkHit(span, tier) for span in run[:pinned])  # one span each
+            if pinned < len(keys):
                 break
-            lease.take_hold(
-                CallbackHold(0, f"{tier.name} pin {span.key.hex()}", _unpinner(tier, span.key))
-            )
-            hits.append(ChunkHit(span, tier))
+            i = end
         return hits
 
     # -- retrieve --------------------------------------------------------------------------
@@ -632,5 +654,5 @@ def _prefix_len(where: Sequence[object | None]) -> int:
     return len(where)
 
 
-def _unpinner(tier: Tier, key: ChunkKey) -> Callable[[], None]:
-    return lambda: tier.unpin(key)
+def _unpinner(tier: Tier, keys: list[ChunkKey]) -> Callable[[], None]:
+    return lambda: tier.unpin_many(keys)

@@ -509,10 +509,24 @@ class DiskTier(Tier):
             self.counters.pinned_keys = self._index.pinned_keys
             return pinned
 
+    def pin_many(self, keys: Sequence[ChunkKey]) -> int:
+        with self._guard.call(), self._lock:
+            pinned = 0
+            for key in keys:
+                if not self._index.pin(key):
+                    break
+                pinned += 1
+            self.counters.pinned_keys = self._index.pinned_keys
+            return pinned
+
     def unpin(self, key: ChunkKey) -> None:
+        self.unpin_many((key,))
+
+    def unpin_many(self, keys: Sequence[ChunkKey]) -> None:
         with self._lock:
-            if not self._index.unpin(key):
-                log.debug("unpin of %s, which holds no pin: ignored", key.hex())
+            for key in keys:
+                if not self._index.unpin(key):
+                    log.debug("unpin of %s, which holds no pin: ignored", key.hex())
             self.counters.pinned_keys = self._index.pinned_keys
 
     def remove(self, key: ChunkKey) -> bool:
