@@ -17,7 +17,7 @@ Not thread-safe by itself: :class:`~kvtier.storage.disk.tier.DiskTier` calls it 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from kvtier.keys import ChunkKey
@@ -155,5 +155,9 @@ class DiskIndex:
     def oldest_first(self) -> list[ChunkKey]:
         return list(self._entries)
 
-    def items_oldest_first(self) -> list[tuple[ChunkKey, DiskEntry]]:
-        return list(self._entries.items())
+    def items(self) -> Iterator[tuple[ChunkKey, DiskEntry]]:
+        """The entries oldest first, as an iterator (no list of a million tuples)."""
+        return iter(self._entries.items())
+
+    def key_set(self) -> set[ChunkKey]:
+        return set(self._entries)

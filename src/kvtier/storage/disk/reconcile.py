@@ -98,6 +98,8 @@ class SavedIndexCheck:
     def _run(self) -> None:
         try:
             self._check()
+            with self._host.index_lock:
+                self._trusted = set()  # a million keys are not kept for the tier's life
         except OSError as exc:  # the directory unusable: the tier notices on its own
             log.warning("disk index check stopped: %s", exc)
         except Exception:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -151,10 +151,11 @@ class DiskTier(Tier):
             if self._check is not None:
                 self._check.start()
 
-    def _trust_saved_index(self, rows: list[tuple[ChunkKey, int, int]]) -> SavedIndexCheck:
+    def _trust_saved_index(self, rows: Iterable[tuple[ChunkKey, int, int]]) -> SavedIndexCheck:
         """The index from the saved rows alone (no file listed or opened), capacity trimmed;
         returns the background check that then compares it with the directory."""
         self._index.add_rows(rows)
+        trusted = self._index.key_set()
         trimmed = self.evict_to_fit()
         log.info(
             "disk tier %s: %d chunks (%s) from the saved index, %d evicted to fit %s; "
@@ -165,7 +166,7 @@ class DiskTier(Tier):
             len(trimmed),
             format_size(self.options.capacity_bytes),
         )
-        return SavedIndexCheck(self, {row[0] for row in rows})
+        return SavedIndexCheck(self, trusted)
 
     def index_checked(self, timeout: float | None = None) -> bool:
         """True once the background check of a saved index has ended (at once when the open
@@ -267,18 +268,21 @@ class DiskTier(Tier):
         self._dir.close(keep_open=not clean)
 
     def _save_index(self) -> None:
-        """Save the index for the next open (kvtier.storage.disk.snapshot); never raises."""
+        """Save the index for the next open (kvtier.storage.disk.snapshot); never raises.
+        Packed from the index under the lock, as it is iterated (the close: nothing else
+        runs by now)."""
         with self._lock:
             if self._dir.lost:
                 return
-            rows = [(k, e.num_tokens, e.file_bytes) for k, e in self._index.items_oldest_first()]
-            dir_fd = self._dir.fd
-        try:
-            snapshot.save_rows(dir_fd, self.fingerprint, rows)
-        except OSError as exc:
-            log.warning(
-                "disk tier %s: index not saved (%s); the next open scans", self.options.path, exc
-            )
+            rows = ((k, e.num_tokens, e.file_bytes) for k, e in self._index.items())
+            try:
+                snapshot.save_rows(self._dir.fd, self.fingerprint, rows, len(self._index))
+            except OSError as exc:
+                log.warning(
+                    "disk tier %s: index not saved (%s); the next open scans",
+                    self.options.path,
+                    exc,
+                )
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._writes.flush(timeout)
