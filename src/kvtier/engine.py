@@ -291,7 +291,8 @@ class Engine:
     ) -> int:
         """Write the cached prefix into ``out`` (``[2, layers, >=hit, hidden]``, indexed by
         token position; any device) without an intermediate copy. Chunks wholly inside
-        ``skip_leading_tokens`` are not written. Returns the end of the loaded prefix."""
+        ``skip_leading_tokens`` are not written. Returns the end of the loaded prefix; rows
+        past it may have been written (a chunk that failed its check as it was copied in)."""
         started = time.perf_counter()
         plan = self._plan(tokens, request_id, skip_leading_tokens, cache_salt)
         lay = self.layout

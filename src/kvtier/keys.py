@@ -238,7 +238,10 @@ class ChunkSpans(Sequence[ChunkSpan]):
         return ChunkSpan(index, start, min(start + self.chunk_size, self.num_tokens), self.keys[i])
 
     def __iter__(self) -> Iterator[ChunkSpan]:
-        return (self[i] for i in range(len(self.keys)))
+        size, total = self.chunk_size, self.num_tokens
+        for index, key in enumerate(self.keys, self.first):
+            start = index * size
+            yield ChunkSpan(index, start, min(start + size, total), key)
 
     def end(self, i: int) -> int:
         """The token end of span ``i`` (negative counts from the back), without a span."""

@@ -174,3 +174,54 @@ def assert_all_free(engine: Engine) -> None:
     assert tier.usage().entries == 0
     assert engine.leaks() == [] and engine.stats()["pinned_pages"] == 0
     assert engine.check_invariants() == [] and tier.check_invariants() == []
+
+
+def run_sender_stalled_after(channel: str, port: int, full_chunks: int, ready: object) -> None:
+    """Process entry: reserve request ``"doomed"`` (12 chunks), send its first
+    ``full_chunks`` chunks whole through the channel's real sending code, then half of the
+    next one (tcp: its header and half its payload; shm: half its page copied, no header),
+    signal ``ready`` and hang until killed: the kill lands exactly there, mid-transfer."""
+    import socket as socket_mod
+
+    from kvtier.pd.channels.shm import ShmSender
+    from kvtier.pd.channels.tcp import TcpSender
+    from kvtier.pd.protocol import (
+        AllocReply,
+        AllocRequest,
+        ChunkSent,
+        Hello,
+        HelloReply,
+        recv_message,
+        send_message,
+    )
+
+    chain = keychain()
+    tokens = request_tokens(49, 7)  # oversized: 12 chunks
+    spans = chain.keys(tokens, include_partial=True)
+    kv = fake_prefill(tokens)
+    sock = socket_mod.create_connection(("127.0.0.1", port))
+    send_message(
+        sock, Hello(chain.fingerprint.hex(), PAGE_BYTES, SMALL_LAYOUT.token_bytes(), channel)
+    )
+    hello = recv_message(sock)
+    assert isinstance(hello, HelloReply)
+    out = ShmSender() if channel == "shm" else TcpSender()
+    out.attach(hello)
+    send_message(
+        sock, AllocRequest("doomed", [s.key for s in spans], [s.num_tokens for s in spans])
+    )
+    reply = recv_message(sock)
+    assert isinstance(reply, AllocReply) and not reply.held
+    for i in range(full_chunks):
+        data = kv[:, :, spans[i].start : spans[i].end, :]
+        out.send_chunk(sock, "doomed", i, reply.pages[i], data)
+    nbytes = spans[full_chunks].num_tokens * SMALL_LAYOUT.token_bytes()
+    if isinstance(out, ShmSender):  # half the page copied; its ChunkSent never sent
+        assert out._buffer is not None
+        start = reply.pages[full_chunks] * PAGE_BYTES
+        out._buffer[start : start + nbytes // 2] = 7
+    else:
+        send_message(sock, ChunkSent("doomed", full_chunks, nbytes, 0))
+        sock.sendall(b"\0" * (nbytes // 2))  # half a payload
+    ready.set()  # type: ignore[attr-defined]
+    signal.pause() if hasattr(signal, "pause") else time.sleep(3600)

@@ -65,6 +65,31 @@ def test_a_strided_chunk_of_a_longer_kv_tensor_is_copied_and_hashed_in_canonical
         assert digest == checksum(view.contiguous())
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_page_served_into_a_strided_view_of_a_longer_kv_tensor(
+    threads: int, helper: ThreadPoolExecutor
+) -> None:
+    """The decoder's direction: a contiguous page copied into its rows of the caller's KV,
+    hashed in the page's order (the sender's checksum), nothing outside the rows touched."""
+    kv = torch.randn(2, 4, 3000, 64, generator=torch.manual_seed(5)).to(torch.bfloat16)
+    for start, end in ((0, 1024), (1024, 2048), (2900, 3000)):
+        page = kv[:, :, start:end, :].contiguous()
+        out = torch.zeros(2, 4, 3100, 64, dtype=torch.bfloat16)
+        view = out[:, :, start:end, :]
+        digest = copy_with_checksum(view, page, helper if threads == 2 else None)
+        assert torch.equal(view, page) and digest == checksum(page)
+        assert out.count_nonzero() == page.count_nonzero()
+
+
+def test_a_destination_that_cannot_take_the_bytes_without_a_copy_is_refused() -> None:
+    page = torch.ones(2, 4, 16, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="shape"):
+        copy_with_checksum(torch.zeros(2, 4, 17, 64, dtype=torch.bfloat16), page, None)
+    transposed = torch.zeros(2, 4, 64, 16, dtype=torch.bfloat16).transpose(2, 3)
+    with pytest.raises(ValueError, match="dst"):
+        copy_with_checksum(transposed, page, None)
+
+
 @pytest.mark.parametrize("piece", [1, 4095, BLOCK_BYTES // 3, BLOCK_BYTES, 3 * BLOCK_BYTES])
 def test_pieces_of_any_size_give_the_same_checksum(piece: int) -> None:
     src = data(3 * BLOCK_BYTES + 5, 3).numpy()

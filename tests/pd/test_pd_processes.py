@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -22,9 +23,11 @@ from tests.pd.pd_helpers import (
     assert_all_free,
     decoder,
     fake_prefill,
+    keychain,
     pd_tier,
     request_tokens,
     run_sender,
+    run_sender_stalled_after,
     run_stalling_sender,
     send_one,
     sender,
@@ -108,6 +111,62 @@ def test_sigkilled_sender_gives_its_reservation_back(
         assert receiver.wait_outcome("after", 10.0) is not None
         with engine.request("after"):
             assert engine.lookup(tokens, "after") == len(tokens)
+        assert_all_free(engine)
+    finally:
+        receiver.close()
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("channel", ["tcp", "shm"])
+def test_a_sender_killed_after_some_chunks_leaves_a_serving_decoder(
+    processes: list[multiprocessing.process.BaseProcess], channel: str
+) -> None:
+    """The PD kill of the vLLM test, made deterministic: the sender process is SIGKILLed
+    after exactly 3 of its 12 chunks arrived whole and mid-way through the 4th, while a
+    decoder request has already looked up (and pinned) the 3 that arrived. The decoder
+    learns the failure, serves those 3 chunks byte for byte, frees every page once its
+    requests end, and the next transfer succeeds."""
+    engine, receiver = decoder(channel, pages=12)
+    try:
+        ready = SPAWN.Event()
+        proc = SPAWN.Process(
+            target=run_sender_stalled_after, args=(channel, receiver.port, 3, ready)
+        )
+        processes.append(proc)
+        proc.start()
+        assert ready.wait(60.0), "the sender never got its reservation"
+        tier = pd_tier(engine)
+        tokens = request_tokens(49, 7)
+        arrived = 3 * engine.config.chunk_size
+        keys = [s.key for s in keychain().keys(tokens, include_partial=True)]
+        deadline = time.monotonic() + 30.0
+        while tier.contains(keys[:3]) != [True] * 3:  # the receiver takes in what was sent
+            assert time.monotonic() < deadline, "the first 3 chunks never became visible"
+            time.sleep(0.01)
+        # Where the kill lands: 12 pages reserved, 3 chunks verified and visible, no outcome.
+        assert tier.contains(keys[3:4]) == [False]
+        assert tier.pool.free_pages == 0 and receiver.wait_outcome("doomed", 0.0) is None
+        assert engine.lookup(tokens, "decode") == arrived
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10.0)
+        outcome = receiver.wait_outcome("doomed", 10.0)
+        assert outcome is not None and not outcome.ok and outcome.chunks == 3
+        assert tier.pool.free_pages == tier.num_pages - 3  # only the decoder's pins remain
+        kv = engine.retrieve(tokens, "decode")
+        assert kv.shape[2] == arrived and torch.equal(kv, fake_prefill(tokens)[:, :, :arrived])
+        engine.end_request("decode")
+        engine.end_request("doomed")
+        assert_all_free(engine)
+        after = request_tokens(2)
+        with sender(channel, receiver.port) as tx:  # the decoder keeps serving
+            send_one(tx, "after", after)
+        done = receiver.wait_outcome("after", 10.0)
+        assert done is not None and done.ok
+        with engine.request("after"):
+            assert engine.lookup(after, "after") == len(after)
+        engine.end_request("after")
         assert_all_free(engine)
     finally:
         receiver.close()

@@ -28,6 +28,7 @@ from kvtier.pd.protocol import (
 )
 from kvtier.pd.receiver import PDReceiver
 from kvtier.pd.sender import PDSender
+from tests.conftest import SMALL_LAYOUT
 from tests.pd.pd_helpers import (
     CHANNELS,
     PAGE_BYTES,
@@ -365,4 +366,43 @@ def test_shm_verifies_at_serve_time_and_a_changed_page_ends_the_hit(
         assert kv.shape[2] == spans[0].end  # served up to the changed chunk, not beyond
         assert torch.equal(kv, fake_prefill(tokens)[:, :, : spans[0].end])
     assert tier.counters.corrupt == 1
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("channel", ["tcp", "shm"])
+def test_every_serve_copies_once_from_the_buffer_and_checks_what_it_copies(
+    make_decoder: Callable[..., Decoder], channel: str
+) -> None:
+    """``retrieve_into`` a longer tensor (each chunk a strided view of it) serves PD chunks
+    straight from the receive buffer, verifying as it copies: no CPU staging page is filled,
+    and each retrieve checks the page again, so a page changed between two retrieves of the
+    same request ends the second one's hit there (a staging copy would have hidden it)."""
+    engine, receiver = make_decoder(channel, pages=8)
+    tokens = request_tokens(3)
+    spans = keychain().keys(tokens, include_partial=True)
+    assert len(spans) >= 3
+    with sender(channel, receiver.port) as tx:
+        send_one(tx, "r", tokens)
+    outcome = receiver.wait_outcome("r", 10.0)
+    assert outcome is not None and outcome.ok
+    tier = pd_tier(engine)
+    cpu_pool = engine.tier("cpu").pool  # type: ignore[union-attr]
+    expected = fake_prefill(tokens)
+    with engine.request("r"):
+        assert engine.lookup(tokens, "r") == len(tokens)
+        reserved = cpu_pool.used_pages  # the lookup's spare pages, one per PD chunk
+        out = torch.zeros(2, SMALL_LAYOUT.num_layers, len(tokens) + 5, SMALL_LAYOUT.hidden)
+        out = out.to(SMALL_LAYOUT.dtype)
+        assert engine.retrieve_into(tokens, "r", out) == len(tokens)
+        assert torch.equal(out[:, :, : len(tokens)], expected)
+        assert out[:, :, len(tokens) :].count_nonzero() == 0  # nothing past the chunks
+        assert tier.counters.hits == len(spans)
+        # No page was filled: the bytes went from the buffer to out directly.
+        assert cpu_pool.used_pages == reserved and cpu_pool.buffer.count_nonzero() == 0
+        entry = tier._index[spans[1].key]
+        tier.page_view(entry.page, 8).copy_(torch.arange(8, dtype=torch.uint8))
+        out.zero_()
+        assert engine.retrieve_into(tokens, "r", out) == spans[0].end
+        assert torch.equal(out[:, :, : spans[0].end], expected[:, :, : spans[0].end])
+        assert tier.counters.corrupt == 1
     assert_all_free(engine)

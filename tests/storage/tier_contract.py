@@ -139,6 +139,24 @@ class TierContract:
         if pinned:
             tier.unpin(keys[0])
 
+    def test_pin_many_pins_a_run_and_stops_where_pin_would(self, tier: Tier) -> None:
+        keys = [random_key() for _ in range(3)]
+        for i, key in enumerate(keys):
+            put_and_wait(tier, key, payload(CONTRACT_CHUNK, 45 + i), CONTRACT_CHUNK)
+        missing = random_key()
+        refuses = not tier.pin(missing)  # a shared store pins without a guarantee
+        if not refuses:
+            tier.unpin(missing)
+        run = [keys[0], keys[1], missing, keys[2]]
+        pinned = tier.pin_many(run)
+        assert pinned == (2 if refuses else 4)
+        if refuses:  # a real pin: clear() spares the run
+            tier.clear()
+            assert tier.contains(keys) == [True, True, False]
+        tier.unpin_many(run[:pinned])
+        tier.clear()
+        assert tier.contains(keys) == [False] * 3
+
     def test_pin_keeps_an_entry_until_unpinned(self, tier: Tier) -> None:
         key = random_key()
         put_and_wait(tier, key, payload(CONTRACT_CHUNK, 40), CONTRACT_CHUNK)

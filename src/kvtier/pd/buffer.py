@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from kvtier.config import Config
-from kvtier.errors import ConfigError, StateError, TransferError, TransferTimeout
+from kvtier.errors import ConfigError, InputError, StateError, TransferError, TransferTimeout
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.lease import LeaseTable
@@ -116,6 +116,7 @@ class PDCounters(TierCounters):
 
 class PDBuffer(Tier):
     name = "pd"
+    serves_views = True
     counters: PDCounters
 
     def __init__(
@@ -303,6 +304,9 @@ class PDBuffer(Tier):
             return [k in index and index[k].ready for k in keys]
 
     def get_into(self, key: ChunkKey, out: torch.Tensor) -> int | None:
+        """Copy a received chunk into ``out`` and check every byte against the sender's
+        checksum in the same pass. ``out``: a flat uint8 view of at least the chunk's bytes,
+        or (``serves_views``) a view of the caller's KV of exactly the chunk's shape."""
         with self._cond:
             entry = self._index.get(key)
             if entry is None or not entry.ready:
@@ -310,11 +314,21 @@ class PDBuffer(Tier):
                 return None
             nbytes = entry.num_tokens * self.token_bytes
             src = self.pool.page_bytes_view(entry.page, nbytes)
+            if out.dtype == torch.uint8 and out.dim() == 1:
+                dst = out[:nbytes]
+            elif out.numel() * out.element_size() == nbytes:
+                dst, src = out, src.view(out.dtype).view(out.shape)
+            else:
+                raise InputError(
+                    f"PD chunk {key.hex()}: out must be uint8 bytes or a view of its "
+                    f"{entry.num_tokens} tokens ({nbytes} bytes), got {out.dtype} "
+                    f"{tuple(out.shape)}"
+                )
             # Copy and verify in one pass: each piece of the page is copied out, then hashed
             # from the cache the copy left it in, so the bytes checked are the bytes served.
             # On a mismatch out holds garbage, but the caller serves nothing from a miss.
             assert self._copier is not None  # set with the pool, at open
-            if self._copier.copy(out[:nbytes], src) != entry.checksum:
+            if self._copier.copy(dst, src) != entry.checksum:
                 log.error("PD chunk %s does not match its sender's checksum; dropped", key.hex())
                 self.counters.corrupt += 1
                 self._drop(key, entry)

@@ -86,11 +86,19 @@ def checksum(data: torch.Tensor) -> int:
 
 
 def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor, helper: Executor | None) -> int:
-    """Copy ``src`` (any shape and strides; its bytes in canonical order) into ``dst`` (flat
-    contiguous uint8, exactly that many bytes) and return the checksum of the bytes copied,
-    each piece hashed right after its copy, from the cache. With ``helper`` (an executor
-    with a free thread) the second half of the chunk is copied and hashed there at the same
-    time.
+    """Copy ``src`` into ``dst`` and return the checksum of the bytes copied, each piece
+    hashed right after its copy, from the cache. With ``helper`` (an executor with a free
+    thread) the second half of the chunk is copied and hashed there at the same time.
+
+    Either side may be strided, as long as each row of its last two dimensions is contiguous
+    (a chunk cut from a longer ``[2, layers, tokens, hidden]`` KV tensor)::
+
+        dst                          src                       used by
+        flat contiguous uint8        any shape, same bytes     a sender filling a page
+        src's shape and dtype        contiguous (a page)       a decoder serving a page
+                                                               straight into the caller's KV
+
+    What is hashed is ``src``'s bytes in canonical order.
     """
     pieces = _pieces(dst, src)
     split = _half(pieces)
@@ -104,27 +112,62 @@ def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor, helper: Executor | 
     return combine(first + rest)
 
 
-Piece = tuple[int, np.ndarray, np.ndarray]  # (offset in dst, dst bytes, src bytes)
+Piece = tuple[int, np.ndarray, np.ndarray]  # (offset in src's canonical bytes, dst, src)
 
 
 def _pieces(dst: torch.Tensor, src: torch.Tensor) -> list[Piece]:
     nbytes = src.numel() * src.element_size()
-    if dst.dtype != torch.uint8 or not dst.is_contiguous() or dst.numel() != nbytes:
-        raise ValueError(f"dst must be {nbytes} contiguous uint8 bytes, got {tuple(dst.shape)}")
-    out = dst.numpy()
-    if src.is_contiguous():
-        flat = _flat_bytes(src)
-        return [
-            (o, out[o : o + COPY_BYTES], flat[o : o + COPY_BYTES])
-            for o in range(0, nbytes, COPY_BYTES)
-        ]
-    # A strided view (a chunk cut from a longer KV tensor): one piece per row of its last two
-    # dimensions, whose bytes are contiguous in dst; the hasher cuts them into blocks.
-    raw = src if src.element_size() == 1 else src.view(torch.uint8)  # needs stride(-1) == 1
-    rows = raw.numpy().reshape(-1, *raw.shape[-2:])
-    target = out.reshape(rows.shape)
-    step = rows[0].nbytes
-    return [(i * step, target[i], rows[i]) for i in range(len(rows))]
+    if dst.dtype == torch.uint8 and dst.dim() == 1 and dst.is_contiguous():
+        if dst.numel() != nbytes:
+            raise ValueError(f"dst must be {nbytes} contiguous uint8 bytes, got {dst.numel()}")
+        out = dst.numpy()
+        if src.is_contiguous():
+            flat = _flat_bytes(src)
+            return [
+                (o, out[o : o + COPY_BYTES], flat[o : o + COPY_BYTES])
+                for o in range(0, nbytes, COPY_BYTES)
+            ]
+        # A strided view (a chunk cut from a longer KV tensor): one piece per row of its last
+        # two dimensions, whose bytes are contiguous in dst; the hasher cuts them into blocks.
+        rows = _rows("src", src, copy_ok=True)
+        target = out.reshape(rows.shape)
+        step = rows[0].nbytes if len(rows) else 0
+        return [(i * step, target[i], rows[i]) for i in range(len(rows))]
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(
+            f"dst must be {nbytes} contiguous uint8 bytes or a {src.dtype} tensor of shape "
+            f"{tuple(src.shape)}, got {dst.dtype} {tuple(dst.shape)}"
+        )
+    if not src.is_contiguous():
+        raise ValueError("a strided dst needs a contiguous src")
+    # A page served into a view of the caller's tensor: row by row, the page read in order.
+    targets = _rows("dst", dst)
+    rows = _rows("src", src)
+    step = rows[0].nbytes if len(rows) else 0
+    return [(i * step, targets[i], rows[i]) for i in range(len(rows))]
+
+
+def _rows(name: str, data: torch.Tensor, copy_ok: bool = False) -> np.ndarray:
+    """``data``'s bytes as rows of its last two dimensions (``[rows, n, bytes]``). Without
+    ``copy_ok`` (a destination: writes into a copy would be lost) raises ValueError when that
+    needs a copy."""
+    if data.dim() < 2:
+        raise ValueError(f"{name} must have at least two dimensions, got {tuple(data.shape)}")
+    try:
+        raw = data if data.element_size() == 1 else data.view(torch.uint8)  # stride(-1) == 1
+        rows = raw.view(-1, *raw.shape[-2:])
+    except RuntimeError as exc:
+        if not copy_ok:
+            raise ValueError(f"{name} cannot be cut into rows without a copy: {exc}") from None
+        raw = data.contiguous()
+        raw = raw if raw.element_size() == 1 else raw.view(torch.uint8)
+        rows = raw.view(-1, *raw.shape[-2:])
+    array = rows.numpy()
+    if len(array) and not array[0].flags.c_contiguous:
+        if copy_ok:
+            return np.ascontiguousarray(array)
+        raise ValueError(f"{name}'s rows of its last two dimensions must be contiguous")
+    return array
 
 
 def _half(pieces: list[Piece]) -> int:

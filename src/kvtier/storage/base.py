@@ -11,11 +11,18 @@ Protocol (who calls what, who owns what):
   cannot pin against other clients (a shared remote store) returns True without a guarantee,
   and a later ``get_into`` may miss: the manager ends the hit at that chunk and the engine
   recomputes the rest. Pins are counted per key; the manager pairs every pin that returned
-  True with exactly one unpin, through a request lease.
+  True with exactly one unpin, through a request lease. ``pin_many`` / ``unpin_many`` are the
+  same for a run of keys (the manager pins a lower-tier run at once).
 * ``get_into(key, out)`` writes the chunk's bytes into ``out`` (a uint8 view of an allocator
   page, so reads land in their final place with no intermediate copy) after checking the
   checksum, and returns the chunk's token count, or None for a miss. A corrupt entry is a
   miss: logged, removed and counted, never returned.
+* A tier whose chunks already sit in this process's memory, checked as they are copied out
+  (``serves_views = True``: the PD buffer), also takes for ``out`` a view of the caller's KV
+  tensor of the chunk's shape (``[2, layers, tokens, hidden]`` in the layout's dtype; rows of
+  its last two dimensions contiguous) and copies into it directly: one copy from the tier to
+  the caller, no staging page. On a miss that view may hold garbage (the caller uses nothing
+  past the end of what was loaded).
 * A read that runs past ``blocking_timeout_secs`` (a stuck network filesystem) raises
   :class:`ReadAbandoned`: a miss, but the read is still running and may yet write into its
   ``out``, so the caller keeps each page in ``busy`` out of use until its future is done.
@@ -117,6 +124,7 @@ class Tier(ABC):
 
     name: str = "tier"
     counters: TierCounters
+    serves_views: bool = False  # get_into also takes a view of the caller's KV (see above)
 
     def __init__(self) -> None:
         self.counters = TierCounters()
@@ -166,6 +174,20 @@ class Tier(ABC):
 
     def unpin(self, key: ChunkKey) -> None:
         return None
+
+    def pin_many(self, keys: Sequence[ChunkKey]) -> int:
+        """Pin ``keys`` in order, stopping at the first that :meth:`pin` refuses; returns how
+        many were pinned (each of those needs one unpin). Tiers override it to take their
+        lock once for a long prompt's thousands of chunks."""
+        for i, key in enumerate(keys):
+            if not self.pin(key):
+                return i
+        return len(keys)
+
+    def unpin_many(self, keys: Sequence[ChunkKey]) -> None:
+        """:meth:`unpin` each of ``keys``."""
+        for key in keys:
+            self.unpin(key)
 
     @abstractmethod
     def usage(self) -> TierUsage: ...

@@ -15,7 +15,10 @@ at retrieve; the hit then ends there and the engine recomputes the rest).
 A lower-tier chunk is read into a CPU page at load time, so the lookup also reserves one free
 page per lower-tier chunk of the hit (``LookupPlan.spare``, held by the lease): a hit is never
 promised that cannot get a page to load into. When the pages run out the hit ends before the
-first lower-tier chunk without one (declined now, rather than failing at load).
+first lower-tier chunk without one (declined now, rather than failing at load). A tier whose
+chunks are already in memory (``Tier.serves_views``: the PD buffer) is read straight into the
+caller's tensor instead, its check fused with that one copy, when the caller gives one and
+the chunk is not to be copied back to the CPU tier; the page reserved for it stays unused.
 
 Tier roles (the three modes LMCache users run, see README)::
 
@@ -266,12 +269,14 @@ class StorageManager:
         into at load. Where pages run out the hit ends (before the first chunk without one):
         a hit that could not be loaded is never promised."""
         lower = [i for i, h in enumerate(hits) if h.page is None]
-        spare: list[int] = []
-        for _ in lower:
-            got = self.cpu.allocate(1)
-            if got is None:
-                break
-            spare.extend(got)
+        spare = self.cpu.allocate(len(lower)) if lower else []
+        if spare is None:  # short of pages: as many as there are, one at a time
+            spare = []
+            for _ in lower:
+                got = self.cpu.allocate(1)
+                if got is None:
+                    break
+                spare.extend(got)
         lease.take_pages(spare)
         if len(spare) < len(lower):
             end = lower[len(spare)]
@@ -321,25 +326,45 @@ class StorageManager:
     def _pin(
         self, spans: Sequence[ChunkSpan], where: Sequence[Tier | None], lease: Lease[LookupPlan]
     ) -> list[ChunkHit]:
-        """Pin each located chunk in order; stop at the first that vanished meanwhile."""
+        """Pin each located chunk in order; stop at the first that vanished meanwhile. A run
+        of chunks in one lower tier is pinned with one ``pin_many`` and held by one hold (a
+        1M-token prompt is 4,096 chunks: one hold each cost more than the lookup itself)."""
         hits: list[ChunkHit] = []
-        cpu_run = [s.key for s, w in zip(spans, where, strict=True) if w is self.cpu]
+        all_keys = spans.keys if isinstance(spans, ChunkSpans) else [s.key for s in spans]
+        cpu_run = [k for k, w in zip(all_keys, where, strict=True) if w is self.cpu]
         cpu_entries = self.cpu.pin_keys(cpu_run) if cpu_run else {}
         lease.take_pages([e.page for e in cpu_entries.values()])
-        for span, tier in zip(spans, where, strict=True):
+        i = 0
+        while i < len(spans):
+            tier = where[i]
             assert tier is not None
             if tier is self.cpu:
-                entry = cpu_entries.get(span.key)
+                entry = cpu_entries.get(spans[i].key)
                 if entry is None:
                     break
-                hits.append(ChunkHit(span, self.cpu, entry.page))
+                hits.append(ChunkHit(spans[i], self.cpu, entry.page))
+                i += 1
                 continue
-            if not tier.pin(span.key):
+            end = i + 1
+            while end < len(spans) and where[end] is tier:
+                end += 1
+            run = spans[i:end]
+            keys = all_keys[i:end]
+            pinned = tier.pin_many(keys)
+            if pinned:
+                held = keys[:pinned]
+                lease.take_hold(
+                    CallbackHold(
+                        0,
+                        f"{tier.name} pin {held[0].hex()}"
+                        + (f" and {pinned - 1} more" if pinned > 1 else ""),
+                        _unpinner(tier, held),
+                    )
+                )
+                hits.extend(ChunkHit(span, tier) for span in run[:pinned])  # one span each
+            if pinned < len(keys):
                 break
-            lease.take_hold(
-                CallbackHold(0, f"{tier.name} pin {span.key.hex()}", _unpinner(tier, span.key))
-            )
-            hits.append(ChunkHit(span, tier))
+            i = end
         return hits
 
     # -- retrieve --------------------------------------------------------------------------
@@ -355,29 +380,44 @@ class StorageManager:
         ends the hit early, and the engine recomputes from there. ``out=None`` only makes the
         chunks resident in pages the lease holds (``hit.page``), for a reader that maps them."""
         loaded_end = 0
-        self._prefetch(plan, lease, start_token)
+        # A tier whose chunks are already in memory serves straight into out (one copy, its
+        # check fused with it), unless the chunk is to be copied back to the CPU tier anyway.
+        direct = out is not None and out.device.type == "cpu" and not self.promote_to_cpu
+        self._prefetch(plan, lease, start_token, direct)
         for hit in plan.hits:
             span = hit.span
             if hit.tier is not ENGINE and span.end > start_token:
-                if hit.failed or (hit.page is None and not self._fetch(hit, hit.tier, plan, lease)):
+                if hit.failed:
                     break
-                assert hit.page is not None
-                if out is not None:
-                    self._copy_out(hit.page, span, out)
+                if direct and hit.page is None and hit.tier.serves_views:
+                    assert out is not None
+                    if not self._read_into(hit, hit.tier, out):
+                        break
+                else:
+                    if hit.page is None and not self._fetch(hit, hit.tier, plan, lease):
+                        break
+                    assert hit.page is not None
+                    if out is not None:
+                        self._copy_out(hit.page, span, out)
                 self.counters.count_hit(hit.tier.name, span.num_tokens)
             loaded_end = span.end
         # Chunks after a failed fetch are no longer usable: drop them from the plan.
         plan.hits = [h for h in plan.hits if h.span.end <= loaded_end]
         return loaded_end
 
-    def _prefetch(self, plan: LookupPlan, lease: Lease[LookupPlan], start_token: int) -> None:
+    def _prefetch(
+        self, plan: LookupPlan, lease: Lease[LookupPlan], start_token: int, direct: bool
+    ) -> None:
         """Read the plan's lower-tier chunks with one ``get_many_into`` per tier (the disk
         tier overlaps the reads, a remote tier pipelines them). Hits that fail are marked
-        ``failed`` (``load`` stops there); when pages are short, ``_fetch`` reads one by one."""
+        ``failed`` (``load`` stops there); when pages are short, ``_fetch`` reads one by one.
+        With ``direct``, tiers that serve views are left to ``load``."""
         todo: dict[Tier, list[ChunkHit]] = {}
         for hit in plan.hits:
             tier = hit.tier
             if tier is ENGINE or tier is self.cpu or hit.page is not None:
+                continue
+            if direct and tier.serves_views:
                 continue
             if hit.span.end > start_token:
                 todo.setdefault(tier, []).append(hit)
@@ -446,6 +486,20 @@ class StorageManager:
             self.counters.add(load_failures=1)
             return False
         self._adopt(hit, page, lease)
+        return True
+
+    def _read_into(self, hit: ChunkHit, tier: Tier, out: torch.Tensor) -> bool:
+        """Read ``hit``'s chunk from ``tier`` (one that ``serves_views``) straight into its
+        rows of ``out``; False on a miss (those rows may then hold garbage)."""
+        span = hit.span
+        try:
+            tokens = tier.get_into(span.key, out[:, :, span.start : span.end, :])
+        except KVTierError as exc:
+            log.warning("tier %s read failed, counting it as a miss: %s", tier.name, exc)
+            tokens = None
+        if tokens != span.num_tokens:
+            self.counters.add(load_failures=1)
+            return False
         return True
 
     def _park(self, page: int, read: Future[Any]) -> None:
@@ -600,5 +654,5 @@ def _prefix_len(where: Sequence[object | None]) -> int:
     return len(where)
 
 
-def _unpinner(tier: Tier, key: ChunkKey) -> Callable[[], None]:
-    return lambda: tier.unpin(key)
+def _unpinner(tier: Tier, keys: list[ChunkKey]) -> Callable[[], None]:
+    return lambda: tier.unpin_many(keys)

@@ -1,11 +1,16 @@
-"""The disk tier's saved index (kvtier.storage.disk.snapshot): a restart that reads the
-headers of only the files the saved index does not name, and never serves a wrong byte."""
+"""The disk tier's saved index (kvtier.storage.disk.snapshot): a restart that serves from it
+at once, without listing or opening a file, then checks it against the directory in the
+background (kvtier.storage.disk.reconcile), reading the headers of only the files it does
+not name, and never serves a wrong byte."""
 
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvtier.keys import Fingerprint
@@ -43,13 +48,13 @@ def filled(path: Path, n: int) -> list[bytes]:
 def count_header_reads(monkeypatch: object) -> list[str]:
     """Record every file the startup scan opens to read a header."""
     opened: list[str] = []
-    real = files._check_file
+    real = files.check_file
 
     def spy(dir_fd: int, name: str, key: bytes, fingerprint: Fingerprint) -> object:
         opened.append(name)
         return real(dir_fd, name, key, fingerprint)
 
-    monkeypatch.setattr(files, "_check_file", spy)  # type: ignore[attr-defined]
+    monkeypatch.setattr(files, "check_file", spy)  # type: ignore[attr-defined]
     return opened
 
 
@@ -96,12 +101,86 @@ def test_files_written_or_removed_after_the_save_are_reconciled(
     tier = make_tier(tmp_path)
     tier.open()
     try:
+        assert tier.index_checked(10.0)
         assert opened == [files.final_name(FP.hex(), new)]  # only the file it did not name
         assert tier.contains([*keys, new]) == [True, False, True, True, True]
         assert tier.usage().entries == 4
+        assert tier.usage().used_bytes == 4 * RECORD_BYTES
         tokens, out = read(tier, new)
         assert tokens == CONTRACT_CHUNK and torch.equal(out, data)
     finally:
+        tier.close()
+
+
+def test_a_restart_serves_from_the_saved_index_before_listing_the_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The open builds the index from the saved one alone: with the directory listing held
+    up, the tier is open and serves hits (a file removed since the save is a miss at its
+    read, never a wrong byte); the check then finishes on its own and drops that entry."""
+    keys = filled(tmp_path, 4)
+    os.unlink(tmp_path / files.final_name(FP.hex(), keys[2]))
+    release = threading.Event()
+    listing = threading.Event()
+    real_names = files.names
+
+    def held_names(dir_fd: int) -> Iterator[str]:
+        listing.set()
+        assert release.wait(30.0)
+        yield from real_names(dir_fd)
+
+    monkeypatch.setattr(files, "names", held_names)
+    tier = make_tier(tmp_path)
+    opened = threading.Thread(target=tier.open)
+    opened.start()
+    opened.join(10.0)
+    try:
+        assert not opened.is_alive(), "the open waited for the directory listing"
+        assert listing.wait(10.0) and not tier.index_checked(0)
+        assert tier.contains(keys) == [True] * 4  # trusted, not yet checked
+        tokens, out = read(tier, keys[3])
+        assert tokens == CONTRACT_CHUNK and torch.equal(out, payload(CONTRACT_CHUNK, 3))
+        assert read(tier, keys[2])[0] is None  # its file is gone: a miss at the read
+        assert tier.counters.corrupt == 0
+    finally:
+        release.set()
+    try:
+        assert tier.index_checked(10.0)
+        assert tier.contains(keys) == [True, True, False, True]
+        assert tier.usage().entries == 3
+    finally:
+        tier.close()
+
+
+def test_the_background_check_spares_writes_made_since_the_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Puts that land while the check lists the directory are neither re-added from their
+    header, nor dropped as gone, nor their temporary files removed."""
+    keys = filled(tmp_path, 2)
+    release = threading.Event()
+    real_names = files.names
+
+    def held_names(dir_fd: int) -> Iterator[str]:
+        assert release.wait(30.0)
+        yield from real_names(dir_fd)
+
+    monkeypatch.setattr(files, "names", held_names)
+    tier = make_tier(tmp_path)
+    tier.open()
+    try:
+        fresh = [random_key() for _ in range(3)]
+        for i, key in enumerate(fresh):
+            put_and_wait(tier, key, payload(CONTRACT_CHUNK, 10 + i), CONTRACT_CHUNK)
+        release.set()
+        assert tier.index_checked(10.0)
+        assert tier.contains([*keys, *fresh]) == [True] * 5
+        assert tier.usage().entries == 5 and tier.usage().used_bytes == 5 * RECORD_BYTES
+        for i, key in enumerate(fresh):
+            tokens, out = read(tier, key)
+            assert tokens == CONTRACT_CHUNK and torch.equal(out, payload(CONTRACT_CHUNK, 10 + i))
+    finally:
+        release.set()
         tier.close()
 
 
@@ -160,10 +239,14 @@ def test_a_leftover_partial_save_is_removed_at_open(tmp_path: Path) -> None:
     filled(tmp_path, 1)
     leftover = tmp_path / f"{INDEX}.4242.part"
     leftover.write_bytes(b"half an index")
+    chunk_leftover = tmp_path / f".{FP.hex()}-{'ab' * 16}.4242-0.tmp"
+    chunk_leftover.write_bytes(b"half a chunk")
     tier = make_tier(tmp_path)
     tier.open()
     try:
-        assert not leftover.exists()
+        assert tier.index_checked(10.0)
+        assert not leftover.exists() and not chunk_leftover.exists()
+        assert tier.counters.temp_removed == 2
     finally:
         tier.close()
 

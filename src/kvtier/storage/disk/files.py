@@ -173,6 +173,13 @@ def touch(dir_fd: int, fp_hex: str, key: ChunkKey) -> None:
         os.utime(final_name(fp_hex, key), dir_fd=dir_fd)
 
 
+def temp_of_this_process(name: str) -> bool:
+    """Whether ``name`` is a temporary name this process made (see :func:`temp_name`: a
+    write of this process, maybe still running), not a leftover of another."""
+    stem = name[: -len(TMP_SUFFIX)]  # .<fp>-<key>.<pid>-<n>
+    return stem.rsplit(".", 1)[-1].split("-", 1)[0] == str(os.getpid())
+
+
 def unlink_quietly(dir_fd: int, name: str) -> bool:
     try:
         os.unlink(name, dir_fd=dir_fd)
@@ -210,7 +217,7 @@ def scan(
     result = ScanResult([])
     prefix, tmp_prefix = f"{fp_hex}-", f".{fp_hex}-"
     snapshot_tmp = f".{fp_hex}.index."
-    for name in _names(dir_fd):
+    for name in names(dir_fd):
         if name.startswith(tmp_prefix) and name.endswith(TMP_SUFFIX):
             result.temp_removed += unlink_quietly(dir_fd, name)
             continue
@@ -219,11 +226,11 @@ def scan(
             continue
         if not (name.startswith(prefix) and name.endswith(SUFFIX)):
             continue
-        key = _key_of(name, prefix)
+        key = key_of(name, prefix)
         if key is not None and key in known:
             result.known_present.add(key)
             continue
-        found = None if key is None else _check_file(dir_fd, name, key, fingerprint)
+        found = None if key is None else check_file(dir_fd, name, key, fingerprint)
         if found is None:
             result.bad_removed += unlink_quietly(dir_fd, name)
         else:
@@ -232,14 +239,16 @@ def scan(
     return result
 
 
-def _names(dir_fd: int) -> Iterator[str]:
+def names(dir_fd: int) -> Iterator[str]:
+    """The names of the regular files (and unknown types) in the directory, as listed."""
     with os.scandir(dir_fd) as entries:
         for entry in entries:
             if entry.is_file(follow_symlinks=False):
                 yield entry.name
 
 
-def _key_of(name: str, prefix: str) -> ChunkKey | None:
+def key_of(name: str, prefix: str) -> ChunkKey | None:
+    """The key in a final name (``prefix`` is ``"<fp16hex>-"``), or None for a bad one."""
     try:
         key = bytes.fromhex(name[len(prefix) : -len(SUFFIX)])
     except ValueError:
@@ -247,9 +256,10 @@ def _key_of(name: str, prefix: str) -> ChunkKey | None:
     return key if len(key) == KEY_BYTES else None
 
 
-def _check_file(
+def check_file(
     dir_fd: int, name: str, key: ChunkKey, fingerprint: Fingerprint
 ) -> FoundRecord | None:
+    """Read and check one file's header: its record, or None when it is gone or bad."""
     try:
         fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:

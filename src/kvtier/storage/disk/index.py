@@ -17,6 +17,7 @@ Not thread-safe by itself: :class:`~kvtier.storage.disk.tier.DiskTier` calls it 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from kvtier.keys import ChunkKey
@@ -53,6 +54,26 @@ class DiskIndex:
         assert key not in self._entries, "a key is indexed once"
         self._entries[key] = entry
         self.used_bytes += entry.file_bytes
+
+    def add_rows(self, rows: Iterable[tuple[ChunkKey, int, int]]) -> int:
+        """Insert ``(key, num_tokens, file_bytes)`` rows in order, as most recently used (a
+        saved index, least recently used first); a key already indexed is skipped. Entries
+        of one size share one :class:`DiskEntry` (immutable), so a million rows cost a dict
+        slot each. Returns how many were added."""
+        entries = self._entries
+        shared: dict[tuple[int, int], DiskEntry] = {}
+        added = used = 0
+        for key, num_tokens, file_bytes in rows:
+            if key in entries:
+                continue
+            entry = shared.get((num_tokens, file_bytes))
+            if entry is None:
+                entry = shared[num_tokens, file_bytes] = DiskEntry(num_tokens, file_bytes)
+            entries[key] = entry
+            used += file_bytes
+            added += 1
+        self.used_bytes += used
+        return added
 
     def pop(self, key: ChunkKey) -> DiskEntry | None:
         """Forget ``key`` (its pins too: a removed entry has nothing left to protect)."""
@@ -134,5 +155,9 @@ class DiskIndex:
     def oldest_first(self) -> list[ChunkKey]:
         return list(self._entries)
 
-    def items_oldest_first(self) -> list[tuple[ChunkKey, DiskEntry]]:
-        return list(self._entries.items())
+    def items(self) -> Iterator[tuple[ChunkKey, DiskEntry]]:
+        """The entries oldest first, as an iterator (no list of a million tuples)."""
+        return iter(self._entries.items())
+
+    def key_set(self) -> set[ChunkKey]:
+        return set(self._entries)

@@ -21,12 +21,14 @@ to the eviction listeners (``Tier.add_evict_listener``) once they are unlinked.
 Reads go straight into the caller's page (``preadv``, in 1 MiB pieces each hashed right after
 it lands, so the checksum costs no second pass over memory), then the checksum is compared;
 a mismatch, a bad header or a wrong length is a miss: logged, file removed, counted in
-``counters.corrupt``. At open the index is rebuilt from the headers alone (oldest file first,
-by mtime, which writes and read hits set), temporary leftovers of this fingerprint are
-deleted, and bad files are removed and counted. A clean close saves the index
-(:mod:`~kvtier.storage.disk.snapshot`) so that the next open reads the headers of only the files
-the saved index does not name; the files stay the truth (a saved entry whose file is gone is
-dropped, and every read checks the file).
+``counters.corrupt``. A clean close saves the index (:mod:`~kvtier.storage.disk.snapshot`).
+An open with a usable saved index builds the index from it alone and serves at once; a
+background check (:mod:`~kvtier.storage.disk.reconcile`) then lists the directory, adds the
+files the saved index does not name, drops the entries whose file is gone and removes
+leftovers. The files stay the truth: every read checks its file, so a trusted entry whose
+file is gone or corrupt is a miss. Without a saved index (or with a torn one) the open
+rebuilds the index from the headers (oldest file first, by mtime, which writes and read hits
+set), deletes temporary leftovers of this fingerprint, and removes and counts bad files.
 
 Faults (docs/disk.md): reads are bounded by ``blocking_timeout_secs``
 (:mod:`~kvtier.storage.disk.bounded_reads`); a chunk name that is not a regular file (a
@@ -42,7 +44,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +62,7 @@ from kvtier.storage.disk.bounded_reads import BoundedReads
 from kvtier.storage.disk.directory import ChunkDirectory
 from kvtier.storage.disk.index import DiskEntry, DiskIndex
 from kvtier.storage.disk.options import DiskOptions, options_from_config
+from kvtier.storage.disk.reconcile import SavedIndexCheck
 from kvtier.storage.records import (
     HEADER_SIZE,
     check_payload_digest,
@@ -115,6 +118,7 @@ class DiskTier(Tier):
             options.io_threads, options.max_inflight_bytes, self._write, "kvtier-disk-write"
         )
         self._reader: BoundedReads | None = None
+        self._check: SavedIndexCheck | None = None  # set by an open from a saved index
 
     @classmethod
     def from_config(cls, config: Config, layout: KVLayout, fingerprint: Fingerprint) -> DiskTier:
@@ -123,12 +127,18 @@ class DiskTier(Tier):
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> None:
-        """Check the directory, rebuild the index from headers, start the I/O threads."""
+        """Check the directory, build the index (from the saved index, checked in the
+        background, or from the headers), start the I/O threads."""
         with self._lock:
             if self._guard.state is not Lifecycle.NEW:
                 raise StateError(f"disk tier is {self._guard.state.value}; open it once")
             try:
-                self._rebuild_index(self._dir.open())
+                dir_fd = self._dir.open()
+                rows = snapshot.load_rows(dir_fd, self.fingerprint)
+                if rows is None:
+                    self._rebuild_index(dir_fd)
+                else:
+                    self._check = self._trust_saved_index(rows)
             except OSError as exc:
                 self._dir.close()
                 raise ConfigError(
@@ -138,6 +148,62 @@ class DiskTier(Tier):
             n = self.options.io_threads
             self._reader = BoundedReads(n, self.options.timeout_s, self.options.path)
             self._guard.open()
+            if self._check is not None:
+                self._check.start()
+
+    def _trust_saved_index(self, rows: Iterable[tuple[ChunkKey, int, int]]) -> SavedIndexCheck:
+        """The index from the saved rows alone (no file listed or opened), capacity trimmed;
+        returns the background check that then compares it with the directory."""
+        self._index.add_rows(rows)
+        trusted = self._index.key_set()
+        trimmed = self.evict_to_fit()
+        log.info(
+            "disk tier %s: %d chunks (%s) from the saved index, %d evicted to fit %s; "
+            "checking them against the directory in the background",
+            self.options.path,
+            len(self._index),
+            format_size(self._index.used_bytes),
+            len(trimmed),
+            format_size(self.options.capacity_bytes),
+        )
+        return SavedIndexCheck(self, trusted)
+
+    def index_checked(self, timeout: float | None = None) -> bool:
+        """True once the background check of a saved index has ended (at once when the open
+        read the headers instead); False at the timeout."""
+        check = self._check
+        return check is None or check.wait(timeout)
+
+    # -- what the saved-index check uses (kvtier.storage.disk.reconcile.CheckHost) ---------
+    @property
+    def index_lock(self) -> threading.Lock:
+        return self._lock
+
+    @property
+    def index(self) -> DiskIndex:
+        return self._index
+
+    def is_writing(self, key: ChunkKey) -> bool:
+        return self._writes.holds(key)
+
+    def directory(self) -> tuple[int, int]:
+        return self._dir.generation, self._dir.fd
+
+    def evict_to_fit(self) -> list[ChunkKey]:
+        """Under the lock: evict the oldest until the index fits the capacity (it may have
+        shrunk since the files were written); the files are unlinked."""
+        trimmed = self._index.reserve(0) or []  # reserving 0 bytes evicts until it fits
+        if trimmed:
+            self._unlink(trimmed)
+            self.counters.evicted += len(trimmed)
+        return trimmed
+
+    def checked(self, temp_removed: int, bad_removed: int, gone: int) -> None:
+        self.counters.temp_removed += temp_removed
+        self.counters.bad_removed_at_open += bad_removed
+        self.counters.corrupt += bad_removed
+        if bad_removed:
+            log.warning("disk tier removed %d files with a bad header or length", bad_removed)
 
     def _rebuild_index(self, dir_fd: int) -> None:
         saved = snapshot.load(dir_fd, self.fingerprint) or {}
@@ -152,12 +218,7 @@ class DiskTier(Tier):
         self.counters.temp_removed += found.temp_removed
         self.counters.bad_removed_at_open += found.bad_removed
         self.counters.corrupt += found.bad_removed
-        # Capacity may have shrunk since the files were written: trim the oldest.
-        # (reserving 0 bytes evicts until used <= capacity)
-        trimmed = self._index.reserve(0) or []
-        if trimmed:
-            self._unlink(trimmed)
-            self.counters.evicted += len(trimmed)
+        trimmed = self.evict_to_fit()
         log.info(
             "disk tier %s: %d chunks (%s) found (%d from the saved index, %d headers read), "
             "%d evicted to fit %s, %d temporary and %d bad "
@@ -184,39 +245,44 @@ class DiskTier(Tier):
             if self._reader is None:
                 return  # never opened, or closed already
             reader, self._reader = self._reader, None
+        # The saved-index check first: it stops at its next file (a stuck filesystem aside).
+        check_done = self._check is None or self._check.stop(timeout)
         writes_done = self._writes.close(timeout)
         reader.close()
         stalled = reader.stalled
-        if calls_done and writes_done and not stalled:
+        clean = calls_done and writes_done and check_done and not stalled
+        if clean:
             self._save_index()
-        if not (calls_done and writes_done and not stalled):
+        else:
             log.warning(
-                "disk tier %s closed with %d calls, %d reads and %s writes still running "
-                "after %.1fs (a stuck filesystem?); their directory descriptors stay open",
+                "disk tier %s closed with %d calls, %d reads, %s writes and %s index check "
+                "still running after %.1fs (a stuck filesystem?); their directory descriptors "
+                "stay open",
                 self.options.path,
                 self._guard.running,
                 stalled,
                 "some" if not writes_done else "no",
+                "its" if not check_done else "no",
                 timeout,
             )
-        self._dir.close(keep_open=not (calls_done and writes_done and not stalled))
+        self._dir.close(keep_open=not clean)
 
     def _save_index(self) -> None:
-        """Save the index for the next open (kvtier.storage.disk.snapshot); never raises."""
+        """Save the index for the next open (kvtier.storage.disk.snapshot); never raises.
+        Packed from the index under the lock, as it is iterated (the close: nothing else
+        runs by now)."""
         with self._lock:
             if self._dir.lost:
                 return
-            entries = [
-                snapshot.SavedEntry(key, entry.num_tokens, entry.file_bytes)
-                for key, entry in self._index.items_oldest_first()
-            ]
-            dir_fd = self._dir.fd
-        try:
-            snapshot.save(dir_fd, self.fingerprint, entries)
-        except OSError as exc:
-            log.warning(
-                "disk tier %s: index not saved (%s); the next open scans", self.options.path, exc
-            )
+            rows = ((k, e.num_tokens, e.file_bytes) for k, e in self._index.items())
+            try:
+                snapshot.save_rows(self._dir.fd, self.fingerprint, rows, len(self._index))
+            except OSError as exc:
+                log.warning(
+                    "disk tier %s: index not saved (%s); the next open scans",
+                    self.options.path,
+                    exc,
+                )
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._writes.flush(timeout)
@@ -316,6 +382,8 @@ class DiskTier(Tier):
                 self.counters.failed += 1
                 return PutResult(key, PutOutcome.FAILED, "disk directory was lost meanwhile")
             self._index.commit(key, DiskEntry(num_tokens, nbytes))
+            if self._check is not None:
+                self._check.written(key)
             self.counters.stored += 1
             self.counters.bytes_written += nbytes
         return PutResult(key, PutOutcome.STORED)
@@ -445,10 +513,24 @@ class DiskTier(Tier):
             self.counters.pinned_keys = self._index.pinned_keys
             return pinned
 
+    def pin_many(self, keys: Sequence[ChunkKey]) -> int:
+        with self._guard.call(), self._lock:
+            pinned = 0
+            for key in keys:
+                if not self._index.pin(key):
+                    break
+                pinned += 1
+            self.counters.pinned_keys = self._index.pinned_keys
+            return pinned
+
     def unpin(self, key: ChunkKey) -> None:
+        self.unpin_many((key,))
+
+    def unpin_many(self, keys: Sequence[ChunkKey]) -> None:
         with self._lock:
-            if not self._index.unpin(key):
-                log.debug("unpin of %s, which holds no pin: ignored", key.hex())
+            for key in keys:
+                if not self._index.unpin(key):
+                    log.debug("unpin of %s, which holds no pin: ignored", key.hex())
             self.counters.pinned_keys = self._index.pinned_keys
 
     def remove(self, key: ChunkKey) -> bool:

@@ -291,13 +291,25 @@ class RedisTier(Tier):
             self._pins[key] = self._pins.get(key, 0) + 1
         return True
 
-    def unpin(self, key: ChunkKey) -> None:
+    def pin_many(self, keys: Sequence[ChunkKey]) -> int:
         with self._lock:
-            count = self._pins.get(key, 0)
-            if count <= 1:
-                self._pins.pop(key, None)  # never below zero, even on a stray unpin
-            else:
-                self._pins[key] = count - 1
+            pins = self._pins
+            for key in keys:
+                pins[key] = pins.get(key, 0) + 1
+        return len(keys)
+
+    def unpin(self, key: ChunkKey) -> None:
+        self.unpin_many((key,))
+
+    def unpin_many(self, keys: Sequence[ChunkKey]) -> None:
+        with self._lock:
+            pins = self._pins
+            for key in keys:
+                count = pins.get(key, 0)
+                if count <= 1:
+                    pins.pop(key, None)  # never below zero, even on a stray unpin
+                else:
+                    pins[key] = count - 1
 
     def clear(self) -> int:
         """Delete this fingerprint's chunks (not other models' or other data) except those
