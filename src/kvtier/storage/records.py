@@ -1,7 +1,8 @@
 """The self-describing, checksummed record of one chunk, shared by the disk and redis tiers.
 
 A record is a fixed-size header followed by the chunk's payload (the first
-``num_tokens * token_bytes`` bytes of its page)::
+``layout.payload_bytes(num_tokens)`` bytes of its page: every KV-cache group's part of the
+chunk, so a chunk is all its groups or none, under one checksum)::
 
     offset  size  field
     0       8     magic  b"KVTIERC\\n"
@@ -15,7 +16,7 @@ A record is a fixed-size header followed by the chunk's payload (the first
     56      16    dtype name, ASCII, NUL padded ("bfloat16")
     72      4     chunk_size (tokens)
     76      4     num_tokens in this chunk (1 .. chunk_size)
-    80      8     payload length in bytes (= num_tokens * token_bytes)
+    80      8     payload length in bytes (= layout.payload_bytes(num_tokens))
     88      16    payload checksum: xxh3-128 of the payload bytes
     104     8     header checksum: xxh3-64 of bytes 0..104 (covers the payload checksum too)
     112     ..    zero padding up to HEADER_SIZE
@@ -110,10 +111,10 @@ def encode_header(
         raise ValueError(f"chunk key must be {KEY_BYTES} bytes, got {len(key)}")
     if not 0 < num_tokens <= fingerprint.chunk_size:
         raise ValueError(f"num_tokens must be in 1..{fingerprint.chunk_size}, got {num_tokens}")
-    if view.nbytes != num_tokens * lay.token_bytes():
+    if view.nbytes != lay.payload_bytes(num_tokens):
         raise ValueError(
             f"payload is {view.nbytes} bytes, but {num_tokens} tokens take "
-            f"{num_tokens * lay.token_bytes()}"
+            f"{lay.payload_bytes(num_tokens)}"
         )
     fields = _FIELDS.pack(
         RECORD_MAGIC,
@@ -171,7 +172,7 @@ def decode_header(
         raise CorruptRecord(f"record holds key {bytes(key).hex()}, expected {expected_key.hex()}")
     if not 0 < tokens <= chunk:
         raise CorruptRecord(f"record token count {tokens} outside 1..{chunk}")
-    if plen != tokens * lay.token_bytes():
+    if plen != lay.payload_bytes(tokens):
         raise CorruptRecord(f"record payload length {plen} != {tokens} tokens' bytes")
     return RecordHeader(bytes(key), tokens, plen, bytes(csum))
 

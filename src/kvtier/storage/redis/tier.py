@@ -199,7 +199,7 @@ class RedisTier(Tier):
         if tokens is None:
             self._bump(misses=1)
         else:
-            self._bump(hits=1, bytes_read=tokens * self.layout.token_bytes())
+            self._bump(hits=1, bytes_read=self.layout.payload_bytes(tokens))
         return tokens
 
     def _read(self, client: Any, key: ChunkKey, out: torch.Tensor) -> int | None:
