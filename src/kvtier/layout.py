@@ -288,6 +288,18 @@ class KVLayout:
                 if first:
                     out[:, lo:hi, :first].zero_()
 
+    def page_parts(self, num_tokens: int) -> list[tuple[str, int, int]]:
+        """(group, byte offset, bytes) of each part of a chunk's page: one part of every
+        layer unless a group trims (then one per group, named as :meth:`KVGroup.describe`)."""
+        out = []
+        offset = 0
+        per = self.planes * self.hidden * self.dtype_bytes
+        for g, layers in self._parts():
+            nbytes = per * len(layers) * (g.kept(num_tokens) if g else num_tokens)
+            out.append((g.describe() if g else self.describe_groups(), offset, nbytes))
+            offset += nbytes
+        return out
+
     def _views(
         self, page: torch.Tensor, num_tokens: int
     ) -> list[tuple[torch.Tensor, tuple[int, ...], int]]:
