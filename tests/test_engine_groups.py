@@ -12,22 +12,13 @@ import pytest
 import torch
 
 from kvtier import Config, Engine
-from kvtier.layout import GroupKind, KVGroup, KVLayout
 from kvtier.observability import explain as ex
 from kvtier.storage.records import HEADER_SIZE
 from tests.conftest import make_kv, make_tokens
+from tests.group_layouts import CHUNK, GEMMA, SLIDING, kept
 from tests.redis_servers import RedisServer
 
-CHUNK = 16
-GEMMA = KVLayout(
-    4,
-    2,
-    8,
-    torch.float32,
-    groups=(KVGroup(GroupKind.SLIDING, (0, 2), 4, keep=6), KVGroup(GroupKind.FULL, (1, 3))),
-)
 PER_LAYER_TOKEN = 2 * 2 * 8 * 4  # K and V x heads x dim x fp32
-SLIDING = "sliding/w4/k6:0,2"
 
 
 def config(**overrides: object) -> Config:
@@ -46,16 +37,6 @@ def disk_config(path: Path) -> Config:
         local_disk=str(path),
         max_local_disk_size=f"{16 * (GEMMA.chunk_bytes(CHUNK) + HEADER_SIZE)}B",
     )
-
-
-def kept(kv: torch.Tensor) -> torch.Tensor:
-    """What a load must give back: full layers whole; sliding layers their last 6 tokens of
-    each chunk, zeros before."""
-    out = kv.clone()
-    for start in range(0, kv.shape[2], CHUNK):
-        end = min(start + CHUNK, kv.shape[2])
-        out[:, [0, 2], start : max(start, end - 6)] = 0
-    return out
 
 
 def outcomes(engine: Engine, rid: str) -> list[str]:
@@ -103,7 +84,7 @@ def test_group_chunks_come_back_as_stored_from_every_tier(
             assert reader.lookup(tokens, "r") == 3 * CHUNK
             out = reader.retrieve(tokens, "r")
             reader.end_request("r")
-            assert torch.equal(out, kept(kv[:, :, : 3 * CHUNK]))
+            assert torch.equal(out, kept(kv[:, :, : 3 * CHUNK], GEMMA))
             assert reader.check_invariants() == []
         finally:
             if reader is not writer:
@@ -133,7 +114,7 @@ def test_a_corrupt_group_part_is_a_miss_and_explain_names_the_group(
         assert engine.lookup(tokens, "r") == 3 * CHUNK
         out = engine.retrieve(tokens, "r")
         assert out.shape[2] == CHUNK
-        assert torch.equal(out, kept(kv[:, :, :CHUNK]))
+        assert torch.equal(out, kept(kv[:, :, :CHUNK], GEMMA))
         assert outcomes(engine, "r") == ["hit:disk", ex.CHECKSUM_FAILURE, ex.NOT_CONTIGUOUS]
         record = engine.observer.explain.get("r")
         assert record is not None

@@ -347,6 +347,21 @@ class KVLayout:
         return text
 
 
+def sliding_keep(window: int, block_size: int) -> int:
+    """Tokens before a chunk's end a sliding-window group of ``window`` stores (its ``keep``),
+    in whole engine blocks of ``block_size``: what vLLM keeps (real blocks; the rest are its
+    null block) for a request resuming at the chunk's end ``t`` or one block earlier (a hit
+    never covers a prompt's last token, so a prompt of whole chunks resumes at ``t - block``)::
+
+        vLLM skips tokens < p - window + 1 for a resume at p (get_num_skipped_tokens), in
+        whole blocks: it keeps from block floor((p - window + 1) / block), i.e. the last
+        ceil((window - 1) / block) blocks before p
+
+        keep = block + ceil((window - 1) / block) * block      (window 128, block 16: 144)
+    """
+    return block_size + -(-(window - 1) // block_size) * block_size
+
+
 def _runs(layers: tuple[int, ...]) -> list[tuple[int, tuple[int, int]]]:
     """Consecutive layer indexes as (position in ``layers``, (first, end)): one copy each."""
     runs: list[tuple[int, tuple[int, int]]] = []

@@ -149,11 +149,10 @@ def test_a_trimmed_sliding_group_needs_blocks_only_where_it_keeps_tokens() -> No
     vLLM holds for a resume at the chunk's end or one block before). A save needs real
     blocks only there; a load is restorable only if vLLM has the null block wherever the
     group kept nothing."""
-    from kvtier.integrations.vllm.paged import resume_tokens
-    from kvtier.layout import GroupKind
+    from kvtier.layout import GroupKind, sliding_keep
 
-    assert resume_tokens(16, 16) == 32 and resume_tokens(128, 16) == 144
-    assert resume_tokens(4096, 16) == 4096 + 16
+    assert sliding_keep(16, 16) == 32 and sliding_keep(128, 16) == 144
+    assert sliding_keep(4096, 16) == 4096 + 16
     kv = caches(kv_first=False)
     names = list(kv)
     groups = [(GroupKind.SLIDING, 16, [names[0], names[2]]), (GroupKind.FULL, 0, [names[1]])]

@@ -19,8 +19,9 @@ own block table: ``block_ids`` is then one list per group (``layer_groups[i]`` s
 list layer ``i`` reads). A sliding-window group's blocks before the window are vLLM's null
 block (id 0, shared padding): a scatter never writes there, and :meth:`PagedKV.complete`
 says whether a token range still has real blocks in every group (a save needs that). A
-sliding group stores only the last :func:`resume_tokens` of each chunk (its ``keep``);
-:meth:`PagedKV.restorable` checks that vLLM holds the null block wherever a load has nothing.
+sliding group stores only the last ``keep`` tokens of each chunk
+(:func:`~kvtier.layout.sliding_keep`); :meth:`PagedKV.restorable` checks that vLLM holds
+the null block wherever a load has nothing.
 
 A token at position ``p`` of a request lives in the request's block
 ``block_ids[p // block_size]`` at offset ``p % block_size``; its slot is
@@ -43,7 +44,7 @@ from typing import cast
 import torch
 
 from kvtier.errors import InputError
-from kvtier.layout import GroupKind, KVGroup, KVLayout
+from kvtier.layout import GroupKind, KVGroup, KVLayout, sliding_keep
 
 NULL_BLOCK = 0  # vLLM's shared null block: padding for blocks a group no longer holds
 
@@ -296,7 +297,7 @@ def _layer_groups(
     block_size: int,
 ) -> tuple[tuple[int, ...], tuple[KVGroup, ...]]:
     """Per layer (in ``names`` order) its group index, and the layout's groups (a sliding
-    group keeps :func:`resume_tokens` of each chunk)."""
+    group keeps :func:`~kvtier.layout.sliding_keep` tokens of each chunk)."""
     if not groups:
         return (0,) * len(names), ()
     where: dict[str, int] = {}
@@ -314,26 +315,11 @@ def _layer_groups(
             kind,
             tuple(i for i, g in enumerate(layer_groups) if g == gi),
             window if kind == GroupKind.SLIDING else 0,
-            keep=resume_tokens(window, block_size) if kind == GroupKind.SLIDING else 0,
+            keep=sliding_keep(window, block_size) if kind == GroupKind.SLIDING else 0,
         )
         for gi, (kind, window, _) in enumerate(groups)
     )
     return layer_groups, kv_groups
-
-
-def resume_tokens(window: int, block_size: int) -> int:
-    """Tokens before a chunk's end a sliding-window group of ``window`` stores, in whole
-    vLLM blocks: what vLLM keeps (real blocks, the rest are the null block) for a request
-    resuming at the chunk's end ``t`` or one block earlier (the hit never covers a prompt's
-    last token, so a prompt that is whole chunks resumes at ``t - block``)::
-
-        vLLM skips tokens < p - window + 1 for a resume at p (get_num_skipped_tokens), in
-        whole blocks: it keeps from block floor((p - window + 1) / block), i.e. the last
-        ceil((window - 1) / block) blocks before p
-
-        keep = block + ceil((window - 1) / block) * block      (window 128, block 16: 144)
-    """
-    return block_size + -(-(window - 1) // block_size) * block_size
 
 
 def _chunk_ends(start: int, end: int, chunk_size: int, num_tokens: int) -> torch.Tensor:
