@@ -76,3 +76,11 @@ def test_each_family_stores_what_its_cache_holds(model: Any) -> None:
         assert layout.chunk_bytes(CHUNK) == 4 * 576 * 4 * CHUNK
     else:
         assert layout.chunk_bytes(CHUNK) == 4 * per_layer_kv * CHUNK
+
+
+def test_a_layer_kind_with_a_recurrent_state_is_refused_clearly() -> None:
+    from kvtier.errors import InputError
+    from kvtier.testing.families import family
+
+    with pytest.raises(InputError, match="linear_attention"):
+        layout_from_model(family("qwen3-next").config(), torch.bfloat16)

@@ -82,15 +82,16 @@ def _groups(config: Any, layers: int) -> tuple[KVGroup, ...]:
     """A sliding group (keeping ``window`` tokens of a chunk) and a full group when the
     config's ``layer_types`` mix sliding and full attention; else () (one full group)."""
     types = list(getattr(config, "layer_types", None) or ())[:layers]
-    window = getattr(config, "sliding_window", None)
-    if "sliding_attention" not in types or not window:
-        return ()
     known = {"sliding_attention", "full_attention"}
-    if len(types) != layers or not set(types) <= known:
+    if not set(types) <= known:
         raise InputError(
             f"layer_types {sorted(set(types) - known)} are not modelled by kvtier's "
-            "transformers connector; it serves full and sliding attention layers"
+            "transformers connector (a recurrent state, not a per-token cache); it serves "
+            "full and sliding attention layers"
         )
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" not in types or not window or len(types) != layers:
+        return ()
     sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     full = tuple(i for i, t in enumerate(types) if t == "full_attention")
     window = int(window)
