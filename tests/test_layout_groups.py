@@ -19,6 +19,13 @@ GEMMA = KVLayout(
     groups=(KVGroup(GroupKind.SLIDING, (0, 2), 128), KVGroup(GroupKind.FULL, (1, 3))),
 )
 MLA = KVLayout(4, 1, 576, torch.float32, planes=1)
+TRIMMED = KVLayout(
+    4,
+    2,
+    64,
+    torch.float32,
+    groups=(KVGroup(GroupKind.SLIDING, (0, 2), 128, keep=144), KVGroup(GroupKind.FULL, (1, 3))),
+)
 
 
 def fp(layout: KVLayout, rank: int = 0, world: int = 1) -> str:
@@ -58,8 +65,10 @@ def test_bytes_per_token_per_group_kind() -> None:
 
 
 def test_describe_and_parse_round_trip() -> None:
-    for layout in (LLAMA, GEMMA, MLA):
+    for layout in (LLAMA, GEMMA, MLA, TRIMMED):
         assert parse_groups(layout.describe_groups()) == layout.groups
+    assert TRIMMED.describe_groups() == "sliding/w128/k144:0,2;full:1,3"
+    assert fp(TRIMMED) != fp(GEMMA)  # another page format, another key
     assert "sliding/w128:0,2" in GEMMA.describe()
 
 
@@ -95,3 +104,31 @@ def test_a_state_group_is_reported_unsupported() -> None:
     )
     assert [g.detail for g in hybrid.unsupported()] == ["MambaSpec"]
     assert fp(hybrid) != fp(KVLayout(1, 2, 64, torch.bfloat16))
+
+
+def test_a_trimmed_sliding_group_stores_only_the_last_keep_tokens_of_a_chunk() -> None:
+    """sliding/w128/k144 on 2 of 4 layers, chunk 256: the sliding part holds 144 of 256
+    tokens; a chunk shorter than keep keeps all its tokens."""
+    per_layer = 2 * 2 * 64 * 4  # K and V, 2 heads x 64, fp32
+    assert TRIMMED.chunk_bytes(256) == per_layer * (2 * 144 + 2 * 256)
+    assert TRIMMED.payload_bytes(100) == per_layer * 4 * 100
+    assert GEMMA.chunk_bytes(256) == GEMMA.token_bytes() * 256 == per_layer * 4 * 256
+    assert TRIMMED.group_token_bytes(256) == {"sliding": per_layer * 2 * 144 / 256, "full": 2048}
+    gen = torch.Generator().manual_seed(3)
+    for n in (256, 100):
+        kv = torch.randn(TRIMMED.kv_shape(n), generator=gen)
+        page = torch.empty(TRIMMED.payload_bytes(n), dtype=torch.uint8)
+        TRIMMED.pack(kv, page)
+        out = torch.full_like(kv, 5.0)
+        TRIMMED.unpack(page, out)
+        kept = n - min(n, 144)
+        assert torch.equal(out[:, [1, 3]], kv[:, [1, 3]])
+        assert torch.equal(out[:, [0, 2], kept:], kv[:, [0, 2], kept:])
+        assert bool((out[:, [0, 2], :kept] == 0).all())  # zeros, never stale bytes
+
+
+def test_keep_is_for_sliding_groups_and_at_least_the_window() -> None:
+    with pytest.raises(InputError, match="keep"):
+        KVGroup(GroupKind.SLIDING, (0,), 128, keep=100)
+    with pytest.raises(InputError, match="keep"):
+        KVGroup(GroupKind.FULL, (0,), keep=100)

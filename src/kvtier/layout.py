@@ -24,10 +24,27 @@ cache manager sees it): each group has a kind and the layers in it, in model ord
     state     a recurrent + conv state per position (Mamba,  the state at t only
               gated delta-net); kvtier does not store it yet
 
-The layout's ``groups`` (every group's kind, layers and window) enter the model fingerprint,
-so two models whose caches differ in any group never share a key. Groups of the chunk tensor
-(``full``, ``sliding``, ``mla``) are stored with every token of the chunk; a ``state`` group
-makes the layout one kvtier cannot serve (:meth:`KVLayout.unsupported`).
+The layout's ``groups`` (every group's kind, layers, window and keep) enter the model
+fingerprint, so two models whose caches differ in any group never share a key. A ``state``
+group makes the layout one kvtier cannot serve (:meth:`KVLayout.unsupported`).
+
+What a chunk's page holds (its payload). ``full`` and ``mla`` groups store every token of the
+chunk. A ``sliding`` group with ``keep = K`` stores only the last ``K`` tokens before the
+chunk's end: what a request resuming at that boundary needs (the integration picks ``K``:
+the window rounded to whole engine blocks, plus the block a resume one block early needs).
+Without a trimmed group the page is the chunk tensor itself; with one, it is the groups'
+parts one after another, each ``[planes, group layers, kept tokens, hidden]``::
+
+    chunk of n tokens, groups sliding/w128/k144:0,2 ; full:1,3
+
+    page:  | sliding: [2, 2 layers, min(n,144), hidden] | full: [2, 2 layers, n, hidden] |
+             tokens n-min(n,144) .. n-1                    tokens 0 .. n-1
+
+    payload_bytes(n) = sum over groups of planes * len(layers) * min(n, keep or n) * hidden
+                       * dtype_bytes
+
+:meth:`KVLayout.pack` and :meth:`KVLayout.unpack` move a chunk between the chunk tensor and its
+page; ``unpack`` zeroes the tokens a trimmed group did not keep (never stale bytes).
 """
 
 from __future__ import annotations
@@ -83,12 +100,15 @@ class KVGroup:
 
     ``layers`` are indexes into the model's cached layers in model order (the chunk tensor's
     layer axis); ``window`` is the sliding window in tokens (0 for other kinds); ``detail``
-    names what kvtier does not model for a ``state`` group (e.g. ``"MambaSpec"``)."""
+    names what kvtier does not model for a ``state`` group (e.g. ``"MambaSpec"``); ``keep``
+    (sliding groups only) is how many tokens before each chunk's end the group stores, at
+    least ``window`` (0: every token of the chunk)."""
 
     kind: GroupKind
     layers: tuple[int, ...]
     window: int = 0
     detail: str = ""
+    keep: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, GroupKind):
@@ -110,11 +130,21 @@ class KVGroup:
                 f"KVGroup.window is {self.window!r} for a {self.kind.value} group; a sliding "
                 "group needs a window above 0, other kinds 0"
             )
+        if self.keep and (self.kind != GroupKind.SLIDING or self.keep < self.window):
+            raise InputError(
+                f"KVGroup.keep is {self.keep!r} for a {self.kind.value} group of window "
+                f"{self.window}; only a sliding group trims, to at least its window"
+            )
 
     def describe(self) -> str:
         window = f"/w{self.window}" if self.window else ""
+        keep = f"/k{self.keep}" if self.keep else ""
         detail = f"/{self.detail}" if self.detail else ""
-        return f"{self.kind.value}{window}{detail}:{','.join(map(str, self.layers))}"
+        return f"{self.kind.value}{window}{keep}{detail}:{','.join(map(str, self.layers))}"
+
+    def kept(self, num_tokens: int) -> int:
+        """Tokens of a chunk of ``num_tokens`` this group stores (its last ones)."""
+        return min(num_tokens, self.keep) if self.keep else num_tokens
 
 
 def parse_groups(text: str) -> tuple[KVGroup, ...]:
@@ -126,10 +156,12 @@ def parse_groups(text: str) -> tuple[KVGroup, ...]:
     for part in text.split(";"):
         head, _, layers = part.partition(":")
         kind, *rest = head.split("/")
-        window, detail = 0, ""
+        window, keep, detail = 0, 0, ""
         for item in rest:
             if item.startswith("w") and item[1:].isdigit():
                 window = int(item[1:])
+            elif item.startswith("k") and item[1:].isdigit():
+                keep = int(item[1:])
             else:
                 detail = item
         try:
@@ -139,7 +171,7 @@ def parse_groups(text: str) -> tuple[KVGroup, ...]:
                 f"KV-cache group {part!r} has layers {layers!r}; expected comma-separated "
                 "layer indexes, e.g. 'full:0,1,2'"
             ) from None
-        groups.append(KVGroup(cast(GroupKind, kind), indexes, window, detail))
+        groups.append(KVGroup(cast(GroupKind, kind), indexes, window, detail, keep))
     return tuple(groups)
 
 
@@ -207,13 +239,80 @@ class KVLayout:
     def describe_groups(self) -> str:
         return ";".join(g.describe() for g in self.groups)
 
-    def group_token_bytes(self) -> dict[str, int]:
-        """Bytes kvtier stores per token for each group kind present (all its layers)."""
-        out: dict[str, int] = {}
+    def group_token_bytes(self, chunk_size: int | None = None) -> dict[str, float]:
+        """Bytes kvtier stores per token for each group kind present (all its layers): per
+        token of the model without ``chunk_size``, else averaged over a whole chunk (a
+        trimmed sliding group stores ``keep`` of every ``chunk_size`` tokens)."""
+        out: dict[str, float] = {}
         per_layer = self.planes * self.hidden * self.dtype_bytes
         for g in self.groups:
             if g.kind in CHUNK_KINDS:
-                out[g.kind.value] = out.get(g.kind.value, 0) + per_layer * len(g.layers)
+                share = g.kept(chunk_size) / chunk_size if chunk_size else 1
+                value = per_layer * len(g.layers) * share
+                out[g.kind.value] = out.get(g.kind.value, 0) + value
+        return out
+
+    @property
+    def trims(self) -> bool:
+        """Whether some group stores fewer tokens than the chunk has (a page of groups)."""
+        return any(g.keep for g in self.groups)
+
+    def _parts(self) -> list[tuple[KVGroup | None, tuple[int, ...]]]:
+        """The page's parts in order: (group, layers); group None: every layer, every token."""
+        if not self.trims:
+            return [(None, tuple(range(self.num_layers)))]
+        return [(g, g.layers) for g in self.groups if g.kind in CHUNK_KINDS]
+
+    def payload_bytes(self, num_tokens: int) -> int:
+        """Bytes of a chunk of ``num_tokens`` in its page (``num_tokens * token_bytes()``
+        unless a group trims)."""
+        per = self.planes * self.hidden * self.dtype_bytes
+        return sum(
+            per * len(layers) * (g.kept(num_tokens) if g else num_tokens)
+            for g, layers in self._parts()
+        )
+
+    def pack(self, kv: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy one chunk ``kv`` (``[planes, layers, n, hidden]``, any strides and device)
+        into ``dst`` (flat uint8 of at least :meth:`payload_bytes` of ``n``)."""
+        for view, layers, first in self._views(dst, kv.shape[2]):
+            for at, (lo, hi) in _runs(layers):
+                view[:, at : at + hi - lo].copy_(kv[:, lo:hi, first:], non_blocking=True)
+
+    def unpack(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy one chunk's page ``src`` (flat uint8) into ``out`` (``[planes, layers, n,
+        hidden]``); the tokens a trimmed group did not keep become zeros."""
+        for view, layers, first in self._views(src, out.shape[2]):
+            for at, (lo, hi) in _runs(layers):
+                out[:, lo:hi, first:].copy_(view[:, at : at + hi - lo], non_blocking=True)
+                if first:
+                    out[:, lo:hi, :first].zero_()
+
+    def page_parts(self, num_tokens: int) -> list[tuple[str, int, int]]:
+        """(group, byte offset, bytes) of each part of a chunk's page: one part of every
+        layer unless a group trims (then one per group, named as :meth:`KVGroup.describe`)."""
+        out = []
+        offset = 0
+        per = self.planes * self.hidden * self.dtype_bytes
+        for g, layers in self._parts():
+            nbytes = per * len(layers) * (g.kept(num_tokens) if g else num_tokens)
+            out.append((g.describe() if g else self.describe_groups(), offset, nbytes))
+            offset += nbytes
+        return out
+
+    def _views(
+        self, page: torch.Tensor, num_tokens: int
+    ) -> list[tuple[torch.Tensor, tuple[int, ...], int]]:
+        """(typed view of the part, its layers, first token kept) for each part of a page."""
+        out = []
+        offset = 0
+        for g, layers in self._parts():
+            kept = g.kept(num_tokens) if g else num_tokens
+            shape = (self.planes, len(layers), kept, self.hidden)
+            nbytes = self.planes * len(layers) * kept * self.hidden * self.dtype_bytes
+            view = page[offset : offset + nbytes].view(self.dtype).view(shape)
+            out.append((view, layers, num_tokens - kept))
+            offset += nbytes
         return out
 
     @property
@@ -226,11 +325,13 @@ class KVLayout:
         return torch.empty((), dtype=self.dtype).element_size()
 
     def token_bytes(self) -> int:
-        """Bytes of K and V (or the latent) of all layers for one token."""
+        """Bytes of K and V (or the latent) of all layers for one token (the chunk tensor's;
+        a trimmed group stores less: :meth:`payload_bytes`)."""
         return self.planes * self.num_layers * self.hidden * self.dtype_bytes
 
     def chunk_bytes(self, chunk_size: int) -> int:
-        return self.token_bytes() * chunk_size
+        """Bytes of a whole chunk's page."""
+        return self.payload_bytes(chunk_size)
 
     def kv_shape(self, tokens: int) -> tuple[int, int, int, int]:
         return (self.planes, self.num_layers, tokens, self.hidden)
@@ -244,3 +345,30 @@ class KVLayout:
         if len(self.groups) > 1 or self.groups[0].kind not in (GroupKind.FULL, GroupKind.MLA):
             text += f", groups {self.describe_groups()}"
         return text
+
+
+def sliding_keep(window: int, block_size: int) -> int:
+    """Tokens before a chunk's end a sliding-window group of ``window`` stores (its ``keep``),
+    in whole engine blocks of ``block_size``: what vLLM keeps (real blocks; the rest are its
+    null block) for a request resuming at the chunk's end ``t`` or one block earlier (a hit
+    never covers a prompt's last token, so a prompt of whole chunks resumes at ``t - block``)::
+
+        vLLM skips tokens < p - window + 1 for a resume at p (get_num_skipped_tokens), in
+        whole blocks: it keeps from block floor((p - window + 1) / block), i.e. the last
+        ceil((window - 1) / block) blocks before p
+
+        keep = block + ceil((window - 1) / block) * block      (window 128, block 16: 144)
+    """
+    return block_size + -(-(window - 1) // block_size) * block_size
+
+
+def _runs(layers: tuple[int, ...]) -> list[tuple[int, tuple[int, int]]]:
+    """Consecutive layer indexes as (position in ``layers``, (first, end)): one copy each."""
+    runs: list[tuple[int, tuple[int, int]]] = []
+    for at, layer in enumerate(layers):
+        if runs and runs[-1][1][1] == layer:
+            start, (lo, _) = runs[-1]
+            runs[-1] = (start, (lo, layer + 1))
+        else:
+            runs.append((at, (layer, layer + 1)))
+    return runs

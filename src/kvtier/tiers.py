@@ -69,7 +69,7 @@ def open_storage(
             tier.close()
         pool.close()
         raise
-    cpu = CpuTier(pool, layout.token_bytes())
+    cpu = CpuTier(pool, layout.payload_bytes)
     return StorageManager(config, layout, pool, cpu, lower, counters)
 
 

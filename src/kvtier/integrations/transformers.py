@@ -34,7 +34,12 @@ import torch
 
 from kvtier.engine import Engine
 from kvtier.errors import InputError
-from kvtier.integrations.hf_kv import cache_from_kv, kv_from_cache, layout_from_model
+from kvtier.integrations.hf_kv import (
+    cache_from_kv,
+    kv_from_cache,
+    latent_split,
+    layout_from_model,
+)
 from kvtier.integrations.sampling import Sampling, pick_token
 
 
@@ -89,6 +94,7 @@ class HFConnector:
         self.engine = engine
         self.model = model
         self.layout = layout
+        self.latent_split = latent_split(model)  # MLA: where transformers splits the latent
         self.chunk_size = engine.config.chunk_size if engine is not None else 1
         self.device = _model_device(model)
         self._scratch: torch.Tensor | None = None
@@ -117,7 +123,9 @@ class HFConnector:
                     out = self._scratch_for(hit)
                     loaded = self.engine.retrieve_into(tokens, rid, out)
                     reused = min(loaded, len(tokens) - 1)
-                    cache = cache_from_kv(out, self.layout, reused)
+                    cache = cache_from_kv(
+                        out, self.layout, reused, latent_split_at=self.latent_split
+                    )
             finally:
                 self.engine.end_request(rid)
         loaded_at = time.perf_counter()
@@ -146,7 +154,9 @@ class HFConnector:
         start = (prefill.loaded_tokens // self.chunk_size) * self.chunk_size
         if start >= n:
             return 0
-        kv = kv_from_cache(prefill.cache, self.layout, n, start=start)
+        kv = kv_from_cache(
+            prefill.cache, self.layout, n, start=start, latent_split_at=self.latent_split
+        )
         return self.engine.store(prefill.tokens, kv, skip_leading_tokens=start)
 
     def decode_step(self, cache: Any, token: int, position: int) -> torch.Tensor:

@@ -21,7 +21,10 @@ where it hit, or the reason it missed. The reasons, and what each one means exac
     this process are known; a fleet sharing a remote store sees ``not stored`` instead.
 ``checksum failure``
     The chunk failed its checksum when read (the tier removed it): at this request's retrieve,
-    or in an earlier read.
+    or in an earlier read. For a model whose chunks hold KV-cache groups in parts (a trimmed
+    sliding-window group), the detail names the group whose bytes differed, e.g. ``(KV-cache
+    group sliding/w128/k160:0,2)``: kind, window, tokens kept, layers. A chunk's groups share
+    one record, so a chunk is all its groups or a miss, never a partial state.
 ``not contiguous``
     A tier holds the chunk, but a chunk before it missed, so it cannot be used (chunk ``i``
     needs chunks ``0..i-1``). Also: a hit dropped because an earlier chunk failed to load.
@@ -72,6 +75,8 @@ REASONS = (
     CHANGED,
     PARTIAL,
 )
+
+GROUP_MARK = " in KV-cache group "  # how a tier's corruption reason names the group
 
 # What the log remembers about a key: the last thing that happened to it.
 _STORED, _EVICTED, _DROPPED, _CORRUPT = "stored", "evicted", "dropped", "corrupt"
@@ -338,16 +343,23 @@ class ExplainLog:
         hits: Sequence[tuple[ChunkSpan, str]],
         loaded_end: int,
         corrupt_tiers: set[str],
+        why: Callable[[str, ChunkKey], str | None] | None = None,
     ) -> None:
         """A retrieve loaded up to ``loaded_end`` of the lookup's ``hits``: the first chunk
-        that did not load failed its checksum (when its tier counted one) or was lost."""
+        that did not load failed its checksum (when its tier counted one) or was lost.
+        ``why(tier, key)``: the tier's reason for a corrupt entry; when it names a KV-cache
+        group (``in KV-cache group sliding/w128/k160:0,2``), the detail names it too."""
         failed = [(span, tier) for span, tier in hits if span.end > loaded_end]
         if not failed:
             return
         first_span, first_tier = failed[0]
         corrupt = first_tier in corrupt_tiers
+        group = ""
         if corrupt:
             self.note_corrupt(first_tier, [first_span.key])
+            reason = why(first_tier, first_span.key) if why is not None else None
+            if reason and GROUP_MARK in reason:
+                group = reason[reason.index(GROUP_MARK) + len(GROUP_MARK) :]
         with self._lock:
             record = self._records.get(request_id)
             if record is None:
@@ -356,10 +368,11 @@ class ExplainLog:
             for span, tier in failed:
                 if span is first_span:
                     reason = CHECKSUM_FAILURE if corrupt else LOST_AT_RETRIEVE
+                    where = f" (KV-cache group {group})" if group else ""
                     rows[span.index] = (
                         False,
                         reason,
-                        f"found in {tier} at lookup; its read failed",
+                        f"found in {tier} at lookup; its read failed{where}",
                     )
                 else:
                     detail = f"held by {tier}, but chunk {first_span.index} failed to load"

@@ -172,7 +172,7 @@ class Observer:
         if hits and hits[-1][0].end > loaded_end:
             now = self._corrupt_counts()
             rose = {t for t, n in now.items() if n > corrupt_before.get(t, 0)}
-            _guarded(self.explain.record_load, request_id, hits, loaded_end, rose)
+            _guarded(self.explain.record_load, request_id, hits, loaded_end, rose, self._corruption)
 
     def on_request_end(self, request_id: str, lease: Lease[Any] | None) -> int:
         """The request ended: observe its lease's duration; return the tokens its lookup
@@ -242,6 +242,14 @@ class Observer:
                 if present:
                     where[i] = tier.name
         return where
+
+    def _corruption(self, tier: str, key: ChunkKey) -> str | None:
+        """Why ``tier`` last found ``key`` corrupt (e.g. the KV-cache group that differed)."""
+        manager = self._manager
+        for t in manager.lower if manager is not None else ():
+            if t.name == tier:
+                return t.corruption(key)
+        return None
 
     def _corrupt_counts(self) -> dict[str, int]:
         manager = self._manager

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -125,12 +125,17 @@ class PDBuffer(Tier):
         page_bytes: int,
         token_bytes: int,
         channel: ReceiverChannel,
+        payload_bytes: Callable[[int], int] | None = None,
     ) -> None:
+        """``payload_bytes``: a chunk's bytes by its token count (``KVLayout.payload_bytes``;
+        default ``tokens * token_bytes``: no KV-cache group trimmed)."""
         super().__init__()
         self.counters = PDCounters()
         self.num_pages = num_pages
         self.page_bytes = page_bytes
         self.token_bytes = token_bytes
+        self.payload_bytes: Callable[[int], int] = payload_bytes or (lambda n: n * token_bytes)
+        self.max_tokens = _tokens_per_page(self.payload_bytes, page_bytes)
         self.channel = channel
         self._pool: BlockPool | None = None
         self._index: dict[ChunkKey, _Entry] = {}
@@ -151,7 +156,11 @@ class PDBuffer(Tier):
         page_bytes = layout.chunk_bytes(config.chunk_size)
         pages = pages_for_capacity("pd_buffer_size", config.pd_buffer_size, page_bytes)
         return cls(
-            pages, page_bytes, layout.token_bytes(), receiver_channel(config.transfer_channel)
+            pages,
+            page_bytes,
+            layout.token_bytes(),
+            receiver_channel(config.transfer_channel),
+            layout.payload_bytes,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -242,7 +251,7 @@ class PDBuffer(Tier):
             entry = self._index.get(key)
             if entry is None or entry.page != page or reservation.released:
                 return False
-            nbytes = entry.num_tokens * self.token_bytes
+            nbytes = self.payload_bytes(entry.num_tokens)
             view = self.pool.page_bytes_view(page, nbytes)
         if actual is None and self.channel.verify_at_serve:
             actual = expected  # verified byte for byte as get_into copies it out
@@ -312,7 +321,7 @@ class PDBuffer(Tier):
             if entry is None or not entry.ready:
                 self.counters.misses += 1
                 return None
-            nbytes = entry.num_tokens * self.token_bytes
+            nbytes = self.payload_bytes(entry.num_tokens)
             src = self.pool.page_bytes_view(entry.page, nbytes)
             if out.dtype == torch.uint8 and out.dim() == 1:
                 dst = out[:nbytes]
@@ -430,3 +439,14 @@ class PDBuffer(Tier):
                     for page in hold.pages:
                         expected[page] = expected.get(page, 0) + 1
         return [f"pd buffer: {problem}" for problem in self.check_invariants(expected)]
+
+
+def _tokens_per_page(payload_bytes: Callable[[int], int], page_bytes: int) -> int:
+    """The most tokens a chunk in one page can have (payload_bytes grows with the count)."""
+    lo, hi = 0, 1
+    while payload_bytes(hi) <= page_bytes:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if payload_bytes(mid) <= page_bytes else (lo, mid)
+    return lo

@@ -458,7 +458,7 @@ class PDReceiver:
             raise ProtocolError(
                 f"ChunkSent for position {msg.index}, which was not reserved or already sent"
             )
-        expected = current.request.num_tokens[msg.index] * self.tier.token_bytes
+        expected = self.tier.payload_bytes(current.request.num_tokens[msg.index])
         if msg.nbytes != expected:
             raise ProtocolError(
                 f"chunk {msg.index} is {msg.nbytes} bytes; its {expected} were reserved"
@@ -486,7 +486,7 @@ class PDReceiver:
 
 
 def _validate(req: AllocRequest, tier: PDBuffer) -> None:
-    max_tokens = tier.page_bytes // tier.token_bytes
+    max_tokens = tier.max_tokens
     if not req.request_id or len(req.request_id) > 512:
         raise ProtocolError("request_id must be 1..512 characters")
     if len(req.keys) != len(req.num_tokens) or not req.keys:

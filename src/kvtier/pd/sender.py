@@ -177,6 +177,15 @@ class PDSender:
         self.close()
 
     # -- sending ---------------------------------------------------------------------------
+    def _payload(self, chunk: OutChunk) -> torch.Tensor:
+        """What goes on the wire for ``chunk``: its page bytes. A chunk tensor of a layout
+        with a trimmed KV-cache group is packed first (only the tokens the group keeps)."""
+        if not self.layout.trims or chunk.data.dim() != 4:
+            return chunk.data
+        packed = torch.empty(self.layout.payload_bytes(chunk.num_tokens), dtype=torch.uint8)
+        self.layout.pack(chunk.data, packed)
+        return packed
+
     def send(
         self, request_id: str, chunks: Sequence[OutChunk], *, abort_after: int | None = None
     ) -> SendReport:
@@ -209,7 +218,7 @@ class PDSender:
                     send_message(sock, Abort(request_id, "aborted by the prefiller"))
                     self._in_step = True
                     raise TransferError(f"request {request_id!r} aborted after {n} chunks")
-                nbytes += channel.send_chunk(sock, request_id, i, page, chunks[i].data)
+                nbytes += channel.send_chunk(sock, request_id, i, page, self._payload(chunks[i]))
             send_message(sock, RequestDone(request_id))
             done = self._expect(sock, DoneReply)
             if not done.ok:

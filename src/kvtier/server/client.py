@@ -371,25 +371,24 @@ class ServerClient:
         return min(skip // size, num_tokens // size) * size
 
     def _page(self, page: int, num_tokens: int) -> torch.Tensor:
+        """The bytes of a chunk of ``num_tokens`` in shared page ``page`` (flat uint8)."""
         buffer = self._link.pages
         assert buffer is not None
-        lay = self.layout
         start = page * self._link.page_bytes
-        nbytes = num_tokens * lay.token_bytes()
+        nbytes = self.layout.payload_bytes(num_tokens) if num_tokens > 0 else 0
         if page < 0 or start + self._link.page_bytes > buffer.numel():
             raise TransferError(f"the server named page {page}, outside the shared buffer")
         if not 0 < nbytes <= self._link.page_bytes:
             raise TransferError(f"the server named {num_tokens} tokens for one page")
-        raw = buffer[start : start + nbytes]
-        return raw.view(lay.dtype).view(lay.kv_shape(num_tokens))
+        return buffer[start : start + nbytes]
 
     def _copy_out(self, pages: wire.Pages, out: torch.Tensor) -> None:
         for page, start, count in zip(pages.pages, pages.starts, pages.counts, strict=True):
-            out[:, :, start : start + count, :].copy_(self._page(page, count))
+            self.layout.unpack(self._page(page, count), out[:, :, start : start + count, :])
 
     def _copy_in(self, slots: wire.Pages, kv: torch.Tensor) -> None:
         for page, start, count in zip(slots.pages, slots.starts, slots.counts, strict=True):
-            self._page(page, count).copy_(kv[:, :, start : start + count, :])
+            self.layout.pack(kv[:, :, start : start + count, :], self._page(page, count))
 
 
 def _raise_failed(reply: wire.Reply) -> wire.Reply:

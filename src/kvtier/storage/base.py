@@ -43,7 +43,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import threading
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -119,6 +121,9 @@ class TierCounters:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
+CORRUPTIONS_KEPT = 1024  # reasons a tier remembers for explain (oldest forgotten first)
+
+
 class Tier(ABC):
     """A place chunks can live. See the module docstring for the protocol."""
 
@@ -129,6 +134,23 @@ class Tier(ABC):
     def __init__(self) -> None:
         self.counters = TierCounters()
         self._evict_listeners: list[EvictListener] = []
+        # Why recent corrupt entries failed (key -> reason), for explain; bounded.
+        self._corruptions: OrderedDict[ChunkKey, str] = OrderedDict()
+        self._corruptions_lock = threading.Lock()
+
+    def note_corrupt(self, key: ChunkKey, reason: str) -> None:
+        """For the tier itself: ``key`` failed its checks for ``reason`` (e.g. the KV-cache
+        group whose bytes differ); :meth:`corruption` answers it for a while."""
+        with self._corruptions_lock:
+            self._corruptions[key] = reason
+            self._corruptions.move_to_end(key)
+            while len(self._corruptions) > CORRUPTIONS_KEPT:
+                self._corruptions.popitem(last=False)
+
+    def corruption(self, key: ChunkKey) -> str | None:
+        """Why ``key`` was last found corrupt in this tier, if it was recently."""
+        with self._corruptions_lock:
+            return self._corruptions.get(key)
 
     def add_evict_listener(self, listener: EvictListener) -> None:
         """Tell ``listener`` the keys this tier evicts on its own from now on (see the module

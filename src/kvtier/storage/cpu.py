@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -36,10 +36,16 @@ _PAGE_OF = attrgetter("page")
 class CpuTier(Tier):
     name = "cpu"
 
-    def __init__(self, pool: BlockPool, token_bytes: int) -> None:
+    def __init__(self, pool: BlockPool, token_bytes: int | Callable[[int], int]) -> None:
+        """``token_bytes``: bytes per token, or a chunk's payload bytes by its token count
+        (``KVLayout.payload_bytes``, when a KV-cache group stores fewer tokens)."""
         super().__init__()
         self.pool = pool
-        self.token_bytes = token_bytes
+        if callable(token_bytes):
+            self._payload = token_bytes
+        else:
+            per_token = token_bytes
+            self._payload = lambda n: n * per_token
         self._index: OrderedDict[ChunkKey, CpuEntry] = OrderedDict()
         self._lock = threading.RLock()
         # Key-level pins (the Tier interface); each holds one page reference. The engine's own
@@ -69,9 +75,10 @@ class CpuTier(Tier):
             if key in self._index:
                 self._index.move_to_end(key)
                 return False
-            self._index[key] = CpuEntry(page, num_tokens, num_tokens * self.token_bytes)
+            nbytes = self._payload(num_tokens)
+            self._index[key] = CpuEntry(page, num_tokens, nbytes)
             self.counters.stored += 1
-            self.counters.bytes_written += num_tokens * self.token_bytes
+            self.counters.bytes_written += nbytes
             return True
 
     def pin_keys(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, CpuEntry]:

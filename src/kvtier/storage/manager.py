@@ -526,13 +526,8 @@ class StorageManager:
 
     def _copy_out(self, page: int, span: ChunkSpan, out: torch.Tensor) -> None:
         lay = self.layout
-        nbytes = span.num_tokens * lay.token_bytes()
-        src = (
-            self.pool.page_bytes_view(page, nbytes)
-            .view(lay.dtype)
-            .view(lay.kv_shape(span.num_tokens))
-        )
-        out[:, :, span.start : span.end, :].copy_(src)
+        src = self.pool.page_bytes_view(page, lay.payload_bytes(span.num_tokens))
+        lay.unpack(src, out[:, :, span.start : span.end, :])
 
     # -- store -----------------------------------------------------------------------------
     def store(self, spans: Sequence[ChunkSpan], kv: torch.Tensor) -> tuple[int, int]:
@@ -594,7 +589,7 @@ class StorageManager:
             self.pool.retain([page])
             if not self.cpu.insert(span.key, page, span.num_tokens):
                 self.pool.release([page])  # raced with another store of the same key
-        payload = self.pool.page_bytes_view(page, span.num_tokens * self.layout.token_bytes())
+        payload = self.pool.page_bytes_view(page, self.layout.payload_bytes(span.num_tokens))
         for tier in writers:
             self.pool.retain([page])
             ticket = _WriteTicket(self, tier, page)
@@ -614,13 +609,8 @@ class StorageManager:
 
     def _copy_in(self, kv: torch.Tensor, span: ChunkSpan, page: int) -> None:
         lay = self.layout
-        nbytes = span.num_tokens * lay.token_bytes()
-        dst = (
-            self.pool.page_bytes_view(page, nbytes)
-            .view(lay.dtype)
-            .view(lay.kv_shape(span.num_tokens))
-        )
-        dst.copy_(kv[:, :, span.start : span.end, :])
+        dst = self.pool.page_bytes_view(page, lay.payload_bytes(span.num_tokens))
+        lay.pack(kv[:, :, span.start : span.end, :], dst)
 
     # -- lifecycle -------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:

@@ -1,7 +1,8 @@
 """The self-describing, checksummed record of one chunk, shared by the disk and redis tiers.
 
 A record is a fixed-size header followed by the chunk's payload (the first
-``num_tokens * token_bytes`` bytes of its page)::
+``layout.payload_bytes(num_tokens)`` bytes of its page: every KV-cache group's part of the
+chunk, so a chunk is all its groups or none, under one checksum)::
 
     offset  size  field
     0       8     magic  b"KVTIERC\\n"
@@ -15,11 +16,19 @@ A record is a fixed-size header followed by the chunk's payload (the first
     56      16    dtype name, ASCII, NUL padded ("bfloat16")
     72      4     chunk_size (tokens)
     76      4     num_tokens in this chunk (1 .. chunk_size)
-    80      8     payload length in bytes (= num_tokens * token_bytes)
+    80      8     payload length in bytes (= layout.payload_bytes(num_tokens))
     88      16    payload checksum: xxh3-128 of the payload bytes
     104     8     header checksum: xxh3-64 of bytes 0..104 (covers the payload checksum too)
-    112     ..    zero padding up to HEADER_SIZE
+    112     2     part count p: 0, or the KV-cache groups of a page made of group parts
+                  (a layout with a trimmed sliding group, see kvtier.layout)
+    114     8*p   xxh3-64 of each part of the payload, in page order
+    114+8p  8     xxh3-64 of bytes 112..114+8p
+    ..      ..    zero padding up to HEADER_SIZE
     4096    n     payload
+
+The part checksums only name what failed: a payload that fails its checksum is a miss, and
+the part whose own checksum differs names the KV-cache group (``explain`` shows it). A chunk
+is every group or none: one record, one payload checksum.
 
 Why two checksums: the header checksum lets the disk tier rebuild its index at start by
 reading headers only (a torn or edited header is caught without touching the payload); the
@@ -44,7 +53,7 @@ import xxhash
 
 from kvtier.errors import CorruptRecord
 from kvtier.keys import KEY_BYTES, ChunkKey, Fingerprint
-from kvtier.layout import dtype_name
+from kvtier.layout import KVLayout, dtype_name
 
 RECORD_MAGIC = b"KVTIERC\n"
 RECORD_VERSION = 1
@@ -54,7 +63,9 @@ HEADER_SIZE = 4096
 _FIELDS = struct.Struct("<8sHH16s16sIII16sIIQ16s")
 _HEADER_HASH = struct.Struct("<Q")
 _HASHED_BYTES = _FIELDS.size  # 104
-_PADDING = bytes(HEADER_SIZE - _FIELDS.size - _HEADER_HASH.size)
+_PARTS_AT = _HASHED_BYTES + _HEADER_HASH.size  # 112
+_COUNT = struct.Struct("<H")
+_HASH64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +76,7 @@ class RecordHeader:
     num_tokens: int
     payload_len: int
     payload_checksum: bytes
+    part_checksums: tuple[int, ...] = ()  # per KV-cache group part, when the page has parts
 
     @property
     def record_len(self) -> int:
@@ -110,10 +122,10 @@ def encode_header(
         raise ValueError(f"chunk key must be {KEY_BYTES} bytes, got {len(key)}")
     if not 0 < num_tokens <= fingerprint.chunk_size:
         raise ValueError(f"num_tokens must be in 1..{fingerprint.chunk_size}, got {num_tokens}")
-    if view.nbytes != num_tokens * lay.token_bytes():
+    if view.nbytes != lay.payload_bytes(num_tokens):
         raise ValueError(
             f"payload is {view.nbytes} bytes, but {num_tokens} tokens take "
-            f"{num_tokens * lay.token_bytes()}"
+            f"{lay.payload_bytes(num_tokens)}"
         )
     fields = _FIELDS.pack(
         RECORD_MAGIC,
@@ -130,7 +142,33 @@ def encode_header(
         view.nbytes,
         payload_checksum(view),
     )
-    return fields + _HEADER_HASH.pack(xxhash.xxh3_64_intdigest(fields)) + _PADDING
+    head = fields + _HEADER_HASH.pack(xxhash.xxh3_64_intdigest(fields))
+    parts = _encode_parts(lay, num_tokens, view)
+    return head + parts + bytes(HEADER_SIZE - len(head) - len(parts))
+
+
+def _encode_parts(lay: KVLayout, num_tokens: int, view: memoryview) -> bytes:
+    """The part-checksum block of a page made of group parts (empty otherwise)."""
+    if not lay.trims:
+        return b""
+    parts = lay.page_parts(num_tokens)
+    block = _COUNT.pack(len(parts)) + b"".join(
+        _HASH64.pack(xxhash.xxh3_64_intdigest(view[at : at + n])) for _, at, n in parts
+    )
+    return block + _HASH64.pack(xxhash.xxh3_64_intdigest(block))
+
+
+def _decode_parts(view: memoryview) -> tuple[int, ...]:
+    """Part checksums of a header, or () when it has none (or their block is damaged: they
+    only name a failure, the payload checksum decides it)."""
+    (count,) = _COUNT.unpack_from(view, _PARTS_AT)
+    end = _PARTS_AT + _COUNT.size + 8 * count
+    if count == 0 or end + 8 > min(view.nbytes, HEADER_SIZE):
+        return ()
+    (stored,) = _HASH64.unpack_from(view, end)
+    if stored != xxhash.xxh3_64_intdigest(view[_PARTS_AT:end]):
+        return ()
+    return tuple(_HASH64.unpack_from(view, _PARTS_AT + 2 + 8 * i)[0] for i in range(count))
 
 
 def decode_header(
@@ -171,19 +209,24 @@ def decode_header(
         raise CorruptRecord(f"record holds key {bytes(key).hex()}, expected {expected_key.hex()}")
     if not 0 < tokens <= chunk:
         raise CorruptRecord(f"record token count {tokens} outside 1..{chunk}")
-    if plen != tokens * lay.token_bytes():
+    if plen != lay.payload_bytes(tokens):
         raise CorruptRecord(f"record payload length {plen} != {tokens} tokens' bytes")
-    return RecordHeader(bytes(key), tokens, plen, bytes(csum))
+    return RecordHeader(bytes(key), tokens, plen, bytes(csum), _decode_parts(view))
 
 
-def verify_payload(header: RecordHeader, payload: torch.Tensor | memoryview | bytes) -> None:
-    """Raise :class:`CorruptRecord` unless ``payload`` is exactly the bytes ``header`` names."""
+def verify_payload(
+    header: RecordHeader,
+    payload: torch.Tensor | memoryview | bytes,
+    layout: KVLayout | None = None,
+) -> None:
+    """Raise :class:`CorruptRecord` unless ``payload`` is exactly the bytes ``header`` names
+    (with ``layout``, the message names the KV-cache group whose part differs)."""
     view = _payload_view(payload)
     if view.nbytes != header.payload_len:
         raise CorruptRecord(
             f"record payload is {view.nbytes} bytes, header says {header.payload_len}"
         )
-    check_payload_digest(header, payload_checksum(view))
+    check_payload_digest(header, payload_checksum(view), view, layout)
 
 
 def payload_hasher() -> xxhash.xxh3_128:
@@ -193,10 +236,32 @@ def payload_hasher() -> xxhash.xxh3_128:
     return xxhash.xxh3_128()
 
 
-def check_payload_digest(header: RecordHeader, digest: bytes) -> None:
-    """Raise :class:`CorruptRecord` unless ``digest`` (of the whole payload) is the header's."""
+def check_payload_digest(
+    header: RecordHeader,
+    digest: bytes,
+    payload: torch.Tensor | memoryview | bytes | None = None,
+    layout: KVLayout | None = None,
+) -> None:
+    """Raise :class:`CorruptRecord` unless ``digest`` (of the whole payload) is the header's.
+    On a mismatch, given the ``payload`` and the ``layout``, the message names the KV-cache
+    group whose part differs (the record's part checksums)."""
     if digest != header.payload_checksum:
-        raise CorruptRecord(f"payload checksum mismatch for key {header.key.hex()}")
+        where = ""
+        if payload is not None and layout is not None:
+            where = _failed_parts(header, _payload_view(payload), layout)
+        raise CorruptRecord(f"payload checksum mismatch for key {header.key.hex()}{where}")
+
+
+def _failed_parts(header: RecordHeader, view: memoryview, layout: KVLayout) -> str:
+    parts = layout.page_parts(header.num_tokens)
+    if len(parts) != len(header.part_checksums) or view.nbytes < header.payload_len:
+        return ""
+    bad = [
+        name
+        for (name, at, n), want in zip(parts, header.part_checksums, strict=True)
+        if xxhash.xxh3_64_intdigest(view[at : at + n]) != want
+    ]
+    return f" in KV-cache group {', '.join(bad)}" if bad else ""
 
 
 def encode_record(
@@ -223,7 +288,7 @@ def decode_record_into(
     if view.nbytes != header.record_len:
         raise CorruptRecord(f"record is {view.nbytes} bytes, header says {header.record_len}")
     payload = view[HEADER_SIZE:]
-    verify_payload(header, payload)
+    verify_payload(header, payload, fingerprint.layout)
     if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < header.payload_len:
         raise ValueError(f"out must be a flat uint8 tensor of >= {header.payload_len} bytes")
     out[: header.payload_len].numpy()[:] = np.frombuffer(payload, dtype=np.uint8)

@@ -131,7 +131,7 @@ def test_groups_read_their_own_block_table_and_skip_the_null_block() -> None:
     ]
     p = PagedKV.from_vllm(kv, block_size=BLOCK, num_kv_heads=HEADS, head_dim=DIM, groups=groups)
     assert p.layer_groups == (0, 1, 0)
-    assert p.layout().describe_groups() == "sliding/w16:0,2;full:1"
+    assert p.layout().describe_groups() == "sliding/w16/k32:0,2;full:1"
     tables = ([0, 7, 3], [4, 8, 1])  # the sliding group dropped its first block
     assert not p.complete(tables, 0, 48) and p.complete(tables, 16, 48)
     out = torch.zeros(p.layout().kv_shape(48))
@@ -142,3 +142,36 @@ def test_groups_read_their_own_block_table_and_skip_the_null_block() -> None:
     p.scatter(tables, 0, 48, torch.ones_like(out))
     assert torch.equal(kv[names[0]][0], null_before)  # the null block is untouched
     assert bool((kv[names[0]][7] == 1).all()) and bool((kv[names[1]][4] == 1).all())
+
+
+def test_a_trimmed_sliding_group_needs_blocks_only_where_it_keeps_tokens() -> None:
+    """Window 16, block 16: the sliding group keeps the last 32 tokens of each chunk (what
+    vLLM holds for a resume at the chunk's end or one block before). A save needs real
+    blocks only there; a load is restorable only if vLLM has the null block wherever the
+    group kept nothing."""
+    from kvtier.layout import GroupKind, sliding_keep
+
+    assert sliding_keep(16, 16) == 32 and sliding_keep(128, 16) == 144
+    assert sliding_keep(4096, 16) == 4096 + 16
+    kv = caches(kv_first=False)
+    names = list(kv)
+    groups = [(GroupKind.SLIDING, 16, [names[0], names[2]]), (GroupKind.FULL, 0, [names[1]])]
+    p = PagedKV.from_vllm(kv, block_size=BLOCK, num_kv_heads=HEADS, head_dim=DIM, groups=groups)
+    chunk = 3 * BLOCK
+    dropped = ([0, 7, 3], [4, 8, 1])  # the sliding group's first block is the null block
+    assert not p.complete(dropped, 0, chunk)  # untrimmed reading: every token
+    assert p.complete(dropped, 0, chunk, chunk)  # trimmed: tokens 16..47 only
+    assert not p.complete(([0, 0, 3], [4, 8, 1]), 0, chunk, chunk)
+    assert p.restorable(dropped, 0, chunk, chunk, chunk)
+    assert not p.restorable(([6, 7, 3], [4, 8, 1]), 0, chunk, chunk, chunk)
+    # A store and a load through the page format: the kept tokens come back exactly.
+    layout = p.layout()
+    out = torch.zeros(layout.kv_shape(chunk))
+    p.gather(dropped, 16, chunk, out)
+    page = torch.empty(layout.payload_bytes(chunk), dtype=torch.uint8)
+    assert page.numel() == (2 * 2 * 32 + 2 * 1 * 48) * HEADS * DIM * 4
+    layout.pack(out, page)
+    back = torch.full_like(out, 9.0)
+    layout.unpack(page, back)
+    assert torch.equal(back[:, 1], out[:, 1]) and torch.equal(back[:, 0, 16:], out[:, 0, 16:])
+    assert bool((back[:, 0, :16] == 0).all())

@@ -469,7 +469,8 @@ def test_two_kv_cache_groups_save_and_load_by_their_own_block_tables() -> None:
     side.register(kv_caches())
     try:
         assert side.paged is not None and side.engine is not None
-        assert side.engine.layout.describe_groups() == f"sliding/w{BLOCK}:0;full:1"
+        # The sliding group keeps the window in whole blocks plus one block of each chunk.
+        assert side.engine.layout.describe_groups() == f"sliding/w{BLOCK}/k{2 * BLOCK}:0;full:1"
         sliding, full = side.paged.layers
         gen = torch.Generator().manual_seed(5)
         for layer in (sliding, full):

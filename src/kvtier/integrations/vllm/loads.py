@@ -69,6 +69,21 @@ class Loads:
                         cache_salt=spec.cache_salt,
                     )
                     loaded = max(spec.start, min(hit, spec.end))
+                    if loaded > spec.start and not self.paged.restorable(
+                        spec.tables,
+                        spec.start,
+                        loaded,
+                        self.engine.config.chunk_size,
+                        len(spec.tokens),
+                    ):
+                        # vLLM holds a real block where a trimmed sliding group kept nothing
+                        # (never expected): recompute rather than serve zeros.
+                        log.warning(
+                            "kvtier: load for %s needs tokens a sliding-window group did "
+                            "not keep; vLLM recomputes",
+                            spec.request_id,
+                        )
+                        loaded = spec.start
                     if loaded > spec.start:
                         self.paged.scatter(spec.tables, spec.start, loaded, out)
                 except KVTierError as exc:  # a tier failed outright: recompute all of it

@@ -18,7 +18,10 @@ With vLLM's hybrid KV cache manager, layers belong to KV-cache groups and each g
 own block table: ``block_ids`` is then one list per group (``layer_groups[i]`` says which
 list layer ``i`` reads). A sliding-window group's blocks before the window are vLLM's null
 block (id 0, shared padding): a scatter never writes there, and :meth:`PagedKV.complete`
-says whether a token range still has real blocks in every group (a save needs that).
+says whether a token range still has real blocks in every group (a save needs that). A
+sliding group stores only the last ``keep`` tokens of each chunk
+(:func:`~kvtier.layout.sliding_keep`); :meth:`PagedKV.restorable` checks that vLLM holds
+the null block wherever a load has nothing.
 
 A token at position ``p`` of a request lives in the request's block
 ``block_ids[p // block_size]`` at offset ``p % block_size``; its slot is
@@ -41,7 +44,7 @@ from typing import cast
 import torch
 
 from kvtier.errors import InputError
-from kvtier.layout import GroupKind, KVGroup, KVLayout
+from kvtier.layout import GroupKind, KVGroup, KVLayout, sliding_keep
 
 NULL_BLOCK = 0  # vLLM's shared null block: padding for blocks a group no longer holds
 
@@ -116,7 +119,7 @@ class PagedKV:
                 f"vLLM block_size {block_size} is not a multiple of the KV tensor's block "
                 f"length {tensor_block}"
             )
-        layer_groups, kv_groups = _layer_groups(names, groups)
+        layer_groups, kv_groups = _layer_groups(names, groups, block_size)
         return cls(
             layers,
             names,
@@ -156,14 +159,48 @@ class PagedKV:
             )
         return tables
 
-    def complete(self, block_ids: BlockIds, start: int, end: int) -> bool:
+    def complete(self, block_ids: BlockIds, start: int, end: int, chunk_size: int = 0) -> bool:
         """Whether every group still has a real block (not the null block) for every token
-        in ``start..end-1``: a sliding-window group drops blocks behind its window."""
+        of ``start..end-1`` that it stores: a sliding-window group drops blocks behind its
+        window, and a trimmed one (``keep``) stores only the last ``keep`` tokens of each
+        chunk of ``chunk_size`` (whole chunks: a save)."""
         first, last = start // self.block_size, (end - 1) // self.block_size
-        return all(
-            len(table) > last and NULL_BLOCK not in table[first : last + 1]
-            for table in self.tables(block_ids)
-        )
+        for table, group in zip(self.tables(block_ids), self._table_groups(), strict=True):
+            if len(table) <= last:
+                return False
+            if group is not None and group.keep and chunk_size:
+                _, _, real = self._slots(table, start, end)
+                ends = _chunk_ends(start, end, chunk_size, end)
+                stored = torch.arange(start, end) >= ends - group.keep
+                if not bool(real.cpu()[stored].all()):
+                    return False
+            elif NULL_BLOCK in table[first : last + 1]:
+                return False
+        return True
+
+    def restorable(
+        self, block_ids: BlockIds, start: int, end: int, chunk_size: int, num_tokens: int
+    ) -> bool:
+        """Whether a load of ``start..end-1`` fills every real block it writes: a trimmed
+        group (``keep``) holds only the last ``keep`` tokens before each chunk's end (chunks
+        of ``chunk_size``, the last one ending at ``num_tokens``), and vLLM must have the
+        null block wherever it did not keep (what vLLM's sliding-window manager does for
+        tokens behind the window of a resume at ``end`` or one block before)."""
+        for table, group in zip(self.tables(block_ids), self._table_groups(), strict=True):
+            if group is None or not group.keep or end <= start:
+                continue
+            _, _, real = self._slots(table, start, end)
+            ends = _chunk_ends(start, end, chunk_size, num_tokens)
+            missing = torch.arange(start, end) < ends - group.keep
+            if bool(real.cpu()[missing].any()):
+                return False
+        return True
+
+    def _table_groups(self) -> list[KVGroup | None]:
+        """The layout's group of each block table (None: one table for every layer)."""
+        if len(self.groups) == self.num_groups:
+            return list(self.groups)
+        return [None] * self.num_groups
 
     def describe(self) -> str:
         kind = "kv-first [2,B,N,H,D]" if self.kv_first else "blocks-first [B,H,N,2D]"
@@ -255,9 +292,12 @@ class PagedKV:
 
 
 def _layer_groups(
-    names: tuple[str, ...], groups: Sequence[tuple[GroupKind, int, Sequence[str]]]
+    names: tuple[str, ...],
+    groups: Sequence[tuple[GroupKind, int, Sequence[str]]],
+    block_size: int,
 ) -> tuple[tuple[int, ...], tuple[KVGroup, ...]]:
-    """Per layer (in ``names`` order) its group index, and the layout's groups."""
+    """Per layer (in ``names`` order) its group index, and the layout's groups (a sliding
+    group keeps :func:`~kvtier.layout.sliding_keep` tokens of each chunk)."""
     if not groups:
         return (0,) * len(names), ()
     where: dict[str, int] = {}
@@ -275,7 +315,15 @@ def _layer_groups(
             kind,
             tuple(i for i, g in enumerate(layer_groups) if g == gi),
             window if kind == GroupKind.SLIDING else 0,
+            keep=sliding_keep(window, block_size) if kind == GroupKind.SLIDING else 0,
         )
         for gi, (kind, window, _) in enumerate(groups)
     )
     return layer_groups, kv_groups
+
+
+def _chunk_ends(start: int, end: int, chunk_size: int, num_tokens: int) -> torch.Tensor:
+    """For each position in ``start..end-1``: the end of its chunk (the last chunk ends at
+    ``num_tokens``)."""
+    positions = torch.arange(start, end)
+    return torch.clamp((positions // chunk_size + 1) * chunk_size, max=num_tokens)

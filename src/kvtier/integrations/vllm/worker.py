@@ -192,9 +192,9 @@ class WorkerSide:
                 # vLLM throws that away and recomputes, and so must kvtier (never store KV
                 # that attended to garbage). The scheduler re-offers the chunks later.
                 continue
-            if not paged.complete(spec.tables, spec.start, spec.end):
-                # A sliding-window group already dropped blocks of this range (its chunk
-                # began in an earlier step): nothing whole to store, so store nothing.
+            if not paged.complete(spec.tables, spec.start, spec.end, engine.config.chunk_size):
+                # A sliding-window group already dropped blocks it stores of this range (its
+                # chunk began in an earlier step): nothing whole to store, so store nothing.
                 continue
             out = self._scratch_for(spec.end)
             paged.gather(spec.tables, spec.start, spec.end, out)

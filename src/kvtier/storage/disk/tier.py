@@ -437,9 +437,10 @@ class DiskTier(Tier):
                 dir_fd, key, self.fingerprint, self.fp_hex, target, hasher.update
             )
             if header is not None:
-                check_payload_digest(header, hasher.digest())
+                check_payload_digest(header, hasher.digest(), target, self.fingerprint.layout)
         except CorruptRecord as exc:
             log.warning("disk chunk %s is corrupt (%s): removed, counted as a miss", key.hex(), exc)
+            self.note_corrupt(key, str(exc))
             self._forget(key, corrupt=True)
             return None
         except OSError as exc:

@@ -189,6 +189,7 @@ class RedisTier(Tier):
             tokens = self._call(lambda client: self._read(client, key, out))
         except CorruptRecord as exc:
             log.warning("redis record %s is corrupt, deleting it: %s", key.hex(), exc)
+            self.note_corrupt(key, str(exc))
             self._bump(corrupt=1, misses=1)
             self._delete_quietly(key)
             return None
@@ -199,7 +200,7 @@ class RedisTier(Tier):
         if tokens is None:
             self._bump(misses=1)
         else:
-            self._bump(hits=1, bytes_read=tokens * self.layout.token_bytes())
+            self._bump(hits=1, bytes_read=self.layout.payload_bytes(tokens))
         return tokens
 
     def _read(self, client: Any, key: ChunkKey, out: torch.Tensor) -> int | None:
@@ -231,7 +232,9 @@ class RedisTier(Tier):
         if length is None:
             return None
         header = found[0]
-        records.check_payload_digest(header, hasher.digest())
+        records.check_payload_digest(
+            header, hasher.digest(), out[: header.payload_len], self.fingerprint.layout
+        )
         return header.num_tokens
 
     def _read_via_client(

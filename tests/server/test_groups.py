@@ -1,0 +1,62 @@
+"""Group-structured chunks through a real ``kvtier server``: the layout's groups travel in the
+client's Hello, the server keys and sizes pages by them, and what one client stores another
+reads back exactly as an in-process engine would (a trimmed sliding group, an MLA latent)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier import Config, Engine
+from kvtier.layout import KVLayout
+from tests.conftest import make_kv, make_tokens
+from tests.group_layouts import CHUNK, GEMMA, MLA, kept
+from tests.server.server_helpers import ServerProcess, open_client
+
+
+@pytest.mark.parametrize("layout", [GEMMA, MLA], ids=["gemma-like", "mla"])
+def test_a_group_layout_is_served_like_an_in_process_engine(
+    server: ServerProcess, layout: KVLayout
+) -> None:
+    tokens = make_tokens(3 * CHUNK + 3, seed=40)
+    kv = make_kv(len(tokens), seed=41, layout=layout)
+    model = f"groups-{layout.describe_groups()}"
+    with open_client(server.url, layout, model_name=model) as writer:
+        assert writer.store(tokens, kv) == 3
+    with open_client(server.url, layout, model_name=model) as reader:
+        with reader.request("r"):
+            assert reader.lookup(tokens, "r") == 3 * CHUNK
+            got = reader.retrieve(tokens, "r")
+        assert reader.stats()["open_requests"] == 0
+    assert torch.equal(got, kept(kv[:, :, : 3 * CHUNK], layout))
+    cfg = Config.load(
+        overrides={"chunk_size": CHUNK, "max_local_cpu_size": f"{4 * layout.chunk_bytes(CHUNK)}B"},
+        env={},
+    )
+    with Engine(cfg, layout, model_name=model) as engine:
+        engine.store(tokens, kv)
+        assert engine.lookup(tokens, "e") == 3 * CHUNK
+        assert torch.equal(engine.retrieve(tokens, "e"), got)
+        engine.end_request("e")
+
+
+def test_another_group_layout_of_the_same_model_never_shares_a_chunk(
+    server: ServerProcess,
+) -> None:
+    """The groups (kinds, windows, kept tokens, layers) are in the fingerprint the server
+    keys by: the same model name with untrimmed groups finds nothing."""
+    from kvtier.layout import GroupKind, KVGroup
+
+    untrimmed = KVLayout(
+        4,
+        2,
+        8,
+        torch.float32,
+        groups=(KVGroup(GroupKind.SLIDING, (0, 2), 4), KVGroup(GroupKind.FULL, (1, 3))),
+    )
+    tokens = make_tokens(2 * CHUNK, seed=42)
+    with open_client(server.url, GEMMA, model_name="groups-shared-name") as client:
+        client.store(tokens, make_kv(len(tokens), seed=43, layout=GEMMA))
+    other = open_client(server.url, untrimmed, model_name="groups-shared-name")
+    with other, other.request("o"):
+        assert other.lookup(tokens, "o") == 0
