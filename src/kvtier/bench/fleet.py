@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-tokens", type=int, default=256, help="a user's first message")
     parser.add_argument("--turn-tokens", type=int, default=128, help="each later turn")
     parser.add_argument(
-        "--device-blocks", type=int, default=32, help="vLLM KV blocks per instance (128 tokens)"
+        "--device-blocks", type=int, default=40, help="vLLM KV blocks per instance (128 tokens)"
     )
     parser.add_argument("--cpu-size", default="512MiB", help="kvtier CPU tier per instance")
     parser.add_argument("--policies", default=",".join(POLICIES))
