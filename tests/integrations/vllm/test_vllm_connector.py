@@ -8,6 +8,7 @@ connector (``reference``). Instances are shared in file order: "main" (CPU + dis
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections.abc import Iterator
@@ -144,11 +145,14 @@ def test_cpu_tier_hits_give_the_same_tokens(
 def test_stores_reach_vllms_kv_event_publisher(
     model_dir: Path, instances: Instances, disk_dir: Path, redis_url: str
 ) -> None:
-    """kvtier's stores come out of vLLM's own ZMQ KV-event stream, one BlockStored per chunk
-    and tier (medium CPU, DISK, REMOTE), chained by parent hash."""
+    """kvtier's stores come out of vLLM's own ZMQ KV-event stream in vLLM-sized blocks, one
+    chain per tier (medium CPU, DISK, REMOTE with the shared-pool ownership), each store
+    chained to the block before it."""
     import msgspec
     import zmq
     from vllm.distributed.kv_events import KVEventBatch
+
+    from kvtier.integrations.vllm.events import SHARED_POOL
 
     main = instances.get("main", lambda: start_main(model_dir, disk_dir, redis_url))
     context = zmq.Context()
@@ -156,26 +160,37 @@ def test_stores_reach_vllms_kv_event_publisher(
     sub.connect(f"tcp://127.0.0.1:{EVENTS_PORT}")
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    media = ("CPU", "DISK", "REMOTE")
+    whole = 2 * CHUNK // BLOCK  # 600 tokens: two whole chunks are stored
+    ours: dict[str, list[Any]] = {medium: [] for medium in media}
     try:
         time.sleep(0.5)  # a SUB socket sees only what is published after it joined
-        main.generate([tokens(600, seed=77)])  # new: two whole chunks stored
-        ours: list[Any] = []
+        main.generate([tokens(600, seed=77)])
         deadline = time.monotonic() + 15
-        while len(ours) < 6 and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            if all(sum(len(e.block_hashes) for e in ours[m]) >= whole for m in media):
+                break
             if not sub.poll(200):
                 continue
             _topic, _seq, payload = sub.recv_multipart()
-            batch = decoder.decode(payload)
-            ours += [e for e in batch.events if getattr(e, "block_size", 0) == CHUNK]
+            for event in decoder.decode(payload).events:
+                if getattr(event, "token_ids", None) is not None and event.medium in media:
+                    ours[event.medium].append(event)
     finally:
         sub.close(linger=0)
         context.term()
-    assert sorted(e.medium for e in ours) == ["CPU", "CPU", "DISK", "DISK", "REMOTE", "REMOTE"]
-    first = [e for e in ours if e.parent_block_hash is None]
-    second = [e for e in ours if e.parent_block_hash is not None]
-    assert len(first) == 3 and len(second) == 3
-    assert {e.parent_block_hash for e in second} == {first[0].block_hashes[0]}
-    assert all(len(e.token_ids) == CHUNK for e in ours)
+    for medium, events in ours.items():
+        names = [name for e in events for name in e.block_hashes]
+        assert len(names) == whole and len(set(names)) == whole, medium
+        assert all(e.block_size == BLOCK for e in events)
+        assert all(len(e.token_ids) == BLOCK * len(e.block_hashes) for e in events)
+        assert events[0].parent_block_hash is None
+        for before, after in itertools.pairwise(events):
+            assert after.parent_block_hash == before.block_hashes[-1]
+        assert all(e.ownership == (SHARED_POOL if medium == "REMOTE" else None) for e in events)
+    assert [name for e in ours["CPU"] for name in e.block_hashes] == [
+        name for e in ours["DISK"] for name in e.block_hashes
+    ]
 
 
 def test_disk_and_redis_hits_in_a_fresh_vllm(

@@ -18,7 +18,7 @@ import torch
 
 from kvtier.config import Config
 from kvtier.errors import InputError
-from kvtier.integrations.vllm.events import to_vllm
+from kvtier.integrations.vllm.events import block_names, to_vllm
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.scheduler import SchedulerSide
@@ -144,7 +144,9 @@ def test_stores_and_evictions_become_vllm_events(worker: WorkerSide) -> None:
     stored = [e for e in events if type(e).__name__ == "BlockStored"]
     removed = [e for e in events if type(e).__name__ == "BlockRemoved"]
     assert len(stored) == 10 and {e.medium for e in stored} == {"CPU"}
-    assert stored[0].token_ids == list(range(CHUNK)) and stored[0].block_size == CHUNK
+    # one chunk, in vLLM-sized blocks (what the router's --kv-event-block-size matches)
+    assert stored[0].token_ids == list(range(CHUNK)) and stored[0].block_size == BLOCK
+    assert len(stored[0].block_hashes) == CHUNK // BLOCK
     assert len(removed) == 2 and removed[0].block_hashes == stored[0].block_hashes
     assert worker.take_events() == []
 
@@ -300,7 +302,8 @@ def test_a_requests_cache_salt_keys_its_lookup_load_save_and_events(worker: Work
     salted = [
         s.key for s in worker.engine.keychain.keys(tokens[:64], include_partial=False, salt="A")
     ]
-    assert [e[1] for e in stored] == salted
+    named = [name for key in salted for name in block_names(key, CHUNK // BLOCK)]
+    assert [name for e in stored for name in e[1]] == named
     scheduler = SchedulerSide(
         [LookupClient(worker.engine_id)], block_size=BLOCK, chunk_size=CHUNK, loads=True, saves=True
     )

@@ -1,17 +1,42 @@
-"""kvtier's stores and evictions as vLLM KV cache events, so a cache-aware router sees them.
+"""kvtier's stores and evictions as vLLM KV cache events, in the form vllm-router's ``kv_aware``
+policy matches against prompts and credits by tier (docs/fleet.md has the router's side).
 
 Where they come from and how they travel::
 
-    worker: WorkerSide.save ──▶ EventLog.stored(chunks, medium per tier)
-            tier eviction   ──▶ EventLog.removed(keys, medium)     (any thread)
+    worker: WorkerSide.save ──▶ EventLog.stored(chunks, tiers)
+            tier eviction   ──▶ EventLog.removed(keys, tier)       (any thread)
     worker ──▶ KVTierWorkerMetadata.events (with the step's output) ──▶ scheduler
-    scheduler: KVTierConnector.take_events() ──▶ vLLM's KV event publisher
+    scheduler: KVTierConnector.take_events() ──▶ vLLM's KV event publisher (ZMQ PUB, seq numbers,
+               ROUTER replay buffer) ──▶ vllm-router --kv-event-source / --kv-event-replay-source
 
-One kvtier chunk is one event block: ``block_hashes`` are chunk keys (16 bytes, the prefix
-hash chain, so a chunk's hash already names its whole prefix), ``parent_block_hash`` is the
-previous chunk's key, ``block_size`` is the chunk size. ``medium`` says which tier: ``CPU``,
-``DISK`` or ``REMOTE`` (Redis). Redis evicts on its own and tells no one, so REMOTE has
-stores only.
+What the router does with an event (vllm-router 0.1.17, measured): it hashes ``token_ids`` in
+runs of ``block_size`` (sha256 of the ids) and walks its prefix tree with those hashes, so a
+block is matched by its tokens; ``block_hashes`` are opaque names used only to chain a store to
+its parent and to find a block again on removal. It ignores an event whose ``block_size`` is
+not its ``--kv-event-block-size``, and a store whose parent it does not know. So one kvtier
+chunk becomes ``chunk_size / block_size`` event blocks of vLLM's block size (128 on the CPU
+build), each named by the chunk key plus its index in the chunk::
+
+    chunk i (key K_i, 256 tokens)        event blocks (block_size 128)
+    ┌──────────────┬──────────────┐      K_i‖00 : tokens [256i, 256i+128)   parent K_{i-1}‖01
+    │  block 2i    │  block 2i+1  │  ──▶ K_i‖01 : tokens [256i+128, 256i+256)  parent K_i‖00
+    └──────────────┴──────────────┘
+
+A tail shorter than one block is not published (the router matches whole blocks only).
+
+Tiers, and what the router credits (``--kv-penalty-*``)::
+
+    kvtier tier   medium   ownership      router tier   credit
+    cpu           CPU      -              host          0.8
+    disk          DISK     -              disk          0.3   (vLLM's own "STORAGE" is not credited)
+    redis         REMOTE   kvtier-redis   external      0.6   (to the publishing instance only)
+
+Redis is shared by the fleet, but the router has no fleet-wide owner: a block with an
+``ownership`` is a cache-pool copy credited to the instance that published it. Redis evicts on
+its own and tells no one, so REMOTE has stores only. A restarted instance starts vLLM's sequence
+numbers again at 0; the router takes the drop as a new incarnation and forgets the old one's
+blocks, so kvtier sends no "all cleared" of its own (in vLLM's batch it would follow, and wipe,
+the GPU blocks of the same step).
 
 Events are plain tuples until the scheduler turns them into vLLM's types: the worker
 metadata is pickled between processes, and the log may be filled from tier threads.
@@ -27,16 +52,31 @@ from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.storage.base import Tier
 
 MEDIUM = {"cpu": "CPU", "disk": "DISK", "redis": "REMOTE"}
+SHARED_POOL = "kvtier-redis"  # ``ownership`` of a block in the fleet-shared Redis tier
+OWNERSHIP = {"REMOTE": SHARED_POOL}
 MAX_PENDING = 100_000  # events kept when nobody takes them (vLLM's events are off)
 
-# ("stored", key, parent key or None, token ids, chunk size, medium) | ("removed", key, medium)
+# ("stored", hashes, parent hash or None, token ids, block size, medium)
+# ("removed", hashes, medium)
 Event = tuple[Any, ...]
 
 
-class EventLog:
-    """Events since the last :meth:`drain`; thread-safe, bounded (oldest dropped)."""
+def block_names(key: ChunkKey, blocks: int) -> list[bytes]:
+    """The event names of a chunk's ``blocks`` blocks: the key, then the block's index."""
+    return [key + j.to_bytes(2, "big") for j in range(blocks)]
 
-    def __init__(self) -> None:
+
+class EventLog:
+    """Events since the last :meth:`drain`; thread-safe, bounded (oldest dropped).
+
+    ``block_size`` is vLLM's (the router's ``--kv-event-block-size``) and ``chunk_size``
+    kvtier's; a chunk size that is not a whole number of blocks is published in one block of
+    the chunk size (the router then matches it only if told that block size)."""
+
+    def __init__(self, block_size: int, chunk_size: int) -> None:
+        whole = block_size > 0 and chunk_size % block_size == 0
+        self.block_size = block_size if whole else chunk_size
+        self.per_chunk = chunk_size // self.block_size
         self._events: list[Event] = []
         self._lock = threading.Lock()
 
@@ -47,16 +87,27 @@ class EventLog:
         tokens: Sequence[int],
         media: Sequence[str],
     ) -> None:
-        batch: list[Event] = []
+        """Chunks ``spans`` (consecutive) stored in ``media``; ``parent`` is the key of the
+        chunk before the first (None at the start of the prompt)."""
+        size = self.block_size
+        names: list[bytes] = []
         for span in spans:
-            ids = list(tokens[span.start : span.end])
-            for medium in media:
-                batch.append(("stored", span.key, parent, ids, span.end - span.start, medium))
-            parent = span.key
-        self._add(batch)
+            whole = (span.end - span.start) // size
+            names.extend(block_names(span.key, whole))
+            if whole < self.per_chunk:
+                break  # a partial chunk ends the prompt: its whole blocks only
+        if not names:
+            return
+        start = spans[0].start
+        ids = list(tokens[start : start + len(names) * size])
+        first_parent = block_names(parent, self.per_chunk)[-1] if parent is not None else None
+        self._add([("stored", names, first_parent, ids, size, medium) for medium in media])
 
     def removed(self, keys: Sequence[ChunkKey], medium: str) -> None:
-        self._add([("removed", key, medium) for key in keys])
+        """Chunks ``keys`` left the tier of ``medium`` (all their blocks)."""
+        names = [name for key in keys for name in block_names(key, self.per_chunk)]
+        if names:
+            self._add([("removed", names, medium)])
 
     def drain(self) -> list[Event]:
         with self._lock:
@@ -88,19 +139,21 @@ def to_vllm(events: Sequence[Event]) -> list[Any]:
     out: list[Any] = []
     for event in events:
         if event[0] == "stored":
-            _, key, parent, ids, size, medium = event
+            _, names, parent, ids, size, medium = event
             out.append(
                 BlockStored(
-                    block_hashes=[key],
+                    block_hashes=list(names),
                     parent_block_hash=parent,
                     token_ids=ids,
                     block_size=size,
                     lora_id=None,
                     medium=medium,
                     lora_name=None,
+                    ownership=OWNERSHIP.get(medium),
                 )
             )
         else:
-            _, key, medium = event
-            out.append(BlockRemoved(block_hashes=[key], medium=medium))
+            _, names, medium = event
+            ownership = OWNERSHIP.get(medium)
+            out.append(BlockRemoved(block_hashes=list(names), medium=medium, ownership=ownership))
     return out

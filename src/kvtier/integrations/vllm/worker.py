@@ -100,7 +100,7 @@ class WorkerSide:
         self._loads: Loads | None = None
         self._scratch: torch.Tensor | None = None
         # Only rank 0 reports events: every rank stores the same chunks (its own slice).
-        self.events = EventLog() if events and tp_rank == 0 else None
+        self.events = EventLog(block_size, config.chunk_size) if events and tp_rank == 0 else None
         self._media: list[str] = []
         self._pd: PDEndpoint | None = None
         self._deltas = CounterDeltas()

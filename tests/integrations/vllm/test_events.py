@@ -1,0 +1,80 @@
+"""kvtier's KV events as vllm-router matches them: vLLM-sized blocks named from chunk keys,
+chained to their parent, tiers as the router's media (fast: no engine, no router)."""
+
+from __future__ import annotations
+
+from kvtier.integrations.vllm.events import (
+    MEDIUM,
+    SHARED_POOL,
+    EventLog,
+    block_names,
+    to_vllm,
+)
+from kvtier.keys import ChunkSpan
+
+CHUNK, BLOCK = 256, 128
+
+
+def spans(n: int, tokens: int | None = None, first: int = 0) -> list[ChunkSpan]:
+    total = tokens if tokens is not None else (first + n) * CHUNK
+    out = []
+    for i in range(first, first + n):
+        start, end = i * CHUNK, min((i + 1) * CHUNK, total)
+        out.append(ChunkSpan(i, start, end, bytes([i]) * 16))
+    return out
+
+
+def test_a_chunk_is_published_as_vllm_sized_blocks_chained_to_its_parent() -> None:
+    log = EventLog(BLOCK, CHUNK)
+    tokens = list(range(3 * CHUNK))
+    log.stored(spans(2, first=1), bytes([0]) * 16, tokens, [MEDIUM["cpu"], MEDIUM["disk"]])
+    (cpu, disk) = to_vllm(log.drain())
+    assert (cpu.medium, disk.medium) == ("CPU", "DISK")
+    assert cpu.ownership is None and disk.ownership is None
+    assert cpu.block_size == BLOCK and cpu.token_ids == tokens[CHUNK:]
+    assert cpu.block_hashes == block_names(bytes([1]) * 16, 2) + block_names(bytes([2]) * 16, 2)
+    assert len(set(cpu.block_hashes)) == 4
+    # the parent is the last block of the chunk before: the router chains the store to it
+    assert cpu.parent_block_hash == block_names(bytes([0]) * 16, 2)[-1]
+
+
+def test_the_first_chunk_has_no_parent_and_a_tail_below_one_block_is_left_out() -> None:
+    log = EventLog(BLOCK, CHUNK)
+    tokens = list(range(CHUNK + 200))  # chunk 1 holds 200 tokens: one whole block
+    log.stored(spans(2, tokens=len(tokens)), None, tokens, ["CPU"])
+    (event,) = to_vllm(log.drain())
+    assert event.parent_block_hash is None
+    assert len(event.block_hashes) == 3 and event.token_ids == tokens[: 3 * BLOCK]
+    assert len(event.token_ids) == event.block_size * len(event.block_hashes)
+
+
+def test_redis_is_a_shared_pool_copy_and_evictions_remove_every_block() -> None:
+    log = EventLog(BLOCK, CHUNK)
+    log.stored(spans(1), None, list(range(CHUNK)), [MEDIUM["redis"]])
+    log.removed([bytes([0]) * 16], MEDIUM["cpu"])
+    stored, removed = to_vllm(log.drain())
+    assert stored.medium == "REMOTE" and stored.ownership == SHARED_POOL
+    assert removed.medium == "CPU" and removed.ownership is None
+    assert removed.block_hashes == stored.block_hashes
+    assert log.drain() == []
+
+
+def test_a_chunk_that_is_not_whole_blocks_is_one_block_of_the_chunk_size() -> None:
+    log = EventLog(96, CHUNK)
+    log.stored(spans(1), None, list(range(CHUNK)), ["CPU"])
+    (event,) = to_vllm(log.drain())
+    assert event.block_size == CHUNK and len(event.block_hashes) == 1
+
+
+def test_events_encode_as_vllms_batch_wire_format() -> None:
+    """What the router decodes: msgpack ``[ts, [tagged events...]]``, hashes as bytes."""
+    import msgspec
+    from vllm.distributed.kv_events import KVEventBatch
+
+    log = EventLog(BLOCK, CHUNK)
+    log.stored(spans(1), None, list(range(CHUNK)), ["CPU"])
+    payload = msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=to_vllm(log.drain())))
+    ts, events = msgspec.msgpack.decode(payload)[:2]
+    assert ts == 1.0 and events[0]["type"] == "BlockStored"
+    assert events[0]["block_hashes"][0] == bytes([0]) * 16 + b"\x00\x00"
+    assert events[0]["block_size"] == BLOCK
