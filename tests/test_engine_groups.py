@@ -13,6 +13,7 @@ import torch
 
 from kvtier import Config, Engine
 from kvtier.observability import explain as ex
+from kvtier.storage.disk.tier import DiskTier
 from kvtier.storage.records import HEADER_SIZE
 from tests.conftest import make_kv, make_tokens
 from tests.group_layouts import CHUNK, GEMMA, SLIDING, kept
@@ -139,6 +140,10 @@ def test_a_deleted_record_is_a_miss_from_there_on(tmp_path: Path) -> None:
     (victim,) = [p for p in tmp_path.rglob("*.kvc") if second.hex() in p.name]
     victim.unlink()
     with Engine(cfg, GEMMA, model_name="gemma-like") as engine:
+        # A restart trusts the saved index and checks the directory in the background: a
+        # file deleted while the tier was closed leaves the index once that check is done.
+        disk = engine.tier("disk")
+        assert isinstance(disk, DiskTier) and disk.index_checked(30.0)
         assert engine.lookup(tokens, "r") == CHUNK
         assert outcomes(engine, "r")[1:] == [ex.NOT_STORED, ex.NOT_CONTIGUOUS]
         engine.end_request("r")

@@ -381,8 +381,14 @@ class StorageManager:
         chunks resident in pages the lease holds (``hit.page``), for a reader that maps them."""
         loaded_end = 0
         # A tier whose chunks are already in memory serves straight into out (one copy, its
-        # check fused with it), unless the chunk is to be copied back to the CPU tier anyway.
-        direct = out is not None and out.device.type == "cpu" and not self.promote_to_cpu
+        # check fused with it), unless the chunk is to be copied back to the CPU tier anyway
+        # or its page is packed by group (a trimmed group's tokens must be unpacked).
+        direct = (
+            out is not None
+            and out.device.type == "cpu"
+            and not self.promote_to_cpu
+            and not self.layout.trims
+        )
         self._prefetch(plan, lease, start_token, direct)
         for hit in plan.hits:
             span = hit.span
