@@ -30,6 +30,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 P1 = tokens(700, seed=11)  # 2 whole chunks + 188
 P2 = P1[:512] + tokens(200, seed=12)  # shares P1's 2 chunks
+P3 = tokens(600, seed=13)  # stored, then a state byte of its records corrupted on disk
+HEADER = 4096  # a disk record's header (storage/records.py)
 DECODE = 16
 LLM_ARGS: dict[str, Any] = {"max_model_len": 2048}
 
@@ -151,6 +153,8 @@ def test_qwen3_next_states_at_chunk_ends_give_vllms_own_prefix_cache_tokens(
     cold_p1, _ = run(plain, P1)
     plain.llm.reset_prefix_cache()
     cold_p2, _ = run(plain, P2)
+    plain.llm.reset_prefix_cache()
+    cold_p3, _ = run(plain, P3)
     # vLLM's own prefix cache resuming P2 at 512: it keeps a state at a prompt's last block
     # boundary (not at every block: P1's 512 is gone once P1 ends past it), so ask a
     # 600-token prefix first, whose last boundary is 512.
@@ -177,15 +181,32 @@ def test_qwen3_next_states_at_chunk_ends_give_vllms_own_prefix_cache_tokens(
     assert run(kv, P2) == (own_p2, 512)  # restored from kvtier: KV and states
     s2 = kv.stats()
     assert s2["hit_tokens"] - s1["hit_tokens"] == 512
+    first = set(disk.glob("*.kvc"))
+    kv.llm.reset_prefix_cache()
+    assert run(kv, P3) == (cold_p3, 0)
     assert kv.probe is not None and kv.probe.call("flush", 30.0) is True
     kv.assert_clean()
     hyb_instances.close()
+
+    # A record is the full layer's KV (2 x 256 x 2 heads x 64 x bf16 = 131,072 bytes) and
+    # one state layer as large (3 layers x 35,840 state bytes = 107,520, zero padded).
+    assert {r.stat().st_size for r in first} == {HEADER + 2 * 131072}
+    # Flip one byte of the first gated delta-net layer's state in P3's records: a miss.
+    for record in set(disk.glob("*.kvc")) - first:
+        raw = bytearray(record.read_bytes())
+        raw[HEADER + 65536 + 10] ^= 0xFF  # plane 0 of the state layer: its first bytes
+        record.write_bytes(bytes(raw))
 
     fresh = hyb_instances.get(f"{name}-fresh", lambda: start("fresh"))
     f0 = fresh.stats()
     assert run(fresh, P2) == (own_p2, 512)
     f1 = fresh.stats()
     assert f1["hit_tokens_by_tier"].get("disk", 0) - f0["hit_tokens_by_tier"].get("disk", 0) == 512
+    fresh.llm.reset_prefix_cache()
+    tokens_p3, _ = run(fresh, P3)
+    assert tokens_p3 == cold_p3  # the corrupt state was never served: recomputed
+    f2 = fresh.stats()
+    assert f2["retrieved_tokens"] - f1["retrieved_tokens"] == 0
     fresh.assert_clean()
     hyb_instances.close()
     print(f"qwen3-next: cold P2 == vLLM's own 512-token hit: {cold_p2 == own_p2}")
