@@ -58,7 +58,8 @@ def hyb_instances() -> Iterator[Instances]:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hybrid-families")
-    return {name: write_family(name, root / name) for name in ("gpt-oss", "qwen3-next")}
+    names = ("gpt-oss", "qwen3-next", "falcon-h1")
+    return {name: write_family(name, root / name) for name in names}
 
 
 def run(instance: VllmInstance, prompt: Sequence[int]) -> tuple[list[int], int]:
@@ -210,3 +211,42 @@ def test_qwen3_next_states_at_chunk_ends_give_vllms_own_prefix_cache_tokens(
     fresh.assert_clean()
     hyb_instances.close()
     print(f"qwen3-next: cold P2 == vLLM's own 512-token hit: {cold_p2 == own_p2}")
+
+
+def test_falcon_h1_mamba2_states_at_chunk_ends_give_the_tokens_of_vllm_alone(
+    checkpoints: dict[str, Path], hyb_instances: Instances
+) -> None:
+    """Falcon-H1-style (Mamba-2 mixer beside attention in every layer, fp32; vLLM raises its
+    block to 256 to fit the state page). With kvtier the Mamba-2 states (conv + SSM) ride
+    in each chunk; fp32, so a 512-token hit gives exactly the tokens of vLLM alone."""
+    name = "falcon-h1"
+    path, dtype = checkpoints[name], family(name).dtype
+    plain = hyb_instances.get(
+        f"{name}-plain", lambda: VllmInstance(path, engine_id=None, dtype=dtype, **STATE_ARGS)
+    )
+    ref: dict[str, list[int]] = {}
+    for key, prompt in (("p1", P1), ("p2", P2)):
+        plain.llm.reset_prefix_cache()
+        ref[key], _ = run(plain, prompt)
+    hyb_instances.close()
+
+    kv = hyb_instances.get(
+        f"{name}-kvtier",
+        lambda: VllmInstance(
+            path,
+            engine_id=unique_engine_id(f"kvtier-{name}"),
+            extra={"max_local_cpu_size": "64MiB"},
+            dtype=dtype,
+            **STATE_ARGS,
+        ),
+    )
+    s0 = kv.stats()
+    assert run(kv, P1) == (ref["p1"], 0)
+    s1 = kv.stats()
+    assert s1["stored_chunks"] - s0["stored_chunks"] == 2
+    kv.llm.reset_prefix_cache()
+    assert run(kv, P2) == (ref["p2"], 512)
+    s2 = kv.stats()
+    assert s2["retrieved_tokens"] - s1["retrieved_tokens"] == 512
+    kv.assert_clean()
+    hyb_instances.close()

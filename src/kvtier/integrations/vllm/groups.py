@@ -104,6 +104,8 @@ class ModelGroups:
                 "vLLM keeps no states at block boundaries for it (mamba_cache_mode is not "
                 "'align': enable prefix caching)"
             )
+        if len({g.block_size for g in self.state}) > 1:
+            return "its state groups have different block sizes"
         sizes = sorted({g.block_size for g in self.groups})
         if any(chunk_size % b for b in sizes):
             return (

@@ -314,7 +314,7 @@ class WorkerSide:
         states = PagedState.from_vllm(
             kv_caches,
             [(index[g.layer_names], g.layer_names) for g in self.groups.state],
-            block_size=self.block_size,
+            block_size=self.groups.state[0].block_size or self.block_size,  # its own
             first=layout.num_layers,
             layer_bytes=layer_bytes,
         )
