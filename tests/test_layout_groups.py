@@ -8,7 +8,7 @@ import torch
 
 from kvtier.errors import InputError
 from kvtier.keys import Fingerprint
-from kvtier.layout import GroupKind, KVGroup, KVLayout, parse_groups
+from kvtier.layout import GroupKind, KVGroup, KVLayout, parse_groups, state_layers_needed
 
 LLAMA = KVLayout(4, 2, 64, torch.float32)
 GEMMA = KVLayout(
@@ -94,14 +94,30 @@ def test_bad_group_kind_and_window() -> None:
         parse_groups("full:a,b")
 
 
-def test_a_state_group_is_reported_unsupported() -> None:
+def test_a_state_group_packs_into_the_last_layers_and_enters_the_fingerprint() -> None:
     hybrid = KVLayout(
-        1,
+        2,
         2,
         64,
         torch.bfloat16,
-        groups=(KVGroup(GroupKind.STATE, (0, 1, 2), detail="MambaSpec"), KVGroup("full", (0,))),
+        groups=(KVGroup("full", (0,)), KVGroup(GroupKind.STATE, (1,), detail="GDN_ATTN.3x35840")),
     )
+    assert hybrid.unsupported() == [] and hybrid.has_state
+    assert hybrid.group_token_bytes() == {"full": 512, "state": 512}
+    assert hybrid.payload_bytes(256) == hybrid.token_bytes() * 256
+    assert parse_groups(hybrid.describe_groups()) == hybrid.groups
+    assert fp(hybrid) != fp(KVLayout(2, 2, 64, torch.bfloat16))
+    other = KVLayout(
+        2,
+        2,
+        64,
+        torch.bfloat16,
+        groups=(KVGroup("full", (0,)), KVGroup(GroupKind.STATE, (1,), detail="MAMBA2.3x35840")),
+    )
+    assert fp(hybrid) != fp(other)
+    with pytest.raises(InputError, match="state layers last"):
+        KVLayout(2, 2, 64, torch.bfloat16, groups=(KVGroup("state", (0,)), KVGroup("full", (1,))))
+    assert state_layers_needed(3 * 35840, 2 * 256 * 128 * 2) == 1
     assert [g.detail for g in hybrid.unsupported()] == ["MambaSpec"]
     assert fp(hybrid) != fp(KVLayout(1, 2, 64, torch.bfloat16))
 

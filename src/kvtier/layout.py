@@ -22,11 +22,11 @@ cache manager sees it): each group has a kind and the layers in it, in model ord
     mla       one latent vector per layer, same on every     all tokens < t
               tensor-parallel rank
     state     a recurrent + conv state per position (Mamba,  the state at t only
-              gated delta-net); kvtier does not store it yet
+              gated delta-net), taken at chunk boundaries
 
 The layout's ``groups`` (every group's kind, layers, window and keep) enter the model
-fingerprint, so two models whose caches differ in any group never share a key. A ``state``
-group makes the layout one kvtier cannot serve (:meth:`KVLayout.unsupported`).
+fingerprint, so two models whose caches differ in any group never share a key. A kind kvtier
+does not model makes the layout one it cannot serve (:meth:`KVLayout.unsupported`).
 
 What a chunk's page holds (its payload). ``full`` and ``mla`` groups store every token of the
 chunk. A ``sliding`` group with ``keep = K`` stores only the last ``K`` tokens before the
@@ -45,6 +45,19 @@ parts one after another, each ``[planes, group layers, kept tokens, hidden]``::
 
 :meth:`KVLayout.pack` and :meth:`KVLayout.unpack` move a chunk between the chunk tensor and its
 page; ``unpack`` zeroes the tokens a trimmed group did not keep (never stale bytes).
+
+A ``state`` group owns the last layers of the chunk tensor: they hold no tokens, but the raw
+bytes of every state layer's state at the chunk's END (position ``(i + 1) * chunk_size``),
+packed::
+
+    chunk tensor  [planes, attention layers | state layers, tokens, hidden]
+                                               └─ bytes: state of model layer a, then b, ...
+                                                  (zero padding to the end)
+
+So a chunk (one record, one checksum) carries the attention KV of its tokens and the state at
+its end: it is restored whole or not at all, never a partial state. A state group makes
+partial chunks meaningless (the state of a partial chunk is not at a boundary): such a layout
+is only stored in whole chunks. In a page of groups its layers are one part, every token.
 """
 
 from __future__ import annotations
@@ -94,6 +107,12 @@ class GroupKind(StrEnum):
 CHUNK_KINDS = (GroupKind.FULL, GroupKind.SLIDING, GroupKind.MLA)
 
 
+def state_layers_needed(state_bytes: int, layer_bytes: int) -> int:
+    """Layers of the chunk tensor (``layer_bytes`` each per chunk) that hold
+    ``state_bytes`` of packed state."""
+    return -(-state_bytes // layer_bytes)
+
+
 @dataclass(frozen=True, slots=True)
 class KVGroup:
     """One KV-cache group: layers that share a kind (and, for vLLM, one block table).
@@ -102,7 +121,9 @@ class KVGroup:
     layer axis); ``window`` is the sliding window in tokens (0 for other kinds); ``detail``
     names what kvtier does not model for a ``state`` group (e.g. ``"MambaSpec"``); ``keep``
     (sliding groups only) is how many tokens before each chunk's end the group stores, at
-    least ``window`` (0: every token of the chunk)."""
+    least ``window`` (0: every token of the chunk). For a ``state`` group, ``layers`` are the
+    chunk-tensor layers its packed state fills and ``detail`` describes its content (e.g.
+    ``"GDN_ATTN.3x35840"``: three layers of 35,840 bytes)."""
 
     kind: GroupKind
     layers: tuple[int, ...]
@@ -210,12 +231,18 @@ class KVLayout:
         self._check_groups()
 
     def _check_groups(self) -> None:
-        cached = sorted(i for g in self.groups if g.kind in CHUNK_KINDS for i in g.layers)
+        cached = sorted(i for g in self.groups for i in g.layers)
         if cached != list(range(self.num_layers)):
             raise InputError(
                 f"KVLayout.groups cover layers {cached} of the chunk tensor, but it has "
                 f"{self.num_layers} layers: every layer 0..{self.num_layers - 1} must be in "
-                "exactly one full, sliding or mla group"
+                "exactly one group"
+            )
+        attention = [i for g in self.groups if g.kind in CHUNK_KINDS for i in g.layers]
+        if not attention or max(attention) >= len(attention):
+            raise InputError(
+                f"KVLayout.groups {self.describe_groups()}: the attention layers come first "
+                "and state layers last in the chunk tensor"
             )
         mla = any(g.kind == GroupKind.MLA for g in self.groups)
         kv = any(g.kind in (GroupKind.FULL, GroupKind.SLIDING) for g in self.groups)
@@ -232,9 +259,14 @@ class KVLayout:
         return self.planes == 1
 
     def unsupported(self) -> list[KVGroup]:
-        """Groups kvtier cannot store or restore (recurrent state): a layout with any of
-        them must not be served (a partial state would be a wrong token)."""
-        return [g for g in self.groups if g.kind not in CHUNK_KINDS]
+        """Groups kvtier cannot store or restore: none since state groups are packed into
+        the chunk (kept for callers that check)."""
+        return [g for g in self.groups if g.kind not in CHUNK_KINDS and g.kind != GroupKind.STATE]
+
+    @property
+    def has_state(self) -> bool:
+        """True when a chunk also carries a recurrent state (only whole chunks are valid)."""
+        return any(g.kind == GroupKind.STATE for g in self.groups)
 
     def describe_groups(self) -> str:
         return ";".join(g.describe() for g in self.groups)
@@ -246,7 +278,7 @@ class KVLayout:
         out: dict[str, float] = {}
         per_layer = self.planes * self.hidden * self.dtype_bytes
         for g in self.groups:
-            if g.kind in CHUNK_KINDS:
+            if g.kind in CHUNK_KINDS or g.kind == GroupKind.STATE:
                 share = g.kept(chunk_size) / chunk_size if chunk_size else 1
                 value = per_layer * len(g.layers) * share
                 out[g.kind.value] = out.get(g.kind.value, 0) + value
@@ -261,7 +293,9 @@ class KVLayout:
         """The page's parts in order: (group, layers); group None: every layer, every token."""
         if not self.trims:
             return [(None, tuple(range(self.num_layers)))]
-        return [(g, g.layers) for g in self.groups if g.kind in CHUNK_KINDS]
+        return [
+            (g, g.layers) for g in self.groups if g.kind in CHUNK_KINDS or g.kind == GroupKind.STATE
+        ]
 
     def payload_bytes(self, num_tokens: int) -> int:
         """Bytes of a chunk of ``num_tokens`` in its page (``num_tokens * token_bytes()``

@@ -194,7 +194,9 @@ def test_a_hybrid_with_a_state_kind_runs_with_kvtier_off(
     fam_instances.close()
     logged = capfd.readouterr()
     text = logged.out + logged.err
-    assert text.count("which kvtier does not model") == 1
+    # vLLM's default step budget (4,096 tokens) runs a prefill past kvtier's chunk ends, so
+    # no state is kept there: kvtier refuses the model (test_hybrid_families.py serves it).
+    assert text.count("kvtier is off for this model") == 1
     assert "GatedDeltaNet" in text or "MambaSpec" in text
 
 

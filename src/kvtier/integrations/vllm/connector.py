@@ -16,6 +16,7 @@ kvtier does not model runs with kvtier off (one warning), never a failed start.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -154,10 +155,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._events_on = bool(events_config and events_config.enable_kv_cache_events)
         self._events: list[tuple[Any, ...]] = []
         groups = classify(kv_cache_config)
-        self._off = bool(groups.unsupported)
+        budget = vllm_config.scheduler_config.max_num_batched_tokens
+        refusal = groups.state_refusal(self.config.chunk_size, int(budget or 0))
+        groups = dataclasses.replace(groups, refusal=refusal)
+        self._off = groups.off
         if role == KVConnectorRole.SCHEDULER:
             if self._off:
-                groups.warn_unsupported(str(vllm_config.model_config.model))
+                groups.warn_off(str(vllm_config.model_config.model))
             loads, saves = ROLES[kv_role]
             if loads and groups.mla and no_prefix_prefill(vllm_config):
                 loads = False
@@ -176,6 +180,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 saves=saves,
                 all_async=len(groups.groups) > 1,
                 pd_sender=engine_id if saves and pd_sender(self.config) else None,
+                state_chunks=bool(groups.state),
             )
             log.info(
                 "kvtier scheduler: %s, chunk %d tokens, vLLM block %d, %d worker(s), per-request "

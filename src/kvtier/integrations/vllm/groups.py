@@ -8,12 +8,29 @@ names and one spec. kvtier maps the spec classes of ``vllm/v1/kv_cache_interface
     FullAttentionSpec (incl. sinks)     full      (a merged spec with a sliding_window set
                                                    is vLLM keeping full KV for local layers:
                                                    full, the bytes are all there)
-    anything else (MambaSpec, gated     unsupported: kvtier turns itself off for the model
-    delta-net state, chunked-local,     with ONE warning naming the kind; vLLM serves on
-    cross-attention, ...)               without it
+    MambaSpec (Mamba-1/2, gated         state     (the state at each chunk end, packed into
+    delta-net, ...)                                the chunk: ``kvtier.layout``)
+    anything else (chunked-local,       unsupported: kvtier turns itself off for the model
+    cross-attention, ...)               with ONE warning naming the kind; vLLM serves on
+                                        without it
+
+A state group is served only where vLLM keeps states at block boundaries
+(``mamba_cache_mode == "align"``, its default with prefix caching): block ``p`` of a state
+group's table then holds the state after exactly ``(p + 1) * block_size`` tokens, written
+at the end of the prefill step that reaches that position. So kvtier needs (else it refuses,
+:meth:`ModelGroups.state_refusal`, with one warning, and vLLM serves on without it)::
+
+    chunk_size % block_size == 0              every chunk end is a block boundary
+    max_num_batched_tokens <= chunk_size,     a request prefilling alone ends a step at
+        chunk_size % it == 0                  every chunk end, so the state there exists
+                                              when the chunk is saved
+
+(vLLM applies ``long_prefill_token_threshold`` only when several requests wait, so the
+step budget is what bounds a lone prefill.) Requests that share a step may get a budget
+remainder and end a step elsewhere: their chunks from there on are not saved, never wrong.
 
 Both the scheduler (which then answers "no hit" and saves nothing) and the worker (which then
-opens no cache) decide from the same ``KVCacheConfig``, so they always agree.
+opens no cache) decide from the same ``KVCacheConfig`` and config, so they always agree.
 """
 
 from __future__ import annotations
@@ -33,11 +50,31 @@ class VllmGroup:
     window: int
     layer_names: tuple[str, ...]
     spec_name: str  # vLLM's spec class, for messages
+    block_size: int = 0
+    state_bytes: int = 0  # a state group: bytes of one layer's state (all its tensors)
+    detail: str = ""  # a state group: its mamba type (MAMBA2, GDN_ATTN, ...)
+    align: bool = False  # a state group: vLLM keeps states at block boundaries
 
 
 @dataclass(frozen=True, slots=True)
 class ModelGroups:
     groups: tuple[VllmGroup, ...]
+    refusal: str = ""  # why kvtier cannot serve the model's state groups ('' if it can)
+
+    @property
+    def off(self) -> bool:
+        """kvtier is off for this model: a kind it does not model, or states it cannot align."""
+        return bool(self.unsupported or self.refusal)
+
+    def state_detail(self) -> str:
+        """The state groups' content for the layout (``GDN_ATTN.3x35840``)."""
+        kinds = ".".join(dict.fromkeys(g.detail for g in self.state))
+        sizes = {g.state_bytes for g in self.state}
+        size = sizes.pop() if len(sizes) == 1 else sum(g.state_bytes for g in self.state)
+        return f"{kinds}.{len(self.state_layer_names())}x{size}"
+
+    def state_layer_names(self) -> tuple[str, ...]:
+        return tuple(name for g in self.state for name in g.layer_names)
 
     @property
     def unsupported(self) -> tuple[str, ...]:
@@ -48,29 +85,80 @@ class ModelGroups:
     def mla(self) -> bool:
         return any(g.kind == GroupKind.MLA for g in self.groups)
 
+    @property
+    def state(self) -> tuple[VllmGroup, ...]:
+        """The state groups (Mamba, gated delta-net), in vLLM's group order."""
+        return tuple(g for g in self.groups if g.kind == GroupKind.STATE)
+
+    @property
+    def attention_indexes(self) -> tuple[int, ...]:
+        """Indexes (in vLLM's group order) of the groups with a per-token cache."""
+        return tuple(i for i, g in enumerate(self.groups) if g.kind != GroupKind.STATE)
+
+    def state_refusal(self, chunk_size: int, max_num_batched_tokens: int) -> str:
+        """Why kvtier cannot keep this model's states aligned with vLLM's ('' if it can)."""
+        if not self.state:
+            return ""
+        if not all(g.align for g in self.state):
+            return (
+                "vLLM keeps no states at block boundaries for it (mamba_cache_mode is not "
+                "'align': enable prefix caching)"
+            )
+        if len({g.block_size for g in self.state}) > 1:
+            return "its state groups have different block sizes"
+        sizes = sorted({g.block_size for g in self.groups})
+        if any(chunk_size % b for b in sizes):
+            return (
+                f"kvtier's chunk_size {chunk_size} is not a multiple of vLLM's block size "
+                f"{'/'.join(map(str, sizes))} (set chunk_size to a multiple of it)"
+            )
+        step = max_num_batched_tokens
+        if not 0 < step <= chunk_size or chunk_size % step:
+            return (
+                f"vLLM's max_num_batched_tokens is {step}, so prefill steps do not end at "
+                f"every chunk boundary and the state there is not kept (set "
+                f"max_num_batched_tokens to {chunk_size}, kvtier's chunk_size, or a divisor "
+                "of it that is a multiple of the block size; or chunk_size to a multiple of "
+                "max_num_batched_tokens)"
+            )
+        return ""
+
     def for_paged(self) -> list[tuple[GroupKind, int, tuple[str, ...]]]:
-        """(kind, window, layer names) per group, for :meth:`PagedKV.from_vllm`."""
-        out = []
+        """(kind, window, layer names) per attention group, for :meth:`PagedKV.from_vllm`
+        (state groups are :mod:`.states`' business)."""
+        out: list[tuple[GroupKind, int, tuple[str, ...]]] = []
         for g in self.groups:
             if g.kind is None:
                 raise AssertionError("for_paged on a model kvtier does not serve")
-            out.append((g.kind, g.window, g.layer_names))
+            if g.kind != GroupKind.STATE:
+                out.append((g.kind, g.window, g.layer_names))
         return out
 
-    def warn_unsupported(self, model: str) -> None:
-        log.warning(
-            "kvtier: model %s has KV-cache layers of kind %s, which kvtier does not model "
-            "(a recurrent state per position, not a per-token cache); kvtier is off for this "
-            "model and vLLM serves it without an external cache",
-            model,
-            ", ".join(self.unsupported),
-        )
+    def warn_off(self, model: str) -> None:
+        """The one warning of a model kvtier is off for."""
+        if self.unsupported:
+            log.warning(
+                "kvtier: model %s has KV-cache layers of kind %s, which kvtier does not model; "
+                "kvtier is off for this model and vLLM serves it without an external cache",
+                model,
+                ", ".join(self.unsupported),
+            )
+        elif self.refusal:
+            log.warning(
+                "kvtier: model %s keeps a recurrent state (%s) that kvtier stores at chunk "
+                "boundaries, but %s; kvtier is off for this model and vLLM serves it without "
+                "an external cache",
+                model,
+                ", ".join(dict.fromkeys(g.spec_name for g in self.state)),
+                self.refusal,
+            )
 
 
 def classify(kv_cache_config: Any) -> ModelGroups:
     """The groups of vLLM's ``KVCacheConfig`` (None: one full-attention group)."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
     )
@@ -80,6 +168,22 @@ def classify(kv_cache_config: Any) -> ModelGroups:
         spec = group.kv_cache_spec
         kind: GroupKind | None
         window = 0
+        block_size = int(getattr(spec, "block_size", 0) or 0)
+        if type(spec) is MambaSpec:
+            mamba_type = getattr(spec.mamba_type, "name", str(spec.mamba_type))
+            groups.append(
+                VllmGroup(
+                    GroupKind.STATE,
+                    0,
+                    tuple(group.layer_names),
+                    f"MambaSpec({mamba_type})",
+                    block_size,
+                    int(spec.state_content_size_bytes),
+                    mamba_type,
+                    spec.mamba_cache_mode == "align",
+                )
+            )
+            continue
         if type(spec) is MLAAttentionSpec:
             kind = GroupKind.MLA
         elif "MLA" in type(spec).__name__:
@@ -97,5 +201,5 @@ def classify(kv_cache_config: Any) -> ModelGroups:
         mamba_type = getattr(spec, "mamba_type", None)
         if kind is None and mamba_type is not None:
             spec_name += f"({getattr(mamba_type, 'name', mamba_type)})"  # MAMBA2, GDN_ATTN...
-        groups.append(VllmGroup(kind, window, tuple(group.layer_names), spec_name))
+        groups.append(VllmGroup(kind, window, tuple(group.layer_names), spec_name, block_size))
     return ModelGroups(tuple(groups))

@@ -25,12 +25,14 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
 from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.metadata import LoadSpec
 from kvtier.integrations.vllm.paged import NULL_BLOCK, PagedKV
+from kvtier.integrations.vllm.states import PagedState
 from kvtier.server.surface import KVCache
 
 log = logging.getLogger(__name__)
@@ -39,15 +41,26 @@ Scratch = Callable[[int], torch.Tensor]
 
 
 class Loads:
-    def __init__(self, engine: KVCache, paged: PagedKV, block_size: int) -> None:
+    def __init__(
+        self,
+        engine: KVCache,
+        paged: PagedKV,
+        block_size: int,
+        states: PagedState | None = None,
+        attention_tables: Callable[[Any], Any] = lambda tables: tables,
+    ) -> None:
+        """``states``: the model's state layers (the state at the load's end is restored
+        with it); ``attention_tables``: a spec's tables without the state groups'."""
         self.engine = engine
         self.paged = paged
         self.block_size = block_size
+        self.states = states
+        self._attention_tables = attention_tables
         self._lock = threading.Lock()  # guards the three result fields
         self._failed: set[int] = set()
         # Several KV-cache groups: block ids are unique only within a group, so vLLM takes
         # failures per request (failed_recving, async loads only), never per block.
-        self.per_request = paged.num_groups > 1
+        self.per_request = paged.num_groups > 1 or states is not None
         self._failed_requests: set[str] = set()
         self._short: dict[str, int] = {}
         self._done: set[str] = set()
@@ -69,8 +82,9 @@ class Loads:
                         cache_salt=spec.cache_salt,
                     )
                     loaded = max(spec.start, min(hit, spec.end))
+                    tables = self._attention_tables(spec.tables)
                     if loaded > spec.start and not self.paged.restorable(
-                        spec.tables,
+                        tables,
                         spec.start,
                         loaded,
                         self.engine.config.chunk_size,
@@ -84,8 +98,13 @@ class Loads:
                             spec.request_id,
                         )
                         loaded = spec.start
+                    if self.states is not None and loaded < spec.end:
+                        loaded = spec.start  # no state at the end: a hit only if whole
                     if loaded > spec.start:
-                        self.paged.scatter(spec.tables, spec.start, loaded, out)
+                        self.paged.scatter(tables, spec.start, loaded, out)
+                    if self.states is not None and loaded > spec.start:
+                        chunk = self.engine.config.chunk_size
+                        self.states.scatter(spec.group_block_ids, loaded, chunk, out)
                 except KVTierError as exc:  # a tier failed outright: recompute all of it
                     log.warning("kvtier: load for %s failed: %s", spec.request_id, exc)
                     loaded = spec.start

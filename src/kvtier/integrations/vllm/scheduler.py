@@ -37,6 +37,14 @@ PD through any standard proxy (vllm-router, vLLM's example proxies), with vLLM's
     proxy ──▶ decoder    the same object                       the decoder's lookup finds the
                                                                chunks; its end frees the transfer
 
+A model with a state group (Mamba, gated delta-net: ``state_chunks``) resumes only where
+a state was taken, at a chunk end: its usable hit is floored to whole chunks, not blocks;
+and a chunk is saved only in the step whose prefill ends exactly at that chunk's end (the
+state there is in vLLM's block then, and only then: a later step moves on)::
+
+    steps   |--256--|--256--|--188-|        max_num_batched_tokens = chunk_size
+    saves       c0      c1               each with its own end state
+
 Ending a request: :meth:`finished` sends ``end`` to every worker at once, so a request
 aborted while the engine is idle releases its pins now, not at the next step. A preempted
 request keeps its lease (the pinned chunks are exactly what it reloads when it resumes) and
@@ -97,11 +105,13 @@ class SchedulerSide:
         async_lower_loads: bool = True,
         all_async: bool = False,
         pd_sender: str | None = None,
+        state_chunks: bool = False,
     ) -> None:
         """``all_async``: every load in the background, also from the CPU tier (a model with
         several KV-cache groups: vLLM takes load failures only per request, from async
         loads). ``pd_sender``: a PD prefiller's engine id (its transfer ids start with it);
-        None on a decoder or without PD."""
+        None on a decoder or without PD. ``state_chunks``: the model has a state group (hits
+        and saves in whole chunks that end where a prefill step ended)."""
         self.clients = clients
         self.block_size = block_size
         self.chunk_size = chunk_size
@@ -110,6 +120,9 @@ class SchedulerSide:
         self.async_lower_loads = async_lower_loads
         self.all_async = all_async
         self.pd_sender = pd_sender
+        self.state_chunks = state_chunks
+        # Hits are usable in whole blocks, or in whole chunks where a state must be restored.
+        self._unit = chunk_size if state_chunks else block_size
         self._requests: dict[str, _Request] = {}
         self._async_loads: list[LoadSpec] = []  # for requests vLLM does not schedule yet
         self._complaints = RepeatedLog(log)  # a worker down fails every call: log it once
@@ -131,8 +144,8 @@ class SchedulerSide:
                 # Chunks kvtier holds need no save; a prefiller still sends them all.
                 state.saved = max(state.saved, state.hit // self.chunk_size * self.chunk_size)
         last = len(state.tokens) - 1
-        usable = min(state.hit, last) // self.block_size * self.block_size
-        in_cpu = min(state.cpu_hit, last) // self.block_size * self.block_size
+        usable = min(state.hit, last) // self._unit * self._unit
+        in_cpu = min(state.cpu_hit, last) // self._unit * self._unit
         new = max(0, usable - num_computed_tokens)
         state.load_async = new > 0 and (
             self.all_async or (self.async_lower_loads and usable > max(in_cpu, num_computed_tokens))
@@ -341,6 +354,11 @@ class SchedulerSide:
         if not self.saves:
             return
         end = min(done, len(state.tokens)) // self.chunk_size * self.chunk_size
+        if self.state_chunks and (done != end or end - state.saved != self.chunk_size):
+            # Only the state at this step's end exists: one chunk, ending exactly here.
+            # (A step that ran past a chunk end lost that state: later chunks of this
+            # request are not saved, since a chunk needs every chunk before it.)
+            return
         if end > state.saved:
             meta.saves.append(
                 SaveSpec(

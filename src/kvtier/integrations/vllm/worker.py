@@ -55,6 +55,8 @@ from kvtier.integrations.vllm.metrics import CounterDeltas
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.pd import PDEndpoint
 from kvtier.integrations.vllm.rpc import LookupServer, OpHandler
+from kvtier.integrations.vllm.states import PagedState
+from kvtier.layout import GroupKind, KVGroup, KVLayout
 from kvtier.observability.logs import REQUESTS
 from kvtier.server.surface import KVCache, open_cache
 
@@ -92,10 +94,11 @@ class WorkerSide:
         self.head_dim = head_dim
         # vLLM's KV-cache groups; one of a kind kvtier does not model turns kvtier off.
         self.groups = groups or ModelGroups(())
-        self.off = bool(self.groups.unsupported)
+        self.off = self.groups.off
         self.cache: KVCache | None = None  # what loads, saves and lookups use
         self.engine: Engine | None = None  # cache.local_engine: in-process, else None
         self.paged: PagedKV | None = None
+        self.states: PagedState | None = None  # the state groups' blocks, if any
         self._server: LookupServer | None = None
         self._loads: Loads | None = None
         self._scratch: torch.Tensor | None = None
@@ -109,26 +112,32 @@ class WorkerSide:
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         if self.off:
             # The scheduler side warned once and asks nothing: no cache, no channel.
-            log.info("kvtier worker %d: off (%s)", self.tp_rank, ", ".join(self.groups.unsupported))
+            why = ", ".join(self.groups.unsupported) or self.groups.refusal
+            log.info("kvtier worker %d: off (%s)", self.tp_rank, why)
             return
+        state_names = set(self.groups.state_layer_names())
+        attention = self.groups.for_paged()
         paged = PagedKV.from_vllm(
-            kv_caches,
+            {n: t for n, t in kv_caches.items() if n not in state_names},
             block_size=self.block_size,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             mla=self.groups.mla,
-            groups=self.groups.for_paged() if len(self.groups.groups) > 1 else (),
+            groups=attention if len(attention) > 1 else (),
         )
+        layout = paged.layout()
+        if self.groups.state:
+            layout, self.states = self._with_states(kv_caches, layout)
         cache = open_cache(
             self.server,
             self.config,
-            paged.layout(),
+            layout,
             model_name=self.model_name,
             tp_rank=self.tp_rank,
             tp_world_size=self.tp_world_size,
         )
         self.paged, self.cache = paged, cache
-        self._loads = Loads(cache, paged, self.block_size)
+        self._loads = Loads(cache, paged, self.block_size, self.states, self._attention_tables)
         engine = cache.local_engine  # in-process: a Service, with its admin API and receiver
         if engine is not None:
             self.engine = engine
@@ -146,9 +155,10 @@ class WorkerSide:
             self._media = [MEDIUM[name] for name in MEDIUM if name in tiers] or [MEDIUM["cpu"]]
         self._server = LookupServer(self.engine_id, self.tp_rank, OpHandler(self._handle)).open()
         log.info(
-            "kvtier worker %d: %s, cache %s, channel %s",
+            "kvtier worker %d: %s%s, cache %s, channel %s",
             self.tp_rank,
             paged.describe(),
+            f"; {self.states.describe()}" if self.states is not None else "",
             self.server or "in-process",
             self._server.path,
         )
@@ -192,12 +202,20 @@ class WorkerSide:
                 # vLLM throws that away and recomputes, and so must kvtier (never store KV
                 # that attended to garbage). The scheduler re-offers the chunks later.
                 continue
-            if not paged.complete(spec.tables, spec.start, spec.end, engine.config.chunk_size):
+            tables = self._attention_tables(spec.tables)
+            if not paged.complete(tables, spec.start, spec.end, engine.config.chunk_size):
                 # A sliding-window group already dropped blocks it stores of this range (its
                 # chunk began in an earlier step): nothing whole to store, so store nothing.
                 continue
+            states = self.states
+            if states is not None and not states.present(spec.group_block_ids, spec.end):
+                continue  # no state kept at this chunk's end: the chunk cannot be whole
             out = self._scratch_for(spec.end)
-            paged.gather(spec.tables, spec.start, spec.end, out)
+            paged.gather(tables, spec.start, spec.end, out)
+            if states is not None:
+                # The scheduler sends one chunk per save, ending where this step ended.
+                chunk = engine.config.chunk_size
+                states.gather(spec.group_block_ids, spec.end, chunk, out)
             # The keys its lookup hashed, extended by the new chunks only.
             keys = engine.request_keys(spec.tokens, spec.request_id, cache_salt=spec.cache_salt)
             stored = engine.store(
@@ -279,6 +297,45 @@ class WorkerSide:
         )
 
     # -- helpers ---------------------------------------------------------------------------
+    def _attention_tables(self, tables: Any) -> Any:
+        """The block tables :class:`PagedKV` addresses: without the state groups' tables."""
+        if not self.groups.state or not tables or isinstance(tables[0], int):
+            return tables
+        picked = [tables[i] for i in self.groups.attention_indexes]
+        return picked[0] if len(picked) == 1 else tuple(picked)
+
+    def _with_states(
+        self, kv_caches: Mapping[str, Any], layout: KVLayout
+    ) -> tuple[KVLayout, PagedState]:
+        """The layout with the state layers after the attention layers, and their copier."""
+        chunk = self.config.chunk_size
+        layer_bytes = layout.planes * layout.hidden * layout.dtype_bytes * chunk
+        index = {g.layer_names: i for i, g in enumerate(self.groups.groups)}
+        states = PagedState.from_vllm(
+            kv_caches,
+            [(index[g.layer_names], g.layer_names) for g in self.groups.state],
+            block_size=self.groups.state[0].block_size or self.block_size,  # its own
+            first=layout.num_layers,
+            layer_bytes=layer_bytes,
+        )
+        attention = layout.groups
+        if len(attention) == 1 and attention[0].kind in (GroupKind.FULL, GroupKind.MLA):
+            attention = (KVGroup(attention[0].kind, tuple(range(layout.num_layers))),)
+        state_group = KVGroup(
+            GroupKind.STATE,
+            tuple(range(layout.num_layers, layout.num_layers + states.count)),
+            detail=self.groups.state_detail(),
+        )
+        full = KVLayout(
+            num_layers=layout.num_layers + states.count,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            dtype=layout.dtype,
+            planes=layout.planes,
+            groups=(*attention, state_group),
+        )
+        return full, states
+
     def _loads_part(self) -> Loads:
         if self._loads is None:
             raise StateError("kvtier worker: vLLM has not registered its KV caches yet")
