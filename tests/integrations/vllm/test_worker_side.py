@@ -434,7 +434,9 @@ def test_one_request_is_hashed_once_through_lookup_load_save_and_end(worker: Wor
     worker.load(meta)
     worker.save(meta)
     assert worker.failed_blocks() == set()
-    assert len([e for e in worker.take_events() if e[0] == "stored"]) == 2  # chunks 2 and 3
+    stored = [e for e in worker.take_events() if e[0] == "stored"]
+    # chunks 2 and 3, one event in vLLM-sized blocks, named from the lease's keys
+    assert [len(e[1]) for e in stored] == [2 * CHUNK // BLOCK]
     scheduler.finished("r")
     assert chain.chunks_hashed - before == 4  # load, save, events and end: no hash
     assert worker.engine.stats()["stored_chunks"] == 4
