@@ -19,6 +19,29 @@ GEMMA = KVLayout(
 SLIDING = "sliding/w4/k6:0,2"
 # DeepSeek-like MLA: one 24-wide latent per token and layer.
 MLA = KVLayout(3, 1, 24, torch.float32, planes=1)
+# Qwen3-Next-like: a full group and a state group whose packed state (the state at each
+# chunk's end) fills the last layer of the chunk tensor.
+HYBRID = KVLayout(
+    3,
+    2,
+    8,
+    torch.float32,
+    groups=(KVGroup(GroupKind.FULL, (0, 1)), KVGroup(GroupKind.STATE, (2,), detail="GDN.2x96")),
+)
+# A trimmed sliding group, a full group and a state group in one page of groups.
+SLIDING_STATE = KVLayout(
+    4,
+    2,
+    8,
+    torch.float32,
+    groups=(
+        KVGroup(GroupKind.SLIDING, (0,), 4, keep=6),
+        KVGroup(GroupKind.FULL, (1, 2)),
+        KVGroup(GroupKind.STATE, (3,), detail="MAMBA2.1x200"),
+    ),
+)
+LAYOUTS = [GEMMA, MLA, HYBRID, SLIDING_STATE]
+LAYOUT_IDS = ["gemma-like", "mla", "hybrid-state", "sliding-and-state"]
 
 
 def kept(kv: torch.Tensor, layout: KVLayout) -> torch.Tensor:

@@ -12,11 +12,11 @@ from kvtier.layout import KVLayout
 from kvtier.pd.receiver import PDReceiver
 from kvtier.pd.sender import PDSender, chunks_from_kv
 from tests.conftest import make_kv, make_tokens, small_config
-from tests.group_layouts import CHUNK, GEMMA, MLA, kept
+from tests.group_layouts import CHUNK, LAYOUT_IDS, LAYOUTS, kept
 
 
 @pytest.mark.parametrize("channel", ["tcp", "shm"])
-@pytest.mark.parametrize("layout", [GEMMA, MLA], ids=["gemma-like", "mla"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
 def test_a_group_layout_crosses_pd_and_is_served_by_the_decoder(
     layout: KVLayout, channel: str
 ) -> None:

@@ -10,11 +10,11 @@ import torch
 from kvtier import Config, Engine
 from kvtier.layout import KVLayout
 from tests.conftest import make_kv, make_tokens
-from tests.group_layouts import CHUNK, GEMMA, MLA, kept
+from tests.group_layouts import CHUNK, GEMMA, LAYOUT_IDS, LAYOUTS, kept
 from tests.server.server_helpers import ServerProcess, open_client
 
 
-@pytest.mark.parametrize("layout", [GEMMA, MLA], ids=["gemma-like", "mla"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
 def test_a_group_layout_is_served_like_an_in_process_engine(
     server: ServerProcess, layout: KVLayout
 ) -> None:

