@@ -5,7 +5,8 @@ Every configuration starts ``python -m vllm.entrypoints.openai.api_server`` (one
 ``VLLM_CPU_KVCACHE_SPACE`` from the environment or 1 GiB, ``--enforce-eager``, the whole
 prompt in one prefill step), warms it up with one short request, and runs vLLM's serving
 benchmark (``vllm.benchmarks.serve.main``) against it: pass 1 runs every workload on an empty
-cache, pass 2 runs the repeatable ones again with what pass 1 left::
+cache, pass 2 runs the repeatable ones again with what pass 1 left (``none``, which has no
+cache, runs them once, as pass 2)::
 
     config        vLLM prefix cache  connector                       pass 2 runs in
     none          off                none                            the same vLLM
@@ -307,7 +308,12 @@ def _passes(
     vllm = _start(plan, model, args, work)
     try:
         for n in (1, 2):
-            todo = [w for w in workloads if n == 1 or w.repeat]
+            # Without any cache pass 2 repeats pass 1 exactly: ``none`` runs it once, as pass 2.
+            todo = [
+                w
+                for w in workloads
+                if (n == 1 and not (w.repeat and plan.name == "none")) or (n == 2 and w.repeat)
+            ]
             if n == 2 and todo and plan.fresh:
                 vllm.flush()
                 vllm.stop()

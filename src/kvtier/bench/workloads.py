@@ -110,6 +110,15 @@ def workloads_for(args: argparse.Namespace, work: Path) -> list[Workload]:
     out: list[Workload] = []
     for name in args.workload:
         if name == "prefix":
+            # vLLM refuses a text prompt of more than 6 characters per --max-model-len token;
+            # the test tokenizer's words ("w12345 ") take up to 7.
+            chars = 7 * (args.prefix_len + args.suffix_len)
+            if chars > 6 * args.max_model_len:
+                raise InputError(
+                    f"--max-model-len is {args.max_model_len}: vLLM would refuse the prefix "
+                    f"workload's prompts (about {chars} characters, more than 6 a token); "
+                    f"use at least {-(-chars // 6)}"
+                )
             dataset = [
                 "--dataset-name", "prefix_repetition",
                 "--prefix-repetition-prefix-len", str(args.prefix_len),
