@@ -94,6 +94,7 @@ def test_headline_ratios_from_a_table() -> None:
     out = serve.top_level(table, texts)
     assert out["hit_share_none"] == 0 and out["hit_share_cpu"] == 0.768
     assert out["ttft_efficiency_cpu"] == 0.9
+    assert out["ttft_vs_apc_cpu"] == 1.9 and out["ttft_vs_apc_server"] == 2.8
     assert out["ttft_efficiency_server"] == 0.8
     assert out["ttft_efficiency_example"] == round(500 / 900, 3)
     assert out["server_vs_inprocess"] == round(0.8 / 0.9, 3)
