@@ -70,6 +70,7 @@ def test_vllm_accepts_the_benchmark_arguments_for_every_workload(tmp_path: Path)
         assert ns.base_url == "http://127.0.0.1:1" and ns.temperature == 0
         assert ns.ignore_eos and ns.model == serving.SERVED_NAME
         assert ns.max_concurrency == 1 and ns.ready_check_timeout_sec == 0
+        assert ns.save_detailed and not ns.save_result  # completions kept, no file written
     assert "serve" in BENCHMARKS
     with pytest.raises(InputError, match="--max-model-len is 4608: vLLM would refuse"):
         workloads.workloads_for(parsed("--max-model-len", "4608"), tmp_path)

@@ -389,6 +389,7 @@ def benchmark_arguments(
             "--temperature", "0",
             "--ignore-eos",
             "--disable-tqdm",
+            "--save-detailed",  # keeps generated_texts in the result (nothing is written)
             "--seed", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", "50,99",
