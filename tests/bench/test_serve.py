@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import serve
+from kvtier.bench import serve, serving, workloads
 from kvtier.cli.bench import BENCHMARKS
-from kvtier.testing.checkpoint import words_for
+from kvtier.errors import InputError
 
 
 def parsed(*extra: str) -> argparse.Namespace:
@@ -43,28 +43,39 @@ def test_each_configuration_starts_vllm_as_documented(tmp_path: Path) -> None:
 
 
 def test_chat_history_grows_round_by_round_from_a_shared_start() -> None:
-    prompts = serve.chat_prompts(3, 4, 10, 5, 7, vocab=1024)
-    assert len(prompts) == 12
-    words = [p.split() for p in prompts]
-    for i, prompt in enumerate(words):
-        assert prompt[:10] == words[0][:10]  # every user shares the system part
-        if i >= 3:  # the same user's previous round is a prefix of this one
-            assert prompt[: len(words[i - 3])] == words[i - 3]
-            assert len(prompt) == len(words[i - 3]) + 12
-    assert words_for([3, 4]) == "w0 w1"
+    entries = workloads.chat_trace(3, 4, 640, 64, 128, output_len=16, block=64)
+    assert len(entries) == 12
+    ids = [e["hash_ids"] for e in entries]
+    for i, entry in enumerate(entries):
+        assert ids[i][:10] == ids[0][:10]  # every user shares the system part
+        assert entry["input_length"] == 64 * len(ids[i]) and entry["output_length"] == 16
+        assert entry["timestamp"] == i  # sent in this order
+        if i >= 3:  # the same user's previous round is a prefix of this one, plus 3 blocks
+            assert ids[i][: len(ids[i - 3])] == ids[i - 3]
+            assert len(ids[i]) == len(ids[i - 3]) + 3
+    assert len({tuple(x[10:11]) for x in ids[:3]}) == 3  # users differ after the system part
+    with pytest.raises(InputError, match="--answer-tokens is 100; use a multiple"):
+        workloads.chat_trace(1, 2, 640, 64, 100, output_len=16, block=64)
 
 
-def test_vllm_accepts_the_benchmark_arguments_for_both_workloads(tmp_path: Path) -> None:
-    args = parsed("--shape", "tiny", "--users", "2", "--rounds", "2", "--system-words", "8")
-    datasets = serve.datasets_for(args, tmp_path)
-    assert set(datasets) == {"prefix", "chat"}
-    lines = (tmp_path / "chat.jsonl").read_text().splitlines()
-    assert len(lines) == 4 and json.loads(lines[0])["output_tokens"] == 16
-    for dataset in datasets.values():
-        ns = serve.benchmark_arguments("http://127.0.0.1:1", tmp_path, args, dataset)
+def test_vllm_accepts_the_benchmark_arguments_for_every_workload(tmp_path: Path) -> None:
+    args = parsed("--shape", "tiny", "--users", "2", "--rounds", "2", "--system-tokens", "128")
+    loads = workloads.workloads_for(args, tmp_path)
+    assert [w.name for w in loads] == ["prefix", "chat", "decode"]
+    assert [w.repeat for w in loads] == [True, True, False]  # decode: hit-free, pass 1 only
+    lines = (tmp_path / "chat-trace.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and json.loads(lines[0])["output_length"] == 16
+    for workload in loads:
+        ns = serve.benchmark_arguments("http://127.0.0.1:1", tmp_path, args, workload.dataset)
         assert ns.base_url == "http://127.0.0.1:1" and ns.temperature == 0
-        assert ns.ignore_eos and ns.model == serve.SERVED_NAME
+        assert ns.ignore_eos and ns.model == serving.SERVED_NAME
+        assert ns.max_concurrency == 1 and ns.ready_check_timeout_sec == 0
+        assert ns.save_detailed and not ns.save_result  # completions kept, no file written
     assert "serve" in BENCHMARKS
+    with pytest.raises(InputError, match="--max-model-len is 4608: vLLM would refuse"):
+        workloads.workloads_for(parsed("--max-model-len", "4608"), tmp_path)
+    with pytest.raises(InputError, match="'qa' is unknown"):
+        workloads.workloads_for(parsed("--workload", "qa"), tmp_path)
 
 
 def test_headline_ratios_from_a_table() -> None:
@@ -78,9 +89,13 @@ def test_headline_ratios_from_a_table() -> None:
         "server": {"pass1": row(1000, 90), "pass2": row(280, 130)},
         "example": {"pass1": row(1000, 80), "pass2": row(500, 120)},
     }
+    table["none"]["pass2"].update(prompt_tokens=1000, vllm_cached_tokens=0)
+    table["cpu"]["pass2"].update(prompt_tokens=1000, connector_tokens=768)
     texts = {"none": ["a", "b"], "cpu": ["a", "b"], "example": ["a", "c"]}
     out = serve.top_level(table, texts)
+    assert out["hit_share_none"] == 0 and out["hit_share_cpu"] == 0.768
     assert out["ttft_efficiency_cpu"] == 0.9
+    assert out["ttft_vs_apc_cpu"] == 1.9 and out["ttft_vs_apc_server"] == 2.8
     assert out["ttft_efficiency_server"] == 0.8
     assert out["ttft_efficiency_example"] == round(500 / 900, 3)
     assert out["server_vs_inprocess"] == round(0.8 / 0.9, 3)
@@ -88,3 +103,55 @@ def test_headline_ratios_from_a_table() -> None:
     assert out["e2e_throughput_vs_none"] == 0.95
     assert out["outputs_equal_cpu"] == 1.0 and out["outputs_equal_example"] == 0.5
     assert "ttft_efficiency_disk" not in out  # not measured: not reported
+    decode = {"cpu": {"pass1": row(0, 60)}, "example": {"pass1": row(0, 50)}}
+    decode["none"] = {"pass1": row(0, 100)}
+    out = serve.top_level(table, texts, decode)  # throughput from the hit-free workload
+    assert out["e2e_throughput_vs_example"] == 1.2 and out["e2e_throughput_vs_none"] == 0.6
+
+
+def test_a_pass_counters_come_from_vllm_metrics_and_kvtier_stats() -> None:
+    text = (
+        "# HELP vllm:prefix_cache_hits_total Prefix cache hits\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 32.0\n'
+        'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 16.0\n'
+        'vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 4096.0\n'
+        'vllm:prompt_tokens_total{engine="0",model_name="m"} 8448.0\n'
+        'vllm:prompt_tokens_created{engine="0",model_name="m"} 1.7e9\n'
+    )
+    assert serving.parse_metrics(text) == {
+        "prompt_tokens": 8448,
+        "vllm_cached_tokens": 48,
+        "connector_tokens": 4096,
+    }
+    before = {"prompt_tokens": 100, "kvtier_tokens_by_tier": {"cpu": 256}}
+    after = {"prompt_tokens": 400, "kvtier_tokens_by_tier": {"cpu": 768, "disk": 256}}
+    assert serving.counter_delta(before, after) == {
+        "prompt_tokens": 300,
+        "kvtier_tokens_by_tier": {"cpu": 512, "disk": 256},
+    }
+
+
+def test_a_pass_that_measured_something_else_is_named() -> None:
+    def row(**counters: object) -> dict[str, object]:
+        return {"mean_ttft_ms": 1.0, "failed": 0, **counters}
+
+    good = {
+        "none": {"pass2": row(prompt_tokens=100)},
+        "apc": {"pass2": row(prompt_tokens=100, vllm_cached_tokens=96)},
+        "cpu": {"pass2": row(kvtier_tokens=512, kvtier_tokens_by_tier={"cpu": 512})},
+        "server": {"pass2": row(kvtier_tokens=512, kvtier_tokens_by_tier={"cpu": 512})},
+    }
+    assert serve.problems({"prefix": good}) == []
+    bad = {
+        "none": {"pass1": row(connector_tokens=16, failed=2)},
+        "disk": {"pass2": row(kvtier_tokens=512, kvtier_tokens_by_tier={"disk": 256})},
+        "redis": {"pass1": row(), "pass2": row(kvtier_tokens=0)},
+        "example": {"pass2": row(vllm_cached_tokens=16)},
+    }
+    assert serve.problems({"chat": bad}) == [
+        "chat/none/pass1: 2 requests failed",
+        "chat/none/pass1: a connector served with none configured",
+        "chat/disk/pass2: disk served 256 of 512",
+        "chat/redis/pass2: kvtier served no token in pass 2",
+        "chat/example/pass2: vLLM's prefix cache served with it off",
+    ]

@@ -2,9 +2,11 @@
 cache configuration, on a model shape whose KV is big enough for loads to matter.
 
 Every configuration starts ``python -m vllm.entrypoints.openai.api_server`` (one at a time,
-``VLLM_CPU_KVCACHE_SPACE`` from the environment or 1 GiB, ``--enforce-eager``) and runs
-vLLM's serving benchmark (``vllm.benchmarks.serve.main``) against it twice with the same
-requests: pass 1 on an empty cache, pass 2 measured with what pass 1 left::
+``VLLM_CPU_KVCACHE_SPACE`` from the environment or 1 GiB, ``--enforce-eager``, the whole
+prompt in one prefill step), warms it up with one short request, and runs vLLM's serving
+benchmark (``vllm.benchmarks.serve.main``) against it: pass 1 runs every workload on an empty
+cache, pass 2 runs the repeatable ones again with what pass 1 left (``none``, which has no
+cache, runs them once, as pass 2)::
 
     config        vLLM prefix cache  connector                       pass 2 runs in
     none          off                none                            the same vLLM
@@ -15,22 +17,33 @@ requests: pass 1 on an empty cache, pass 2 measured with what pass 1 left::
     server        off                kvtier through a kvtier server  a fresh vLLM (server warm)
     example       off                vLLM's ExampleConnector         the same vLLM
 
-Workloads (``--workload``): ``prefix`` is vLLM's prefix_repetition dataset (``--num-prefixes``
-prefixes of ``--prefix-len`` tokens, ``--suffix-len``-token suffixes); ``chat`` is a multi-round
-chat written as a custom dataset: ``--users`` conversations of ``--rounds`` rounds, each round's
-prompt is the previous prompt, a ``--answer-words`` answer and a new ``--question-words``
-question, sent round by round (the history grows, as in LMCache's multi-round QA benchmark).
+Workloads: see :mod:`kvtier.bench.workloads` (``prefix``, ``chat``, ``decode``). Requests go
+``--max-concurrency`` (1) at a time, so a time to first token is a prefill (or a load), not a
+wait in vLLM's queue. ``--reserved-cpus`` (1) is vLLM's ``VLLM_CPU_NUM_OF_RESERVED_CPU`` for
+every configuration; ``vllm`` leaves vLLM's default, which on 2 cores with a connector
+configured gives the worker the scheduler's core too (docs/vllm.md, "Decode with a connector
+configured").
 
-Top-level fields (pass 2 mean TTFT of the first workload; ``cold`` is ``none``)::
+Top-level fields (``cold`` is ``none``; the headline workload is ``prefix`` if it ran)::
 
-    ttft_efficiency_<c>  = (cold - c) / (cold - apc)       1.0: as good as vLLM's own cache
+    ttft_efficiency_<c>  = (cold - c) / (cold - apc)  pass-2 mean TTFT; 1.0: as good as vLLM's
+    ttft_vs_apc_<c>      = c / apc                    pass-2 mean TTFT of a hit against vLLM's
+                                                       own hit (what the efficiency hides when
+                                                       the cold prefill is long)
     server_vs_inprocess  = ttft_efficiency_server / ttft_efficiency_cpu
-    e2e_throughput_vs_example = cpu / example   output tokens/s in pass 1 (no hit anywhere)
-    e2e_throughput_vs_none    = cpu / none      same
+    e2e_throughput_vs_example = cpu / example   output tokens/s of the decode workload (no
+    e2e_throughput_vs_none    = cpu / none      hit anywhere), or of pass 1 without it
     outputs_equal_<c>    share of pass-2 completions identical to ``none``'s (greedy)
+    hit_share_<c>        share of pass-2 prompt tokens served from a cache (vLLM's or the
+                         connector's, from vLLM's /metrics)
+    problems             every pass whose counters disagree with what its row claims (kvtier
+                         served nothing, or from another tier; a cache hit with no cache;
+                         failed requests): empty when every figure measured what it says
 
 plus ``table``: per workload, configuration and pass, TTFT mean/p50/p99, TPOT mean/p50,
-end-to-end latency mean/p50/p99 (ms), request and output throughput.
+end-to-end latency mean/p50/p99 (ms), request and output throughput, and the pass's counters
+(``prompt_tokens``, ``vllm_cached_tokens``, ``connector_tokens``, ``kvtier_tokens`` and
+``kvtier_tokens_by_tier``).
 """
 
 from __future__ import annotations
@@ -39,25 +52,19 @@ import argparse
 import contextlib
 import json
 import os
-import random
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench import workloads as wl
 from kvtier.bench.isolation import stdout_to_stderr, work_dir
 from kvtier.bench.redis import _server as redis_server
-from kvtier.testing.checkpoint import words_for
+from kvtier.bench.serving import SERVED_NAME, KVTierServer, VLLMServer, counter_delta
 from kvtier.testing.shapes import SHAPES, write_shape
 
 CONFIGS = ("none", "apc", "cpu", "disk", "redis", "server", "example")
 FRESH = {"disk", "redis", "server"}  # pass 2 in a new vLLM process
-SERVED_NAME = "kvtier-bench"
+KVTIER_CONFIGS = {"cpu": "cpu", "disk": "disk", "redis": "redis", "server": None}
 KVTIER = {
     "kv_connector": "KVTierConnector",
     "kv_connector_module_path": "kvtier.integrations.vllm",
@@ -72,22 +79,16 @@ def _names(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--configs", type=_names, default=list(CONFIGS))
-    parser.add_argument("--workload", type=_names, default=["prefix", "chat"])
-    parser.add_argument("--num-prefixes", type=int, default=4)
-    parser.add_argument("--prefix-len", type=int, default=4096)
-    parser.add_argument("--suffix-len", type=int, default=128)
-    parser.add_argument("--num-prompts", type=int, default=16, help="prefix workload")
-    parser.add_argument("--users", type=int, default=4, help="chat workload")
-    parser.add_argument("--rounds", type=int, default=4, help="chat workload")
-    parser.add_argument("--system-words", type=int, default=2048, help="chat: shared start")
-    parser.add_argument("--question-words", type=int, default=64)
-    parser.add_argument("--answer-words", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=16)
-    parser.add_argument("--request-rate", type=float, default=1.0)
+    parser.add_argument("--workload", type=_names, default=["prefix", "chat", "decode"])
+    wl.add_arguments(parser)
+    parser.add_argument("--max-concurrency", type=int, default=1)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--cpu-size", default="4GiB", help="kvtier CPU tier")
+    parser.add_argument(
+        "--reserved-cpus", default="1", help="VLLM_CPU_NUM_OF_RESERVED_CPU, or 'vllm' (unset)"
+    )
     parser.add_argument("--work-dir", default=None, help="checkpoint, disk tier, logs")
 
 
@@ -142,33 +143,6 @@ def plan_for(name: str, work: Path, cpu_size: str, redis_url: str = "", sock: st
     )
 
 
-def chat_prompts(
-    users: int,
-    rounds: int,
-    system_words: int,
-    question_words: int,
-    answer_words: int,
-    vocab: int,
-    seed: int = 0,
-) -> list[str]:
-    """Multi-round chat prompts, round by round: user ``u``'s round ``r`` prompt extends its
-    round ``r-1`` prompt with an answer and a new question; all users share the system part."""
-    rng = random.Random(seed)
-
-    def words(n: int) -> list[int]:
-        return [rng.randrange(3, vocab) for _ in range(n)]
-
-    system = words(system_words)
-    histories = [system + words(question_words) for _ in range(users)]
-    prompts: list[str] = []
-    for r in range(rounds):
-        for u in range(users):
-            if r:
-                histories[u] = histories[u] + words(answer_words) + words(question_words)
-            prompts.append(words_for(histories[u]))
-    return prompts
-
-
 def efficiency(cold: float, cached: float, ideal: float) -> float:
     """(cold - cached) / (cold - ideal): the share of the ideal saving that ``cached`` gets."""
     saved = cold - ideal
@@ -194,8 +168,13 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     return {k: round(float(result[k]), 3) for k in keys if result.get(k) is not None}
 
 
-def top_level(table: dict[str, dict[str, Any]], texts: dict[str, list[str]]) -> dict[str, Any]:
-    """The headline ratios from one workload's table (config -> pass -> summary)."""
+def top_level(
+    table: dict[str, dict[str, Any]],
+    texts: dict[str, list[str]],
+    throughput_table: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The headline ratios from one workload's table (config -> pass -> summary); throughput
+    from ``throughput_table`` (the hit-free decode workload) when given, else pass 1."""
     out: dict[str, Any] = {}
 
     def ttft(config: str) -> float | None:
@@ -203,7 +182,7 @@ def top_level(table: dict[str, dict[str, Any]], texts: dict[str, list[str]]) -> 
         return None if row is None else float(row["mean_ttft_ms"])
 
     def throughput(config: str) -> float | None:
-        row = table.get(config, {}).get("pass1")
+        row = (throughput_table or table).get(config, {}).get("pass1")
         return None if row is None else float(row["output_throughput"])
 
     cold, ideal = ttft("none"), ttft("apc")
@@ -211,6 +190,7 @@ def top_level(table: dict[str, dict[str, Any]], texts: dict[str, list[str]]) -> 
         value = ttft(config)
         if cold is not None and ideal is not None and value is not None:
             out[f"ttft_efficiency_{config}"] = efficiency(cold, value, ideal)
+            out[f"ttft_vs_apc_{config}"] = round(value / ideal, 3) if ideal else float("nan")
     if "ttft_efficiency_server" in out and out.get("ttft_efficiency_cpu"):
         out["server_vs_inprocess"] = round(
             out["ttft_efficiency_server"] / out["ttft_efficiency_cpu"], 3
@@ -225,6 +205,38 @@ def top_level(table: dict[str, dict[str, Any]], texts: dict[str, list[str]]) -> 
         if config != "none" and reference:
             same = sum(a == b for a, b in zip(generated, reference, strict=False))
             out[f"outputs_equal_{config}"] = round(same / len(reference), 3)
+    for config, passes in table.items():
+        row = passes.get("pass2", {})
+        if row.get("prompt_tokens"):
+            hit = row.get("vllm_cached_tokens", 0) + row.get("connector_tokens", 0)
+            out[f"hit_share_{config}"] = round(hit / row["prompt_tokens"], 3)
+    return out
+
+
+def problems(table: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """Every pass whose counters say its figure measured something else (see the module
+    docstring); each as a sentence naming the workload, configuration and pass."""
+    out: list[str] = []
+    for workload, configs in table.items():
+        for config, passes in configs.items():
+            for name, row in passes.items():
+                where = f"{workload}/{config}/{name}"
+                if row.get("failed"):
+                    out.append(f"{where}: {row['failed']:g} requests failed")
+                if config != "apc" and row.get("vllm_cached_tokens"):
+                    out.append(f"{where}: vLLM's prefix cache served with it off")
+                if config in ("none", "apc") and row.get("connector_tokens"):
+                    out.append(f"{where}: a connector served with none configured")
+                if config not in KVTIER_CONFIGS or name != "pass2":
+                    continue
+                served = row.get("kvtier_tokens", 0)
+                if not served:
+                    out.append(f"{where}: kvtier served no token in pass 2")
+                    continue
+                tier = KVTIER_CONFIGS[config]
+                by_tier = row.get("kvtier_tokens_by_tier", {})
+                if tier is not None and by_tier.get(tier, 0) < served:
+                    out.append(f"{where}: {tier} served {by_tier.get(tier, 0)} of {served}")
     return out
 
 
@@ -232,97 +244,120 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in args.configs:
         if name not in CONFIGS:
             raise ValueError(f"--configs: {name!r} is unknown; use {', '.join(CONFIGS)}")
+    loads: list[float] = []
+    failed: list[str] = []
     with stdout_to_stderr(), work_dir(args.work_dir, "kvtier-bench-serve-") as work:
         model = write_shape(work / f"model-{args.shape}", args.shape)
-        datasets = datasets_for(args, work)
-        table: dict[str, dict[str, dict[str, Any]]] = {w: {} for w in datasets}
-        texts: dict[str, dict[str, list[str]]] = {w: {} for w in datasets}
+        workloads = wl.workloads_for(args, work)
+        table: dict[str, dict[str, dict[str, Any]]] = {w.name: {} for w in workloads}
+        texts: dict[str, dict[str, list[str]]] = {w.name: {} for w in workloads}
         with contextlib.ExitStack() as stack:
             redis_url = stack.enter_context(redis_server(None)) if "redis" in args.configs else ""
             sock = str(work / "kvtier.sock")
             for name in args.configs:
                 plan = plan_for(name, work, args.cpu_size, redis_url, sock)
-                server = _KVTierServer(sock, args.cpu_size, work) if plan.needs_server else None
                 try:
-                    for workload, bench_args in datasets.items():
-                        passes, generated = _two_passes(plan, model, args, work, bench_args)
+                    done = _configuration(plan, model, args, work, workloads, sock)
+                    for workload, passes, generated in done:
                         table[workload][name] = passes
                         texts[workload][name] = generated
-                finally:
-                    if server is not None:
-                        server.stop()
-    first = next(iter(datasets))
+                except Exception as exc:  # one configuration failing must not lose the others
+                    failed.append(f"{name}: {type(exc).__name__}: {str(exc)[-500:]}")
+                loads.append(os.getloadavg()[0])
+                partial = {"load_avg_1m": loads, "failed": failed, "table": table}
+                (work / "serve-partial.json").write_text(json.dumps(partial, indent=1))
+    names = [w.name for w in workloads]
+    headline = "prefix" if "prefix" in names else names[0]
     result: dict[str, Any] = {
         "shape": args.shape,
         "dtype": args.dtype,
+        "reserved_cpus": args.reserved_cpus,
         "machine_cpus": os.cpu_count(),
-        "load_avg_1m": round(os.getloadavg()[0], 2),
-        **top_level(table[first], texts[first]),
+        "load_avg_1m": [round(x, 2) for x in loads],  # after each configuration
+        "headline_workload": headline,
+        **top_level(table[headline], texts[headline], table.get("decode")),
     }
-    for workload in list(datasets)[1:]:
-        result[workload] = top_level(table[workload], texts[workload])
+    for workload in names:
+        if workload != headline:
+            result[workload] = top_level(table[workload], texts[workload], table.get("decode"))
+    result["problems"] = failed + problems(table)
     result["table"] = table
     return result
 
 
-def datasets_for(args: argparse.Namespace, work: Path) -> dict[str, list[str]]:
-    """Workload -> the serving benchmark's dataset arguments."""
-    out: dict[str, list[str]] = {}
-    for workload in args.workload:
-        if workload == "prefix":
-            out["prefix"] = [
-                "--dataset-name", "prefix_repetition",
-                "--prefix-repetition-prefix-len", str(args.prefix_len),
-                "--prefix-repetition-suffix-len", str(args.suffix_len),
-                "--prefix-repetition-num-prefixes", str(args.num_prefixes),
-                "--prefix-repetition-output-len", str(args.output_len),
-                "--num-prompts", str(args.num_prompts),
-            ]  # fmt: skip
-        elif workload == "chat":
-            vocab = SHAPES[args.shape].vocab
-            prompts = chat_prompts(
-                args.users,
-                args.rounds,
-                args.system_words,
-                args.question_words,
-                args.answer_words,
-                vocab,
-            )
-            path = work / "chat.jsonl"
-            with path.open("w") as f:
-                for prompt in prompts:
-                    f.write(json.dumps({"prompt": prompt, "output_tokens": args.output_len}))
-                    f.write("\n")
-            out["chat"] = [
-                "--dataset-name", "custom",
-                "--dataset-path", str(path),
-                "--disable-shuffle",
-                "--skip-chat-template",
-                "--custom-output-len", str(args.output_len),
-                "--num-prompts", str(len(prompts)),
-            ]  # fmt: skip
-        else:
-            raise ValueError(f"--workload: {workload!r} is unknown; use prefix, chat")
-    return out
+def _configuration(
+    plan: Plan,
+    model: Path,
+    args: argparse.Namespace,
+    work: Path,
+    workloads: list[wl.Workload],
+    sock: str,
+) -> list[tuple[str, dict[str, Any], list[str]]]:
+    """Every pass of one configuration (with its kvtier server around it, if it has one)."""
+    server = KVTierServer(sock, args.cpu_size, work) if plan.needs_server else None
+    try:
+        return _passes(plan, model, args, work, workloads)
+    finally:
+        if server is not None:
+            server.stop()
 
 
-def _two_passes(
-    plan: Plan, model: Path, args: argparse.Namespace, work: Path, dataset: list[str]
-) -> tuple[dict[str, Any], list[str]]:
-    results: dict[str, Any] = {}
-    texts: list[str] = []
-    vllm = _VLLM(plan, model, args, work)
+def _passes(
+    plan: Plan, model: Path, args: argparse.Namespace, work: Path, workloads: list[wl.Workload]
+) -> list[tuple[str, dict[str, Any], list[str]]]:
+    """Pass 1 of every workload, then pass 2 of the repeatable ones (in a fresh vLLM for the
+    fresh configurations): ``(workload, {pass: row}, pass-2 or pass-1 completions)``."""
+    rows: dict[str, dict[str, Any]] = {w.name: {} for w in workloads}
+    texts: dict[str, list[str]] = {}
+    vllm = _start(plan, model, args, work)
     try:
         for n in (1, 2):
-            if n == 2 and plan.fresh:
+            # Without any cache pass 2 repeats pass 1 exactly: ``none`` runs it once, as pass 2.
+            todo = [
+                w
+                for w in workloads
+                if (n == 1 and not (w.repeat and plan.name == "none")) or (n == 2 and w.repeat)
+            ]
+            if n == 2 and todo and plan.fresh:
+                vllm.flush()
                 vllm.stop()
-                vllm = _VLLM(plan, model, args, work)
-            raw = _serving_benchmark(vllm.url, model, args, dataset)
-            results[f"pass{n}"] = summarize(raw)
-            texts = list(raw.get("generated_texts") or [])
+                vllm = _start(plan, model, args, work)
+            for workload in todo:
+                before = vllm.counters()
+                raw = _serving_benchmark(vllm.url, model, args, workload.dataset)
+                vllm.flush()  # writes finish before the next figure is taken
+                row = summarize(raw)
+                row.update(counter_delta(before, vllm.counters()))
+                rows[workload.name][f"pass{n}"] = row
+                texts[workload.name] = list(raw.get("generated_texts") or [])
     finally:
         vllm.stop()
-    return results, texts
+    return [(w.name, rows[w.name], texts[w.name]) for w in workloads]
+
+
+def _start(plan: Plan, model: Path, args: argparse.Namespace, work: Path) -> VLLMServer:
+    options = [
+        "--enforce-eager",
+        "--dtype", args.dtype,
+        "--max-model-len", str(args.max_model_len),
+        "--max-num-batched-tokens", str(args.max_model_len),
+        "--seed", "0",
+        "--enable-prefix-caching" if plan.prefix_cache else "--no-enable-prefix-caching",
+    ]  # fmt: skip
+    env = {**os.environ, **plan.env}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.reserved_cpus != "vllm":
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.reserved_cpus)
+    else:
+        env.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)
+    kvtier = plan.name in KVTIER_CONFIGS
+    vllm = VLLMServer(plan.name, model, options, plan.transfer, env, work, kvtier=kvtier)
+    try:
+        vllm.warm_up()
+    except BaseException:
+        vllm.stop()
+        raise
+    return vllm
 
 
 def _serving_benchmark(
@@ -348,10 +383,13 @@ def benchmark_arguments(
             "--base-url", url,
             "--model", SERVED_NAME,
             "--tokenizer", str(model),
-            "--request-rate", str(args.request_rate),
+            "--request-rate", "inf",
+            "--max-concurrency", str(args.max_concurrency),
+            "--ready-check-timeout-sec", "0",  # the server is up and warm: no test request
             "--temperature", "0",
             "--ignore-eos",
             "--disable-tqdm",
+            "--save-detailed",  # keeps generated_texts in the result (nothing is written)
             "--seed", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", "50,99",
@@ -359,98 +397,3 @@ def benchmark_arguments(
         ]
     )  # fmt: skip
     return parsed
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class _VLLM:
-    """vLLM's OpenAI API server in its own process group (stopping it stops its engine)."""
-
-    def __init__(self, plan: Plan, model: Path, args: argparse.Namespace, work: Path) -> None:
-        port = _free_port()
-        cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model),
-            "--served-model-name", SERVED_NAME,
-            "--host", "127.0.0.1",
-            "--port", str(port),
-            "--enforce-eager",
-            "--dtype", args.dtype,
-            "--max-model-len", str(args.max_model_len),
-            "--max-num-batched-tokens", str(args.max_model_len),
-            "--seed", "0",
-            "--enable-prefix-caching" if plan.prefix_cache else "--no-enable-prefix-caching",
-        ]  # fmt: skip
-        if plan.transfer is not None:
-            transfer = {**plan.transfer, "engine_id": f"bench-serve-{plan.name}-{port}"}
-            cmd += ["--kv-transfer-config", json.dumps(transfer)]
-        env = {**os.environ, **plan.env}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = work / f"vllm-{plan.name}-{port}.log"
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        deadline = time.monotonic() + 600
-        while not _healthy(self.url):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                tail = self.log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"vLLM ({plan.name}) did not come up; log:\n{tail}")
-            time.sleep(1)
-
-    def stop(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGINT)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
-class _KVTierServer:
-    """``kvtier server`` on a Unix socket, for the ``server`` configuration."""
-
-    def __init__(self, sock: str, cpu_size: str, work: Path) -> None:
-        env = {**os.environ, "KVTIER_MAX_LOCAL_CPU_SIZE": cpu_size}
-        self.log = work / "kvtier-server.log"
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtier.cli.main", "server", "--socket", sock],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + 120
-        while not os.path.exists(sock):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"kvtier server did not start; see {self.log}")
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            return bool(response.status == 200)
-    except OSError:
-        return False
