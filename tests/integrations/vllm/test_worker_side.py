@@ -19,6 +19,7 @@ import torch
 from kvtier.config import Config
 from kvtier.errors import InputError
 from kvtier.integrations.vllm.events import block_names, to_vllm
+from kvtier.integrations.vllm.groups import ModelGroups, VllmGroup
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.scheduler import SchedulerSide
@@ -42,11 +43,14 @@ def worker() -> Iterator[WorkerSide]:
     side.close()
 
 
-def make_worker(**overrides: object) -> WorkerSide:
+def make_worker(
+    *, model_name: str = "tiny", groups: ModelGroups | None = None, **overrides: object
+) -> WorkerSide:
+    """A registered worker with events on; ``groups``: vLLM's KV-cache groups (None: one)."""
     values = {"chunk_size": CHUNK, "max_local_cpu_size": f"{8 * CHUNK_BYTES}B", **overrides}
     side = WorkerSide(
         Config.load(overrides=values, env={}),
-        model_name="tiny",
+        model_name=model_name,
         engine_id=f"test-{uuid.uuid4().hex}",
         tp_rank=0,
         tp_world_size=1,
@@ -54,6 +58,7 @@ def make_worker(**overrides: object) -> WorkerSide:
         num_kv_heads=HEADS,
         head_dim=DIM,
         events=True,
+        groups=groups,
     )
     side.register(kv_caches())
     return side
@@ -449,7 +454,6 @@ def test_two_kv_cache_groups_save_and_load_by_their_own_block_tables() -> None:
     full-attention group, each with its own block table. Saves read each layer through its
     group's table; loads are asynchronous (vLLM takes failures per request for such models)
     and never write the sliding group's null block (id 0)."""
-    from kvtier.integrations.vllm.groups import ModelGroups, VllmGroup
     from kvtier.layout import GroupKind
 
     names = list(kv_caches())
@@ -459,19 +463,7 @@ def test_two_kv_cache_groups_save_and_load_by_their_own_block_tables() -> None:
             VllmGroup(GroupKind.FULL, 0, (names[1],), "FullAttentionSpec"),
         )
     )
-    values = {"chunk_size": CHUNK, "max_local_cpu_size": f"{8 * CHUNK_BYTES}B"}
-    side = WorkerSide(
-        Config.load(overrides=values, env={}),
-        model_name="tiny-hybrid",
-        engine_id=f"test-{uuid.uuid4().hex}",
-        tp_rank=0,
-        tp_world_size=1,
-        block_size=BLOCK,
-        num_kv_heads=HEADS,
-        head_dim=DIM,
-        groups=groups,
-    )
-    side.register(kv_caches())
+    side = make_worker(model_name="tiny-hybrid", groups=groups)
     try:
         assert side.paged is not None and side.engine is not None
         # The sliding group keeps the window in whole blocks plus one block of each chunk.
