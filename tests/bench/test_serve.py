@@ -155,3 +155,25 @@ def test_a_pass_that_measured_something_else_is_named() -> None:
         "chat/redis/pass2: kvtier served no token in pass 2",
         "chat/example/pass2: vLLM's prefix cache served with it off",
     ]
+
+
+def test_rounds_merge_into_medians_and_each_round_keeps_its_own_ratio() -> None:
+    def row(throughput: float, ttft: float = 0.0) -> dict[str, object]:
+        by_tier = {"cpu": int(throughput)}
+        return {"output_throughput": throughput, "mean_ttft_ms": ttft, "by": by_tier}
+
+    rounds = [
+        {"cpu": {"pass1": row(100)}, "example": {"pass1": row(80)}, "none": {"pass1": row(100)}},
+        {"cpu": {"pass1": row(90)}, "example": {"pass1": row(100)}, "none": {"pass1": row(95)}},
+        {"cpu": {"pass1": row(120)}, "example": {"pass1": row(96)}},  # none failed here
+    ]
+    merged = serve.merge_rounds(rounds)
+    assert merged["cpu"]["pass1"]["output_throughput"] == 100  # the median of 100, 90, 120
+    assert merged["example"]["pass1"]["output_throughput"] == 96
+    assert merged["none"]["pass1"]["output_throughput"] == 97.5  # over the rounds it ran
+    assert merged["cpu"]["pass1"]["by"] == {"cpu": 100}  # not a number: the first round's
+    per = serve.per_round([{"decode": r} for r in rounds], "decode")
+    assert per["e2e_throughput_vs_example"] == [1.25, 0.9, 1.25]
+    assert per["e2e_throughput_vs_none"] == [1.0, round(90 / 95, 3)]
+    with pytest.raises(ValueError, match="--repeats is 0; use 1 or more"):
+        serve.run(parsed("--repeats", "0"))

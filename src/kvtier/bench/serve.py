@@ -40,6 +40,12 @@ Top-level fields (``cold`` is ``none``; the headline workload is ``prefix`` if i
                          served nothing, or from another tier; a cache hit with no cache;
                          failed requests): empty when every figure measured what it says
 
+``--repeats N`` runs every configuration N times, in rounds of alternating order (forward,
+backward, ...), each round on empty tiers of its own: every figure is then the median over
+the rounds, ``per_round`` lists each headline ratio as measured within each round alone, and
+``rounds`` keeps each round's table (on a shared, noisy machine one configuration swings by
+20% between runs minutes apart: a comparison that matters takes several rounds).
+
 plus ``table``: per workload, configuration and pass, TTFT mean/p50/p99, TPOT mean/p50,
 end-to-end latency mean/p50/p99 (ms), request and output throughput, and the pass's counters
 (``prompt_tokens``, ``vllm_cached_tokens``, ``connector_tokens``, ``kvtier_tokens`` and
@@ -52,6 +58,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,6 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--reserved-cpus", default="1", help="VLLM_CPU_NUM_OF_RESERVED_CPU, or 'vllm' (unset)"
     )
     parser.add_argument("--work-dir", default=None, help="checkpoint, disk tier, logs")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of every configuration, alternating their order; figures are medians",
+    )
 
 
 @dataclass
@@ -244,45 +257,97 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in args.configs:
         if name not in CONFIGS:
             raise ValueError(f"--configs: {name!r} is unknown; use {', '.join(CONFIGS)}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats is {args.repeats}; use 1 or more")
     loads: list[float] = []
     failed: list[str] = []
+    rounds: list[dict[str, dict[str, dict[str, Any]]]] = []
     with stdout_to_stderr(), work_dir(args.work_dir, "kvtier-bench-serve-") as work:
         model = write_shape(work / f"model-{args.shape}", args.shape)
         workloads = wl.workloads_for(args, work)
-        table: dict[str, dict[str, dict[str, Any]]] = {w.name: {} for w in workloads}
-        texts: dict[str, dict[str, list[str]]] = {w.name: {} for w in workloads}
-        with contextlib.ExitStack() as stack:
-            redis_url = stack.enter_context(redis_server(None)) if "redis" in args.configs else ""
-            sock = str(work / "kvtier.sock")
-            for name in args.configs:
-                plan = plan_for(name, work, args.cpu_size, redis_url, sock)
-                try:
-                    done = _configuration(plan, model, args, work, workloads, sock)
-                    for workload, passes, generated in done:
-                        table[workload][name] = passes
-                        texts[workload][name] = generated
-                except Exception as exc:  # one configuration failing must not lose the others
-                    failed.append(f"{name}: {type(exc).__name__}: {str(exc)[-500:]}")
-                loads.append(os.getloadavg()[0])
-                partial = {"load_avg_1m": loads, "failed": failed, "table": table}
-                (work / "serve-partial.json").write_text(json.dumps(partial, indent=1))
-    names = [w.name for w in workloads]
+        names = [w.name for w in workloads]
+        texts: dict[str, dict[str, list[str]]] = {w: {} for w in names}
+        for index in range(args.repeats):
+            # Alternate the order (forward, backward, ...): a drift in the machine's speed
+            # then lands on every configuration alike instead of on the last ones.
+            order = args.configs if index % 2 == 0 else list(reversed(args.configs))
+            # Each round on empty tiers of its own: a disk or Redis that kept the previous
+            # round's chunks would turn its pass 1 into hits.
+            where = work if args.repeats == 1 else work / f"round-{index + 1}"
+            where.mkdir(parents=True, exist_ok=True)
+            table: dict[str, dict[str, dict[str, Any]]] = {w: {} for w in names}
+            with contextlib.ExitStack() as stack:
+                redis_url = stack.enter_context(redis_server(None)) if "redis" in order else ""
+                sock = str(where / "kvtier.sock")
+                for name in order:
+                    plan = plan_for(name, where, args.cpu_size, redis_url, sock)
+                    try:
+                        done = _configuration(plan, model, args, where, workloads, sock)
+                        for workload, passes, generated in done:
+                            table[workload][name] = passes
+                            texts[workload].setdefault(name, []).extend(generated)
+                    except Exception as exc:  # one configuration failing must not lose others
+                        failed.append(f"{name}: {type(exc).__name__}: {str(exc)[-500:]}")
+                    loads.append(os.getloadavg()[0])
+                    partial = {"load_avg_1m": loads, "failed": failed, "rounds": [*rounds, table]}
+                    (work / "serve-partial.json").write_text(json.dumps(partial, indent=1))
+            rounds.append(table)
     headline = "prefix" if "prefix" in names else names[0]
+    merged = {w: merge_rounds([r[w] for r in rounds]) for w in names}
     result: dict[str, Any] = {
         "shape": args.shape,
         "dtype": args.dtype,
         "reserved_cpus": args.reserved_cpus,
         "machine_cpus": os.cpu_count(),
+        "repeats": args.repeats,
         "load_avg_1m": [round(x, 2) for x in loads],  # after each configuration
         "headline_workload": headline,
-        **top_level(table[headline], texts[headline], table.get("decode")),
+        **top_level(merged[headline], texts[headline], merged.get("decode")),
     }
     for workload in names:
         if workload != headline:
-            result[workload] = top_level(table[workload], texts[workload], table.get("decode"))
-    result["problems"] = failed + problems(table)
-    result["table"] = table
+            result[workload] = top_level(merged[workload], texts[workload], merged.get("decode"))
+    result["problems"] = failed
+    for index, table in enumerate(rounds):
+        label = f"round {index + 1}: " if args.repeats > 1 else ""
+        result["problems"] += [label + p for p in problems(table)]
+    if args.repeats > 1:
+        result["per_round"] = per_round(rounds, headline)
+        result["rounds"] = rounds
+    result["table"] = merged
     return result
+
+
+def merge_rounds(tables: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """One table (config -> pass -> row) from several rounds' tables: each number is its
+    median over the rounds that have it (the counters' dicts are the first round's)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for table in tables:
+        for config, passes in table.items():
+            for name in passes:
+                merged.setdefault(config, {}).setdefault(name, None)
+    for config, passes in merged.items():
+        for name in passes:
+            rows = [t[config][name] for t in tables if name in t.get(config, {})]
+            row: dict[str, Any] = dict(rows[0])
+            for key, value in rows[0].items():
+                values = [r[key] for r in rows if isinstance(r.get(key), int | float)]
+                if isinstance(value, int | float) and len(values) == len(rows):
+                    row[key] = round(statistics.median(values), 3)
+            passes[name] = row
+    return merged
+
+
+def per_round(rounds: list[dict[str, dict[str, dict[str, Any]]]], headline: str) -> dict[str, Any]:
+    """Each headline ratio as measured within each round alone (configurations of one round
+    ran minutes apart, so a round's ratio is the least disturbed by the machine's drift)."""
+    out: dict[str, list[float]] = {}
+    for table in rounds:
+        figures = top_level(table.get(headline, {}), {}, table.get("decode"))
+        for key, value in figures.items():
+            if not key.startswith(("hit_share_", "outputs_equal_")):
+                out.setdefault(key, []).append(value)
+    return out
 
 
 def _configuration(

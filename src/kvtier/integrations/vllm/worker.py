@@ -210,7 +210,9 @@ class WorkerSide:
             states = self.states
             if states is not None and not states.present(spec.group_block_ids, spec.end):
                 continue  # no state kept at this chunk's end: the chunk cannot be whole
-            out = self._scratch_for(spec.end)
+            # Sized for the whole prompt, not this save's end: the load of its repeat then
+            # finds the buffer big enough (growing it costs ~30 ms of page faults for 96 MiB).
+            out = self._scratch_for(max(spec.end, len(spec.tokens)))
             paged.gather(tables, spec.start, spec.end, out)
             if states is not None:
                 # The scheduler sends one chunk per save, ending where this step ended.
