@@ -18,8 +18,8 @@ import pytest
 
 from kvtier.cli.main import build_parser, main
 from kvtier.cli.pd_proxy import router_command
+from kvtier.testing.router import RouterProcess
 from tests.redis_servers import free_port
-from tests.vllm_router import RouterProcess
 
 ANSWER = {"do_remote_prefill": True, "do_remote_decode": False, "kvtier_transfer_id": "t-1"}
 

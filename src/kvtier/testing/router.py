@@ -31,7 +31,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,7 +98,7 @@ class VllmServer:
     port: int = field(default_factory=free_port)
     pub_port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
-    proc: subprocess.Popen[bytes] | None = None
+    process: RouterProcess | None = None
 
     @property
     def url(self) -> str:
@@ -284,6 +284,63 @@ def router_command(
     return cmd
 
 
+def pd_command(prefill: str, decode: str, port: int, metrics_port: int) -> list[str]:
+    """vllm-router in PD mode as docs/vllm.md runs it, on loopback ports."""
+    return [
+        router_binary(),
+        "--vllm-pd-disaggregation",
+        "--prefill", prefill,
+        "--decode", decode,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--prometheus-port", str(metrics_port),
+        "--worker-startup-check-interval", "1",
+    ]  # fmt: skip
+
+
+class RouterProcess:
+    """``command`` (vllm-router, or a command that execs it) serving on ``port``, in its own
+    process group, its output appended to ``log``."""
+
+    def __init__(self, command: list[str], port: int, log: Path, **env: str) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "NO_COLOR": "1", **env},
+                start_new_session=True,
+            )
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Until the router answers /v1/models (it listens once its workers are healthy)."""
+        self.wait_until(self._answers, timeout)
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.log.read_text(errors="replace")[-4000:]
+                self.stop()
+                raise RuntimeError(f"vllm-router did not come up; log:\n{tail}")
+            time.sleep(0.3)
+
+    def _answers(self) -> bool:
+        try:
+            _get(f"{self.url}/v1/models")
+        except urllib.error.HTTPError:
+            return True  # it answers
+        except OSError:
+            return False
+        return True
+
+    def stop(self) -> None:
+        _stop_group(self.proc, signal.SIGTERM, 20)
+
+
 @dataclass
 class Router:
     """vllm-router in front of ``workers``; its debug log says which worker got a request."""
@@ -295,7 +352,7 @@ class Router:
     sources: dict[str, str] | None = None
     port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
-    proc: subprocess.Popen[bytes] | None = None
+    process: RouterProcess | None = None
 
     @property
     def url(self) -> str:
@@ -314,30 +371,16 @@ class Router:
             replay=self.replay,
             sources=self.sources,
         )
-        self.work.mkdir(parents=True, exist_ok=True)
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                cmd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "NO_COLOR": "1"},
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + 120
-        while not self.ready():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = self.log.read_text(errors="replace")[-3000:]
-                self.stop()
-                raise RuntimeError(f"vllm-router did not come up; log:\n{tail}")
-            time.sleep(0.5)
+        self.process = RouterProcess(cmd, self.port, self.log)
+        self.process.wait_until(self.ready)
         return self
 
     def ready(self) -> bool:
         return "Starting server on" in self.log.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.proc is not None:
-            _stop_group(self.proc, signal.SIGTERM, 15)
+        if self.process is not None:
+            self.process.stop()
 
     def log_text(self) -> str:
         return re.sub(r"\x1b\[[0-9;]*m", "", self.log.read_text(errors="replace"))

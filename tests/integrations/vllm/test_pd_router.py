@@ -24,9 +24,9 @@ import pytest
 
 from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.testing.checkpoint import words_for
+from kvtier.testing.router import RouterProcess, pd_command
 from tests.docs.doc_blocks import block_after
 from tests.redis_servers import free_port
-from tests.vllm_router import RouterProcess, pd_command
 
 from .conftest import PROMPTS
 from .serve_helpers import Server, complete, post
