@@ -40,6 +40,8 @@ def test_each_configuration_starts_vllm_as_documented(tmp_path: Path) -> None:
     assert {n for n, p in plans.items() if p.fresh} == {"disk", "redis", "server"}
     with pytest.raises(ValueError, match="unknown"):
         serve.plan_for("gpu", tmp_path, "1GiB")
+    chunked = serve.plan_for("disk", tmp_path, "1GiB", chunk_size=128).transfer
+    assert chunked is not None and chunked["kv_connector_extra_config"]["chunk_size"] == 128
 
 
 def test_chat_history_grows_round_by_round_from_a_shared_start() -> None:

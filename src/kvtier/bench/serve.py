@@ -94,6 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--cpu-size", default="4GiB", help="kvtier CPU tier")
     parser.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        help="kvtier's chunk in tokens (default: kvtier's, 256); vLLM's block (128 on its "
+        "CPU build) reuses a prompt as finely as vLLM's own prefix cache",
+    )
+    parser.add_argument(
         "--reserved-cpus", default="1", help="VLLM_CPU_NUM_OF_RESERVED_CPU, or 'vllm' (unset)"
     )
     parser.add_argument("--work-dir", default=None, help="checkpoint, disk tier, logs")
@@ -118,8 +125,16 @@ class Plan:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def plan_for(name: str, work: Path, cpu_size: str, redis_url: str = "", sock: str = "") -> Plan:
-    """The vLLM settings of configuration ``name`` (see the module docstring)."""
+def plan_for(
+    name: str,
+    work: Path,
+    cpu_size: str,
+    redis_url: str = "",
+    sock: str = "",
+    chunk_size: int | None = None,
+) -> Plan:
+    """The vLLM settings of configuration ``name`` (see the module docstring);
+    ``chunk_size``: kvtier's chunk (None: kvtier's default)."""
     if name == "none":
         return Plan(name)
     if name == "apc":
@@ -146,6 +161,8 @@ def plan_for(name: str, work: Path, cpu_size: str, redis_url: str = "", sock: st
         return Plan(name, transfer=transfer)
     else:
         raise ValueError(f"configuration {name!r} is unknown; use {', '.join(CONFIGS)}")
+    if chunk_size is not None:
+        extra["chunk_size"] = chunk_size
     transfer = {**KVTIER, "kv_connector_extra_config": extra}
     return Plan(
         name,
@@ -280,7 +297,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 redis_url = stack.enter_context(redis_server(None)) if "redis" in order else ""
                 sock = str(where / "kvtier.sock")
                 for name in order:
-                    plan = plan_for(name, where, args.cpu_size, redis_url, sock)
+                    plan = plan_for(name, where, args.cpu_size, redis_url, sock, args.chunk_size)
                     try:
                         done = _configuration(plan, model, args, where, workloads, sock)
                         for workload, passes, generated in done:
@@ -298,6 +315,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "shape": args.shape,
         "dtype": args.dtype,
         "reserved_cpus": args.reserved_cpus,
+        "chunk_size": args.chunk_size,
         "machine_cpus": os.cpu_count(),
         "repeats": args.repeats,
         "load_avg_1m": [round(x, 2) for x in loads],  # after each configuration
@@ -359,7 +377,9 @@ def _configuration(
     sock: str,
 ) -> list[tuple[str, dict[str, Any], list[str]]]:
     """Every pass of one configuration (with its kvtier server around it, if it has one)."""
-    server = KVTierServer(sock, args.cpu_size, work) if plan.needs_server else None
+    server = None
+    if plan.needs_server:
+        server = KVTierServer(sock, args.cpu_size, work, args.chunk_size)
     try:
         return _passes(plan, model, args, work, workloads)
     finally:

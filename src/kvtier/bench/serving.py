@@ -171,8 +171,10 @@ def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
 class KVTierServer:
     """``kvtier server`` on a Unix socket (CPU tier of ``cpu_size``), started on return."""
 
-    def __init__(self, sock: str, cpu_size: str, work: Path) -> None:
+    def __init__(self, sock: str, cpu_size: str, work: Path, chunk_size: int | None = None) -> None:
         env = {**os.environ, "KVTIER_MAX_LOCAL_CPU_SIZE": cpu_size}
+        if chunk_size is not None:
+            env["KVTIER_CHUNK_SIZE"] = str(chunk_size)
         self.log = work / "kvtier-server.log"
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
