@@ -79,6 +79,22 @@ def run(instance: VllmInstance, prompt: Sequence[int]) -> tuple[list[int], int]:
     return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
 
 
+def with_kvtier(
+    instances: Instances, name: str, path: Path, dtype: str, args: dict[str, Any]
+) -> VllmInstance:
+    """The family's vLLM with kvtier (a 64 MiB CPU tier), shared by the module's tests."""
+    return instances.get(
+        f"{name}-kvtier",
+        lambda: VllmInstance(
+            path,
+            engine_id=unique_engine_id(f"kvtier-{name}"),
+            extra={"max_local_cpu_size": "64MiB"},
+            dtype=dtype,
+            **args,
+        ),
+    )
+
+
 def capacity(instance: VllmInstance) -> int:
     return int(instance.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
 
@@ -108,16 +124,7 @@ def test_gpt_oss_with_kvtier_gives_the_tokens_of_vllm_with_its_example_connector
     example_blocks = capacity(example)
     hyb_instances.close()
 
-    kv = hyb_instances.get(
-        f"{name}-kvtier",
-        lambda: VllmInstance(
-            path,
-            engine_id=unique_engine_id(f"kvtier-{name}"),
-            extra={"max_local_cpu_size": "64MiB"},
-            dtype=dtype,
-            **LLM_ARGS,
-        ),
-    )
+    kv = with_kvtier(hyb_instances, name, path, dtype, LLM_ARGS)
     # kvtier implements SupportsHMA: vLLM keeps its hybrid manager, so the sliding-window
     # layers keep only their window and the same memory holds more blocks than with
     # ExampleConnector (which makes vLLM keep full KV for every layer).
@@ -237,16 +244,7 @@ def test_mamba2_hybrid_states_at_chunk_ends_give_the_tokens_of_vllm_alone(
         ref[key], _ = run(plain, prompt)
     hyb_instances.close()
 
-    kv = hyb_instances.get(
-        f"{name}-kvtier",
-        lambda: VllmInstance(
-            path,
-            engine_id=unique_engine_id(f"kvtier-{name}"),
-            extra={"max_local_cpu_size": "64MiB"},
-            dtype=dtype,
-            **STATE_ARGS,
-        ),
-    )
+    kv = with_kvtier(hyb_instances, name, path, dtype, STATE_ARGS)
     s0 = kv.stats()
     assert run(kv, P1) == (ref["p1"], 0)
     s1 = kv.stats()
