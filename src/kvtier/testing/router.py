@@ -98,7 +98,7 @@ class VllmServer:
     port: int = field(default_factory=free_port)
     pub_port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
-    process: RouterProcess | None = None
+    proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
