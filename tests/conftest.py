@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvtier import Config, Engine, KVLayout, Service
+from tests.redis_servers import RedisServer
 
 SMALL_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 SMALL_CHUNK = 16  # tokens; chunk_bytes = 2*2*16*16*4 = 4096
@@ -80,3 +81,13 @@ def service_factory() -> Iterator[Callable[..., Service]]:
 @pytest.fixture
 def engine(engine_factory: Callable[..., Engine]) -> Engine:
     return engine_factory()
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    """A real redis-server for one test module (started on a free port, removed after)."""
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.cleanup()

@@ -5,7 +5,6 @@ part names its group in explain, a deleted record is a miss from there on."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -44,15 +43,6 @@ def outcomes(engine: Engine, rid: str) -> list[str]:
     record = engine.observer.explain.get(rid)
     assert record is not None
     return [f"hit:{c['tier']}" if c["hit"] else c["reason"] for c in record["chunks"]]
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    try:
-        yield server
-    finally:
-        server.cleanup()
 
 
 def test_a_chunk_page_holds_each_group_s_share() -> None:

@@ -3,7 +3,6 @@ engines) gives the same tokens and logits as recomputing it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +16,6 @@ from tests.redis_servers import RedisServer
 NEW = 10
 MODELS = [("llama", torch.float32, 1e-5), ("qwen2", torch.bfloat16, 6e-2)]
 IDS = ["llama-float32", "qwen2-bfloat16"]
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    try:
-        yield server
-    finally:
-        server.cleanup()
 
 
 def warm_then_serve(model: Any, tol: float, tier: str, **overrides: object) -> None:
