@@ -38,7 +38,14 @@ import torch
 from kvtier.config import Config
 from kvtier.engine_pages import EnginePages
 from kvtier.errors import InputError, StateError
-from kvtier.keys import Fingerprint, KeyChain, RequestKeys, as_token_array, check_salt
+from kvtier.keys import (
+    Fingerprint,
+    KeyChain,
+    RequestKeys,
+    RequestSalt,
+    as_token_array,
+    check_salt,
+)
 from kvtier.layout import KVLayout
 from kvtier.lease import Lease, LeaseInfo, LeaseTable
 from kvtier.lifecycle import CallGuard, Lifecycle, guarded
@@ -229,7 +236,7 @@ class Engine:
         request_id: str,
         *,
         skip_leading_tokens: int = 0,
-        cache_salt: str | None = None,
+        cache_salt: RequestSalt | None = None,
     ) -> Hit:
         """Tokens of the longest cached prefix (including ``skip_leading_tokens`` the engine
         already holds), pinned for ``request_id`` until :meth:`end_request`; ``cpu_tokens``
@@ -259,7 +266,7 @@ class Engine:
 
     @_guarded
     def retrieve(
-        self, tokens: object, request_id: str, *, cache_salt: str | None = None
+        self, tokens: object, request_id: str, *, cache_salt: RequestSalt | None = None
     ) -> torch.Tensor:
         """KV of the cached prefix, shape ``[2, layers, hit, kv_heads*head_dim]``.
 
@@ -287,7 +294,7 @@ class Engine:
         out: torch.Tensor,
         *,
         skip_leading_tokens: int = 0,
-        cache_salt: str | None = None,
+        cache_salt: RequestSalt | None = None,
     ) -> int:
         """Write the cached prefix into ``out`` (``[2, layers, >=hit, hidden]``, indexed by
         token position; any device) without an intermediate copy. Chunks wholly inside
@@ -323,7 +330,7 @@ class Engine:
         kv: torch.Tensor,
         *,
         skip_leading_tokens: int = 0,
-        cache_salt: str | None = None,
+        cache_salt: RequestSalt | None = None,
         keys: RequestKeys | None = None,
     ) -> int:
         """Store the KV of ``tokens`` (``[2, layers, len(tokens), kv_heads*head_dim]``).
@@ -450,7 +457,7 @@ class Engine:
 
     # -- helpers ---------------------------------------------------------------------------
     def _request_keys(
-        self, tokens: np.ndarray, salt: str | None, lease: Lease[LookupPlan] | None
+        self, tokens: np.ndarray, salt: RequestSalt | None, lease: Lease[LookupPlan] | None
     ) -> RequestKeys:
         """The keys of ``tokens``: reused from the lease where it knows them (only chunks it
         does not know are hashed); the lease keeps them when they extend its tokens."""
@@ -470,7 +477,11 @@ class Engine:
 
     @_guarded
     def request_keys(
-        self, tokens: object, request_id: str | None = None, *, cache_salt: str | None = None
+        self,
+        tokens: object,
+        request_id: str | None = None,
+        *,
+        cache_salt: RequestSalt | None = None,
     ) -> RequestKeys:
         """The chunk keys of ``tokens`` for ``request_id``, to pass to :meth:`store` and to
         name its chunks (events, PD). What the request's lookup hashed is reused (a request
@@ -498,7 +509,7 @@ class Engine:
                 leases.end_busy(lease)
 
     def _plan(
-        self, tokens: object, request_id: str, skip_leading_tokens: int, salt: str | None
+        self, tokens: object, request_id: str, skip_leading_tokens: int, salt: RequestSalt | None
     ) -> LookupPlan:
         _, leases = self._open_parts()
         check_request_id(request_id)

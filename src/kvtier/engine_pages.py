@@ -25,7 +25,7 @@ import torch
 
 from kvtier.config import Config
 from kvtier.errors import StateError
-from kvtier.keys import RequestKeys, as_token_array, check_salt
+from kvtier.keys import RequestKeys, RequestSalt, as_token_array, check_salt
 from kvtier.lease import Lease, LeaseTable
 from kvtier.observability.observer import Observer
 from kvtier.storage.counters import EngineCounters
@@ -47,11 +47,11 @@ class PageHost(Protocol):
     def _open_parts(self) -> tuple[StorageManager, LeaseTable[LookupPlan]]: ...
 
     def _request_keys(
-        self, tokens: np.ndarray, salt: str | None, lease: Lease[LookupPlan] | None
+        self, tokens: np.ndarray, salt: RequestSalt | None, lease: Lease[LookupPlan] | None
     ) -> RequestKeys: ...
 
     def _plan(
-        self, tokens: object, request_id: str, skip_leading_tokens: int, salt: str | None
+        self, tokens: object, request_id: str, skip_leading_tokens: int, salt: RequestSalt | None
     ) -> LookupPlan: ...
 
     def _load(
@@ -71,7 +71,7 @@ class EnginePages:
         request_id: str,
         *,
         skip_leading_tokens: int = 0,
-        cache_salt: str | None = None,
+        cache_salt: RequestSalt | None = None,
     ) -> tuple[int, list[tuple[int, int, int]]]:
         """``Engine.retrieve_into`` without the copy: the chunks of the cached prefix from the
         skip on, each resident in a page that ``request_id``'s lease holds until
@@ -97,7 +97,7 @@ class EnginePages:
         request_id: str,
         *,
         skip_leading_tokens: int = 0,
-        cache_salt: str | None = None,
+        cache_salt: RequestSalt | None = None,
     ) -> list[StoreSlot]:
         """``Engine.store`` without the copy: a page for each chunk of ``tokens`` not yet held
         (from the skip on), held by ``request_id``'s lease. Fill them, then

@@ -10,6 +10,24 @@ request's chain, ``h_-1 = H(H(fingerprint) || "\x1fcache_salt\x1f" || salt)``, s
 of the request differs from every key of another salt or of no salt, while equal salts share.
 It composes with the fingerprint's own (engine-wide) ``cache_salt``: both are in the seed.
 
+Equal tokens are not always equal KV. A request may carry :class:`ExtraKeys` in place of a
+plain salt: everything else an engine keys its own prefix cache by (vLLM's block-hash "extra
+keys")::
+
+    adapter   a LoRA adapter's identity (a digest of its weights): it re-seeds the chain,
+              h_-1 = H(seed || "\x1flora\x1f" || adapter), so no chunk is shared with the
+              base model or another adapter
+    items     token ranges keyed by content: a multimodal item (its content hash over its
+              placeholder tokens), prompt-embedding rows (a digest of the rows). Chunk i,
+              covering [a, b), mixes in every item that overlaps it, with the item's offsets
+              relative to a:
+                  h_i = H(h_{i-1} || bytes(c_i) || "\x1fx" || H(d_1 || s_1-a || e_1-a || ...))
+              A chunk that no item overlaps hashes exactly as plain text does: the chunks
+              before the first image are shared with text-only requests of the same prefix,
+              and each chunk after it differs through the chain.
+
+The suffix makes a keyed chunk's bytes 2 mod 4 long, so it never equals a chunk of tokens.
+
 ``h_i`` names chunk ``i`` *and everything before it*: equal keys mean equal prefixes.
 ``H`` is deterministic across processes and machines (xxh3-128 by default; never Python's
 salted ``hash()``).
@@ -34,8 +52,9 @@ import operator
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, overload
+from typing import NamedTuple, TypeAlias, overload
 
+import msgspec
 import numpy as np
 import torch
 import xxhash
@@ -266,21 +285,100 @@ class ChunkSpans(Sequence[ChunkSpan]):
 
 
 MAX_SALT_CHARS = 1024
+MAX_DIGEST_BYTES = 64  # an adapter's or an item's digest (sha256 is 32)
+MAX_ITEMS = 1 << 20  # keyed token ranges of one request (a chunk each at most, in practice)
+MAX_LABELS = 16
 _SEEDS_KEPT = 4096  # salted seeds remembered (one hash each to make; tenants are few)
 
 
-def check_salt(salt: object) -> str | None:
-    """A per-request salt: None or a string (``""`` means none), at most
-    :data:`MAX_SALT_CHARS` characters. Anything else is an :class:`InputError`."""
+class ExtraKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What names a request's KV besides its tokens (see the module docstring).
+
+    ``salt``: the request's ``cache_salt``. ``adapter``: a digest of its LoRA adapter's
+    weights (empty: the base model). ``items``: ``(start, end, digest)`` token ranges keyed
+    by content, sorted by start. ``labels``: what :mod:`kvtier.observability.explain` says
+    about them ("lora adapter 'B'", "2 images"); not part of any key.
+
+    Passed wherever a request's ``cache_salt`` goes (lookup, retrieve, store, the server's
+    wire, vLLM's lookup channel): it is the request's salt, widened."""
+
+    salt: str | None = None
+    adapter: bytes = b""
+    items: tuple[tuple[int, int, bytes], ...] = ()
+    labels: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """One phrase for logs and explain: the labels, or what the keys hold."""
+        if self.labels:
+            return ", ".join(self.labels)
+        parts = ["a LoRA adapter"] if self.adapter else []
+        if self.items:
+            parts.append(f"{len(self.items)} content-keyed token ranges")
+        return ", ".join(parts) or "no extra keys"
+
+
+RequestSalt: TypeAlias = str | ExtraKeys  # what a request's ``cache_salt`` may be
+
+
+def check_salt(salt: object) -> RequestSalt | None:
+    """A per-request salt: None, a string (``""`` means none) of at most
+    :data:`MAX_SALT_CHARS` characters, or :class:`ExtraKeys` (with no adapter and no items
+    it is its plain salt). Anything else is an :class:`InputError` naming what is wrong."""
+    if isinstance(salt, ExtraKeys):
+        return _check_extra_keys(salt)
     if salt is None or salt == "":
         return None
     if not isinstance(salt, str):
-        raise InputError(f"cache_salt must be a string or None, got {type(salt).__name__}")
+        raise InputError(
+            f"cache_salt must be a string, ExtraKeys or None, got {type(salt).__name__}"
+        )
     if len(salt) > MAX_SALT_CHARS:
         raise InputError(
             f"cache_salt has {len(salt)} characters; at most {MAX_SALT_CHARS} are accepted"
         )
     return salt
+
+
+def _check_extra_keys(extra: ExtraKeys) -> RequestSalt | None:
+    salt = check_salt(extra.salt)
+    if not isinstance(extra.adapter, bytes) or len(extra.adapter) > MAX_DIGEST_BYTES:
+        raise InputError(f"ExtraKeys.adapter must be a digest of at most {MAX_DIGEST_BYTES} bytes")
+    if len(extra.items) > MAX_ITEMS:
+        raise InputError(
+            f"ExtraKeys has {len(extra.items)} items; at most {MAX_ITEMS} are accepted"
+        )
+    previous = 0
+    for item in extra.items:
+        if not (isinstance(item, tuple) and len(item) == 3):
+            raise InputError(f"ExtraKeys item {item!r} must be (start, end, digest)")
+        start, end, digest = item
+        if not (
+            isinstance(start, int)
+            and isinstance(end, int)
+            and 0 <= start < end
+            and start >= previous
+            and isinstance(digest, bytes)
+            and 0 < len(digest) <= MAX_DIGEST_BYTES
+        ):
+            raise InputError(
+                f"ExtraKeys item {item!r}: need 0 <= start < end, items sorted by start, and a "
+                f"digest of 1 to {MAX_DIGEST_BYTES} bytes"
+            )
+        previous = start
+    if len(extra.labels) > MAX_LABELS or not all(
+        isinstance(label, str) and len(label) <= 200 for label in extra.labels
+    ):
+        raise InputError(f"ExtraKeys.labels: at most {MAX_LABELS} strings of 200 characters")
+    if not extra.adapter and not extra.items:
+        return salt  # nothing but a salt: keyed exactly as the plain salt is
+    if salt != extra.salt:
+        return msgspec.structs.replace(extra, salt=salt)
+    return extra
+
+
+def salt_of(salt: RequestSalt | None) -> str | None:
+    """The plain ``cache_salt`` part of a request's salt."""
+    return salt.salt if isinstance(salt, ExtraKeys) else salt
 
 
 class KeyChain:
@@ -291,22 +389,29 @@ class KeyChain:
         self.chunk_size = fingerprint.chunk_size
         self._hash = _HASHERS[fingerprint.hash_algorithm]
         self._seed = fingerprint.digest()
-        self._salted: dict[str, bytes] = {}
+        self._salted: dict[tuple[str, bytes], bytes] = {}
         self.chunks_hashed = 0  # chunks hashed since made (a diagnostic: tests count it)
         # numpy dtype whose items are whole chunks: .tolist() gives one bytes per chunk in C
         self._chunk_dtype = np.dtype((np.void, self.chunk_size * 4))
 
-    def seed(self, salt: str | None = None) -> bytes:
-        """``h_-1`` of a chain: the fingerprint's digest, re-seeded by a request's salt."""
+    def seed(self, salt: RequestSalt | None = None) -> bytes:
+        """``h_-1`` of a chain: the fingerprint's digest, re-seeded by a request's salt and
+        by its LoRA adapter (see the module docstring)."""
         salt = check_salt(salt)
         if salt is None:
             return self._seed
-        seed = self._salted.get(salt)
+        plain = salt_of(salt) or ""
+        adapter = salt.adapter if isinstance(salt, ExtraKeys) else b""
+        seed = self._salted.get((plain, adapter))
         if seed is None:
-            seed = self._hash(self._seed + b"\x1fcache_salt\x1f" + salt.encode())
+            seed = self._seed
+            if plain:
+                seed = self._hash(seed + b"\x1fcache_salt\x1f" + plain.encode())
+            if adapter:
+                seed = self._hash(seed + b"\x1flora\x1f" + adapter)
             if len(self._salted) >= _SEEDS_KEPT:
                 self._salted.clear()
-            self._salted[salt] = seed
+            self._salted[(plain, adapter)] = seed
         return seed
 
     def keys(
@@ -314,7 +419,7 @@ class KeyChain:
         tokens: object,
         *,
         include_partial: bool,
-        salt: str | None = None,
+        salt: RequestSalt | None = None,
         known: Sequence[ChunkKey] = (),
     ) -> ChunkSpans:
         """Spans of every full chunk, plus the last partial one when ``include_partial``;
@@ -330,6 +435,8 @@ class KeyChain:
         chunks: list[bytes] = array[reuse * size : n_full * size].view(self._chunk_dtype).tolist()
         if len(tail):
             chunks.append(tail.tobytes())
+        if isinstance(salt, ExtraKeys) and salt.items:
+            self._mix_items(chunks, reuse, salt.items, len(array))
         self.chunks_hashed += len(chunks)
         chain = [known[reuse - 1] if reuse else seed]
         # Each step reads the key the step before appended (see the module docstring).
@@ -339,6 +446,31 @@ class KeyChain:
         keys = list(known[:reuse]) + chain if reuse else chain
         covered = len(array) if len(tail) else n_full * size
         return ChunkSpans(keys, size, covered)
+
+    def _mix_items(
+        self,
+        chunks: list[bytes],
+        first: int,
+        items: Sequence[tuple[int, int, bytes]],
+        num_tokens: int,
+    ) -> None:
+        """Append to ``chunks[j]`` (chunk ``first + j``) the digest of every item that
+        overlaps it, with the item's offsets relative to the chunk's start (the module
+        docstring). Only keyed chunks are touched: plain ones keep the C-level path."""
+        size = self.chunk_size
+        last = first + len(chunks) - 1
+        mixed: dict[int, list[bytes]] = {}
+        for start, end, digest in items:
+            for index in range(max(start // size, first), min((end - 1) // size, last) + 1):
+                base = index * size
+                if base >= num_tokens:
+                    break
+                offsets = (start - base).to_bytes(8, "little", signed=True) + (end - base).to_bytes(
+                    8, "little", signed=True
+                )
+                mixed.setdefault(index, []).append(digest + offsets)
+        for index, parts in mixed.items():
+            chunks[index - first] += b"\x1fx" + self._hash(b"".join(parts))
 
 
 class RequestKeys:
@@ -353,7 +485,7 @@ class RequestKeys:
         self,
         chain: KeyChain,
         tokens: np.ndarray,
-        salt: str | None,
+        salt: RequestSalt | None,
         include_partial: bool,
         known: Sequence[ChunkKey] = (),
     ) -> None:
@@ -363,7 +495,7 @@ class RequestKeys:
         self.include_partial = include_partial
         self.spans = chain.keys(tokens, include_partial=include_partial, salt=salt, known=known)
 
-    def whole_chunks_shared(self, tokens: np.ndarray, salt: str | None) -> int:
+    def whole_chunks_shared(self, tokens: np.ndarray, salt: RequestSalt | None) -> int:
         """How many leading whole chunks ``tokens`` (and ``salt``) share with these."""
         if salt != self.salt:
             return 0
@@ -373,7 +505,7 @@ class RequestKeys:
         same = int(differ[0]) if len(differ) else n
         return same // size
 
-    def for_tokens(self, tokens: np.ndarray, salt: str | None) -> RequestKeys:
+    def for_tokens(self, tokens: np.ndarray, salt: RequestSalt | None) -> RequestKeys:
         """The keys of ``tokens``: these when they are the same, else new ones that reuse
         the whole chunks they share."""
         if salt == self.salt and np.array_equal(tokens, self.tokens):

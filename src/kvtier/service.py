@@ -35,7 +35,7 @@ from kvtier.admin.server import AdminServer
 from kvtier.config import Config
 from kvtier.engine import Engine, Hit
 from kvtier.errors import StateError
-from kvtier.keys import Fingerprint, KeyChain, RequestKeys
+from kvtier.keys import Fingerprint, KeyChain, RequestKeys, RequestSalt
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import Lifecycle
 from kvtier.pd.receiver import PDReceiver
@@ -147,14 +147,14 @@ class Service:
         request_id: str,
         *,
         skip_leading_tokens: int = 0,
-        cache_salt: str | None = None,
+        cache_salt: RequestSalt | None = None,
     ) -> Hit:
         return self.engine.lookup(
             tokens, request_id, skip_leading_tokens=skip_leading_tokens, cache_salt=cache_salt
         )
 
     def retrieve(
-        self, tokens: object, request_id: str, *, cache_salt: str | None = None
+        self, tokens: object, request_id: str, *, cache_salt: RequestSalt | None = None
     ) -> torch.Tensor:
         return self.engine.retrieve(tokens, request_id, cache_salt=cache_salt)
 
@@ -165,7 +165,7 @@ class Service:
         out: torch.Tensor,
         *,
         skip_leading_tokens: int = 0,
-        cache_salt: str | None = None,
+        cache_salt: RequestSalt | None = None,
     ) -> int:
         return self.engine.retrieve_into(
             tokens, request_id, out, skip_leading_tokens=skip_leading_tokens, cache_salt=cache_salt
@@ -177,7 +177,7 @@ class Service:
         kv: torch.Tensor,
         *,
         skip_leading_tokens: int = 0,
-        cache_salt: str | None = None,
+        cache_salt: RequestSalt | None = None,
         keys: RequestKeys | None = None,
     ) -> int:
         return self.engine.store(
@@ -185,7 +185,11 @@ class Service:
         )
 
     def request_keys(
-        self, tokens: object, request_id: str | None = None, *, cache_salt: str | None = None
+        self,
+        tokens: object,
+        request_id: str | None = None,
+        *,
+        cache_salt: RequestSalt | None = None,
     ) -> RequestKeys:
         return self.engine.request_keys(tokens, request_id, cache_salt=cache_salt)
 

@@ -33,7 +33,14 @@ import torch
 from kvtier.config import Config
 from kvtier.engine import Hit
 from kvtier.errors import InputError, StateError, TransferError
-from kvtier.keys import Fingerprint, KeyChain, RequestKeys, as_token_array, check_salt
+from kvtier.keys import (
+    Fingerprint,
+    KeyChain,
+    RequestKeys,
+    RequestSalt,
+    as_token_array,
+    check_salt,
+)
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.lifecycle import Lifecycle
 from kvtier.server import protocol as wire
@@ -158,7 +165,7 @@ class ServerClient:
         request_id: str,
         *,
         skip_leading_tokens: int = 0,
-        cache_salt: str | None = None,
+        cache_salt: RequestSalt | None = None,
     ) -> Hit:
         """Tokens of the longest cached prefix, pinned for ``request_id`` until
         :meth:`end_request`, and how many of them are in the server's CPU tier (0 beyond
@@ -179,7 +186,7 @@ class ServerClient:
         return self._exchange(request, hit, Hit(held, held))
 
     def retrieve(
-        self, tokens: object, request_id: str, *, cache_salt: str | None = None
+        self, tokens: object, request_id: str, *, cache_salt: RequestSalt | None = None
     ) -> torch.Tensor:
         """KV of the cached prefix, ``[2, layers, hit, hidden]`` (hit 0 without a server)."""
         check_request_id(request_id)
@@ -202,7 +209,7 @@ class ServerClient:
         out: torch.Tensor,
         *,
         skip_leading_tokens: int = 0,
-        cache_salt: str | None = None,
+        cache_salt: RequestSalt | None = None,
     ) -> int:
         """Copy the cached prefix from the shared pages into ``out`` (``[2, layers, >=hit,
         hidden]``, any device). Returns the end of the loaded prefix."""
@@ -240,7 +247,7 @@ class ServerClient:
         kv: torch.Tensor,
         *,
         skip_leading_tokens: int = 0,
-        cache_salt: str | None = None,
+        cache_salt: RequestSalt | None = None,
         keys: RequestKeys | None = None,
     ) -> int:
         """Store the KV of ``tokens`` (``[2, layers, len(tokens), hidden]``): the server gives
@@ -284,7 +291,11 @@ class ServerClient:
         )
 
     def request_keys(
-        self, tokens: object, request_id: str | None = None, *, cache_salt: str | None = None
+        self,
+        tokens: object,
+        request_id: str | None = None,
+        *,
+        cache_salt: RequestSalt | None = None,
     ) -> RequestKeys:
         """The chunk keys of ``tokens`` as the server computes them (hashed here: the
         server keeps its own with the lease), e.g. to name stored chunks in events."""

@@ -45,6 +45,7 @@ import msgspec
 
 from kvtier.errors import ProtocolError, TransferError, TransferTimeout
 from kvtier.framing import HEADER, Framing
+from kvtier.keys import RequestSalt
 
 MAGIC = b"KVS"
 VERSION = 1
@@ -75,21 +76,21 @@ class Lookup(msgspec.Struct, tag=True):
     request_id: str
     tokens: bytes  # int32 little-endian
     skip: int = 0
-    cache_salt: str | None = None  # the request's own salt (vLLM's cache_salt): its keys
+    cache_salt: RequestSalt | None = None  # the request's own salt (vLLM's cache_salt): its keys
 
 
 class Retrieve(msgspec.Struct, tag=True):
     request_id: str
     tokens: bytes
     skip: int = 0
-    cache_salt: str | None = None
+    cache_salt: RequestSalt | None = None
 
 
 class Reserve(msgspec.Struct, tag=True):
     store_id: int
     tokens: bytes
     skip: int = 0
-    cache_salt: str | None = None
+    cache_salt: RequestSalt | None = None
 
 
 class Commit(msgspec.Struct, tag=True):

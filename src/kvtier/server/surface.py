@@ -19,7 +19,7 @@ import torch
 from kvtier.admin.server import AdminServer
 from kvtier.config import Config
 from kvtier.engine import Engine, Hit
-from kvtier.keys import Fingerprint, KeyChain, RequestKeys
+from kvtier.keys import Fingerprint, KeyChain, RequestKeys, RequestSalt
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import Lifecycle
 from kvtier.server.client import ServerClient
@@ -62,11 +62,11 @@ class KVCache(Protocol):
         request_id: str,
         *,
         skip_leading_tokens: int = 0,
-        cache_salt: str | None = None,
+        cache_salt: RequestSalt | None = None,
     ) -> Hit: ...
 
     def retrieve(
-        self, tokens: object, request_id: str, *, cache_salt: str | None = None
+        self, tokens: object, request_id: str, *, cache_salt: RequestSalt | None = None
     ) -> torch.Tensor: ...
 
     def retrieve_into(
@@ -76,7 +76,7 @@ class KVCache(Protocol):
         out: torch.Tensor,
         *,
         skip_leading_tokens: int = 0,
-        cache_salt: str | None = None,
+        cache_salt: RequestSalt | None = None,
     ) -> int: ...
 
     def store(
@@ -85,12 +85,16 @@ class KVCache(Protocol):
         kv: torch.Tensor,
         *,
         skip_leading_tokens: int = 0,
-        cache_salt: str | None = None,
+        cache_salt: RequestSalt | None = None,
         keys: RequestKeys | None = None,
     ) -> int: ...
 
     def request_keys(
-        self, tokens: object, request_id: str | None = None, *, cache_salt: str | None = None
+        self,
+        tokens: object,
+        request_id: str | None = None,
+        *,
+        cache_salt: RequestSalt | None = None,
     ) -> RequestKeys: ...
 
     def loading(self, request_id: str) -> AbstractContextManager[bool]: ...

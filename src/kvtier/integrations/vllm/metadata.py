@@ -12,8 +12,9 @@ vLLM's first KV cache group (a position ``p`` lives in ``block_ids[p // block_si
                prompt that this step finished computing and kvtier does not hold.
 
 Both carry the prompt's tokens (a load: the whole prompt, which is what the lookup hashed, so
-the worker reuses the pinned plan; a save: the prompt up to ``end``) and the request's
-``cache_salt`` (vLLM's per-request salt), which seeds every chunk key of the request. The
+the worker reuses the pinned plan; a save: the prompt up to ``end``) and the request's salt:
+vLLM's ``cache_salt``, or :class:`~kvtier.keys.ExtraKeys` with its LoRA adapter, images and
+prompt embeddings too (:mod:`.extra_keys`), which key every chunk of the request. The
 metadata is pickled to the worker processes, so it holds plain Python values only.
 """
 
@@ -26,6 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
+
+from kvtier.keys import RequestSalt
 
 # PD: keys of vLLM's per-request kv_transfer_params (the hand-off is drawn in .pd).
 TRANSFER_ID = "kvtier_transfer_id"  # kvtier's own: the prefiller's id for the transfer
@@ -41,7 +44,7 @@ class LoadSpec:
     start: int
     end: int
     async_load: bool = False  # from disk/Redis: in the background, reported when done
-    cache_salt: str | None = None  # the request's own salt: part of every key it uses
+    cache_salt: RequestSalt | None = None  # the request's own salt: part of every key it uses
     # Several KV-cache groups (vLLM's hybrid manager): every group's table, in group order
     # (``block_ids`` is the first); empty with one group.
     group_block_ids: tuple[list[int], ...] = ()
@@ -60,7 +63,7 @@ class SaveSpec:
     start: int
     end: int
     transfer_id: str | None = None  # a prefiller's request: also send [start, end) (.pd)
-    cache_salt: str | None = None
+    cache_salt: RequestSalt | None = None
     group_block_ids: tuple[list[int], ...] = ()  # as in LoadSpec
 
     @property

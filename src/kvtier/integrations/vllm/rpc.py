@@ -66,6 +66,7 @@ from kvtier.errors import (
     TransferTimeout,
 )
 from kvtier.framing import HEADER, Framing
+from kvtier.keys import RequestSalt
 from kvtier.repeated_log import RepeatedLog
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class Hello(msgspec.Struct, tag=True):
 class Lookup(msgspec.Struct, tag=True):
     request_id: str
     tokens: list[int]
-    cache_salt: str | None = None
+    cache_salt: RequestSalt | None = None
 
 
 class End(msgspec.Struct, tag=True):
@@ -173,7 +174,7 @@ R = TypeVar("R", bound=Reply)
 class LookupHandler(Protocol):
     """What the worker serves on its channel (the worker side implements it)."""
 
-    def lookup(self, request_id: str, tokens: list[int], cache_salt: str | None) -> Hit: ...
+    def lookup(self, request_id: str, tokens: list[int], cache_salt: RequestSalt | None) -> Hit: ...
     def end(self, request_id: str) -> bool: ...
     def stats(self) -> dict[str, Any]: ...
     def leaks(self) -> list[Leak]: ...
@@ -191,7 +192,7 @@ class OpHandler:
     def __init__(self, handle: Callable[[str, tuple[Any, ...]], Any]) -> None:
         self._handle = handle
 
-    def lookup(self, request_id: str, tokens: list[int], cache_salt: str | None) -> Hit:
+    def lookup(self, request_id: str, tokens: list[int], cache_salt: RequestSalt | None) -> Hit:
         hit, cpu_hit = self._handle("lookup", (request_id, tokens, cache_salt))
         return Hit(int(hit), int(cpu_hit))
 
@@ -402,7 +403,7 @@ class LookupClient:
         self,
         request_id: str,
         tokens: list[int],
-        cache_salt: str | None = None,
+        cache_salt: RequestSalt | None = None,
         *,
         timeout: float | None = None,
     ) -> tuple[int, int]:

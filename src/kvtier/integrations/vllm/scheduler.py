@@ -4,8 +4,11 @@ It owns no KV and no pins: it asks the workers' Engines over the lookup channel 
 vLLM's scheduling decisions into per-step load and save specs. Per request it remembers::
 
     tokens     the prompt (what kvtier hashes)
-    salt       vLLM's per-request ``cache_salt``: it seeds every key of the request (lookup,
-               load, save, PD, events), so two salts never share a chunk
+    salt       vLLM's per-request ``cache_salt``, or ExtraKeys with its LoRA adapter, images
+               and prompt embeddings too (:mod:`.extra_keys`): it keys every chunk of the
+               request (lookup, load, save, PD, events), as vLLM keys its own blocks
+    uncached   why kvtier neither looks the request up nor saves it (something it cannot
+               key: it fails closed), or None
     hit        tokens kvtier holds and has pinned for this request (asked once; the pin
                lives in the worker's lease until the request ends)
     cpu_hit    the part of it in the CPU tier: a load reaching beyond it (disk, Redis) is
@@ -59,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import KVTierError
+from kvtier.integrations.vllm.extra_keys import RequestKeyer
 from kvtier.integrations.vllm.metadata import (
     DO_REMOTE_DECODE,
     DO_REMOTE_PREFILL,
@@ -68,6 +72,7 @@ from kvtier.integrations.vllm.metadata import (
     SaveSpec,
 )
 from kvtier.integrations.vllm.rpc import LookupClient
+from kvtier.keys import RequestSalt
 from kvtier.repeated_log import RepeatedLog
 
 log = logging.getLogger(__name__)
@@ -78,7 +83,8 @@ MAX_TRANSFER_ID = 256  # characters; a prefiller names ids of at most 97
 @dataclass
 class _Request:
     tokens: list[int]
-    salt: str | None = None
+    salt: RequestSalt | None = None
+    uncached: str | None = None
     hit: int | None = None
     cpu_hit: int = 0
     local: int = 0
@@ -124,6 +130,8 @@ class SchedulerSide:
         # Hits are usable in whole blocks, or in whole chunks where a state must be restored.
         self._unit = chunk_size if state_chunks else block_size
         self._requests: dict[str, _Request] = {}
+        self._keyer = RequestKeyer(chunk_size)
+        self.uncached = 0  # requests not cached: something in them kvtier cannot key
         self._async_loads: list[LoadSpec] = []  # for requests vLLM does not schedule yet
         self._complaints = RepeatedLog(log)  # a worker down fails every call: log it once
 
@@ -132,11 +140,11 @@ class SchedulerSide:
         """Tokens kvtier can add beyond ``num_computed_tokens`` (whole blocks), and whether
         they load asynchronously (some come from disk or Redis)."""
         rid = request.request_id
-        state = self._state(rid, request.prompt_token_ids, getattr(request, "cache_salt", None))
+        state = self._state_of(request)
         if state.transfer_id is None:
             state.transfer_id = self._transfer_id(getattr(request, "kv_transfer_params", None))
         state.local = num_computed_tokens
-        if not self.loads or len(state.tokens) < 2:
+        if not self.loads or len(state.tokens) < 2 or state.uncached is not None:
             return 0, False
         if state.hit is None:
             state.hit, state.cpu_hit = self._lookup(rid, state.tokens, state.salt)
@@ -160,9 +168,7 @@ class SchedulerSide:
         tables: tuple[list[int], ...] = (),
     ) -> None:
         """``tables``: every KV-cache group's block table when there are several."""
-        state = self._state(
-            request.request_id, request.prompt_token_ids, getattr(request, "cache_salt", None)
-        )
+        state = self._state_of(request)
         state.block_ids = list(block_ids)
         _set_tables(state, tables)
         if num_external_tokens <= 0:
@@ -194,7 +200,7 @@ class SchedulerSide:
                 state.block_ids, state.load = [], None
                 _set_tables(state, ())
         for new in out.scheduled_new_reqs:
-            state = self._state(new.req_id, new.prompt_token_ids)
+            state = self._state(new)
             state.block_ids = list(new.block_ids[0])
             _set_tables(state, new.block_ids)
             done = new.num_computed_tokens + out.num_scheduled_tokens[new.req_id]
@@ -307,15 +313,41 @@ class SchedulerSide:
             client.close()
 
     # -- helpers ---------------------------------------------------------------------------
-    def _state(self, rid: str, prompt: list[int] | None, salt: str | None = None) -> _Request:
-        """The request's state; made by its first hook, which is the one that sees the salt
-        (vLLM's Request: ``get_num_new_matched_tokens``, ``update_state_after_alloc``)."""
-        state = self._requests.get(rid)
+    def _state_of(self, request: Any) -> _Request:
+        """The request's state; made by its first hook, which is the one that sees vLLM's
+        whole Request (``get_num_new_matched_tokens``, ``update_state_after_alloc``): the
+        tokens and everything else that keys its KV."""
+        state = self._requests.get(request.request_id)
         if state is None:
-            state = self._requests[rid] = _Request(tokens=list(prompt or ()), salt=salt or None)
+            keyed = self._keyer.key(request)
+            if keyed.uncached is not None:
+                self.uncached += 1
+                self._complaints.warning(
+                    ("uncached", keyed.uncached),
+                    "kvtier: request %s is not cached: %s (vLLM serves it as usual)",
+                    request.request_id,
+                    keyed.uncached,
+                )
+            state = _Request(tokens=keyed.tokens, salt=keyed.salt, uncached=keyed.uncached)
+            self._requests[request.request_id] = state
         return state
 
-    def _lookup(self, rid: str, tokens: list[int], salt: str | None) -> tuple[int, int]:
+    def _state(self, new: Any) -> _Request:
+        """The state a hook above made for a newly scheduled request (``new``: vLLM's
+        NewRequestData). One no hook saw is keyed by its tokens alone, so it is not cached
+        if it carries anything else (fail closed: its salt is not in NewRequestData)."""
+        state = self._requests.get(new.req_id)
+        if state is None:
+            extra = any(
+                getattr(new, name, None) is not None and getattr(new, name, None) != []
+                for name in ("lora_request", "mm_features", "prompt_embeds")
+            )
+            why = "not seen at lookup, and it carries extra keys" if extra else None
+            state = _Request(tokens=list(new.prompt_token_ids or ()), uncached=why)
+            self._requests[new.req_id] = state
+        return state
+
+    def _lookup(self, rid: str, tokens: list[int], salt: RequestSalt | None) -> tuple[int, int]:
         """(hit, of which in CPU) that every worker holds (the smallest); a worker that
         fails means no hit."""
         hits: list[tuple[int, int]] = []
@@ -351,7 +383,7 @@ class SchedulerSide:
                 )
             )
             state.load = None
-        if not self.saves:
+        if not self.saves or state.uncached is not None:
             return
         end = min(done, len(state.tokens)) // self.chunk_size * self.chunk_size
         if self.state_chunks and (done != end or end - state.saved != self.chunk_size):
