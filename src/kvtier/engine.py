@@ -45,6 +45,7 @@ from kvtier.keys import (
     RequestSalt,
     as_token_array,
     check_salt,
+    keyed_by,
 )
 from kvtier.layout import KVLayout
 from kvtier.lease import Lease, LeaseInfo, LeaseTable
@@ -258,7 +259,7 @@ class Engine:
             spans = spans[: lease.limit]
         plan = manager.locate(spans, lease, skip_leading_tokens // self.config.chunk_size)
         lease.plan = plan
-        found = self.observer.on_lookup(request_id, tokens, spans, plan, started)
+        found = self.observer.on_lookup(request_id, tokens, spans, plan, started, keyed_by(salt))
         # lookup_tokens: the whole prompt, partial tail included. The hit is counted when
         # loaded (_load): a lookup only finds.
         self.counters.add(lookups=1, lookup_tokens=len(tokens), found_tokens=found)

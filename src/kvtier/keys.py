@@ -307,6 +307,13 @@ class ExtraKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     items: tuple[tuple[int, int, bytes], ...] = ()
     labels: tuple[str, ...] = ()
 
+    def plain_chunks(self, chunk_size: int) -> int | None:
+        """How many leading chunks are keyed as plain text of this salt is (None: all of
+        them): none under an adapter, those before the first item otherwise."""
+        if self.adapter:
+            return 0
+        return self.items[0][0] // chunk_size if self.items else None
+
     def describe(self) -> str:
         """One phrase for logs and explain: the labels, or what the keys hold."""
         if self.labels:
@@ -374,6 +381,13 @@ def _check_extra_keys(extra: ExtraKeys) -> RequestSalt | None:
     if salt != extra.salt:
         return msgspec.structs.replace(extra, salt=salt)
     return extra
+
+
+def keyed_by(salt: RequestSalt | None) -> str:
+    """What besides its tokens keys a request, in words ("" for none)."""
+    if isinstance(salt, ExtraKeys):
+        return ", ".join((["cache salt"] if salt.salt else []) + [salt.describe()])
+    return "cache salt" if salt else ""
 
 
 def salt_of(salt: RequestSalt | None) -> str | None:

@@ -37,6 +37,10 @@ where it hit, or the reason it missed. The reasons, and what each one means exac
 ``partial chunk``
     The last tokens do not fill a chunk and ``save_unfull_chunk`` is off: never cached.
 
+A record's ``keyed_by`` names what besides its tokens keyed the request apart ("cache salt",
+"lora adapter 'B'", "2 images", "prompt embeddings"; absent for plain tokens): equal tokens
+under other keys are other chunks, so a miss there is by design.
+
 Hits name their tier; chunks inside ``skip_leading_tokens`` show tier ``engine`` (the engine
 already held them). Memory is bounded: the last ``capacity`` requests and the fate of the last
 ``key_memory`` keys (oldest forgotten first).
@@ -155,6 +159,7 @@ class RequestExplain:
     runs: list[Run]
     time: float = field(default_factory=time.time)
     lookups: int = 1
+    keyed_by: str = ""
 
     def chunk_rows(self) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
@@ -189,6 +194,7 @@ class RequestExplain:
             "chunk_size": self.chunk_size,
             "prompt_tokens": self.prompt_tokens,
             "hit_tokens": self.hit_tokens,
+            **({"keyed_by": self.keyed_by} if self.keyed_by else {}),
             "summary": {"hit_chunks_by_tier": hits, "miss_chunks_by_reason": misses},
             "chunks": self.chunk_rows(),
         }
@@ -265,6 +271,7 @@ class ExplainLog:
         runs: Sequence[tuple[str, int, int]],
         hit_tokens: int,
         probe: Probe,
+        keyed_by: str = "",
     ) -> None:
         """Record one lookup. ``runs`` is the pinned prefix as (tier name, first chunk, end
         chunk), chunk indices into ``spans``; ``probe`` answers, for keys, which tier holds
@@ -296,6 +303,7 @@ class ExplainLog:
             hit_tokens,
             b"".join(keys),
             record_runs,
+            keyed_by=keyed_by,
         )
         with self._lock:
             old = self._records.pop(request_id, None)

@@ -101,9 +101,11 @@ class Observer:
         spans: Sequence[ChunkSpan],
         plan: LookupPlan,
         started: float,
+        keyed_by: str = "",
     ) -> int:
-        """Record a lookup; return the tokens it found in kvtier's tiers (chunks inside
-        ``skip_leading_tokens``, which the engine holds already, are not counted)."""
+        """Record a lookup (``keyed_by``: what besides tokens keys it, for explain); return
+        the tokens it found in kvtier's tiers (chunks inside ``skip_leading_tokens``, which
+        the engine holds already, are not counted)."""
         # Runs of chunks per tier, not chunks: a long cached prompt is one run.
         by_tier: dict[str, int] = {}
         size = plan.spans.chunk_size
@@ -125,6 +127,7 @@ class Observer:
             runs,
             plan.hit_tokens,
             self._probe,
+            keyed_by,
         )
         prompt = len(tokens) if isinstance(tokens, Sized) else plan.spans.num_tokens
         REQUESTS.found(request_id, prompt, found)

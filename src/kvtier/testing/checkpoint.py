@@ -7,6 +7,8 @@ vllm`` need a real checkpoint on disk. :func:`write_tiny_llama` writes one into 
     model.safetensors        random weights from ``torch.manual_seed(seed)``
     tokenizer.json + ...     a word-level tokenizer over ``w0 .. w{vocab-4}`` plus specials
 
+:func:`write_lora_adapter` writes a LoRA adapter for it in PEFT's format.
+
 The weights are random, so the "text" is meaningless, but vLLM loads them for real (not
 ``load_format=dummy``) and transformers loads the very same files, so both engines can be
 compared. The same seed always writes the same bytes.
@@ -108,3 +110,41 @@ def words_for(tokens: list[int]) -> str:
     if any(t < len(SPECIALS) for t in tokens):
         raise InputError("words_for: special token ids (0, 1, 2) have no word")
     return " ".join(f"w{t - len(SPECIALS)}" for t in tokens)
+
+
+def write_lora_adapter(
+    path: str | Path, shape: TinyLlama | None = None, *, seed: int, rank: int = 8
+) -> Path:
+    """A LoRA adapter for :func:`write_tiny_llama`'s model, in PEFT's format (what vLLM's
+    ``LoRARequest`` loads): nonzero random A and B on every layer's q and v projections, so
+    each seed changes the model's KV and its greedy tokens."""
+    import json
+
+    from safetensors.torch import save_file
+
+    shape = shape or TinyLlama()
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    kv_width = shape.kv_heads * shape.head_dim
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(shape.num_layers):
+        for name, width in (("q_proj", shape.hidden), ("v_proj", kv_width)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            a = torch.randn(rank, shape.hidden, generator=generator) * 0.5
+            b = torch.randn(width, rank, generator=generator) * 0.5
+            tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    settings = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"],
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(settings))
+    return out

@@ -532,3 +532,85 @@ def test_two_kv_cache_groups_save_and_load_by_their_own_block_tables() -> None:
         scheduler.close()
     finally:
         side.close()
+
+
+def _image_request(rid: str, tokens: list[int], image: str | None) -> SimpleNamespace:
+    """A request as vLLM's scheduler gives it, with ``image`` over tokens [40, 50)."""
+    position = SimpleNamespace(offset=40, length=10)
+    features = [] if image is None else [SimpleNamespace(identifier=image, mm_position=position)]
+    return SimpleNamespace(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        cache_salt=None,
+        lora_request=None,
+        mm_features=features,
+        prompt_embeds=None,
+    )
+
+
+def test_an_image_keys_the_chunks_from_its_own_on_and_its_events_stop_before_it(
+    worker: WorkerSide,
+) -> None:
+    """Same tokens, another image: only the chunk before the image is shared (with text-only
+    requests too, as in vLLM); the image's own requests hit it all. The router matches events
+    by tokens alone, so the chunk holding the image is not published."""
+    assert worker.engine is not None and worker.paged is not None
+    tokens = list(range(400, 480))  # 2 whole chunks; the image sits in chunk 1
+    scheduler = SchedulerSide(
+        [LookupClient(worker.engine_id)], block_size=BLOCK, chunk_size=CHUNK, loads=True, saves=True
+    )
+    first = _image_request("a", tokens, "image-1")
+    assert scheduler.num_new_matched_tokens(first, 0) == (0, False)
+    scheduler.after_alloc(first, [3, 4, 5, 6, 7], 0)
+    fill(worker, [3, 4, 5, 6], seed=13)
+    new = SimpleNamespace(req_id="a", prompt_token_ids=tokens, block_ids=([3, 4, 5, 6, 7],))
+    out = SimpleNamespace(
+        preempted_req_ids=set(),
+        scheduled_new_reqs=[SimpleNamespace(**vars(new), num_computed_tokens=0)],
+        num_scheduled_tokens={"a": 80},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+    )
+    worker.save(scheduler.build_meta(out))
+    stored = [name for e in worker.take_events() if e[0] == "stored" for name in e[1]]
+    plain = worker.engine.keychain.keys(tokens, include_partial=False).keys
+    assert stored == block_names(plain[0], CHUNK // BLOCK)  # chunk 0 only: it is plain text
+    cases = [("other", "image-2", 32), ("text", None, 32), ("same", "image-1", 64)]
+    for rid, image, hit in cases:
+        assert scheduler.num_new_matched_tokens(_image_request(rid, tokens, image), 0) == (
+            hit,
+            False,
+        ), rid
+    for rid in ("a", "other", "text", "same"):
+        scheduler.finished(rid)
+    assert worker.engine.leaks() == [] and worker.engine.check_invariants() == []
+    scheduler.close()
+
+
+def test_a_request_with_an_extra_key_kvtier_does_not_know_is_not_cached(
+    worker: WorkerSide,
+) -> None:
+    """Fail closed: a kind of extra key a future vLLM adds is never keyed by tokens alone;
+    the request is neither looked up nor saved, and counted."""
+    from kvtier.integrations.vllm.extra_keys import RequestKeyer
+
+    tokens = list(range(500, 580))
+    scheduler = SchedulerSide(
+        [LookupClient(worker.engine_id)], block_size=BLOCK, chunk_size=CHUNK, loads=True, saves=True
+    )
+    scheduler._keyer = RequestKeyer(CHUNK, lambda r, s, e, i: ((("future", "x"),), i))
+    request = _image_request("f", tokens, "image-1")  # has an image: the keyer is asked
+    assert scheduler.num_new_matched_tokens(request, 0) == (0, False)
+    assert scheduler.uncached == 1
+    scheduler.after_alloc(request, [3, 4, 5, 6, 7], 0)
+    new = SimpleNamespace(req_id="f", prompt_token_ids=tokens, block_ids=([3, 4, 5, 6, 7],))
+    out = SimpleNamespace(
+        preempted_req_ids=set(),
+        scheduled_new_reqs=[SimpleNamespace(**vars(new), num_computed_tokens=0)],
+        num_scheduled_tokens={"f": 80},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+    )
+    meta = scheduler.build_meta(out)
+    assert meta.saves == [] and meta.loads == []
+    scheduler.finished("f")
+    assert worker.engine is not None and worker.engine.stats()["lookups"] == 0
+    scheduler.close()

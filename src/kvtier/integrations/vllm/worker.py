@@ -56,6 +56,7 @@ from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.pd import PDEndpoint
 from kvtier.integrations.vllm.rpc import LookupServer, OpHandler
 from kvtier.integrations.vllm.states import PagedState
+from kvtier.keys import ExtraKeys
 from kvtier.layout import GroupKind, KVGroup, KVLayout
 from kvtier.observability.logs import REQUESTS
 from kvtier.server.surface import KVCache, open_cache
@@ -237,8 +238,16 @@ class WorkerSide:
             if spec.transfer_id is not None and self._pd is not None:
                 self._pd.send(spec.transfer_id, spans[first:], out)
             if self.events is not None:
-                parent = spans[first - 1].key if first else None
-                self.events.stored(spans[first:], parent, spec.tokens, self._media)
+                # The router matches an event by its tokens alone: a chunk keyed by an
+                # adapter or an image is not published, or it would be credited to a
+                # text-only prompt of the same tokens.
+                plain = spec.cache_salt
+                size = engine.config.chunk_size
+                last = plain.plain_chunks(size) if isinstance(plain, ExtraKeys) else None
+                published = spans[first:last]
+                if published:
+                    parent = spans[first - 1].key if first else None
+                    self.events.stored(published, parent, spec.tokens, self._media)
 
     def failed_blocks(self) -> set[int]:
         if self.off:
