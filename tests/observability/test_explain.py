@@ -201,3 +201,23 @@ def test_the_id_a_vllm_client_knows_finds_the_internal_record(engine: Engine) ->
     assert engine.observer.explain.get("cmpl-abc") is None  # a prefix of an id is not an id
     for rid in ("cmpl-abc123-0-9f8e7d6c", "c7/cmpl-srv42-0-01234567", "cmpl-abc1234-0-00000000"):
         engine.end_request(rid)
+
+
+def test_explain_names_what_keyed_a_request_apart(engine: Engine) -> None:
+    """Equal tokens under an adapter are other chunks: the record says why they missed."""
+    from kvtier.keys import ExtraKeys
+
+    tokens = make_tokens(32)
+    engine.store(tokens, make_kv(32))
+    adapter = ExtraKeys(adapter=b"B" * 16, labels=("lora adapter 'B'",))
+    engine.lookup(tokens, "lora", cache_salt=adapter)
+    engine.lookup(tokens, "salted", cache_salt="tenant")
+    engine.lookup(tokens, "plain")
+    for rid, why, hit in [
+        ("lora", "lora adapter 'B'", 0),
+        ("salted", "cache salt", 0),
+        ("plain", None, 32),
+    ]:
+        record = engine.observer.explain.get(rid)
+        assert record is not None and record.get("keyed_by") == why and record["hit_tokens"] == hit
+        engine.end_request(rid)

@@ -192,3 +192,40 @@ def test_requests_outside_the_hand_off_send_nothing_and_answer_nothing(
         d_side.finished(f"d{bad!r:.8}", params)
     p_side.close()
     d_side.close()
+
+
+def test_a_decoder_never_takes_a_transfer_made_under_another_image(
+    pair: tuple[WorkerSide, WorkerSide],
+) -> None:
+    """The prefiller computed the prompt with image 1; a decode request with the same tokens,
+    the same transfer id and image 2 finds only the chunk before the image (plain text, the
+    same KV) and prefills the rest itself."""
+    prefiller, decoder = pair
+    p_side = scheduler(prefiller, loads=True, saves=True, pd_sender="prefiller-8")
+    d_side = scheduler(decoder, loads=True, saves=False)
+    src = [3, 4, 5, 6, 7]
+    fill(prefiller, src, seed=2)
+
+    def imaged(rid: str, params: dict[str, Any] | None, image: str) -> SimpleNamespace:
+        position = SimpleNamespace(offset=40, length=10)  # in chunk 1
+        return SimpleNamespace(
+            **vars(request(rid, params)),
+            cache_salt=None,
+            lora_request=None,
+            mm_features=[SimpleNamespace(identifier=image, mm_position=position)],
+            prompt_embeds=None,
+        )
+
+    assert p_side.num_new_matched_tokens(imaged("p2", dict(ROUTER_PREFILL), "image-1"), 0) == (
+        0,
+        False,
+    )
+    p_side.after_alloc(imaged("p2", None, "image-1"), src, 0)
+    prefiller.save(step(p_side, "p2", src, 0, len(TOKENS)))
+    assert pd_used(decoder) == 2 * CHUNK_BYTES
+    answer = p_side.finished("p2", ROUTER_PREFILL)
+    assert answer is not None
+    assert d_side.num_new_matched_tokens(imaged("d2", answer, "image-2"), 0) == (CHUNK, True)
+    assert d_side.finished("d2", answer) is None
+    assert pd_used(decoder) == 0  # the transfer's lease ended with the decode request
+    assert decoder.engine is not None and decoder.engine.leaks() == []
