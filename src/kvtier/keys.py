@@ -286,7 +286,7 @@ class ChunkSpans(Sequence[ChunkSpan]):
 
 MAX_SALT_CHARS = 1024
 MAX_DIGEST_BYTES = 64  # an adapter's or an item's digest (sha256 is 32)
-MAX_ITEMS = 1 << 20  # keyed token ranges of one request (a chunk each at most, in practice)
+MAX_ITEMS = 1 << 16  # keyed token ranges of one request: vLLM's give one per chunk (16M tokens)
 MAX_LABELS = 16
 _SEEDS_KEPT = 4096  # salted seeds remembered (one hash each to make; tenants are few)
 
