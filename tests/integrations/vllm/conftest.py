@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.testing.checkpoint import write_tiny_llama
+from tests.server.server_helpers import ServerProcess, remove_tempdir, short_tempdir
 
 from .vllm_helpers import Instances, VllmInstance, tokens
 
@@ -61,3 +62,13 @@ def reference(model_dir: Path, instances: Instances) -> dict[str, list[list[int]
     ref["lifecycle"] = plain.generate(lifecycle_prompts(), max_tokens=LONG)
     instances.close()
     return ref
+
+
+@pytest.fixture(scope="module")
+def kvserver() -> Iterator[ServerProcess]:
+    """A ``kvtier server`` for one module's vLLM instances."""
+    path = short_tempdir()
+    proc = ServerProcess(path, max_local_cpu_size="256MiB").start()
+    yield proc
+    proc.stop()
+    remove_tempdir(path)

@@ -11,7 +11,6 @@ differ from chunk 1 on hit chunk 0 only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 from kvtier.testing.checkpoint import TinyLlama, write_lora_adapter
-from tests.server.server_helpers import ServerProcess, remove_tempdir, short_tempdir
+from tests.server.server_helpers import ServerProcess
 
 from .vllm_helpers import MAX_TOKENS, Instances, VllmInstance, tokens, unique_engine_id
 
@@ -153,15 +152,6 @@ def test_adapters_and_prompt_embeddings_key_apart_in_cpu_and_on_disk_after_a_res
         assert hit == want
     second.assert_clean()
     instances.close()
-
-
-@pytest.fixture(scope="module")
-def kvserver() -> Iterator[ServerProcess]:
-    path = short_tempdir()
-    proc = ServerProcess(path, max_local_cpu_size="256MiB").start()
-    yield proc
-    proc.stop()
-    remove_tempdir(path)
 
 
 def test_adapters_key_apart_through_the_kvtier_server(

@@ -9,7 +9,6 @@ Afterwards the server holds no lease of either and its reference audit is clean.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,6 @@ from tests.server.server_helpers import (
     IDLE,
     ServerProcess,
     idle_server_state,
-    remove_tempdir,
-    short_tempdir,
     wait_until,
 )
 
@@ -51,15 +48,6 @@ SECOND = ["a", "b", "d"]  # the second: all of a's and d's whole chunks, b's 2 s
 # Whole chunks the second instance must find in the server: a 1000 tokens -> 3 chunks,
 # b shares a's first 2, d 700 tokens -> 2 chunks.
 EXPECTED_HITS = 3 * CHUNK + 2 * CHUNK + 2 * CHUNK
-
-
-@pytest.fixture(scope="module")
-def kvserver() -> Iterator[ServerProcess]:
-    path = short_tempdir()
-    proc = ServerProcess(path, max_local_cpu_size="256MiB").start()
-    yield proc
-    proc.stop()
-    remove_tempdir(path)
 
 
 def _instance(model_dir: Path, name: str, url: str) -> VllmInstance:

@@ -548,6 +548,19 @@ def _image_request(rid: str, tokens: list[int], image: str | None) -> SimpleName
     )
 
 
+def _first_step(rid: str, tokens: list[int], blocks: list[int]) -> SimpleNamespace:
+    """vLLM's SchedulerOutput for the step that computes all of a new request's prompt."""
+    new = SimpleNamespace(
+        req_id=rid, prompt_token_ids=tokens, block_ids=(blocks,), num_computed_tokens=0
+    )
+    return SimpleNamespace(
+        preempted_req_ids=set(),
+        scheduled_new_reqs=[new],
+        num_scheduled_tokens={rid: len(tokens)},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+    )
+
+
 def test_an_image_keys_the_chunks_from_its_own_on_and_its_events_stop_before_it(
     worker: WorkerSide,
 ) -> None:
@@ -563,14 +576,7 @@ def test_an_image_keys_the_chunks_from_its_own_on_and_its_events_stop_before_it(
     assert scheduler.num_new_matched_tokens(first, 0) == (0, False)
     scheduler.after_alloc(first, [3, 4, 5, 6, 7], 0)
     fill(worker, [3, 4, 5, 6], seed=13)
-    new = SimpleNamespace(req_id="a", prompt_token_ids=tokens, block_ids=([3, 4, 5, 6, 7],))
-    out = SimpleNamespace(
-        preempted_req_ids=set(),
-        scheduled_new_reqs=[SimpleNamespace(**vars(new), num_computed_tokens=0)],
-        num_scheduled_tokens={"a": 80},
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
-    )
-    worker.save(scheduler.build_meta(out))
+    worker.save(scheduler.build_meta(_first_step("a", tokens, [3, 4, 5, 6, 7])))
     stored = [name for e in worker.take_events() if e[0] == "stored" for name in e[1]]
     plain = worker.engine.keychain.keys(tokens, include_partial=False).keys
     assert stored == block_names(plain[0], CHUNK // BLOCK)  # chunk 0 only: it is plain text
@@ -602,14 +608,7 @@ def test_a_request_with_an_extra_key_kvtier_does_not_know_is_not_cached(
     assert scheduler.num_new_matched_tokens(request, 0) == (0, False)
     assert scheduler.uncached == 1
     scheduler.after_alloc(request, [3, 4, 5, 6, 7], 0)
-    new = SimpleNamespace(req_id="f", prompt_token_ids=tokens, block_ids=([3, 4, 5, 6, 7],))
-    out = SimpleNamespace(
-        preempted_req_ids=set(),
-        scheduled_new_reqs=[SimpleNamespace(**vars(new), num_computed_tokens=0)],
-        num_scheduled_tokens={"f": 80},
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
-    )
-    meta = scheduler.build_meta(out)
+    meta = scheduler.build_meta(_first_step("f", tokens, [3, 4, 5, 6, 7]))
     assert meta.saves == [] and meta.loads == []
     scheduler.finished("f")
     assert worker.engine is not None and worker.engine.stats()["lookups"] == 0
