@@ -183,38 +183,6 @@ class LookupHandler(Protocol):
     def clear(self) -> dict[str, int]: ...
 
 
-class OpHandler:
-    """A :class:`LookupHandler` over a ``handle(op, args)`` function, the worker's shape:
-    ``("lookup", (rid, tokens, cache_salt))`` -> ``(hit, cpu_hit)``, ``("end", (rid,))``,
-    ``("stats", ())``, ``("leaks", ())`` -> ``[(rid, pinned_pages, holds)]``, ``("check",
-    ())``, ``("flush", (timeout,))``, ``("clear", ())``."""
-
-    def __init__(self, handle: Callable[[str, tuple[Any, ...]], Any]) -> None:
-        self._handle = handle
-
-    def lookup(self, request_id: str, tokens: list[int], cache_salt: RequestSalt | None) -> Hit:
-        hit, cpu_hit = self._handle("lookup", (request_id, tokens, cache_salt))
-        return Hit(int(hit), int(cpu_hit))
-
-    def end(self, request_id: str) -> bool:
-        return bool(self._handle("end", (request_id,)))
-
-    def stats(self) -> dict[str, Any]:
-        return dict(self._handle("stats", ()))
-
-    def leaks(self) -> list[Leak]:
-        return [Leak(str(r), int(p), list(h)) for r, p, h in self._handle("leaks", ())]
-
-    def check(self) -> list[str]:
-        return [str(p) for p in self._handle("check", ())]
-
-    def flush(self, timeout: float) -> bool:
-        return bool(self._handle("flush", (timeout,)))
-
-    def clear(self) -> dict[str, int]:
-        return {str(k): int(v) for k, v in self._handle("clear", ()).items()}
-
-
 def socket_path(engine_id: str, rank: int = 0, directory: str | None = None) -> Path:
     """Where the worker of tensor-parallel ``rank`` of vLLM instance ``engine_id`` listens:
     ``<directory or $TMPDIR/kvtier-vllm-<uid>>/<sha256(engine_id)[:16]>-r<rank>.sock``."""

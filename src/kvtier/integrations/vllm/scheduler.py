@@ -290,7 +290,7 @@ class SchedulerSide:
         for rid in ending:
             for client in self.clients:
                 try:
-                    client.call("end", rid)
+                    client.end(rid)
                 except KVTierError as exc:
                     # The worker is gone or stuck; its Engine ends every lease when it closes.
                     self._complaints.warning(
@@ -302,7 +302,7 @@ class SchedulerSide:
         ok = True
         for client in self.clients:
             try:
-                client.call("clear")
+                client.clear()
             except KVTierError as exc:
                 log.warning("kvtier: reset failed: %s", exc)
                 ok = False
@@ -353,7 +353,7 @@ class SchedulerSide:
         hits: list[tuple[int, int]] = []
         for client in self.clients:
             try:
-                hit, cpu_hit = client.call("lookup", rid, tokens, salt)
+                hit, cpu_hit = client.lookup(rid, tokens, salt)
                 hits.append((int(hit), int(cpu_hit)))
             except KVTierError as exc:  # whatever the channel met: a miss, never an exception
                 self._complaints.warning(

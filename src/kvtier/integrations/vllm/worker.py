@@ -46,7 +46,7 @@ import torch
 from kvtier.admin.server import AdminServer
 from kvtier.config import Config
 from kvtier.engine import Engine
-from kvtier.errors import ConfigError, InputError, StateError
+from kvtier.errors import ConfigError, StateError
 from kvtier.integrations.vllm.events import MEDIUM, EventLog, chain_evictions
 from kvtier.integrations.vllm.groups import ModelGroups
 from kvtier.integrations.vllm.loads import Loads
@@ -54,9 +54,9 @@ from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.metrics import CounterDeltas
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.pd import PDEndpoint
-from kvtier.integrations.vllm.rpc import LookupServer, OpHandler
+from kvtier.integrations.vllm.rpc import Hit, Leak, LookupServer
 from kvtier.integrations.vllm.states import PagedState
-from kvtier.keys import ExtraKeys
+from kvtier.keys import ExtraKeys, RequestSalt
 from kvtier.layout import GroupKind, KVGroup, KVLayout
 from kvtier.observability.logs import REQUESTS
 from kvtier.server.surface import KVCache, open_cache
@@ -154,7 +154,7 @@ class WorkerSide:
             # The server evicts on its own; stores are reported in the media it has.
             tiers = cache.stats().get("tiers", {})
             self._media = [MEDIUM[name] for name in MEDIUM if name in tiers] or [MEDIUM["cpu"]]
-        self._server = LookupServer(self.engine_id, self.tp_rank, OpHandler(self._handle)).open()
+        self._server = LookupServer(self.engine_id, self.tp_rank, WorkerChannel(self)).open()
         log.info(
             "kvtier worker %d: %s%s, cache %s, channel %s",
             self.tp_rank,
@@ -276,37 +276,6 @@ class WorkerSide:
         """Requests whose load this step came up short (called once per step, after save)."""
         return self._loads.short_loads() if self._loads is not None else {}
 
-    # -- the lookup channel ----------------------------------------------------------------
-    def _handle(self, op: str, args: tuple[Any, ...]) -> Any:
-        engine, _ = self._parts()
-        if op == "lookup":
-            rid, tokens, *rest = args  # (rid, tokens[, cache_salt])
-            salt = rest[0] if rest else None
-            hit = engine.lookup(tokens, rid, cache_salt=salt)
-            return hit.tokens, hit.cpu_tokens
-        if op == "end":
-            (rid,) = args
-            return engine.end_request(rid)  # during a load of rid: released when it is done
-        if op == "stats":
-            return engine.stats()
-        if op == "check":
-            return engine.check_invariants()
-        if op == "flush":
-            return engine.flush(*args)
-        if op in ("leaks", "clear"):
-            if self.engine is None:
-                raise StateError(
-                    f"kvtier channel op {op!r} needs an in-process Engine; this worker uses "
-                    f"the kvtier server at {self.server} (use its admin API)"
-                )
-            if op == "clear":
-                return self.engine.clear()
-            leaks = self.engine.leaks()
-            return [(i.request_id, i.pinned_pages, list(i.holds)) for i in leaks]
-        raise InputError(
-            f"unknown kvtier channel op {op!r}; use lookup, end, stats, leaks, check, flush, clear"
-        )
-
     # -- helpers ---------------------------------------------------------------------------
     def _attention_tables(self, tables: Any) -> Any:
         """The block tables :class:`PagedKV` addresses: without the state groups' tables."""
@@ -369,3 +338,48 @@ class WorkerSide:
                 layout.kv_shape(capacity), dtype=layout.dtype, device=paged.layers[0].device
             )
         return self._scratch
+
+
+class WorkerChannel:
+    """What the worker serves on its lookup channel (:class:`~.rpc.LookupHandler`): the
+    scheduler's lookups and ends, and an operator's or a test's probes, each one call into
+    the worker's cache."""
+
+    def __init__(self, worker: WorkerSide) -> None:
+        self._worker = worker
+
+    def lookup(self, request_id: str, tokens: list[int], cache_salt: RequestSalt | None) -> Hit:
+        hit = self._cache().lookup(tokens, request_id, cache_salt=cache_salt)
+        return Hit(hit.tokens, hit.cpu_tokens)
+
+    def end(self, request_id: str) -> bool:
+        return self._cache().end_request(request_id)  # during a load: released when it is done
+
+    def stats(self) -> dict[str, Any]:
+        return self._cache().stats()
+
+    def check(self) -> list[str]:
+        return self._cache().check_invariants()
+
+    def flush(self, timeout: float) -> bool:
+        return self._cache().flush(timeout)
+
+    def leaks(self) -> list[Leak]:
+        leaks = self._engine("leaks").leaks()
+        return [Leak(i.request_id, i.pinned_pages, list(i.holds)) for i in leaks]
+
+    def clear(self) -> dict[str, int]:
+        return self._engine("clear").clear()
+
+    def _cache(self) -> KVCache:
+        cache, _ = self._worker._parts()
+        return cache
+
+    def _engine(self, op: str) -> Engine:
+        """The in-process Engine; through a kvtier server its admin API does these."""
+        if self._worker.engine is None:
+            raise StateError(
+                f"kvtier channel op {op!r} needs an in-process Engine; this worker uses "
+                f"the kvtier server at {self._worker.server} (use its admin API)"
+            )
+        return self._worker.engine
