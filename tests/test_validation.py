@@ -4,9 +4,16 @@ import pytest
 import torch
 
 from kvtier import ConfigError, InputError, KVLayout
-from kvtier.validation import check_fits_in_memory, check_kv, check_request_id, check_skip
+from kvtier.validation import (
+    check_fits_in_memory,
+    check_kv,
+    check_out,
+    check_request_id,
+    check_skip,
+)
 
 LAYOUT = KVLayout(2, 2, 8, torch.float32)
+MLA = KVLayout(2, 1, 24, torch.float32, planes=1)
 
 
 def test_check_kv_accepts_the_exact_shape_and_dtype() -> None:
@@ -26,6 +33,34 @@ def test_check_kv_accepts_the_exact_shape_and_dtype() -> None:
 def test_check_kv_names_what_is_wrong(kv: object, fragment: str) -> None:
     with pytest.raises(InputError) as info:
         check_kv(kv, LAYOUT, 5)
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, MLA], ids=["k-and-v", "mla"])
+def test_check_out_takes_the_layouts_own_planes_and_room_for_the_hit(layout: KVLayout) -> None:
+    check_out(torch.zeros(layout.kv_shape(9)), layout, 9)
+    check_out(torch.zeros(layout.kv_shape(12))[:, :, 2:11], layout, 9)  # a strided view
+    check_out(torch.zeros(layout.kv_shape(0)), layout, 0)
+
+
+@pytest.mark.parametrize(
+    ("out", "layout", "fragment"),
+    [
+        ([1, 2], LAYOUT, "got list"),
+        (torch.zeros(2, 2, 9, 16, dtype=torch.bfloat16), LAYOUT, "torch.float32 tensor"),
+        (torch.zeros(2, 2, 8, 16), LAYOUT, "[2, 2, >=9, 16], got (2, 2, 8, 16)"),
+        (torch.zeros(1, 2, 9, 16), LAYOUT, "[2, 2, >=9, 16]"),
+        (torch.zeros(2, 2, 9, 24), MLA, "[1, 2, >=9, 24], got (2, 2, 9, 24)"),
+        (torch.zeros(1, 2, 9, 16), MLA, "[1, 2, >=9, 24]"),
+        (torch.zeros(2, 9, 24), MLA, "[1, 2, >=9, 24]"),
+        (torch.zeros(1, 2, 9, 24, device="meta"), MLA, "dense"),
+    ],
+)
+def test_check_out_names_the_buffer_the_layout_wants(
+    out: object, layout: KVLayout, fragment: str
+) -> None:
+    with pytest.raises(InputError) as info:
+        check_out(out, layout, 9)
     assert fragment in str(info.value)
 
 

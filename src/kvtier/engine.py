@@ -60,9 +60,9 @@ from kvtier.storage.counters import EngineCounters
 from kvtier.storage.manager import ENGINE, LookupPlan, StorageManager
 from kvtier.tiers import clear_tiers, open_storage
 from kvtier.validation import (
-    check_dense,
     check_fits_in_memory,
     check_kv,
+    check_out,
     check_request_id,
     check_skip,
 )
@@ -297,28 +297,13 @@ class Engine:
         skip_leading_tokens: int = 0,
         cache_salt: RequestSalt | None = None,
     ) -> int:
-        """Write the cached prefix into ``out`` (``[2, layers, >=hit, hidden]``, indexed by
+        """Write the cached prefix into ``out`` (``[planes, layers, >=hit, hidden]``, indexed by
         token position; any device) without an intermediate copy. Chunks wholly inside
         ``skip_leading_tokens`` are not written. Returns the end of the loaded prefix; rows
         past it may have been written (a chunk that failed its check as it was copied in)."""
         started = time.perf_counter()
         plan = self._plan(tokens, request_id, skip_leading_tokens, cache_salt)
-        lay = self.layout
-        if isinstance(out, torch.Tensor):
-            check_dense("out", out)
-        if (
-            not isinstance(out, torch.Tensor)
-            or out.dtype != lay.dtype
-            or out.dim() != 4
-            or tuple(out.shape[:2]) != lay.kv_shape(0)[:2]
-            or out.shape[3] != lay.hidden
-            or out.shape[2] < plan.hit_tokens
-        ):
-            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise InputError(
-                f"out must be a {lay.dtype} tensor of shape "
-                f"[{lay.planes}, {lay.num_layers}, >={plan.hit_tokens}, {lay.hidden}], got {shape}"
-            )
+        check_out(out, self.layout, plan.hit_tokens)
         start = (skip_leading_tokens // self.config.chunk_size) * self.config.chunk_size
         loaded_end = self._load(plan, request_id, out, start)
         self.observer.on_retrieve(started)

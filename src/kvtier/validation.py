@@ -28,6 +28,30 @@ def check_kv(kv: object, layout: KVLayout, num_tokens: int) -> None:
         raise InputError(f"kv holds {kv.shape[2]} tokens but {num_tokens} tokens were given")
 
 
+def check_out(out: object, layout: KVLayout, min_tokens: int) -> None:
+    """``out``, the buffer a retrieve writes into, must be a dense tensor of the layout's
+    dtype shaped ``[planes, num_layers, >=min_tokens, kv_heads*head_dim]`` (any device).
+    ``planes`` is the layout's own: 2 for K and V, 1 for an MLA latent. The one check of
+    every surface that takes such a buffer (the engine, the server client), so a layout one
+    accepts is never refused by another."""
+    planes, layers, _, hidden = layout.kv_shape(0)
+    if isinstance(out, torch.Tensor):
+        check_dense("out", out)
+    if (
+        not isinstance(out, torch.Tensor)
+        or out.dtype != layout.dtype
+        or out.dim() != 4
+        or tuple(out.shape[:2]) != (planes, layers)
+        or out.shape[3] != hidden
+        or out.shape[2] < min_tokens
+    ):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise InputError(
+            f"out must be a {layout.dtype} tensor of shape "
+            f"[{planes}, {layers}, >={min_tokens}, {hidden}], got {shape}"
+        )
+
+
 def check_dense(name: str, tensor: torch.Tensor) -> None:
     """A tensor kvtier copies to or from must hold data in the ordinary strided layout: a
     meta tensor has no data, a sparse or nested one no byte view (torch would raise

