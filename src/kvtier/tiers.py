@@ -25,6 +25,7 @@ from kvtier.storage.base import Tier
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.manager import StorageManager
+from kvtier.storage.policy import make_policy
 
 
 def build_lower_tiers(config: Config, layout: KVLayout, fingerprint: Fingerprint) -> list[Tier]:
@@ -69,7 +70,7 @@ def open_storage(
             tier.close()
         pool.close()
         raise
-    cpu = CpuTier(pool, layout.payload_bytes)
+    cpu = CpuTier(pool, layout.payload_bytes, make_policy(config.cache_policy))
     return StorageManager(config, layout, pool, cpu, lower, counters)
 
 

@@ -15,7 +15,7 @@ def test_defaults_follow_lmcache() -> None:
     assert cfg.local_cpu is True
     assert cfg.max_local_cpu_size == 5 * 1024**3
     assert cfg.save_unfull_chunk is False
-    assert cfg.cache_policy == "LRU"
+    assert cfg.cache_policy == "REUSE"
     assert cfg.blocking_timeout_secs == 10.0
 
 

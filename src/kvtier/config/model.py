@@ -34,7 +34,7 @@ class Config:
     remote_url: str | None = None
     save_unfull_chunk: bool = False
     pre_caching_hash_algorithm: str = "xxh3_128"
-    cache_policy: str = "LRU"
+    cache_policy: str = "REUSE"
     use_only_staging_buffer: bool = False
     enable_pd: bool = False
     pd_role: str | None = None

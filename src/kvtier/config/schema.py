@@ -14,6 +14,7 @@ from kvtier.config.channels import TRANSFER_CHANNELS
 from kvtier.config.sizes import GIB
 
 HASH_ALGORITHMS = ("xxh3_128", "blake3", "sha256")
+CACHE_POLICIES = ("LRU", "REUSE")  # the names kvtier.storage.policy.POLICIES implements
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +52,12 @@ KEYS: tuple[KeySpec, ...] = (
         "xxh3_128",
         "Chunk-key hash: xxh3_128, blake3 or sha256 (never Python's salted hash()).",
     ),
-    KeySpec("cache_policy", p.choice(("LRU",)), "LRU", "Eviction policy of every tier."),
+    KeySpec(
+        "cache_policy",
+        p.choice(CACHE_POLICIES),
+        "REUSE",
+        "CPU tier eviction: REUSE (reused chunks outlive new ones, leaf-first) or LRU.",
+    ),
     KeySpec(
         "use_only_staging_buffer",
         p.boolean,

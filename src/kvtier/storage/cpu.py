@@ -1,16 +1,17 @@
-"""The CPU tier: an LRU index of chunk keys to pages of the block pool.
+"""The CPU tier: an index of chunk keys to pages of the block pool, evicted by a policy.
 
 Each cached entry owns exactly one reference to its page. Requests that hit an entry take
 their own reference (held by their lease), so an entry can be dropped from the index while a
 request still reads its page: the page is freed only when the last reference goes.
-Eviction takes entries from the least recently used end and skips every page with a
-reference besides the cache's own (pinned by a request, or being written to a lower tier).
+Which entries go, and which chunks are kept at all, is the eviction policy's choice
+(``kvtier.storage.policy``, ``cache_policy``); the tier tells it which entries are evictable:
+those whose page has no reference besides the cache's own (not pinned by a request, not
+being written to a lower tier). Reference counts never reach the policy.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
@@ -21,6 +22,7 @@ from kvtier.keys import ChunkKey
 from kvtier.memory.block_pool import BlockPool
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
 from kvtier.storage.key_pins import KeyPins
+from kvtier.storage.policy import EvictionPolicy, LruPolicy
 
 
 @dataclass(slots=True, eq=False)  # identity: pin_prefix finds None among entries in C
@@ -36,9 +38,15 @@ _PAGE_OF = attrgetter("page")
 class CpuTier(Tier):
     name = "cpu"
 
-    def __init__(self, pool: BlockPool, token_bytes: int | Callable[[int], int]) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        token_bytes: int | Callable[[int], int],
+        policy: EvictionPolicy | None = None,
+    ) -> None:
         """``token_bytes``: bytes per token, or a chunk's payload bytes by its token count
-        (``KVLayout.payload_bytes``, when a KV-cache group stores fewer tokens)."""
+        (``KVLayout.payload_bytes``, when a KV-cache group stores fewer tokens).
+        ``policy``: the eviction policy (a fresh one per tier; default plain LRU)."""
         super().__init__()
         self.pool = pool
         if callable(token_bytes):
@@ -46,7 +54,8 @@ class CpuTier(Tier):
         else:
             per_token = token_bytes
             self._payload = lambda n: n * per_token
-        self._index: OrderedDict[ChunkKey, CpuEntry] = OrderedDict()
+        self._index: dict[ChunkKey, CpuEntry] = {}
+        self.policy = policy if policy is not None else LruPolicy()
         self._lock = threading.RLock()
         # Key-level pins (the Tier interface); each holds one page reference. The engine's own
         # requests pin through pin_keys and their leases instead.
@@ -55,8 +64,9 @@ class CpuTier(Tier):
 
     # -- page-level API used by the storage manager ----------------------------------------
     def allocate(self, count: int) -> list[int] | None:
-        """``count`` pages with one reference each for the caller, evicting LRU entries that
-        nobody else holds when the pool is short. None when even that cannot make room."""
+        """``count`` pages with one reference each for the caller, evicting entries that
+        nobody else holds (the policy's victims) when the pool is short. None when even
+        that cannot make room."""
         with self._lock:
             pages = self.pool.allocate(count)
             if pages is None:
@@ -67,16 +77,20 @@ class CpuTier(Tier):
     def insert(self, key: ChunkKey, page: int, num_tokens: int) -> bool:
         """Cache ``page`` under ``key``, taking over the caller's reference to it.
 
-        Returns False (and takes nothing) when ``key`` is already cached: the caller keeps its
-        reference and must release it. First writer wins; a duplicate never takes a reference
-        nobody would give back.
+        Returns False (and takes nothing) when ``key`` is already cached or the policy declines
+        it (``EvictionPolicy.admit``): the caller keeps its reference and must release it.
+        First writer wins; a duplicate never takes a reference nobody would give back.
         """
         with self._lock:
             if key in self._index:
-                self._index.move_to_end(key)
+                self.policy.touch([key])
+                return False
+            if not self.policy.admit(key, num_tokens):
+                self.counters.dropped += 1
                 return False
             nbytes = self._payload(num_tokens)
             self._index[key] = CpuEntry(page, num_tokens, nbytes)
+            self.policy.insert(key)
             self.counters.stored += 1
             self.counters.bytes_written += nbytes
             return True
@@ -90,8 +104,8 @@ class CpuTier(Tier):
             for key in keys:
                 entry = index.get(key)
                 if entry is not None and key not in found:
-                    index.move_to_end(key)
                     found[key] = entry
+            self.policy.touch(list(found))
             self.pool.retain(e.page for e in found.values())
         return found
 
@@ -107,7 +121,7 @@ class CpuTier(Tier):
                 found = found[: found.index(None)]
             if not found:
                 return []
-            deque(map(index.move_to_end, keys[: len(found)]), maxlen=0)
+            self.policy.touch(keys[: len(found)])
             pages: list[int] = list(map(_PAGE_OF, found))
             self.pool.retain(pages)
         return pages
@@ -119,12 +133,8 @@ class CpuTier(Tier):
     def _evict(self, needed: int) -> int:
         if needed <= 0:
             return 0
-        victims: list[ChunkKey] = []
-        for key, entry in self._index.items():  # oldest first
-            if not self.pool.is_shared(entry.page):
-                victims.append(key)
-                if len(victims) >= needed:
-                    break
+        index, is_shared = self._index, self.pool.is_shared
+        victims = self.policy.evict(needed, lambda key: not is_shared(index[key].page))
         pages = [self._index.pop(key).page for key in victims]
         self.pool.release(pages)
         self.counters.evicted += len(pages)
@@ -200,6 +210,7 @@ class CpuTier(Tier):
             entry = self._index.pop(key, None)
             if entry is None:
                 return False
+            self.policy.remove(key)
             self.pool.release([entry.page])
             return True
 
@@ -218,6 +229,11 @@ class CpuTier(Tier):
                 k for k, e in self._index.items() if force or not self.pool.is_shared(e.page)
             ]
             pages = [self._index.pop(k).page for k in victims]
+            if force:
+                self.policy.clear()
+            else:
+                for key in victims:
+                    self.policy.remove(key)
             self.pool.release(pages)
         return len(pages)
 

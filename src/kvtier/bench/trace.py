@@ -1,0 +1,184 @@
+"""``kvtier bench trace PATH``: kvtier's real CPU tier replaying a production trace, against
+the offline optimum, plain LRU, ARC and an infinite cache, in the same run.
+
+The replay (``kvtier.bench.trace_sims.replay``): one request at a time in arrival order; a
+lookup pins the longest cached prefix (``CpuTier.pin_prefix``, a miss ends it); then every
+block of the prompt that is not cached is stored (``CpuTier.allocate`` + ``insert``, which
+evicts by the tier's policy and may decline a block), as the engine stores: a prompt's
+partial last block only with ``--save-unfull-chunk`` (kvtier's ``save_unfull_chunk``, off by
+default). Each block id is a chunk key, each page 8 bytes: the tier's index, policy and page
+pool run for real, no payload is copied. Capacities are fractions of the trace's unique
+blocks.
+
+Fields:
+
+``cpu_hit_ratio``
+    Token hit ratio of the CPU tier with ``--capacity``, policy ``--policy`` (the default
+    ``cache_policy``). ``hit_ratio`` is the same figure (the tiers replayed).
+``opt_hit_ratio`` / ``lru_hit_ratio`` / ``arc_hit_ratio`` / ``inf_hit_ratio``
+    The reference caches (``trace_sims``) at the same capacity, each storing every block as
+    the peers do; ``cpu_of_opt`` the ratio.
+``lru_whole_hit_ratio``
+    Plain LRU that, as kvtier by default, never stores a partial block: what the policy adds
+    over kvtier's own storing rule alone.
+``curve``
+    ``{capacity: {"cpu": .., "opt": .., "lru": .., "arc": .., "lru_whole": ..}}`` at 1-40 %.
+``capacity_for_0_9_opt``
+    The least capacity (to 1 % of the unique blocks) at which the CPU tier reaches 0.9 of
+    the optimum's hit ratio at ``--capacity``: the memory kvtier needs for what the optimum
+    gets from ``--capacity`` (null when not reached by 100 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.bench import trace_sims
+from kvtier.bench.trace_file import Trace, load
+from kvtier.keys import ChunkKey
+from kvtier.memory.block_pool import BlockPool
+from kvtier.storage.cpu import CpuTier
+from kvtier.storage.policy import POLICIES, make_policy
+
+CURVE = (0.01, 0.02, 0.05, 0.10, 0.20, 0.40)
+PAGE_BYTES = 8
+DEFAULT_POLICY = "REUSE"  # cache_policy's default
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", help="JSONL trace: hash_ids and input_length per request")
+    parser.add_argument("--capacity", type=float, default=0.1, help="fraction of unique blocks")
+    parser.add_argument("--block-tokens", type=int, default=512, help="tokens per hash id")
+    parser.add_argument("--rechain", action="store_true", help="chain ids that name contents")
+    parser.add_argument(
+        "--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help="cache_policy"
+    )
+    parser.add_argument(
+        "--save-unfull-chunk",
+        action="store_true",
+        help="also store each prompt's partial last block (kvtier's save_unfull_chunk)",
+    )
+
+
+class CpuReplay:
+    """The real CPU tier behind the replay interface (keys: block ids as 16 bytes)."""
+
+    def __init__(self, capacity: int, policy: str, whole_tokens: int) -> None:
+        """``whole_tokens``: blocks of fewer tokens are not stored (0: every block is)."""
+        self.pool = BlockPool(max(capacity, 1), PAGE_BYTES)
+        self.tier = CpuTier(self.pool, lambda _: PAGE_BYTES, make_policy(policy))
+        self.whole_tokens = whole_tokens
+        self.keys: dict[int, ChunkKey] = {}
+
+    def _keys(self, ids: Sequence[int]) -> list[ChunkKey]:
+        keys = self.keys
+        return [keys.get(b) or keys.setdefault(b, b.to_bytes(16, "little")) for b in ids]
+
+    def lookup(self, ids: Sequence[int]) -> int:
+        pages = self.tier.pin_prefix(self._keys(ids))
+        self.pool.release(pages)
+        return len(pages)
+
+    def store(self, ids: Sequence[int], start: int, tokens: Sequence[int]) -> None:
+        """As the engine stores (``StorageManager.reserve`` + ``commit``): a page for every
+        chunk not cached, then each inserted (the policy may decline it: its page goes
+        back)."""
+        tier, whole = self.tier, self.whole_tokens
+        keys = self._keys(ids[start:])
+        missing = [
+            (key, n)
+            for key, n, present in zip(keys, tokens[start:], tier.contains(keys), strict=True)
+            if not present and n >= whole
+        ]
+        pages = tier.allocate(len(missing))
+        if pages is None:  # nothing is pinned in a replay: only a pool smaller than a prompt
+            missing = missing[: self.pool.num_pages]
+            pages = tier.allocate(len(missing)) or []
+        for (key, n), page in zip(missing, pages, strict=True):
+            if not tier.insert(key, page, n):
+                self.pool.release([page])
+
+    def close(self) -> None:
+        self.tier.close()
+        self.pool.close()
+
+
+def cpu_ratio(trace: Trace, capacity: int, policy: str, save_unfull: bool = False) -> float:
+    cache = CpuReplay(capacity, policy, 0 if save_unfull else trace.block_tokens)
+    try:
+        return trace_sims.replay(trace, cache)
+    finally:
+        cache.close()
+
+
+def point(
+    trace: Trace, unique: int, fraction: float, policy: str, save_unfull: bool
+) -> dict[str, float]:
+    c = max(1, int(fraction * unique))
+    return {
+        "cpu": cpu_ratio(trace, c, policy, save_unfull),
+        "opt": trace_sims.replay(trace, trace_sims.Optimum(c, trace)),
+        "lru": trace_sims.replay(trace, trace_sims.Lru(c)),
+        "arc": trace_sims.replay(trace, trace_sims.Arc(c)),
+        "lru_whole": trace_sims.replay(trace, trace_sims.Lru(c, trace.block_tokens)),
+    }
+
+
+def capacity_for(
+    trace: Trace,
+    unique: int,
+    target: float,
+    policy: str,
+    save_unfull: bool,
+    curve: dict[float, float],
+) -> float | None:
+    """Least fraction (to 0.01) at which the CPU tier's hit ratio reaches ``target``,
+    bisected between the ``curve`` points (fraction -> CPU hit ratio) that bracket it."""
+    lo = max((f for f, r in curve.items() if r < target), default=0.0)
+    hi = min((f for f, r in curve.items() if r >= target and f > lo), default=1.0)
+    if hi == 1.0 and cpu_ratio(trace, unique, policy, save_unfull) < target:
+        return None
+    while hi - lo > 0.01:
+        mid = (lo + hi) / 2
+        if cpu_ratio(trace, max(1, int(mid * unique)), policy, save_unfull) >= target:
+            hi = mid
+        else:
+            lo = mid
+    return round(hi, 4)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.perf_counter()
+    trace = load(args.path, block_tokens=args.block_tokens, rechain=args.rechain)
+    unique = trace.unique_blocks()
+    unfull = args.save_unfull_chunk
+    main = point(trace, unique, args.capacity, args.policy, unfull)
+    points = {
+        f: main if f == args.capacity else point(trace, unique, f, args.policy, unfull)
+        for f in CURVE
+    }
+    inf = trace_sims.replay(trace, trace_sims.Infinite())
+    cpu_curve = {f: p["cpu"] for f, p in points.items()} | {args.capacity: main["cpu"]}
+    need = capacity_for(trace, unique, 0.9 * main["opt"], args.policy, unfull, cpu_curve)
+    return {
+        "policy": args.policy,
+        "save_unfull_chunk": unfull,
+        "capacity": args.capacity,
+        "capacity_blocks": max(1, int(args.capacity * unique)),
+        "requests": len(trace.requests),
+        "unique_blocks": unique,
+        "cpu_hit_ratio": main["cpu"],
+        "hit_ratio": main["cpu"],
+        "opt_hit_ratio": main["opt"],
+        "lru_hit_ratio": main["lru"],
+        "arc_hit_ratio": main["arc"],
+        "lru_whole_hit_ratio": main["lru_whole"],
+        "inf_hit_ratio": inf,
+        "cpu_of_opt": main["cpu"] / main["opt"] if main["opt"] else 0.0,
+        "capacity_for_0_9_opt": need,
+        "curve": {f"{f:g}": p for f, p in points.items()},
+        "seconds": time.perf_counter() - started,
+    }
