@@ -211,6 +211,12 @@ class Tier(ABC):
         for key in keys:
             self.unpin(key)
 
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        """A hint: ``keys`` were just used from a tier above (a CPU hit). A tier that keeps
+        copies of what is above it refreshes them in its eviction order, so what is hit most
+        in memory is not the first to go from disk. Keys it does not hold are ignored."""
+        return None
+
     @abstractmethod
     def usage(self) -> TierUsage: ...
 

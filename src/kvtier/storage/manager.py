@@ -247,6 +247,10 @@ class StorageManager:
             if cpu_pages:
                 pages += cpu_pages
                 runs.append((self.cpu, done, done + len(cpu_pages)))
+                if self.lower:  # their copies were used too (Tier.touch)
+                    used = spans.keys[done : done + len(cpu_pages)]
+                    for tier in self.lower:
+                        tier.touch(used)
                 done += len(cpu_pages)
         spare: list[int] = []
         if done < len(spans):

@@ -1,4 +1,4 @@
-"""The disk tier's in-memory index: which chunk files exist, in LRU order, and their pins.
+"""The disk tier's in-memory index: which chunk files exist, their eviction order, their pins.
 
 The index is the only state the disk tier keeps besides the files themselves. It is rebuilt
 at every open from the files (a clean close saves it, :mod:`kvtier.storage.disk.snapshot`,
@@ -11,16 +11,22 @@ it when the write failed::
 
     used + reserved <= capacity        at every moment, under the index lock
 
+The order is an eviction policy's (:mod:`kvtier.storage.policy`, ``cache_policy``), the same
+seam the CPU tier uses: the index tells it what was added, used and removed, and asks it for
+victims among the unpinned. Pins stay here and never reach the policy. A saved index keeps
+the policy's order (next victim first), so a restart resumes it; what else a policy knows
+(REUSE's reused/new split) starts afresh.
+
 Not thread-safe by itself: :class:`~kvtier.storage.disk.tier.DiskTier` calls it under its lock.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvtier.keys import ChunkKey
+from kvtier.storage.policy import EvictionPolicy, LruPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,11 +36,13 @@ class DiskEntry:
 
 
 class DiskIndex:
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, policy: EvictionPolicy | None = None) -> None:
+        """``policy``: the eviction order (a fresh one for this index; default plain LRU)."""
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self.reserved_bytes = 0
-        self._entries: OrderedDict[ChunkKey, DiskEntry] = OrderedDict()  # oldest first
+        self.policy = policy if policy is not None else LruPolicy()
+        self._entries: dict[ChunkKey, DiskEntry] = {}
         self._pins: dict[ChunkKey, int] = {}
 
     def __len__(self) -> int:
@@ -46,21 +54,29 @@ class DiskIndex:
     def get(self, key: ChunkKey, *, touch: bool) -> DiskEntry | None:
         entry = self._entries.get(key)
         if entry is not None and touch:
-            self._entries.move_to_end(key)
+            self.policy.touch([key])
         return entry
 
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        """``keys`` were used (read here, or hit in a tier above that holds them too); those
+        not indexed are skipped (one C-level filter, no Python per key)."""
+        held = list(filter(self._entries.__contains__, keys))
+        if held:
+            self.policy.touch(held)
+
     def add(self, key: ChunkKey, entry: DiskEntry) -> None:
-        """Insert as most recently used (at open, files are added oldest first)."""
+        """Insert as the newest entry (at open, files are added oldest first)."""
         assert key not in self._entries, "a key is indexed once"
         self._entries[key] = entry
+        self.policy.insert(key)
         self.used_bytes += entry.file_bytes
 
     def add_rows(self, rows: Iterable[tuple[ChunkKey, int, int]]) -> int:
-        """Insert ``(key, num_tokens, file_bytes)`` rows in order, as most recently used (a
-        saved index, least recently used first); a key already indexed is skipped. Entries
+        """Insert ``(key, num_tokens, file_bytes)`` rows in order, each as the newest (a saved
+        index, next victim first); a key already indexed is skipped. Entries
         of one size share one :class:`DiskEntry` (immutable), so a million rows cost a dict
         slot each. Returns how many were added."""
-        entries = self._entries
+        entries, insert = self._entries, self.policy.insert
         shared: dict[tuple[int, int], DiskEntry] = {}
         added = used = 0
         for key, num_tokens, file_bytes in rows:
@@ -70,6 +86,7 @@ class DiskIndex:
             if entry is None:
                 entry = shared[num_tokens, file_bytes] = DiskEntry(num_tokens, file_bytes)
             entries[key] = entry
+            insert(key)
             used += file_bytes
             added += 1
         self.used_bytes += used
@@ -81,6 +98,7 @@ class DiskIndex:
         if entry is not None:
             self.used_bytes -= entry.file_bytes
             self._pins.pop(key, None)
+            self.policy.remove(key)
         return entry
 
     def drop_all(self) -> int:
@@ -89,6 +107,7 @@ class DiskIndex:
         dropped = len(self._entries)
         self._entries.clear()
         self._pins.clear()
+        self.policy.clear()
         self.used_bytes = 0
         return dropped
 
@@ -97,7 +116,6 @@ class DiskIndex:
         if key not in self._entries:
             return False
         self._pins[key] = self._pins.get(key, 0) + 1
-        self._entries.move_to_end(key)
         return True
 
     def unpin(self, key: ChunkKey) -> bool:
@@ -120,7 +138,7 @@ class DiskIndex:
 
     # -- capacity --------------------------------------------------------------------------
     def reserve(self, nbytes: int) -> list[ChunkKey] | None:
-        """Reserve room for a file of ``nbytes``, evicting LRU unpinned entries from the index.
+        """Reserve room for a file of ``nbytes``, evicting the policy's unpinned victims.
 
         Returns the evicted keys (the caller deletes their files), or None, with nothing
         evicted, when even evicting every unpinned entry would not make room.
@@ -128,19 +146,22 @@ class DiskIndex:
         free = self.capacity_bytes - self.used_bytes - self.reserved_bytes
         victims: list[ChunkKey] = []
         if free < nbytes:
-            for key, entry in self._entries.items():
-                if key in self._pins:
-                    continue
-                victims.append(key)
-                free += entry.file_bytes
-                if free >= nbytes:
-                    break
-            if free < nbytes:
+            entries, pins = self._entries, self._pins
+            pinned_bytes = sum(entries[k].file_bytes for k in pins)  # pins are few
+            if free + self.used_bytes - pinned_bytes < nbytes:
                 return None
-        for key in victims:
-            self.pop(key)
+            pinned = pins.__contains__
+            while free < nbytes:  # usually one victim: files of one layout are one size
+                (key,) = self.policy.evict(1, lambda k: not pinned(k))
+                victims.append(key)
+                free += entries[key].file_bytes
+                self._forget(key)
         self.reserved_bytes += nbytes
         return victims
+
+    def _forget(self, key: ChunkKey) -> None:
+        """Drop an entry the policy already forgot (it chose it as a victim)."""
+        self.used_bytes -= self._entries.pop(key).file_bytes
 
     def commit(self, key: ChunkKey, entry: DiskEntry) -> None:
         self.reserved_bytes -= entry.file_bytes
@@ -153,11 +174,13 @@ class DiskIndex:
         return [k for k in self._entries if k not in self._pins]
 
     def oldest_first(self) -> list[ChunkKey]:
-        return list(self._entries)
+        """Every key, the next victim first."""
+        return list(self.policy.order())
 
     def items(self) -> Iterator[tuple[ChunkKey, DiskEntry]]:
-        """The entries oldest first, as an iterator (no list of a million tuples)."""
-        return iter(self._entries.items())
+        """The entries, the next victim first, as an iterator (no list of a million tuples)."""
+        entries = self._entries
+        return ((key, entries[key]) for key in self.policy.order())
 
     def key_set(self) -> set[ChunkKey]:
         return set(self._entries)

@@ -39,6 +39,7 @@ class DiskOptions:
     io_threads: int = DEFAULT_IO_THREADS
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
     timeout_s: float = 10.0  # blocking_timeout_secs: the longest a read (or close) waits
+    cache_policy: str = "LRU"  # the index's eviction order (kvtier.storage.policy)
 
 
 def parse_local_disk(raw: str) -> str:
@@ -81,6 +82,7 @@ def options_from_config(config: Config, layout: KVLayout, chunk_size: int) -> Di
         threads,
         inflight,
         config.blocking_timeout_secs,
+        config.cache_policy,
     )
 
 

@@ -26,7 +26,7 @@ Format (little-endian)::
     0       8     magic b"KVTIDX\\x00\\x01"
     8       8     fingerprint id (8 bytes, Fingerprint.digest()[:8])
     16      8     entry count n
-    24      28*n  entries, least recently used first: key (16), num_tokens (u32), file bytes (u64)
+    24      28*n  entries, next victim first: key (16), num_tokens (u32), file bytes (u64)
     ..      16    xxh3-128 of everything before
 """
 
@@ -113,7 +113,7 @@ def save_rows(
 
 
 def load(dir_fd: int, fingerprint: Fingerprint) -> dict[ChunkKey, SavedEntry] | None:
-    """The saved entries, least recently used first, or None when there is no usable
+    """The saved entries, next victim first, or None when there is no usable
     snapshot (missing, torn, another fingerprint's, unreadable: logged, never raised)."""
     rows = load_rows(dir_fd, fingerprint)
     if rows is None:
@@ -122,8 +122,8 @@ def load(dir_fd: int, fingerprint: Fingerprint) -> dict[ChunkKey, SavedEntry] | 
 
 
 def load_rows(dir_fd: int, fingerprint: Fingerprint) -> Iterator[tuple[ChunkKey, int, int]] | None:
-    """:func:`load` as plain ``(key, num_tokens, file_bytes)`` rows, least recently used
-    first, unpacked as they are iterated: what an open of a million entries builds its index
+    """:func:`load` as plain ``(key, num_tokens, file_bytes)`` rows, next victim first,
+    unpacked as they are iterated: what an open of a million entries builds its index
     from (no object and no list per row)."""
     name = snapshot_name(fingerprint.hex())
     try:

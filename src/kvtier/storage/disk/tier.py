@@ -9,7 +9,8 @@ Protocol (on top of :mod:`kvtier.storage.base`)::
       refused by the write queue's admission   -> on_done(DROPPED), counted  at once (never waits)
         (bytes in flight + record > disk_max_inflight_bytes, see storage/write_queue.py)
       else queued on the write queue; a writer thread then:
-        reserves room (evicting LRU unpinned files), or on_done(DROPPED) if all are pinned
+        reserves room (evicting the policy's unpinned victims), or on_done(DROPPED) if all
+        are pinned
         writes temp name, fsync, rename, fsync dir  -> on_done(STORED)
         OSError (ENOSPC, EIO, ...)                  -> on_done(FAILED), counted, temp removed
 
@@ -63,6 +64,7 @@ from kvtier.storage.disk.directory import ChunkDirectory
 from kvtier.storage.disk.index import DiskEntry, DiskIndex
 from kvtier.storage.disk.options import DiskOptions, options_from_config
 from kvtier.storage.disk.reconcile import SavedIndexCheck
+from kvtier.storage.policy import make_policy
 from kvtier.storage.records import (
     HEADER_SIZE,
     check_payload_digest,
@@ -108,7 +110,7 @@ class DiskTier(Tier):
         self.fingerprint = fingerprint
         self.fp_hex = fingerprint.hex()
         self.counters = DiskCounters()
-        self._index = DiskIndex(options.capacity_bytes)
+        self._index = DiskIndex(options.capacity_bytes, make_policy(options.cache_policy))
         self._lock = threading.Lock()
         # A full disk / Redis at maxmemory fails every chunk: one line per 30 s, with a count.
         self._repeated = RepeatedLog(log)
@@ -190,7 +192,7 @@ class DiskTier(Tier):
         return self._dir.generation, self._dir.fd
 
     def evict_to_fit(self) -> list[ChunkKey]:
-        """Under the lock: evict the oldest until the index fits the capacity (it may have
+        """Under the lock: evict the policy's victims until the index fits the capacity (it may have
         shrunk since the files were written); the files are unlinked."""
         trimmed = self._index.reserve(0) or []  # reserving 0 bytes evicts until it fits
         if trimmed:
@@ -208,7 +210,7 @@ class DiskTier(Tier):
     def _rebuild_index(self, dir_fd: int) -> None:
         saved = snapshot.load(dir_fd, self.fingerprint) or {}
         found = files.scan(dir_fd, self.fingerprint, self.fp_hex, saved)
-        for entry in saved.values():  # least recently used first, as saved
+        for entry in saved.values():  # next victim first, as saved
             if entry.key in found.known_present:
                 self._index.add(entry.key, DiskEntry(entry.num_tokens, entry.file_bytes))
         for record in found.records:  # files the snapshot does not know, oldest first
@@ -422,7 +424,9 @@ class DiskTier(Tier):
     def _read_one(self, key: ChunkKey, out: torch.Tensor) -> int | None:
         """One read, on a reader thread (the caller waits on it, bounded)."""
         with self._lock:
-            entry = self._index.get(key, touch=True)
+            # A pinned key was touched when its lookup pinned it: touching it again per read
+            # would reorder a run parent-first (the policy wants one touch per use).
+            entry = self._index.get(key, touch=not self._index.is_pinned(key))
             dir_fd = self._dir.fd
             if entry is None:
                 self.counters.misses += 1
@@ -509,10 +513,7 @@ class DiskTier(Tier):
 
     # -- pins, removal, usage --------------------------------------------------------------
     def pin(self, key: ChunkKey) -> bool:
-        with self._guard.call(), self._lock:
-            pinned = self._index.pin(key)
-            self.counters.pinned_keys = self._index.pinned_keys
-            return pinned
+        return self.pin_many((key,)) == 1
 
     def pin_many(self, keys: Sequence[ChunkKey]) -> int:
         with self._guard.call(), self._lock:
@@ -521,8 +522,13 @@ class DiskTier(Tier):
                 if not self._index.pin(key):
                     break
                 pinned += 1
+            self._index.touch(keys[:pinned])  # one use of the run (its reads do not touch)
             self.counters.pinned_keys = self._index.pinned_keys
             return pinned
+
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        with self._guard.call(), self._lock:
+            self._index.touch(keys)
 
     def unpin(self, key: ChunkKey) -> None:
         self.unpin_many((key,))
