@@ -4,7 +4,8 @@ build, fp32, its own prefix cache off so every repeat is kvtier's load).
 The prompt is 300 words, an image (7 tokens, in chunk 1), 250 words: 557 tokens, two whole
 chunks. Image 2 after image 1 may load only chunk 0 (text before the image, shared with a
 text-only prompt as in vLLM); image 1 again loads both chunks; every output equals vLLM
-without a connector. Then the same through the disk tier in a fresh vLLM (a restart).
+without a connector. Then the same through the disk tier in a fresh vLLM (a restart), and
+through ``kvtier server``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvtier.testing.vision import IMAGE_SIZE, write_tiny_idefics3
+from tests.server.server_helpers import ServerProcess
 
 from .vllm_helpers import MAX_TOKENS, Instances, VllmInstance, unique_engine_id
 
@@ -109,3 +111,28 @@ def test_another_image_never_loads_the_first_images_kv_in_cpu_or_after_a_restart
         assert hit == 2 * CHUNK, picture
     second.assert_clean()
     instances.close()
+
+
+def test_another_image_never_loads_the_first_images_kv_through_the_kvtier_server(
+    vlm_dir: Path,
+    instances: Instances,
+    expected: dict[str | None, list[int]],
+    kvserver: ServerProcess,
+) -> None:
+    """The server keys by what the client sends: the image's hash crosses the socket."""
+    served = instances.get(
+        "vlm-server",
+        lambda: VllmInstance(
+            vlm_dir,
+            engine_id=unique_engine_id("kvtier-test-vlm-server"),
+            extra={"server": kvserver.url},
+            enable_prefix_caching=False,
+            **ARGS,
+        ),
+    )
+    for picture, may_load in [("noise", 0), ("black", CHUNK), ("noise", 2 * CHUNK)]:
+        out, hit = loaded(served, picture)
+        assert out == expected[picture], picture
+        assert hit == may_load, picture
+    instances.close()
+    assert "Traceback" not in kvserver.log(), kvserver.log()
