@@ -14,7 +14,16 @@ Fields:
 
 ``cpu_hit_ratio``
     Token hit ratio of the CPU tier with ``--capacity``, policy ``--policy`` (the default
-    ``cache_policy``). ``hit_ratio`` is the same figure (the tiers replayed).
+    ``cache_policy``).
+``hit_ratio``
+    The tiers replayed: the CPU tier alone, or with ``--disk-capacity`` a whole Engine with
+    that CPU tier and a disk tier of real files (``kvtier.bench.trace_engine``); then also
+    ``hit_of_opt`` (against the optimum at ``--capacity``: what the same RAM gets),
+    ``lru_combined_hit_ratio`` (one plain LRU of the CPU and disk capacities together),
+    ``disk_bytes_per_hit_token`` (disk bytes written per token served, with this replay's
+    8-byte payloads), ``disk_writes_per_hit_chunk`` (chunk files written per chunk served,
+    which carries over to real payloads: the SSD's side of the cost) and
+    ``engine_seconds``.
 ``opt_hit_ratio`` / ``lru_hit_ratio`` / ``arc_hit_ratio`` / ``inf_hit_ratio``
     The reference caches (``trace_sims``) at the same capacity, each storing every block as
     the peers do; ``cpu_of_opt`` the ratio.
@@ -36,7 +45,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.bench import trace_sims
+from kvtier.bench import trace_engine, trace_sims
 from kvtier.bench.trace_file import Trace, load
 from kvtier.keys import ChunkKey
 from kvtier.memory.block_pool import BlockPool
@@ -55,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rechain", action="store_true", help="chain ids that name contents")
     parser.add_argument(
         "--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help="cache_policy"
+    )
+    parser.add_argument(
+        "--disk-capacity",
+        type=float,
+        default=0.0,
+        help="also replay a whole Engine with a disk tier of this fraction of unique blocks",
     )
     parser.add_argument(
         "--save-unfull-chunk",
@@ -83,9 +98,9 @@ class CpuReplay:
         return len(pages)
 
     def store(self, ids: Sequence[int], start: int, tokens: Sequence[int]) -> None:
-        """As the engine stores (``StorageManager.reserve`` + ``commit``): a page for every
-        chunk not cached, then each inserted (the policy may decline it: its page goes
-        back)."""
+        """As the engine stores (``StorageManager.reserve`` + ``commit``): a page for each
+        chunk not cached, one at a time, then each inserted (the policy may decline it: its
+        page goes back)."""
         tier, whole = self.tier, self.whole_tokens
         keys = self._keys(ids[start:])
         missing = [
@@ -93,11 +108,13 @@ class CpuReplay:
             for key, n, present in zip(keys, tokens[start:], tier.contains(keys), strict=True)
             if not present and n >= whole
         ]
-        pages = tier.allocate(len(missing))
-        if pages is None:  # nothing is pinned in a replay: only a pool smaller than a prompt
-            missing = missing[: self.pool.num_pages]
-            pages = tier.allocate(len(missing)) or []
-        for (key, n), page in zip(missing, pages, strict=True):
+        pages: list[int] = []
+        for _ in missing:  # a page at a time, as StorageManager.reserve takes them
+            got = tier.allocate(1)
+            if got is None:  # nothing is pinned in a replay: a pool smaller than a prompt
+                break
+            pages += got
+        for (key, n), page in zip(missing, pages, strict=False):
             if not tier.insert(key, page, n):
                 self.pool.release([page])
 
@@ -163,6 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     inf = trace_sims.replay(trace, trace_sims.Infinite())
     cpu_curve = {f: p["cpu"] for f, p in points.items()} | {args.capacity: main["cpu"]}
     need = capacity_for(trace, unique, 0.9 * main["opt"], args.policy, unfull, cpu_curve)
+    tiers = _with_disk(trace, unique, args, main["opt"]) if args.disk_capacity > 0 else {}
     return {
         "policy": args.policy,
         "save_unfull_chunk": unfull,
@@ -172,6 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "unique_blocks": unique,
         "cpu_hit_ratio": main["cpu"],
         "hit_ratio": main["cpu"],
+        **tiers,
         "opt_hit_ratio": main["opt"],
         "lru_hit_ratio": main["lru"],
         "arc_hit_ratio": main["arc"],
@@ -181,4 +200,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "capacity_for_0_9_opt": need,
         "curve": {f"{f:g}": p for f, p in points.items()},
         "seconds": time.perf_counter() - started,
+    }
+
+
+def _with_disk(
+    trace: Trace, unique: int, args: argparse.Namespace, opt: float
+) -> dict[str, float | int]:
+    if not trace_engine.ids_fit(trace.requests):
+        raise SystemExit("--disk-capacity: block ids must fit int32 token ids (use --rechain)")
+    cpu, disk = max(1, int(args.capacity * unique)), max(1, int(args.disk_capacity * unique))
+    started = time.perf_counter()
+    result = trace_engine.replay(trace, cpu, disk, args.policy, save_unfull=args.save_unfull_chunk)
+    return {
+        "disk_capacity": args.disk_capacity,
+        "hit_ratio": result.hit_ratio,
+        "hit_of_opt": result.hit_ratio / opt if opt else 0.0,
+        "engine_cpu_hit_ratio": result.cpu_hit_ratio,
+        "lru_combined_hit_ratio": trace_sims.replay(trace, trace_sims.Lru(cpu + disk)),
+        "disk_bytes_written": result.disk_bytes_written,
+        "disk_files_written": result.disk_files_written,
+        "disk_bytes_per_hit_token": (
+            result.disk_bytes_written / result.hit_tokens if result.hit_tokens else 0.0
+        ),
+        "disk_writes_per_hit_chunk": (
+            result.disk_files_written / result.hit_blocks if result.hit_blocks else 0.0
+        ),
+        "engine_seconds": time.perf_counter() - started,
     }

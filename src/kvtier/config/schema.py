@@ -56,7 +56,7 @@ KEYS: tuple[KeySpec, ...] = (
         "cache_policy",
         p.choice(CACHE_POLICIES),
         "REUSE",
-        "CPU tier eviction: REUSE (reused chunks outlive new ones, leaf-first) or LRU.",
+        "CPU and disk tier eviction: REUSE (reused chunks outlive new ones, leaf-first) or LRU.",
     ),
     KeySpec(
         "use_only_staging_buffer",
