@@ -1,13 +1,14 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import struct
 
 import pytest
 import torch
 
-from kvtier.errors import CorruptRecord
+from kvtier.errors import CorruptRecord, UnknownRecordFormat
 from kvtier.keys import Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.storage import records
@@ -27,6 +28,47 @@ from tests.storage.tier_contract import CONTRACT_CHUNK, CONTRACT_LAYOUT, PAGE_BY
 
 FP = Fingerprint("test-model", CONTRACT_LAYOUT, CONTRACT_CHUNK)
 KEY = bytes(range(16))
+
+
+def v1_record(key: bytes, fp: Fingerprint, num_tokens: int, data: torch.Tensor) -> bytes:
+    """A record exactly as format version 1 wrote it (kvtier before the codec slot): no codec
+    id or stored length, the payload checksum at 88, the header checksum of bytes 0..104."""
+    import xxhash
+
+    from kvtier.layout import dtype_name
+
+    lay = fp.layout
+    body = data.numpy().tobytes()
+    fields = struct.pack(
+        "<8sHH16s16sIII16sIIQ16s",
+        RECORD_MAGIC,
+        1,
+        HEADER_SIZE,
+        key,
+        fp.digest()[:16].ljust(16, b"\0"),
+        lay.num_layers,
+        lay.num_kv_heads,
+        lay.head_dim,
+        dtype_name(lay.dtype).encode("ascii"),
+        fp.chunk_size,
+        num_tokens,
+        len(body),
+        bytes(xxhash.xxh3_128_digest(body)),
+    )
+    head = fields + struct.pack("<Q", xxhash.xxh3_64_intdigest(fields))
+    return head + bytes(HEADER_SIZE - len(head)) + body
+
+
+def test_a_record_of_format_version_1_is_an_unknown_format_miss() -> None:
+    """Files written before the codec slot: refused as another format (logged once by the
+    tiers), never misread with the fields moved."""
+    record = v1_record(KEY, FP, CONTRACT_CHUNK, payload(CONTRACT_CHUNK, 12))
+    with pytest.raises(UnknownRecordFormat, match="version 1, this kvtier reads 2"):
+        decode_header(record, FP, KEY)
+    out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+    with pytest.raises(CorruptRecord):
+        decode_record_into(record, FP, KEY, out)
+    assert not bool(out.any())
 
 
 def test_round_trip_in_memory() -> None:
@@ -79,7 +121,7 @@ FIELDS = {
 def test_the_field_table_covers_every_hashed_header_byte() -> None:
     spans = sorted(FIELDS.values())
     assert spans[0][0] == 0
-    for (at, size), (nxt, _) in zip(spans, spans[1:], strict=False):
+    for (at, size), (nxt, _) in itertools.pairwise(spans):
         assert at + size == nxt  # no gap, no overlap
     assert spans[-1][0] + spans[-1][1] == records._PARTS_AT  # where the part block starts
 

@@ -45,6 +45,7 @@ class PayloadCodec(ABC):
     codec_id: int  # u16, part of the format: never reuse one for another encoding
     name: str  # what a config or a log names it by
     is_identity: bool = False  # stored bytes are the payload: readers read into the page
+    lossless: bool = True  # decode(encode(p)) == p byte for byte (fp8 / int8 will say False)
 
     @abstractmethod
     def encode(self, payload: memoryview, layout: KVLayout) -> Buffer:
