@@ -11,6 +11,8 @@ The hierarchy, so a caller can catch as narrowly or as broadly as it needs::
     ├── TierError              a storage tier failed (I/O, server, corrupt record)
     │   ├── TierUnavailable    the tier is down (server unreachable, disk gone)
     │   └── CorruptRecord      bytes failed their checksum or header check
+    │       └── UnknownRecordFormat  an intact-looking record of another format version
+    │                                or payload codec than this kvtier reads
     └── TransferError          a prefill/decode transfer failed
         ├── ProtocolError      a malformed, oversized or unexpected control message
         ├── AuthError          the peer could not prove it knows pd_auth_token
@@ -59,6 +61,12 @@ class TierUnavailable(TierError):
 
 class CorruptRecord(TierError):
     """Stored bytes failed their header or checksum check; the entry is treated as a miss."""
+
+
+class UnknownRecordFormat(CorruptRecord):
+    """A record this kvtier cannot read: another format version, or a payload codec id not
+    registered here (kvtier.storage.codecs). A miss like any corrupt record; tiers log it
+    once rather than per chunk, since it comes in crowds (after an upgrade)."""
 
 
 class TransferError(KVTierError):

@@ -1,12 +1,14 @@
 """The self-describing, checksummed record of one chunk, shared by the disk and redis tiers.
 
-A record is a fixed-size header followed by the chunk's payload (the first
+A record is a fixed-size header followed by the chunk's stored bytes: its payload (the first
 ``layout.payload_bytes(num_tokens)`` bytes of its page: every KV-cache group's part of the
-chunk, so a chunk is all its groups or none, under one checksum)::
+chunk, so a chunk is all its groups or none, under one checksum) as the record's payload
+codec (:mod:`kvtier.storage.codecs`) encoded it. With the identity codec (id 0) the stored
+bytes are the payload itself::
 
     offset  size  field
     0       8     magic  b"KVTIERC\\n"
-    8       2     format version (RECORD_VERSION)
+    8       2     format version (RECORD_VERSION = 2)
     10      2     header size (HEADER_SIZE, so a reader can refuse a different layout early)
     12      16    chunk key (the full 16-byte chained digest)
     28      16    fingerprint digest (model, layout, chunk size, hash, TP rank, salt)
@@ -16,27 +18,45 @@ chunk, so a chunk is all its groups or none, under one checksum)::
     56      16    dtype name, ASCII, NUL padded ("bfloat16")
     72      4     chunk_size (tokens)
     76      4     num_tokens in this chunk (1 .. chunk_size)
-    80      8     payload length in bytes (= layout.payload_bytes(num_tokens))
-    88      16    payload checksum: xxh3-128 of the payload bytes
-    104     8     header checksum: xxh3-64 of bytes 0..104 (covers the payload checksum too)
-    112     2     part count p: 0, or the KV-cache groups of a page made of group parts
-                  (a layout with a trimmed sliding group, see kvtier.layout)
-    114     8*p   xxh3-64 of each part of the payload, in page order
-    114+8p  8     xxh3-64 of bytes 112..114+8p
+    80      8     payload length in bytes, decoded (= layout.payload_bytes(num_tokens))
+    88      2     payload codec id (0 = identity; kvtier.storage.codecs)
+    90      8     stored length s in bytes (= the payload length for identity)
+    98      16    stored checksum: xxh3-128 of the s stored bytes
+    114     8     header checksum: xxh3-64 of bytes 0..114 (covers the stored checksum too)
+    122     2     part count p: 0, or the KV-cache groups of a page made of group parts
+                  (a layout with a trimmed sliding group, see kvtier.layout; identity only)
+    124     8*p   xxh3-64 of each part of the payload, in page order
+    124+8p  8     xxh3-64 of bytes 122..124+8p
     ..      ..    zero padding up to HEADER_SIZE
-    4096    n     payload
+    4096    s     stored bytes (the payload, encoded by the codec)
 
-The part checksums only name what failed: a payload that fails its checksum is a miss, and
-the part whose own checksum differs names the KV-cache group (``explain`` shows it). A chunk
-is every group or none: one record, one payload checksum.
+The part checksums only name what failed: stored bytes that fail their checksum are a miss,
+and the part whose own checksum differs names the KV-cache group (``explain`` shows it). A
+chunk is every group or none: one record, one stored checksum. Only identity records carry
+part checksums: the bytes of another codec have no page offsets to cut parts at.
 
 Why two checksums: the header checksum lets the disk tier rebuild its index at start by
 reading headers only (a torn or edited header is caught without touching the payload); the
-payload checksum, which the header checksum covers, is checked on every read. Together they
-cover every header field and every payload byte.
+stored checksum, which the header checksum covers, is checked on every read, over the
+*stored* bytes, so a corrupt byte is caught before a codec decodes it, and the decoded length
+is then checked against the payload length. Together they cover every header field and every
+stored byte.
 
-Why 4096 bytes of header: the payload then starts at a page-aligned file offset, so it can
-be read with O_DIRECT straight into a page-aligned allocator page.
+Why 4096 bytes of header: the stored bytes then start at a page-aligned file offset, so an
+identity record can be read with O_DIRECT straight into a page-aligned allocator page.
+
+Zero copy for identity: a writer hands the page itself to the file or the socket
+(:func:`encode_parts` returns a view of it), and a reader reads the stored bytes straight
+into the page (:func:`stored_target` is the page for identity, a scratch buffer for another
+codec, which :func:`finish_read` then decodes into the page).
+
+Records of another format version (the files of a kvtier before this format, after an
+upgrade) and records of a codec id not registered in this process raise
+:class:`~kvtier.errors.UnknownRecordFormat`, a :class:`~kvtier.errors.CorruptRecord`: a miss.
+The disk tier drops such a file like any corrupt one (the startup scan removes it, a read
+removes it) and logs the kind once per 30 s rather than per chunk; the redis tier misses
+without deleting it (another engine of the fleet may read it; this engine's next store of the
+chunk replaces it). There is no conversion: version 1 records are dropped, the cache refills.
 
 Checksums are computed over the payload tensor's memory (a memoryview of its numpy view),
 never over a ``bytes`` copy. xxh3-128 runs at about 25 GiB/s on these machines.
@@ -51,40 +71,44 @@ import numpy as np
 import torch
 import xxhash
 
-from kvtier.errors import CorruptRecord
+from kvtier.errors import CorruptRecord, UnknownRecordFormat
 from kvtier.keys import KEY_BYTES, ChunkKey, Fingerprint
 from kvtier.layout import KVLayout, dtype_name
+from kvtier.storage.codecs import IDENTITY, PayloadCodec, codec_by_id
 
 RECORD_MAGIC = b"KVTIERC\n"
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 HEADER_SIZE = 4096
 
 # Everything before the header checksum, then the header checksum itself.
-_FIELDS = struct.Struct("<8sHH16s16sIII16sIIQ16s")
+_FIELDS = struct.Struct("<8sHH16s16sIII16sIIQHQ16s")
 _HEADER_HASH = struct.Struct("<Q")
-_HASHED_BYTES = _FIELDS.size  # 104
-_PARTS_AT = _HASHED_BYTES + _HEADER_HASH.size  # 112
+_HASHED_BYTES = _FIELDS.size  # 114
+_PARTS_AT = _HASHED_BYTES + _HEADER_HASH.size  # 122
 _COUNT = struct.Struct("<H")
 _HASH64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True, slots=True)
 class RecordHeader:
-    """A decoded header; ``payload_checksum`` is what :func:`verify_payload` checks against."""
+    """A decoded header; ``stored_checksum`` is what :func:`verify_stored` checks against,
+    ``codec`` the registered codec its id names."""
 
     key: ChunkKey
     num_tokens: int
-    payload_len: int
-    payload_checksum: bytes
+    payload_len: int  # decoded: layout.payload_bytes(num_tokens)
+    stored_len: int  # the bytes after the header
+    stored_checksum: bytes
+    codec: PayloadCodec = IDENTITY
     part_checksums: tuple[int, ...] = ()  # per KV-cache group part, when the page has parts
 
     @property
     def record_len(self) -> int:
-        return HEADER_SIZE + self.payload_len
+        return HEADER_SIZE + self.stored_len
 
 
 def header_size() -> int:
-    """Bytes before the payload (fixed, page-aligned)."""
+    """Bytes before the stored bytes (fixed, page-aligned)."""
     return HEADER_SIZE
 
 
@@ -101,7 +125,8 @@ def _payload_view(payload: torch.Tensor | memoryview | bytes) -> memoryview:
 
 
 def payload_checksum(payload: torch.Tensor | memoryview | bytes) -> bytes:
-    """xxh3-128 of the payload bytes (16 bytes)."""
+    """xxh3-128 of the bytes (16 bytes): a record's stored checksum is this of its stored
+    bytes."""
     return bytes(xxhash.xxh3_128_digest(_payload_view(payload)))
 
 
@@ -109,13 +134,16 @@ def _fingerprint_digest(fingerprint: Fingerprint) -> bytes:
     return fingerprint.digest()[:KEY_BYTES].ljust(KEY_BYTES, b"\0")
 
 
-def encode_header(
+def encode_parts(
     key: ChunkKey,
     fingerprint: Fingerprint,
     num_tokens: int,
     payload: torch.Tensor | memoryview | bytes,
-) -> bytes:
-    """The HEADER_SIZE-byte header for ``payload`` (flat uint8, ``num_tokens`` tokens' bytes)."""
+    codec: PayloadCodec = IDENTITY,
+) -> tuple[bytes, memoryview]:
+    """The HEADER_SIZE-byte header and the stored bytes of a record of ``payload`` (flat
+    uint8, ``num_tokens`` tokens' bytes), encoded by ``codec``. For identity the stored
+    bytes are a view of ``payload`` itself: write both buffers, nothing is joined."""
     lay = fingerprint.layout
     view = _payload_view(payload)
     if len(key) != KEY_BYTES:
@@ -127,6 +155,9 @@ def encode_header(
             f"payload is {view.nbytes} bytes, but {num_tokens} tokens take "
             f"{lay.payload_bytes(num_tokens)}"
         )
+    if codec_by_id(codec.codec_id) is not codec:
+        raise ValueError(f"{codec!r} is not registered: nothing could read its records")
+    stored = memoryview(codec.encode(view, lay)).cast("B")
     fields = _FIELDS.pack(
         RECORD_MAGIC,
         RECORD_VERSION,
@@ -140,11 +171,24 @@ def encode_header(
         fingerprint.chunk_size,
         num_tokens,
         view.nbytes,
-        payload_checksum(view),
+        codec.codec_id,
+        stored.nbytes,
+        payload_checksum(stored),
     )
     head = fields + _HEADER_HASH.pack(xxhash.xxh3_64_intdigest(fields))
-    parts = _encode_parts(lay, num_tokens, view)
-    return head + parts + bytes(HEADER_SIZE - len(head) - len(parts))
+    parts = _encode_parts(lay, num_tokens, view) if codec.is_identity else b""
+    return head + parts + bytes(HEADER_SIZE - len(head) - len(parts)), stored
+
+
+def encode_header(
+    key: ChunkKey,
+    fingerprint: Fingerprint,
+    num_tokens: int,
+    payload: torch.Tensor | memoryview | bytes,
+) -> bytes:
+    """The header of an identity record of ``payload`` (the caller writes the payload after
+    it, as is)."""
+    return encode_parts(key, fingerprint, num_tokens, payload)[0]
 
 
 def _encode_parts(lay: KVLayout, num_tokens: int, view: memoryview) -> bytes:
@@ -160,7 +204,7 @@ def _encode_parts(lay: KVLayout, num_tokens: int, view: memoryview) -> bytes:
 
 def _decode_parts(view: memoryview) -> tuple[int, ...]:
     """Part checksums of a header, or () when it has none (or their block is damaged: they
-    only name a failure, the payload checksum decides it)."""
+    only name a failure, the stored checksum decides it)."""
     (count,) = _COUNT.unpack_from(view, _PARTS_AT)
     end = _PARTS_AT + _COUNT.size + 8 * count
     if count == 0 or end + 8 > min(view.nbytes, HEADER_SIZE):
@@ -179,18 +223,25 @@ def decode_header(
     """Parse and check a header (the first HEADER_SIZE bytes of ``buf``; more is ignored).
 
     Raises :class:`CorruptRecord` naming the first problem: short buffer, magic, version,
-    header checksum, fingerprint, layout, chunk size, key, token count or payload length.
+    header checksum, fingerprint, layout, chunk size, key, token count, payload length,
+    codec or stored length. Another format version or a codec id not registered here raise
+    its subclass :class:`UnknownRecordFormat` (module docstring).
     """
     view = memoryview(buf).cast("B")
-    if view.nbytes < _HASHED_BYTES + _HEADER_HASH.size:
+    if view.nbytes >= _COUNT.size + len(RECORD_MAGIC):
+        (magic,) = struct.unpack_from("<8s", view)
+        (version,) = _COUNT.unpack_from(view, len(RECORD_MAGIC))
+        if magic == RECORD_MAGIC and version != RECORD_VERSION:
+            raise UnknownRecordFormat(
+                f"record format version {version}, this kvtier reads {RECORD_VERSION}"
+            )
+    if view.nbytes < _PARTS_AT:
         raise CorruptRecord(f"record header truncated: {view.nbytes} bytes")
-    (magic, version, hsize, key, fp, layers, heads, head_dim, dtype, chunk, tokens, plen, csum) = (
-        _FIELDS.unpack_from(view)
-    )
+    fields = _FIELDS.unpack_from(view)
+    magic, _, hsize, key, fp, layers, heads, head_dim, dtype, chunk, tokens, plen = fields[:12]
+    codec_id, slen, csum = fields[12:]
     if magic != RECORD_MAGIC:
         raise CorruptRecord(f"bad record magic {bytes(magic)!r}")
-    if version != RECORD_VERSION:
-        raise CorruptRecord(f"record format version {version}, this kvtier reads {RECORD_VERSION}")
     if hsize != HEADER_SIZE:
         raise CorruptRecord(f"record header size {hsize}, expected {HEADER_SIZE}")
     (stored_hash,) = _HEADER_HASH.unpack_from(view, _HASHED_BYTES)
@@ -211,44 +262,49 @@ def decode_header(
         raise CorruptRecord(f"record token count {tokens} outside 1..{chunk}")
     if plen != lay.payload_bytes(tokens):
         raise CorruptRecord(f"record payload length {plen} != {tokens} tokens' bytes")
-    return RecordHeader(bytes(key), tokens, plen, bytes(csum), _decode_parts(view))
+    codec = codec_by_id(codec_id)
+    if codec is None:
+        raise UnknownRecordFormat(
+            f"record payload codec id {codec_id} is not registered in this kvtier"
+        )
+    if codec.is_identity and slen != plen:
+        raise CorruptRecord(f"identity record stores {slen} bytes of a {plen}-byte payload")
+    return RecordHeader(bytes(key), tokens, plen, slen, bytes(csum), codec, _decode_parts(view))
 
 
-def verify_payload(
+def verify_stored(
     header: RecordHeader,
-    payload: torch.Tensor | memoryview | bytes,
+    stored: torch.Tensor | memoryview | bytes,
     layout: KVLayout | None = None,
 ) -> None:
-    """Raise :class:`CorruptRecord` unless ``payload`` is exactly the bytes ``header`` names
+    """Raise :class:`CorruptRecord` unless ``stored`` is exactly the bytes ``header`` names
     (with ``layout``, the message names the KV-cache group whose part differs)."""
-    view = _payload_view(payload)
-    if view.nbytes != header.payload_len:
-        raise CorruptRecord(
-            f"record payload is {view.nbytes} bytes, header says {header.payload_len}"
-        )
-    check_payload_digest(header, payload_checksum(view), view, layout)
+    view = _payload_view(stored)
+    if view.nbytes != header.stored_len:
+        raise CorruptRecord(f"record stores {view.nbytes} bytes, header says {header.stored_len}")
+    check_stored_digest(header, payload_checksum(view), view, layout)
 
 
 def payload_hasher() -> xxhash.xxh3_128:
-    """A streaming payload checksum: ``update`` it with the payload's bytes in order, in
-    pieces of any size, while they are still in the CPU cache (as they land from a socket or
-    a file); its ``digest()`` equals :func:`payload_checksum` of the whole."""
+    """A streaming stored checksum: ``update`` it with the stored bytes in order, in pieces
+    of any size, while they are still in the CPU cache (as they land from a socket or a
+    file); its ``digest()`` equals :func:`payload_checksum` of the whole."""
     return xxhash.xxh3_128()
 
 
-def check_payload_digest(
+def check_stored_digest(
     header: RecordHeader,
     digest: bytes,
-    payload: torch.Tensor | memoryview | bytes | None = None,
+    stored: torch.Tensor | memoryview | bytes | None = None,
     layout: KVLayout | None = None,
 ) -> None:
-    """Raise :class:`CorruptRecord` unless ``digest`` (of the whole payload) is the header's.
-    On a mismatch, given the ``payload`` and the ``layout``, the message names the KV-cache
-    group whose part differs (the record's part checksums)."""
-    if digest != header.payload_checksum:
+    """Raise :class:`CorruptRecord` unless ``digest`` (of all the stored bytes) is the
+    header's. On a mismatch, given the ``stored`` bytes and the ``layout``, the message names
+    the KV-cache group whose part differs (the record's part checksums, identity only)."""
+    if digest != header.stored_checksum:
         where = ""
-        if payload is not None and layout is not None:
-            where = _failed_parts(header, _payload_view(payload), layout)
+        if stored is not None and layout is not None:
+            where = _failed_parts(header, _payload_view(stored), layout)
         raise CorruptRecord(f"payload checksum mismatch for key {header.key.hex()}{where}")
 
 
@@ -264,14 +320,67 @@ def _failed_parts(header: RecordHeader, view: memoryview, layout: KVLayout) -> s
     return f" in KV-cache group {', '.join(bad)}" if bad else ""
 
 
+def stored_target(header: RecordHeader, out: torch.Tensor) -> memoryview:
+    """Where a reader lands the stored bytes of ``header``'s record, for a page ``out``
+    (flat uint8, at least the payload's size): the page itself for identity (no copy), a
+    new scratch buffer of the stored length for any other codec (:func:`finish_read` then
+    decodes it into the page)."""
+    _check_out(header, out)
+    if header.codec.is_identity:
+        return memoryview(out[: header.payload_len].numpy())  # type: ignore[arg-type]
+    return memoryview(bytearray(header.stored_len))
+
+
+def finish_read(
+    header: RecordHeader,
+    digest: bytes,
+    stored: memoryview,
+    out: torch.Tensor,
+    layout: KVLayout,
+) -> None:
+    """After the stored bytes landed in ``stored`` (from :func:`stored_target`) and were
+    hashed to ``digest``: check the digest, then decode into ``out`` unless they already are
+    the payload there (identity). Raises :class:`CorruptRecord` (out may hold bytes of the
+    failed read)."""
+    check_stored_digest(header, digest, stored, layout)
+    if header.codec.is_identity and _address(stored) == out.data_ptr():
+        return  # read in place: the page holds the payload
+    _decode_into(header, stored, out, layout)
+
+
+def _decode_into(
+    header: RecordHeader, stored: memoryview, out: torch.Tensor, layout: KVLayout
+) -> None:
+    """The codec's decode into the page, its length checked against the payload's."""
+    _check_out(header, out)
+    target = memoryview(out[: header.payload_len].numpy())  # type: ignore[arg-type]
+    written = header.codec.decode(stored, target, layout)
+    if written != header.payload_len:
+        raise CorruptRecord(
+            f"{header.codec.name} decoded {written} bytes, the payload is {header.payload_len}"
+        )
+
+
+def _check_out(header: RecordHeader, out: torch.Tensor) -> None:
+    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < header.payload_len:
+        raise ValueError(f"out must be a flat uint8 tensor of >= {header.payload_len} bytes")
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+
+
 def encode_record(
     key: ChunkKey,
     fingerprint: Fingerprint,
     num_tokens: int,
     payload: torch.Tensor | memoryview | bytes,
+    codec: PayloadCodec = IDENTITY,
 ) -> bytes:
-    """Header and payload as one ``bytes`` (for a value held in memory, e.g. a redis SET)."""
-    return encode_header(key, fingerprint, num_tokens, payload) + _payload_view(payload).tobytes()
+    """Header and stored bytes as one ``bytes`` (for a value held in memory, e.g. a redis
+    SET)."""
+    header, stored = encode_parts(key, fingerprint, num_tokens, payload, codec)
+    return header + stored.tobytes()
 
 
 def decode_record_into(
@@ -280,16 +389,14 @@ def decode_record_into(
     expected_key: ChunkKey | None,
     out: torch.Tensor,
 ) -> int:
-    """Check a whole record held in memory and copy its payload into ``out`` (flat uint8, at
-    least the payload's size). Returns the token count; raises :class:`CorruptRecord` and
-    leaves ``out`` untouched when anything is wrong."""
+    """Check a whole record held in memory and decode its payload into ``out`` (flat uint8,
+    at least the payload's size). Returns the token count; raises :class:`CorruptRecord` and
+    leaves ``out`` untouched when the header or the stored bytes are wrong."""
     view = memoryview(buf).cast("B")
     header = decode_header(view, fingerprint, expected_key)
     if view.nbytes != header.record_len:
         raise CorruptRecord(f"record is {view.nbytes} bytes, header says {header.record_len}")
-    payload = view[HEADER_SIZE:]
-    verify_payload(header, payload, fingerprint.layout)
-    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < header.payload_len:
-        raise ValueError(f"out must be a flat uint8 tensor of >= {header.payload_len} bytes")
-    out[: header.payload_len].numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+    stored = view[HEADER_SIZE:]
+    verify_stored(header, stored, fingerprint.layout)
+    _decode_into(header, stored, out, fingerprint.layout)
     return header.num_tokens

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from kvtier.keys import Fingerprint
+from kvtier.storage.codecs import IDENTITY, PayloadCodec
 from kvtier.storage.disk.options import DiskOptions
 from kvtier.storage.disk.tier import DiskTier
 from kvtier.storage.records import HEADER_SIZE
@@ -22,11 +23,12 @@ def make_tier(
     inflight_records: int = 64,
     threads: int = 2,
     fingerprint: Fingerprint = FP,
+    codec: PayloadCodec = IDENTITY,
 ) -> DiskTier:
     options = DiskOptions(
         str(path), capacity_records * RECORD_BYTES, threads, inflight_records * RECORD_BYTES
     )
-    return DiskTier(options, CONTRACT_LAYOUT, fingerprint)
+    return DiskTier(options, CONTRACT_LAYOUT, fingerprint, codec)
 
 
 def chunk_files(path: Path) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from kvtier.storage.disk.tier import DiskTier
 from kvtier.storage.records import HEADER_SIZE
 from tests.conftest import small_config
 from tests.storage.disk.disk_helpers import FP, RECORD_BYTES, chunk_files, make_tier, temp_files
+from tests.storage.test_records import v1_record
 from tests.storage.tier_contract import (
     CONTRACT_CHUNK,
     CONTRACT_LAYOUT,
@@ -501,5 +503,41 @@ def test_files_evicted_to_make_room_are_reported_to_the_listeners(tmp_path: Path
             )
         assert evicted == [keys[0]] and tier.counters.evicted == 1
         assert tier.contains(keys) == [False, True, True]
+    finally:
+        tier.close()
+
+
+# -- files of the previous record format (after an upgrade) ---------------------------------
+def test_files_of_format_version_1_are_dropped_at_open_and_on_read_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Records written before the codec slot are misses: a scan removes them with the other
+    bad files; read through a saved index that still names them, each is removed and the
+    kind is logged once, not per chunk."""
+    keys = [random_key() for _ in range(4)]
+    tier = make_tier(tmp_path)
+    tier.open()
+    for i, key in enumerate(keys):
+        put_and_wait(tier, key, payload(CONTRACT_CHUNK, 40 + i), CONTRACT_CHUNK)
+    tier.close()  # saves the index: the next open trusts it
+    for i, key in enumerate(keys):  # the same names, now holding version 1 records
+        path = tmp_path / f"{FP.hex()}-{key.hex()}.kvc"
+        path.write_bytes(v1_record(key, FP, CONTRACT_CHUNK, payload(CONTRACT_CHUNK, 40 + i)))
+    tier = make_tier(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage.disk.tier"):
+        tier.open()
+        assert tier.index_checked(10.0)
+        for key in keys[:3]:
+            assert read(tier, key)[0] is None
+    lines = [r for r in caplog.records if "does not read" in r.getMessage()]
+    assert len(lines) == 1 and "version 1" in lines[0].getMessage()
+    assert tier.counters.corrupt == 3 and len(chunk_files(tmp_path)) == 1
+    tier.close()
+    os.unlink(tmp_path / f".{FP.hex()}.index")  # no saved index: the open reads headers
+    tier = make_tier(tmp_path)
+    tier.open()
+    try:
+        assert tier.counters.bad_removed_at_open == 1 and chunk_files(tmp_path) == []
+        assert read(tier, keys[3])[0] is None
     finally:
         tier.close()

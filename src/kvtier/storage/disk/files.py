@@ -26,7 +26,7 @@ import torch
 
 from kvtier.errors import CorruptRecord
 from kvtier.keys import KEY_BYTES, ChunkKey, Fingerprint
-from kvtier.storage.records import HEADER_SIZE, RecordHeader, decode_header
+from kvtier.storage.records import HEADER_SIZE, RecordHeader, decode_header, stored_target
 
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
@@ -47,15 +47,15 @@ def temp_name(fp_hex: str, key: ChunkKey) -> str:
 
 
 def write_record(
-    dir_fd: int, key: ChunkKey, fp_hex: str, header: bytes, payload: memoryview
+    dir_fd: int, key: ChunkKey, fp_hex: str, header: bytes, stored: memoryview
 ) -> None:
-    """Write ``header + payload`` durably under the key's final name. Raises OSError (the
+    """Write ``header + stored`` durably under the key's final name. Raises OSError (the
     temporary file is removed first); the final name is then untouched."""
     tmp = temp_name(fp_hex, key)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
     try:
         try:
-            _write_all(fd, [memoryview(header), payload])
+            _write_all(fd, [memoryview(header), stored])
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -88,13 +88,16 @@ def read_record_into(
     fp_hex: str,
     out: torch.Tensor,
     on_piece: Callable[[memoryview], object] | None = None,
-) -> RecordHeader | None:
-    """Read the key's record: the header into a small buffer and check it, then the payload
-    straight into ``out`` (flat uint8, exactly the payload's size) in ``READ_BLOCK`` pieces,
-    handing each to ``on_piece`` right after it lands, while it is still in the CPU cache
-    (the tier hashes it there: one pass over memory instead of two). Returns the checked
-    header (the caller compares the payload checksum), None when the file is gone, or raises
-    CorruptRecord (a bad header stops before the payload is read)."""
+) -> tuple[RecordHeader, memoryview] | None:
+    """Read the key's record: the header into a small buffer and check it, then the stored
+    bytes in ``READ_BLOCK`` pieces, handing each to ``on_piece`` right after it lands, while
+    it is still in the CPU cache (the tier hashes it there: one pass over memory instead of
+    two). The stored bytes land where :func:`~kvtier.storage.records.stored_target` says:
+    straight into ``out`` (flat uint8, exactly the payload's size) for the identity codec, a
+    scratch buffer for another. Returns the checked header and the stored bytes (the caller
+    checks their checksum and decodes: :func:`~kvtier.storage.records.finish_read`), None
+    when the file is gone, or raises CorruptRecord (a bad header or file size stops before
+    the stored bytes are read)."""
     try:
         fd = os.open(final_name(fp_hex, key), _READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -104,18 +107,20 @@ def read_record_into(
             raise CorruptRecord("a symbolic link, not a chunk file") from None
         raise
     try:
-        _check_regular(fd)
+        size = _check_regular(fd).st_size
         header_buf = bytearray(HEADER_SIZE)
         got = _read_all(fd, [memoryview(header_buf)], 0)
         header = decode_header(header_buf[:got], fingerprint, key)
-        payload = memoryview(out.numpy())  # type: ignore[arg-type]
-        if header.payload_len != payload.nbytes:
+        if header.payload_len != out.numel():
             raise CorruptRecord(
-                f"record payload of {header.payload_len} bytes, expected {payload.nbytes}"
+                f"record payload of {header.payload_len} bytes, expected {out.numel()}"
             )
+        if size != header.record_len:  # before a scratch buffer of the stored length
+            raise CorruptRecord(f"file of {size} bytes, its header says {header.record_len}")
+        stored = stored_target(header, out)
         done = 0
-        while done < payload.nbytes:
-            piece = payload[done : done + READ_BLOCK]
+        while done < stored.nbytes:
+            piece = stored[done : done + READ_BLOCK]
             n = _read_all(fd, [piece], HEADER_SIZE + done)
             if on_piece is not None and n:
                 on_piece(piece[:n])
@@ -125,9 +130,9 @@ def read_record_into(
         size = os.fstat(fd).st_size
     finally:
         os.close(fd)
-    if size != header.record_len or done != header.payload_len:
+    if size != header.record_len or done != header.stored_len:
         raise CorruptRecord(f"file of {size} bytes, its header says {header.record_len}")
-    return header
+    return header, stored
 
 
 # O_NONBLOCK: opening a FIFO planted under a chunk's name returns at once instead of
@@ -135,11 +140,12 @@ def read_record_into(
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW
 
 
-def _check_regular(fd: int) -> None:
+def _check_regular(fd: int) -> os.stat_result:
     """A chunk is a regular file; anything else (FIFO, device, directory) is corrupt."""
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        raise CorruptRecord(f"not a regular file (mode {stat.filemode(mode)})")
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise CorruptRecord(f"not a regular file (mode {stat.filemode(info.st_mode)})")
+    return info
 
 
 def _read_all(fd: int, buffers: list[memoryview], offset: int) -> int:
@@ -269,8 +275,7 @@ def check_file(
             return None
         raise
     try:
-        _check_regular(fd)
-        info = os.fstat(fd)
+        info = _check_regular(fd)
         header = decode_header(os.pread(fd, HEADER_SIZE, 0), fingerprint, key)
     except CorruptRecord:
         return None

@@ -19,13 +19,20 @@ Protocol (on top of :mod:`kvtier.storage.base`)::
 The payload page is read, never written, until then. Files evicted to make room are reported
 to the eviction listeners (``Tier.add_evict_listener``) once they are unlinked.
 
-Reads go straight into the caller's page (``preadv``, in 1 MiB pieces each hashed right after
-it lands, so the checksum costs no second pass over memory), then the checksum is compared;
-a mismatch, a bad header or a wrong length is a miss: logged, file removed, counted in
-``counters.corrupt``. A clean close saves the index (:mod:`~kvtier.storage.disk.snapshot`).
-An open with a usable saved index builds the index from it alone and serves at once; a
-background check (:mod:`~kvtier.storage.disk.reconcile`) then lists the directory, adds the
-files the saved index does not name, drops the entries whose file is gone and removes
+Writes encode the payload with the tier's codec (``codec``, identity by default: the page
+itself is written, no copy; :mod:`kvtier.storage.codecs`). Reads decode whatever registered
+codec a file names. An identity file is read straight into the caller's page (``preadv``, in
+1 MiB pieces each hashed right after it lands, so the checksum costs no second pass over
+memory); another codec's stored bytes land in a scratch buffer, hashed the same way, and are
+decoded into the page once their checksum matches. A mismatch, a bad header or a wrong
+length is a miss: logged, file removed, counted in ``counters.corrupt``; a file of another
+format version or of an unknown codec too, logged once per 30 s
+(:mod:`kvtier.storage.records`).
+
+A clean close saves the index (:mod:`~kvtier.storage.disk.snapshot`). An open with a usable
+saved index builds the index from it alone and serves at once; a background check
+(:mod:`~kvtier.storage.disk.reconcile`) then lists the directory, adds the files the saved
+index does not name, drops the entries whose file is gone and removes
 leftovers. The files stay the truth: every read checks its file, so a trusted entry whose
 file is gone or corrupt is a miss. Without a saved index (or with a torn one) the open
 rebuilds the index from the headers (oldest file first, by mtime, which writes and read hits
@@ -52,12 +59,13 @@ import torch
 
 from kvtier.config import Config
 from kvtier.config.sizes import format_size
-from kvtier.errors import ConfigError, CorruptRecord, StateError
+from kvtier.errors import ConfigError, CorruptRecord, StateError, UnknownRecordFormat
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import CallGuard, Lifecycle
 from kvtier.repeated_log import RepeatedLog
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierCounters, TierUsage
+from kvtier.storage.codecs import IDENTITY, PayloadCodec
 from kvtier.storage.disk import files, snapshot
 from kvtier.storage.disk.bounded_reads import BoundedReads
 from kvtier.storage.disk.directory import ChunkDirectory
@@ -65,12 +73,7 @@ from kvtier.storage.disk.index import DiskEntry, DiskIndex
 from kvtier.storage.disk.options import DiskOptions, options_from_config
 from kvtier.storage.disk.reconcile import SavedIndexCheck
 from kvtier.storage.policy import make_policy
-from kvtier.storage.records import (
-    HEADER_SIZE,
-    check_payload_digest,
-    encode_header,
-    payload_hasher,
-)
+from kvtier.storage.records import HEADER_SIZE, encode_parts, finish_read, payload_hasher
 from kvtier.storage.write_queue import Write, WriteQueue, complete
 
 log = logging.getLogger(__name__)
@@ -103,11 +106,18 @@ class DiskTier(Tier):
     name = "disk"
     counters: DiskCounters
 
-    def __init__(self, options: DiskOptions, layout: KVLayout, fingerprint: Fingerprint) -> None:
+    def __init__(
+        self,
+        options: DiskOptions,
+        layout: KVLayout,
+        fingerprint: Fingerprint,
+        codec: PayloadCodec = IDENTITY,
+    ) -> None:
         super().__init__()
         self.options = options
         self.layout = layout
         self.fingerprint = fingerprint
+        self.codec = codec  # what writes encode with; reads decode any registered codec
         self.fp_hex = fingerprint.hex()
         self.counters = DiskCounters()
         self._index = DiskIndex(options.capacity_bytes, make_policy(options.cache_policy))
@@ -336,17 +346,18 @@ class DiskTier(Tier):
     def _write(self, write: Write) -> PutResult:
         """Runs on a writer thread (the queue completes ``on_done`` with what it returns)."""
         try:
-            return self._write_record(write.key, write.payload, write.num_tokens, write.nbytes)
+            return self._write_record(write.key, write.payload, write.num_tokens)
         except Exception:
             log.exception("disk write of %s failed unexpectedly", write.key.hex())
             with self._lock:
                 self.counters.failed += 1
             return PutResult(write.key, PutOutcome.FAILED, "disk writer failed unexpectedly")
 
-    def _write_record(
-        self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, nbytes: int
-    ) -> PutResult:
-        header = encode_header(key, self.fingerprint, num_tokens, payload)
+    def _write_record(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int) -> PutResult:
+        """The file holds the header and the codec's stored bytes, and the index counts what
+        the file holds (the write queue counted header + payload in flight)."""
+        header, stored = encode_parts(key, self.fingerprint, num_tokens, payload, self.codec)
+        nbytes = HEADER_SIZE + stored.nbytes
         with self._lock:
             if self._dir.lost:
                 self.counters.dropped += 1
@@ -361,7 +372,7 @@ class DiskTier(Tier):
             self._unlink(victims)
         self.report_evicted(victims)
         try:
-            files.write_record(dir_fd, key, self.fp_hex, header, memoryview(payload.numpy()))  # type: ignore[arg-type]
+            files.write_record(dir_fd, key, self.fp_hex, header, stored)
         except OSError as exc:
             with self._lock:
                 self._index.cancel(nbytes)
@@ -431,17 +442,31 @@ class DiskTier(Tier):
             if entry is None:
                 self.counters.misses += 1
                 return None
-        payload_len = entry.file_bytes - HEADER_SIZE
+        payload_len = self.fingerprint.layout.payload_bytes(entry.num_tokens)
         if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < payload_len:
             raise ValueError(f"out must be a flat uint8 tensor of >= {payload_len} bytes")
         target = out[:payload_len]
-        hasher = payload_hasher()  # fed piece by piece as the payload lands: one pass
+        hasher = payload_hasher()  # fed piece by piece as the stored bytes land: one pass
         try:
-            header = files.read_record_into(
+            found = files.read_record_into(
                 dir_fd, key, self.fingerprint, self.fp_hex, target, hasher.update
             )
-            if header is not None:
-                check_payload_digest(header, hasher.digest(), target, self.fingerprint.layout)
+            header = None
+            if found is not None:
+                header, stored = found
+                finish_read(header, hasher.digest(), stored, target, self.fingerprint.layout)
+        except UnknownRecordFormat as exc:
+            # Comes in crowds (every file of the kvtier before an upgrade): one line per 30 s.
+            self._repeated.warning(
+                "format",
+                "disk chunk %s is in a format this kvtier does not read (%s): removed, "
+                "counted as a corrupt miss",
+                key.hex(),
+                exc,
+            )
+            self.note_corrupt(key, str(exc))
+            self._forget(key, corrupt=True)
+            return None
         except CorruptRecord as exc:
             log.warning("disk chunk %s is corrupt (%s): removed, counted as a miss", key.hex(), exc)
             self.note_corrupt(key, str(exc))

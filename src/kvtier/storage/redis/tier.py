@@ -4,6 +4,7 @@ Names and values::
 
     key    kvtier:<fingerprint hex>:<chunk key hex>     e.g. kvtier:3f2a...:9c01...
     value  one record of kvtier.storage.records: 4 KiB checksummed header, then the payload
+           as the tier's codec stores it (``codec``, identity by default)
 
 The fingerprint in every name keeps models, layouts and tenants apart and lets :meth:`clear`
 delete exactly this engine's namespace (``SCAN MATCH kvtier:<fp>:*``). Names carry no
@@ -14,7 +15,10 @@ Protocol (see :mod:`kvtier.storage.base`), and how each call behaves here:
 * ``contains(keys)``: one round trip: a script running ``EXISTS`` per key on one server, a
   pipeline of ``EXISTS`` on a cluster (one round per master).
 * ``get_into``: ``GET`` read straight into the page (:mod:`kvtier.storage.redis.wire`),
-  header and payload checksum verified; a corrupt record is a miss, deleted and counted.
+  header and stored checksum verified; a corrupt record is a miss, deleted and counted. A
+  record of another codec than identity lands in a scratch buffer and is decoded into the
+  page; one of another format version or an unknown codec is a miss, kept, logged once per
+  30 s (:mod:`kvtier.storage.records`).
 * ``put``: queued to ``remote_put_threads`` writer threads (started in :meth:`open`); at
   most ``remote_inflight_bytes`` queued or being sent, beyond that a put completes DROPPED
   at once. ``on_done`` runs exactly once per put, from a writer thread or the caller's.
@@ -45,13 +49,14 @@ from redis.exceptions import AskError, MovedError, ResponseError
 
 from kvtier.config import Config
 from kvtier.config.remote_url import RemoteTarget, parse_remote_url
-from kvtier.errors import CorruptRecord, StateError, TierError, TierUnavailable
+from kvtier.errors import CorruptRecord, StateError, TierError, TierUnavailable, UnknownRecordFormat
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import CallGuard, Lifecycle
 from kvtier.repeated_log import RepeatedLog
 from kvtier.storage import records
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierCounters, TierUsage
+from kvtier.storage.codecs import IDENTITY, PayloadCodec
 from kvtier.storage.redis.link import RedisLink
 from kvtier.storage.redis.options import RedisOptions
 from kvtier.storage.redis.wire import get_into, set_parts
@@ -91,6 +96,7 @@ class RedisTier(Tier):
         layout: KVLayout,
         fingerprint: Fingerprint,
         options: RedisOptions,
+        codec: PayloadCodec = IDENTITY,
     ) -> None:
         super().__init__()
         self.counters = RedisCounters()
@@ -98,6 +104,7 @@ class RedisTier(Tier):
         self.layout = layout
         self.fingerprint = fingerprint
         self.options = options
+        self.codec = codec  # what writes encode with; reads decode any registered codec
         self.prefix = f"kvtier:{fingerprint.hex()}:".encode()
         self.link = RedisLink(
             target,
@@ -187,6 +194,16 @@ class RedisTier(Tier):
     def _get_into(self, key: ChunkKey, out: torch.Tensor) -> int | None:
         try:
             tokens = self._call(lambda client: self._read(client, key, out))
+        except UnknownRecordFormat as exc:
+            # Kept: another engine of the fleet may read it, and a store of ours replaces it.
+            self._repeated.warning(
+                "format",
+                "redis record %s is in a format this kvtier does not read (%s): a miss, kept",
+                key.hex(),
+                exc,
+            )
+            self._bump(misses=1)
+            return None
         except CorruptRecord as exc:
             log.warning("redis record %s is corrupt, deleting it: %s", key.hex(), exc)
             self.note_corrupt(key, str(exc))
@@ -206,18 +223,19 @@ class RedisTier(Tier):
     def _read(self, client: Any, key: ChunkKey, out: torch.Tensor) -> int | None:
         name = self.redis_name(key)
         head = bytearray(records.header_size())
-        found: list[records.RecordHeader] = []
+        found: list[tuple[records.RecordHeader, memoryview]] = []
 
         def place(head_view: memoryview, rest: int) -> memoryview:
             header = records.decode_header(head_view, self.fingerprint, key)
-            if header.payload_len != rest or out.numel() < rest:
+            if header.stored_len != rest:
                 raise CorruptRecord(
-                    f"record has {rest} payload bytes, header says {header.payload_len}"
+                    f"record has {rest} stored bytes, header says {header.stored_len}"
                 )
-            found.append(header)
-            return memoryview(out[:rest].numpy())  # type: ignore[arg-type]
+            stored = records.stored_target(header, out)  # identity: the page itself
+            found.append((header, stored))
+            return stored
 
-        hasher = records.payload_hasher()  # fed as the payload lands: no second pass
+        hasher = records.payload_hasher()  # fed as the stored bytes land: no second pass
         pool = self._pool_for(client, name)
         conn = pool.get_connection()
         try:
@@ -231,10 +249,8 @@ class RedisTier(Tier):
             pool.release(conn)
         if length is None:
             return None
-        header = found[0]
-        records.check_payload_digest(
-            header, hasher.digest(), out[: header.payload_len], self.fingerprint.layout
-        )
+        header, stored = found[0]
+        records.finish_read(header, hasher.digest(), stored, out, self.fingerprint.layout)
         return header.num_tokens
 
     def _read_via_client(
@@ -259,15 +275,17 @@ class RedisTier(Tier):
 
     def _write(self, job: Write) -> PutResult:
         try:
-            header = records.encode_header(job.key, self.fingerprint, job.num_tokens, job.payload)
-            body = memoryview(job.payload.numpy()).cast("B")  # type: ignore[arg-type]  # flat bytes, never a 2-D view
+            # Flat bytes, never a 2-D view; for identity, a view of the page itself.
+            header, stored = records.encode_parts(
+                job.key, self.fingerprint, job.num_tokens, job.payload, self.codec
+            )
             name = self.redis_name(job.key)
-            self._call(lambda client: self._send(client, name, [header, body]))
+            self._call(lambda client: self._send(client, name, [header, stored]))
         except (TierError, ValueError, TypeError) as exc:
             self._note_failure("write", exc)
             self._bump(failed=1)
             return PutResult(job.key, PutOutcome.FAILED, str(exc))
-        self._bump(stored=1, bytes_written=job.payload.numel())
+        self._bump(stored=1, bytes_written=stored.nbytes)
         return PutResult(job.key, PutOutcome.STORED)
 
     def _send(self, client: Any, name: bytes, parts: list[bytes | memoryview]) -> None:
