@@ -1,13 +1,20 @@
-"""``cache_policy`` reaches the CPU tier an engine opens (``tiers.open_storage``)."""
+"""What ``tiers.open_storage`` assembles: ``cache_policy`` reaches the CPU tier; lower tiers
+handed to an Engine are used (and owned) instead of the config's."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+import torch
 
 from kvtier import Engine
-from tests.conftest import SMALL_CHUNK, make_kv, make_tokens
+from kvtier.errors import InputError
+from kvtier.service import Service
+from kvtier.storage.cpu import CpuTier
+from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
+from tests.storage.dict_tier import DictTier, Store
 
 
 @pytest.mark.parametrize(("policy", "kept_chunks"), [("LRU", 0), ("REUSE", 1)])
@@ -24,3 +31,57 @@ def test_the_configured_policy_chooses_the_cpu_victim(
     engine.store(make_tokens(2 * SMALL_CHUNK, seed=2), make_kv(2 * SMALL_CHUNK, seed=2))
     assert engine.lookup(first, "r") == kept_chunks * SMALL_CHUNK
     engine.end_request("r")
+
+
+def injected(store: Store, **config: object) -> Engine:
+    tier = DictTier(store)
+    return Engine(small_config(**config), SMALL_LAYOUT, model_name="m", lower_tiers=[tier])
+
+
+def test_an_injected_tier_serves_hits_through_the_engine() -> None:
+    store: Store = {}  # shared by both engines' tiers, as a remote store is
+    tokens, kv = make_tokens(3 * SMALL_CHUNK, seed=5), make_kv(3 * SMALL_CHUNK, seed=5)
+    with injected(store) as writer:
+        writer.store(tokens, kv)
+        assert writer.flush(10.0)
+    assert len(store) == 3  # every chunk reached the injected tier
+    reader = injected(store).open()
+    try:
+        tier = reader.tier("dict")
+        assert isinstance(tier, DictTier) and tier.state == "open"
+        assert reader.lookup(tokens, "r") == 3 * SMALL_CHUNK  # the CPU tier is empty
+        got = reader.retrieve(tokens, "r")
+        assert torch.equal(got, kv)
+        reader.end_request("r")
+        assert tier.counters.hits == 3
+        assert reader.stats()["hit_tokens_by_tier"]["dict"] == 3 * SMALL_CHUNK
+    finally:
+        reader.close()
+    assert tier.state == "closed"  # the engine closes what it was given
+
+
+def test_injected_tiers_replace_the_config_tiers(tmp_path: Path) -> None:
+    # a config naming a disk and an unregistered scheme: neither is read, nothing refused
+    config = {"local_disk": str(tmp_path / "d"), "max_local_disk_size": "1MiB"}
+    with injected({}, remote_url="nowhere://x", **config) as engine:
+        assert engine.tier("disk") is None and isinstance(engine.tier("dict"), DictTier)
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_service_passes_injected_tiers_to_its_engine() -> None:
+    tier = DictTier()
+    with Service(small_config(), SMALL_LAYOUT, model_name="m", lower_tiers=[tier]) as service:
+        assert service.engine.tier("dict") is tier
+
+
+@pytest.mark.parametrize(
+    ("tiers", "why"),
+    [
+        ([DictTier(), DictTier()], "two tiers are named 'dict'"),
+        ([CpuTier.__new__(CpuTier)], "named 'cpu'"),
+        (["disk"], "not a Tier"),
+    ],
+)
+def test_injected_tiers_are_tiers_with_their_own_names(tiers: list[object], why: str) -> None:
+    with pytest.raises(InputError, match=why):
+        Engine(small_config(), SMALL_LAYOUT, model_name="m", lower_tiers=tiers)  # type: ignore[arg-type]
