@@ -1,5 +1,6 @@
 """What ``tiers.open_storage`` assembles: ``cache_policy`` reaches the CPU tier; lower tiers
-handed to an Engine are used (and owned) instead of the config's."""
+handed to an Engine are used (and owned) instead of the config's; the stats name each
+published tier's medium."""
 
 from __future__ import annotations
 
@@ -85,3 +86,11 @@ def test_a_service_passes_injected_tiers_to_its_engine() -> None:
 def test_injected_tiers_are_tiers_with_their_own_names(tiers: list[object], why: str) -> None:
     with pytest.raises(InputError, match=why):
         Engine(small_config(), SMALL_LAYOUT, model_name="m", lower_tiers=tiers)  # type: ignore[arg-type]
+
+
+def test_stats_name_the_medium_of_each_published_tier(
+    engine_factory: Callable[..., Engine], tmp_path: Path
+) -> None:
+    engine = engine_factory(local_disk=str(tmp_path), max_local_disk_size="1MiB")
+    assert engine.stats()["tier_media"] == {"cpu": "CPU", "disk": "DISK"}
+    assert [t.medium for t in engine.tiers()] == ["CPU", "DISK"]

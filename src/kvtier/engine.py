@@ -442,6 +442,12 @@ class Engine:
         manager, _ = self._open_parts()
         return next((t for t in manager.tiers if t.name == name), None)
 
+    @_guarded
+    def tiers(self) -> list[Tier]:
+        """The open tiers in search order: cpu, then the lower tiers."""
+        manager, _ = self._open_parts()
+        return list(manager.tiers)
+
     # -- views ---------------------------------------------------------------------------------
     def pages(self) -> EnginePages:
         """The page API, for a process that maps the page buffer (:mod:`kvtier.engine_pages`)."""

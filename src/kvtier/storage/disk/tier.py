@@ -99,6 +99,7 @@ class DiskCounters(TierCounters):
 
 class DiskTier(Tier):
     name = "disk"
+    medium = "DISK"
     counters: DiskCounters
 
     def __init__(self, options: DiskOptions, layout: KVLayout, fingerprint: Fingerprint) -> None:
