@@ -27,7 +27,7 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
 from types import TracebackType
 from typing import Any
@@ -58,7 +58,7 @@ from kvtier.storage.audit import audit_references
 from kvtier.storage.base import Tier
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.manager import ENGINE, LookupPlan, StorageManager
-from kvtier.tiers import clear_tiers, open_storage
+from kvtier.tiers import check_tier_urls, clear_tiers, given_lower_tiers, open_storage
 from kvtier.validation import (
     check_fits_in_memory,
     check_kv,
@@ -112,12 +112,22 @@ class Engine:
         tp_rank: int = 0,
         tp_world_size: int = 1,
         page_memory: Callable[[int], mmap.mmap] | None = None,
+        lower_tiers: Sequence[Tier] | None = None,
     ) -> None:
         """``page_memory(nbytes)`` makes the memory of the CPU page buffer (the kvtier server
-        passes shared memory that its clients map); by default it is anonymous memory."""
+        passes shared memory that its clients map); by default it is anonymous memory.
+
+        ``lower_tiers``: ready-made tiers below CPU, unopened, in search order, used instead
+        of those the config's tier keys name (tests, embeddings); the engine opens them at
+        :meth:`open` and closes them at :meth:`close`, as it does the tiers it builds."""
         if not isinstance(layout, KVLayout):
             raise InputError(f"layout must be a KVLayout, got {type(layout).__name__}")
         self.config = config if config is not None else Config.load()
+        if lower_tiers is None:
+            check_tier_urls(self.config)  # a scheme no tier is registered for: ConfigError
+        else:
+            lower_tiers = given_lower_tiers(lower_tiers)
+        self._lower_tiers = lower_tiers
         self.layout = layout
         self.fingerprint = Fingerprint(
             model_name=model_name,
@@ -157,6 +167,7 @@ class Engine:
                 self.num_pages,
                 self.counters,
                 self._page_memory,
+                self._lower_tiers,
             )
             self._pool = self._manager.pool
             self._leases = LeaseTable[LookupPlan](self._pool)
@@ -430,6 +441,12 @@ class Engine:
         """The open tier called ``name`` (``"cpu"``, ``"disk"``, ``"pd"``, ...), or None."""
         manager, _ = self._open_parts()
         return next((t for t in manager.tiers if t.name == name), None)
+
+    @_guarded
+    def tiers(self) -> list[Tier]:
+        """The open tiers in search order: cpu, then the lower tiers."""
+        manager, _ = self._open_parts()
+        return list(manager.tiers)
 
     # -- views ---------------------------------------------------------------------------------
     def pages(self) -> EnginePages:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
 from typing import Any
@@ -39,6 +39,7 @@ from kvtier.keys import Fingerprint, KeyChain, RequestKeys, RequestSalt
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import Lifecycle
 from kvtier.pd.receiver import PDReceiver
+from kvtier.storage.base import Tier
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,10 @@ class Service:
         tp_rank: int = 0,
         tp_world_size: int = 1,
         page_memory: Callable[[int], mmap.mmap] | None = None,
+        lower_tiers: Sequence[Tier] | None = None,
     ) -> None:
-        """``page_memory``: as :class:`Engine`'s (the kvtier server passes shared memory)."""
+        """``page_memory``, ``lower_tiers``: as :class:`Engine`'s (the kvtier server passes
+        shared memory; a test passes ready-made tiers)."""
         self.engine = Engine(
             config,
             layout,
@@ -64,6 +67,7 @@ class Service:
             tp_rank=tp_rank,
             tp_world_size=tp_world_size,
             page_memory=page_memory,
+            lower_tiers=lower_tiers,
         )
         self.config = self.engine.config
         self.admin: AdminServer | None = None

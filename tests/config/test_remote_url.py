@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier.config import Config
 from kvtier.config.remote_url import RemoteTarget, mask_password, parse_remote_url
 from kvtier.errors import ConfigError
 
@@ -22,6 +23,8 @@ from kvtier.errors import ConfigError
             RemoteTarget("cluster", (("a", 7000), ("b", 7001), ("c", 7002))),
         ),
         ("valkey-cluster://a:7000", RemoteTarget("cluster", (("a", 7000),))),
+        ("resp://h:1/2", RemoteTarget("single", (("h", 1),), db=2)),
+        ("resps://h:6380", RemoteTarget("single", (("h", 6380),), tls=True)),
     ],
 )
 def test_accepted_forms(url: str, expected: RemoteTarget) -> None:
@@ -62,6 +65,15 @@ def test_bad_urls_name_the_key_the_value_and_the_forms(url: object) -> None:
         parse_remote_url(url)
     assert info.value.key == "remote_url"
     assert "redis-cluster://" in str(info.value) and "unix://" in str(info.value)
+
+
+def test_config_load_parses_redis_urls_and_leaves_other_schemes_to_the_tier_registry() -> None:
+    # (resp:// loads too; the LMCache mapping writes it as redis://, with a note)
+    assert Config.load(env={}, overrides={"remote_url": "resp://h:1"}).remote_url == "redis://h:1"
+    # s3:// is no Redis URL: kept for kvtier.storage.registry, which refuses or builds it
+    assert Config.load(env={}, overrides={"remote_url": "s3://b/k"}).remote_url == "s3://b/k"
+    with pytest.raises(ConfigError, match="not a URL"):
+        Config.load(env={}, overrides={"remote_url": "localhost:6379"})
 
 
 def test_a_bad_url_does_not_leak_its_password() -> None:

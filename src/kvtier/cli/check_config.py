@@ -13,6 +13,7 @@ from kvtier.config.schema import KEYS
 from kvtier.config.sizes import format_size
 from kvtier.layout import KVLayout
 from kvtier.memory.block_pool import pages_for_capacity
+from kvtier.tiers import check_tier_urls
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
         print(key_table())
         return 0
     config = Config.load(args.file)
+    check_tier_urls(config)  # a URL scheme no tier is registered for (s3:// unregistered)
     layout = KVLayout(args.layers, args.kv_heads, args.head_dim, getattr(torch, args.dtype))
     chunk_bytes = layout.chunk_bytes(config.chunk_size)
     derived: dict[str, object] = {"layout": layout.describe(), "chunk_bytes": chunk_bytes}

@@ -7,6 +7,8 @@ Accepted forms (LMCache's, plus Valkey aliases)::
     unix:///path/to/redis.sock[?db=N]            one server on a Unix socket
     redis-cluster://host1:port1,host2:port2,...  Redis Cluster (any subset of its masters)
     valkey://, valkeys://, valkey-cluster://     the same as redis://, rediss://, redis-cluster://
+    resp://, resps://                            the same as redis://, rediss:// (any server that
+                                                 speaks RESP, Redis's protocol)
 
 A bad URL raises :class:`~kvtier.errors.ConfigError` naming ``remote_url``, the value (with
 any password masked) and the accepted forms. Parsing has no side effects: nothing connects.
@@ -22,8 +24,8 @@ from kvtier.errors import ConfigError
 
 ACCEPTED_FORMS = (
     "one of redis://host:port[/db], rediss://host:port[/db], unix:///path/to.sock, "
-    "redis-cluster://host1:port1,host2:port2,... (valkey://, valkeys://, valkey-cluster:// "
-    "are aliases)"
+    "redis-cluster://host1:port1,host2:port2,... (valkey://, valkeys://, valkey-cluster://, "
+    "resp://, resps:// are aliases)"
 )
 
 _SCHEMES = {
@@ -31,10 +33,13 @@ _SCHEMES = {
     "valkey": ("single", False),
     "rediss": ("single", True),
     "valkeys": ("single", True),
+    "resp": ("single", False),
+    "resps": ("single", True),
     "unix": ("unix", False),
     "redis-cluster": ("cluster", False),
     "valkey-cluster": ("cluster", False),
 }
+REDIS_SCHEMES = tuple(_SCHEMES)  # every scheme this grammar parses (the tier registry's list)
 _HOST_PORT = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
 
 

@@ -43,7 +43,8 @@ KEYS: tuple[KeySpec, ...] = (
         "remote_url",
         p.remote_url,
         None,
-        "redis://, rediss://, unix://, redis-cluster:// or valkey:// URL of a shared store.",
+        "redis://, rediss://, unix://, redis-cluster://, valkey:// or resp:// URL of a shared "
+        "store (or a scheme registered in kvtier.storage.registry).",
     ),
     KeySpec("save_unfull_chunk", p.boolean, False, "Also store the last partial chunk."),
     KeySpec(

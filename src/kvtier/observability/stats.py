@@ -46,5 +46,8 @@ def engine_stats(
             "pages_used": pool.used_pages,
         },
         "tiers": tiers,
+        # tier name -> its medium in KV events, for the tiers that are published (a vLLM
+        # worker of a kvtier server learns the server's media from here)
+        "tier_media": {t.name: t.medium for t in manager.tiers if t.medium is not None},
         **counts,
     }

@@ -116,6 +116,7 @@ class PDCounters(TierCounters):
 
 class PDBuffer(Tier):
     name = "pd"
+    medium = None  # not published: what it holds is on its way into vLLM, not cached
     serves_views = True
     counters: PDCounters
 

@@ -128,6 +128,9 @@ class Tier(ABC):
     """A place chunks can live. See the module docstring for the protocol."""
 
     name: str = "tier"
+    # How KV events name this tier's copies (vLLM's ``medium``: CPU, DISK, REMOTE; see
+    # integrations/vllm/events.py for what the router credits); None: never published.
+    medium: str | None = None
     counters: TierCounters
     serves_views: bool = False  # get_into also takes a view of the caller's KV (see above)
 

@@ -37,6 +37,7 @@ _PAGE_OF = attrgetter("page")
 
 class CpuTier(Tier):
     name = "cpu"
+    medium = "CPU"
 
     def __init__(
         self,

@@ -3,14 +3,12 @@ chained to their parent, tiers as the router's media (fast: no engine, no router
 
 from __future__ import annotations
 
-from kvtier.integrations.vllm.events import (
-    MEDIUM,
-    SHARED_POOL,
-    EventLog,
-    block_names,
-    to_vllm,
-)
+from kvtier.integrations.vllm.events import SHARED_POOL, EventLog, block_names, to_vllm
 from kvtier.keys import ChunkSpan
+from kvtier.pd.buffer import PDBuffer
+from kvtier.storage.cpu import CpuTier
+from kvtier.storage.disk.tier import DiskTier
+from kvtier.storage.redis.tier import RedisTier
 
 CHUNK, BLOCK = 256, 128
 
@@ -27,7 +25,7 @@ def spans(n: int, tokens: int | None = None, first: int = 0) -> list[ChunkSpan]:
 def test_a_chunk_is_published_as_vllm_sized_blocks_chained_to_its_parent() -> None:
     log = EventLog(BLOCK, CHUNK)
     tokens = list(range(3 * CHUNK))
-    log.stored(spans(2, first=1), bytes([0]) * 16, tokens, [MEDIUM["cpu"], MEDIUM["disk"]])
+    log.stored(spans(2, first=1), bytes([0]) * 16, tokens, [CpuTier.medium, DiskTier.medium])
     (cpu, disk) = to_vllm(log.drain())
     assert (cpu.medium, disk.medium) == ("CPU", "DISK")
     assert cpu.ownership is None and disk.ownership is None
@@ -50,8 +48,8 @@ def test_the_first_chunk_has_no_parent_and_a_tail_below_one_block_is_left_out() 
 
 def test_redis_is_a_shared_pool_copy_and_evictions_remove_every_block() -> None:
     log = EventLog(BLOCK, CHUNK)
-    log.stored(spans(1), None, list(range(CHUNK)), [MEDIUM["redis"]])
-    log.removed([bytes([0]) * 16], MEDIUM["cpu"])
+    log.stored(spans(1), None, list(range(CHUNK)), [RedisTier.medium])
+    log.removed([bytes([0]) * 16], "CPU")
     stored, removed = to_vllm(log.drain())
     assert stored.medium == "REMOTE" and stored.ownership == SHARED_POOL
     assert removed.medium == "CPU" and removed.ownership is None
@@ -78,3 +76,10 @@ def test_events_encode_as_vllms_batch_wire_format() -> None:
     assert ts == 1.0 and events[0]["type"] == "BlockStored"
     assert events[0]["block_hashes"][0] == bytes([0]) * 16 + b"\x00\x00"
     assert events[0]["block_size"] == BLOCK
+
+
+def test_each_tier_names_the_medium_the_router_credits() -> None:
+    # vllm-router's kv_aware policy credits CPU as host, DISK as disk and REMOTE as external:
+    # these values are its vocabulary, not kvtier's, and must not change with a tier's name.
+    media = {t.name: t.medium for t in (CpuTier, DiskTier, RedisTier, PDBuffer)}
+    assert media == {"cpu": "CPU", "disk": "DISK", "redis": "REMOTE", "pd": None}

@@ -13,7 +13,6 @@ import torch
 
 from kvtier.config import Config
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.events import MEDIUM
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.worker import WorkerSide
@@ -74,7 +73,7 @@ def test_one_worker_loads_what_another_saved_and_leases_end_once(kvserver: Serve
         first.save(KVTierMetadata(saves=[SaveSpec("s", tokens[:64], [3, 4, 5, 6], 0, 64)]))
         # one event for both chunks, in the media the server has (only its CPU tier here)
         events = first.take_events()
-        assert [(e[0], e[5]) for e in events] == [("stored", MEDIUM["cpu"])]
+        assert [(e[0], e[5]) for e in events] == [("stored", "CPU")]
         assert len(events[0][1]) == 64 // events[0][4]  # every block of both chunks
 
         # the same vLLM request id in both workers: two leases, one per connection

@@ -24,7 +24,8 @@ build), each named by the chunk key plus its index in the chunk::
 
 A tail shorter than one block is not published (the router matches whole blocks only).
 
-Tiers, and what the router credits (``--kv-penalty-*``)::
+Tiers, and what the router credits (``--kv-penalty-*``); each tier class names its own
+medium (``Tier.medium``), and a tier without one (the PD buffer) is not published::
 
     kvtier tier   medium   ownership      router tier   credit
     cpu           CPU      -              host          0.8
@@ -51,7 +52,6 @@ from typing import Any
 from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.storage.base import Tier
 
-MEDIUM = {"cpu": "CPU", "disk": "DISK", "redis": "REMOTE"}
 SHARED_POOL = "kvtier-redis"  # ``ownership`` of a block in the fleet-shared Redis tier
 OWNERSHIP = {"REMOTE": SHARED_POOL}
 MAX_PENDING = 100_000  # events kept when nobody takes them (vLLM's events are off)

@@ -47,7 +47,7 @@ from kvtier.admin.server import AdminServer
 from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError, StateError
-from kvtier.integrations.vllm.events import MEDIUM, EventLog, chain_evictions
+from kvtier.integrations.vllm.events import EventLog, chain_evictions
 from kvtier.integrations.vllm.groups import ModelGroups
 from kvtier.integrations.vllm.loads import Loads
 from kvtier.integrations.vllm.metadata import KVTierMetadata
@@ -60,6 +60,7 @@ from kvtier.keys import ExtraKeys, RequestSalt
 from kvtier.layout import GroupKind, KVGroup, KVLayout
 from kvtier.observability.logs import REQUESTS
 from kvtier.server.surface import KVCache, open_cache
+from kvtier.storage.cpu import CpuTier
 
 log = logging.getLogger(__name__)
 
@@ -142,18 +143,19 @@ class WorkerSide:
         engine = cache.local_engine  # in-process: a Service, with its admin API and receiver
         if engine is not None:
             self.engine = engine
-            self._media = [MEDIUM[name] for name in MEDIUM if engine.tier(name) is not None]
+            published = [(t, t.medium) for t in engine.tiers() if t.medium is not None]
+            self._media = [medium for _, medium in published]
             if self.events is not None:
-                for name in ("cpu", "disk"):
-                    tier = engine.tier(name)
-                    if tier is not None:
-                        chain_evictions(tier, MEDIUM[name], self.events)
+                for tier, medium in published:  # a tier that never evicts never reports
+                    chain_evictions(tier, medium, self.events)
             if engine.config.enable_pd and engine.config.pd_role == "sender":
                 self._pd = PDEndpoint(engine, self.tp_rank)
         else:
             # The server evicts on its own; stores are reported in the media it has.
-            tiers = cache.stats().get("tiers", {})
-            self._media = [MEDIUM[name] for name in MEDIUM if name in tiers] or [MEDIUM["cpu"]]
+            # A server not reached yet has at least its CPU tier.
+            media = cache.stats().get("tier_media", {})
+            cpu = CpuTier.medium
+            self._media = list(media.values()) or ([cpu] if cpu is not None else [])
         self._server = LookupServer(self.engine_id, self.tp_rank, WorkerChannel(self)).open()
         log.info(
             "kvtier worker %d: %s%s, cache %s, channel %s",

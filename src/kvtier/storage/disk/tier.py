@@ -104,6 +104,7 @@ class DiskCounters(TierCounters):
 
 class DiskTier(Tier):
     name = "disk"
+    medium = "DISK"
     counters: DiskCounters
 
     def __init__(

@@ -88,6 +88,7 @@ class RedisTier(Tier):
     """See the module docstring."""
 
     name = "redis"
+    medium = "REMOTE"  # shared by the fleet: events carry the shared-pool ownership
     counters: RedisCounters
 
     def __init__(
