@@ -80,3 +80,61 @@ def test_a_bad_url_does_not_leak_its_password() -> None:
     with pytest.raises(ConfigError) as info:
         parse_remote_url("redis://u:topsecret@h")
     assert "topsecret" not in str(info.value)
+
+
+# A password with each of / @ : # ? % unencoded (base64 secrets hold '/'); each piece between
+# them is distinctive, so a leak of any part of it shows.
+PIECES = ("Zq9", "Wk8", "Hy7", "Jm6", "Rt5", "Vb4", "Xc3")
+SECRET = "Zq9/Wk8@Hy7:Jm6#Rt5?Vb4%Xc3"
+
+
+def shows_no_secret(text: str) -> bool:
+    return not any(piece in text for piece in PIECES)
+
+
+@pytest.mark.parametrize("user", ["", "alice"])
+def test_a_password_with_url_delimiters_parses_whole_and_is_never_shown(user: str) -> None:
+    url = f"redis://{user}:{SECRET}@h:6379/2"
+    target = parse_remote_url(url)
+    assert (target.username, target.password) == (user or None, SECRET)
+    assert (target.nodes, target.db) == ((("h", 6379),), 2)
+    assert mask_password(url) == f"redis://{user}:***@h:6379/2"
+    config = Config.load(env={}, overrides={"remote_url": url})
+    assert shows_no_secret(str(config.as_dict()["remote_url"]))
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"redis://:{SECRET}@h/0",  # no port
+        f"redis://u:{SECRET}@",  # no host
+        f"rediss://{SECRET}@h:1/0",  # user:password split inside the secret
+        f"redis://:{SECRET}@h:1/x",  # bad database
+        f"redis-cluster://:{SECRET}@a:1,,b:2",
+        f"redis://:{SECRET}@a:1,b:2",
+        f"unix://:{SECRET}@/tmp/r.sock",
+        f"valkey://{SECRET}",  # no @ after the secret: read as host
+        f"redis://u:{SECRET.replace('@', '')}@{SECRET}",  # a second @ inside the "host"
+        f"redis://%zz:{SECRET}@h:1/0/extra",
+    ],
+)
+def test_no_error_shows_any_part_of_a_password_with_url_delimiters(url: str) -> None:
+    try:
+        parse_remote_url(url)
+    except ConfigError as exc:
+        assert shows_no_secret(str(exc)), str(exc)
+    assert shows_no_secret(mask_password(url)) or "@" not in url
+
+
+def test_an_unregistered_scheme_is_refused_without_its_password() -> None:
+    from kvtier.storage.registry import TIERS
+
+    with pytest.raises(ConfigError) as info:
+        TIERS.resolve("remote_url", f"redsi://:{SECRET}@h:1/0")
+    assert shows_no_secret(str(info.value)) and "redsi://:***@h:1/0" in str(info.value)
+
+
+def test_an_lmcache_server_url_is_refused_without_its_password() -> None:
+    with pytest.raises(ConfigError, match="lm://") as info:
+        Config.load(env={"LMCACHE_REMOTE_URL": f"lm://:{SECRET}@h:65432"})
+    assert shows_no_secret(str(info.value))

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import quote
 
+from kvtier.config.remote_url import mask_password
 from kvtier.config.sizes import GIB, parse_size
 from kvtier.errors import ConfigError
 
@@ -257,7 +258,7 @@ def _remote(raw: Raw, note: Callable[[str], None]) -> None:
         elif isinstance(url, str) and url.lower().startswith("lm://"):
             raise ConfigError(
                 "remote_url",
-                url,
+                mask_password(url),
                 f"a Redis URL (from {source}): lm:// is LMCache's own cache server, which kvtier "
                 "does not speak; run `kvtier server` for one cache per host (vLLM: "
                 '"server": "unix:///run/kvtier/kvtier.sock"), or redis://host:port for a '
@@ -280,7 +281,7 @@ def _remote(raw: Raw, note: Callable[[str], None]) -> None:
             "the Redis ACL user and password",
         )
     scheme, rest = url.split("://", 1)
-    if "@" in rest.split("/", 1)[0]:
+    if "@" in rest:  # the URL has credentials (they end at its last @: remote_url.py)
         raise ConfigError(
             "extra_config.password",
             "<hidden>",

@@ -11,7 +11,13 @@ Accepted forms (LMCache's, plus Valkey aliases)::
                                                  speaks RESP, Redis's protocol)
 
 A bad URL raises :class:`~kvtier.errors.ConfigError` naming ``remote_url``, the value (with
-any password masked) and the accepted forms. Parsing has no side effects: nothing connects.
+its credentials masked) and the accepted forms. Parsing has no side effects: nothing connects.
+
+Credentials end at the **last** ``@`` of the URL, so a password may hold ``/ @ : # ? %``
+unencoded (base64 secrets hold ``/``): everything between ``://`` and that ``@`` is the
+userinfo, and it is never shown. Well formed (``user:password``, the user plain), the user
+is kept and the password masked; otherwise the whole userinfo is masked. Error details
+quote only what comes after the credentials.
 """
 
 from __future__ import annotations
@@ -65,9 +71,25 @@ class RemoteTarget:
         return f"{'rediss' if self.tls else 'redis'}://{nodes}/{self.db}"
 
 
+_PLAIN_USER = re.compile(r"^[A-Za-z0-9._~-]*$")
+# What may follow the credentials: hosts, ports, a database, a unix path and its ?db=N.
+_PLAIN_LOCATION = re.compile(r"^[A-Za-z0-9._~:,\[\]/-]*(\?[A-Za-z0-9=&]*)?$")
+
+
 def mask_password(url: str) -> str:
-    """``url`` with the password part of ``user:password@`` replaced by ``***``."""
-    return re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", url)
+    """``url`` with its userinfo masked: ``user:***@`` when well formed, else ``***@``
+    (see the module docstring: the credentials end at the last ``@``). What follows them is
+    shown only when it looks like a location: a password that holds ``@`` and was written
+    without a host would otherwise show its tail as one."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, after = rest.rpartition("@")
+    if not sep or not at:
+        return url
+    if not _PLAIN_LOCATION.match(after):
+        return f"{scheme}://***"
+    user, colon, _ = creds.partition(":")
+    shown = f"{user}:***" if colon and _PLAIN_USER.match(user) else "***"
+    return f"{scheme}://{shown}@{after}"
 
 
 def parse_remote_url(url: object) -> RemoteTarget:
@@ -101,19 +123,20 @@ def parse_remote_url(url: object) -> RemoteTarget:
 
 
 def _split_credentials(url: str, rest: str) -> tuple[str | None, str | None, str]:
-    if "@" not in rest.split("/", 1)[0]:
+    """``(user, password, what follows them)``; the credentials end at the last ``@``."""
+    creds, at, after = rest.rpartition("@")
+    if not at:
         return None, None, rest
-    creds, rest = rest.split("@", 1)
     user, sep, password = creds.partition(":")
     if not sep:
         raise _bad(url, "credentials must be user:password@ or :password@")
-    return unquote(user) or None, unquote(password), rest
+    return unquote(user) or None, unquote(password), after
 
 
 def _host_port(url: str, text: str) -> tuple[str, int]:
     match = _HOST_PORT.match(text.strip())
     if match is None:
-        raise _bad(url, f"{text!r} is not host:port")
+        raise _bad(url, f"{_quoted(text)} is not host:port")
     port = int(match["port"])
     if not 0 < port < 65536:
         raise _bad(url, f"port {port} outside 1..65535")
@@ -123,7 +146,7 @@ def _host_port(url: str, text: str) -> tuple[str, int]:
 def _db_number(url: str, text: str) -> int:
     # isascii: str.isdigit() also accepts digits such as '²' that int() refuses
     if not (text.isascii() and text.isdigit()) or int(text) > 10_000:
-        raise _bad(url, f"database {text!r} is not a number from 0")
+        raise _bad(url, f"database {_quoted(text)} is not a number from 0")
     return int(text)
 
 
@@ -134,6 +157,12 @@ def _parse_unix(url: str) -> RemoteTarget:
     query = parse_qs(parts.query)
     db = _db_number(url, query.get("db", ["0"])[0])
     return RemoteTarget("unix", path=unquote(parts.path), db=db)
+
+
+def _quoted(text: str) -> str:
+    """``text`` quoted for an error, unless it may be a piece of a password (see
+    :func:`mask_password`)."""
+    return repr(text) if _PLAIN_LOCATION.match(text) else "what follows the credentials"
 
 
 def _bad(url: object, why: str) -> ConfigError:
