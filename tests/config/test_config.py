@@ -121,18 +121,49 @@ def test_combination_rules() -> None:
         Config(max_local_cpu_size=0)  # from a file, 0 is LMCache's "no CPU tier" (mapped)
 
 
-def test_unknown_keys_are_named_in_one_warning(
+@pytest.mark.parametrize(
+    ("source", "typo", "nearest"),
+    [
+        ("file", "max_local_cpu_sise", "max_local_cpu_size"),
+        ("env", "max_local_cpu_sise", "max_local_cpu_size"),
+        ("override", "max_local_cpu_sise", "max_local_cpu_size"),
+        ("env LMCACHE", "max_local_cpu_sise", "max_local_cpu_size"),
+        ("file", "chunksize", "chunk_size"),
+        ("override", "local_devce", "local_device"),
+    ],
+)
+def test_a_misspelt_key_is_an_error_naming_the_key_it_is_near(
+    tmp_path: Path, source: str, typo: str, nearest: str
+) -> None:
+    """A typo used to be one WARNING and the 5 GiB default: an OOM on a small host."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{typo}: 2GiB\n" if source == "file" else "chunk_size: 64\n")
+    env = {"KVTIER_CONFIG_FILE": str(path)}
+    overrides = {}
+    if source == "env":
+        env[f"KVTIER_{typo.upper()}"] = "2GiB"
+    elif source == "env LMCACHE":
+        env[f"LMCACHE_{typo.upper()}"] = "2GiB"
+    elif source == "override":
+        overrides[typo] = "2GiB"
+    with pytest.raises(ConfigError, match=f"did you mean '{nearest}'") as info:
+        Config.load(env=env, overrides=overrides)
+    assert info.value.key == typo and "2GiB" not in str(info.value)
+
+
+def test_unknown_keys_far_from_any_are_refused_except_lmcaches_own_variables(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("chunk_size: 64\nbogus_key: 1\n")
+    with pytest.raises(ConfigError, match=r"'also_bogus'.*also 'bogus_key'"):
+        Config.load(path, env={"KVTIER_ALSO_BOGUS": "1"})
+    # LMCache reads variables of its own that are no config keys: named once, not refused
     with caplog.at_level(logging.WARNING, logger="kvtier.config.model"):
-        cfg = Config.load(path, env={"KVTIER_ALSO_BOGUS": "1"})
-    assert cfg.chunk_size == 64
+        cfg = Config.load(env={"LMCACHE_TRACK_USAGE": "false", "KVTIER_CI": "1"})
+    assert cfg.chunk_size == 256
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1
-    for name in ("bogus_key", "also_bogus"):
-        assert name in warnings[0]
+    assert len(warnings) == 1 and "track_usage" in warnings[0]
 
 
 @pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "42\n"])

@@ -55,6 +55,9 @@ BLEND = (
     'blend_special_str: " # # "\nuse_layerwise: True\n'
 )
 LAYERWISE = "chunk_size: 256\nlocal_cpu: True\nmax_local_cpu_size: 5\nuse_layerwise: True\n"
+ASYNC_LOADING = (
+    "chunk_size: 256\nlocal_cpu: True\nmax_local_cpu_size: 5\nenable_async_loading: True\n"
+)
 GPU_DEVICE = 'chunk_size: 256\nlocal_device: "cuda"\n'
 
 
@@ -115,16 +118,22 @@ def test_features_kvtier_lacks_are_refused_by_name(tmp_path: Path) -> None:
         load(tmp_path, GPU_DEVICE)
     with pytest.raises(ConfigError, match="remote_serde"):
         load(tmp_path, REDIS.replace('"naive"', '"cachegen"'))
+    # LMCache's sgl_integration config: used to be dropped with an INFO line nobody sees
+    with pytest.raises(ConfigError, match=r"use_layerwise.*layer-by-layer"):
+        load(tmp_path, LAYERWISE)
+    assert load(
+        tmp_path, LAYERWISE.replace("use_layerwise: True", "use_layerwise: False")
+    ).local_cpu
 
 
 def test_ignored_keys_are_said_once_each_at_info(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO, logger="kvtier.config"):
-        config = load(tmp_path, LAYERWISE)
+        config = load(tmp_path, ASYNC_LOADING)
     assert config.chunk_size == 256
     lines = [r.getMessage() for r in caplog.records]
-    assert sum("use_layerwise" in line for line in lines) == 1
+    assert sum("enable_async_loading" in line for line in lines) == 1
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
@@ -179,3 +188,47 @@ def test_the_key_table_in_docs_is_the_one_kvtier_applies() -> None:
     doc = (Path(__file__).resolve().parents[2] / "docs" / "lmcache.md").read_text()
     for row in LMCACHE_KEYS:
         assert f"| `{row.name}` | {row.status} | {row.meaning} |" in doc, row.name
+
+
+LEGACY_DISK_NO_SIZE = 'chunk_size: 256\nlocal_device: "file://kv_disk/"\n'
+
+
+def test_lmcaches_disk_examples_run_as_written_relative_paths_and_missing_parents_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LMCache's disk_local.yaml and disk_offline_inference example: a relative file:// path
+    (LMCache strips 'file://'), a legacy local_device with no size (LMCache's 20 GB), and
+    parents that do not exist yet (LMCache creates them)."""
+    monkeypatch.chdir(tmp_path)
+    legacy = load(tmp_path, LEGACY_DISK_NO_SIZE)
+    assert legacy.max_local_disk_size == 20 * GIB
+    assert legacy.origin["max_local_disk_size"].startswith("LMCache's default")
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    for text, directory in [
+        (LEGACY_DISK_NO_SIZE, tmp_path / "kv_disk"),
+        (DISK.replace("5.0\n", "0.01\n"), tmp_path / "local" / "disk_test" / "local_disk"),
+    ]:
+        config = load(tmp_path, text).with_overrides(max_local_cpu_size="1MiB")
+        with Engine(config, layout, model_name="lmcache-example") as engine:
+            assert engine.tier("disk") is not None
+        assert directory.is_dir()
+
+
+def test_check_config_refuses_what_the_engine_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    path = tmp_path / "lmcache.yaml"
+    small = 'max_local_cpu_size: "1MiB"\nmax_local_disk_size: 1\n'
+    path.write_text(f'local_disk: "file://{blocker}/disk/"\n{small}')
+    tiny = ["--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--dtype", "float32"]
+    assert main(["check-config", str(path), *tiny]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="local_disk"):
+        layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+        Engine(Config.load(path, env={}), layout, model_name="m").open()
+    # and what check-config accepts, the engine opens (nothing is created by the check)
+    path.write_text(f'local_disk: "file://{tmp_path}/new/deeper/"\n{small}')
+    assert main(["check-config", str(path), *tiny]) == 0
+    assert not (tmp_path / "new").exists()

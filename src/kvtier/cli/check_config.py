@@ -13,6 +13,7 @@ from kvtier.config.schema import KEYS
 from kvtier.config.sizes import format_size
 from kvtier.layout import KVLayout
 from kvtier.memory.block_pool import pages_for_capacity
+from kvtier.storage.disk.options import check_directory, options_from_config
 from kvtier.tiers import check_tier_urls
 
 
@@ -45,6 +46,10 @@ def run(args: argparse.Namespace) -> int:
     derived["cpu_chunks"] = cpu_pages
     derived["cpu_bytes_used"] = cpu_pages * chunk_bytes
     if config.local_disk:
+        # What the engine's disk tier will check at construction and open (nothing created)
+        disk = options_from_config(config, layout, config.chunk_size)
+        check_directory(disk.path)
+        derived["disk_directory"] = disk.path
         derived["disk_chunks"] = config.max_local_disk_size // chunk_bytes
     if config.enable_pd and config.pd_buffer_size is not None:
         pd_pages = pages_for_capacity("pd_buffer_size", config.pd_buffer_size, chunk_bytes)

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from difflib import get_close_matches
 from urllib.parse import quote
 
 from kvtier.config.remote_url import mask_password
+from kvtier.config.schema import KEYS_BY_NAME
 from kvtier.config.sizes import GIB, parse_size
 from kvtier.errors import ConfigError
 
@@ -35,6 +37,9 @@ from kvtier.errors import ConfigError
 NO_CPU_TIER_STAGING = "1GiB"
 
 _OFF = (None, False, 0, "", "false", "False")
+
+# LMCache's size (GB) of a local_device read from a config file without max_local_cache_size.
+LEGACY_DEVICE_GB = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +107,9 @@ LMCACHE_KEYS: tuple[LMCacheKey, ...] = (
     ),
     LMCacheKey(
         "use_layerwise",
-        "ignored",
-        "kvtier loads whole chunks before the forward (disk "
-        "and Redis hits in the background); results are the same",
+        "refused",
+        "when true: layer-by-layer loading is not implemented; kvtier loads whole chunks "
+        "before the forward (disk and Redis hits in the background): set it false",
     ),
     LMCacheKey(
         "enable_async_loading",
@@ -178,6 +183,14 @@ _REDIS_SCHEMES = (
     "valkey-cluster://",
 )
 
+
+def nearest_key(name: str) -> str | None:
+    """The kvtier or LMCache key closest to ``name`` (a typo's likely meaning), or None."""
+    known = [*KEYS_BY_NAME, *(row.name for row in LMCACHE_KEYS if " " not in row.name)]
+    matches = get_close_matches(name, known, n=1, cutoff=0.8)
+    return matches[0] if matches else None
+
+
 # raw: key -> (value, source). Every function here edits it in place.
 Raw = dict[str, tuple[object, str]]
 
@@ -231,6 +244,10 @@ def _legacy_device(raw: Raw, note: Callable[[str], None]) -> None:
         target = "max_local_disk_size" if is_file else "max_local_cpu_size"
         raw.setdefault(target, size)
         note(f"max_local_cache_size ({size[1]}) -> {target}")
+    elif is_file and device is not None and "max_local_disk_size" not in raw:
+        # LMCache sizes a local_device read from a file at max_local_cache_size 20 (GB).
+        raw["max_local_disk_size"] = (LEGACY_DEVICE_GB, f"LMCache's default, {device[1]}")
+        note(f"local_device with no max_local_cache_size -> max_local_disk_size {LEGACY_DEVICE_GB}")
 
 
 def _nixl(raw: Raw, note: Callable[[str], None]) -> None:

@@ -18,7 +18,8 @@ from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-_NOT_KEYS = {"CONFIG_FILE", "LOG_LEVEL"}  # KVTIER_* variables that are not config keys
+# KVTIER_* variables that are not config keys (the CLI's, the test suite's).
+_NOT_KEYS = {"CONFIG_FILE", "LOG_LEVEL", "CI", "ADMIN_URL"}
 MIN_TOKEN_CHARS = 16
 
 
@@ -79,8 +80,10 @@ class Config:
         *,
         overrides: Mapping[str, object] | None = None,
         env: Mapping[str, str] | None = None,
+        overrides_from: str = "override",
     ) -> Config:
-        """Resolve a config from defaults, a YAML file, the environment and ``overrides``."""
+        """Resolve a config from defaults, a YAML file, the environment and ``overrides``
+        (named ``overrides_from`` wherever a value's source is shown)."""
         env = os.environ if env is None else env
         given: lmcache.Raw = {}  # key -> (value, source), every source, later wins
 
@@ -104,19 +107,13 @@ class Config:
                 given[key] = (parsed, f"env {name}")
 
         for key, value in (overrides or {}).items():
-            given[key] = (value, "override")
+            given[key] = (value, overrides_from)
 
         # LMCache's own names for what kvtier has (or refusals naming what kvtier offers).
         lmcache.translate(given, lambda line: log.info("LMCache config: %s", line))
         raw = {key: value for key, (value, _) in given.items() if key in KEYS_BY_NAME}
         origin = {key: source for key, (_, source) in given.items() if key in KEYS_BY_NAME}
-        unknown = [
-            f"{key} from {source}" for key, (_, source) in given.items() if key not in KEYS_BY_NAME
-        ]
-        if unknown:
-            log.warning(
-                "ignoring config keys kvtier does not implement: %s", ", ".join(sorted(unknown))
-            )
+        _check_unknown({k: src for k, (_, src) in given.items() if k not in KEYS_BY_NAME})
         values = {
             spec.name: spec.parse(spec.name, raw.get(spec.name, spec.default)) for spec in KEYS
         }
@@ -250,3 +247,34 @@ def _check_combinations(cfg: Config) -> None:
             raise ConfigError(key, 0, "a size above 0 (every model would be refused), or null")
     if cfg.enable_pd and cfg.transfer_channel == "nixl":
         check_channel(cfg.transfer_channel)  # raises, naming why nixl is unavailable
+
+
+def _check_unknown(unknown: Mapping[str, str]) -> None:
+    """Refuse a key kvtier does not know (key -> its source), naming the nearest known key: a
+    typo must not silently give a default (``max_local_cpu_sise: 2GiB`` would leave the CPU
+    tier at 5 GiB). LMCache's keys that kvtier maps or ignores on purpose never get here
+    (:mod:`~kvtier.config.lmcache` takes them first). An ``LMCACHE_*`` environment variable
+    that is near no key is only warned about: LMCache itself reads variables that are not
+    config keys (``LMCACHE_TRACK_USAGE``, ``LMCACHE_USE_EXPERIMENTAL``...)."""
+    if not unknown:
+        return
+    refused: list[tuple[str, str, str | None]] = []
+    ambient: list[str] = []
+    for key, source in sorted(unknown.items()):
+        nearest = lmcache.nearest_key(key)
+        if nearest is None and source.startswith("env LMCACHE_"):
+            ambient.append(f"{key} from {source}")
+        else:
+            refused.append((key, source, nearest))
+    if ambient:
+        log.warning("ignoring LMCache variables kvtier does not use: %s", ", ".join(ambient))
+    if refused:
+        key, source, nearest = refused[0]
+        hint = f"did you mean {nearest!r}?" if nearest else "no kvtier or LMCache key is near it."
+        others = "".join(f"; also {k!r} ({src})" for k, src, _ in refused[1:])
+        raise ConfigError(
+            key,
+            "(not shown)",
+            f"no such key (from {source}): {hint} kvtier's keys: `kvtier check-config --table`; "
+            f"LMCache keys kvtier maps or ignores: docs/lmcache.md{others}",
+        )

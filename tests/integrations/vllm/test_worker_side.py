@@ -613,3 +613,11 @@ def test_a_request_with_an_extra_key_kvtier_does_not_know_is_not_cached(
     scheduler.finished("f")
     assert worker.engine is not None and worker.engine.stats()["lookups"] == 0
     scheduler.close()
+
+
+def test_a_misspelt_key_in_vllms_extra_config_is_refused_naming_where_it_came_from() -> None:
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.vllm.connector import load_config
+
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config.*max_local_cpu_size"):
+        load_config({"kvtier.max_local_cpu_sise": "2GiB"})

@@ -89,7 +89,7 @@ def load_config(extra: dict[str, Any] | None) -> Config:
     overrides = {
         k.removeprefix("kvtier."): v for k, v in (extra or {}).items() if k not in CONNECTOR_KEYS
     }
-    return Config.load(overrides=overrides)
+    return Config.load(overrides=overrides, overrides_from="vLLM kv_connector_extra_config")
 
 
 def async_lower_loads(extra: dict[str, Any] | None) -> bool:

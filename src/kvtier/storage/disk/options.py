@@ -43,13 +43,21 @@ class DiskOptions:
 
 
 def parse_local_disk(raw: str) -> str:
-    """``local_disk`` as a filesystem path: a plain path or a ``file://`` URL."""
+    """``local_disk`` as a filesystem path: a plain path or a ``file://`` URL.
+
+    ``file:///abs/dir`` and ``file://localhost/abs/dir`` are absolute. ``file://rel/dir`` is
+    the relative path ``rel/dir`` (from the working directory), as LMCache reads it (it strips
+    ``file://``; its own examples say ``file://local/disk_test/local_disk/``), not a host."""
     if "://" not in raw:
         return os.path.abspath(os.path.expanduser(raw))
     url = urlparse(raw)
-    if url.scheme != "file" or url.netloc not in ("", "localhost") or not url.path:
-        raise ConfigError("local_disk", raw, "a directory path or a file:// URL (file:///abs/dir)")
-    return os.path.abspath(unquote(url.path))
+    if url.scheme != "file" or not (url.netloc or url.path.strip("/")):
+        raise ConfigError(
+            "local_disk", raw, "a directory path or a file:// URL (file:///abs/dir, file://rel/dir)"
+        )
+    if url.netloc in ("", "localhost"):
+        return os.path.abspath(unquote(url.path))
+    return os.path.abspath(unquote(url.netloc + url.path))
 
 
 def options_from_config(config: Config, layout: KVLayout, chunk_size: int) -> DiskOptions:
@@ -86,12 +94,28 @@ def options_from_config(config: Config, layout: KVLayout, chunk_size: int) -> Di
     )
 
 
+def check_directory(path: str) -> None:
+    """What :func:`open_directory` will find, without creating anything (``kvtier
+    check-config``): ``path`` is a writable directory, or the nearest part of it that exists
+    is one (the rest is created at open). ConfigError naming the path otherwise."""
+    existing = path
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        reason = f"{existing} is not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        reason = f"{existing} is not writable by this user"
+    else:
+        return
+    raise ConfigError("local_disk", path, f"a writable directory ({reason})")
+
+
 def open_directory(path: str, fp_hex: str) -> int:
-    """An fd of the directory, created if only its last component is missing, proven
+    """An fd of the directory, created with its missing parents (as LMCache does), proven
     writable by creating and deleting a probe file. ConfigError naming the path otherwise."""
     try:
         if not os.path.exists(path):
-            os.mkdir(path, 0o755)
+            os.makedirs(path, 0o755)
             log.info("disk tier created directory %s", path)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
