@@ -145,11 +145,12 @@ def test_a_directory_over_budget_at_open_is_trimmed(
 ) -> None:
     directory = tmp_path / "cache"
     directory.mkdir()
-    left = [leave_files(directory, model(i), 3, mtime_s=100 * (i + 1)) for i in range(3)]
-    if saved_index:  # the opening model's own index was saved by a clean close
+    if saved_index:  # the opening model's own (empty) index, saved by a clean close
         own = make_tier(directory, capacity_records=BUDGET, fingerprint=model(9))
         own.open()
         own.close()
+        assert (directory / f".{model(9).hex()}.index").exists()
+    left = [leave_files(directory, model(i), 3, mtime_s=100 * (i + 1)) for i in range(3)]
     assert disk_bytes(directory) == 9 * RECORD_BYTES
 
     tier = open_model(directory, 9, opened)
@@ -161,9 +162,7 @@ def test_a_directory_over_budget_at_open_is_trimmed(
     assert sorted(chunk_files(directory)) == sorted(left[2][1:] + files_of(directory, model(9)))
 
 
-def test_pinned_files_survive_another_models_writes(
-    tmp_path: Path, opened: list[DiskTier]
-) -> None:
+def test_pinned_files_survive_another_models_writes(tmp_path: Path, opened: list[DiskTier]) -> None:
     first = open_model(tmp_path, 0, opened)
     keys = fill(first, BUDGET)
     assert first.pin_many(keys[:2]) == 2
