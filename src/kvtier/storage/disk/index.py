@@ -11,6 +11,9 @@ it when the write failed::
 
     used + reserved <= capacity        at every moment, under the index lock
 
+(The disk tier keeps that sum for its whole directory instead, across the indexes of every
+fingerprint's tier: :mod:`kvtier.storage.disk.budget` evicts with :meth:`DiskIndex.evict_one`.)
+
 The order is an eviction policy's (:mod:`kvtier.storage.policy`, ``cache_policy``), the same
 seam the CPU tier uses: the index tells it what was added, used and removed, and asks it for
 victims among the unpinned. Pins stay here and never reach the policy. A saved index keeps

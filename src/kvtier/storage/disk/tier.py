@@ -5,12 +5,12 @@ Protocol (on top of :mod:`kvtier.storage.base`)::
     put(key, payload, n, on_done)
       closed                                   -> on_done(FAILED)            at once
       key on disk or being written             -> on_done(EXISTS)            at once
-      record larger than max_local_disk_size   -> on_done(DROPPED), counted  at once
+      record larger than the directory budget  -> on_done(DROPPED), counted  at once
       refused by the write queue's admission   -> on_done(DROPPED), counted  at once (never waits)
         (bytes in flight + record > disk_max_inflight_bytes, see storage/write_queue.py)
       else queued on the write queue; a writer thread then:
-        reserves room (evicting the policy's unpinned victims), or on_done(DROPPED) if all
-        are pinned
+        reserves room in the directory's budget (evicting released models' files, then
+        the open tiers' unpinned policy victims), or on_done(DROPPED) if all are pinned
         writes temp name, fsync, rename, fsync dir  -> on_done(STORED)
         OSError (ENOSPC, EIO, ...)                  -> on_done(FAILED), counted, temp removed
 
@@ -43,6 +43,11 @@ Faults (docs/disk.md): reads are bounded by ``blocking_timeout_secs``
 FIFO) is a corrupt miss (:mod:`~kvtier.storage.disk.files`); a deleted directory drops the
 index and is re-opened when usable (:mod:`~kvtier.storage.disk.directory`); :meth:`close`
 waits for calls in flight, bounded, and never on a stuck reader.
+
+Capacity is per directory, not per tier (:mod:`~kvtier.storage.disk.budget`): every disk
+tier of this process open on one directory shares one budget and one lock (the tier's own
+until :meth:`DiskTier.open`), and a write may evict another fingerprint's files. Files
+evicted from another tier are reported to that tier's listeners.
 
 Settings: :mod:`kvtier.storage.disk.options`.
 """
