@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -189,3 +190,25 @@ def test_two_sizes_on_one_directory_the_smaller_wins(
     fill(large, 2 * BUDGET)
     assert disk_bytes(tmp_path) == BUDGET * RECORD_BYTES
     assert large.usage().capacity_bytes == small.usage().capacity_bytes == BUDGET * RECORD_BYTES
+
+
+def test_tiers_writing_at_once_keep_the_budget(tmp_path: Path, opened: list[DiskTier]) -> None:
+    """Each write may evict another tier's files: no lock order to deadlock on, and the
+    directory's bytes stay within the budget."""
+    tiers = [open_model(tmp_path, i, opened) for i in range(4)]
+    failures: list[BaseException] = []
+
+    def write(tier: DiskTier, seed: int) -> None:
+        try:
+            fill(tier, 12, seed=seed)
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=write, args=(t, 100 * i)) for i, t in enumerate(tiers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30.0)
+    assert not any(t.is_alive() for t in threads) and failures == []
+    assert disk_bytes(tmp_path) == sum(t.usage().used_bytes for t in tiers)
+    assert disk_bytes(tmp_path) <= BUDGET * RECORD_BYTES
