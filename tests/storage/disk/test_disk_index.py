@@ -88,3 +88,20 @@ def test_random_operations_keep_bytes_and_order_exact(policy: str) -> None:
                 del model[key]
         assert index.used_bytes == sum(model.values()) <= index.capacity_bytes
         assert set(index.oldest_first()) == set(model) == {k for k, _ in index.items()}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_evictable_bytes_follow_pins_and_evict_one_skips_them(policy: str) -> None:
+    """What the directory's budget relies on (kvtier.storage.disk.budget)."""
+    index, keys = filled(policy, 3, 3)
+    assert index.pin(keys[0]) and index.pin(keys[0])  # two pins: one file's bytes
+    assert index.pin(keys[1])
+    assert index.evictable_bytes == FILE
+    assert index.evict_one() == (keys[2], FILE)
+    assert index.evictable_bytes == 0 and index.used_bytes == 2 * FILE
+    assert index.unpin(keys[0]) and index.evictable_bytes == 0  # one pin left
+    assert index.unpin(keys[0]) and index.evictable_bytes == FILE
+    index.pop(keys[1])  # pinned, removed: its pin goes with it
+    assert index.pinned_bytes == 0 and index.evictable_bytes == FILE
+    index.drop_all()
+    assert index.pinned_bytes == index.used_bytes == index.evictable_bytes == 0

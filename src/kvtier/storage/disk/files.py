@@ -201,12 +201,24 @@ class FoundRecord:
     mtime_ns: int
 
 
+@dataclass(frozen=True, slots=True)
+class OtherFile:
+    """A chunk file of another fingerprint, as listed (no header read): the directory's
+    budget counts it (:mod:`kvtier.storage.disk.budget`)."""
+
+    fp_hex: str
+    name: str
+    size: int
+    mtime_ns: int
+
+
 @dataclass
 class ScanResult:
     records: list[FoundRecord]
     temp_removed: int = 0
     bad_removed: int = 0
     known_present: set[ChunkKey] = field(default_factory=set)
+    others: list[OtherFile] = field(default_factory=list)  # other fingerprints' files
 
 
 def scan(
@@ -218,8 +230,9 @@ def scan(
     """Find this fingerprint's records by reading headers only, oldest first. Removes this
     fingerprint's temporary leftovers (of chunk writes and of index snapshots) and every
     record with a bad name, header or length. Files of other fingerprints and foreign files
-    are left alone. A file whose key is in ``known`` (a saved index's keys:
-    :mod:`kvtier.storage.disk.snapshot`) is not opened: its key lands in ``known_present``."""
+    are left alone, and listed in ``others`` (name, size and mtime only). A file whose key
+    is in ``known`` (a saved index's keys: :mod:`kvtier.storage.disk.snapshot`) is not
+    opened: its key lands in ``known_present``."""
     result = ScanResult([])
     prefix, tmp_prefix = f"{fp_hex}-", f".{fp_hex}-"
     snapshot_tmp = f".{fp_hex}.index."
@@ -231,6 +244,9 @@ def scan(
             result.temp_removed += unlink_quietly(dir_fd, name)
             continue
         if not (name.startswith(prefix) and name.endswith(SUFFIX)):
+            other = other_file(dir_fd, name, fp_hex)
+            if other is not None:
+                result.others.append(other)
             continue
         key = key_of(name, prefix)
         if key is not None and key in known:
@@ -251,6 +267,28 @@ def names(dir_fd: int) -> Iterator[str]:
         for entry in entries:
             if entry.is_file(follow_symlinks=False):
                 yield entry.name
+
+
+_FP_HEX_LEN = 16
+_FINAL_NAME_LEN = _FP_HEX_LEN + 1 + 2 * KEY_BYTES + len(SUFFIX)
+
+
+def other_file(dir_fd: int, name: str, fp_hex: str) -> OtherFile | None:
+    """``name`` as a chunk file of a fingerprint other than ``fp_hex`` (a regular file,
+    stat'ed, its header unread), or None: not such a name, gone, or not a regular file."""
+    if len(name) != _FINAL_NAME_LEN or name[_FP_HEX_LEN] != "-" or not name.endswith(SUFFIX):
+        return None
+    other = name[:_FP_HEX_LEN]
+    if other == fp_hex or key_of(name, name[: _FP_HEX_LEN + 1]) is None:
+        return None
+    try:
+        int(other, 16)
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except (ValueError, OSError):
+        return None
+    if not stat.S_ISREG(info.st_mode):
+        return None
+    return OtherFile(other, name, info.st_size, info.st_mtime_ns)
 
 
 def key_of(name: str, prefix: str) -> ChunkKey | None:

@@ -11,6 +11,9 @@ it when the write failed::
 
     used + reserved <= capacity        at every moment, under the index lock
 
+(The disk tier keeps that sum for its whole directory instead, across the indexes of every
+fingerprint's tier: :mod:`kvtier.storage.disk.budget` evicts with :meth:`DiskIndex.evict_one`.)
+
 The order is an eviction policy's (:mod:`kvtier.storage.policy`, ``cache_policy``), the same
 seam the CPU tier uses: the index tells it what was added, used and removed, and asks it for
 victims among the unpinned. Pins stay here and never reach the policy. A saved index keeps
@@ -44,6 +47,7 @@ class DiskIndex:
         self.policy = policy if policy is not None else LruPolicy()
         self._entries: dict[ChunkKey, DiskEntry] = {}
         self._pins: dict[ChunkKey, int] = {}
+        self.pinned_bytes = 0  # the files of the pinned keys: never evicted
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -97,7 +101,8 @@ class DiskIndex:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self.used_bytes -= entry.file_bytes
-            self._pins.pop(key, None)
+            if self._pins.pop(key, None) is not None:
+                self.pinned_bytes -= entry.file_bytes
             self.policy.remove(key)
         return entry
 
@@ -108,14 +113,18 @@ class DiskIndex:
         self._entries.clear()
         self._pins.clear()
         self.policy.clear()
-        self.used_bytes = 0
+        self.used_bytes = self.pinned_bytes = 0
         return dropped
 
     # -- pins ------------------------------------------------------------------------------
     def pin(self, key: ChunkKey) -> bool:
-        if key not in self._entries:
+        entry = self._entries.get(key)
+        if entry is None:
             return False
-        self._pins[key] = self._pins.get(key, 0) + 1
+        count = self._pins.get(key, 0)
+        if count == 0:
+            self.pinned_bytes += entry.file_bytes
+        self._pins[key] = count + 1
         return True
 
     def unpin(self, key: ChunkKey) -> bool:
@@ -125,6 +134,7 @@ class DiskIndex:
             return False
         if count == 1:
             del self._pins[key]
+            self.pinned_bytes -= self._entries[key].file_bytes
         else:
             self._pins[key] = count - 1
         return True
@@ -137,31 +147,38 @@ class DiskIndex:
         return len(self._pins)
 
     # -- capacity --------------------------------------------------------------------------
+    @property
+    def evictable_bytes(self) -> int:
+        """The bytes evicting every unpinned entry would free."""
+        return self.used_bytes - self.pinned_bytes
+
     def reserve(self, nbytes: int) -> list[ChunkKey] | None:
         """Reserve room for a file of ``nbytes``, evicting the policy's unpinned victims.
 
         Returns the evicted keys (the caller deletes their files), or None, with nothing
-        evicted, when even evicting every unpinned entry would not make room.
+        evicted, when even evicting every unpinned entry would not make room. (The disk tier
+        reserves through its directory's budget instead, :mod:`~kvtier.storage.disk.budget`,
+        which evicts with :meth:`evict_one` across every tier of the directory.)
         """
         free = self.capacity_bytes - self.used_bytes - self.reserved_bytes
+        if free + self.evictable_bytes < nbytes:
+            return None
         victims: list[ChunkKey] = []
-        if free < nbytes:
-            entries, pins = self._entries, self._pins
-            pinned_bytes = sum(entries[k].file_bytes for k in pins)  # pins are few
-            if free + self.used_bytes - pinned_bytes < nbytes:
-                return None
-            pinned = pins.__contains__
-            while free < nbytes:  # usually one victim: files of one layout are one size
-                (key,) = self.policy.evict(1, lambda k: not pinned(k))
-                victims.append(key)
-                free += entries[key].file_bytes
-                self._forget(key)
+        while free < nbytes:  # usually one victim: files of one layout are one size
+            key, file_bytes = self.evict_one()
+            victims.append(key)
+            free += file_bytes
         self.reserved_bytes += nbytes
         return victims
 
-    def _forget(self, key: ChunkKey) -> None:
-        """Drop an entry the policy already forgot (it chose it as a victim)."""
-        self.used_bytes -= self._entries.pop(key).file_bytes
+    def evict_one(self) -> tuple[ChunkKey, int]:
+        """Drop the policy's next unpinned victim: its key and file size (the caller deletes
+        the file). Only while :attr:`evictable_bytes` > 0."""
+        pinned = self._pins.__contains__
+        (key,) = self.policy.evict(1, lambda k: not pinned(k))
+        file_bytes = self._entries.pop(key).file_bytes
+        self.used_bytes -= file_bytes
+        return key, file_bytes
 
     def commit(self, key: ChunkKey, entry: DiskEntry) -> None:
         self.reserved_bytes -= entry.file_bytes

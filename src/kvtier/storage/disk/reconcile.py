@@ -11,6 +11,9 @@ headers a minute. This check then runs on its own thread, once::
                                           ours may be running)
     in the saved index, not listed        dropped from the index (the file is gone), unless
                                           pinned or written again since the open
+    another fingerprint's chunk file      counted by the directory's budget (released, when
+                                          no tier here has it open), which then trims the
+                                          directory (:mod:`~kvtier.storage.disk.budget`)
 
 Why trusting first is safe: a trusted entry is only a claim that a file exists under the
 name its key and fingerprint determine. Every read opens that file and checks its header,
@@ -34,6 +37,7 @@ from typing import Protocol
 
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.storage.disk import files
+from kvtier.storage.disk.budget import Evicted
 from kvtier.storage.disk.index import DiskEntry, DiskIndex
 
 log = logging.getLogger(__name__)
@@ -55,11 +59,11 @@ class CheckHost(Protocol):
 
     def directory(self) -> tuple[int, int]: ...  # (generation, fd), under the lock
 
-    def evict_to_fit(self) -> list[ChunkKey]: ...  # under the lock; the files unlinked
+    def add_released(self, found: Sequence[files.OtherFile]) -> None: ...  # under the lock
+
+    def evict_to_fit(self) -> Evicted: ...  # under the lock; the files unlinked
 
     def checked(self, temp_removed: int, bad_removed: int, gone: int) -> None: ...
-
-    def report_evicted(self, keys: Sequence[ChunkKey]) -> None: ...
 
 
 class SavedIndexCheck:
@@ -115,6 +119,7 @@ class SavedIndexCheck:
         snapshot_tmp = f".{host.fp_hex}.index."
         seen: set[ChunkKey] = set()
         unknown: list[tuple[str, ChunkKey]] = []
+        others: list[files.OtherFile] = []
         temp_removed = bad_removed = 0
         for name in files.names(dir_fd):
             if self._stop.is_set():
@@ -127,6 +132,9 @@ class SavedIndexCheck:
                 temp_removed += files.unlink_quietly(dir_fd, name)  # saves run after stop()
                 continue
             if not (name.startswith(prefix) and name.endswith(files.SUFFIX)):
+                other = files.other_file(dir_fd, name, host.fp_hex)
+                if other is not None:
+                    others.append(other)
                 continue
             key = files.key_of(name, prefix)
             if key is None:
@@ -147,7 +155,7 @@ class SavedIndexCheck:
             elif not self._known(key):
                 bad_removed += files.unlink_quietly(dir_fd, name)
         found.sort(key=lambda r: r.mtime_ns)
-        self._apply(generation, found, seen, temp_removed, bad_removed)
+        self._apply(generation, found, seen, others, temp_removed, bad_removed)
 
     def _known(self, key: ChunkKey) -> bool:
         with self._host.index_lock:
@@ -158,11 +166,11 @@ class SavedIndexCheck:
         generation: int,
         found: list[files.FoundRecord],
         seen: set[ChunkKey],
+        others: list[files.OtherFile],
         temp_removed: int,
         bad_removed: int,
     ) -> None:
         host = self._host
-        evicted: list[ChunkKey] = []
         with host.index_lock:
             if host.directory()[0] != generation:
                 return  # the directory was lost meanwhile: its index is gone anyway
@@ -175,9 +183,10 @@ class SavedIndexCheck:
             gone = [k for k in self._trusted - seen if k in index and not index.is_pinned(k)]
             for key in gone:
                 index.pop(key)
+            host.add_released(others)
             evicted = host.evict_to_fit()
             host.checked(temp_removed, bad_removed, len(gone))
-        host.report_evicted(evicted)
+        evicted.report()
         log.info(
             "disk index check: %d files the saved index did not name added, %d named files "
             "gone, %d temporary and %d bad files removed, %d evicted to fit",

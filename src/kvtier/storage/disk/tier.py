@@ -5,12 +5,12 @@ Protocol (on top of :mod:`kvtier.storage.base`)::
     put(key, payload, n, on_done)
       closed                                   -> on_done(FAILED)            at once
       key on disk or being written             -> on_done(EXISTS)            at once
-      record larger than max_local_disk_size   -> on_done(DROPPED), counted  at once
+      record larger than the directory budget  -> on_done(DROPPED), counted  at once
       refused by the write queue's admission   -> on_done(DROPPED), counted  at once (never waits)
         (bytes in flight + record > disk_max_inflight_bytes, see storage/write_queue.py)
       else queued on the write queue; a writer thread then:
-        reserves room (evicting the policy's unpinned victims), or on_done(DROPPED) if all
-        are pinned
+        reserves room in the directory's budget (evicting released models' files, then
+        the open tiers' unpinned policy victims), or on_done(DROPPED) if all are pinned
         writes temp name, fsync, rename, fsync dir  -> on_done(STORED)
         OSError (ENOSPC, EIO, ...)                  -> on_done(FAILED), counted, temp removed
 
@@ -44,6 +44,11 @@ FIFO) is a corrupt miss (:mod:`~kvtier.storage.disk.files`); a deleted directory
 index and is re-opened when usable (:mod:`~kvtier.storage.disk.directory`); :meth:`close`
 waits for calls in flight, bounded, and never on a stuck reader.
 
+Capacity is per directory, not per tier (:mod:`~kvtier.storage.disk.budget`): every disk
+tier of this process open on one directory shares one budget and one lock (the tier's own
+until :meth:`DiskTier.open`), and a write may evict another fingerprint's files. Files
+evicted from another tier are reported to that tier's listeners.
+
 Settings: :mod:`kvtier.storage.disk.options`.
 """
 
@@ -52,7 +57,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,8 +71,9 @@ from kvtier.lifecycle import CallGuard, Lifecycle
 from kvtier.repeated_log import RepeatedLog
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierCounters, TierUsage
 from kvtier.storage.codecs import IDENTITY, PayloadCodec
-from kvtier.storage.disk import files, snapshot
+from kvtier.storage.disk import budget, files, snapshot
 from kvtier.storage.disk.bounded_reads import BoundedReads
+from kvtier.storage.disk.budget import DirectoryBudget, Evicted
 from kvtier.storage.disk.directory import ChunkDirectory
 from kvtier.storage.disk.index import DiskEntry, DiskIndex
 from kvtier.storage.disk.options import DiskOptions, options_from_config
@@ -122,7 +128,12 @@ class DiskTier(Tier):
         self.fp_hex = fingerprint.hex()
         self.counters = DiskCounters()
         self._index = DiskIndex(options.capacity_bytes, make_policy(options.cache_policy))
+        # Until open: the tier's own. From open: its directory's (kvtier.storage.disk.budget),
+        # shared by every disk tier of this process on that directory.
         self._lock = threading.Lock()
+        self._budget: DirectoryBudget | None = None
+        self._opening = False
+        self._reopen_evicted: Evicted | None = None
         # A full disk / Redis at maxmemory fails every chunk: one line per 30 s, with a count.
         self._repeated = RepeatedLog(log)
         self._guard = CallGuard("disk tier")
@@ -141,35 +152,52 @@ class DiskTier(Tier):
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> None:
         """Check the directory, build the index (from the saved index, checked in the
-        background, or from the headers), start the I/O threads."""
+        background, or from the headers), join the directory's budget and trim the directory
+        to it, start the I/O threads. The files are read before the directory's lock is
+        taken: another tier of the directory keeps serving meanwhile."""
         with self._lock:
-            if self._guard.state is not Lifecycle.NEW:
+            if self._guard.state is not Lifecycle.NEW or self._opening:
                 raise StateError(f"disk tier is {self._guard.state.value}; open it once")
+            self._opening = True
+        try:
+            dir_fd = self._dir.open()
             try:
-                dir_fd = self._dir.open()
+                shared = budget.of_directory(dir_fd, self.options.path)
                 rows = snapshot.load_rows(dir_fd, self.fingerprint)
-                if rows is None:
-                    self._rebuild_index(dir_fd)
-                else:
-                    self._check = self._trust_saved_index(rows)
+                found = self._scan(dir_fd) if rows is None else None
+                if rows is not None:
+                    self._index.add_rows(rows)
             except OSError as exc:
                 self._dir.close()
                 raise ConfigError(
                     "local_disk", self.options.path, f"a readable directory ({exc.strerror})"
                 ) from None
-            self._writes.open()
-            n = self.options.io_threads
-            self._reader = BoundedReads(n, self.options.timeout_s, self.options.path)
-            self._guard.open()
-            if self._check is not None:
-                self._check.start()
+        except BaseException:
+            self._opening = False
+            raise
+        self._budget, self._lock = shared, shared.lock  # nothing else uses the tier yet
+        with self._lock:
+            shared.join(self)
+            if found is not None:
+                shared.add_released(found.others)
+            trimmed = self.evict_to_fit()
+            if found is not None:
+                self._log_scan(found, trimmed)
+            else:
+                self._check = self._trust_saved_index(trimmed)
+        trimmed.report()
+        self._writes.open()
+        n = self.options.io_threads
+        self._reader = BoundedReads(n, self.options.timeout_s, self.options.path)
+        self._guard.open()
+        if self._check is not None:
+            self._check.start()
 
-    def _trust_saved_index(self, rows: Iterable[tuple[ChunkKey, int, int]]) -> SavedIndexCheck:
-        """The index from the saved rows alone (no file listed or opened), capacity trimmed;
-        returns the background check that then compares it with the directory."""
-        self._index.add_rows(rows)
+    def _trust_saved_index(self, trimmed: Evicted) -> SavedIndexCheck:
+        """The index is the saved rows alone (no file listed or opened), capacity trimmed;
+        returns the background check that then compares it with the directory (and counts
+        the other fingerprints' files it lists)."""
         trusted = self._index.key_set()
-        trimmed = self.evict_to_fit()
         log.info(
             "disk tier %s: %d chunks (%s) from the saved index, %d evicted to fit %s; "
             "checking them against the directory in the background",
@@ -177,7 +205,7 @@ class DiskTier(Tier):
             len(self._index),
             format_size(self._index.used_bytes),
             len(trimmed),
-            format_size(self.options.capacity_bytes),
+            format_size(self.capacity_bytes),
         )
         return SavedIndexCheck(self, trusted)
 
@@ -202,14 +230,35 @@ class DiskTier(Tier):
     def directory(self) -> tuple[int, int]:
         return self._dir.generation, self._dir.fd
 
-    def evict_to_fit(self) -> list[ChunkKey]:
-        """Under the lock: evict the policy's victims until the index fits the capacity (it may have
-        shrunk since the files were written); the files are unlinked."""
-        trimmed = self._index.reserve(0) or []  # reserving 0 bytes evicts until it fits
-        if trimmed:
-            self._unlink(trimmed)
-            self.counters.evicted += len(trimmed)
-        return trimmed
+    def evict_to_fit(self) -> Evicted:
+        """Under the lock: evict (released files first, then the tiers' policy victims)
+        until the directory fits its budget (it may have shrunk since the files were
+        written, or hold other fingerprints' files); the files are unlinked. The caller
+        reports the evictions once it lets go of the lock."""
+        assert self._budget is not None
+        return self._budget.trim(self)
+
+    def add_released(self, found: Sequence[files.OtherFile]) -> None:
+        """Under the lock: other fingerprints' files a listing found (the budget counts
+        those no open tier owns)."""
+        assert self._budget is not None
+        self._budget.add_released(found)
+
+    # -- what the directory's budget uses (kvtier.storage.disk.budget.BudgetMember) --------
+    @property
+    def configured_bytes(self) -> int:
+        return self.options.capacity_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The directory's budget (the smallest configured by its open tiers)."""
+        return self.options.capacity_bytes if self._budget is None else self._budget.capacity_bytes
+
+    def drop_evicted(self, keys: Sequence[ChunkKey]) -> None:
+        """Under the lock: the budget took ``keys`` from the index; delete their files."""
+        self._unlink(keys)
+        self.counters.evicted += len(keys)
+        self.counters.pinned_keys = self._index.pinned_keys
 
     def checked(self, temp_removed: int, bad_removed: int, gone: int) -> None:
         self.counters.temp_removed += temp_removed
@@ -218,7 +267,9 @@ class DiskTier(Tier):
         if bad_removed:
             log.warning("disk tier removed %d files with a bad header or length", bad_removed)
 
-    def _rebuild_index(self, dir_fd: int) -> None:
+    def _scan(self, dir_fd: int) -> files.ScanResult:
+        """Index this fingerprint's files from the headers (a saved index's entries that are
+        listed need none), oldest first; nothing trimmed yet."""
         saved = snapshot.load(dir_fd, self.fingerprint) or {}
         found = files.scan(dir_fd, self.fingerprint, self.fp_hex, saved)
         for entry in saved.values():  # next victim first, as saved
@@ -231,7 +282,17 @@ class DiskTier(Tier):
         self.counters.temp_removed += found.temp_removed
         self.counters.bad_removed_at_open += found.bad_removed
         self.counters.corrupt += found.bad_removed
+        return found
+
+    def _rebuild_index(self, dir_fd: int) -> None:
+        """A lost directory is back (under the lock): index it again, trim to the budget."""
+        found = self._scan(dir_fd)
+        self.add_released(found.others)
         trimmed = self.evict_to_fit()
+        self._log_scan(found, trimmed)
+        self._reopen_evicted = trimmed  # reported by _try_reopen, out of the lock
+
+    def _log_scan(self, found: files.ScanResult, trimmed: Evicted) -> None:
         log.info(
             "disk tier %s: %d chunks (%s) found (%d from the saved index, %d headers read), "
             "%d evicted to fit %s, %d temporary and %d bad "
@@ -241,8 +302,8 @@ class DiskTier(Tier):
             format_size(self._index.used_bytes),
             len(found.known_present),
             len(found.records),
-            len(trimmed or []),
-            format_size(self.options.capacity_bytes),
+            len(trimmed),
+            format_size(self.capacity_bytes),
             found.temp_removed,
             found.bad_removed,
         )
@@ -264,6 +325,9 @@ class DiskTier(Tier):
         reader.close()
         stalled = reader.stalled
         clean = calls_done and writes_done and check_done and not stalled
+        with self._lock:
+            if self._budget is not None:  # its files are released: others may evict them
+                self._budget.leave(self)
         if clean:
             self._save_index()
         else:
@@ -323,12 +387,12 @@ class DiskTier(Tier):
                 self.counters.dropped += 1
             elif key in self._index or self._writes.holds(key):
                 refused = PutResult(key, PutOutcome.EXISTS)
-            elif nbytes > self.options.capacity_bytes:
+            elif nbytes > self.capacity_bytes:
                 refused = PutResult(
                     key,
                     PutOutcome.DROPPED,
                     f"chunk file of {nbytes} bytes is larger than max_local_disk_size "
-                    f"({self.options.capacity_bytes} bytes)",
+                    f"({self.capacity_bytes} bytes for the directory)",
                 )
                 self.counters.dropped += 1
                 self.counters.dropped_too_large += 1
@@ -364,14 +428,13 @@ class DiskTier(Tier):
                 self.counters.dropped += 1
                 return PutResult(key, PutOutcome.DROPPED, "disk directory is gone")
             generation, dir_fd = self._dir.generation, self._dir.fd
-            victims = self._index.reserve(nbytes)
-            if victims is None:
+            assert self._budget is not None
+            evicted = self._budget.reserve(self, nbytes)  # files unlinked, counted
+            if evicted is None:
                 self.counters.dropped += 1
                 self.counters.dropped_no_room += 1
-                return PutResult(key, PutOutcome.DROPPED, "disk tier is full of pinned chunks")
-            self.counters.evicted += len(victims)
-            self._unlink(victims)
-        self.report_evicted(victims)
+                return PutResult(key, PutOutcome.DROPPED, "disk directory is full of pinned chunks")
+        evicted.report()
         try:
             files.write_record(dir_fd, key, self.fp_hex, header, stored)
         except OSError as exc:
@@ -519,6 +582,9 @@ class DiskTier(Tier):
         with self._lock:
             self.counters.available = 1
             self.counters.directory_reopened += 1
+            evicted, self._reopen_evicted = self._reopen_evicted, None
+        if evicted is not None:
+            evicted.report()
         log.info("disk tier directory %s is usable again: re-opened", self.options.path)
 
     def _unlink(self, keys: Sequence[ChunkKey]) -> None:
@@ -581,7 +647,7 @@ class DiskTier(Tier):
             if self._reader is not None:
                 self.counters.read_timeouts = self._reader.timeouts
                 self.counters.stalled_reads = self._reader.stalled
-            return TierUsage(self._index.used_bytes, self.options.capacity_bytes, len(self._index))
+            return TierUsage(self._index.used_bytes, self.capacity_bytes, len(self._index))
 
     def clear(self) -> int:
         with self._guard.call(), self._lock:
