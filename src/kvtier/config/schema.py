@@ -38,7 +38,12 @@ KEYS: tuple[KeySpec, ...] = (
         "CPU buffer ceiling; GB number or '512MiB'; rounded down to whole chunks.",
     ),
     KeySpec("local_disk", p.text(), None, "Disk tier directory, a path or file:// URL."),
-    KeySpec("max_local_disk_size", p.size(GIB), 0.0, "Disk tier capacity; GB number or '20GiB'."),
+    KeySpec(
+        "max_local_disk_size",
+        p.size(GIB),
+        0.0,
+        "Disk capacity of the whole directory (every model's files); GB number or '20GiB'.",
+    ),
     KeySpec(
         "remote_url",
         p.remote_url,

@@ -392,30 +392,29 @@ def test_bad_disk_config_names_the_key(
     assert info.value.key == key
 
 
-@pytest.mark.parametrize("where", ["missing_parent", "a_file", "read_only_fs"])
+@pytest.mark.parametrize("where", ["parent_is_a_file", "a_file", "read_only_fs"])
 def test_unusable_directory_is_a_config_error_naming_the_path(tmp_path: Path, where: str) -> None:
     path = {
-        "missing_parent": tmp_path / "no" / "such" / "dir",
+        "parent_is_a_file": tmp_path / "file" / "dir",
         "a_file": tmp_path / "file",
         "read_only_fs": Path("/proc/kvtier-test"),  # unwritable even for root
     }[where]
-    if where == "a_file":
-        path.write_bytes(b"")
+    if where in ("a_file", "parent_is_a_file"):
+        (tmp_path / "file").write_bytes(b"")
     tier = make_tier(path)
     with pytest.raises(ConfigError) as info:
         tier.open()
     assert info.value.key == "local_disk" and str(path) in str(info.value)
 
 
-def test_engine_open_with_a_missing_parent_is_a_config_error(tmp_path: Path) -> None:
+def test_engine_open_creates_missing_parents_as_lmcache_does(tmp_path: Path) -> None:
     from kvtier import Engine, KVLayout
 
     missing = tmp_path / "nowhere" / "cache"
     cfg = small_config(local_disk=str(missing), max_local_disk_size="1MiB")
-    engine = Engine(cfg, KVLayout(2, 2, 8, torch.float32), model_name="m")
-    with pytest.raises(ConfigError) as info:
-        engine.open()
-    assert info.value.key == "local_disk" and str(missing) in str(info.value)
+    with Engine(cfg, KVLayout(2, 2, 8, torch.float32), model_name="m") as engine:
+        assert engine.tier("disk") is not None
+    assert missing.is_dir()
 
 
 def test_concurrent_puts_reads_pins_and_removes_never_serve_wrong_bytes(tmp_path: Path) -> None:
