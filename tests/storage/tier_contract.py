@@ -15,7 +15,7 @@ import torch
 
 from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
-from kvtier.storage.base import PutOutcome, PutResult, Tier
+from kvtier.storage.base import Membership, PutOutcome, PutResult, Tier
 
 CONTRACT_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 CONTRACT_CHUNK = 16
@@ -118,6 +118,24 @@ class TierContract:
         assert tier.remove(key) is True
         assert tier.contains([key]) == [False]
         assert tier.remove(key) is False
+
+    def test_a_published_tier_reports_each_chunk_it_adds_and_loses(self, tier: Tier) -> None:
+        """What KV events publish (``Tier.add_membership_listener``): an add once the chunk is
+        readable (before its put completes), a removal for ``remove`` and for ``clear``."""
+        if tier.medium is None:
+            pytest.skip("not published in KV events")
+        changes: list[tuple[Membership, list[ChunkKey]]] = []
+        tier.add_membership_listener(lambda change, keys: changes.append((change, list(keys))))
+        a, b = random_key(), random_key()
+        for i, key in enumerate((a, b)):
+            result = put_and_wait(tier, key, payload(CONTRACT_CHUNK, 40 + i), CONTRACT_CHUNK)
+            assert result.outcome is PutOutcome.STORED
+        assert changes == [(Membership.ADDED, [a]), (Membership.ADDED, [b])]
+        assert tier.remove(a) is True
+        assert changes[2:] == [(Membership.REMOVED, [a])]
+        tier.clear()  # a shared store may clear other tests' chunks of this fingerprint too
+        ((change, cleared),) = changes[3:]
+        assert change is Membership.REMOVED and b in cleared and a not in cleared
 
     def test_usage_counts_entries(self, tier: Tier) -> None:
         before = tier.usage().entries

@@ -34,6 +34,14 @@ Protocol (who calls what, who owns what):
   make room), from any thread, after the eviction; listeners add up (each added one is
   called, in order) and one that raises is logged, never propagated. A tier that never
   evicts by itself (a remote store that evicts on the server) never calls them.
+* ``add_membership_listener(fn)``: ``fn(change, keys)`` is told every change of what the
+  tier holds (what KV events publish): ``ADDED`` once a chunk is readable from the tier (an
+  insert taken, a write landed: never when it is only queued), ``REMOVED`` for every way one
+  leaves (evicted, removed, cleared, found corrupt, its directory lost, expired). Called from
+  any thread; an ``ADDED`` is reported under the lock that makes the chunk visible, so a
+  removal of the same key is never reported before it. Listeners must not block or call
+  back into the tier; one that raises is logged, never propagated. A chunk another process
+  deletes (a shared store's own eviction) leaves without a report: the tier cannot see it.
 * ``counters`` is a typed :class:`TierCounters` (a tier with counts of its own subclasses it);
   ``counters.as_dict()`` is what ``Engine.stats()`` reports for the tier.
 """
@@ -60,6 +68,16 @@ from kvtier.lease import LeaseTable
 log = logging.getLogger(__name__)
 
 EvictListener = Callable[[Sequence[ChunkKey]], None]
+
+
+class Membership(enum.Enum):
+    """A change of what a tier holds (see ``add_membership_listener``)."""
+
+    ADDED = "added"  # readable from the tier now
+    REMOVED = "removed"  # no longer held, whatever the way it left
+
+
+MembershipListener = Callable[[Membership, Sequence[ChunkKey]], None]
 
 
 class PutOutcome(enum.Enum):
@@ -137,6 +155,7 @@ class Tier(ABC):
     def __init__(self) -> None:
         self.counters = TierCounters()
         self._evict_listeners: list[EvictListener] = []
+        self._membership_listeners: list[MembershipListener] = []
         # Why recent corrupt entries failed (key -> reason), for explain; bounded.
         self._corruptions: OrderedDict[ChunkKey, str] = OrderedDict()
         self._corruptions_lock = threading.Lock()
@@ -161,7 +180,8 @@ class Tier(ABC):
         self._evict_listeners.append(listener)
 
     def report_evicted(self, keys: Sequence[ChunkKey]) -> None:
-        """For the tier itself: tell every listener, after the keys are gone."""
+        """For the tier itself: tell every listener, after the keys are gone (they are
+        removals too: the membership listeners hear of them)."""
         if not keys:
             return
         for listener in self._evict_listeners:
@@ -169,6 +189,31 @@ class Tier(ABC):
                 listener(keys)
             except Exception:  # a listener's bug must not fail the put that evicted
                 log.exception("%s tier: an eviction listener raised", self.name)
+        self.report_removed(keys)
+
+    def add_membership_listener(self, listener: MembershipListener) -> None:
+        """Tell ``listener`` every chunk this tier adds or loses from now on (see the module
+        docstring). Add listeners before the tier is shared between threads (at open)."""
+        self._membership_listeners.append(listener)
+
+    def report_added(self, keys: Sequence[ChunkKey]) -> None:
+        """For the tier itself: ``keys`` are readable now (call it under the lock that made
+        them visible, so that their removal cannot be reported first)."""
+        self._report(Membership.ADDED, keys)
+
+    def report_removed(self, keys: Sequence[ChunkKey]) -> None:
+        """For the tier itself: ``keys`` are no longer held (any way they left but an
+        eviction, which :meth:`report_evicted` reports)."""
+        self._report(Membership.REMOVED, keys)
+
+    def _report(self, change: Membership, keys: Sequence[ChunkKey]) -> None:
+        if not keys:
+            return
+        for listener in self._membership_listeners:
+            try:
+                listener(change, keys)
+            except Exception:  # a listener's bug must not fail the call that changed it
+                log.exception("%s tier: a membership listener raised", self.name)
 
     @abstractmethod
     def open(self) -> None: ...

@@ -61,7 +61,7 @@ class CpuTier(Tier):
         # Key-level pins (the Tier interface); each holds one page reference. The engine's own
         # requests pin through pin_keys and their leases instead.
         self._key_pins = KeyPins()
-        # Told which keys were evicted (the engine's explain log); called under the lock.
+        # Eviction and membership listeners (Tier) are called under the lock.
 
     # -- page-level API used by the storage manager ----------------------------------------
     def allocate(self, count: int) -> list[int] | None:
@@ -94,6 +94,7 @@ class CpuTier(Tier):
             self.policy.insert(key)
             self.counters.stored += 1
             self.counters.bytes_written += nbytes
+            self.report_added((key,))
             return True
 
     def pin_keys(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, CpuEntry]:
@@ -213,6 +214,7 @@ class CpuTier(Tier):
                 return False
             self.policy.remove(key)
             self.pool.release([entry.page])
+            self.report_removed((key,))
             return True
 
     def usage(self) -> TierUsage:
@@ -236,6 +238,7 @@ class CpuTier(Tier):
                 for key in victims:
                     self.policy.remove(key)
             self.pool.release(pages)
+            self.report_removed(victims)
         return len(pages)
 
     def __len__(self) -> int:

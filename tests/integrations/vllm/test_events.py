@@ -83,3 +83,31 @@ def test_each_tier_names_the_medium_the_router_credits() -> None:
     # these values are its vocabulary, not kvtier's, and must not change with a tier's name.
     media = {t.name: t.medium for t in (CpuTier, DiskTier, RedisTier, PDBuffer)}
     assert media == {"cpu": "CPU", "disk": "DISK", "redis": "REMOTE", "pd": None}
+
+
+def test_a_followed_tier_publishes_what_it_adds_if_expected_and_all_it_loses() -> None:
+    """The log publishes a tier's adds of chunks a save announced (``expect``), joined into
+    one event while they chain; a chunk nobody announced (keyed by an adapter or an image,
+    or read back long after its save) is not published, and a removal always is."""
+    from kvtier.memory.block_pool import BlockPool
+    from tests.storage.tier_contract import CONTRACT_CHUNK, PAGE_BYTES, TOKEN_BYTES
+
+    chunk, block = CONTRACT_CHUNK, CONTRACT_CHUNK // 2
+    pool = BlockPool(4, PAGE_BYTES)
+    tier = CpuTier(pool, TOKEN_BYTES)
+    log = EventLog(block, chunk)
+    log.follow(tier, "CPU")
+    keys = [bytes([i]) * 16 for i in range(3)]
+    tokens = list(range(3 * chunk))
+    chunks = [ChunkSpan(i, i * chunk, (i + 1) * chunk, key) for i, key in enumerate(keys)]
+    log.expect(chunks[:2], None, tokens)  # the third is never announced
+    for key in keys:
+        (page,) = pool.allocate(1) or []
+        assert tier.insert(key, page, chunk)
+    assert tier.remove(keys[0]) and tier.clear() == 2
+    stored, removed, cleared = to_vllm(log.drain())
+    assert stored.block_hashes == block_names(keys[0], 2) + block_names(keys[1], 2)
+    assert stored.parent_block_hash is None and stored.token_ids == tokens[: 2 * chunk]
+    assert removed.block_hashes == block_names(keys[0], 2)
+    assert set(cleared.block_hashes) == set(block_names(keys[1], 2) + block_names(keys[2], 2))
+    pool.close()

@@ -1,13 +1,24 @@
 """kvtier's stores and evictions as vLLM KV cache events, in the form vllm-router's ``kv_aware``
 policy matches against prompts and credits by tier (docs/fleet.md has the router's side).
 
-Where they come from and how they travel::
+An event says what a tier *holds*, never what was asked of it: a store is published when the
+tier reports the chunk added (``Tier.add_membership_listener``: a CPU insert taken, a disk or
+Redis write landed), a removal for every way a chunk leaves (evicted, removed, cleared, found
+corrupt, its disk directory lost). Where they come from and how they travel::
 
-    worker: WorkerSide.save ──▶ EventLog.stored(chunks, tiers)
-            tier eviction   ──▶ EventLog.removed(keys, tier)       (any thread)
+    worker: WorkerSide.save ──▶ EventLog.expect(chunks)     (their blocks and tokens, kept)
+            tier: chunk added ──▶ EventLog: "stored" in its medium, if expected
+            tier: chunk gone  ──▶ EventLog: "removed" in its medium          (any thread)
     worker ──▶ KVTierWorkerMetadata.events (with the step's output) ──▶ scheduler
     scheduler: KVTierConnector.take_events() ──▶ vLLM's KV event publisher (ZMQ PUB, seq numbers,
                ROUTER replay buffer) ──▶ vllm-router --kv-event-source / --kv-event-replay-source
+
+A tier only knows chunk keys, and an event needs the chunk's tokens: the save tells the log
+first (``expect``), and the log keeps the last ``KNOWN_CHUNKS`` chunks' blocks, enough for
+the writes in flight. A chunk added that the log does not know is not published: one read
+back from disk into the CPU tier long after its save, the chunks a disk tier finds at open,
+a chunk keyed by an adapter or an image (never expected, see the worker). The router then
+credits less than kvtier holds, never more.
 
 What the router does with an event (vllm-router 0.1.17, measured): it hashes ``token_ids`` in
 runs of ``block_size`` (sha256 of the ids) and walks its prefix tree with those hashes, so a
@@ -22,7 +33,8 @@ build), each named by the chunk key plus its index in the chunk::
     │  block 2i    │  block 2i+1  │  ──▶ K_i‖01 : tokens [256i+128, 256i+256)  parent K_i‖00
     └──────────────┴──────────────┘
 
-A tail shorter than one block is not published (the router matches whole blocks only).
+A tail shorter than one block is not published (the router matches whole blocks only). Tiers
+report chunk by chunk; consecutive stores of one medium that chain are sent as one event.
 
 Tiers, and what the router credits (``--kv-penalty-*``); each tier class names its own
 medium (``Tier.medium``), and a tier without one (the PD buffer) is not published::
@@ -33,11 +45,15 @@ medium (``Tier.medium``), and a tier without one (the PD buffer) is not publishe
     redis         REMOTE   kvtier-redis   external      0.6   (to the publishing instance only)
 
 Redis is shared by the fleet, but the router has no fleet-wide owner: a block with an
-``ownership`` is a cache-pool copy credited to the instance that published it. Redis evicts on
-its own and tells no one, so REMOTE has stores only. A restarted instance starts vLLM's sequence
+``ownership`` is a cache-pool copy credited to the instance that published it. kvtier sees
+its own deletes of Redis chunks (clear, remove, corrupt) and publishes them; it cannot see a
+chunk leave on the server's side (``remote_ttl_secs`` expiry, ``maxmemory`` eviction, another
+instance's clear, a server restarted empty), so such a chunk stays credited to this instance
+until it restarts. The cost is a routing choice, never a wrong answer: the request sent here
+misses in Redis at lookup and is computed. A restarted instance starts vLLM's sequence
 numbers again at 0; the router takes the drop as a new incarnation and forgets the old one's
 blocks, so kvtier sends no "all cleared" of its own (in vLLM's batch it would follow, and wipe,
-the GPU blocks of the same step).
+the GPU blocks of the same step); a clear sends the removals of what it dropped instead.
 
 Events are plain tuples until the scheduler turns them into vLLM's types: the worker
 metadata is pickled between processes, and the log may be filled from tier threads.
@@ -46,15 +62,19 @@ metadata is pickled between processes, and the log may be filled from tier threa
 from __future__ import annotations
 
 import threading
+from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.keys import ChunkKey, ChunkSpan
-from kvtier.storage.base import Tier
+from kvtier.storage.base import Membership, Tier
 
 SHARED_POOL = "kvtier-redis"  # ``ownership`` of a block in the fleet-shared Redis tier
 OWNERSHIP = {"REMOTE": SHARED_POOL}
 MAX_PENDING = 100_000  # events kept when nobody takes them (vLLM's events are off)
+KNOWN_CHUNKS = 4096  # chunks whose blocks are kept for their tiers' adds (oldest forgotten)
 
 # ("stored", hashes, parent hash or None, token ids, block size, medium)
 # ("removed", hashes, medium)
@@ -64,6 +84,16 @@ Event = tuple[Any, ...]
 def block_names(key: ChunkKey, blocks: int) -> list[bytes]:
     """The event names of a chunk's ``blocks`` blocks: the key, then the block's index."""
     return [key + j.to_bytes(2, "big") for j in range(blocks)]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkBlocks:
+    """One chunk as a store event names it: its whole blocks, the block before the first
+    (None at the start of the prompt) and the blocks' token ids."""
+
+    names: list[bytes]
+    parent: bytes | None
+    ids: array[int]
 
 
 class EventLog:
@@ -78,7 +108,35 @@ class EventLog:
         self.block_size = block_size if whole else chunk_size
         self.per_chunk = chunk_size // self.block_size
         self._events: list[Event] = []
+        self._known: OrderedDict[ChunkKey, ChunkBlocks] = OrderedDict()
         self._lock = threading.Lock()
+
+    def follow(self, tier: Tier, medium: str) -> None:
+        """Publish what ``tier`` holds in ``medium``: a store for each expected chunk it adds,
+        a removal for each chunk it loses (``Tier.add_membership_listener``)."""
+
+        def report(change: Membership, keys: Sequence[ChunkKey]) -> None:
+            if change is Membership.ADDED:
+                self._added(keys, medium)
+            else:
+                self.removed(keys, medium)
+
+        tier.add_membership_listener(report)
+
+    def expect(
+        self, spans: Sequence[ChunkSpan], parent: ChunkKey | None, tokens: Sequence[int]
+    ) -> None:
+        """Chunks ``spans`` (consecutive) are about to be stored: keep their blocks, so that
+        each followed tier that then adds one publishes it. ``parent`` is the key of the
+        chunk before the first (None at the start of the prompt)."""
+        chunks = self._blocks(spans, parent, tokens)
+        with self._lock:
+            known = self._known
+            for key, blocks in chunks:
+                known[key] = blocks
+                known.move_to_end(key)
+            while len(known) > KNOWN_CHUNKS:
+                known.popitem(last=False)
 
     def stored(
         self,
@@ -87,21 +145,13 @@ class EventLog:
         tokens: Sequence[int],
         media: Sequence[str],
     ) -> None:
-        """Chunks ``spans`` (consecutive) stored in ``media``; ``parent`` is the key of the
-        chunk before the first (None at the start of the prompt)."""
-        size = self.block_size
-        names: list[bytes] = []
-        for span in spans:
-            whole = (span.end - span.start) // size
-            names.extend(block_names(span.key, whole))
-            if whole < self.per_chunk:
-                break  # a partial chunk ends the prompt: its whole blocks only
-        if not names:
-            return
-        start = spans[0].start
-        ids = list(tokens[start : start + len(names) * size])
-        first_parent = block_names(parent, self.per_chunk)[-1] if parent is not None else None
-        self._add([("stored", names, first_parent, ids, size, medium) for medium in media])
+        """Chunks ``spans`` (consecutive) stored in ``media``, as the caller knows without
+        seeing the tiers (a kvtier server's); ``parent`` as in :meth:`expect`."""
+        chunks = self._blocks(spans, parent, tokens)
+        with self._lock:
+            for medium in media:
+                for _, blocks in chunks:
+                    self._add_stored(blocks, medium)
 
     def removed(self, keys: Sequence[ChunkKey], medium: str) -> None:
         """Chunks ``keys`` left the tier of ``medium`` (all their blocks)."""
@@ -114,22 +164,52 @@ class EventLog:
             events, self._events = self._events, []
         return events
 
+    def _added(self, keys: Sequence[ChunkKey], medium: str) -> None:
+        with self._lock:
+            for key in keys:
+                blocks = self._known.get(key)
+                if blocks is not None:
+                    self._add_stored(blocks, medium)
+
+    def _blocks(
+        self, spans: Sequence[ChunkSpan], parent: ChunkKey | None, tokens: Sequence[int]
+    ) -> list[tuple[ChunkKey, ChunkBlocks]]:
+        size, per_chunk = self.block_size, self.per_chunk
+        before = block_names(parent, per_chunk)[-1] if parent is not None else None
+        out: list[tuple[ChunkKey, ChunkBlocks]] = []
+        for span in spans:
+            whole = (span.end - span.start) // size
+            if not whole:
+                break
+            names = block_names(span.key, whole)
+            ids = array("q", tokens[span.start : span.start + whole * size])
+            out.append((span.key, ChunkBlocks(names, before, ids)))
+            if whole < per_chunk:
+                break  # a partial chunk ends the prompt: its whole blocks only
+            before = names[-1]
+        return out
+
+    def _add_stored(self, blocks: ChunkBlocks, medium: str) -> None:
+        """Under the lock: a store event, joined to the last one when it continues it."""
+        events = self._events
+        if events:
+            last = events[-1]
+            if last[0] == "stored" and last[5] == medium and last[1][-1] == blocks.parent:
+                last[1].extend(blocks.names)
+                last[3].extend(blocks.ids)
+                return
+        names, ids = list(blocks.names), list(blocks.ids)
+        self._append([("stored", names, blocks.parent, ids, self.block_size, medium)])
+
     def _add(self, batch: list[Event]) -> None:
         with self._lock:
-            self._events.extend(batch)
-            overflow = len(self._events) - MAX_PENDING
-            if overflow > 0:
-                del self._events[:overflow]
+            self._append(batch)
 
-
-def chain_evictions(tier: Tier, medium: str, log: EventLog) -> None:
-    """Report ``tier``'s evictions to ``log`` as ``removed`` events, beside the tier's other
-    eviction listeners (explain's): ``Tier.add_evict_listener`` keeps them all."""
-
-    def report(keys: Sequence[ChunkKey]) -> None:
-        log.removed(keys, medium)
-
-    tier.add_evict_listener(report)
+    def _append(self, batch: list[Event]) -> None:
+        self._events.extend(batch)
+        overflow = len(self._events) - MAX_PENDING
+        if overflow > 0:
+            del self._events[:overflow]
 
 
 def to_vllm(events: Sequence[Event]) -> list[Any]:

@@ -38,7 +38,7 @@ What needs the Engine itself (eviction events, ``leaks``, ``clear``, PD, counter
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,16 +47,16 @@ from kvtier.admin.server import AdminServer
 from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError, StateError
-from kvtier.integrations.vllm.events import EventLog, chain_evictions
+from kvtier.integrations.vllm.events import EventLog
 from kvtier.integrations.vllm.groups import ModelGroups
 from kvtier.integrations.vllm.loads import Loads
-from kvtier.integrations.vllm.metadata import KVTierMetadata
+from kvtier.integrations.vllm.metadata import KVTierMetadata, SaveSpec
 from kvtier.integrations.vllm.metrics import CounterDeltas
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.pd import PDEndpoint
 from kvtier.integrations.vllm.rpc import Hit, Leak, LookupServer
 from kvtier.integrations.vllm.states import PagedState
-from kvtier.keys import ExtraKeys, RequestSalt
+from kvtier.keys import ChunkKey, ChunkSpan, ExtraKeys, RequestSalt
 from kvtier.layout import GroupKind, KVGroup, KVLayout
 from kvtier.observability.logs import REQUESTS
 from kvtier.server.surface import KVCache, open_cache
@@ -146,8 +146,8 @@ class WorkerSide:
             published = [(t, t.medium) for t in engine.tiers() if t.medium is not None]
             self._media = [medium for _, medium in published]
             if self.events is not None:
-                for tier, medium in published:  # a tier that never evicts never reports
-                    chain_evictions(tier, medium, self.events)
+                for tier, medium in published:
+                    self.events.follow(tier, medium)
             if engine.config.enable_pd and engine.config.pd_role == "sender":
                 self._pd = PDEndpoint(engine, self.tp_rank)
         else:
@@ -223,6 +223,12 @@ class WorkerSide:
                 states.gather(spec.group_block_ids, spec.end, chunk, out)
             # The keys its lookup hashed, extended by the new chunks only.
             keys = engine.request_keys(spec.tokens, spec.request_id, cache_salt=spec.cache_salt)
+            first = spec.start // engine.config.chunk_size
+            events = self.events
+            published = self._published(spec, keys.spans, first) if events else None
+            if events is not None and published is not None and self.engine is not None:
+                # In-process: each tier publishes what it then really holds (events.py).
+                events.expect(*published, spec.tokens)
             stored = engine.store(
                 spec.tokens,
                 out[:, :, : spec.end],
@@ -233,23 +239,25 @@ class WorkerSide:
             if self.engine is not None:  # in-process: its end_request writes the request's line
                 chunk = engine.config.chunk_size
                 REQUESTS.stored(spec.request_id, stored * chunk, len(spec.tokens))
-            if self.events is None and spec.transfer_id is None:
-                continue
-            spans = keys.spans
-            first = spec.start // engine.config.chunk_size
             if spec.transfer_id is not None and self._pd is not None:
-                self._pd.send(spec.transfer_id, spans[first:], out)
-            if self.events is not None:
-                # The router matches an event by its tokens alone: a chunk keyed by an
-                # adapter or an image is not published, or it would be credited to a
-                # text-only prompt of the same tokens.
-                plain = spec.cache_salt
-                size = engine.config.chunk_size
-                last = plain.plain_chunks(size) if isinstance(plain, ExtraKeys) else None
-                published = spans[first:last]
-                if published:
-                    parent = spans[first - 1].key if first else None
-                    self.events.stored(published, parent, spec.tokens, self._media)
+                self._pd.send(spec.transfer_id, keys.spans[first:], out)
+            if events is not None and published is not None and self.engine is None:
+                # Through a server, whose tiers this process cannot see: as submitted.
+                events.stored(*published, spec.tokens, self._media)
+
+    def _published(
+        self, spec: SaveSpec, spans: Sequence[ChunkSpan], first: int
+    ) -> tuple[Sequence[ChunkSpan], ChunkKey | None] | None:
+        """The save's chunks from ``first`` on that events may name, and the key of the chunk
+        before them; None if none. The router matches an event by its tokens alone: a chunk
+        keyed by an adapter or an image is not published, or it would be credited to a
+        text-only prompt of the same tokens."""
+        plain = spec.cache_salt
+        last = plain.plain_chunks(self.config.chunk_size) if isinstance(plain, ExtraKeys) else None
+        published = spans[first:last]
+        if not published:
+            return None
+        return published, spans[first - 1].key if first else None
 
     def failed_blocks(self) -> set[int]:
         if self.off:

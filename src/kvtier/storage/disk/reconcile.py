@@ -65,6 +65,10 @@ class CheckHost(Protocol):
 
     def checked(self, temp_removed: int, bad_removed: int, gone: int) -> None: ...
 
+    def report_added(self, keys: Sequence[ChunkKey]) -> None: ...  # under the lock
+
+    def report_removed(self, keys: Sequence[ChunkKey]) -> None: ...
+
 
 class SavedIndexCheck:
     """See the module docstring. ``trusted``: the keys the open took from the saved index;
@@ -175,14 +179,18 @@ class SavedIndexCheck:
             if host.directory()[0] != generation:
                 return  # the directory was lost meanwhile: its index is gone anyway
             index = host.index
+            added: list[ChunkKey] = []
             for record in found:
                 if record.key not in index and not host.is_writing(record.key):
                     index.add(
                         record.key, DiskEntry(record.header.num_tokens, record.header.record_len)
                     )
+                    added.append(record.key)
+            host.report_added(added)
             gone = [k for k in self._trusted - seen if k in index and not index.is_pinned(k)]
             for key in gone:
                 index.pop(key)
+            host.report_removed(gone)
             host.add_released(others)
             evicted = host.evict_to_fit()
             host.checked(temp_removed, bad_removed, len(gone))

@@ -14,6 +14,11 @@ Protocol (on top of :mod:`kvtier.storage.base`)::
         writes temp name, fsync, rename, fsync dir  -> on_done(STORED)
         OSError (ENOSPC, EIO, ...)                  -> on_done(FAILED), counted, temp removed
 
+Membership (``Tier.add_membership_listener``, what KV events publish): a chunk is added when
+its write commits (never when queued), and removed when evicted, removed, cleared, found
+corrupt or vanished on a read, named by the saved index but gone, or when the directory is
+lost (all of them at once).
+
 ``on_done`` runs exactly once per put, before the put stops counting as in flight, so once
 :meth:`flush` returns every callback has run (the storage manager's staging pages are back).
 The payload page is read, never written, until then. Files evicted to make room are reported
@@ -463,6 +468,7 @@ class DiskTier(Tier):
                 self._check.written(key)
             self.counters.stored += 1
             self.counters.bytes_written += nbytes
+            self.report_added((key,))  # landed: under the lock, before any removal of it
         return PutResult(key, PutOutcome.STORED)
 
     # -- reads -----------------------------------------------------------------------------
@@ -564,7 +570,9 @@ class DiskTier(Tier):
         with self._lock:
             if not self._dir.mark_lost():
                 return
+            gone = list(self._index.key_set())
             dropped = self._index.drop_all()
+            self.report_removed(gone)
             self.counters.directory_lost += 1
             self.counters.available = 0
             self.counters.pinned_keys = 0
@@ -595,7 +603,8 @@ class DiskTier(Tier):
 
     def _forget(self, key: ChunkKey, *, corrupt: bool) -> None:
         with self._lock:
-            self._index.pop(key)
+            if self._index.pop(key) is not None:
+                self.report_removed((key,))
             self.counters.misses += 1
             if corrupt:
                 self.counters.corrupt += 1
@@ -638,6 +647,7 @@ class DiskTier(Tier):
                 return False
             self.counters.pinned_keys = self._index.pinned_keys
             self._unlink([key])
+            self.report_removed((key,))
         return True
 
     def usage(self) -> TierUsage:
@@ -655,6 +665,7 @@ class DiskTier(Tier):
             for key in victims:
                 self._index.pop(key)
             self._unlink(victims)
+            self.report_removed(victims)
         return len(victims)
 
     def is_pinned(self, key: ChunkKey) -> bool:

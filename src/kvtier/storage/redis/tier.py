@@ -210,6 +210,7 @@ class RedisTier(Tier):
             self.note_corrupt(key, str(exc))
             self._bump(corrupt=1, misses=1)
             self._delete_quietly(key)
+            self.report_removed((key,))  # unreadable, deleted or not
             return None
         except TierError as exc:
             self._note_failure("read", exc)
@@ -287,6 +288,7 @@ class RedisTier(Tier):
             self._bump(failed=1)
             return PutResult(job.key, PutOutcome.FAILED, str(exc))
         self._bump(stored=1, bytes_written=stored.nbytes)
+        self.report_added((job.key,))  # the server has it now, not when it was queued
         return PutResult(job.key, PutOutcome.STORED)
 
     def _send(self, client: Any, name: bytes, parts: list[bytes | memoryview]) -> None:
@@ -305,7 +307,10 @@ class RedisTier(Tier):
     # -- management ------------------------------------------------------------------------
     def remove(self, key: ChunkKey) -> bool:
         with self._guard.call():
-            return bool(self._call(lambda client: client.delete(self.redis_name(key))))
+            removed = bool(self._call(lambda client: client.delete(self.redis_name(key))))
+        if removed:
+            self.report_removed((key,))
+        return removed
 
     def pin(self, key: ChunkKey) -> bool:
         """Always True: see the module docstring (a shared store cannot hold an entry)."""
@@ -344,19 +349,26 @@ class RedisTier(Tier):
             keep = {self.redis_name(k) for k in self._pins}
         pattern = self.prefix + b"*"
 
-        def delete_all(client: Any) -> int:
-            removed = 0
+        def delete_all(client: Any) -> list[bytes]:
+            removed: list[bytes] = []
             for server in _servers(client):
                 names = [n for n in server.scan_iter(match=pattern, count=1000) if n not in keep]
                 # One UNLINK per name: a cluster refuses multi-key commands across slots.
                 for start in range(0, len(names), 1000):
+                    batch = names[start : start + 1000]
                     pipe = server.pipeline(transaction=False)
-                    for name in names[start : start + 1000]:
+                    for name in batch:
                         pipe.unlink(name)
-                    removed += sum(int(n) for n in pipe.execute())
+                    removed += [n for n, ok in zip(batch, pipe.execute(), strict=True) if ok]
             return removed
 
-        return self._call(delete_all)
+        removed = self._call(delete_all)
+        self.report_removed([self._chunk_key(name) for name in removed])
+        return len(removed)
+
+    def _chunk_key(self, name: bytes) -> ChunkKey:
+        """The chunk key of a Redis name of this tier (the inverse of :meth:`redis_name`)."""
+        return bytes.fromhex(name[len(self.prefix) :].decode())
 
     def usage(self) -> TierUsage:
         """Server-wide figures summed over the masters: ``used_memory``, ``maxmemory`` (or
