@@ -11,8 +11,10 @@ A request the engine refuses (bad tokens, a request id that ended) is answered w
 ``Failed`` and the connection stays open; a protocol violation closes it. Either way, when
 the connection ends, everything it held is released (:meth:`Session.release_all`).
 
-Bounds, so one client cannot starve the others: the Hello must come within
-:data:`HELLO_TIMEOUT_S` of the connect (a silent connection does not keep a client slot);
+Bounds, so one client cannot starve the others: the whole Hello must come within
+:data:`HELLO_TIMEOUT_S` of the connect (a silent connection, or one that trickles its Hello
+a byte at a time, does not keep a client slot); after it, every frame begun must be whole
+within ``STALL_TIMEOUT_S`` of its first byte, and every reply taken within as long;
 a client of another protocol version gets ``Refused`` naming both versions; a connection
 may hold pinned at most ``server_client_pin_share`` of its model's pages: a Lookup beyond
 that is a miss (``Hit(0)``, nothing pinned) and a Reserve gets no pages (the store is
@@ -25,6 +27,7 @@ import logging
 import math
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,15 +50,20 @@ def serve_connection(
     """Serve ``session`` until it closes or breaks the protocol, then release what it held.
     ``info``: live server facts added to every stats reply (clients, pid, socket)."""
     sock = session.sock
+    hello_by = time.monotonic() + HELLO_TIMEOUT_S
     sock.settimeout(HELLO_TIMEOUT_S)
     reader = wire.FrameReader(sock)
     reason = "closed by the client"
     try:
         try:
-            first = reader.read()
+            first = reader.read(hello_by)  # the whole Hello by then, however it trickles
         except ProtocolError as exc:
             if not reader.started:  # nothing at all within the deadline
                 raise ProtocolError(f"no Hello within {HELLO_TIMEOUT_S:g} s") from None
+            if time.monotonic() >= hello_by:
+                raise ProtocolError(
+                    f"Hello not whole within {HELLO_TIMEOUT_S:g} s of the connect"
+                ) from None
             raise exc
         if first is None:
             return
@@ -63,25 +71,26 @@ def serve_connection(
             raise ProtocolError(f"expected Hello first, got {type(first).__name__}")
         if first.version != wire.VERSION:
             why = f"client speaks protocol version {first.version}, server {wire.VERSION}"
-            wire.send(sock, wire.Refused(why))
+            wire.send(sock, wire.Refused(why), _reply_by())
             raise ProtocolError(why)
-        reader.set_idle_timeout(None)  # a client may idle between requests
         try:
             session.slot = models.slot_for(first)
         except KVTierError as exc:
             log.warning("%s refused: %s", session, exc)
-            wire.send(sock, wire.Refused(str(exc)))
+            wire.send(sock, wire.Refused(str(exc)), _reply_by())
             reason = "refused"
             return
         engine = session.slot.engine
         welcome = wire.Welcome(engine.num_pages, engine.chunk_bytes, os.getpid())
+        sock.settimeout(wire.STALL_TIMEOUT_S)
         socket.send_fds(sock, [wire.encode(welcome)], [session.slot.memory.fd])
+        reader.set_idle_timeout(None)  # a client may idle between requests
         log.info("%s connected: model %r", session, first.model_name)
         while True:
             message = reader.read()
             if message is None:
                 break
-            wire.send(sock, _answer(session, engine, message, info))
+            wire.send(sock, _answer(session, engine, message, info), _reply_by())
     except ProtocolError as exc:
         reason = f"protocol error: {exc}"
         log.error("%s: %s; closing its connection", session, exc)
@@ -190,6 +199,11 @@ def _dispatch(
             raise ProtocolError("a second Hello on one connection")
         case _:
             raise ProtocolError(f"{type(message).__name__} is a server message, not a request")
+
+
+def _reply_by() -> float:
+    """When the client must have taken a reply (one that never reads holds no thread)."""
+    return time.monotonic() + wire.STALL_TIMEOUT_S
 
 
 def _over_pin_budget(session: Session, engine: Engine) -> bool:
