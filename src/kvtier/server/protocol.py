@@ -164,7 +164,7 @@ class Problems(msgspec.Struct, tag=True):
 class Failed(msgspec.Struct, tag=True):
     """A well-formed request the server could not serve; the connection stays open."""
 
-    kind: str  # "input" (the caller's arguments), "state", "tier"
+    kind: str  # "input" (the caller's arguments), "state", "tier", "capacity" (a bound)
     message: str
 
 
