@@ -89,6 +89,7 @@ def test_a_hello_trickled_a_byte_at_a_time_loses_its_slot_at_the_hello_deadline(
     proc = make_server(server_max_clients=2)  # type: ignore[operator]
     with open_client(proc.url) as probe:
         hello = wire.encode(probe._link.hello)
+    wait_until(lambda: len(proc.server.sessions) == 0, what="the probe's slot given back")
     slow = []
     for _ in range(2):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
