@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT
-from tests.server.server_helpers import ServerProcess, remove_tempdir, short_tempdir
+from tests.server.server_helpers import InProcess, ServerProcess, remove_tempdir, short_tempdir
 
 SPAWN = multiprocessing.get_context("spawn")  # forking after torch is imported can hang
 CPU_CHUNKS = 64
@@ -31,3 +31,17 @@ def server() -> Iterator[ServerProcess]:
     yield proc
     proc.stop()
     remove_tempdir(path)
+
+
+@pytest.fixture
+def make_server(tempdir: str) -> Iterator[object]:
+    """``make_server(**config)``: an in-process server in ``tempdir``, closed at the end."""
+    made: list[InProcess] = []
+
+    def make(**overrides: object) -> InProcess:
+        made.append(InProcess(tempdir, **overrides))
+        return made[-1]
+
+    yield make
+    for server in made:
+        server.close()

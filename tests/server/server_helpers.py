@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -22,9 +23,11 @@ import torch
 
 from kvtier import Config, KVLayout
 from kvtier.server.client import ServerClient
+from kvtier.server.daemon import KVTierServer
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
+CHUNK_BYTES = SMALL_LAYOUT.chunk_bytes(SMALL_CHUNK)
 
 
 class ServerProcess:
@@ -88,6 +91,24 @@ class ServerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(30)
+
+
+class InProcess:
+    """A KVTierServer serving on a thread of this process (16 pages unless told)."""
+
+    def __init__(self, directory: str, **overrides: object) -> None:
+        self.path = os.path.join(directory, "kvtier.sock")
+        self.url = f"unix://{self.path}"
+        values: dict[str, object] = {"max_local_cpu_size": f"{16 * CHUNK_BYTES}B"}
+        values.update(overrides)
+        self.server = KVTierServer(Config.load(overrides=values, env={}), self.path).open()
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.stop()
+        self.thread.join(10)
+        self.server.close()
 
 
 def short_tempdir() -> str:

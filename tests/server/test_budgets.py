@@ -7,50 +7,13 @@ from __future__ import annotations
 import math
 import os
 import socket
-import threading
-from collections.abc import Iterator
 
 import pytest
 
-from kvtier.config import Config
 from kvtier.server import handler
 from kvtier.server import protocol as wire
-from kvtier.server.daemon import KVTierServer
-from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens
-from tests.server.server_helpers import open_client, wait_until
-
-CHUNK_BYTES = SMALL_LAYOUT.chunk_bytes(SMALL_CHUNK)
-
-
-class InProcess:
-    """A KVTierServer serving on a thread of this process."""
-
-    def __init__(self, directory: str, **overrides: object) -> None:
-        self.path = os.path.join(directory, "kvtier.sock")
-        self.url = f"unix://{self.path}"
-        values: dict[str, object] = {"max_local_cpu_size": f"{16 * CHUNK_BYTES}B"}
-        values.update(overrides)
-        self.server = KVTierServer(Config.load(overrides=values, env={}), self.path).open()
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.stop()
-        self.thread.join(10)
-        self.server.close()
-
-
-@pytest.fixture
-def make_server(tempdir: str) -> Iterator[object]:
-    made: list[InProcess] = []
-
-    def make(**overrides: object) -> InProcess:
-        made.append(InProcess(tempdir, **overrides))
-        return made[-1]
-
-    yield make
-    for server in made:
-        server.close()
+from tests.conftest import make_kv, make_tokens
+from tests.server.server_helpers import CHUNK_BYTES, open_client, wait_until
 
 
 def test_idle_models_are_released_and_their_disk_tier_kept(

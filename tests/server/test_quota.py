@@ -19,6 +19,7 @@ def quota_server() -> Iterator[ServerProcess]:
         directory,
         max_local_cpu_size=f"{8 * CHUNK_BYTES}B",
         server_tenant_quota=f"{10 * CHUNK_BYTES}B",
+        server_client_pin_share=1.0,  # the quota under test, not the per-client share
     ).start()
     yield proc
     proc.stop()

@@ -74,7 +74,8 @@ class Clients(RuleBasedStateMachine):
         rid = f"r{self.next_rid}"
         self.next_rid += 1
         hit = self.clients[i].lookup(prompt, rid)
-        self.open[i].add(rid)
+        if hit:  # a miss pinned nothing: the server ends it at once, keeping nothing
+            self.open[i].add(rid)
         assert hit % SMALL_CHUNK == 0 and hit <= len(prompt)
         if fetch:
             kv = self.clients[i].retrieve(prompt, rid)

@@ -65,6 +65,8 @@ class Config:
     server_max_memory: int | None = None
     server_model_idle_secs: float = 300.0
     server_client_pin_share: float = 0.5
+    server_client_max_requests: int = 4096
+    server_client_max_tokens: int = 1 << 23
     extra_config: dict[str, Any] = field(default_factory=dict)
     # Where each non-default value came from ("file /x.yaml", "env KVTIER_CHUNK_SIZE", ...).
     origin: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)

@@ -205,8 +205,24 @@ KEYS: tuple[KeySpec, ...] = (
         "server_client_pin_share",
         p.positive_float(1.0),
         0.5,
-        "kvtier server: the share of a model's pages one connection may hold pinned; "
-        "lookups and stores beyond it are misses.",
+        "kvtier server: the share of a model's pages one connection may hold pinned; a "
+        "lookup, retrieve or store past it gets a shorter hit or fewer pages (none at it).",
+        lmcache=False,
+    ),
+    KeySpec(
+        "server_client_max_requests",
+        p.integer(1, 1 << 20),
+        4096,
+        "kvtier server: requests one connection may hold open (looked up, not ended); a "
+        "lookup past it is refused with an error naming this key.",
+        lmcache=False,
+    ),
+    KeySpec(
+        "server_client_max_tokens",
+        p.integer(1, 1 << 31),
+        1 << 23,
+        "kvtier server: tokens one connection's open requests may keep the keys of, all "
+        "together; a lookup past it is refused with an error naming this key.",
         lmcache=False,
     ),
     KeySpec("extra_config", p.mapping, None, "Free-form mapping of tier options (see README)."),

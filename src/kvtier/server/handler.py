@@ -11,12 +11,22 @@ A request the engine refuses (bad tokens, a request id that ended) is answered w
 ``Failed`` and the connection stays open; a protocol violation closes it. Either way, when
 the connection ends, everything it held is released (:meth:`Session.release_all`).
 
-Bounds, so one client cannot starve the others: the Hello must come within
-:data:`HELLO_TIMEOUT_S` of the connect (a silent connection does not keep a client slot);
-a client of another protocol version gets ``Refused`` naming both versions; a connection
-may hold pinned at most ``server_client_pin_share`` of its model's pages: a Lookup beyond
-that is a miss (``Hit(0)``, nothing pinned) and a Reserve gets no pages (the store is
-dropped), until the client ends some of its requests.
+Bounds, so one client cannot starve the others:
+
+- the whole Hello must come within :data:`HELLO_TIMEOUT_S` of the connect (a silent
+  connection, or one that trickles its Hello a byte at a time, does not keep a client slot);
+  after it, every frame begun must be whole within ``STALL_TIMEOUT_S`` of its first byte,
+  and every reply taken by the client within as long;
+- a client of another protocol version gets ``Refused`` naming both versions;
+- a connection may hold pinned at most ``server_client_pin_share`` of its model's pages, on
+  every path that pins: a Lookup (or a Retrieve that looks its tokens up, having had no
+  Lookup of them) pins at most the pages left of the share, so it gets a shorter hit (the
+  skip alone at the share); a Reserve gets pages for at most that many chunks from its skip
+  on (the store is shortened: ``Stored`` says how many went in; none at the share);
+- a connection holds at most ``server_client_max_requests`` requests open and the keys of
+  ``server_client_max_tokens`` tokens (:mod:`kvtier.server.sessions`): a Lookup past either
+  is answered ``Failed("capacity", ...)`` naming the key; a Lookup that pinned nothing is
+  ended at once, so a miss keeps neither a lease nor its keys.
 """
 
 from __future__ import annotations
@@ -25,16 +35,26 @@ import logging
 import math
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from kvtier.engine import Engine
-from kvtier.errors import InputError, KVTierError, ProtocolError, StateError, TransferError
+from kvtier.engine import Engine, Hit
+from kvtier.errors import (
+    CapacityError,
+    InputError,
+    KVTierError,
+    ProtocolError,
+    StateError,
+    TransferError,
+)
+from kvtier.keys import RequestSalt
 from kvtier.server import protocol as wire
 from kvtier.server.models import ModelTable
 from kvtier.server.sessions import Session
+from kvtier.storage.manager import StoreSlot
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +67,20 @@ def serve_connection(
     """Serve ``session`` until it closes or breaks the protocol, then release what it held.
     ``info``: live server facts added to every stats reply (clients, pid, socket)."""
     sock = session.sock
+    hello_by = time.monotonic() + HELLO_TIMEOUT_S
     sock.settimeout(HELLO_TIMEOUT_S)
     reader = wire.FrameReader(sock)
     reason = "closed by the client"
     try:
         try:
-            first = reader.read()
+            first = reader.read(hello_by)  # the whole Hello by then, however it trickles
         except ProtocolError as exc:
             if not reader.started:  # nothing at all within the deadline
                 raise ProtocolError(f"no Hello within {HELLO_TIMEOUT_S:g} s") from None
+            if time.monotonic() >= hello_by:
+                raise ProtocolError(
+                    f"Hello not whole within {HELLO_TIMEOUT_S:g} s of the connect"
+                ) from None
             raise exc
         if first is None:
             return
@@ -63,25 +88,26 @@ def serve_connection(
             raise ProtocolError(f"expected Hello first, got {type(first).__name__}")
         if first.version != wire.VERSION:
             why = f"client speaks protocol version {first.version}, server {wire.VERSION}"
-            wire.send(sock, wire.Refused(why))
+            wire.send(sock, wire.Refused(why), _reply_by())
             raise ProtocolError(why)
-        reader.set_idle_timeout(None)  # a client may idle between requests
         try:
             session.slot = models.slot_for(first)
         except KVTierError as exc:
             log.warning("%s refused: %s", session, exc)
-            wire.send(sock, wire.Refused(str(exc)))
+            wire.send(sock, wire.Refused(str(exc)), _reply_by())
             reason = "refused"
             return
         engine = session.slot.engine
         welcome = wire.Welcome(engine.num_pages, engine.chunk_bytes, os.getpid())
+        sock.settimeout(wire.STALL_TIMEOUT_S)
         socket.send_fds(sock, [wire.encode(welcome)], [session.slot.memory.fd])
+        reader.set_idle_timeout(None)  # a client may idle between requests
         log.info("%s connected: model %r", session, first.model_name)
         while True:
             message = reader.read()
             if message is None:
                 break
-            wire.send(sock, _answer(session, engine, message, info))
+            wire.send(sock, _answer(session, engine, message, info), _reply_by())
     except ProtocolError as exc:
         reason = f"protocol error: {exc}"
         log.error("%s: %s; closing its connection", session, exc)
@@ -107,6 +133,8 @@ def _answer(
         return wire.Failed("input", str(exc))
     except StateError as exc:
         return wire.Failed("state", str(exc))
+    except CapacityError as exc:
+        return wire.Failed("capacity", str(exc))
     except ProtocolError:
         raise
     except KVTierError as exc:
@@ -118,19 +146,19 @@ def _dispatch(
 ) -> wire.Reply:
     match message:
         case wire.Lookup(request_id=rid, tokens=raw, skip=skip, cache_salt=salt):
-            tokens = _tokens(raw)
-            if _over_pin_budget(session, engine):
-                # A miss, but the request is open as after any lookup (and ends once): a
-                # lookup of its first token alone, shorter than a chunk, pins nothing.
-                engine.lookup(tokens[:1], session.request_id(rid))
-                return wire.Hit(skip)
-            hit = engine.lookup(
-                tokens, session.request_id(rid), skip_leading_tokens=skip, cache_salt=salt
-            )
+            hit, _ = _lookup(session, engine, session.request_id(rid), raw, skip, salt)
             return wire.Hit(hit.tokens, hit.cpu_tokens)
         case wire.Retrieve(request_id=rid, tokens=raw, skip=skip, cache_salt=salt):
+            server_rid = session.request_id(rid)
+            tokens = _tokens(raw)
+            if not session.same_prefix(server_rid, raw, salt):
+                # Not the prefix a Lookup pinned: the engine would look these tokens up
+                # with no bound, so look them up here, within the share (and the bounds).
+                hit, tokens = _lookup(session, engine, server_rid, raw, skip, salt)
+                if _missed(hit, skip, engine):
+                    return wire.Pages(hit.tokens, [], [], [])
             end, held = engine.pages().lease_pages(
-                _tokens(raw), session.request_id(rid), skip_leading_tokens=skip, cache_salt=salt
+                tokens, server_rid, skip_leading_tokens=skip, cache_salt=salt
             )
             return wire.Pages(
                 end, [p for p, _, _ in held], [s for _, s, _ in held], [n for _, _, n in held]
@@ -140,14 +168,18 @@ def _dispatch(
                 raise ProtocolError(
                     f"Reserve({store_id}) while store {session.store[0]} is not committed"
                 )
-            tokens = _tokens(raw)
+            tokens = _within_share(_tokens(raw), skip, session, engine)
             rid = session.store_request_id(store_id)
-            if _over_pin_budget(session, engine):
-                slots = []  # no pages: the client commits nothing, the store is dropped
-            else:
-                slots = engine.pages().reserve_pages(
-                    tokens, rid, skip_leading_tokens=skip, cache_salt=salt
-                )
+            slots: list[StoreSlot] = []  # at the share: none; the client commits nothing
+            if len(tokens) > skip // engine.config.chunk_size * engine.config.chunk_size:
+                try:
+                    slots = engine.pages().reserve_pages(
+                        tokens, rid, skip_leading_tokens=skip, cache_salt=salt
+                    )
+                except BaseException:
+                    session.forget(rid)
+                    engine.end_request(rid)
+                    raise
             session.store = (store_id, rid, slots)
             return wire.Pages(
                 0,
@@ -192,14 +224,67 @@ def _dispatch(
             raise ProtocolError(f"{type(message).__name__} is a server message, not a request")
 
 
-def _over_pin_budget(session: Session, engine: Engine) -> bool:
-    """Whether this connection already holds its share of the model's pages pinned."""
+def _lookup(
+    session: Session,
+    engine: Engine,
+    rid: str,
+    raw: bytes,
+    skip: int,
+    salt: RequestSalt | None,
+) -> tuple[Hit, np.ndarray]:
+    """Look ``raw`` up for ``rid`` within the connection's pin share and bounds; returns the
+    hit and the tokens looked up (cut where the share ends). A lookup that pinned nothing
+    and opened ``rid`` ends it at once: a miss keeps neither a lease nor its keys."""
+    tokens = _within_share(_tokens(raw), skip, session, engine)
+    chunk = engine.config.chunk_size
+    held = min(skip // chunk, len(tokens) // chunk) * chunk
+    if len(tokens) <= held:  # at the share: nothing to pin, so nothing to look up or keep
+        return Hit(held, held), tokens
+    opened = session.admit(rid, len(tokens))  # CapacityError past the bounds
+    try:
+        hit = engine.lookup(tokens, rid, skip_leading_tokens=skip, cache_salt=salt)
+    except BaseException:
+        if opened:
+            session.forget(rid)
+            engine.end_request(rid)
+        raise
+    if opened and _missed(hit, skip, engine):
+        session.forget(rid)
+        engine.end_request(rid)
+    else:
+        session.looked_up(rid, hit.tokens, salt, raw)
+    return hit, tokens
+
+
+def _missed(hit: Hit, skip: int, engine: Engine) -> bool:
+    """Whether a lookup found nothing past the chunks the caller holds (pinned nothing)."""
+    return hit.tokens <= skip // engine.config.chunk_size * engine.config.chunk_size
+
+
+def _within_share(tokens: np.ndarray, skip: int, session: Session, engine: Engine) -> np.ndarray:
+    """``tokens`` cut so that pinning (or reserving) each chunk past the skip keeps this
+    connection within its pin share::
+
+        |<-- skip chunks -->|<-- room chunks -->|  cut here ... rest of the prompt
+          held by the caller   pages left of the
+          (never pinned)       share (0 at it)
+
+    Each chunk a lookup pins or a reserve gets takes one page, so at most ``room`` pages."""
     share = session.slot.pin_budget if session.slot is not None else engine.num_pages
     held = session.pinned_pages(engine)
-    if held >= share:
-        log.debug("%s holds %d pinned pages, its budget is %d", session, held, share)
-        return True
-    return False
+    room = max(0, share - held)
+    chunk = engine.config.chunk_size
+    end = (skip // chunk + room) * chunk
+    if len(tokens) <= end:
+        return tokens
+    log.debug("%s holds %d pinned pages of its share of %d: cut to %d tokens", session, held,
+              share, end)  # fmt: skip
+    return tokens[:end]
+
+
+def _reply_by() -> float:
+    """When the client must have taken a reply (one that never reads holds no thread)."""
+    return time.monotonic() + wire.STALL_TIMEOUT_S
 
 
 def _tokens(raw: bytes) -> np.ndarray:

@@ -38,7 +38,9 @@ the connection held. Other connections never notice.
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import time
 from typing import Any
 
 import msgspec
@@ -50,7 +52,7 @@ from kvtier.keys import RequestSalt
 MAGIC = b"KVS"
 VERSION = 1
 MAX_BODY_BYTES = 4 << 20  # a 1M-token prompt as int32; anything bigger is abuse
-STALL_TIMEOUT_S = 10.0  # a frame begun must end within this (between frames: no limit)
+STALL_TIMEOUT_S = 10.0  # a frame begun must be whole within this (between frames: no limit)
 
 
 # -- client -> server -----------------------------------------------------------------------
@@ -162,7 +164,7 @@ class Problems(msgspec.Struct, tag=True):
 class Failed(msgspec.Struct, tag=True):
     """A well-formed request the server could not serve; the connection stays open."""
 
-    kind: str  # "input" (the caller's arguments), "state", "tier"
+    kind: str  # "input" (the caller's arguments), "state", "tier", "capacity" (a bound)
     message: str
 
 
@@ -190,16 +192,29 @@ decode_body = FRAMING.decode_body
 class FrameReader:
     """Reads whole frames from a blocking socket, keeping any bytes past the current frame.
 
-    Waiting for a frame to begin has no time limit (a client may idle); once one has begun,
-    the rest must arrive within ``stall_timeout`` or the frame counts as truncated.
+    Deadlines are for whole frames, never per ``recv`` (a peer that trickles one byte at a
+    time must not hold a connection open forever)::
+
+        read(deadline)   the whole message must have arrived by ``deadline`` (monotonic)
+        read()           waiting for a frame to begin: the socket's idle timeout (None on
+                         the server after the Hello: a client may idle between requests);
+                         once its first byte came, the frame must be whole within
+                         ``stall_timeout`` (:data:`STALL_TIMEOUT_S`) of that byte
+
+    Missing a deadline raises :class:`ProtocolError` (the frame counts as truncated).
     """
 
-    def __init__(self, sock: socket.socket, stall_timeout: float = STALL_TIMEOUT_S) -> None:
+    def __init__(self, sock: socket.socket, stall_timeout: float | None = None) -> None:
         self.sock = sock
-        self.stall_timeout = stall_timeout
+        self._stall_timeout = stall_timeout
         self._buf = bytearray()
         self._idle_timeout = sock.gettimeout()
         self._seen = False
+
+    @property
+    def stall_timeout(self) -> float:
+        """Seconds a frame may take from its first byte to its last."""
+        return STALL_TIMEOUT_S if self._stall_timeout is None else self._stall_timeout
 
     @property
     def started(self) -> bool:
@@ -215,47 +230,95 @@ class FrameReader:
         """Bytes already taken off the socket (e.g. by ``recv_fds``) that belong to frames."""
         self._buf += data
 
-    def read(self) -> Message | None:
-        """The next message, or None when the peer closed the connection between frames."""
-        while len(self._buf) < HEADER.size:
-            if not self._recv(partial=bool(self._buf)):
-                if not self._buf:
-                    return None
-                raise ProtocolError(f"truncated frame header ({len(self._buf)} bytes, then EOF)")
-        length = parse_header(memoryview(self._buf)[: HEADER.size])
-        end = HEADER.size + length
-        while len(self._buf) < end:
-            if not self._recv(partial=True):
-                got = len(self._buf) - HEADER.size
-                raise ProtocolError(f"truncated frame body ({got} of {length} bytes, then EOF)")
+    def read(self, deadline: float | None = None) -> Message | None:
+        """The next message, or None when the peer closed the connection between frames.
+        ``deadline``: see the class docstring."""
+        frame = _Deadline(deadline, self.stall_timeout)
+        try:
+            if self._buf:
+                frame.begin()
+            while len(self._buf) < HEADER.size:
+                if not self._recv(frame):
+                    if not self._buf:
+                        return None
+                    raise ProtocolError(
+                        f"truncated frame header ({len(self._buf)} bytes, then EOF)"
+                    )
+            length = parse_header(memoryview(self._buf)[: HEADER.size])
+            end = HEADER.size + length
+            while len(self._buf) < end:
+                if not self._recv(frame):
+                    got = len(self._buf) - HEADER.size
+                    raise ProtocolError(f"truncated frame body ({got} of {length} bytes, then EOF)")
+        finally:
+            self.sock.settimeout(self._idle_timeout)
         body = bytes(memoryview(self._buf)[HEADER.size : end])
         del self._buf[:end]
         return decode_body(body)
 
-    def _recv(self, *, partial: bool) -> bool:
+    def _recv(self, frame: _Deadline) -> bool:
         sock = self.sock
         try:
-            if partial:
-                sock.settimeout(self.stall_timeout)
+            sock.settimeout(frame.left(self._idle_timeout))
             data = sock.recv(1 << 16)
         except TimeoutError:
-            raise ProtocolError(
-                f"frame stalled: no byte for {self.stall_timeout:g} s in the middle of a frame"
-            ) from None
+            raise ProtocolError(frame.missed()) from None
         except OSError as exc:
             raise TransferError(f"connection lost while receiving: {exc}") from None
-        finally:
-            if partial:
-                sock.settimeout(self._idle_timeout)
-        self._buf += data
-        self._seen = self._seen or bool(data)
+        if data:
+            self._buf += data
+            self._seen = True
+            frame.begin()
         return bool(data)
 
 
-def send(sock: socket.socket, message: Message) -> None:
+class _Deadline:
+    """When the frame being read must be whole: the caller's deadline, and ``stall`` seconds
+    after its first byte, whichever comes first."""
+
+    def __init__(self, deadline: float | None, stall: float) -> None:
+        self.deadline = deadline
+        self.stall = stall
+        self.at = deadline
+        self.begun = False
+
+    def begin(self) -> None:
+        if not self.begun:
+            self.begun = True
+            stalled = time.monotonic() + self.stall
+            self.at = stalled if self.at is None else min(self.at, stalled)
+
+    def left(self, idle: float | None) -> float | None:
+        """The timeout for the next ``recv``; ``idle`` until the frame begins (no deadline)."""
+        if self.at is None:
+            return idle
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise ProtocolError(self.missed())
+        return left
+
+    def missed(self) -> str:
+        if self.at is not None and self.at == self.deadline:
+            return "message not whole by its deadline"
+        if self.begun:
+            return f"frame stalled: not whole within {self.stall:g} s of its first byte"
+        return "no frame within the idle timeout"
+
+
+def send(sock: socket.socket, message: Message, deadline: float | None = None) -> None:
+    """Send ``message`` whole; with ``deadline`` (monotonic), by then or
+    :class:`TransferTimeout` (a peer that does not read its replies cannot hold a thread)."""
+    data = encode(message)
+    before = sock.gettimeout()
     try:
-        sock.sendall(encode(message))
+        if deadline is not None:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+        sock.sendall(data)
     except TimeoutError:
         raise TransferTimeout("peer did not accept a message in time") from None
     except OSError as exc:
         raise TransferError(f"connection lost while sending: {exc}") from None
+    finally:
+        if deadline is not None:
+            with contextlib.suppress(OSError):
+                sock.settimeout(before)
