@@ -3,6 +3,10 @@ chained to their parent, tiers as the router's media (fast: no engine, no router
 
 from __future__ import annotations
 
+from typing import Any, cast
+
+import pytest
+
 from kvtier.integrations.vllm.events import SHARED_POOL, EventLog, block_names, to_vllm
 from kvtier.keys import ChunkSpan
 from kvtier.pd.buffer import PDBuffer
@@ -111,3 +115,42 @@ def test_a_followed_tier_publishes_what_it_adds_if_expected_and_all_it_loses() -
     assert removed.block_hashes == block_names(keys[0], 2)
     assert set(cleared.block_hashes) == set(block_names(keys[1], 2) + block_names(keys[2], 2))
     pool.close()
+
+
+def test_adds_that_land_out_of_order_are_published_parent_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A disk tier's writers land a prompt's chunks in any order, and the router ignores a
+    store whose parent it does not know: a chunk waits for its parent's add (stored in the
+    same call), and one whose parent never lands is published at a drain after HOLD_S."""
+    from kvtier.integrations.vllm import events
+    from kvtier.storage.base import Membership
+
+    log = EventLog(BLOCK, CHUNK)
+    reports: list[Any] = []
+
+    class Recorder:
+        def add_membership_listener(self, listener: Any) -> None:
+            reports.append(listener)
+
+    log.follow(cast(Any, Recorder()), "DISK")
+    (report,) = reports
+    keys = [bytes([i + 1]) * 16 for i in range(4)]
+    tokens = list(range(4 * CHUNK))
+    chunks = [ChunkSpan(i, i * CHUNK, (i + 1) * CHUNK, key) for i, key in enumerate(keys)]
+    log.expect(chunks, None, tokens)
+    for i in (2, 1, 0):  # the writes of chunks 2 and 1 land before chunk 0's
+        report(Membership.ADDED, [keys[i]])
+    (stored,) = to_vllm(log.drain())
+    assert stored.parent_block_hash is None
+    assert stored.block_hashes == [n for k in keys[:3] for n in block_names(k, 2)]
+    # a prompt whose first chunk's write failed: its second waits, then goes as it is
+    other = [bytes([i + 9]) * 16 for i in range(2)]
+    log.expect(
+        [ChunkSpan(i, i * CHUNK, (i + 1) * CHUNK, k) for i, k in enumerate(other)], None, tokens
+    )
+    report(Membership.ADDED, [other[1]])
+    assert to_vllm(log.drain()) == []  # waiting for other[0], which never lands
+    monkeypatch.setattr(events, "HOLD_S", 0.0)
+    (late,) = to_vllm(log.drain())
+    assert late.block_hashes == block_names(other[1], 2)

@@ -55,6 +55,12 @@ numbers again at 0; the router takes the drop as a new incarnation and forgets t
 blocks, so kvtier sends no "all cleared" of its own (in vLLM's batch it would follow, and wipe,
 the GPU blocks of the same step); a clear sends the removals of what it dropped instead.
 
+Order: the router ignores a store whose parent block it does not know, and a disk tier's
+writes land out of order (several writer threads). So a chunk whose parent was expected in
+the same store (:meth:`EventLog.expect`) and has not been added to that medium yet is held
+until the parent is added, then published after it; one still held after ``HOLD_S`` (its
+parent's write failed, or the tier had it already) is published as it is at the next drain.
+
 Events are plain tuples until the scheduler turns them into vLLM's types: the worker
 metadata is pickled between processes, and the log may be filled from tier threads.
 """
@@ -62,6 +68,7 @@ metadata is pickled between processes, and the log may be filled from tier threa
 from __future__ import annotations
 
 import threading
+import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -75,6 +82,7 @@ SHARED_POOL = "kvtier-redis"  # ``ownership`` of a block in the fleet-shared Red
 OWNERSHIP = {"REMOTE": SHARED_POOL}
 MAX_PENDING = 100_000  # events kept when nobody takes them (vLLM's events are off)
 KNOWN_CHUNKS = 4096  # chunks whose blocks are kept for their tiers' adds (oldest forgotten)
+HOLD_S = 1.0  # how long a chunk waits for its parent's add before it is published anyway
 
 # ("stored", hashes, parent hash or None, token ids, block size, medium)
 # ("removed", hashes, medium)
@@ -94,6 +102,7 @@ class ChunkBlocks:
     names: list[bytes]
     parent: bytes | None
     ids: array[int]
+    parent_chunk: ChunkKey | None = None  # the chunk before, when stored in the same call
 
 
 class EventLog:
@@ -109,6 +118,9 @@ class EventLog:
         self.per_chunk = chunk_size // self.block_size
         self._events: list[Event] = []
         self._known: OrderedDict[ChunkKey, ChunkBlocks] = OrderedDict()
+        self._added_in: dict[str, OrderedDict[ChunkKey, None]] = {}  # medium -> chunks added
+        # medium -> parent chunk -> children waiting for it, with when they began to wait
+        self._held: dict[str, dict[ChunkKey, list[tuple[ChunkKey, ChunkBlocks, float]]]] = {}
         self._lock = threading.Lock()
 
     def follow(self, tier: Tier, medium: str) -> None:
@@ -156,20 +168,56 @@ class EventLog:
     def removed(self, keys: Sequence[ChunkKey], medium: str) -> None:
         """Chunks ``keys`` left the tier of ``medium`` (all their blocks)."""
         names = [name for key in keys for name in block_names(key, self.per_chunk)]
-        if names:
-            self._add([("removed", names, medium)])
+        with self._lock:
+            added = self._added_in.get(medium)
+            if added is not None:
+                for key in keys:
+                    added.pop(key, None)
+            if names:
+                self._append([("removed", names, medium)])
 
     def drain(self) -> list[Event]:
         with self._lock:
+            self._release_stale(time.monotonic() - HOLD_S)
             events, self._events = self._events, []
         return events
 
     def _added(self, keys: Sequence[ChunkKey], medium: str) -> None:
+        now = time.monotonic()
         with self._lock:
+            added = self._added_in.setdefault(medium, OrderedDict())
+            held = self._held.setdefault(medium, {})
             for key in keys:
                 blocks = self._known.get(key)
-                if blocks is not None:
-                    self._add_stored(blocks, medium)
+                if blocks is None:
+                    continue
+                parent = blocks.parent_chunk
+                if parent is not None and parent not in added:
+                    held.setdefault(parent, []).append((key, blocks, now))
+                    continue
+                self._publish(key, blocks, medium)
+
+    def _publish(self, key: ChunkKey, blocks: ChunkBlocks, medium: str) -> None:
+        """Under the lock: a store of ``key`` in ``medium``, then of every chunk that waited
+        for it (in chain order)."""
+        added, held = self._added_in[medium], self._held[medium]
+        todo = [(key, blocks)]
+        while todo:
+            key, blocks = todo.pop()
+            self._add_stored(blocks, medium)
+            added[key] = None
+            added.move_to_end(key)
+            while len(added) > KNOWN_CHUNKS:
+                added.popitem(last=False)
+            todo.extend((k, b) for k, b, _ in reversed(held.pop(key, [])))
+
+    def _release_stale(self, before: float) -> None:
+        """Under the lock: publish chunks that waited since ``before`` for a parent."""
+        for medium, held in self._held.items():
+            stale = [p for p, waiting in held.items() if min(t for _, _, t in waiting) < before]
+            for parent in stale:
+                for key, blocks, _ in held.pop(parent, []):
+                    self._publish(key, blocks, medium)
 
     def _blocks(
         self, spans: Sequence[ChunkSpan], parent: ChunkKey | None, tokens: Sequence[int]
@@ -177,16 +225,17 @@ class EventLog:
         size, per_chunk = self.block_size, self.per_chunk
         before = block_names(parent, per_chunk)[-1] if parent is not None else None
         out: list[tuple[ChunkKey, ChunkBlocks]] = []
+        previous: ChunkKey | None = None  # a parent stored in this call: waited for
         for span in spans:
             whole = (span.end - span.start) // size
             if not whole:
                 break
             names = block_names(span.key, whole)
             ids = array("q", tokens[span.start : span.start + whole * size])
-            out.append((span.key, ChunkBlocks(names, before, ids)))
+            out.append((span.key, ChunkBlocks(names, before, ids, previous)))
             if whole < per_chunk:
                 break  # a partial chunk ends the prompt: its whole blocks only
-            before = names[-1]
+            before, previous = names[-1], span.key
         return out
 
     def _add_stored(self, blocks: ChunkBlocks, medium: str) -> None:
@@ -200,10 +249,6 @@ class EventLog:
                 return
         names, ids = list(blocks.names), list(blocks.ids)
         self._append([("stored", names, blocks.parent, ids, self.block_size, medium)])
-
-    def _add(self, batch: list[Event]) -> None:
-        with self._lock:
-            self._append(batch)
 
     def _append(self, batch: list[Event]) -> None:
         self._events.extend(batch)
