@@ -59,7 +59,8 @@ Order: the router ignores a store whose parent block it does not know, and a dis
 writes land out of order (several writer threads). So a chunk whose parent was expected in
 the same store (:meth:`EventLog.expect`) and has not been added to that medium yet is held
 until the parent is added, then published after it; one still held after ``HOLD_S`` (its
-parent's write failed, or the tier had it already) is published as it is at the next drain.
+parent's write failed, or the tier had it already) is published as it is at the next drain
+or add.
 
 Events are plain tuples until the scheduler turns them into vLLM's types: the worker
 metadata is pickled between processes, and the log may be filled from tier threads.
@@ -185,6 +186,9 @@ class EventLog:
     def _added(self, keys: Sequence[ChunkKey], medium: str) -> None:
         now = time.monotonic()
         with self._lock:
+            # Also here, not only at drain: with vLLM's events off nobody drains, and a
+            # parent that never lands must not keep its children forever.
+            self._release_stale(now - HOLD_S)
             added = self._added_in.setdefault(medium, OrderedDict())
             held = self._held.setdefault(medium, {})
             for key in keys:
