@@ -15,6 +15,21 @@ Both follow the same rules, written once here:
                 peer's): a server refuses clients of another uid; a client refuses a server
                 of another uid before it reads anything from it.
 
+Where the directory is by default (:func:`default_directory`), and what happens when another
+user took its name first (:func:`claim_directory`, :func:`locate`)::
+
+    $XDG_RUNTIME_DIR set, ours   $XDG_RUNTIME_DIR/<name>   (per user, 0700, made by systemd:
+                                                             nobody else can squat in it)
+    otherwise                    $TMPDIR/<name>-<uid>
+    that name is someone else's  our own 0700 $TMPDIR/<name>-<uid>.XXXXXXXX beside it (reused
+                                 when one is there, else made by ``mkdtemp``, which nobody can
+                                 pre-empt); the other end finds it by looking for the socket's
+                                 name in our own private directories of that pattern
+
+A squatter can so delay nothing: it costs one warning. Where there is no way on (an explicit
+path refused, or no directory can be made at all) the error names the directory, its owner and
+the setting that moves it.
+
 What this does not stop: root, and any process of the same uid (it can read our memory
 anyway). See docs/security.md.
 """
@@ -22,14 +37,21 @@ anyway). See docs/security.md.
 from __future__ import annotations
 
 import contextlib
+import glob
+import logging
 import os
+import pwd
 import socket
 import stat
 import struct
+import tempfile
 
 from kvtier.errors import AuthError, StateError, TransferError, TransferTimeout
 
+log = logging.getLogger(__name__)
+
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+MOVE_DEFAULT = "set XDG_RUNTIME_DIR (or TMPDIR) to a directory you own to move it"
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -80,9 +102,9 @@ def private_directory(
     owners = (me, 0) if root_owned_ok else (me,)
     if info.st_uid not in owners:
         raise StateError(
-            f"socket directory {path} is owned by uid {info.st_uid}, not by this user "
-            f"(uid {me}); another user may have created it to pose as kvtier: remove it or "
-            f"choose a directory you own"
+            f"socket directory {path} is owned by {owner_name(info.st_uid)}, not by this user "
+            f"({owner_name(me)}); another user may have created it to pose as kvtier: remove "
+            f"it or choose a directory you own"
         )
     if info.st_mode & (0o077 if closed else 0o022):
         raise StateError(
@@ -90,6 +112,100 @@ def private_directory(
             f"reach or write to it (and bind our socket's name first); use a directory only "
             f"you can use (chmod 700 {path})"
         )
+
+
+def owner_name(uid: int) -> str:
+    """``uid 1000 (alice)``, or ``uid 1000`` when the user database does not know it."""
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def default_directory(name: str) -> str:
+    """``$XDG_RUNTIME_DIR/<name>`` when that is a directory of this user, else
+    ``$TMPDIR/<name>-<uid>``. Both ends compute the same path from the same environment."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and _is_ours(runtime):
+        return os.path.join(runtime, name)
+    return os.path.join(tempfile.gettempdir(), f"{name}-{os.geteuid()}")
+
+
+def claim_directory(default: str) -> str:
+    """The directory a listener uses when no one chose one: ``default`` when it is (or can be
+    made) private to this user; when someone else holds that name, our own private directory
+    beside it (reused, else made by ``mkdtemp``), with one warning. :class:`StateError` naming
+    the directory, its owner and the setting that moves it when there is no way on."""
+    try:
+        private_directory(default, closed=True)
+        return default
+    except StateError as exc:
+        refused = str(exc)
+    for own in fallbacks(default):
+        log.warning("%s; using kvtier's own %s instead", refused, own)
+        return own
+    parent = os.path.dirname(default.rstrip("/")) or "/"
+    try:
+        made = tempfile.mkdtemp(prefix=os.path.basename(default) + ".", dir=parent)
+    except OSError as exc:
+        raise StateError(
+            f"{refused}; and no private directory can be made beside it in {parent} "
+            f"({_owner_of(parent)}): {exc}; {MOVE_DEFAULT}"
+        ) from None
+    log.warning("%s; using kvtier's own %s instead", refused, made)
+    return made
+
+
+def fallbacks(default: str) -> list[str]:
+    """Our own private directories made beside ``default`` when its name was taken, oldest
+    first. Directories of that pattern that are not ours, or not private, are ignored."""
+    found = []
+    for path in glob.glob(glob.escape(default) + ".*"):
+        with contextlib.suppress(OSError):
+            info = os.lstat(path)
+            if (
+                stat.S_ISDIR(info.st_mode)
+                and info.st_uid == os.geteuid()
+                and not info.st_mode & 0o077
+            ):
+                found.append((info.st_mtime, path))
+    return [path for _, path in sorted(found)]
+
+
+def locate(default: str, name: str) -> str:
+    """Where a listener of this user that defaulted to ``default`` put socket ``name``: in
+    ``default`` when a socket is there, else in the first of our :func:`fallbacks` holding
+    one, else in ``default`` (where a listener not up yet will most likely appear)."""
+    candidates = [default, *fallbacks(default)]
+    for directory in candidates:
+        path = os.path.join(directory, name)
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(os.lstat(path).st_mode) and _private(directory):
+                return path
+    return os.path.join(default, name)
+
+
+def _private(directory: str) -> bool:
+    try:
+        private_directory(directory, create=False, closed=True)
+    except StateError:
+        return False
+    return True
+
+
+def _is_ours(path: str) -> bool:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid()
+
+
+def _owner_of(path: str) -> str:
+    try:
+        return "owned by " + owner_name(os.stat(path).st_uid)
+    except OSError as exc:
+        return f"unreadable: {exc.strerror}"
 
 
 def bind(path: str, backlog: int = 128) -> socket.socket:

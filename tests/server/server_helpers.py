@@ -28,6 +28,8 @@ from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 CHUNK_BYTES = SMALL_LAYOUT.chunk_bytes(SMALL_CHUNK)
+NOBODY = 65534  # another local user
+SQUATS = ["nobody-0700", "nobody-0777", "ours-0777", "file", "symlink"]
 
 
 class ServerProcess:
@@ -168,3 +170,23 @@ IDLE = {"open_requests": 0, "pinned_pages": 0, "pages_used_minus_cached": 0, "pr
 
 def zeros_like_kv(num_tokens: int) -> torch.Tensor:
     return torch.zeros(SMALL_LAYOUT.kv_shape(num_tokens), dtype=SMALL_LAYOUT.dtype)
+
+
+def squat(path: str, how: str) -> None:
+    """Take ``path`` first, as another local user can in a shared $TMPDIR."""
+    if how == "file":
+        with open(path, "w") as f:
+            f.write("mine")
+        os.chown(path, NOBODY, -1)
+    elif how == "symlink":  # to a directory the squatter owns
+        target = path + "-target"
+        os.mkdir(target, 0o700)
+        os.chown(target, NOBODY, -1)
+        os.symlink(target, path)
+    else:
+        mode, owner = {"nobody-0700": (0o700, NOBODY), "nobody-0777": (0o777, NOBODY)}.get(
+            how, (0o777, os.geteuid())
+        )
+        os.mkdir(path)
+        os.chmod(path, mode)
+        os.chown(path, owner, -1)

@@ -77,7 +77,7 @@ def test_listen_is_private_replaces_a_stale_file_and_refuses_a_live_one() -> Non
     os.makedirs(os.path.dirname(path))
     stale.bind(path)
     stale.close()  # the file stays, nobody listens: what a killed server leaves
-    live = endpoint.listen(path)
+    _, live = endpoint.listen(path)
     try:
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         accepted = threading.Thread(target=lambda: live.accept()[0].close())

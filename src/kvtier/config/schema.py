@@ -167,7 +167,8 @@ KEYS: tuple[KeySpec, ...] = (
         None,
         "kvtier server's Unix socket (path or unix:// URL); default "
         "$XDG_RUNTIME_DIR/kvtier.sock, else $TMPDIR/kvtier-<uid>/kvtier.sock (a 0700 "
-        "directory).",
+        "directory; when another user made it first, kvtier's own "
+        "$TMPDIR/kvtier-<uid>.XXXXXXXX beside it, where clients look too).",
         lmcache=False,
         verbatim=True,
     ),

@@ -44,7 +44,7 @@ from kvtier.keys import (
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.lifecycle import Lifecycle
 from kvtier.server import protocol as wire
-from kvtier.server.endpoint import socket_path
+from kvtier.server.endpoint import is_default, socket_path
 from kvtier.server.link import ServerLink
 from kvtier.validation import check_kv, check_out, check_request_id, check_skip
 
@@ -101,8 +101,9 @@ class ServerClient:
             groups=layout.describe_groups(),
         )
         path = socket_path(self.config, url)
+        locate = (lambda: socket_path(self.config)) if is_default(self.config, url) else None
         self._link = ServerLink(
-            path, hello, self.config.blocking_timeout_secs, max_backoff=max_backoff
+            path, hello, self.config.blocking_timeout_secs, max_backoff=max_backoff, locate=locate
         )
         self._lock = threading.Lock()
         # Requests this client looked up and has not ended: they hold a lease in the server.

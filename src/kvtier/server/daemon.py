@@ -59,6 +59,7 @@ class KVTierServer:
     def __init__(self, config: Config | None = None, socket_path: str | None = None) -> None:
         self.config = config if config is not None else Config.load()
         self.path = endpoint.socket_path(self.config, socket_path)
+        self._default_path = endpoint.is_default(self.config, socket_path)
         self.models = ModelTable(self.config)
         self.sessions = SessionTable(self.config.server_max_clients)
         self._listener: socket.socket | None = None
@@ -75,7 +76,7 @@ class KVTierServer:
                 return self
             if self._state is Lifecycle.CLOSED:
                 raise StateError("this KVTierServer is closed; create a new one")
-            self._listener = endpoint.listen(self.path)
+            self.path, self._listener = endpoint.listen(self.path, default=self._default_path)
             self._listener.settimeout(_ACCEPT_POLL_S)
             self._state = Lifecycle.OPEN
         log.info(

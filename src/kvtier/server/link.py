@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -44,8 +45,10 @@ class ServerLink:
         first_backoff: float = 0.05,
         max_backoff: float = 2.0,
         server_uid: int | None = None,
+        locate: Callable[[], str] | None = None,
     ) -> None:
         self.path = path
+        self._locate = locate  # a default path: the server may have moved aside at its start
         self.server_uid = os.geteuid() if server_uid is None else server_uid
         self.hello = hello
         self.timeout = timeout
@@ -116,6 +119,8 @@ class ServerLink:
 
     def _connect(self) -> None:
         # Trust nothing from a listener of another uid: it may have bound the path first.
+        if self._locate is not None:
+            self.path = self._locate()
         what = f"the kvtier server at {self.path}"
         sock = local_sockets.connect(self.path, self.timeout, self.server_uid, what)
         try:

@@ -4,6 +4,7 @@ Whatever happens, the scheduler gets a miss in bounded time, never an exception.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -15,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,6 +28,7 @@ from kvtier.integrations.vllm.rpc import LookupClient, LookupServer
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from tests.integrations.vllm.rpc_peers import MemoryHandler, connect_as, impostor, serve_worker
 from tests.server.conftest import SPAWN
+from tests.server.server_helpers import SQUATS, squat
 
 NOBODY = 65534
 TOKENS = list(range(100))
@@ -152,6 +155,79 @@ def test_a_directory_of_another_user_or_writable_by_others_is_refused(
     assert os.stat(private).st_mode & 0o777 == 0o700
     assert os.stat(server.path).st_mode & 0o777 == 0o600
     server.close()
+
+
+@pytest.fixture
+def default_tmp(directory: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """$TMPDIR for the channel's default directory, without $XDG_RUNTIME_DIR."""
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", directory)
+    return directory
+
+
+@pytest.mark.parametrize("how", SQUATS)
+def test_a_squatted_default_directory_is_stepped_around_by_both_ends(
+    default_tmp: str, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another user made $TMPDIR/kvtier-vllm-<uid> first: the worker listens in kvtier's own
+    private directory beside it, the scheduler (asking first, as it does while the worker
+    registers its caches) finds it there, and the squatter's entry is left alone."""
+    squatted = os.path.join(default_tmp, f"kvtier-vllm-{os.geteuid()}")
+    squat(squatted, how)
+    before = os.lstat(squatted)
+    engine_id = f"rpc-{uuid.uuid4().hex}"
+    client = LookupClient(engine_id, timeout=10.0)
+    handler = MemoryHandler()
+    opened: list[LookupServer] = []
+    late = threading.Timer(0.3, lambda: opened.append(LookupServer(engine_id, 0, handler).open()))
+    late.start()
+    try:
+        assert client.lookup("r", TOKENS) == (handler.hit, handler.cpu)
+        late.join()
+        (server,) = opened
+        moved = str(server.path.parent)
+        assert moved.startswith(squatted + ".") and client.path == server.path
+        info = os.stat(moved)
+        assert (info.st_uid, info.st_mode & 0o777) == (os.geteuid(), 0o700)
+        assert squatted in caplog.text and moved in caplog.text
+        assert ask(scheduler_for(LookupClient(engine_id)), "r2")[0] == handler.hit
+    finally:
+        late.join()
+        for server in opened:
+            server.close()
+    after = os.lstat(squatted)
+    assert (after.st_uid, after.st_mode, after.st_ino) == (
+        before.st_uid,
+        before.st_mode,
+        before.st_ino,
+    )
+
+
+def test_the_channel_prefers_xdg_runtime_dir(
+    default_tmp: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = os.path.join(default_tmp, "run-user")
+    os.mkdir(runtime, 0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", runtime)
+    engine_id = f"rpc-{uuid.uuid4().hex}"
+    with contextlib.closing(LookupServer(engine_id, 0, MemoryHandler()).open()) as server:
+        assert server.path.parent == Path(runtime) / "kvtier-vllm"
+        assert LookupClient(engine_id).stats() is not None
+    os.chown(runtime, NOBODY, -1)  # not ours: not trusted as the runtime directory
+    assert rpc.socket_path(engine_id).parent == Path(default_tmp) / f"kvtier-vllm-{os.geteuid()}"
+
+
+def test_with_no_directory_to_be_had_the_error_names_it_its_owner_and_the_setting(
+    default_tmp: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = os.path.join(default_tmp, "a-file")
+    with open(blocker, "w") as f:
+        f.write("x")
+    monkeypatch.setattr(tempfile, "tempdir", blocker)
+    with pytest.raises(StateError) as refused:
+        LookupServer(f"rpc-{uuid.uuid4().hex}", 0, MemoryHandler()).open()
+    for part in (os.path.join(blocker, f"kvtier-vllm-{os.geteuid()}"), "owned by", "TMPDIR"):
+        assert part in str(refused.value)
 
 
 def test_a_worker_of_another_uid_is_never_trusted(directory: str) -> None:

@@ -47,7 +47,6 @@ import logging
 import math
 import os
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -183,12 +182,20 @@ class LookupHandler(Protocol):
     def clear(self) -> dict[str, int]: ...
 
 
+CHANNEL_DIRECTORY = "kvtier-vllm"
+
+
 def socket_path(engine_id: str, rank: int = 0, directory: str | None = None) -> Path:
     """Where the worker of tensor-parallel ``rank`` of vLLM instance ``engine_id`` listens:
-    ``<directory or $TMPDIR/kvtier-vllm-<uid>>/<sha256(engine_id)[:16]>-r<rank>.sock``."""
+    ``<directory>/<sha256(engine_id)[:16]>-r<rank>.sock``. Without ``directory``: in
+    ``$XDG_RUNTIME_DIR/kvtier-vllm``, else ``$TMPDIR/kvtier-vllm-<uid>``, or in kvtier's own
+    private directory beside it when another user took that name (see
+    :mod:`kvtier.local_sockets`): where such a worker listens now, if it does."""
     digest = hashlib.sha256(engine_id.encode()).hexdigest()[:16]
-    root = directory or os.path.join(tempfile.gettempdir(), f"kvtier-vllm-{os.geteuid()}")
-    return Path(root) / f"{digest}-r{rank}.sock"
+    name = f"{digest}-r{rank}.sock"
+    if directory is not None:
+        return Path(directory) / name
+    return Path(local_sockets.locate(local_sockets.default_directory(CHANNEL_DIRECTORY), name))
 
 
 # -- the worker's end -----------------------------------------------------------------------
@@ -200,6 +207,7 @@ class LookupServer:
     ) -> None:
         self.engine_id = engine_id
         self.path = socket_path(engine_id, rank, directory)
+        self._chosen = directory is not None
         self._handler = handler
         self._listener: socket.socket | None = None
         self._closed = threading.Event()
@@ -211,7 +219,11 @@ class LookupServer:
     def open(self) -> LookupServer:
         """Listen. :class:`StateError` when the directory is not private to this user, or
         the path holds something that is not a stale socket of ours."""
-        local_sockets.private_directory(str(self.path.parent), closed=True)
+        if self._chosen:
+            local_sockets.private_directory(str(self.path.parent), closed=True)
+        else:  # a directory another user took first is stepped around, not fatal
+            default = local_sockets.default_directory(CHANNEL_DIRECTORY)
+            self.path = Path(local_sockets.claim_directory(default)) / self.path.name
         self._listener = local_sockets.bind(str(self.path), backlog=64)
         self._listener.settimeout(0.2)  # how soon the accept loop notices close()
         threading.Thread(target=self._accept, name="kvtier-lookup-accept", daemon=True).start()
@@ -359,7 +371,9 @@ class LookupClient:
         peer_uid: int | None = None,
     ) -> None:
         self.engine_id = engine_id
+        self.rank = rank
         self.path = socket_path(engine_id, rank, directory)
+        self._chosen = directory is not None
         self.timeout = timeout
         self.peer_uid = os.geteuid() if peer_uid is None else peer_uid
         self._sock: socket.socket | None = None
@@ -461,23 +475,26 @@ class LookupClient:
     def _connect(self, deadline: float) -> None:
         # The worker opens its socket once vLLM registers the KV caches, which can be after
         # the scheduler starts asking: retry "nobody there" until the deadline.
-        what = f"the kvtier worker at {self.path}"
         while self._sock is None:
-            left = deadline - time.monotonic()
+            if not self._chosen:  # the worker may have stepped around a squatted directory
+                self.path = socket_path(self.engine_id, self.rank)
+            what = f"the kvtier worker at {self.path}"
             try:
                 if os.path.lexists(self.path.parent):
                     local_sockets.private_directory(
                         str(self.path.parent), create=False, closed=True
                     )
+                left = deadline - time.monotonic()
                 sock = local_sockets.connect(str(self.path), max(left, 0.001), self.peer_uid, what)
             except StateError as exc:  # the directory is not private: trust nothing in it
-                raise TransferError(str(exc)) from None
+                if self._chosen:
+                    raise TransferError(str(exc)) from None
+                self._wait_for_worker(deadline, str(exc))  # ours is not up beside it yet
+                continue
             except TransferError as exc:
                 if not isinstance(exc.__cause__, FileNotFoundError | ConnectionRefusedError):
                     raise
-                if time.monotonic() >= deadline:
-                    raise TransferTimeout(f"no kvtier worker listening at {self.path}") from None
-                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+                self._wait_for_worker(deadline, f"no kvtier worker listening at {self.path}")
                 continue
             reader = FrameReader(sock)
             try:
@@ -492,6 +509,11 @@ class LookupClient:
                 sock.close()
                 raise
             self._sock, self._reader = sock, reader
+
+    def _wait_for_worker(self, deadline: float, why: str) -> None:
+        if time.monotonic() >= deadline:
+            raise TransferTimeout(why)
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def _drop(self) -> None:
         if self._sock is not None:
