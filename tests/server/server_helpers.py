@@ -190,3 +190,8 @@ def squat(path: str, how: str) -> None:
         os.mkdir(path)
         os.chmod(path, mode)
         os.chown(path, owner, -1)
+
+
+def identity(info: os.stat_result) -> tuple[int, int, int]:
+    """What a squatter's entry is: owner, mode and inode (replaced or chmod-ed shows)."""
+    return info.st_uid, info.st_mode, info.st_ino
