@@ -129,7 +129,6 @@ LMCACHE_KEYS: tuple[LMCacheKey, ...] = (
     LMCacheKey("pd_backend_mode", "ignored", "kvtier has one PD mode"),
     LMCacheKey("pin_timeout_sec", "ignored", "pins end with the request (leases), never by time"),
     LMCacheKey("pin_check_interval_sec", "ignored", "as pin_timeout_sec"),
-    LMCacheKey("save_decode_cache", "refused", "when true: kvtier saves prompt chunks only"),
     LMCacheKey(
         "enable_blending",
         "refused",

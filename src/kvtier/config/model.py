@@ -34,6 +34,7 @@ class Config:
     max_local_disk_size: int = 0
     remote_url: str | None = None
     save_unfull_chunk: bool = False
+    save_decode_cache: bool = False
     pre_caching_hash_algorithm: str = "xxh3_128"
     cache_policy: str = "REUSE"
     use_only_staging_buffer: bool = False

@@ -53,6 +53,13 @@ KEYS: tuple[KeySpec, ...] = (
     ),
     KeySpec("save_unfull_chunk", p.boolean, False, "Also store the last partial chunk."),
     KeySpec(
+        "save_decode_cache",
+        p.boolean,
+        False,
+        "vLLM: when a request ends, also store the whole chunks of its generated tokens (a "
+        "chat's next turn sends the answer back in its prompt).",
+    ),
+    KeySpec(
         "pre_caching_hash_algorithm",
         p.choice(HASH_ALGORITHMS),
         "xxh3_128",

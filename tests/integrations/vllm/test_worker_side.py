@@ -24,6 +24,7 @@ from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
+from kvtier.keys import ExtraKeys
 from kvtier.service import Service
 
 LAYERS, HEADS, DIM, BLOCK, BLOCKS, CHUNK = 2, 2, 8, 16, 64, 32
@@ -621,3 +622,112 @@ def test_a_misspelt_key_in_vllms_extra_config_is_refused_naming_where_it_came_fr
 
     with pytest.raises(ConfigError, match=r"kv_connector_extra_config.*max_local_cpu_size"):
         load_config({"kvtier.max_local_cpu_sise": "2GiB"})
+
+
+def step_of_new(rid: str, tokens: list[int], blocks: list[int], scheduled: int) -> SimpleNamespace:
+    """vLLM's SchedulerOutput for one new request prefilling ``scheduled`` tokens."""
+    return SimpleNamespace(
+        preempted_req_ids=set(),
+        scheduled_new_reqs=[
+            SimpleNamespace(
+                req_id=rid, prompt_token_ids=tokens, block_ids=(blocks,), num_computed_tokens=0
+            )
+        ],
+        num_scheduled_tokens={rid: scheduled},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+    )
+
+
+IDLE_STEP = SimpleNamespace(
+    preempted_req_ids=set(),
+    scheduled_new_reqs=[],
+    scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+)
+
+
+@pytest.mark.parametrize("save_decode", [True, False])
+def test_an_ended_requests_answer_is_saved_before_vllm_frees_its_blocks(
+    worker: WorkerSide, save_decode: bool
+) -> None:
+    """A chat's next turn sends the answer back: with save_decode, the whole chunks of
+    prompt + output past the prompt's own are saved in the step after the request ends,
+    vLLM keeps the blocks until the worker reports that step (finished_sending), and the
+    next turn's prompt hits them. The last sampled token has no KV: never in a chunk."""
+    assert worker.engine is not None and worker.paged is not None
+    prompt, answer = list(range(5000, 5040)), list(range(7000, 7039))  # 40 + 39 tokens
+    scheduler = SchedulerSide(
+        [LookupClient(worker.engine_id)],
+        block_size=BLOCK,
+        chunk_size=CHUNK,
+        loads=True,
+        saves=True,
+        save_decode=save_decode,
+    )
+    request = SimpleNamespace(request_id="t1", prompt_token_ids=prompt, kv_transfer_params=None)
+    assert scheduler.num_new_matched_tokens(request, 0) == (0, False)
+    blocks = [40, 41, 42, 43, 44]
+    fill(worker, blocks, seed=17)
+    scheduler.after_alloc(request, blocks, 0)
+    meta = scheduler.build_meta(step_of_new("t1", prompt, blocks, len(prompt)))
+    assert [(s.start, s.end) for s in meta.saves] == [(0, CHUNK)] and meta.finishing == []
+    worker.save(meta)
+    # decoded 39 tokens: 40 + 39 = 79 tokens, 78 of them with KV (the last was just sampled)
+    ended = SimpleNamespace(
+        request_id="t1",
+        output_token_ids=answer,
+        num_computed_tokens=len(prompt) + len(answer) - 1,
+        num_in_flight_tokens=0,
+    )
+    assert scheduler.save_output(ended, (blocks,)) is save_decode
+    scheduler.finished("t1")
+    meta = scheduler.build_meta(IDLE_STEP)
+    worker.save(meta)
+    conversation = prompt + answer
+    if not save_decode:
+        assert meta.saves == [] and meta.finishing == [] and worker.finished_saves() == set()
+        assert worker.engine.lookup(conversation + [1], "t2") == CHUNK
+        return
+    assert [(s.start, s.end, len(s.tokens)) for s in meta.saves] == [(CHUNK, 2 * CHUNK, 64)]
+    assert meta.finishing == ["t1"]
+    assert worker.finished_saves() == {"t1"} and worker.finished_saves() == set()  # once
+    # the next turn (prompt, answer, a new question) finds both chunks
+    assert worker.engine.lookup(conversation + [1, 2, 3], "t2") == 2 * CHUNK
+    stored = torch.zeros(worker.engine.layout.kv_shape(2 * CHUNK))
+    assert worker.engine.retrieve_into(conversation[: 2 * CHUNK], "t2", stored) == 2 * CHUNK
+    worker.engine.end_request("t2")
+    gathered = torch.zeros_like(stored)
+    worker.paged.gather(blocks, 0, 2 * CHUNK, gathered)
+    assert torch.equal(stored, gathered)
+    assert scheduler.build_meta(IDLE_STEP).saves == []  # queued once
+    assert worker.engine.leaks() == [] and worker.engine.check_invariants() == []
+    scheduler.close()
+
+
+def test_no_answer_is_saved_where_its_keys_or_blocks_cannot_be_trusted(worker: WorkerSide) -> None:
+    """A PD prefiller, a state model, a request kvtier does not cache, and one whose
+    images key its prompt's chunks: nothing queued, vLLM frees at once."""
+    prompt = list(range(40))
+    ended = SimpleNamespace(
+        request_id="x", output_token_ids=list(range(60)), num_computed_tokens=99
+    )
+    client = [LookupClient(worker.engine_id)]
+    for kind in ("pd", "state", "uncached", "image"):
+        scheduler = SchedulerSide(
+            client,
+            block_size=BLOCK,
+            chunk_size=CHUNK,
+            loads=True,
+            saves=True,
+            save_decode=True,
+            pd_sender="p" if kind == "pd" else None,
+            state_chunks=kind == "state",
+        )
+        request = SimpleNamespace(request_id="x", prompt_token_ids=prompt, kv_transfer_params=None)
+        state = scheduler._state_of(request)
+        if kind == "uncached":
+            state.uncached = "an extra key kvtier does not know"
+        if kind == "image":
+            state.salt = ExtraKeys(items=((0, 8, b"\x01" * 16),))
+        assert scheduler.save_output(ended, ([1, 2, 3, 4, 5, 6, 7],)) is False, kind
+        assert scheduler.build_meta(IDLE_STEP).finishing == []
+        scheduler.close()

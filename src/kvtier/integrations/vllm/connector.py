@@ -191,6 +191,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 all_async=len(groups.groups) > 1,
                 pd_sender=engine_id if saves and pd_sender(self.config) else None,
                 state_chunks=bool(groups.state),
+                save_decode=self.config.save_decode_cache,
             )
             log.info(
                 "kvtier scheduler: %s, chunk %d tokens, vLLM block %d, %d worker(s), per-request "
@@ -238,9 +239,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(no async saves, the requests whose async load from disk/Redis is done)."""
-        done = self._worker_side().finished_loads()
-        return None, done or None
+        """(ended requests whose decode saves are copied, the requests whose async load from
+        disk/Redis is done)."""
+        worker = self._worker_side()
+        sent, done = worker.finished_saves(), worker.finished_loads()
+        return sent or None, done or None
 
     def save_kv_layer(
         self,
@@ -263,7 +266,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         worker = self._worker_side()
         done = worker.finished_loads()
         failed = worker.failed_requests(done)
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=worker.finished_saves(), finished_recving=done, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().failed_blocks()
@@ -341,15 +346,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         """(free the blocks now: saves are done, the PD prefiller's answer for the decode
         request or None)."""
-        params = self._scheduler_side().finished(request.request_id, request.kv_transfer_params)
-        return False, params
+        return self._finished(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's one end-of-request call with the hybrid manager on (every group's blocks):
         the lease ends once, exactly as in :meth:`request_finished`."""
-        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+        return self._finished(request, block_ids)
 
     def reset_cache(self) -> bool | None:
         """vLLM's reset of the external prefix cache (``reset_prefix_cache(reset_connector=
@@ -359,6 +363,15 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler_side().reset()
 
     # -- helpers ---------------------------------------------------------------------------
+    def _finished(
+        self, request: Request, tables: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._off:
+            return False, None
+        side = self._scheduler_side()
+        delay = side.save_output(request, tables)  # reads the request's state: first
+        return delay, side.finished(request.request_id, request.kv_transfer_params)
+
     def _meta(self) -> KVTierMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)

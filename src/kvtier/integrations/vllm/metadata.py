@@ -9,7 +9,8 @@ vLLM's first KV cache group (a position ``p`` lives in ``block_ids[p // block_si
                async_load: some of it is on disk or in Redis, so it loads in the
                background while the request waits (vLLM's asynchronous external load).
     SaveSpec   tokens [start, end) go from the blocks into kvtier: whole chunks of the
-               prompt that this step finished computing and kvtier does not hold.
+               prompt that this step finished computing and kvtier does not hold; or, for
+               a request that ended (``finishing``), whole chunks of prompt + output.
 
 Both carry the prompt's tokens (a load: the whole prompt, which is what the lookup hashed, so
 the worker reuses the pinned plan; a save: the prompt up to ``end``) and the request's salt:
@@ -75,6 +76,9 @@ class SaveSpec:
 class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # Ended requests whose blocks vLLM keeps until this step's saves are copied: each worker
+    # reports them as finished_sending after its saves of the step, stored or not.
+    finishing: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -48,6 +48,17 @@ state there is in vLLM's block then, and only then: a later step moves on)::
     steps   |--256--|--256--|--188-|        max_num_batched_tokens = chunk_size
     saves       c0      c1               each with its own end state
 
+The answer a request generated (``save_decode_cache``): a chat's next turn sends it back as
+part of its prompt, so when a request ends, the whole chunks of prompt + output that hold KV
+and are not stored yet are saved too. vLLM keeps the request's blocks until the workers say
+the copy is done (``request_finished`` answers "delay the free"; the next step's metadata
+carries the save and names the request in ``finishing``; each worker reports it in
+``finished_sending`` once that step's saves are copied, whether or not it stored them)::
+
+    prompt + output  |====c0====|====c1====|==c2 (output)==|--partial--|x   x: sampled, no KV
+    saved at prefill  c0, c1                                              (prompt's whole chunks)
+    saved at the end                       c2                             then the blocks go
+
 Ending a request: :meth:`finished` sends ``end`` to every worker at once, so a request
 aborted while the engine is idle releases its pins now, not at the next step. A preempted
 request keeps its lease (the pinned chunks are exactly what it reloads when it resumes) and
@@ -72,7 +83,7 @@ from kvtier.integrations.vllm.metadata import (
     SaveSpec,
 )
 from kvtier.integrations.vllm.rpc import LookupClient
-from kvtier.keys import RequestSalt
+from kvtier.keys import ExtraKeys, RequestSalt
 from kvtier.repeated_log import RepeatedLog
 
 log = logging.getLogger(__name__)
@@ -112,12 +123,14 @@ class SchedulerSide:
         all_async: bool = False,
         pd_sender: str | None = None,
         state_chunks: bool = False,
+        save_decode: bool = False,
     ) -> None:
         """``all_async``: every load in the background, also from the CPU tier (a model with
         several KV-cache groups: vLLM takes load failures only per request, from async
         loads). ``pd_sender``: a PD prefiller's engine id (its transfer ids start with it);
         None on a decoder or without PD. ``state_chunks``: the model has a state group (hits
-        and saves in whole chunks that end where a prefill step ended)."""
+        and saves in whole chunks that end where a prefill step ended). ``save_decode``: store
+        the generated tokens' whole chunks when a request ends (see the module docstring)."""
         self.clients = clients
         self.block_size = block_size
         self.chunk_size = chunk_size
@@ -127,6 +140,8 @@ class SchedulerSide:
         self.all_async = all_async
         self.pd_sender = pd_sender
         self.state_chunks = state_chunks
+        self.save_decode = save_decode and saves and not state_chunks and pd_sender is None
+        self._finishing: list[SaveSpec] = []  # decode saves of ended requests, next step
         # Hits are usable in whole blocks, or in whole chunks where a state must be restored.
         self._unit = chunk_size if state_chunks else block_size
         self._requests: dict[str, _Request] = {}
@@ -192,8 +207,9 @@ class SchedulerSide:
 
     def build_meta(self, out: Any) -> KVTierMetadata:
         """Loads and saves for the step vLLM just scheduled (``out``: SchedulerOutput)."""
-        meta = KVTierMetadata(loads=self._async_loads)
-        self._async_loads = []
+        meta = KVTierMetadata(loads=self._async_loads, saves=self._finishing)
+        meta.finishing = [spec.request_id for spec in self._finishing]
+        self._async_loads, self._finishing = [], []
         for rid in out.preempted_req_ids or ():
             state = self._requests.get(rid)
             if state is not None:  # its blocks are gone; new ones come when it resumes
@@ -260,6 +276,31 @@ class SchedulerSide:
         if state is None or state.transfer_id is None or self.pd_sender is None:
             return None
         return {DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, TRANSFER_ID: state.transfer_id}
+
+    def save_output(self, request: Any, tables: Any) -> bool:
+        """Before :meth:`finished`: queue the ending request's unsaved whole chunks of
+        prompt + output for the next step (``tables``: every KV-cache group's blocks of its
+        computed tokens). True if one was queued: vLLM must then keep the blocks until the
+        workers report the save done (see the module docstring)."""
+        rid = request.request_id
+        state = self._requests.get(rid)
+        if not self.save_decode or state is None or not tables or state.uncached is not None:
+            return False
+        if isinstance(state.salt, ExtraKeys) and state.salt.items:
+            return False  # content-keyed ranges (images, embeddings) cover the prompt only
+        tokens = state.tokens + list(getattr(request, "output_token_ids", ()) or ())
+        # Tokens whose KV is in the blocks: the last sampled token (and any in flight) has none.
+        in_flight = int(getattr(request, "num_in_flight_tokens", 0))
+        computed = int(request.num_computed_tokens) - in_flight
+        end = min(computed, len(tokens)) // self.chunk_size * self.chunk_size
+        if end <= max(state.saved, len(state.tokens) // self.chunk_size * self.chunk_size):
+            return False  # nothing past the prompt's own chunks
+        groups = tuple(list(t) for t in tables) if len(tables) > 1 else ()
+        blocks = list(tables[0])
+        self._finishing.append(
+            SaveSpec(rid, tokens[:end], blocks, state.saved, end, None, state.salt, groups)
+        )
+        return True
 
     def _transfer_id(self, params: Any) -> str | None:
         """PD: the transfer a request belongs to, from its ``kv_transfer_params``. A prefiller

@@ -104,6 +104,7 @@ class WorkerSide:
         self._server: LookupServer | None = None
         self._loads: Loads | None = None
         self._scratch: torch.Tensor | None = None
+        self._finished_saves: set[str] = set()  # see finished_saves
         # Only rank 0 reports events: every rank stores the same chunks (its own slice).
         self.events = EventLog(block_size, config.chunk_size) if events and tp_rank == 0 else None
         self._media: list[str] = []
@@ -195,6 +196,9 @@ class WorkerSide:
                 loads.run(spec, self._scratch_for(len(spec.tokens)))
 
     def save(self, meta: KVTierMetadata) -> None:
+        # Reported after this step's saves whatever becomes of them: vLLM holds the blocks
+        # of an ended request until then, and nothing may hold them longer.
+        self._finished_saves.update(meta.finishing)
         if not meta.saves or self.off:
             return
         engine, paged = self._parts()
@@ -236,7 +240,8 @@ class WorkerSide:
                 cache_salt=spec.cache_salt,
                 keys=keys,
             )
-            if self.engine is not None:  # in-process: its end_request writes the request's line
+            ended = spec.request_id in meta.finishing  # its line is written: add no entry
+            if self.engine is not None and not ended:  # in-process: end_request writes it
                 chunk = engine.config.chunk_size
                 REQUESTS.stored(spec.request_id, stored * chunk, len(spec.tokens))
             if spec.transfer_id is not None and self._pd is not None:
@@ -267,6 +272,11 @@ class WorkerSide:
     def failed_requests(self, done: set[str]) -> set[str]:
         """Of the finished loads ``done``, those that failed (several KV-cache groups)."""
         return self._loads.failed_requests(done) if self._loads is not None else set()
+
+    def finished_saves(self) -> set[str]:
+        """Ended requests whose decode saves are copied (vLLM's finished_sending)."""
+        done, self._finished_saves = self._finished_saves, set()
+        return done
 
     def finished_loads(self) -> set[str]:
         """Requests whose async load is done (vLLM's finished_recving)."""
