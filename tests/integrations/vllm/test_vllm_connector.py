@@ -73,6 +73,22 @@ def start_fresh(model_dir: Path, disk: Path, redis_url: str) -> VllmInstance:
     return VllmInstance(model_dir, engine_id=unique_engine_id("kvtier-test-fresh"), extra=extra)
 
 
+def start_small(model_dir: Path) -> VllmInstance:
+    """A KV cache of 17 blocks, 512-token steps; answers saved too (save_decode_cache), so
+    the lifecycle's aborts and preemptions also cross the delayed free of ended requests."""
+    return VllmInstance(
+        model_dir,
+        engine_id=unique_engine_id("kvtier-test-small"),
+        extra={"max_local_cpu_size": "48MiB", "save_decode_cache": True},
+        transfer={"kv_connector_module_path": None},
+        kv_cache_bytes=17 * BLOCK * 4096,  # 4 KiB of KV per token; vLLM keeps one block back
+        max_num_batched_tokens=512,
+        max_num_seqs=12,
+        max_model_len=2048,
+        disable_log_stats=False,
+    )
+
+
 def delta(after: dict[str, Any], before: dict[str, Any], key: str) -> int:
     return int(after[key]) - int(before[key])
 
@@ -253,20 +269,7 @@ def test_lifecycle_aborts_preemption_chunked_prefill(
     """200 requests through vLLM's engine loop with random aborts, a KV cache of 17 blocks
     (preemption) and max_num_batched_tokens below the longest prompt (chunked prefill).
     The connector is found by name alone, through kvtier's vLLM plugin entry point."""
-    small = instances.get(
-        "small",
-        lambda: VllmInstance(
-            model_dir,
-            engine_id=unique_engine_id("kvtier-test-small"),
-            extra={"max_local_cpu_size": "48MiB"},
-            transfer={"kv_connector_module_path": None},
-            kv_cache_bytes=17 * BLOCK * 4096,  # 4 KiB of KV per token; vLLM keeps one block back
-            max_num_batched_tokens=512,
-            max_num_seqs=12,
-            max_model_len=2048,
-            disable_log_stats=False,
-        ),
-    )
+    small = instances.get("small", lambda: start_small(model_dir))
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -322,6 +325,38 @@ def test_lifecycle_aborts_preemption_chunked_prefill(
     small.probe.call("clear")
     alloc = small.stats()["allocator"]
     assert alloc["pages_free"] == alloc["pages_total"]
+
+
+def test_a_chats_next_turn_loads_the_answer_kvtier_saved(
+    model_dir: Path, instances: Instances
+) -> None:
+    """Turn 1 (300 tokens) answers 300 tokens; its chunk [256, 512) is half prompt, half
+    answer, saved when the request ends. Turn 2 (turn 1, its answer, a new question), with
+    vLLM's own prefix cache reset, loads 512 tokens from kvtier (256 without the answer's
+    save) and generates what a full recompute generates (fp32)."""
+    small = instances.get("small", lambda: start_small(model_dir))
+    small.assert_clean(wait_s=10.0)
+    first = tokens(300, seed=40)
+    before = small.stats()
+    answer = small.generate([first], max_tokens=300)[0]
+    # The answer's chunk is saved in the engine's step after the request ended (it runs on
+    # its own: vLLM keeps stepping while an ended request's blocks wait for the connector).
+    deadline = time.monotonic() + 30
+    while delta(small.stats(), before, "stored_chunks") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert delta(small.stats(), before, "stored_chunks") == 2
+    second = first + answer + tokens(40, seed=41)
+    small.llm.reset_prefix_cache()
+    before = small.stats()
+    loaded = small.generate([second])[0]
+    assert delta(small.stats(), before, "retrieved_tokens") == 2 * CHUNK
+    assert small.probe is not None
+    small.probe.call("clear")
+    small.llm.reset_prefix_cache()
+    before = small.stats()
+    assert small.generate([second])[0] == loaded
+    assert delta(small.stats(), before, "retrieved_tokens") == 0  # recomputed
+    small.assert_clean(wait_s=10.0)
 
 
 def metric_total(metric: Any) -> float:
