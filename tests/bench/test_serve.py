@@ -42,6 +42,9 @@ def test_each_configuration_starts_vllm_as_documented(tmp_path: Path) -> None:
         serve.plan_for("gpu", tmp_path, "1GiB")
     chunked = serve.plan_for("disk", tmp_path, "1GiB", chunk_size=128).transfer
     assert chunked is not None and chunked["kv_connector_extra_config"]["chunk_size"] == 128
+    answers = serve.plan_for("cpu", tmp_path, "1GiB", save_decode_cache=True).transfer
+    assert answers is not None and answers["kv_connector_extra_config"]["save_decode_cache"]
+    assert parsed("--save-decode-cache").save_decode_cache and not parsed().save_decode_cache
 
 
 def test_chat_history_grows_round_by_round_from_a_shared_start() -> None:
@@ -76,6 +79,8 @@ def test_vllm_accepts_the_benchmark_arguments_for_every_workload(tmp_path: Path)
     assert "serve" in BENCHMARKS
     with pytest.raises(InputError, match="--max-model-len is 4608: vLLM would refuse"):
         workloads.workloads_for(parsed("--max-model-len", "4608"), tmp_path)
+    (talk,) = workloads.workloads_for(parsed("--workload", "conversation"), tmp_path)
+    assert talk.live and not talk.repeat and talk.measured == "pass1"  # run by kvtier's client
     with pytest.raises(InputError, match="'qa' is unknown"):
         workloads.workloads_for(parsed("--workload", "qa"), tmp_path)
 
@@ -109,6 +114,10 @@ def test_headline_ratios_from_a_table() -> None:
     decode["none"] = {"pass1": row(0, 100)}
     out = serve.top_level(table, texts, decode)  # throughput from the hit-free workload
     assert out["e2e_throughput_vs_example"] == 1.2 and out["e2e_throughput_vs_none"] == 0.6
+    # the conversation workload compares pass 1 (its later rounds reuse the earlier ones)
+    first = {c: {"pass1": passes["pass1"]} for c, passes in table.items()}
+    first["apc"]["pass1"] = row(400, 100)
+    assert serve.top_level(first, {}, measured="pass1")["ttft_vs_apc_cpu"] == 2.5
 
 
 def test_a_pass_counters_come_from_vllm_metrics_and_kvtier_stats() -> None:
@@ -156,6 +165,10 @@ def test_a_pass_that_measured_something_else_is_named() -> None:
         "chat/disk/pass2: disk served 256 of 512",
         "chat/redis/pass2: kvtier served no token in pass 2",
         "chat/example/pass2: vLLM's prefix cache served with it off",
+    ]
+    talk = {"cpu": {"pass1": row(kvtier_tokens=0)}}
+    assert serve.problems({"conversation": talk}, {"conversation": "pass1"}) == [
+        "conversation/cpu/pass1: kvtier served no token in pass 1"
     ]
 
 

@@ -17,7 +17,8 @@ cache, runs them once, as pass 2)::
     server        off                kvtier through a kvtier server  a fresh vLLM (server warm)
     example       off                vLLM's ExampleConnector         the same vLLM
 
-Workloads: see :mod:`kvtier.bench.workloads` (``prefix``, ``chat``, ``decode``). Requests go
+Workloads: see :mod:`kvtier.bench.workloads` (``prefix``, ``chat``, ``conversation``,
+``decode``). Requests go
 ``--max-concurrency`` (1) at a time, so a time to first token is a prefill (or a load), not a
 wait in vLLM's queue. ``--reserved-cpus`` (1) is vLLM's ``VLLM_CPU_NUM_OF_RESERVED_CPU`` for
 every configuration; ``vllm`` leaves vLLM's default, which on 2 cores with a connector
@@ -63,6 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench import conversation
 from kvtier.bench import workloads as wl
 from kvtier.bench.isolation import stdout_to_stderr, work_dir
 from kvtier.bench.redis import _server as redis_server
@@ -101,6 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "CPU build) reuses a prompt as finely as vLLM's own prefix cache",
     )
     parser.add_argument(
+        "--save-decode-cache",
+        action="store_true",
+        help="kvtier also stores each request's answer (save_decode_cache)",
+    )
+    parser.add_argument(
         "--reserved-cpus", default="1", help="VLLM_CPU_NUM_OF_RESERVED_CPU, or 'vllm' (unset)"
     )
     parser.add_argument("--work-dir", default=None, help="checkpoint, disk tier, logs")
@@ -132,9 +139,11 @@ def plan_for(
     redis_url: str = "",
     sock: str = "",
     chunk_size: int | None = None,
+    save_decode_cache: bool = False,
 ) -> Plan:
     """The vLLM settings of configuration ``name`` (see the module docstring);
-    ``chunk_size``: kvtier's chunk (None: kvtier's default)."""
+    ``chunk_size``: kvtier's chunk (None: kvtier's default); ``save_decode_cache``: kvtier
+    also stores the answers (what the conversation workload's next rounds reuse)."""
     if name == "none":
         return Plan(name)
     if name == "apc":
@@ -163,6 +172,8 @@ def plan_for(
         raise ValueError(f"configuration {name!r} is unknown; use {', '.join(CONFIGS)}")
     if chunk_size is not None:
         extra["chunk_size"] = chunk_size
+    if save_decode_cache:
+        extra["save_decode_cache"] = True
     transfer = {**KVTIER, "kv_connector_extra_config": extra}
     return Plan(
         name,
@@ -202,13 +213,15 @@ def top_level(
     table: dict[str, dict[str, Any]],
     texts: dict[str, list[str]],
     throughput_table: dict[str, dict[str, Any]] | None = None,
+    measured: str = "pass2",
 ) -> dict[str, Any]:
-    """The headline ratios from one workload's table (config -> pass -> summary); throughput
-    from ``throughput_table`` (the hit-free decode workload) when given, else pass 1."""
+    """The headline ratios from one workload's table (config -> pass -> summary), compared
+    in its ``measured`` pass; throughput from ``throughput_table`` (the hit-free decode
+    workload) when given, else pass 1."""
     out: dict[str, Any] = {}
 
     def ttft(config: str) -> float | None:
-        row = table.get(config, {}).get("pass2")
+        row = table.get(config, {}).get(measured)
         return None if row is None else float(row["mean_ttft_ms"])
 
     def throughput(config: str) -> float | None:
@@ -236,16 +249,19 @@ def top_level(
             same = sum(a == b for a, b in zip(generated, reference, strict=False))
             out[f"outputs_equal_{config}"] = round(same / len(reference), 3)
     for config, passes in table.items():
-        row = passes.get("pass2", {})
+        row = passes.get(measured, {})
         if row.get("prompt_tokens"):
             hit = row.get("vllm_cached_tokens", 0) + row.get("connector_tokens", 0)
             out[f"hit_share_{config}"] = round(hit / row["prompt_tokens"], 3)
     return out
 
 
-def problems(table: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+def problems(
+    table: dict[str, dict[str, dict[str, Any]]], measured: dict[str, str] | None = None
+) -> list[str]:
     """Every pass whose counters say its figure measured something else (see the module
-    docstring); each as a sentence naming the workload, configuration and pass."""
+    docstring); each as a sentence naming the workload, configuration and pass.
+    ``measured``: a workload's measured pass where it is not pass 2."""
     out: list[str] = []
     for workload, configs in table.items():
         for config, passes in configs.items():
@@ -257,11 +273,11 @@ def problems(table: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
                     out.append(f"{where}: vLLM's prefix cache served with it off")
                 if config in ("none", "apc") and row.get("connector_tokens"):
                     out.append(f"{where}: a connector served with none configured")
-                if config not in KVTIER_CONFIGS or name != "pass2":
+                if config not in KVTIER_CONFIGS or name != (measured or {}).get(workload, "pass2"):
                     continue
                 served = row.get("kvtier_tokens", 0)
                 if not served:
-                    out.append(f"{where}: kvtier served no token in pass 2")
+                    out.append(f"{where}: kvtier served no token in pass {name[-1]}")
                     continue
                 tier = KVTIER_CONFIGS[config]
                 by_tier = row.get("kvtier_tokens_by_tier", {})
@@ -297,7 +313,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 redis_url = stack.enter_context(redis_server(None)) if "redis" in order else ""
                 sock = str(where / "kvtier.sock")
                 for name in order:
-                    plan = plan_for(name, where, args.cpu_size, redis_url, sock, args.chunk_size)
+                    plan = plan_for(
+                        name,
+                        where,
+                        args.cpu_size,
+                        redis_url,
+                        sock,
+                        args.chunk_size,
+                        args.save_decode_cache,
+                    )
                     try:
                         done = _configuration(plan, model, args, where, workloads, sock)
                         for workload, passes, generated in done:
@@ -311,6 +335,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rounds.append(table)
     headline = "prefix" if "prefix" in names else names[0]
     merged = {w: merge_rounds([r[w] for r in rounds]) for w in names}
+    measured = {w.name: w.measured for w in workloads}
     result: dict[str, Any] = {
         "shape": args.shape,
         "dtype": args.dtype,
@@ -320,15 +345,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": args.repeats,
         "load_avg_1m": [round(x, 2) for x in loads],  # after each configuration
         "headline_workload": headline,
-        **top_level(merged[headline], texts[headline], merged.get("decode")),
+        **top_level(merged[headline], texts[headline], merged.get("decode"), measured[headline]),
     }
     for workload in names:
         if workload != headline:
-            result[workload] = top_level(merged[workload], texts[workload], merged.get("decode"))
+            result[workload] = top_level(
+                merged[workload], texts[workload], merged.get("decode"), measured[workload]
+            )
     result["problems"] = failed
     for index, table in enumerate(rounds):
         label = f"round {index + 1}: " if args.repeats > 1 else ""
-        result["problems"] += [label + p for p in problems(table)]
+        result["problems"] += [label + p for p in problems(table, measured)]
     if args.repeats > 1:
         result["per_round"] = per_round(rounds, headline)
         result["rounds"] = rounds
@@ -409,7 +436,10 @@ def _passes(
                 vllm = _start(plan, model, args, work)
             for workload in todo:
                 before = vllm.counters()
-                raw = _serving_benchmark(vllm.url, model, args, workload.dataset)
+                if workload.live:
+                    raw = conversation.run(vllm.url, SERVED_NAME, args, _vocab(model))
+                else:
+                    raw = _serving_benchmark(vllm.url, model, args, workload.dataset)
                 vllm.flush()  # writes finish before the next figure is taken
                 row = summarize(raw)
                 row.update(counter_delta(before, vllm.counters()))
@@ -443,6 +473,10 @@ def _start(plan: Plan, model: Path, args: argparse.Namespace, work: Path) -> VLL
         vllm.stop()
         raise
     return vllm
+
+
+def _vocab(model: Path) -> int:
+    return int(json.loads((model / "config.json").read_text())["vocab_size"])
 
 
 def _serving_benchmark(

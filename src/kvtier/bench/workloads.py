@@ -8,6 +8,8 @@
                                 previous one plus an answer and a new question
                                 (the history grows, as in LMCache's multi-round
                                 QA benchmark); all users share a system part
+    conversation  (kvtier's     the chat, but each round's prompt holds the     no: pass 1
+                  own client)   answer vLLM generated (:mod:`.conversation`)    is measured
     decode  random              --decode-prompts distinct 256-token prompts,    no
                                 128 output tokens: no hit anywhere, so its
                                 throughput is decode with the connector's
@@ -32,7 +34,7 @@ from typing import Any
 
 from kvtier.errors import InputError
 
-WORKLOADS = ("prefix", "chat", "decode")
+WORKLOADS = ("prefix", "chat", "conversation", "decode")
 DECODE_INPUT_LEN = 256
 DECODE_OUTPUT_LEN = 128
 
@@ -46,6 +48,8 @@ class Workload:
     name: str
     dataset: list[str]
     repeat: bool = True
+    live: bool = False  # run by kvtier.bench.conversation, not vLLM's serving benchmark
+    measured: str = "pass2"  # the pass whose TTFT the headline ratios compare
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -148,6 +152,8 @@ def workloads_for(args: argparse.Namespace, work: Path) -> list[Workload]:
                 "--num-prompts", str(len(entries)),
             ]  # fmt: skip
             out.append(Workload(name, dataset))
+        elif name == "conversation":
+            out.append(Workload(name, [], repeat=False, live=True, measured="pass1"))
         elif name == "decode":
             dataset = [
                 "--dataset-name", "random",

