@@ -99,8 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chunk-size",
         type=int,
         default=None,
-        help="kvtier's chunk in tokens (default: kvtier's, 256); vLLM's block (128 on its "
-        "CPU build) reuses a prompt as finely as vLLM's own prefix cache",
+        help="kvtier's chunk in tokens (default: the connector's choice, vLLM's block on its "
+        "CPU build, 128, which reuses a prompt as finely as vLLM's own prefix cache)",
     )
     parser.add_argument(
         "--save-decode-cache",

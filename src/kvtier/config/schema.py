@@ -29,7 +29,14 @@ class KeySpec:
 
 
 KEYS: tuple[KeySpec, ...] = (
-    KeySpec("chunk_size", p.integer(1, 1 << 20), 256, "Tokens per KV chunk (the unit of caching)."),
+    KeySpec(
+        "chunk_size",
+        p.integer(1, 1 << 20),
+        256,
+        "Tokens per KV chunk (the unit of caching). Unset under vLLM: the smallest multiple "
+        "of vLLM's block size that is at least 128 (a model with Mamba/GDN states: vLLM's "
+        "step budget).",
+    ),
     KeySpec("local_cpu", p.boolean, True, "CPU memory is a cache tier (see the tier-role table)."),
     KeySpec(
         "max_local_cpu_size",

@@ -1,5 +1,6 @@
 """A state model (Qwen3-Next-style gated delta-net, bf16) through kvtier with vLLM's DEFAULT
-``max_num_batched_tokens``: kvtier's ``chunk_size`` set to that step budget.
+``max_num_batched_tokens`` and no ``chunk_size`` in kvtier's config: kvtier takes that step
+budget as its chunk by itself (:meth:`ModelGroups.default_chunk`).
 
 vLLM's mamba "align" cache mode (its default with prefix caching) clips every prefill step
 to a block boundary and keeps the state at each step end (and at the prompt's last block
@@ -90,7 +91,7 @@ def test_a_repeated_4096_token_prefix_hits_through_kvtier_at_vllms_default_step_
         lambda: VllmInstance(
             path,
             engine_id=unique_engine_id(f"kvtier-{NAME}-default-budget"),
-            extra={"max_local_cpu_size": "256MiB", "chunk_size": budget},
+            extra={"max_local_cpu_size": "256MiB", "chunk_size": None},  # kvtier's choice
             dtype=dtype,
             **ARGS,
         ),
@@ -99,7 +100,7 @@ def test_a_repeated_4096_token_prefix_hits_through_kvtier_at_vllms_default_step_
     s0 = kv.stats()
     assert run(kv, p1) == (cold_p1, 0)
     s1 = kv.stats()
-    assert s1["stored_chunks"] - s0["stored_chunks"] == 1
+    assert s1["stored_chunks"] - s0["stored_chunks"] == 1  # one chunk: the whole budget
 
     kv.llm.reset_prefix_cache()  # vLLM's own cache would answer first
     tokens_p2, hit = run(kv, p2)

@@ -76,11 +76,16 @@ class VllmInstance:
             **llm_args,
         }
         if engine_id is not None:
+            extra = {"chunk_size": 256, **(extra or {})}
+            if extra["chunk_size"] is None:  # left to the connector, as a user who sets none
+                del extra["chunk_size"]
             args["kv_transfer_config"] = {
                 **CONNECTOR,
                 **(transfer or {}),
                 "engine_id": engine_id,
-                "kv_connector_extra_config": extra or {},
+                # The tests were written at 256-token chunks; chunk_size None leaves it to
+                # the connector, which takes one from vLLM's blocks (test_groups.py).
+                "kv_connector_extra_config": extra,
             }
         # VLLM_CPU_KVCACHE_SPACE (GiB) overrides kv_cache_memory_bytes on the CPU build.
         env: dict[str, str | None] = {"VLLM_CPU_KVCACHE_SPACE": "1"}

@@ -158,6 +158,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._events: list[tuple[Any, ...]] = []
         groups = classify(kv_cache_config)
         budget = vllm_config.scheduler_config.max_num_batched_tokens
+        if "chunk_size" not in self.config.origin:  # both roles choose alike, from vLLM's
+            chunk = groups.default_chunk(block_size, int(budget or 0))
+            self.config = self.config.with_overrides(chunk_size=chunk)
         speculative = speculative_refusal(vllm_config.speculative_config)
         refusal = speculative or groups.state_refusal(self.config.chunk_size, int(budget or 0))
         groups = dataclasses.replace(groups, refusal=refusal)

@@ -1,0 +1,44 @@
+"""What kvtier makes of vLLM's KV-cache groups where the config leaves it the choice: the
+chunk size (a config's chunk_size always wins: every other vLLM test sets 256)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.integrations.vllm.groups import REUSE_TOKENS, ModelGroups, VllmGroup
+from kvtier.layout import GroupKind
+
+
+def full(block: int) -> VllmGroup:
+    return VllmGroup(GroupKind.FULL, 0, ("l0",), "FullAttentionSpec", block)
+
+
+def state(block: int) -> VllmGroup:
+    return VllmGroup(GroupKind.STATE, 0, ("s0",), "MambaSpec(GDN_ATTN)", block, 64, "GDN", True)
+
+
+@pytest.mark.parametrize(
+    ("blocks", "chunk"),
+    [((128,), 128), ((16,), 128), ((32,), 128), ((96,), 192), ((256,), 256), ((16, 48), 144)],
+)
+def test_a_hit_is_reused_as_finely_as_vllms_block_allows(
+    blocks: tuple[int, ...], chunk: int
+) -> None:
+    """The smallest multiple of every block size of at least REUSE_TOKENS: vLLM's own 128
+    on its CPU build, 8 of a GPU's 16-token blocks (not 16 tokens: 16x the keys)."""
+    groups = ModelGroups(tuple(full(b) for b in blocks))
+    got = groups.default_chunk(blocks[0], 8192)
+    assert got == chunk and got >= REUSE_TOKENS
+    assert all(got % b == 0 for b in blocks)
+    assert ModelGroups(()).default_chunk(128, 8192) == 128  # no groups: vLLM's block
+
+
+def test_a_state_model_chunks_at_vllms_step_budget_where_its_states_are() -> None:
+    """vLLM keeps a state only at step ends: with its default budget the chunk is the
+    budget, and kvtier serves the model with nothing set (a budget no block divides gets the
+    plain default, which the refusal then explains)."""
+    groups = ModelGroups((state(64), full(64)))
+    assert groups.default_chunk(64, 4096) == 4096
+    assert groups.state_refusal(4096, 4096) == ""
+    odd = groups.default_chunk(64, 1000)
+    assert odd == 128 and "max_num_batched_tokens is 1000" in groups.state_refusal(odd, 1000)
