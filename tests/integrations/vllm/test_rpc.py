@@ -84,7 +84,7 @@ def test_a_flush_with_a_bad_timeout_on_the_wire_is_refused(
     sock = hello(server, engine_id)
     for bad in (math.nan, -5.0):
         sock.sendall(rpc.FRAMING.encode(rpc.Flush(bad)))
-        reply = rpc.FrameReader(sock).read(time.monotonic() + 5)
+        reply = rpc.reader(sock).read(time.monotonic() + 5)
         assert isinstance(reply, rpc.Failed) and "flush timeout" in reply.message
     sock.close()
 
@@ -94,7 +94,7 @@ def hello(server: LookupServer, engine_id: str) -> socket.socket:
     sock.settimeout(10)
     sock.connect(str(server.path))
     sock.sendall(rpc.FRAMING.encode(rpc.Hello(rpc.VERSION, engine_id)))
-    assert isinstance(rpc.FrameReader(sock).read(time.monotonic() + 5), rpc.Welcome)
+    assert isinstance(rpc.reader(sock).read(time.monotonic() + 5), rpc.Welcome)
     return sock
 
 
@@ -397,7 +397,7 @@ def test_a_version_mismatch_is_refused_with_a_reason(
         sock.settimeout(10)
         sock.connect(str(server.path))
         sock.sendall(rpc.FRAMING.encode(hello_msg))
-        reply = rpc.FrameReader(sock).read(time.monotonic() + 5)
+        reply = rpc.reader(sock).read(time.monotonic() + 5)
         assert isinstance(reply, rpc.Refused) and reason in reply.reason
         sock.close()
 
