@@ -10,7 +10,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvtier import local_sockets
@@ -86,15 +85,14 @@ class LookupClient:
         cache_salt: RequestSalt | None = None,
         *,
         timeout: float | None = None,
-    ) -> tuple[int, int]:
-        """(hit, of which in the CPU tier), pinned in the worker until :meth:`end`."""
+    ) -> Hit:
+        """The hit (and how much of it is in the CPU tier), pinned in the worker until
+        :meth:`end`: the worker's :class:`Hit`, as its handler made it."""
         try:
             message = Lookup(str(request_id), [int(t) for t in tokens], cache_salt)
         except (TypeError, ValueError) as exc:
             raise InputError(f"lookup of {request_id!r}: tokens must be integers ({exc})") from None
-        reply = self._call(message, timeout)
-        hit = _expect(reply, Hit)
-        return hit.tokens, hit.cpu_tokens
+        return _expect(self._call(message, timeout), Hit)
 
     def end(self, request_id: str, *, timeout: float | None = None) -> bool:
         return _expect(self._call(End(request_id), timeout), Ended).ok
@@ -113,25 +111,6 @@ class LookupClient:
 
     def clear(self, *, timeout: float | None = None) -> dict[str, int]:
         return _expect(self._call(Clear(), timeout), Cleared).dropped
-
-    def call(self, op: str, *args: Any, timeout: float | None = None) -> Any:
-        """The same calls by name (operators, tests): ``call("lookup", rid, tokens)``,
-        ``call("flush", 60.0)``, ``call("stats")``..."""
-        calls: dict[str, Callable[..., Any]] = {
-            "lookup": self.lookup,
-            "end": self.end,
-            "stats": self.stats,
-            "leaks": self.leaks,
-            "check": self.check,
-            "flush": self.flush,
-            "clear": self.clear,
-        }
-        if op not in calls:
-            raise InputError(
-                f"unknown kvtier channel op {op!r}; use lookup, end, stats, leaks, check, "
-                f"flush, clear"
-            )
-        return calls[op](*args, timeout=timeout)
 
     def close(self) -> None:
         if self._lock.acquire(timeout=self.timeout):
