@@ -42,7 +42,8 @@ from kvtier.observability.logs import REQUESTS
 if TYPE_CHECKING:
     from kvtier.config import Config
     from kvtier.lease import Lease
-    from kvtier.storage.manager import LookupPlan, StorageManager
+    from kvtier.storage.manager import StorageManager
+    from kvtier.storage.plan import LookupPlan
 
 log = logging.getLogger(__name__)
 
