@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from kvtier.keys import ChunkKey, ChunkSpan, ChunkSpans
 from kvtier.storage.base import Tier
+from kvtier.storage.cpu import CpuTier
 
 
 class Skipped(enum.Enum):
@@ -73,7 +74,7 @@ class LookupPlan:
         loads without reading a lower tier."""
         end = 0
         for tier, _, last in self.runs:
-            if tier is not ENGINE and tier.name != "cpu":
+            if tier is not ENGINE and not isinstance(tier, CpuTier):
                 break
             end = last
         return self.spans.end(end - 1) if end else 0
