@@ -55,7 +55,7 @@ from kvtier.keys import RequestSalt
 from kvtier.server import protocol as wire
 from kvtier.server.models import ModelTable
 from kvtier.server.sessions import Session
-from kvtier.storage.manager import StoreSlot
+from kvtier.storage.writes import StoreSlot
 
 log = logging.getLogger(__name__)
 

@@ -29,18 +29,16 @@ Tier roles (the three modes LMCache users run, see README)::
 
 Store: each new chunk is copied once into a page; the CPU index (when visible) and each lower
 tier write own one reference each. A write's reference comes back through its completion
-callback, exactly once (``_WriteTicket``), so staging pages return to the free list as soon
-as the lower tier has the bytes.
+callback, exactly once (``WriteTicket``, :mod:`kvtier.storage.writes`), so staging pages
+return to the free list as soon as the lower tier has the bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,65 +53,9 @@ from kvtier.storage.base import PutOutcome, PutResult, ReadAbandoned, Tier
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.plan import ENGINE, ChunkHit, LookupPlan, Source
+from kvtier.storage.writes import StoreSlot, WritesInFlight, WriteTicket
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StoreSlot:
-    """One chunk a store will write: its page (reserved, not yet visible) and its owners-to-be."""
-
-    span: ChunkSpan
-    page: int
-    writers: list[Tier]  # lower tiers that lack the chunk
-    to_cpu: bool  # the CPU index lacks it (and is visible)
-
-
-class _WriteTicket:
-    """Owns one page reference for one lower-tier write; gives it back exactly once."""
-
-    __slots__ = ("_done", "_lock", "manager", "page", "tier")
-
-    def __init__(self, manager: StorageManager, tier: Tier, page: int) -> None:
-        self.manager = manager
-        self.tier = tier
-        self.page = page
-        self._done = False
-        self._lock = threading.Lock()
-        manager.writes_in_flight.open(page)
-
-    def __call__(self, result: PutResult) -> None:
-        with self._lock:
-            if self._done:
-                log.error("tier %s completed a write twice; ignoring the second", self.tier.name)
-                return
-            self._done = True
-        self.manager.writes_in_flight.close(self.page, self.manager.pool)
-        self.manager.counters.count_write(self.tier.name, result.outcome)
-
-
-class WritesInFlight:
-    """Page references held by lower-tier I/O in flight (writes, and reads that timed out
-    but still run), counted so that an invariant check can account for every reference
-    even while they are still landing."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.by_page: dict[int, int] = {}
-
-    def open(self, page: int) -> None:
-        with self.lock:
-            self.by_page[page] = self.by_page.get(page, 0) + 1
-
-    def close(self, page: int, pool: BlockPool) -> None:
-        # Release under the lock: a checker holding it sees the count and the refcount agree.
-        with self.lock:
-            left = self.by_page[page] - 1
-            if left:
-                self.by_page[page] = left
-            else:
-                del self.by_page[page]
-            pool.release([page])
 
 
 class StorageManager:
@@ -515,7 +457,7 @@ class StorageManager:
         payload = self.pool.page_bytes_view(page, self.layout.payload_bytes(span.num_tokens))
         for tier in writers:
             self.pool.retain([page])
-            ticket = _WriteTicket(self, tier, page)
+            ticket = WriteTicket(self.writes_in_flight, self.pool, self.counters, tier, page)
             try:
                 tier.put(span.key, payload, span.num_tokens, ticket)
             except Exception as exc:  # put must report through on_done; if it raised
