@@ -57,7 +57,8 @@ from kvtier.pd.host import EngineReceiverHost
 from kvtier.storage.audit import audit_references
 from kvtier.storage.base import Tier
 from kvtier.storage.counters import EngineCounters
-from kvtier.storage.manager import ENGINE, LookupPlan, StorageManager
+from kvtier.storage.manager import StorageManager
+from kvtier.storage.plan import ENGINE, LookupPlan
 from kvtier.tiers import check_tier_urls, clear_tiers, given_lower_tiers, open_storage
 from kvtier.validation import (
     check_fits_in_memory,

@@ -29,7 +29,9 @@ from kvtier.keys import RequestKeys, RequestSalt, as_token_array, check_salt
 from kvtier.lease import Lease, LeaseTable
 from kvtier.observability.observer import Observer
 from kvtier.storage.counters import EngineCounters
-from kvtier.storage.manager import ENGINE, LookupPlan, StorageManager, StoreSlot
+from kvtier.storage.manager import StorageManager
+from kvtier.storage.plan import ENGINE, LookupPlan
+from kvtier.storage.writes import StoreSlot
 from kvtier.validation import check_request_id, check_skip
 
 

@@ -1,4 +1,5 @@
-"""Length-prefixed msgpack frames, the wire of kvtier's two socket protocols (PD, server).
+"""Length-prefixed msgpack frames, the wire of kvtier's socket protocols (PD, the server, the
+vLLM lookup channel), and the deadline reader and sender both local sockets use.
 
 ::
 
@@ -14,12 +15,15 @@ that speaks something else is refused before anything is allocated for it.
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import struct
+import time
 from typing import Generic, TypeVar
 
 import msgspec
 
-from kvtier.errors import ProtocolError
+from kvtier.errors import ProtocolError, TransferError, TransferTimeout
 
 M = TypeVar("M")
 
@@ -29,10 +33,18 @@ HEADER = struct.Struct("!3sBI")
 class Framing(Generic[M]):
     """The frame format of one protocol: its magic, version, body bound and message type."""
 
-    def __init__(self, magic: bytes, version: int, max_body: int, message_type: object) -> None:
+    def __init__(
+        self,
+        magic: bytes,
+        version: int,
+        max_body: int,
+        message_type: object,
+        stall_timeout: float = 10.0,
+    ) -> None:
         self.magic = magic
         self.version = version
         self.max_body = max_body
+        self.stall_timeout = stall_timeout  # a frame begun must be whole within this
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(message_type)
 
@@ -60,3 +72,147 @@ class Framing(Generic[M]):
             return self._decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ProtocolError(f"malformed message: {exc}") from None
+
+    def reader(self, sock: socket.socket, stall_timeout: float | None = None) -> FrameReader[M]:
+        """A :class:`FrameReader` of this protocol's frames on ``sock``."""
+        stall = self.stall_timeout if stall_timeout is None else stall_timeout
+        return FrameReader(sock, self, stall)
+
+    def send(self, sock: socket.socket, message: M, deadline: float | None = None) -> None:
+        """Encode and :func:`send` ``message``."""
+        send(sock, self.encode(message), deadline)
+
+
+class FrameReader(Generic[M]):
+    """Reads whole frames of one :class:`Framing` from a blocking socket, keeping any bytes
+    past the current frame. Both local sockets (the server's, the vLLM lookup channel) and
+    their clients read with it.
+
+    Deadlines are for whole frames, never per ``recv`` (a peer that trickles one byte at a
+    time must not hold a connection open forever)::
+
+        read(deadline)   the whole message must have arrived by ``deadline`` (monotonic);
+                         missing it is a TransferTimeout (the peer did not answer in time)
+        read()           waiting for a frame to begin: the idle timeout (the socket's own at
+                         construction, or :meth:`set_idle_timeout`; None: forever), missing it
+                         a ProtocolError; either way, once its first byte came, the frame
+                         must be whole within ``stall_timeout`` of that byte, or it is a
+                         ProtocolError (the frame counts as truncated)
+    """
+
+    def __init__(self, sock: socket.socket, framing: Framing[M], stall_timeout: float) -> None:
+        self.sock = sock
+        self.framing = framing
+        self.stall_timeout = stall_timeout
+        self._buf = bytearray()
+        self._idle_timeout = sock.gettimeout()
+        self._seen = False
+
+    @property
+    def started(self) -> bool:
+        """Whether any byte has arrived on this connection yet."""
+        return self._seen
+
+    def set_idle_timeout(self, timeout: float | None) -> None:
+        """How long to wait for a frame to begin (None: forever)."""
+        self._idle_timeout = timeout
+        self.sock.settimeout(timeout)
+
+    def feed(self, data: bytes) -> None:
+        """Bytes already taken off the socket (e.g. by ``recv_fds``) that belong to frames."""
+        self._buf += data
+
+    def read(self, deadline: float | None = None) -> M | None:
+        """The next message, or None when the peer closed the connection between frames.
+        ``deadline``: see the class docstring."""
+        frame = _Deadline(deadline, self.stall_timeout)
+        try:
+            if self._buf:
+                frame.begin()
+            while len(self._buf) < HEADER.size:
+                if not self._recv(frame):
+                    if not self._buf:
+                        return None
+                    raise ProtocolError(
+                        f"truncated frame header ({len(self._buf)} bytes, then EOF)"
+                    )
+            length = self.framing.parse_header(memoryview(self._buf)[: HEADER.size])
+            end = HEADER.size + length
+            while len(self._buf) < end:
+                if not self._recv(frame):
+                    got = len(self._buf) - HEADER.size
+                    raise ProtocolError(f"truncated frame body ({got} of {length} bytes, then EOF)")
+        finally:
+            with contextlib.suppress(OSError):
+                self.sock.settimeout(self._idle_timeout)
+        body = bytes(memoryview(self._buf)[HEADER.size : end])
+        del self._buf[:end]
+        return self.framing.decode_body(body)
+
+    def _recv(self, frame: _Deadline) -> bool:
+        sock = self.sock
+        try:
+            sock.settimeout(frame.left(self._idle_timeout))
+            data = sock.recv(1 << 16)
+        except TimeoutError:
+            raise frame.missed() from None
+        except OSError as exc:
+            raise TransferError(f"connection lost while receiving: {exc}") from None
+        if data:
+            self._buf += data
+            self._seen = True
+            frame.begin()
+        return bool(data)
+
+
+class _Deadline:
+    """When the frame being read must be whole: the caller's deadline, and ``stall`` seconds
+    after its first byte, whichever comes first."""
+
+    def __init__(self, deadline: float | None, stall: float) -> None:
+        self.deadline = deadline
+        self.stall = stall
+        self.at = deadline
+        self.begun = False
+
+    def begin(self) -> None:
+        if not self.begun:
+            self.begun = True
+            stalled = time.monotonic() + self.stall
+            self.at = stalled if self.at is None else min(self.at, stalled)
+
+    def left(self, idle: float | None) -> float | None:
+        """The timeout for the next ``recv``; ``idle`` until the frame begins (no deadline)."""
+        if self.at is None:
+            return idle
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise self.missed()
+        return left
+
+    def missed(self) -> TransferError:
+        if self.at is not None and self.at == self.deadline:
+            return TransferTimeout("the peer did not answer in time (message not whole)")
+        if self.begun:
+            return ProtocolError(
+                f"frame stalled: not whole within {self.stall:g} s of its first byte"
+            )
+        return ProtocolError("no frame within the idle timeout")
+
+
+def send(sock: socket.socket, data: bytes, deadline: float | None = None) -> None:
+    """Send the encoded frame(s) ``data`` whole; with ``deadline`` (monotonic), by then or
+    :class:`TransferTimeout` (a peer that does not read its replies cannot hold a thread)."""
+    before = sock.gettimeout()
+    try:
+        if deadline is not None:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+        sock.sendall(data)
+    except TimeoutError:
+        raise TransferTimeout("the peer did not take the message in time") from None
+    except OSError as exc:
+        raise TransferError(f"connection lost while sending: {exc}") from None
+    finally:
+        if deadline is not None:
+            with contextlib.suppress(OSError):
+                sock.settimeout(before)

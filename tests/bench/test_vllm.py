@@ -41,9 +41,9 @@ def serve(worker: WorkerSide, rid: str) -> None:
     """What vLLM does for a request kvtier serves: lookup, load into its blocks, end."""
     client = LookupClient(worker.engine_id)
     try:
-        assert client.call("lookup", rid, TOKENS)[0] == 64
+        assert client.lookup(rid, TOKENS).tokens == 64
         worker.load(KVTierMetadata(loads=[LoadSpec(rid, TOKENS, [9, 10, 11, 12, 13], 0, 64)]))
-        client.call("end", rid)
+        client.end(rid)
     finally:
         client.close()
 

@@ -99,6 +99,6 @@ def test_impossible_requests_are_refused(make_server: object) -> None:
         sock,
         wire.Hello(**{**{f: getattr(hello, f) for f in hello.__struct_fields__}, "version": 99}),
     )
-    reply = wire.FrameReader(sock).read()
+    reply = wire.reader(sock).read()
     assert isinstance(reply, wire.Refused) and "version 99" in reply.message
     sock.close()

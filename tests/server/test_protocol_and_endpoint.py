@@ -29,7 +29,7 @@ def test_frames_round_trip_and_split_anywhere() -> None:
         wire.StatsReply({"tiers": {"cpu": {"entries": 3}}, "hit": 1.5}),
     ]
     data = b"".join(wire.encode(m) for m in messages)
-    reader = wire.FrameReader(b)
+    reader = wire.reader(b)
 
     def send_in_pieces() -> None:  # frames cut at every odd place, and two in one read
         for i in range(0, len(data), 7):
@@ -45,7 +45,7 @@ def test_frames_round_trip_and_split_anywhere() -> None:
 
 def test_a_stalled_frame_is_truncated_not_a_hang() -> None:
     a, b = pair()
-    reader = wire.FrameReader(b, stall_timeout=0.2)
+    reader = wire.reader(b, stall_timeout=0.2)
     a.sendall(wire.encode(wire.EndRequest("r"))[:6])
     with pytest.raises(ProtocolError, match="stalled"):
         reader.read()

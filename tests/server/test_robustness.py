@@ -62,7 +62,7 @@ def handshake(path: str) -> socket.socket:
     data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 1)
     for fd in fds:
         os.close(fd)
-    reader = wire.FrameReader(sock)
+    reader = wire.reader(sock)
     reader.feed(data)
     assert isinstance(reader.read(), wire.Welcome)
     return sock
@@ -152,7 +152,7 @@ def test_out_of_order_after_the_handshake(server: ServerProcess, victim: object,
     sock = handshake(server.path)
     tokens = struct.pack("<16i", *range(16))
     wire.send(sock, wire.Lookup("held-by-bad-client", tokens))  # something to release
-    assert isinstance(wire.FrameReader(sock).read(), wire.Hit)
+    assert isinstance(wire.reader(sock).read(), wire.Hit)
     wire.send(sock, message)
     assert closed_by_server(sock)
     wait_until(lambda: error in server.log(), what=f"{error!r} in the server log")
@@ -161,7 +161,7 @@ def test_out_of_order_after_the_handshake(server: ServerProcess, victim: object,
 
 def test_a_second_reserve_before_commit_is_refused(server: ServerProcess, victim: object) -> None:
     sock = handshake(server.path)
-    reader = wire.FrameReader(sock)
+    reader = wire.reader(sock)
     tokens = struct.pack("<32i", *range(100, 132))
     wire.send(sock, wire.Reserve(1, tokens))
     reply = reader.read()
@@ -179,7 +179,7 @@ def test_fingerprint_that_does_not_match_its_fields_is_refused(
     """Also when it claims a model being served (the victim's): no pages of another model."""
     sock = raw(server.path)
     wire.send(sock, hello(model_name="intruder", fingerprint=claimed))
-    reply = wire.FrameReader(sock).read()
+    reply = wire.reader(sock).read()
     assert isinstance(reply, wire.Refused) and "fingerprint mismatch" in reply.message
     assert closed_by_server(sock)
 
@@ -198,7 +198,7 @@ def test_a_hello_the_server_cannot_serve_is_refused_with_the_reason(
 ) -> None:
     sock = raw(server.path)
     wire.send(sock, hello(**changes))
-    reply = wire.FrameReader(sock).read()
+    reply = wire.reader(sock).read()
     assert isinstance(reply, wire.Refused) and error in reply.message
     assert closed_by_server(sock)
     assert_victim_fine(victim)

@@ -86,7 +86,7 @@ def connect_as(uid: int, path: str, out: Queue[Any]) -> None:
     try:
         sock.settimeout(10)
         sock.connect(path)
-        reply = wire.FrameReader(sock).read()
+        reply = wire.reader(sock).read()
         out.put(repr(reply))
     except OSError as exc:
         out.put(f"OSError: {exc}")
@@ -114,7 +114,7 @@ def impostor_server(uid: int, path: str, page_bytes: int, out: Queue[Any]) -> No
         fd = os.memfd_create("forged")
         os.ftruncate(fd, 64 * page_bytes)
         try:
-            reader = wire.FrameReader(conn)
+            reader = wire.reader(conn)
             while (message := reader.read()) is not None:
                 if isinstance(message, wire.Hello):
                     welcome = wire.encode(wire.Welcome(64, page_bytes, os.getpid()))

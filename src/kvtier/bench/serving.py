@@ -109,7 +109,7 @@ class VLLMServer:
 
         client = LookupClient(self.engine_id)
         try:
-            client.call("flush", 120.0, timeout=180.0)
+            client.flush(120.0, timeout=180.0)
         finally:
             client.close()
 
@@ -122,7 +122,7 @@ class VLLMServer:
 
             client = LookupClient(self.engine_id)
             try:
-                stats: dict[str, Any] = client.call("stats", timeout=30.0)
+                stats: dict[str, Any] = client.stats(timeout=30.0)
             finally:
                 client.close()
             out["kvtier_tokens"] = int(stats.get("retrieved_tokens", 0))

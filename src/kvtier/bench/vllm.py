@@ -212,7 +212,7 @@ def _stats(llm: Any) -> dict[str, Any]:
 
     client = LookupClient(llm.llm_engine.vllm_config.kv_transfer_config.engine_id)
     try:
-        stats: dict[str, Any] = client.call("stats")
+        stats: dict[str, Any] = client.stats()
         return stats
     finally:
         client.close()
@@ -254,7 +254,7 @@ def _flush(llm: Any) -> None:
     engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
     client = LookupClient(engine_id)
     try:
-        client.call("flush", 60.0, timeout=90.0)
+        client.flush(60.0, timeout=90.0)
     finally:
         client.close()
 

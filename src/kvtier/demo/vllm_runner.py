@@ -228,10 +228,10 @@ def _child_main(job: _Job) -> None:
     try:
         _warm_up(llm, job.workload)
         probe = _probe(job)
-        before = probe.call("stats") if probe is not None else None
+        before = probe.stats() if probe is not None else None
         _workload(llm, job, run)
         if probe is not None:
-            probe.call("flush", 60.0, timeout=90.0)
+            probe.flush(60.0, timeout=90.0)
             _record_cache(probe, run, before)
             probe.close()
         # Before vLLM's shutdown (seconds): the parent goes on once the file appears.
@@ -335,7 +335,7 @@ def _workload(llm: Any, job: _Job, run: ConfigRun) -> None:
 def _record_cache(probe: Any, run: ConfigRun, before: Any) -> None:
     """Tier use at the end and hits by tier during the workload (the warm-up's taken off);
     leaked leases or broken invariants are the configuration's problems."""
-    stats = probe.call("stats")
+    stats = probe.stats()
     run.tier_bytes = {name: int(t["used_bytes"]) for name, t in stats["tiers"].items()}
     earlier = before["hit_tokens_by_tier"] if before is not None else {}
     run.hit_tokens_by_tier = {
@@ -343,7 +343,7 @@ def _record_cache(probe: Any, run: ConfigRun, before: Any) -> None:
     }
     # vLLM ends a request's lease from its scheduler just after the output: give it a moment.
     deadline = time.monotonic() + 5.0
-    while probe.call("leaks") and time.monotonic() < deadline:
+    while probe.leaks() and time.monotonic() < deadline:
         time.sleep(0.05)
-    run.problems = [f"leak: {info}" for info in probe.call("leaks")]
-    run.problems += list(probe.call("check"))
+    run.problems = [f"leak: {info}" for info in probe.leaks()]
+    run.problems += list(probe.check())

@@ -38,16 +38,17 @@ from kvtier.keys import ChunkKey, ChunkSpan, Fingerprint
 from kvtier.observability.explain import ExplainLog
 from kvtier.observability.histogram import LATENCY_BUCKETS, LEASE_BUCKETS, Histogram
 from kvtier.observability.logs import REQUESTS
+from kvtier.storage.plan import ENGINE
 
 if TYPE_CHECKING:
     from kvtier.config import Config
     from kvtier.lease import Lease
-    from kvtier.storage.manager import LookupPlan, StorageManager
+    from kvtier.storage.manager import StorageManager
+    from kvtier.storage.plan import LookupPlan
 
 log = logging.getLogger(__name__)
 
 OPERATIONS = ("lookup", "store", "retrieve")
-ENGINE_HELD = "engine"  # the tier name of chunks inside skip_leading_tokens (storage.manager)
 DEFAULT_EXPLAIN_REQUESTS = 1000
 
 
@@ -109,14 +110,16 @@ class Observer:
         # Runs of chunks per tier, not chunks: a long cached prompt is one run.
         by_tier: dict[str, int] = {}
         size = plan.spans.chunk_size
-        runs = [(tier.name, first, end) for tier, first, end in plan.runs]
-        for name, first, end in runs:
+        found = 0
+        for tier, first, end in plan.runs:
             tokens_hit = plan.spans.end(end - 1) - (plan.spans.first + first) * size
-            by_tier[name] = by_tier.get(name, 0) + tokens_hit
-        found = sum(n for tier, n in by_tier.items() if tier != ENGINE_HELD)
+            by_tier[tier.name] = by_tier.get(tier.name, 0) + tokens_hit
+            if tier is not ENGINE:  # held by the caller already: not found in a tier
+                found += tokens_hit
+        runs = [(tier.name, first, end) for tier, first, end in plan.runs]
         with self._lock:
-            for tier, tokens_hit in by_tier.items():
-                self.lookup_hit_tokens[tier] += tokens_hit
+            for name, tokens_hit in by_tier.items():
+                self.lookup_hit_tokens[name] += tokens_hit
             entry = self._found_loaded.setdefault(request_id, [0, 0])
             entry[0] = found
         _guarded(
@@ -139,7 +142,7 @@ class Observer:
         tokens that is (the hit)."""
         by_tier: dict[str, int] = {}
         for hit in plan.hits:
-            if hit.tier.name == ENGINE_HELD:
+            if hit.tier is ENGINE:
                 continue
             overlap = min(hit.span.end, end) - max(hit.span.start, start)
             if overlap > 0:

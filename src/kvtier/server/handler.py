@@ -49,12 +49,13 @@ from kvtier.errors import (
     ProtocolError,
     StateError,
     TransferError,
+    TransferTimeout,
 )
 from kvtier.keys import RequestSalt
 from kvtier.server import protocol as wire
 from kvtier.server.models import ModelTable
 from kvtier.server.sessions import Session
-from kvtier.storage.manager import StoreSlot
+from kvtier.storage.writes import StoreSlot
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +70,12 @@ def serve_connection(
     sock = session.sock
     hello_by = time.monotonic() + HELLO_TIMEOUT_S
     sock.settimeout(HELLO_TIMEOUT_S)
-    reader = wire.FrameReader(sock)
+    reader = wire.reader(sock)
     reason = "closed by the client"
     try:
         try:
             first = reader.read(hello_by)  # the whole Hello by then, however it trickles
-        except ProtocolError as exc:
+        except (ProtocolError, TransferTimeout) as exc:
             if not reader.started:  # nothing at all within the deadline
                 raise ProtocolError(f"no Hello within {HELLO_TIMEOUT_S:g} s") from None
             if time.monotonic() >= hello_by:

@@ -22,6 +22,7 @@ import torch
 
 from kvtier import local_sockets
 from kvtier.errors import ProtocolError, TransferError
+from kvtier.framing import FrameReader
 from kvtier.server import protocol as wire
 from kvtier.server.shared_memory import map_pages
 
@@ -55,7 +56,7 @@ class ServerLink:
         self.first_backoff = first_backoff
         self.max_backoff = max_backoff
         self.sock: socket.socket | None = None
-        self.reader: wire.FrameReader | None = None
+        self.reader: FrameReader[wire.Message] | None = None
         self.pages: torch.Tensor | None = None  # the model's page buffer, mapped
         self.page_bytes = 0
         self.server_pid = 0
@@ -129,7 +130,7 @@ class ServerLink:
             try:
                 if not data:
                     raise TransferError("the server closed the connection during the handshake")
-                reader = wire.FrameReader(sock)
+                reader = wire.reader(sock)
                 reader.feed(data)
                 reply = reader.read()
                 if isinstance(reply, wire.Refused):

@@ -38,15 +38,13 @@ the connection held. Other connections never notice.
 
 from __future__ import annotations
 
-import contextlib
 import socket
-import time
 from typing import Any
 
 import msgspec
 
-from kvtier.errors import ProtocolError, TransferError, TransferTimeout
-from kvtier.framing import HEADER, Framing
+from kvtier.framing import HEADER as HEADER  # tests build frames by hand
+from kvtier.framing import FrameReader, Framing
 from kvtier.keys import RequestSalt
 
 MAGIC = b"KVS"
@@ -185,140 +183,11 @@ Message = Request | Reply
 
 FRAMING: Framing[Message] = Framing(MAGIC, VERSION, MAX_BODY_BYTES, Message)
 encode = FRAMING.encode
-parse_header = FRAMING.parse_header
-decode_body = FRAMING.decode_body
+send = FRAMING.send
 
 
-class FrameReader:
-    """Reads whole frames from a blocking socket, keeping any bytes past the current frame.
-
-    Deadlines are for whole frames, never per ``recv`` (a peer that trickles one byte at a
-    time must not hold a connection open forever)::
-
-        read(deadline)   the whole message must have arrived by ``deadline`` (monotonic)
-        read()           waiting for a frame to begin: the socket's idle timeout (None on
-                         the server after the Hello: a client may idle between requests);
-                         once its first byte came, the frame must be whole within
-                         ``stall_timeout`` (:data:`STALL_TIMEOUT_S`) of that byte
-
-    Missing a deadline raises :class:`ProtocolError` (the frame counts as truncated).
-    """
-
-    def __init__(self, sock: socket.socket, stall_timeout: float | None = None) -> None:
-        self.sock = sock
-        self._stall_timeout = stall_timeout
-        self._buf = bytearray()
-        self._idle_timeout = sock.gettimeout()
-        self._seen = False
-
-    @property
-    def stall_timeout(self) -> float:
-        """Seconds a frame may take from its first byte to its last."""
-        return STALL_TIMEOUT_S if self._stall_timeout is None else self._stall_timeout
-
-    @property
-    def started(self) -> bool:
-        """Whether any byte has arrived on this connection yet."""
-        return self._seen
-
-    def set_idle_timeout(self, timeout: float | None) -> None:
-        """How long to wait for a frame to begin (None: forever)."""
-        self._idle_timeout = timeout
-        self.sock.settimeout(timeout)
-
-    def feed(self, data: bytes) -> None:
-        """Bytes already taken off the socket (e.g. by ``recv_fds``) that belong to frames."""
-        self._buf += data
-
-    def read(self, deadline: float | None = None) -> Message | None:
-        """The next message, or None when the peer closed the connection between frames.
-        ``deadline``: see the class docstring."""
-        frame = _Deadline(deadline, self.stall_timeout)
-        try:
-            if self._buf:
-                frame.begin()
-            while len(self._buf) < HEADER.size:
-                if not self._recv(frame):
-                    if not self._buf:
-                        return None
-                    raise ProtocolError(
-                        f"truncated frame header ({len(self._buf)} bytes, then EOF)"
-                    )
-            length = parse_header(memoryview(self._buf)[: HEADER.size])
-            end = HEADER.size + length
-            while len(self._buf) < end:
-                if not self._recv(frame):
-                    got = len(self._buf) - HEADER.size
-                    raise ProtocolError(f"truncated frame body ({got} of {length} bytes, then EOF)")
-        finally:
-            self.sock.settimeout(self._idle_timeout)
-        body = bytes(memoryview(self._buf)[HEADER.size : end])
-        del self._buf[:end]
-        return decode_body(body)
-
-    def _recv(self, frame: _Deadline) -> bool:
-        sock = self.sock
-        try:
-            sock.settimeout(frame.left(self._idle_timeout))
-            data = sock.recv(1 << 16)
-        except TimeoutError:
-            raise ProtocolError(frame.missed()) from None
-        except OSError as exc:
-            raise TransferError(f"connection lost while receiving: {exc}") from None
-        if data:
-            self._buf += data
-            self._seen = True
-            frame.begin()
-        return bool(data)
-
-
-class _Deadline:
-    """When the frame being read must be whole: the caller's deadline, and ``stall`` seconds
-    after its first byte, whichever comes first."""
-
-    def __init__(self, deadline: float | None, stall: float) -> None:
-        self.deadline = deadline
-        self.stall = stall
-        self.at = deadline
-        self.begun = False
-
-    def begin(self) -> None:
-        if not self.begun:
-            self.begun = True
-            stalled = time.monotonic() + self.stall
-            self.at = stalled if self.at is None else min(self.at, stalled)
-
-    def left(self, idle: float | None) -> float | None:
-        """The timeout for the next ``recv``; ``idle`` until the frame begins (no deadline)."""
-        if self.at is None:
-            return idle
-        left = self.at - time.monotonic()
-        if left <= 0:
-            raise ProtocolError(self.missed())
-        return left
-
-    def missed(self) -> str:
-        if self.at is not None and self.at == self.deadline:
-            return "message not whole by its deadline"
-        if self.begun:
-            return f"frame stalled: not whole within {self.stall:g} s of its first byte"
-        return "no frame within the idle timeout"
-
-
-def send(sock: socket.socket, message: Message, deadline: float | None = None) -> None:
-    """Send ``message`` whole; with ``deadline`` (monotonic), by then or
-    :class:`TransferTimeout` (a peer that does not read its replies cannot hold a thread)."""
-    data = encode(message)
-    before = sock.gettimeout()
-    try:
-        if deadline is not None:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-        sock.sendall(data)
-    except TimeoutError:
-        raise TransferTimeout("peer did not accept a message in time") from None
-    except OSError as exc:
-        raise TransferError(f"connection lost while sending: {exc}") from None
-    finally:
-        if deadline is not None:
-            with contextlib.suppress(OSError):
-                sock.settimeout(before)
+def reader(sock: socket.socket, stall_timeout: float | None = None) -> FrameReader[Message]:
+    """A reader of this protocol's frames (:class:`~kvtier.framing.FrameReader`: deadlines
+    for whole frames); a frame begun must be whole within :data:`STALL_TIMEOUT_S`, read at
+    the call, unless ``stall_timeout`` says otherwise."""
+    return FrameReader(sock, FRAMING, STALL_TIMEOUT_S if stall_timeout is None else stall_timeout)

@@ -31,7 +31,7 @@ from kvtier.engine import Engine
 from kvtier.errors import CapacityError
 from kvtier.keys import RequestSalt
 from kvtier.server.models import ModelSlot
-from kvtier.storage.manager import StoreSlot
+from kvtier.storage.writes import StoreSlot
 
 
 @dataclass

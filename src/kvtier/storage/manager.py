@@ -29,19 +29,16 @@ Tier roles (the three modes LMCache users run, see README)::
 
 Store: each new chunk is copied once into a page; the CPU index (when visible) and each lower
 tier write own one reference each. A write's reference comes back through its completion
-callback, exactly once (``_WriteTicket``), so staging pages return to the free list as soon
-as the lower tier has the bytes.
+callback, exactly once (``WriteTicket``, :mod:`kvtier.storage.writes`), so staging pages
+return to the free list as soon as the lower tier has the bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,152 +52,10 @@ from kvtier.memory.block_pool import BlockPool
 from kvtier.storage.base import PutOutcome, PutResult, ReadAbandoned, Tier
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
+from kvtier.storage.plan import ENGINE, ChunkHit, LookupPlan, Source
+from kvtier.storage.writes import StoreSlot, WritesInFlight, WriteTicket
 
 log = logging.getLogger(__name__)
-
-
-class Skipped(enum.Enum):
-    """Where a chunk inside ``skip_leading_tokens`` is: the engine's caller already holds it,
-    so it is hashed, never loaded. A typed sentinel beside the tiers (``hit.tier is ENGINE``);
-    its ``name`` is ``"engine"``, so reports can name a hit's source the same way for both."""
-
-    engine = "engine"
-
-
-ENGINE = Skipped.engine
-Source = Tier | Skipped  # where a hit's bytes are: a tier, or already with the caller
-
-
-@dataclass(slots=True)
-class ChunkHit:
-    span: ChunkSpan
-    tier: Source
-    page: int | None = None  # set once the chunk's bytes are in a page this request holds
-    failed: bool = False  # a batched read of this chunk missed: the hit ends here
-
-
-class LookupPlan:
-    """The hit prefix of one lookup, pinned in the request's lease.
-
-    Kept as runs of chunks per tier (``runs``: tier, first chunk, end chunk) plus the CPU
-    pages, because a lookup of a long cached prompt must not build an object per chunk; the
-    per-chunk :class:`ChunkHit` list is made on first use of :attr:`hits` (by a retrieve,
-    where each chunk is copied anyway).
-    """
-
-    __slots__ = ("_hits", "_pages", "keys", "runs", "spans", "spare")
-
-    def __init__(
-        self,
-        spans: ChunkSpans,
-        runs: list[tuple[Source, int, int]],
-        pages: list[int | None],
-        hits: list[ChunkHit] | None = None,
-        spare: list[int] | None = None,
-    ) -> None:
-        self.spans = spans
-        self.keys: tuple[ChunkKey, ...] = tuple(spans.keys)
-        self.runs = runs  # (tier, first chunk, end chunk), consecutive from chunk 0
-        self._pages = pages  # by chunk: the CPU page the lease holds for it, or None
-        self._hits = hits
-        # Free pages the lease holds for this plan's lower-tier chunks to be read into.
-        self.spare: list[int] = spare if spare is not None else []
-
-    @property
-    def cpu_tokens(self) -> int:
-        """The end of the hit's leading run in the CPU tier (or held by the engine): what
-        loads without reading a lower tier."""
-        end = 0
-        for tier, _, last in self.runs:
-            if tier is not ENGINE and tier.name != "cpu":
-                break
-            end = last
-        return self.spans.end(end - 1) if end else 0
-
-    @property
-    def hit_chunks(self) -> int:
-        return self.runs[-1][2] if self.runs else 0
-
-    @property
-    def hit_tokens(self) -> int:
-        if self._hits is not None:
-            return self._hits[-1].span.end if self._hits else 0
-        n = self.hit_chunks
-        return self.spans.end(n - 1) if n else 0
-
-    @property
-    def hits(self) -> list[ChunkHit]:
-        if self._hits is None:
-            spans, pages = self.spans, self._pages
-            self._hits = [
-                ChunkHit(spans[i], tier, pages[i] if i < len(pages) else None)
-                for tier, first, end in self.runs
-                for i in range(first, end)
-            ]
-        return self._hits
-
-    @hits.setter
-    def hits(self, hits: list[ChunkHit]) -> None:
-        self._hits = hits
-        first = self.spans.first
-        self.runs = [(h.tier, h.span.index - first, h.span.index - first + 1) for h in hits]
-
-
-@dataclass(slots=True)
-class StoreSlot:
-    """One chunk a store will write: its page (reserved, not yet visible) and its owners-to-be."""
-
-    span: ChunkSpan
-    page: int
-    writers: list[Tier]  # lower tiers that lack the chunk
-    to_cpu: bool  # the CPU index lacks it (and is visible)
-
-
-class _WriteTicket:
-    """Owns one page reference for one lower-tier write; gives it back exactly once."""
-
-    __slots__ = ("_done", "_lock", "manager", "page", "tier")
-
-    def __init__(self, manager: StorageManager, tier: Tier, page: int) -> None:
-        self.manager = manager
-        self.tier = tier
-        self.page = page
-        self._done = False
-        self._lock = threading.Lock()
-        manager.writes_in_flight.open(page)
-
-    def __call__(self, result: PutResult) -> None:
-        with self._lock:
-            if self._done:
-                log.error("tier %s completed a write twice; ignoring the second", self.tier.name)
-                return
-            self._done = True
-        self.manager.writes_in_flight.close(self.page, self.manager.pool)
-        self.manager.counters.count_write(self.tier.name, result.outcome)
-
-
-class WritesInFlight:
-    """Page references held by lower-tier I/O in flight (writes, and reads that timed out
-    but still run), counted so that an invariant check can account for every reference
-    even while they are still landing."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.by_page: dict[int, int] = {}
-
-    def open(self, page: int) -> None:
-        with self.lock:
-            self.by_page[page] = self.by_page.get(page, 0) + 1
-
-    def close(self, page: int, pool: BlockPool) -> None:
-        # Release under the lock: a checker holding it sees the count and the refcount agree.
-        with self.lock:
-            left = self.by_page[page] - 1
-            if left:
-                self.by_page[page] = left
-            else:
-                del self.by_page[page]
-            pool.release([page])
 
 
 class StorageManager:
@@ -602,7 +457,7 @@ class StorageManager:
         payload = self.pool.page_bytes_view(page, self.layout.payload_bytes(span.num_tokens))
         for tier in writers:
             self.pool.retain([page])
-            ticket = _WriteTicket(self, tier, page)
+            ticket = WriteTicket(self.writes_in_flight, self.pool, self.counters, tier, page)
             try:
                 tier.put(span.key, payload, span.num_tokens, ticket)
             except Exception as exc:  # put must report through on_done; if it raised

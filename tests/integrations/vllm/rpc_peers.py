@@ -65,7 +65,7 @@ def impostor(path: str, uid: int, ready: Queue[Any]) -> None:
     ready.put(os.getuid())
     while True:
         conn, _ = listener.accept()
-        reader = rpc.FrameReader(conn)
+        reader = rpc.reader(conn)
         try:
             while (message := reader.read(time.monotonic() + 30)) is not None:
                 reply: rpc.Reply = rpc.Hit(1 << 20, 1 << 20)
@@ -86,7 +86,7 @@ def connect_as(uid: int, path: str, engine_id: str, out: Queue[Any]) -> None:
         sock.settimeout(10)
         sock.connect(path)
         sock.sendall(rpc.FRAMING.encode(rpc.Hello(rpc.VERSION, engine_id)))
-        out.put(repr(rpc.FrameReader(sock).read(time.monotonic() + 10)))
+        out.put(repr(rpc.reader(sock).read(time.monotonic() + 10)))
     except Exception as exc:
         out.put(f"{type(exc).__name__}: {exc}")
     finally:

@@ -136,7 +136,7 @@ def test_adapters_and_prompt_embeddings_key_apart_in_cpu_and_on_disk_after_a_res
         assert out == expected[(id(prompt), name)], label
         assert hit == want, label
     first.assert_clean()
-    assert first.probe is not None and first.probe.call("flush", 30.0) is True
+    assert first.probe is not None and first.probe.flush(30.0) is True
     instances.close()
 
     # A fresh vLLM on the same disk directory: the keys hold across the restart.

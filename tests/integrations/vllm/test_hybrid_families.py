@@ -234,7 +234,7 @@ def test_qwen3_next_states_at_chunk_ends_give_vllms_own_prefix_cache_tokens(
     first = set(disk.glob("*.kvc"))
     kv.llm.reset_prefix_cache()
     assert run(kv, P3) == (cold_p3, 0)
-    assert kv.probe is not None and kv.probe.call("flush", 30.0) is True
+    assert kv.probe is not None and kv.probe.flush(30.0) is True
     kv.assert_clean()
     hyb_instances.close()
 

@@ -101,7 +101,7 @@ def test_another_image_never_loads_the_first_images_kv_in_cpu_or_after_a_restart
         assert out == expected[picture], picture
         assert hit == may_load, picture
     first.assert_clean()
-    assert first.probe is not None and first.probe.call("flush", 30.0) is True
+    assert first.probe is not None and first.probe.flush(30.0) is True
     instances.close()
 
     second = instances.get("vlm-disk", lambda: kvtier_vlm(vlm_dir, "vlm-disk", tmp_path))

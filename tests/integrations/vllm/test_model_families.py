@@ -148,7 +148,7 @@ def test_family_hits_give_the_tokens_of_vllm_alone(
     before = set(disks[name].glob("*.kvc"))
     kv.llm.reset_prefix_cache()
     assert kv.generate([P3]) == [ref["p3"]]
-    assert kv.probe is not None and kv.probe.call("flush", 30.0) is True
+    assert kv.probe is not None and kv.probe.flush(30.0) is True
     kv.assert_clean()
     new = sorted(set(disks[name].glob("*.kvc")) - before)
     assert len(new) == 2  # P3's two chunks
@@ -294,7 +294,7 @@ def test_mla_latents_are_stored_and_served_where_vllm_can_prefill_on_them(
     assert delta(s1, s0, "stored_chunks") == 2  # P1's 2 chunks (P2 shares both)
     assert delta(s1, s0, "hit_tokens") == (512 if serves else 0)
     assert delta(s1, s0, "retrieved_tokens") == (512 if serves else 0)
-    assert kv.probe is not None and kv.probe.call("flush", 30.0) is True
+    assert kv.probe is not None and kv.probe.flush(30.0) is True
     kv.assert_clean()
     fam_instances.close()
     records = sorted(disks[name].glob("*.kvc"))

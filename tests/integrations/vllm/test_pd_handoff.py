@@ -81,7 +81,7 @@ def step(side: SchedulerSide, rid: str, blocks: list[int], computed: int, new: i
 def pd_used(worker: WorkerSide) -> int:
     client = LookupClient(worker.engine_id)
     try:
-        return int(client.call("stats")["tiers"]["pd"]["used_bytes"])
+        return int(client.stats()["tiers"]["pd"]["used_bytes"])
     finally:
         client.close()
 

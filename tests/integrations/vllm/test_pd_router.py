@@ -121,16 +121,16 @@ def test_openai_completion_then_a_prefix_hit_and_metrics(servers: Servers) -> No
         first = complete(url, words_for(shared + tokens(40, seed=51)))
         assert len(first["choices"][0]["text"].split()) == 4
         assert first["usage"]["prompt_tokens"] == 640
-        before = probe.call("stats")
+        before = probe.stats()
         assert before["hit_tokens"] == 0 and before["stored_chunks"] == 2
 
         assert post(f"{url}/reset_prefix_cache")["success"] is True
         second = complete(url, words_for(shared + tokens(70, seed=52)))
         assert second["usage"]["prompt_tokens"] == 670
-        after = probe.call("stats")
+        after = probe.stats()
         assert after["hit_tokens"] - before["hit_tokens"] == 512
         assert after["retrieved_tokens"] - before["retrieved_tokens"] == 512
-        assert probe.call("leaks") == [] and probe.call("check") == []
+        assert probe.leaks() == [] and probe.check() == []
         # kvtier's counters reach vLLM's own /metrics (through vLLM's connector stats).
         assert metric(url, "vllm:kvtier_hit_tokens_total") == 512
         assert metric(url, "vllm:kvtier_retrieved_tokens_total") == 512
@@ -148,12 +148,12 @@ def test_disaggregated_prefill_gives_the_single_instance_tokens(
             answer = complete(servers.router, words_for(PROMPTS[name]), max_tokens=MAX_TOKENS)
             words = [f"w{t - 3}" for t in reference[name][0] if t >= 3]  # specials print nothing
             assert answer["choices"][0]["text"].split() == words
-        stats = decoder.call("stats")
+        stats = decoder.stats()
         # a: 3 whole chunks, d: 2, all received from the prefiller (the decoder never saves)
         assert stats["hit_tokens_by_tier"].get("pd") == 768 + 512
         assert stats["retrieved_tokens"] == 768 + 512
         assert stats["stored_chunks"] == 0
-        assert decoder.call("leaks") == [] and decoder.call("check") == []
+        assert decoder.leaks() == [] and decoder.check() == []
         # Both leases ended (the request's and the transfer's): the buffer is free again.
         assert stats["tiers"]["pd"]["used_bytes"] == 0
         # The same on vLLM's /metrics: the decoder loaded what the prefiller sent.
@@ -162,9 +162,9 @@ def test_disaggregated_prefill_gives_the_single_instance_tokens(
         # Streamed: the router streams the decoder's answer; the same tokens, the same end.
         words = [f"w{t - 3}" for t in reference["e"][0] if t >= 3]
         assert streamed(servers.router, words_for(PROMPTS["e"])).split() == words
-        stats = decoder.call("stats")
+        stats = decoder.stats()
         assert stats["hit_tokens_by_tier"]["pd"] == 768 + 512 + 512  # e: 2 whole chunks
-        assert stats["tiers"]["pd"]["used_bytes"] == 0 and decoder.call("leaks") == []
+        assert stats["tiers"]["pd"]["used_bytes"] == 0 and decoder.leaks() == []
     finally:
         decoder.close()
 
@@ -230,7 +230,7 @@ def test_a_prefiller_killed_mid_request_leaves_the_decoder_holding_nothing(
     try:
 
         def buffered() -> int:
-            return int(decoder.call("stats")["tiers"]["pd"]["used_bytes"])
+            return int(decoder.stats()["tiers"]["pd"]["used_bytes"])
 
         assert wait_until(lambda: buffered() == 0, RESERVATION_TTL_S + 20)
         client = threading.Thread(target=ask, daemon=True)
@@ -243,10 +243,10 @@ def test_a_prefiller_killed_mid_request_leaves_the_decoder_holding_nothing(
         assert not client.is_alive()
         assert len(errors) == 1 and errors[0] >= 500
         deadline = time.monotonic() + RESERVATION_TTL_S + 20  # the TTL, then a watchdog tick
-        while time.monotonic() < deadline and (decoder.call("leaks") or buffered()):
+        while time.monotonic() < deadline and (decoder.leaks() or buffered()):
             time.sleep(0.2)
-        assert decoder.call("leaks") == [] and decoder.call("check") == []
-        assert decoder.call("stats")["tiers"]["pd"]["used_bytes"] == 0
+        assert decoder.leaks() == [] and decoder.check() == []
+        assert decoder.stats()["tiers"]["pd"]["used_bytes"] == 0
     finally:
         decoder.close()
 

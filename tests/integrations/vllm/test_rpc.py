@@ -24,7 +24,7 @@ import pytest
 
 from kvtier.errors import AuthError, InputError, StateError, TransferError, TransferTimeout
 from kvtier.integrations.vllm import rpc
-from kvtier.integrations.vllm.rpc import LookupClient, LookupServer
+from kvtier.integrations.vllm.rpc import Hit, LookupClient, LookupServer
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from tests.integrations.vllm.rpc_peers import MemoryHandler, connect_as, impostor, serve_worker
 from tests.server.conftest import SPAWN
@@ -62,17 +62,15 @@ def ask(scheduler: SchedulerSide, rid: str = "r") -> tuple[int, bool]:
 def test_typed_calls_round_trip(served: tuple[LookupServer, str], directory: str) -> None:
     _server, engine_id = served
     client = LookupClient(engine_id, directory=directory)
-    assert client.lookup("a", TOKENS, "tenant-a") == (64, 32)
-    assert client.call("lookup", "b", TOKENS) == (64, 32)
+    assert client.lookup("a", TOKENS, "tenant-a") == Hit(64, 32)
+    assert client.lookup("b", TOKENS) == Hit(64, 32)
     assert [leak.request_id for leak in client.leaks()] == ["a", "b"]
-    assert client.end("a") is True and client.call("end", "a") is False
+    assert client.end("a") is True and client.end("a") is False
     assert client.stats()["open"] == 1 and client.check() == [] and client.clear() == {"cpu": 0}
     assert client.flush(1.0) is True
     for bad in (math.nan, -5.0, math.inf):
         with pytest.raises(InputError, match="flush timeout"):
             client.flush(bad)
-    with pytest.raises(InputError, match="unknown kvtier channel op"):
-        client.call("nonsense")
     client.close()
 
 
@@ -84,7 +82,7 @@ def test_a_flush_with_a_bad_timeout_on_the_wire_is_refused(
     sock = hello(server, engine_id)
     for bad in (math.nan, -5.0):
         sock.sendall(rpc.FRAMING.encode(rpc.Flush(bad)))
-        reply = rpc.FrameReader(sock).read(time.monotonic() + 5)
+        reply = rpc.reader(sock).read(time.monotonic() + 5)
         assert isinstance(reply, rpc.Failed) and "flush timeout" in reply.message
     sock.close()
 
@@ -94,7 +92,7 @@ def hello(server: LookupServer, engine_id: str) -> socket.socket:
     sock.settimeout(10)
     sock.connect(str(server.path))
     sock.sendall(rpc.FRAMING.encode(rpc.Hello(rpc.VERSION, engine_id)))
-    assert isinstance(rpc.FrameReader(sock).read(time.monotonic() + 5), rpc.Welcome)
+    assert isinstance(rpc.reader(sock).read(time.monotonic() + 5), rpc.Welcome)
     return sock
 
 
@@ -182,7 +180,7 @@ def test_a_squatted_default_directory_is_stepped_around_by_both_ends(
     late = threading.Timer(0.3, lambda: opened.append(LookupServer(engine_id, 0, handler).open()))
     late.start()
     try:
-        assert client.lookup("r", TOKENS) == (handler.hit, handler.cpu)
+        assert client.lookup("r", TOKENS) == Hit(handler.hit, handler.cpu)
         late.join()
         (server,) = opened
         moved = str(server.path.parent)
@@ -240,7 +238,7 @@ def test_a_worker_of_another_uid_is_never_trusted(directory: str) -> None:
             client.lookup("r", TOKENS)
         assert ask(scheduler_for(client)) == (0, False)
         trusting = LookupClient(engine_id, directory=directory, peer_uid=NOBODY)
-        assert trusting.lookup("r", TOKENS) == (1 << 20, 1 << 20)  # a configured uid is ok
+        assert trusting.lookup("r", TOKENS) == Hit(1 << 20, 1 << 20)  # a configured uid is ok
     finally:
         child.kill()
         child.join(10)
@@ -261,7 +259,7 @@ def test_a_client_of_another_uid_is_refused(
     child.join(10)
     assert "Welcome" not in got and server.refused == 1, got
     os.chmod(directory, 0o700)  # a client refuses a directory others can reach
-    assert LookupClient(engine_id, directory=directory).lookup("r", TOKENS) == (64, 32)
+    assert LookupClient(engine_id, directory=directory).lookup("r", TOKENS) == Hit(64, 32)
 
 
 @pytest.fixture
@@ -299,7 +297,7 @@ def test_a_paused_worker_makes_every_call_fail_in_bounded_time(
     client works again."""
     child, engine_id = worker_process
     client = LookupClient(engine_id, directory=directory, timeout=1.0)
-    assert client.lookup("warm", TOKENS) == (64, 32)
+    assert client.lookup("warm", TOKENS) == Hit(64, 32)
     os.kill(child.pid, signal.SIGSTOP)
     wait_stopped(child.pid)
     slack = 8.0  # the machine is loaded; the point is "returns", not how fast
@@ -330,7 +328,7 @@ def test_a_paused_worker_makes_every_call_fail_in_bounded_time(
     deadline = time.monotonic() + 30
     while True:
         try:
-            assert client.lookup("back", TOKENS, timeout=5.0) == (64, 32)
+            assert client.lookup("back", TOKENS, timeout=5.0) == Hit(64, 32)
             break
         except TransferTimeout:
             assert time.monotonic() < deadline
@@ -349,7 +347,7 @@ def test_silent_connections_do_not_block_accepts(
         silent.append(sock)
     started = time.monotonic()
     client = LookupClient(engine_id, directory=directory, timeout=10.0)
-    assert client.lookup("r", TOKENS) == (64, 32)
+    assert client.lookup("r", TOKENS) == Hit(64, 32)
     assert time.monotonic() - started < rpc.HELLO_TIMEOUT_S  # not behind the silent ones
     for sock in silent:
         sock.settimeout(rpc.HELLO_TIMEOUT_S + 20)
@@ -362,7 +360,7 @@ def test_garbage_frames_close_only_that_connection(
 ) -> None:
     server, engine_id = served
     client = LookupClient(engine_id, directory=directory)
-    assert client.lookup("r", TOKENS) == (64, 32)
+    assert client.lookup("r", TOKENS) == Hit(64, 32)
     bodies = [
         b"GET / HTTP/1.1\r\n\r\n",
         rpc.HEADER.pack(rpc.MAGIC, rpc.VERSION, 1 << 30),  # announces 1 GiB
@@ -377,7 +375,7 @@ def test_garbage_frames_close_only_that_connection(
         sock.sendall(body)
         assert sock.recv(1 << 16) == b"", body  # closed, no answer
         sock.close()
-    assert client.lookup("r2", TOKENS) == (64, 32)  # the good connection never noticed
+    assert client.lookup("r2", TOKENS) == Hit(64, 32)  # the good connection never noticed
 
 
 def test_a_version_mismatch_is_refused_with_a_reason(
@@ -392,7 +390,7 @@ def test_a_version_mismatch_is_refused_with_a_reason(
         sock.settimeout(10)
         sock.connect(str(server.path))
         sock.sendall(rpc.FRAMING.encode(hello_msg))
-        reply = rpc.FrameReader(sock).read(time.monotonic() + 5)
+        reply = rpc.reader(sock).read(time.monotonic() + 5)
         assert isinstance(reply, rpc.Refused) and reason in reply.reason
         sock.close()
 

@@ -152,7 +152,7 @@ def test_cpu_tier_hits_give_the_same_tokens(
     prompts = [PROMPTS["c"], PROMPTS["d"], PROMPTS["e"]]
     assert main.generate(prompts) == reference["c"] + reference["d"] + reference["e"]
     main.assert_clean()
-    assert main.probe is not None and main.probe.call("flush", 30.0) is True
+    assert main.probe is not None and main.probe.flush(30.0) is True
     # "e" stays in Redis only, so the fresh instance must get it from there.
     for index in range(2):
         chunk_file(disk_dir, model_dir, PROMPTS["e"], index).unlink()
@@ -321,8 +321,8 @@ def test_lifecycle_aborts_preemption_chunked_prefill(
     # The whole CPU buffer is reusable: with nothing pinned and the lower-tier writes landed
     # (a write in flight holds its staging page until its callback), clearing frees every page.
     assert small.probe is not None
-    assert small.probe.call("flush", 30.0) is True
-    small.probe.call("clear")
+    assert small.probe.flush(30.0) is True
+    small.probe.clear()
     alloc = small.stats()["allocator"]
     assert alloc["pages_free"] == alloc["pages_total"]
 

@@ -114,7 +114,7 @@ def push_out_of_cpu(instance: VllmInstance) -> None:
     only."""
     seeds = [next(_FILLER_SEEDS) for _ in range(2)]
     generate(instance, {f"fill{seed}": tokens(800, seed=seed) for seed in seeds})
-    assert instance.probe is not None and instance.probe.call("flush", 30.0) is True
+    assert instance.probe is not None and instance.probe.flush(30.0) is True
 
 
 @pytest.mark.timeout(600, func_only=True)

@@ -72,7 +72,7 @@ def test_second_vllm_hits_what_the_first_stored_in_the_server(
     assert first.generate([PROMPTS[n] for n in FIRST]) == [reference[n][0] for n in FIRST]
     stored = first.stats()
     assert stored["connected"] and stored["stored_chunks"] == 3 + 2
-    assert first.probe is not None and first.probe.call("check") == []
+    assert first.probe is not None and first.probe.check() == []
     instances.close()  # this vLLM is gone; what it stored stays in the server
 
     checker = _checker(model_dir, kvserver.url)
@@ -97,7 +97,7 @@ def test_second_vllm_hits_what_the_first_stored_in_the_server(
         assert idle_server_state(checker) == IDLE  # every request ended while it runs
         assert second.probe is not None
         with pytest.raises(TransferError, match="kvtier server"):
-            second.probe.call("clear")  # the server's admin API clears, not a vLLM worker
+            second.probe.clear()  # the server's admin API clears, not a vLLM worker
         instances.close()
 
         wait_until(lambda: checker.stats()["open_requests"] == 0, what="no lease left")

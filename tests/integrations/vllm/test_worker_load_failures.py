@@ -74,7 +74,7 @@ def test_a_checksum_failure_mid_load_reports_exactly_the_blocks_from_that_chunk_
     corrupt_chunk(worker, tmp_path, 1)  # the second of three chunks: tokens 32..63
     client = LookupClient(worker.engine_id)
     try:
-        assert client.call("lookup", "r", TOKENS)[0] == 96  # the index cannot know yet
+        assert client.lookup("r", TOKENS).tokens == 96  # the index cannot know yet
         worker.load(KVTierMetadata(loads=[LoadSpec("r", TOKENS, DST, 0, 96, async_load)]))
         if async_load:
             wait_finished(worker, "r")
@@ -88,7 +88,7 @@ def test_a_checksum_failure_mid_load_reports_exactly_the_blocks_from_that_chunk_
             assert not layer[DST[2:]].any()  # nothing of the bad chunk or after it landed
         assert worker.engine is not None
         assert worker.engine.tier("disk").counters.corrupt == 1  # type: ignore[union-attr]
-        assert client.call("end", "r") is True
+        assert client.end("r") is True
         assert worker.engine.leaks() == [] and worker.engine.check_invariants() == []
     finally:
         client.close()
@@ -106,13 +106,13 @@ def test_a_background_load_that_crashes_fails_every_block_it_was_to_fill(
     blocks = [40, 41, 10_000, 43, 44, 45, 46]
     client = LookupClient(worker.engine_id)
     try:
-        assert client.call("lookup", "c", TOKENS)[0] == 96
+        assert client.lookup("c", TOKENS).tokens == 96
         worker.load(KVTierMetadata(loads=[LoadSpec("c", TOKENS, blocks, 16, 96, True)]))
         wait_finished(worker, "c")
         assert worker.failed_blocks() == set(blocks[16 // BLOCK :])
         assert worker.short_loads() == {"c": 16}
         assert worker.finished_loads() == set() and worker.failed_blocks() == set()  # taken
-        assert client.call("end", "c") is True
+        assert client.end("c") is True
         assert worker.engine is not None
         assert worker.engine.leaks() == [] and worker.engine.check_invariants() == []
     finally:

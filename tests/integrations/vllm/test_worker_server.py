@@ -14,7 +14,7 @@ import torch
 from kvtier.config import Config
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
-from kvtier.integrations.vllm.rpc import LookupClient
+from kvtier.integrations.vllm.rpc import Hit, LookupClient
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.layout import KVLayout
 from kvtier.server.client import ServerClient
@@ -78,8 +78,8 @@ def test_one_worker_loads_what_another_saved_and_leases_end_once(kvserver: Serve
 
         # the same vLLM request id in both workers: two leases, one per connection
         # the CPU share crosses the server too (wire.Hit): a CPU hit loads in the step
-        assert a.call("lookup", "same", tokens) == (64, 64)
-        assert b.call("lookup", "same", tokens) == (64, 64)
+        assert a.lookup("same", tokens) == Hit(64, 64)
+        assert b.lookup("same", tokens) == Hit(64, 64)
         assert checker.stats()["open_requests"] == 2
         assert checker.stats()["pinned_pages"] == 4
 
@@ -89,14 +89,14 @@ def test_one_worker_loads_what_another_saved_and_leases_end_once(kvserver: Serve
             assert torch.equal(mine[[20, 21, 22, 23]], theirs[[3, 4, 5, 6]])
         assert second.failed_blocks() == set() and second.short_loads() == {}
 
-        assert a.call("end", "same") is True
+        assert a.end("same") is True
         assert checker.stats()["open_requests"] == 1  # b's lease of "same" is its own
-        assert b.call("end", "same") is True
-        assert b.call("end", "same") is False  # ended exactly once
+        assert b.end("same") is True
+        assert b.end("same") is False  # ended exactly once
         assert idle_server_state(checker) == IDLE
 
         # a worker that goes away with a lease open releases it in the server
-        assert b.call("lookup", "open", tokens) == (64, 64)
+        assert b.lookup("open", tokens) == Hit(64, 64)
         assert checker.stats()["pinned_pages"] == 2
         b.close()
         second.close()
@@ -104,7 +104,7 @@ def test_one_worker_loads_what_another_saved_and_leases_end_once(kvserver: Serve
         wait_until(lambda: checker.stats()["open_requests"] == 0, what="the lease released")
         assert idle_server_state(checker) == IDLE
         with pytest.raises(Exception, match="kvtier server"):
-            a.call("leaks")
+            a.leaks()
     finally:
         a.close()
         b.close()
@@ -168,16 +168,16 @@ def test_a_cache_salt_crosses_the_server(kvserver: ServerProcess) -> None:
         fill(first, [3, 4, 5, 6], seed=8)
         spec = SaveSpec("s", tokens[:64], [3, 4, 5, 6], 0, 64, None, "tenant-A")
         first.save(KVTierMetadata(saves=[spec]))
-        assert client.call("lookup", "b", tokens, "tenant-B")[0] == 0
-        assert client.call("lookup", "n", tokens)[0] == 0
-        assert client.call("lookup", "a", tokens, "tenant-A")[0] == 64
+        assert client.lookup("b", tokens, "tenant-B").tokens == 0
+        assert client.lookup("n", tokens).tokens == 0
+        assert client.lookup("a", tokens, "tenant-A").tokens == 64
         load = LoadSpec("a", tokens, [20, 21, 22, 23], 0, 64, cache_salt="tenant-A")
         second.load(KVTierMetadata(loads=[load]))
         assert second.paged is not None and first.paged is not None
         for mine, theirs in zip(second.paged.layers, first.paged.layers, strict=True):
             assert torch.equal(mine[[20, 21, 22, 23]], theirs[[3, 4, 5, 6]])
         for rid in ("a", "b", "n"):
-            client.call("end", rid)
+            client.end(rid)
         assert idle_server_state(checker) == IDLE
     finally:
         client.close()

@@ -17,11 +17,10 @@ import pytest
 import torch
 
 from kvtier.config import Config
-from kvtier.errors import InputError
 from kvtier.integrations.vllm.events import block_names, to_vllm
 from kvtier.integrations.vllm.groups import ModelGroups, VllmGroup
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
-from kvtier.integrations.vllm.rpc import LookupClient
+from kvtier.integrations.vllm.rpc import Hit, LookupClient
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.keys import ExtraKeys
@@ -118,14 +117,12 @@ def test_a_load_for_an_ended_request_is_skipped_and_reported(worker: WorkerSide)
     fill(worker, [1, 2, 3, 4], seed=2)
     worker.save(KVTierMetadata(saves=[SaveSpec("a", tokens, [1, 2, 3, 4], 0, 64)]))
     client = LookupClient(worker.engine_id)
-    assert client.call("lookup", "b", tokens) == (64, 64)  # hit, of which in the CPU tier
-    assert client.call("end", "b") is True
+    assert client.lookup("b", tokens) == Hit(64, 64)  # hit, of which in the CPU tier
+    assert client.end("b") is True
     worker.load(KVTierMetadata(loads=[LoadSpec("b", tokens, [9, 10, 11, 12], 0, 48)]))
     assert worker.failed_blocks() == {9, 10, 11}
     assert worker.short_loads() == {"b": 0}
-    assert client.call("leaks") == []  # the late load opened no lease
-    with pytest.raises(InputError, match="unknown kvtier channel op"):
-        client.call("nonsense")
+    assert client.leaks() == []  # the late load opened no lease
     client.close()
 
 
@@ -226,11 +223,11 @@ def test_an_end_during_a_load_waits_for_it(worker: WorkerSide) -> None:
     fill(worker, [1, 2, 3, 4], seed=5)
     worker.save(KVTierMetadata(saves=[SaveSpec("a", tokens, [1, 2, 3, 4], 0, 64)]))
     client = LookupClient(worker.engine_id)
-    assert client.call("lookup", "b", tokens)[0] == 64
+    assert client.lookup("b", tokens).tokens == 64
     assert worker.engine is not None
     with worker.engine.loading("b") as live:  # a load of b is running...
         assert live
-        assert client.call("end", "b") is True  # ...so the end is deferred:
+        assert client.end("b") is True  # ...so the end is deferred:
         assert worker.engine.stats()["pinned_pages"] == 2  # the pins stay while it copies
     assert worker.engine.stats()["pinned_pages"] == 0 and worker.engine.leaks() == []
     with worker.engine.loading("b") as live:
@@ -282,8 +279,8 @@ def test_counter_deltas_report_each_increase_once_and_nothing_on_idle_steps(
     assert worker.counter_deltas() == {"stored_chunks": 2}
     assert worker.counter_deltas() == {}  # a decode step: nothing moved
     client = LookupClient(worker.engine_id)
-    assert client.call("lookup", "t", tokens)[0] == 64
-    client.call("end", "t")
+    assert client.lookup("t", tokens).tokens == 64
+    client.end("t")
     client.close()
     assert worker.counter_deltas() == {
         "lookups": 1,
@@ -391,9 +388,9 @@ def test_a_load_that_fails_is_never_offered_again() -> None:
             fill(second, [3, 4, 5, 6], seed=12)
             second.save(KVTierMetadata(saves=[SaveSpec("w2", tokens[:64], [3, 4, 5, 6], 0, 64)]))
             probe = LookupClient(second.engine_id)
-            assert probe.call("lookup", "other", tokens) == (64, 64)
-            assert probe.call("lookup", "r", tokens) == (0, 0)
-            probe.call("end", "other")
+            assert probe.lookup("other", tokens) == Hit(64, 64)
+            assert probe.lookup("r", tokens) == Hit(0, 0)
+            probe.end("other")
             probe.close()
             scheduler.finished("r")
             assert second.engine.leaks() == [] and second.engine.check_invariants() == []

@@ -110,17 +110,17 @@ class VllmInstance:
 
     def stats(self) -> dict[str, Any]:
         assert self.probe is not None
-        return dict(self.probe.call("stats"))
+        return dict(self.probe.stats())
 
     def assert_clean(self, wait_s: float = 0.0) -> None:
         """No request holds anything and every reference has an owner. ``wait_s``: an abort
         is asynchronous (the client does not wait for the engine core), so give it time."""
         assert self.probe is not None
         deadline = time.monotonic() + wait_s
-        while self.probe.call("leaks") and time.monotonic() < deadline:
+        while self.probe.leaks() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert self.probe.call("leaks") == []
-        assert self.probe.call("check") == []
+        assert self.probe.leaks() == []
+        assert self.probe.check() == []
         stats = self.stats()
         assert stats["open_requests"] == 0 and stats["pinned_pages"] == 0
 

@@ -9,10 +9,11 @@ vLLM's scheduling decisions into per-step load and save specs. Per request it re
                request (lookup, load, save, PD, events), as vLLM keys its own blocks
     uncached   why kvtier neither looks the request up nor saves it (something it cannot
                key: it fails closed), or None
-    hit        tokens kvtier holds and has pinned for this request (asked once; the pin
-               lives in the worker's lease until the request ends)
-    cpu_hit    the part of it in the CPU tier: a load reaching beyond it (disk, Redis) is
-               asynchronous, the request waits and the batch keeps stepping
+    hit        the workers' :class:`~.rpc.Hit`, asked once: ``tokens`` kvtier holds and has
+               pinned for this request (the pin lives in the worker's lease until the
+               request ends), and ``cpu_tokens``, the part of it in the CPU tier: a load
+               reaching beyond it (disk, Redis) is asynchronous, the request waits and
+               the batch keeps stepping
     local      tokens vLLM's own prefix cache supplied (whole blocks) when it last asked
     block_ids  the request's block table (first KV cache group)
     tables     with vLLM's hybrid KV cache manager and several KV-cache groups: every
@@ -82,7 +83,7 @@ from kvtier.integrations.vllm.metadata import (
     LoadSpec,
     SaveSpec,
 )
-from kvtier.integrations.vllm.rpc import LookupClient
+from kvtier.integrations.vllm.rpc import Hit, LookupClient
 from kvtier.keys import ExtraKeys, RequestSalt
 from kvtier.repeated_log import RepeatedLog
 
@@ -96,8 +97,7 @@ class _Request:
     tokens: list[int]
     salt: RequestSalt | None = None
     uncached: str | None = None
-    hit: int | None = None
-    cpu_hit: int = 0
+    hit: Hit | None = None  # the workers' answer, asked once
     local: int = 0
     load_async: bool = False
     block_ids: list[int] = field(default_factory=list)
@@ -162,13 +162,14 @@ class SchedulerSide:
         if not self.loads or len(state.tokens) < 2 or state.uncached is not None:
             return 0, False
         if state.hit is None:
-            state.hit, state.cpu_hit = self._lookup(rid, state.tokens, state.salt)
+            state.hit = self._lookup(rid, state.tokens, state.salt)
             if state.transfer_id is None or not self.saves:
                 # Chunks kvtier holds need no save; a prefiller still sends them all.
-                state.saved = max(state.saved, state.hit // self.chunk_size * self.chunk_size)
+                held = state.hit.tokens // self.chunk_size * self.chunk_size
+                state.saved = max(state.saved, held)
         last = len(state.tokens) - 1
-        usable = min(state.hit, last) // self._unit * self._unit
-        in_cpu = min(state.cpu_hit, last) // self._unit * self._unit
+        usable = min(state.hit.tokens, last) // self._unit * self._unit
+        in_cpu = min(state.hit.cpu_tokens, last) // self._unit * self._unit
         new = max(0, usable - num_computed_tokens)
         state.load_async = new > 0 and (
             self.all_async or (self.async_lower_loads and usable > max(in_cpu, num_computed_tokens))
@@ -250,11 +251,10 @@ class SchedulerSide:
             state = self._requests.get(rid)
             if state is not None:
                 state.saved = min(state.saved, loaded // self.chunk_size * self.chunk_size)
-                if state.hit is not None and loaded < state.hit:
+                if state.hit is not None and loaded < state.hit.tokens:
                     # Never offer again what failed to load (a request whose load failed as
                     # a whole, with several KV-cache groups, is asked again from scratch).
-                    state.hit = loaded
-                    state.cpu_hit = min(state.cpu_hit, loaded)
+                    state.hit = Hit(loaded, min(state.hit.cpu_tokens, loaded))
 
     def finished(self, request_id: str, params: Any = None) -> dict[str, Any] | None:
         """The request ended, however: release what its lookup pinned, in every worker.
@@ -388,14 +388,13 @@ class SchedulerSide:
             self._requests[new.req_id] = state
         return state
 
-    def _lookup(self, rid: str, tokens: list[int], salt: RequestSalt | None) -> tuple[int, int]:
-        """(hit, of which in CPU) that every worker holds (the smallest); a worker that
+    def _lookup(self, rid: str, tokens: list[int], salt: RequestSalt | None) -> Hit:
+        """The hit (and of it, in CPU) that every worker holds (the smallest); a worker that
         fails means no hit."""
-        hits: list[tuple[int, int]] = []
+        hits: list[Hit] = []
         for client in self.clients:
             try:
-                hit, cpu_hit = client.lookup(rid, tokens, salt)
-                hits.append((int(hit), int(cpu_hit)))
+                hits.append(client.lookup(rid, tokens, salt))
             except KVTierError as exc:  # whatever the channel met: a miss, never an exception
                 self._complaints.warning(
                     ("lookup", client.path),
@@ -403,10 +402,12 @@ class SchedulerSide:
                     rid,
                     exc,
                 )
-                hits.append((0, 0))
+                hits.append(Hit(0, 0))
+        if len(hits) == 1:
+            return hits[0]  # one worker (no tensor parallelism): its answer as it came
         if not hits:
-            return 0, 0
-        return min(h for h, _ in hits), min(c for _, c in hits)
+            return Hit(0, 0)
+        return Hit(min(h.tokens for h in hits), min(h.cpu_tokens for h in hits))
 
     def _add_specs(self, meta: KVTierMetadata, rid: str, state: _Request, done: int) -> None:
         if state.load is not None:
