@@ -351,7 +351,7 @@ def test_a_chats_next_turn_loads_the_answer_kvtier_saved(
     loaded = small.generate([second])[0]
     assert delta(small.stats(), before, "retrieved_tokens") == 2 * CHUNK
     assert small.probe is not None
-    small.probe.call("clear")
+    small.probe.clear()
     small.llm.reset_prefix_cache()
     before = small.stats()
     assert small.generate([second])[0] == loaded
