@@ -6,7 +6,7 @@ lost), so the gate trains a model that really recalls, once per machine, and cac
     RecallModelSpec ──hash──> <cache dir>/recall-<sha256[:16]>.pt
        (task, model size, schedule, seed)     present: loaded;  absent: trained, then saved
 
-Training (measured on a 2-core x86-64 box with one torch thread: about 100 s):
+Training (measured on a shared 2-core x86-64 box with one torch thread: 100 to 150 s):
 
     phase 1   ``short_steps``  batches of a 64-token context, 64 queries each  (the
               attention learns to find the fact: cheap, short sequences)
