@@ -35,6 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvtier.service", "kvtier.server"),
     ("kvtier.integrations",),
     ("kvtier.testing",),  # fixtures built in code: used by demo, bench, cli and the tests
+    ("kvtier.quality",),  # the codec quality gate: a trained model over integrations
     ("kvtier.demo", "kvtier.bench", "kvtier.cli", "kvtier"),
 )
 
