@@ -96,25 +96,24 @@ def coders(size: int) -> dict[str, tuple[Callable[[np.ndarray], bytes], Callable
     return out
 
 
+def report(label: str, kv: torch.Tensor) -> None:
+    raw = kv.reshape(-1).view(torch.uint8).numpy()
+    copy = np.empty_like(raw)
+    memcpy = raw.nbytes / best(lambda: np.copyto(copy, raw)) / 1e9
+    print(f"{label} {kv.dtype} {raw.nbytes / 2**20:.1f} MiB, memcpy {memcpy:.1f} GB/s")
+    for name, (enc, dec) in coders(kv.element_size()).items():
+        stored = enc(raw)
+        e = raw.nbytes / best(lambda enc=enc: enc(raw)) / 1e9
+        d = raw.nbytes / best(lambda dec=dec, stored=stored: dec(stored)) / 1e9
+        ratio = raw.nbytes / len(stored)
+        print(f"  {name:22s} ratio {ratio:.3f}  enc {e:5.2f}  dec {d:5.2f} GB/s")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     for dtype in (torch.bfloat16, torch.float32):
-        sources = {
-            "tiny-llama": tiny_llama_kv(dtype),
-            "synthetic": synthetic_kv(KVLayout(8, 8, 128, dtype), 256),
-        }
-        for label, kv in sources.items():
-            raw = kv.reshape(-1).view(torch.uint8).numpy()
-            copy = np.empty_like(raw)
-            memcpy = raw.nbytes / best(lambda: np.copyto(copy, raw)) / 1e9
-            print(f"{label} {dtype} {raw.nbytes / 2**20:.1f} MiB, memcpy {memcpy:.1f} GB/s")
-            for name, (enc, dec) in coders(kv.element_size()).items():
-                stored = enc(raw)
-                e = raw.nbytes / best(lambda: enc(raw)) / 1e9
-                d = raw.nbytes / best(lambda: dec(stored)) / 1e9
-                print(
-                    f"  {name:22s} ratio {raw.nbytes / len(stored):.3f}  enc {e:5.2f}  dec {d:5.2f} GB/s"
-                )
+        report("tiny-llama", tiny_llama_kv(dtype))
+        report("synthetic", synthetic_kv(KVLayout(8, 8, 128, dtype), 256))
 
 
 if __name__ == "__main__":
