@@ -51,3 +51,17 @@ def _rope(x: torch.Tensor) -> torch.Tensor:
     cos, sin = angle.cos(), angle.sin()
     a, b = x[..., :half], x[..., half : 2 * half]
     return torch.cat([a * cos - b * sin, a * sin + b * cos, x[..., 2 * half :]], -1)
+
+
+def kv_page(layout: KVLayout, tokens: int, seed: int = 0) -> torch.Tensor:
+    """The synthetic KV of one chunk as the flat bytes of its page."""
+    return synthetic_kv(layout, tokens, seed).reshape(-1).view(torch.uint8)
+
+
+def reads_back(lossless: bool, layout: KVLayout, got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether a page read through a codec is what was stored: the same bytes for a
+    lossless codec, within 5 % relative L2 error (of the layout's dtype) for a lossy one."""
+    if lossless:
+        return torch.equal(got, want)
+    a, b = got.view(layout.dtype).float(), want.view(layout.dtype).float()
+    return bool(a.isfinite().all()) and float((a - b).norm() / b.norm()) < 0.05
