@@ -52,7 +52,7 @@ class LosslessCodec(PayloadCodec):
             nbytes, _, _ = blosc2.get_cbuffer_sizes(stored)
             if nbytes != out.nbytes:
                 raise CorruptRecord(f"lossless frame holds {nbytes} bytes, expected {out.nbytes}")
-            written = blosc2.decompress2(stored, dst=np.frombuffer(out, dtype=np.uint8))
+            written = blosc2.decompress2(stored, dst=np.frombuffer(out, dtype=np.uint8), nthreads=1)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise CorruptRecord(f"lossless frame does not decode: {exc}") from None
         return out.nbytes if written is None else int(written)
