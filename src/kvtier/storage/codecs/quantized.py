@@ -33,14 +33,16 @@ by the record before decode runs.
 
 A lossy codec changes what a reader gets back: a tier writing one runs under a fingerprint
 that names it (:func:`kvtier.storage.codecs.tier_fingerprint`), so a reader configured with
-another codec never takes these chunks as its own. The work is torch ops on views of the
-page (no Python loop over elements; torch releases the GIL inside each op).
+another codec never takes these chunks as its own. The work is torch and numpy ops on views
+of the page, a few layers at a time (both release the GIL inside each op); Python loops
+only over those blocks of layers.
 """
 
 from __future__ import annotations
 
 import struct
 import warnings
+from abc import abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,11 +127,13 @@ class QuantizedCodec(PayloadCodec):
     unit = 1.0  # what _dequantize's values are to be multiplied by (folded into the scales)
     keys_per_channel: bool  # else keys are scaled per token and head, as values are
 
+    @abstractmethod
     def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Float32 values within +-qmax to their bytes (uint8, same shape)."""
 
+    @abstractmethod
     def _dequantize(self, q: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Bytes (uint8) to float32 values over ``unit``, a new tensor."""
 
     # -- sizes ------------------------------------------------------------------------------
     def _scale_count(self, layout: KVLayout, part: _Part) -> tuple[int, int]:
