@@ -92,6 +92,10 @@ class Fingerprint:
     tp_rank: int = 0
     tp_world_size: int = 1
     cache_salt: str = ""
+    # A lossy payload codec the chunks were stored with (kvtier.storage.codecs): what a
+    # reader gets back differs from the model's KV, so it is another cache. Empty for
+    # identity and lossless codecs (any reader decodes those to the same bytes).
+    lossy_codec: str = ""
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -125,6 +129,8 @@ class Fingerprint:
             # Every group's kind, window and layers (a one-group Llama-shaped layout keeps the
             # string it always had, so caches written before groups existed still match).
             parts.append(f"planes{lay.planes}|{lay.describe_groups()}")
+        if self.lossy_codec:  # added only when set: keys without one are unchanged
+            parts.append(f"lossy-codec={self.lossy_codec}")
         return "\x1f".join(parts).encode()
 
     def digest(self) -> bytes:

@@ -30,3 +30,13 @@ def test_bench_disk_reports_every_field_and_cleans_up(tmp_path: Path) -> None:
         assert result[field] > 0, field
     assert result["chunk_mib"] == 0.125
     assert os.listdir(tmp_path) == []  # its temporary directory is gone
+
+
+def test_bench_disk_runs_the_tier_with_a_codec(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    disk.add_arguments(parser)
+    for codec, at_least in (("fp8", 1.9), ("lossless", 1.3)):
+        argv = ["--chunks", "2", "--chunk-size", "4", "--repeats", "1", "--dir", str(tmp_path)]
+        result = disk.run(parser.parse_args([*argv, "--codec", codec]))
+        assert result["codec"] == codec and result["codec_ratio"] > at_least
+        assert result["read_ratio"] > 0 and result["write_ratio"] > 0

@@ -89,3 +89,20 @@ def test_partial_blocks_are_stored_only_with_save_unfull_chunk() -> None:
     assert trace.cpu_ratio(tr, 4, "REUSE") == pytest.approx(4 / 14)
     assert trace.cpu_ratio(tr, 4, "REUSE", save_unfull=True) == pytest.approx(7 / 14)
     assert trace_sims.replay(tr, trace_sims.Lru(4, whole_tokens=4)) == pytest.approx(4 / 14)
+
+
+@pytest.mark.parametrize("codec", ["fp8", "lossless"])
+def test_a_codec_fits_ratio_times_the_blocks_in_the_same_bytes(tmp_path: Path, codec: str) -> None:
+    path = write_trace(tmp_path / "t.jsonl", random_requests(9, 400))
+    parser = argparse.ArgumentParser()
+    trace.add_arguments(parser)
+    args = [str(path), "--capacity", "0.05", "--block-tokens", "4", "--codec", codec]
+    result = trace.run(parser.parse_args(args))
+    blocks, ratio = result["capacity_blocks"], result["codec_ratio"]
+    assert result["codec"] == codec and result["ram_bytes"] == blocks * result["block_bytes"]
+    assert ratio > (1.9 if codec == "fp8" else 1.2)
+    assert result["codec_capacity_blocks"] == int(blocks * ratio)
+    assert result["codec_opt_hit_ratio"] >= result["opt_hit_ratio"]
+    assert result["codec_of_opt"] == pytest.approx(
+        result["codec_hit_ratio"] / result["opt_hit_ratio"]
+    )

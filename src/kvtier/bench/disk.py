@@ -19,6 +19,11 @@ are 32 MiB. Every repeat, in the same run and the same directory:
   parallel raw read is the faster of one whole-file ``preadv`` and ``preadv`` in the tier's
   1 MiB pieces, measured each round.
 
+``--codec NAME`` runs the tier with that payload codec (``disk_codec``) on the synthetic KV
+of :mod:`kvtier.bench.codec_data` (identity: random bytes), against the same raw I/O of the
+uncompressed payload: the ratios then say whether the codec makes a load or a store slower
+(or, reading fewer bytes, faster); ``codec_ratio`` is payload bytes over stored bytes.
+
 Ratios are kvtier over raw (1.0 = no overhead). Best of ``--repeats``; GB/s are decimal and
 count payload bytes only. ``checksum_gbps`` is xxh3-128 over the same pages.
 """
@@ -39,10 +44,12 @@ from typing import Any
 
 import torch
 
+from kvtier.bench.codec_data import kv_page, reads_back
 from kvtier.bench.timing import gbps
 from kvtier.keys import Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.memory.block_pool import BlockPool
+from kvtier.storage import codecs
 from kvtier.storage.base import PutOutcome, PutResult
 from kvtier.storage.disk.files import READ_BLOCK
 from kvtier.storage.disk.options import DiskOptions
@@ -58,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds; the best is reported")
     parser.add_argument("--threads", type=int, default=4, help="disk_io_threads of the tier")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument(
+        "--codec",
+        default="identity",
+        choices=[c.name for c in codecs.registered()],
+        help="the tier's payload codec (disk_codec)",
+    )
 
 
 class _Completions:
@@ -116,7 +129,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     raw_dir.mkdir()
     record = HEADER_SIZE + chunk_bytes
     options = DiskOptions(str(tier_dir), (chunks + 1) * record, int(args.threads), chunks * record)
-    tier = DiskTier(options, layout, fingerprint)
+    codec = codecs.codec_from_config("--codec", args.codec)
+    tier = DiskTier(options, layout, fingerprint, codec)
     pool = BlockPool(chunks, chunk_bytes)
     best: dict[str, float] = {}
     pages: list[torch.Tensor] = []
@@ -173,7 +187,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         pages.extend(pool.page_bytes_view(i) for i in range(chunks))
         gen = torch.Generator().manual_seed(0)
-        pages[0].copy_(torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8, generator=gen))
+        if codec.is_identity:
+            pages[0].copy_(torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8, generator=gen))
+        else:  # random bytes are no KV (NaNs for a lossy codec, incompressible)
+            pages[0].copy_(kv_page(layout, chunk_size))
         for i, page in enumerate(pages[1:], start=1):
             page.copy_(pages[0])
             page[:8] = torch.tensor(list(i.to_bytes(8, "little")), dtype=torch.uint8)
@@ -209,7 +226,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for page in pages:
                     page.zero_()
                 tier_read(keys)
-                if not all(torch.equal(p, s) for p, s in zip(pages, sources, strict=True)):
+                pairs = zip(pages, sources, strict=True)
+                if not all(reads_back(codec.lossless, layout, p, s) for p, s in pairs):
                     raise RuntimeError("disk tier read back different bytes")
             tier.clear()
             for path in raw_dir.iterdir():
@@ -230,7 +248,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pieces = best.pop(f"raw_parallel_read_pieces{suffix}")
         best[f"raw_parallel_read{suffix}"] = min(best[f"raw_parallel_read{suffix}"], pieces)
     rate = {name: gbps(nbytes, seconds) for name, seconds in best.items()}
+    stored = memoryview(codec.encode(memoryview(sources[0].numpy()), layout)).nbytes  # type: ignore[arg-type]
     return {
+        "codec": codec.name,
+        "codec_ratio": chunk_bytes / stored,
         "chunks": chunks,
         "chunk_mib": chunk_bytes / 2**20,
         "io_threads": int(args.threads),

@@ -11,6 +11,11 @@ figure is the best of ``--repeats`` rounds, tier and baseline taking turns in ev
 ``redispy_get_gbps`` / ``redispy_set_gbps`` are plain redis-py ``GET`` (returning ``bytes``)
 and ``SET``, for reference only.
 
+``--codec NAME`` runs the tier with that payload codec (``remote_codec``) on the synthetic KV
+of :mod:`kvtier.bench.codec_data` (identity: random bytes); the raw baselines move the
+uncompressed records, so ``put_ratio`` / ``get_ratio`` say whether the codec makes a store
+or a load slower (or, moving fewer bytes, faster).
+
 ``lookup_ms`` is ``Engine.lookup`` of a 131072-token prompt (512 chunks of 256 tokens, a
 small layout) whose chunks are all in redis and not in CPU memory: hashing, one pipelined
 ``EXISTS`` round trip and the pins. ``contains_ms`` is the tier's part alone.
@@ -36,6 +41,7 @@ import numpy as np
 import redis
 import torch
 
+from kvtier.bench.codec_data import kv_page, reads_back
 from kvtier.bench.raw_resp import RawResp
 from kvtier.bench.timing import best_interleaved, gbps
 from kvtier.config import Config
@@ -44,8 +50,9 @@ from kvtier.engine import Engine
 from kvtier.errors import ConfigError
 from kvtier.keys import Fingerprint, KeyChain
 from kvtier.layout import KVLayout
-from kvtier.storage import records
+from kvtier.storage import codecs, records
 from kvtier.storage.base import PutResult
+from kvtier.storage.codecs import PayloadCodec
 from kvtier.storage.redis.options import RedisOptions
 from kvtier.storage.redis.tier import RedisTier
 
@@ -62,17 +69,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", type=int, default=16, help="values per round")
     parser.add_argument("--repeats", type=int, default=5, help="rounds; best is reported")
     parser.add_argument("--put-threads", type=int, default=2, help="tier writer threads")
+    parser.add_argument(
+        "--codec",
+        default="identity",
+        choices=[c.name for c in codecs.registered()],
+        help="the tier's payload codec (remote_codec)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with _server(args.url) as url:
-        result = _throughput(url, args.chunk_size, args.chunks, args.repeats, args.put_threads)
+        codec = codecs.codec_from_config("--codec", getattr(args, "codec", "identity"))
+        result = _throughput(
+            url, args.chunk_size, args.chunks, args.repeats, args.put_threads, codec
+        )
         result.update(_lookup(url))
     return result
 
 
 def _throughput(
-    url: str, chunk_size: int, chunks: int, repeats: int, put_threads: int
+    url: str,
+    chunk_size: int,
+    chunks: int,
+    repeats: int,
+    put_threads: int,
+    codec: PayloadCodec = codecs.IDENTITY,
 ) -> dict[str, Any]:
     layout = BIG_LAYOUT
     fingerprint = Fingerprint("bench-redis", layout, chunk_size)
@@ -80,13 +101,15 @@ def _throughput(
     nbytes = chunks * chunk_bytes
     rng = np.random.default_rng(0)
     pages = torch.from_numpy(rng.integers(0, 256, (chunks, chunk_bytes), dtype=np.uint8))
+    if not codec.is_identity:  # random bytes are no KV (NaNs for a lossy codec)
+        pages[:] = kv_page(layout, chunk_size)
     out = torch.empty(chunk_bytes, dtype=torch.uint8)
     out.fill_(0)  # touched once, as an engine's pages are
     keys = [rng.bytes(16) for _ in range(chunks)]
     options = RedisOptions(
         timeout_s=60.0, put_threads=put_threads, inflight_bytes=2 * (nbytes + chunks * 4096)
     )
-    tier = RedisTier(parse_remote_url(url), layout, fingerprint, options)
+    tier = RedisTier(parse_remote_url(url), layout, fingerprint, options, codec)
     tier.open()
     if not tier.link.wait_up(10.0):
         tier.close()
@@ -167,7 +190,7 @@ def _throughput(
             repeats,
         )
         gets = best_interleaved({"tier": tier_get, "raw": raw_get, "redispy": redispy_get}, repeats)
-        if not torch.equal(out, pages[-1]):
+        if not reads_back(codec.lossless, layout, out, pages[-1]):
             raise RuntimeError("bytes read back differ from the bytes stored")
         if raw_out != values[-1]:
             raise RuntimeError("raw GET read back other bytes than it stored")
@@ -181,7 +204,10 @@ def _throughput(
     put, get = gbps(nbytes, puts["tier"]), gbps(nbytes, gets["tier"])
     raw_set_rate = gbps(nbytes, min(puts["raw1"], puts["rawN"]))
     raw_get_rate = gbps(nbytes, gets["raw"])
+    stored = memoryview(codec.encode(memoryview(pages[0].numpy()), layout)).nbytes  # type: ignore[arg-type]
     return {
+        "codec": codec.name,
+        "codec_ratio": chunk_bytes / stored,
         "value_bytes": chunk_bytes + records.header_size(),
         "values": chunks,
         "bytes": nbytes,

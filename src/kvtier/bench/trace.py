@@ -36,6 +36,16 @@ Fields:
     The least capacity (to 1 % of the unique blocks) at which the CPU tier reaches 0.9 of
     the optimum's hit ratio at ``--capacity``: the memory kvtier needs for what the optimum
     gets from ``--capacity`` (null when not reached by 100 %).
+``codec`` (with ``--codec NAME``)
+    Capacity counted in bytes: ``ram_bytes`` is ``--capacity`` of the unique blocks at the
+    model dtype (``--dtype``) of a reference layout (32 layers x 8 KV heads x 128, a
+    Llama-3-8B rank: ``block_bytes`` per block of ``--block-tokens``). A codec stores a block
+    in ``block_bytes / ratio``, so ``ratio`` times the blocks fit: ``codec_ratio`` is exact
+    for fp8 and int8 (scales included) and, for a byte codec, measured on the synthetic KV
+    of ``kvtier.bench.codec_data``. ``codec_hit_ratio`` is the CPU tier's with that many
+    blocks, ``codec_of_opt`` against the optimum at the same RAM without a codec (the
+    ``cpu_of_opt`` beside it is the same RAM without), ``codec_opt_hit_ratio`` the optimum
+    with the codec's blocks.
 """
 
 from __future__ import annotations
@@ -45,16 +55,20 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier.bench import codec as codec_bench
 from kvtier.bench import trace_engine, trace_sims
 from kvtier.bench.trace_file import Trace, load
 from kvtier.keys import ChunkKey
+from kvtier.layout import KVLayout, dtype_from_name
 from kvtier.memory.block_pool import BlockPool
+from kvtier.storage import codecs
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.policy import POLICIES, make_policy
 
 CURVE = (0.01, 0.02, 0.05, 0.10, 0.20, 0.40)
 PAGE_BYTES = 8
 DEFAULT_POLICY = "REUSE"  # cache_policy's default
+REFERENCE = (32, 8, 128)  # layers, KV heads, head dim: the layout --codec counts bytes of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="also replay a whole Engine with a disk tier of this fraction of unique blocks",
+    )
+    parser.add_argument(
+        "--codec",
+        choices=[c.name for c in codecs.registered()],
+        help="also replay the CPU tier holding blocks of this codec in the same bytes",
+    )
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="model dtype"
     )
     parser.add_argument(
         "--save-unfull-chunk",
@@ -181,6 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cpu_curve = {f: p["cpu"] for f, p in points.items()} | {args.capacity: main["cpu"]}
     need = capacity_for(trace, unique, 0.9 * main["opt"], args.policy, unfull, cpu_curve)
     tiers = _with_disk(trace, unique, args, main["opt"]) if args.disk_capacity > 0 else {}
+    coded = _with_codec(trace, unique, args, main["opt"]) if args.codec else {}
     return {
         "policy": args.policy,
         "save_unfull_chunk": unfull,
@@ -198,6 +221,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "inf_hit_ratio": inf,
         "cpu_of_opt": main["cpu"] / main["opt"] if main["opt"] else 0.0,
         "capacity_for_0_9_opt": need,
+        **coded,
         "curve": {f"{f:g}": p for f, p in points.items()},
         "seconds": time.perf_counter() - started,
     }
@@ -226,4 +250,32 @@ def _with_disk(
             result.disk_files_written / result.hit_blocks if result.hit_blocks else 0.0
         ),
         "engine_seconds": time.perf_counter() - started,
+    }
+
+
+def _with_codec(
+    trace: Trace, unique: int, args: argparse.Namespace, opt: float
+) -> dict[str, float | int | str]:
+    """The CPU tier at the same RAM with blocks stored by ``args.codec`` (module docstring)."""
+    codec = codecs.codec_from_config("--codec", args.codec)
+    layout = KVLayout(*REFERENCE, dtype_from_name(args.dtype))
+    if isinstance(codec, codecs.QuantizedCodec):
+        ratio = codec_bench.capacity_ratio(codec, layout, args.block_tokens)
+    else:  # a byte codec's ratio does not depend on the layer count: measure 4 layers
+        small = KVLayout(4, *REFERENCE[1:], layout.dtype)
+        ratio = codec_bench.capacity_ratio(codec, small, args.block_tokens)
+    blocks = max(1, int(args.capacity * unique))
+    block_bytes = layout.payload_bytes(args.block_tokens)
+    fit = max(1, int(blocks * block_bytes / (block_bytes / ratio)))
+    hit = cpu_ratio(trace, fit, args.policy, args.save_unfull_chunk)
+    return {
+        "codec": codec.name,
+        "dtype": args.dtype,
+        "block_bytes": block_bytes,
+        "ram_bytes": blocks * block_bytes,
+        "codec_ratio": ratio,
+        "codec_capacity_blocks": fit,
+        "codec_hit_ratio": hit,
+        "codec_of_opt": hit / opt if opt else 0.0,
+        "codec_opt_hit_ratio": trace_sims.replay(trace, trace_sims.Optimum(fit, trace)),
     }

@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "serve": "vLLM's serving benchmark per cache configuration: TTFT efficiency, throughput",
     "scale": "how costs grow: lookup vs prompt length, disk restart vs files, RSS, threads",
     "families": "bytes stored per token per KV-cache group kind vs naive full KV, per family",
+    "codec": "payload codecs: ratio, encode/decode GB/s on one thread vs memcpy, bf16 and fp32",
     "trace": "a production trace replayed through the CPU tier vs the optimum, LRU, ARC",
     "fleet": "2 vLLM behind vllm-router: prefill computed vs ideal per policy, with/without kvtier",
 }

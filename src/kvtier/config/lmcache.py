@@ -101,9 +101,10 @@ LMCACHE_KEYS: tuple[LMCacheKey, ...] = (
     LMCacheKey("nixl_buffer_device", "mapped", "pd_buffer_device"),
     LMCacheKey(
         "remote_serde",
-        "ignored",
-        '"naive" (kvtier stores raw KV, checksummed); '
-        '"cachegen" and other codecs are refused: kvtier does not compress KV',
+        "mapped",
+        '"naive" is remote_codec identity, "fp8" is remote_codec fp8 (kvtier\'s e4m3 codec, '
+        'lossy: docs/codecs.md); "cachegen" is refused: kvtier offers remote_codec lossless, '
+        "fp8 or int8",
     ),
     LMCacheKey(
         "use_layerwise",
@@ -165,7 +166,8 @@ _REFUSED_WHEN_ON = {
     for row in LMCACHE_KEYS
     if row.status == "refused" and " " not in row.name
 }
-_IGNORED = {row.name for row in LMCACHE_KEYS if row.status == "ignored"} - {"remote_serde"}
+_IGNORED = {row.name for row in LMCACHE_KEYS if row.status == "ignored"}
+_SERDES = {"naive": "identity", "fp8": "fp8"}  # LMCache's remote_serde -> remote_codec
 _NIXL = {
     "nixl_role": "pd_role",
     "nixl_receiver_host": "pd_peer_host",
@@ -206,21 +208,38 @@ def translate(raw: Raw, note: Callable[[str], None]) -> None:
         elif key in _IGNORED:
             note(f"{key} ({source}) has no effect in kvtier")
             del raw[key]
-    _serde(raw)
+    _serde(raw, note)
     _legacy_device(raw, note)
     _nixl(raw, note)
     _remote(raw, note)
     _no_cpu_tier(raw, note)
 
 
-def _serde(raw: Raw) -> None:
+def _serde(raw: Raw, note: Callable[[str], None]) -> None:
+    """remote_serde: naive or fp8 set remote_codec (unless it says otherwise: refused)."""
     if "remote_serde" not in raw:
         return
     value, source = raw.pop("remote_serde")
-    if value not in (None, "naive"):
+    if value is None:
+        return
+    codec = _SERDES.get(value) if isinstance(value, str) else None
+    if codec is None:
         raise ConfigError(
-            "remote_serde", value, f"'naive' or unset: kvtier does not compress KV (from {source})"
+            "remote_serde",
+            value,
+            f"'naive' or 'fp8'; kvtier has no CacheGen codec (it needs a GPU to encode): it "
+            f"offers remote_codec lossless, fp8 or int8 instead (from {source})",
         )
+    if "remote_codec" in raw and raw["remote_codec"][0] != codec:
+        other, where = raw["remote_codec"]
+        raise ConfigError(
+            "remote_serde",
+            value,
+            f"the remote_codec it means ({codec!r}); remote_codec is {other!r} (from {where})",
+        )
+    if codec != "identity":
+        note(f"remote_serde {value!r} ({source}) is remote_codec {codec!r}")
+        raw["remote_codec"] = (codec, source)
 
 
 def _legacy_device(raw: Raw, note: Callable[[str], None]) -> None:

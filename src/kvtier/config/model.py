@@ -33,6 +33,8 @@ class Config:
     local_disk: str | None = None
     max_local_disk_size: int = 0
     remote_url: str | None = None
+    disk_codec: str = "identity"
+    remote_codec: str = "identity"
     save_unfull_chunk: bool = False
     save_decode_cache: bool = False
     pre_caching_hash_algorithm: str = "xxh3_128"

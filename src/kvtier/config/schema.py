@@ -15,6 +15,9 @@ from kvtier.config.sizes import GIB
 
 HASH_ALGORITHMS = ("xxh3_128", "blake3", "sha256")
 CACHE_POLICIES = ("LRU", "REUSE")  # the names kvtier.storage.policy.POLICIES implements
+# The names of kvtier.storage.codecs.BUILTIN (a test keeps them equal; config sits below
+# storage and cannot import the registry).
+PAYLOAD_CODECS = ("identity", "lossless", "fp8", "int8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,22 @@ KEYS: tuple[KeySpec, ...] = (
         None,
         "redis://, rediss://, unix://, redis-cluster://, valkey:// or resp:// URL of a shared "
         "store (or a scheme registered in kvtier.storage.registry).",
+    ),
+    KeySpec(
+        "disk_codec",
+        p.choice(PAYLOAD_CODECS, fold_case=False),
+        "identity",
+        "Disk tier payload codec: identity, lossless (shuffle+zstd), fp8 or int8 (lossy: "
+        "another cache, see docs/codecs.md).",
+        lmcache=False,
+    ),
+    KeySpec(
+        "remote_codec",
+        p.choice(PAYLOAD_CODECS, fold_case=False),
+        "identity",
+        "Remote tier payload codec: identity, lossless, fp8 or int8 (LMCache's remote_serde "
+        "fp8 sets fp8).",
+        lmcache=False,
     ),
     KeySpec("save_unfull_chunk", p.boolean, False, "Also store the last partial chunk."),
     KeySpec(

@@ -4,33 +4,58 @@ A record names its codec by id (:mod:`kvtier.storage.records`); a reader looks t
 here, so a reader decodes every codec registered in its process, whatever codec its own
 tier writes with. An id not registered here is a record this kvtier cannot read: a miss.
 
-The registry holds the identity codec from the start; ``register`` adds one (a codec
-package at import, a test for its duration), ``unregister`` takes it back. Ids and names
-are unique; the identity codec cannot be replaced or removed.
+The registry holds the identity codec from the start and kvtier's codecs from import;
+``register`` adds one (a test for its duration), ``unregister`` takes it back. Ids and
+names are unique; the identity codec cannot be replaced or removed. The ids are part of the
+record format and fixed for good::
+
+    id  name       lossless  module
+    0   identity   yes       identity.py    the page itself, zero copy
+    1   lossless   yes       lossless.py    byte shuffle + zstd-1 (blosc2)
+    2   fp8        no        quantized.py   e4m3 + f32 scales per token and head
+    3   int8       no        quantized.py   int8 + f32 scales (keys per channel)
+
+A tier writes with the codec its config names (``disk_codec``, ``remote_codec``) and runs
+under :func:`tier_fingerprint`: a lossy codec enters the fingerprint (the tier's namespace
+and every record header), so a reader configured with another codec misses those chunks
+instead of taking them as its own; a lossless one does not (any reader decodes it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
+from kvtier.errors import ConfigError
+from kvtier.keys import Fingerprint
 from kvtier.storage.codecs.base import CODEC_ID_MAX, Buffer, PayloadCodec
 from kvtier.storage.codecs.identity import IDENTITY, IdentityCodec
+from kvtier.storage.codecs.lossless import LOSSLESS
+from kvtier.storage.codecs.quantized import FP8, INT8, QuantizedCodec
 
 __all__ = [
+    "FP8",
     "IDENTITY",
+    "INT8",
+    "LOSSLESS",
     "Buffer",
     "IdentityCodec",
     "PayloadCodec",
+    "QuantizedCodec",
     "codec_by_id",
     "codec_by_name",
+    "codec_from_config",
     "register",
     "registered",
+    "tier_fingerprint",
     "unregister",
 ]
 
+BUILTIN: tuple[PayloadCodec, ...] = (IDENTITY, LOSSLESS, FP8, INT8)
+
 _lock = threading.Lock()
 # Replaced, never changed in place: a reader looks ids up without the lock.
-_by_id: dict[int, PayloadCodec] = {IDENTITY.codec_id: IDENTITY}
+_by_id: dict[int, PayloadCodec] = {c.codec_id: c for c in BUILTIN}
 
 
 def register(codec: PayloadCodec) -> None:
@@ -69,3 +94,20 @@ def registered() -> tuple[PayloadCodec, ...]:
     """Every registered codec, by id."""
     table = _by_id
     return tuple(table[i] for i in sorted(table))
+
+
+def codec_from_config(key: str, name: str) -> PayloadCodec:
+    """The registered codec a config key names; ConfigError naming the choices if none."""
+    codec = codec_by_name(name)
+    if codec is None:
+        choices = ", ".join(c.name for c in registered())
+        raise ConfigError(key, name, f"one of {choices}")
+    return codec
+
+
+def tier_fingerprint(fingerprint: Fingerprint, codec: PayloadCodec) -> Fingerprint:
+    """The fingerprint a tier writing with ``codec`` runs under: ``fingerprint`` itself for a
+    lossless codec, one naming the codec for a lossy one (module docstring)."""
+    if codec.lossless:
+        return fingerprint
+    return dataclasses.replace(fingerprint, lossy_codec=codec.name)

@@ -75,7 +75,7 @@ from kvtier.layout import KVLayout
 from kvtier.lifecycle import CallGuard, Lifecycle
 from kvtier.repeated_log import RepeatedLog
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierCounters, TierUsage
-from kvtier.storage.codecs import IDENTITY, PayloadCodec
+from kvtier.storage.codecs import IDENTITY, PayloadCodec, codec_from_config, tier_fingerprint
 from kvtier.storage.disk import budget, files, snapshot
 from kvtier.storage.disk.bounded_reads import BoundedReads
 from kvtier.storage.disk.budget import DirectoryBudget, Evicted
@@ -128,9 +128,10 @@ class DiskTier(Tier):
         super().__init__()
         self.options = options
         self.layout = layout
-        self.fingerprint = fingerprint
+        # A lossy codec makes another cache: its own namespace and record headers.
+        self.fingerprint = tier_fingerprint(fingerprint, codec)
         self.codec = codec  # what writes encode with; reads decode any registered codec
-        self.fp_hex = fingerprint.hex()
+        self.fp_hex = self.fingerprint.hex()
         self.counters = DiskCounters()
         self._index = DiskIndex(options.capacity_bytes, make_policy(options.cache_policy))
         # Until open: the tier's own. From open: its directory's (kvtier.storage.disk.budget),
@@ -152,7 +153,9 @@ class DiskTier(Tier):
     @classmethod
     def from_config(cls, config: Config, layout: KVLayout, fingerprint: Fingerprint) -> DiskTier:
         """Validate the disk keys (nothing touches the disk until :meth:`open`)."""
-        return cls(options_from_config(config, layout, fingerprint.chunk_size), layout, fingerprint)
+        options = options_from_config(config, layout, fingerprint.chunk_size)
+        codec = codec_from_config("disk_codec", config.disk_codec)
+        return cls(options, layout, fingerprint, codec)
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> None:

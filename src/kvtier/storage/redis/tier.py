@@ -56,7 +56,7 @@ from kvtier.lifecycle import CallGuard, Lifecycle
 from kvtier.repeated_log import RepeatedLog
 from kvtier.storage import records
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierCounters, TierUsage
-from kvtier.storage.codecs import IDENTITY, PayloadCodec
+from kvtier.storage.codecs import IDENTITY, PayloadCodec, codec_from_config, tier_fingerprint
 from kvtier.storage.redis.link import RedisLink
 from kvtier.storage.redis.options import RedisOptions
 from kvtier.storage.redis.wire import get_into, set_parts
@@ -103,10 +103,11 @@ class RedisTier(Tier):
         self.counters = RedisCounters()
         self.target = target
         self.layout = layout
-        self.fingerprint = fingerprint
+        # A lossy codec makes another cache: its own namespace and record headers.
+        self.fingerprint = tier_fingerprint(fingerprint, codec)
         self.options = options
         self.codec = codec  # what writes encode with; reads decode any registered codec
-        self.prefix = f"kvtier:{fingerprint.hex()}:".encode()
+        self.prefix = f"kvtier:{self.fingerprint.hex()}:".encode()
         self.link = RedisLink(
             target,
             options.timeout_s,
@@ -133,7 +134,8 @@ class RedisTier(Tier):
     @classmethod
     def from_config(cls, config: Config, layout: KVLayout, fingerprint: Fingerprint) -> RedisTier:
         target = parse_remote_url(config.remote_url)
-        return cls(target, layout, fingerprint, RedisOptions.from_config(config))
+        codec = codec_from_config("remote_codec", config.remote_codec)
+        return cls(target, layout, fingerprint, RedisOptions.from_config(config), codec)
 
     def redis_name(self, key: ChunkKey) -> bytes:
         """The Redis key under which chunk ``key`` is stored."""
