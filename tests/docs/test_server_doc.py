@@ -243,7 +243,8 @@ def test_daemonset_starts_on_a_fresh_node_where_the_kubelet_made_root_owned_dirs
 def _serve_from(socket_dir: str, others: list[str]) -> None:
     from kvtier.server.endpoint import listen
 
-    listen(os.path.join(socket_dir, "kvtier.sock")).close()
+    _, sock = listen(os.path.join(socket_dir, "kvtier.sock"))
+    sock.close()
     for directory in others:
         with open(os.path.join(directory, "probe"), "w") as f:
             f.write("x")
