@@ -15,8 +15,11 @@ Fields, per dtype (``bf16``, ``fp32``):
     bytes per second; identity's encode is a view, null), ``encode_of_memcpy`` /
     ``decode_of_memcpy``, and for a lossy codec ``key_rel_error`` / ``value_rel_error``
     (relative L2 error of the decoded K and V).
-    ``gate``: the quality gate's figures for the codec (accuracy, KL, greedy agreement), or
-    null while no gate is wired in: see :data:`GATE`.
+    ``gate``: for a lossy codec, the quality gate's figures at that dtype
+    (:func:`kvtier.quality.gate_figures`: recall accuracy with recomputed and with decoded
+    KV, next-token KL, greedy agreement, ``passed``); null for a lossless codec (bit-exact:
+    nothing to gate) or with ``--no-gate``. The gate's model is trained once per machine
+    (about 2 minutes on one core), then loaded from its cache file.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kvtier import quality
 from kvtier.bench.codec_data import synthetic_kv
 from kvtier.layout import KVLayout
 from kvtier.storage import codecs
@@ -36,10 +40,8 @@ from kvtier.storage.codecs import PayloadCodec
 TOKENS = 256
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
-# The quality gate's hook: a function of the codec's name returning its figures (a JSON
-# object: accuracy, KL divergence, greedy agreement, pass/fail), or None. The gate
-# (kvtier.quality, built beside this) sets it; until then every codec's ``gate`` is null.
-GATE: Callable[[str], dict[str, Any] | None] | None = None
+# The quality gate's figures of a lossy codec at a KV dtype (a test may swap it).
+GATE: Callable[[PayloadCodec, torch.dtype], dict[str, Any]] = quality.gate_figures
 
 
 def bench_layout(dtype: torch.dtype) -> KVLayout:
@@ -51,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--codec", action="append", help="codecs to measure (default: every registered one)"
     )
+    parser.add_argument(
+        "--no-gate",
+        dest="gate",
+        action="store_false",
+        help="skip the quality gate (its model trains for about 2 minutes on first use)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -61,19 +69,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         out: dict[str, Any] = {"threads": 1, "tokens": TOKENS}
         for label, dtype in DTYPES.items():
-            out[label] = measure_dtype(bench_layout(dtype), chosen, args.repeat)
+            out[label] = measure_dtype(bench_layout(dtype), chosen, args.repeat, args.gate)
         return out
     finally:
         torch.set_num_threads(before)
 
 
-def measure_dtype(layout: KVLayout, chosen: list[PayloadCodec], repeat: int) -> dict[str, Any]:
+def measure_dtype(
+    layout: KVLayout, chosen: list[PayloadCodec], repeat: int, gate: bool = False
+) -> dict[str, Any]:
     kv = synthetic_kv(layout, TOKENS)
     page = kv.reshape(-1).view(torch.uint8)
     nbytes = page.numel()
     copy = torch.empty_like(page)
     memcpy = nbytes / _best(lambda: copy.copy_(page), repeat) / 1e9
     rows = {c.name: measure_codec(c, layout, kv, memcpy, repeat) for c in chosen}
+    for codec in chosen:
+        if gate and not codec.lossless:
+            rows[codec.name]["gate"] = GATE(codec, layout.dtype)
     return {"layout": layout.describe(), "bytes": nbytes, "memcpy_gbps": memcpy, "codecs": rows}
 
 
@@ -108,7 +121,7 @@ def measure_codec(
         for plane, label in enumerate(("key", "value")[: layout.planes]):
             want = kv[plane].float()
             row[f"{label}_rel_error"] = float((back[plane] - want).norm() / want.norm())
-    row["gate"] = GATE(codec.name) if GATE is not None else None
+    row["gate"] = None  # filled by measure_dtype for a lossy codec
     return row
 
 
