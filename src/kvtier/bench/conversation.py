@@ -17,8 +17,9 @@ round r-1 left: the prompt (any cache) and the answer (vLLM's own prefix cache; 
 the same conversation would only repeat the prefix workload.
 
 :func:`run` returns the fields of vLLM's serving-benchmark result that ``bench serve`` keeps
-(TTFT and end-to-end latency in ms over the rounds after the first, and ``generated_texts``:
-each answer's token ids, to compare configurations' outputs).
+(TTFT and end-to-end latency in ms over the rounds after the first, request and output
+throughput over the whole run, and ``generated_texts``: each answer's token ids, to compare
+configurations' outputs).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def run(url: str, model: str, args: Any, vocab: int) -> dict[str, Any]:
     e2el: list[float] = []
     answers: list[str] = []
     failed = 0
+    started = time.perf_counter()
     for r in range(rounds):
         for u in range(users):
             try:
@@ -70,9 +72,12 @@ def run(url: str, model: str, args: Any, vocab: int) -> dict[str, Any]:
             answers.append(" ".join(map(str, answer)))
             if r + 1 < rounds:
                 prompts[u] = prompts[u] + answer + asked[u][r + 1]
+    duration = time.perf_counter() - started
     return {
         **_stats("ttft", ttft),
         **_stats("e2el", e2el),
+        "request_throughput": len(answers) / duration,
+        "output_throughput": len(answers) * int(args.answer_tokens) / duration,
         "completed": len(answers) - failed,
         "failed": failed,
         "generated_texts": answers,

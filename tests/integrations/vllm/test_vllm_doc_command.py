@@ -31,7 +31,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvtier.bench import conversation
+from kvtier.bench import conversation, serve
 from kvtier.testing.checkpoint import words_for
 from tests.docs.doc_blocks import block_after
 from tests.redis_servers import free_port
@@ -196,6 +196,7 @@ def test_the_conversation_workload_sends_each_answer_back_in_the_next_prompt(
     answers = [text.split() for text in result["generated_texts"]]
     assert [len(a) for a in answers] == [40, 40]
     assert 0 < result["mean_ttft_ms"] <= result["mean_e2el_ms"]  # round 2 only
+    assert result["output_throughput"] > 0 and serve.summarize(result)["completed"] == 2
     first = 300 + 20
     assert prompt_tokens(doc_server.url) - before == first + (first + 40 + 20)
 
