@@ -92,6 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per thread count")
     parser.add_argument("--redis-tokens", type=int, default=1048576, help="0 skips redis")
     parser.add_argument("--repeats", type=int, default=10, help="lookups per length")
+    parser.add_argument(
+        "--chunk-size",
+        type=int,
+        default=CHUNK,
+        help="tokens per chunk of the lookup curve and the redis lookup (the vLLM connector's "
+        "default is vLLM's block, 128 on its CPU build)",
+    )
     parser.add_argument("--dir", default=None, help="where the disk files go (default: /tmp)")
     parser.add_argument("--plot", default=None, help="write the curves to this PNG")
 
@@ -100,7 +107,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"machine_cpus": os.cpu_count(), "load_avg_1m": _load()}
     curves: dict[str, Any] = {}
     _say("lookup curve")
-    lookup = _lookup_curve(args.lookup_tokens, args.repeats)
+    result["chunk_size"] = args.chunk_size
+    lookup = _lookup_curve(args.lookup_tokens, args.repeats, args.chunk_size)
     curves["lookup"] = lookup
     for n, (ms, hash_ms) in lookup.items():
         result[f"lookup_ms_{label(n)}_tokens"] = round(ms, 3)
@@ -125,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result[f"cpu_lookups_per_s_t{k}"] = round(row["lookups_per_s"])
     if args.redis_tokens:
         _say("redis lookup")
-        ms, contains_ms = _redis_lookup(args.redis_tokens, args.repeats)
+        ms, contains_ms = _redis_lookup(args.redis_tokens, args.repeats, args.chunk_size)
         result[f"redis_lookup_ms_{label(args.redis_tokens)}_tokens"] = round(ms, 3)
         result[f"redis_contains_ms_{label(args.redis_tokens)}_tokens"] = round(contains_ms, 3)
     result["load_avg_1m_end"] = _load()
@@ -153,22 +161,24 @@ def _load() -> float:
 
 
 # -- lookup against prompt length ------------------------------------------------------------
-def _lookup_curve(lengths: list[int], repeats: int) -> dict[int, tuple[float, float]]:
+def _lookup_curve(
+    lengths: list[int], repeats: int, chunk: int = CHUNK
+) -> dict[int, tuple[float, float]]:
     """{tokens: (lookup ms, hash ms)}, medians."""
     if not lengths:
         return {}
     longest = max(lengths)
     layout = LOOKUP_LAYOUT
-    chunks = longest // CHUNK
+    chunks = longest // chunk
     config = Config.load(
         env={},
         overrides={
-            "chunk_size": CHUNK,
-            "max_local_cpu_size": f"{chunks * layout.chunk_bytes(CHUNK)}B",
+            "chunk_size": chunk,
+            "max_local_cpu_size": f"{chunks * layout.chunk_bytes(chunk)}B",
         },
     )
     tokens = torch.from_numpy(np.random.default_rng(1).integers(0, 32000, longest, dtype=np.int32))
-    chain = KeyChain(Fingerprint("bench-scale-hash", layout, CHUNK))
+    chain = KeyChain(Fingerprint("bench-scale-hash", layout, chunk))
     out: dict[int, tuple[float, float]] = {}
     with Engine(config, layout, model_name="bench-scale-lookup") as engine:
         stored = engine.store(tokens, torch.zeros(layout.kv_shape(longest), dtype=layout.dtype))
@@ -184,7 +194,7 @@ def _lookup_curve(lengths: list[int], repeats: int) -> dict[int, tuple[float, fl
                 hit = engine.lookup(prefix, rid)
                 lookups.append(time.perf_counter() - start)
                 engine.end_request(rid)
-                if hit != n // CHUNK * CHUNK:
+                if hit != n // chunk * chunk:
                     raise RuntimeError(f"lookup of {n} tokens hit {hit}")
                 start = time.perf_counter()
                 chain.keys(prefix, include_partial=False)
@@ -438,9 +448,9 @@ def _run_threads(k: int, fn: Callable[[int, int], None], duration: float) -> tup
 
 
 # -- redis lookup of a long prompt -----------------------------------------------------------
-def _redis_lookup(num_tokens: int, repeats: int) -> tuple[float, float]:
+def _redis_lookup(num_tokens: int, repeats: int, chunk: int = CHUNK) -> tuple[float, float]:
     layout = LOOKUP_LAYOUT
-    chunks = num_tokens // CHUNK
+    chunks = num_tokens // chunk
     tokens = torch.from_numpy(
         np.random.default_rng(7).integers(0, 32000, num_tokens, dtype=np.int32)
     )
@@ -448,11 +458,11 @@ def _redis_lookup(num_tokens: int, repeats: int) -> tuple[float, float]:
         config = Config.load(
             env={},
             overrides={
-                "chunk_size": CHUNK,
+                "chunk_size": chunk,
                 "remote_url": url,
                 "local_cpu": False,
                 "use_only_staging_buffer": True,  # CPU only stages: every lookup asks redis
-                "max_local_cpu_size": f"{chunks * layout.chunk_bytes(CHUNK)}B",
+                "max_local_cpu_size": f"{chunks * layout.chunk_bytes(chunk)}B",
             },
         )
         with Engine(config, layout, model_name="bench-scale-redis") as engine:
@@ -464,8 +474,8 @@ def _redis_lookup(num_tokens: int, repeats: int) -> tuple[float, float]:
                 hit = engine.lookup(tokens, f"r{i}")
                 timings.append(time.perf_counter() - start)
                 engine.end_request(f"r{i}")
-                if hit != chunks * CHUNK:
-                    raise RuntimeError(f"redis lookup hit {hit} of {chunks * CHUNK} tokens")
+                if hit != chunks * chunk:
+                    raise RuntimeError(f"redis lookup hit {hit} of {chunks * chunk} tokens")
             keys = [s.key for s in KeyChain(engine.fingerprint).keys(tokens, include_partial=False)]
             tier = RedisTier.from_config(config, layout, engine.fingerprint)
             tier.open()
