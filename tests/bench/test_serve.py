@@ -42,9 +42,11 @@ def test_each_configuration_starts_vllm_as_documented(tmp_path: Path) -> None:
         serve.plan_for("gpu", tmp_path, "1GiB")
     chunked = serve.plan_for("disk", tmp_path, "1GiB", chunk_size=128).transfer
     assert chunked is not None and chunked["kv_connector_extra_config"]["chunk_size"] == 128
-    answers = serve.plan_for("cpu", tmp_path, "1GiB", save_decode_cache=True).transfer
-    assert answers is not None and answers["kv_connector_extra_config"]["save_decode_cache"]
-    assert parsed("--save-decode-cache").save_decode_cache and not parsed().save_decode_cache
+    answers = serve.plan_for("cpu", tmp_path, "1GiB", save_decode_cache=False).transfer
+    assert answers is not None
+    assert answers["kv_connector_extra_config"]["save_decode_cache"] is False
+    assert parsed("--no-save-decode-cache").save_decode_cache is False
+    assert parsed().save_decode_cache is None  # the config's default
 
 
 def test_chat_history_grows_round_by_round_from_a_shared_start() -> None:

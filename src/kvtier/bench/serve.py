@@ -104,8 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--save-decode-cache",
-        action="store_true",
-        help="kvtier also stores each request's answer (save_decode_cache)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="whether kvtier also stores each request's answer (default: the config's, on)",
     )
     parser.add_argument(
         "--reserved-cpus", default="1", help="VLLM_CPU_NUM_OF_RESERVED_CPU, or 'vllm' (unset)"
@@ -139,11 +140,12 @@ def plan_for(
     redis_url: str = "",
     sock: str = "",
     chunk_size: int | None = None,
-    save_decode_cache: bool = False,
+    save_decode_cache: bool | None = None,
 ) -> Plan:
     """The vLLM settings of configuration ``name`` (see the module docstring);
-    ``chunk_size``: kvtier's chunk (None: kvtier's default); ``save_decode_cache``: kvtier
-    also stores the answers (what the conversation workload's next rounds reuse)."""
+    ``chunk_size``: kvtier's chunk (None: kvtier's default); ``save_decode_cache``: whether
+    kvtier also stores the answers, what the conversation workload's next rounds reuse
+    (None: kvtier's default)."""
     if name == "none":
         return Plan(name)
     if name == "apc":
@@ -172,8 +174,8 @@ def plan_for(
         raise ValueError(f"configuration {name!r} is unknown; use {', '.join(CONFIGS)}")
     if chunk_size is not None:
         extra["chunk_size"] = chunk_size
-    if save_decode_cache:
-        extra["save_decode_cache"] = True
+    if save_decode_cache is not None:
+        extra["save_decode_cache"] = save_decode_cache
     transfer = {**KVTIER, "kv_connector_extra_config": extra}
     return Plan(
         name,

@@ -36,7 +36,7 @@ class Config:
     disk_codec: str = "identity"
     remote_codec: str = "identity"
     save_unfull_chunk: bool = False
-    save_decode_cache: bool = False
+    save_decode_cache: bool = True
     pre_caching_hash_algorithm: str = "xxh3_128"
     cache_policy: str = "REUSE"
     use_only_staging_buffer: bool = False

@@ -81,9 +81,9 @@ KEYS: tuple[KeySpec, ...] = (
     KeySpec(
         "save_decode_cache",
         p.boolean,
-        False,
+        True,
         "vLLM: when a request ends, also store the whole chunks of its generated tokens (a "
-        "chat's next turn sends the answer back in its prompt).",
+        "chat's next turn sends the answer back in its prompt; LMCache's default is false).",
     ),
     KeySpec(
         "pre_caching_hash_algorithm",
