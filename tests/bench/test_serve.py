@@ -120,6 +120,9 @@ def test_headline_ratios_from_a_table() -> None:
     first = {c: {"pass1": passes["pass1"]} for c, passes in table.items()}
     first["apc"]["pass1"] = row(400, 100)
     assert serve.top_level(first, {}, measured="pass1")["ttft_vs_apc_cpu"] == 2.5
+    del first["none"]  # a run of apc and cpu only still compares them
+    alone = serve.top_level(first, {}, measured="pass1")
+    assert alone["ttft_vs_apc_cpu"] == 2.5 and "ttft_efficiency_cpu" not in alone
 
 
 def test_a_pass_counters_come_from_vllm_metrics_and_kvtier_stats() -> None:
