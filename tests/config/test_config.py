@@ -160,7 +160,13 @@ def test_unknown_keys_far_from_any_are_refused_except_lmcaches_own_variables(
         Config.load(path, env={"KVTIER_ALSO_BOGUS": "1"})
     # LMCache reads variables of its own that are no config keys: named once, not refused
     with caplog.at_level(logging.WARNING, logger="kvtier.config.model"):
-        cfg = Config.load(env={"LMCACHE_TRACK_USAGE": "false", "KVTIER_CI": "1"})
+        cfg = Config.load(
+            env={
+                "LMCACHE_TRACK_USAGE": "false",
+                "KVTIER_CI": "1",
+                "KVTIER_QUALITY_CACHE": "/tmp/q",  # kvtier's own, not a config key
+            }
+        )
     assert cfg.chunk_size == 256
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "track_usage" in warnings[0]

@@ -19,7 +19,7 @@ from kvtier.errors import ConfigError
 log = logging.getLogger(__name__)
 
 # KVTIER_* variables that are not config keys (the CLI's, the test suite's).
-_NOT_KEYS = {"CONFIG_FILE", "LOG_LEVEL", "CI", "ADMIN_URL"}
+_NOT_KEYS = {"CONFIG_FILE", "LOG_LEVEL", "CI", "ADMIN_URL", "QUALITY_CACHE"}
 MIN_TOKEN_CHARS = 16
 
 
