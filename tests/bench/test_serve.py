@@ -47,6 +47,11 @@ def test_each_configuration_starts_vllm_as_documented(tmp_path: Path) -> None:
     assert answers["kv_connector_extra_config"]["save_decode_cache"] is False
     assert parsed("--no-save-decode-cache").save_decode_cache is False
     assert parsed().save_decode_cache is None  # the config's default
+    for name, key in (("disk", "disk_codec"), ("redis", "remote_codec")):
+        coded = serve.plan_for(name, tmp_path, "1GiB", codec="fp8").transfer
+        assert coded is not None and coded["kv_connector_extra_config"][key] == "fp8"
+    plain = serve.plan_for("cpu", tmp_path, "1GiB", codec="fp8").transfer
+    assert plain is not None and "disk_codec" not in plain["kv_connector_extra_config"]
 
 
 def test_chat_history_grows_round_by_round_from_a_shared_start() -> None:

@@ -109,6 +109,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="whether kvtier also stores each request's answer (default: the config's, on)",
     )
     parser.add_argument(
+        "--codec",
+        default=None,
+        help="payload codec of the disk and redis configurations' tiers (identity, lossless, "
+        "fp8, int8; default: kvtier's, identity)",
+    )
+    parser.add_argument(
         "--reserved-cpus", default="1", help="VLLM_CPU_NUM_OF_RESERVED_CPU, or 'vllm' (unset)"
     )
     parser.add_argument("--work-dir", default=None, help="checkpoint, disk tier, logs")
@@ -141,11 +147,13 @@ def plan_for(
     sock: str = "",
     chunk_size: int | None = None,
     save_decode_cache: bool | None = None,
+    codec: str | None = None,
 ) -> Plan:
     """The vLLM settings of configuration ``name`` (see the module docstring);
     ``chunk_size``: kvtier's chunk (None: kvtier's default); ``save_decode_cache``: whether
     kvtier also stores the answers, what the conversation workload's next rounds reuse
-    (None: kvtier's default)."""
+    (None: kvtier's default); ``codec``: the payload codec of the disk configuration's disk
+    tier and the redis configuration's Redis tier (the CPU tier has none)."""
     if name == "none":
         return Plan(name)
     if name == "apc":
@@ -176,6 +184,8 @@ def plan_for(
         extra["chunk_size"] = chunk_size
     if save_decode_cache is not None:
         extra["save_decode_cache"] = save_decode_cache
+    if codec is not None and name in ("disk", "redis"):
+        extra["disk_codec" if name == "disk" else "remote_codec"] = codec
     transfer = {**KVTIER, "kv_connector_extra_config": extra}
     return Plan(
         name,
@@ -325,6 +335,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         sock,
                         args.chunk_size,
                         args.save_decode_cache,
+                        args.codec,
                     )
                     try:
                         done = _configuration(plan, model, args, where, workloads, sock)
@@ -345,6 +356,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "reserved_cpus": args.reserved_cpus,
         "chunk_size": args.chunk_size,
+        "codec": args.codec,
         "machine_cpus": os.cpu_count(),
         "repeats": args.repeats,
         "load_avg_1m": [round(x, 2) for x in loads],  # after each configuration
