@@ -81,7 +81,7 @@ def fleet(
     finally:
         plain.stop()
     redis = RedisServer().start()
-    kvtier = {"max_local_cpu_size": "256MiB", "remote_url": redis.url}
+    kvtier = {"max_local_cpu_size": "256MiB", "remote_url": redis.url, "chunk_size": CHUNK}
     a = VllmServer("a", model_dir, work, kvtier=kvtier, core="0", prefix_cache=False).start()
     b = VllmServer("b", model_dir, work, kvtier=kvtier, core="1", prefix_cache=False).start()
     router: Router | None = None

@@ -102,6 +102,10 @@ def documented(side: str, engine_id: str, pd_port: int, **sizes: str) -> dict[st
     for key in ("pd_peer_alloc_port", "max_local_cpu_size", *sizes):
         assert key in extra, f"docs/vllm.md's {side} config has no {key}"
     extra.update(pd_peer_alloc_port=[pd_port], max_local_cpu_size="64MiB", **sizes)
+    # The counts below are in 256-token chunks; the documented config leaves the chunk to
+    # the connector (vLLM's block, 128 here), which tests/pd and test_groups.py cover.
+    assert "chunk_size" not in extra
+    extra["chunk_size"] = 256
     return {**config, "engine_id": engine_id}
 
 
