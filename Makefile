@@ -28,8 +28,8 @@ test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q
 
 check: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
 bench: $(STAMP)

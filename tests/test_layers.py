@@ -34,7 +34,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvtier.admin",),
     ("kvtier.service", "kvtier.server"),
     ("kvtier.integrations",),
-    ("kvtier.testing",),  # fixtures built in code: used by demo, bench, cli and the tests
     ("kvtier.quality",),  # the codec quality gate: a trained model over integrations
     ("kvtier.demo", "kvtier.bench", "kvtier.cli", "kvtier"),
 )
@@ -77,7 +76,11 @@ def imports_of(path: Path, module: str) -> set[str]:
             found.add(target)
             # `from kvtier.storage import records` imports the module kvtier.storage.records
             found.update(f"{target}.{alias.name}" for alias in node.names)
-    return {name for name in found if name == "kvtier" or name.startswith("kvtier.")}
+    return found
+
+
+def kvtier_imports_of(path: Path, module: str) -> set[str]:
+    return {name for name in imports_of(path, module) if name.split(".")[0] == "kvtier"}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -85,13 +88,27 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for module, path in paths.items():
         # keep only names that are modules (drop `from kvtier.x import SomeClass` extras)
-        graph[module] = {name for name in imports_of(path, module) if name in paths} - {module}
+        graph[module] = {name for name in kvtier_imports_of(path, module) if name in paths}
+        graph[module] -= {module}
     return graph
 
 
 def test_every_module_has_a_layer() -> None:
     for module in import_graph():
         layer_of(module)
+
+
+def test_the_package_imports_nothing_from_beside_it() -> None:
+    # benchmarks/ and tests/ are not in the wheel: a package module importing them works in a
+    # checkout and breaks every installed copy.
+    beside = ("benchmarks", "tests")
+    found = [
+        f"{module_name(path)} imports {name}"
+        for path in SRC.joinpath("kvtier").rglob("*.py")
+        for name in imports_of(path, module_name(path))
+        if name.split(".")[0] in beside
+    ]
+    assert found == []
 
 
 def test_no_import_runs_up_a_layer() -> None:

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from benchmarks.harness.router import RouterProcess
 
 from kvtier.cli.main import build_parser, main
 from kvtier.cli.pd_proxy import router_command
-from kvtier.testing.router import RouterProcess
 from tests.redis_servers import free_port
 
 ANSWER = {"do_remote_prefill": True, "do_remote_decode": False, "kvtier_transfer_id": "t-1"}

@@ -10,8 +10,8 @@ from kvtier.cli.main import main
 from kvtier.demo.plot import write_plot
 from kvtier.demo.report import format_table
 from kvtier.demo.runner import Options, disk_tier_available, run_demo
+from kvtier.demo.tiny_models import build_model
 from kvtier.demo.workload import Workload, conversations, schedule
-from kvtier.testing.tiny_models import build_model
 
 TINY = Workload(
     users=2, rounds=3, system_tokens=40, context_tokens=70, question_tokens=9, answer_tokens=5

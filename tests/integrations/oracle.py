@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from kvtier import Config, Engine
+from kvtier.demo.tiny_models import build_config, build_model
 from kvtier.integrations.hf_kv import layout_from_model
-from kvtier.testing.tiny_models import build_config, build_model
 
 CHUNK = 16
 VOCAB = 512  # the tiny size's vocabulary

@@ -1,5 +1,5 @@
 """The transformers connector's oracle for the model families of
-:mod:`kvtier.testing.families` whose caches transformers exposes: Qwen3 (full attention),
+:mod:`benchmarks.harness.families` whose caches transformers exposes: Qwen3 (full attention),
 Gemma-3 (sliding-window layers: a sliding group that keeps the last ``window`` tokens of a
 chunk) and DeepSeek-V2 (MLA: transformers caches the normed latent and the rope key, kvtier
 stores them as one 576-wide latent). With kvtier, later prompts sharing a long prefix hit, and
@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 import torch
+from benchmarks.harness.families import VOCAB, write_family
 
 from kvtier import Config, Engine
 from kvtier.integrations.hf_kv import layout_from_model
 from kvtier.integrations.transformers import HFConnector
-from kvtier.testing.families import VOCAB, write_family
 
 CHUNK = 256
 NEW = 8
@@ -79,8 +79,9 @@ def test_each_family_stores_what_its_cache_holds(model: Any) -> None:
 
 
 def test_a_layer_kind_with_a_recurrent_state_is_refused_clearly() -> None:
+    from benchmarks.harness.families import family
+
     from kvtier.errors import InputError
-    from kvtier.testing.families import family
 
     with pytest.raises(InputError, match="linear_attention"):
         layout_from_model(family("qwen3-next").config(), torch.bfloat16)

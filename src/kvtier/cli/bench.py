@@ -2,6 +2,10 @@
 
 Each benchmark is a module ``kvtier.bench.<name>`` with ``add_arguments(parser)`` and
 ``run(args) -> dict`` (the JSON fields); this command prints them as a table or JSON.
+
+These are the benchmarks an operator runs on their own hardware with nothing but kvtier
+installed. Those that start vLLM, vllm-router or a transformers model live beside the package,
+in the repository's ``benchmarks/`` (``python -m benchmarks NAME``), and print the same way.
 """
 
 from __future__ import annotations
@@ -15,26 +19,26 @@ BENCHMARKS: dict[str, str] = {
     "cpu": "CPU tier store/retrieve vs memcpy, lookup cost of a 128k-token prompt",
     "disk": "disk tier write/read vs raw file I/O with fsync",
     "redis": "redis tier put/get vs raw redis-py SET/GET",
-    "ttft": "time to first token with 0, 50 and 90 percent of the prompt cached (transformers)",
     "pd": "prefill-to-decode transfer per transport vs memcpy and a raw socket",
     "server": "store/retrieve through a kvtier server vs in-process, lookup RTT, 1-4 clients",
-    "vllm": "time to first token inside vLLM: cold, vLLM's prefix cache, kvtier CPU and disk",
-    "serve": "vLLM's serving benchmark per cache configuration: TTFT efficiency, throughput",
     "scale": "how costs grow: lookup vs prompt length, disk restart vs files, RSS, threads",
-    "families": "bytes stored per token per KV-cache group kind vs naive full KV, per family",
     "codec": "payload codecs: ratio, encode/decode GB/s on one thread vs memcpy, bf16 and fp32",
     "trace": "a production trace replayed through the CPU tier vs the optimum, LRU, ARC",
-    "fleet": "2 vLLM behind vllm-router: prefill computed vs ideal per policy, with/without kvtier",
 }
 
 
-def add_parser(parser: argparse.ArgumentParser) -> None:
+def add_parser(
+    parser: argparse.ArgumentParser,
+    benchmarks: dict[str, str] = BENCHMARKS,
+    package: str = "kvtier.bench",
+) -> None:
+    """One subcommand per benchmark module ``<package>.<name>`` that imports here."""
     sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for name, help_text in BENCHMARKS.items():
+    for name, help_text in benchmarks.items():
         try:
-            module = importlib.import_module(f"kvtier.bench.{name}")
+            module = importlib.import_module(f"{package}.{name}")
         except ModuleNotFoundError as exc:
-            if not (exc.name or "").startswith(f"kvtier.bench.{name}"):
+            if not (exc.name or "").startswith(f"{package}.{name}"):
                 raise
             continue
         bench = sub.add_parser(name, help=help_text, description=help_text)

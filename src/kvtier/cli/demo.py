@@ -13,11 +13,11 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvtier.demo.tiny_models import SIZES
 from kvtier.demo.workload import Workload
 from kvtier.engine import Engine
 from kvtier.errors import InputError
 from kvtier.layout import dtype_from_name
-from kvtier.testing.tiny_models import SIZES
 
 if TYPE_CHECKING:
     from kvtier.demo.runner import DemoResult

@@ -96,7 +96,7 @@ def _config(args: argparse.Namespace, role: str, chunk_bytes: int, port: int) ->
 def _model(args: argparse.Namespace) -> Any:
     import torch
 
-    from kvtier.testing.tiny_models import build_model
+    from kvtier.demo.tiny_models import build_model
 
     # Two model processes share this host: one intra-op thread each, so neither spins on the
     # cores the other (and the receiver thread) needs.
@@ -190,7 +190,7 @@ def _prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.testing.tiny_models import SIZES
+    from kvtier.demo.tiny_models import SIZES
 
     prompts = _prompts(args, SIZES[args.model_size].vocab)
     to_decoder, to_prefiller = SPAWN.Queue(), SPAWN.Queue()

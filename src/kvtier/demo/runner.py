@@ -25,12 +25,12 @@ from typing import Any
 import torch
 
 from kvtier.config import Config
+from kvtier.demo.tiny_models import build_model
 from kvtier.demo.workload import Workload, conversations, schedule
 from kvtier.engine import Engine
 from kvtier.errors import InputError
 from kvtier.integrations.hf_kv import layout_from_model
 from kvtier.integrations.transformers import HFConnector
-from kvtier.testing.tiny_models import build_model
 
 
 def load_local_model(path: str, *, dtype: torch.dtype | None = None) -> Any:

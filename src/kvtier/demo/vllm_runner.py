@@ -29,10 +29,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvtier.demo.checkpoint import write_tiny_llama
 from kvtier.demo.runner import ConfigRun, DemoResult, RequestRecord
 from kvtier.demo.workload import Workload, conversations, schedule
 from kvtier.errors import InputError, StateError
-from kvtier.testing.checkpoint import write_tiny_llama
 
 CONNECTOR = {
     "kv_connector": "KVTierConnector",

@@ -81,7 +81,7 @@ class HFConnector:
     """Connects one transformers causal LM to a kvtier :class:`~kvtier.Engine`.
 
     ``engine=None`` runs the very same prefill/decode loop with no cache at all: the baseline
-    that ``kvtier demo`` and ``kvtier bench ttft`` compare against.
+    that ``kvtier demo`` and ``python -m benchmarks ttft`` compare against.
     """
 
     def __init__(self, engine: Engine | None, model: Any) -> None:

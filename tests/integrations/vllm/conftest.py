@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.testing.checkpoint import write_tiny_llama
+from kvtier.demo.checkpoint import write_tiny_llama
 from tests.server.server_helpers import ServerProcess, remove_tempdir, short_tempdir
 
 from .vllm_helpers import Instances, VllmInstance, tokens

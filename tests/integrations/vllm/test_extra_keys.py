@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier.testing.checkpoint import TinyLlama, write_lora_adapter
+from kvtier.demo.checkpoint import TinyLlama, write_lora_adapter
 from tests.server.server_helpers import ServerProcess
 
 from .vllm_helpers import MAX_TOKENS, Instances, VllmInstance, tokens, unique_engine_id

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from benchmarks.harness.router import LossyLink, Router, VllmServer, post
 
-from kvtier.testing.checkpoint import words_for
-from kvtier.testing.router import LossyLink, Router, VllmServer, post
+from kvtier.demo.checkpoint import words_for
 from tests.redis_servers import RedisServer
 
 from .vllm_helpers import Instances, tokens

@@ -28,10 +28,10 @@ from typing import Any
 
 import pytest
 import torch
+from benchmarks.harness.families import family, write_family
 
 from kvtier.layout import dtype_from_name
 from kvtier.storage.records import HEADER_SIZE
-from kvtier.testing.families import family, write_family
 
 from .vllm_helpers import Instances, VllmInstance, tokens, unique_engine_id
 

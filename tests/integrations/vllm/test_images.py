@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from benchmarks.harness.vision import IMAGE_SIZE, write_tiny_idefics3
 
-from kvtier.testing.vision import IMAGE_SIZE, write_tiny_idefics3
 from tests.server.server_helpers import ServerProcess
 
 from .vllm_helpers import MAX_TOKENS, Instances, VllmInstance, unique_engine_id

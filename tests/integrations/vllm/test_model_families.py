@@ -1,4 +1,4 @@
-"""kvtier inside a real vLLM for the model families of :mod:`kvtier.testing.families`.
+"""kvtier inside a real vLLM for the model families of :mod:`benchmarks.harness.families`.
 
 Per family, in file order (one vLLM at a time, shared through ``instances``):
 
@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from benchmarks.harness.families import family, write_family
 
 from kvtier.layout import dtype_from_name, dtype_name
 from kvtier.storage.records import HEADER_SIZE
-from kvtier.testing.families import family, write_family
 
 from .vllm_helpers import MAX_TOKENS, Instances, VllmInstance, tokens, unique_engine_id
 

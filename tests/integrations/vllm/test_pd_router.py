@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from benchmarks.harness.router import RouterProcess, pd_command
 
+from kvtier.demo.checkpoint import words_for
 from kvtier.integrations.vllm.rpc import LookupClient
-from kvtier.testing.checkpoint import words_for
-from kvtier.testing.router import RouterProcess, pd_command
 from tests.docs.doc_blocks import block_after
 from tests.redis_servers import free_port
 

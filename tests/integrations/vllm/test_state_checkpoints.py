@@ -20,8 +20,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-
-from kvtier.testing.families import family, write_family
+from benchmarks.harness.families import family, write_family
 
 from .vllm_helpers import Instances, VllmInstance, tokens, unique_engine_id
 

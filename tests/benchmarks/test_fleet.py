@@ -1,11 +1,11 @@
-"""``kvtier bench fleet``'s trace and its ideal (fast: no vLLM; the fleet itself runs in
+"""``python -m benchmarks fleet``'s trace and its ideal (fast: no vLLM; the fleet itself runs in
 tests/integrations/vllm/test_fleet.py)."""
 
 from __future__ import annotations
 
 import argparse
 
-from kvtier.bench.fleet import add_arguments, ideal_tokens, trace
+from benchmarks.fleet import add_arguments, ideal_tokens, trace
 
 
 def args(**over: int) -> argparse.Namespace:

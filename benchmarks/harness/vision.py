@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvtier.testing.checkpoint import SPECIALS
+from kvtier.demo.checkpoint import SPECIALS
 
 IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>")
 WORDS_FROM = len(SPECIALS) + len(IMAGE_TOKENS)  # id of "w0"

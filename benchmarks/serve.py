@@ -1,4 +1,4 @@
-"""``kvtier bench serve``: vLLM's own serving benchmark against vLLM's OpenAI server, per
+"""``python -m benchmarks serve``: vLLM's own serving benchmark against vLLM's OpenAI server, per
 cache configuration, on a model shape whose KV is big enough for loads to matter.
 
 Every configuration starts ``python -m vllm.entrypoints.openai.api_server`` (one at a time,
@@ -17,7 +17,7 @@ cache, runs them once, as pass 2)::
     server        off                kvtier through a kvtier server  a fresh vLLM (server warm)
     example       off                vLLM's ExampleConnector         the same vLLM
 
-Workloads: see :mod:`kvtier.bench.workloads` (``prefix``, ``chat``, ``conversation``,
+Workloads: see :mod:`benchmarks.workloads` (``prefix``, ``chat``, ``conversation``,
 ``decode``). Requests go
 ``--max-concurrency`` (1) at a time, so a time to first token is a prefill (or a load), not a
 wait in vLLM's queue. ``--reserved-cpus`` (1) is vLLM's ``VLLM_CPU_NUM_OF_RESERVED_CPU`` for
@@ -64,12 +64,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import conversation
-from kvtier.bench import workloads as wl
-from kvtier.bench.isolation import stdout_to_stderr, work_dir
+from benchmarks import conversation
+from benchmarks import workloads as wl
+from benchmarks.harness.shapes import SHAPES, write_shape
+from benchmarks.isolation import stdout_to_stderr, work_dir
+from benchmarks.serving import SERVED_NAME, KVTierServer, VLLMServer, counter_delta
 from kvtier.bench.redis import _server as redis_server
-from kvtier.bench.serving import SERVED_NAME, KVTierServer, VLLMServer, counter_delta
-from kvtier.testing.shapes import SHAPES, write_shape
 
 CONFIGS = ("none", "apc", "cpu", "disk", "redis", "server", "example")
 FRESH = {"disk", "redis", "server"}  # pass 2 in a new vLLM process

@@ -1,7 +1,7 @@
-"""``kvtier bench vllm``'s checks that kvtier served the runs it names, against a real worker
+"""``python -m benchmarks vllm``'s checks that kvtier served the runs it names, against a real
 Engine over its real lookup socket (the worker side without vLLM's processes; the LLM handle
 the bench reads its engine id from is the only stand-in). The bench itself runs three vLLM
-instances, too slow for the suite; ``kvtier bench vllm --json`` exercises these checks."""
+instances, too slow for the suite; ``python -m benchmarks vllm --json`` exercises these checks."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from benchmarks.vllm import _drop_page_cache, _reset_prefix_cache, _served
 
-from kvtier.bench.vllm import _drop_page_cache, _reset_prefix_cache, _served
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.worker import WorkerSide

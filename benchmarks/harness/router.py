@@ -1,4 +1,4 @@
-"""A fleet on loopback for the tests and ``kvtier bench fleet``: vLLM OpenAI servers that
+"""A fleet on loopback for the tests and ``python -m benchmarks fleet``: vLLM OpenAI servers that
 publish KV events, and vllm-router in front of them. Real processes, each in its own process
 group, so stopping one stops the engine core and worker it spawned.
 

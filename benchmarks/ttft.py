@@ -1,4 +1,4 @@
-"""``kvtier bench ttft``: time to first token with 0, 50 and 90% of the prompt cached.
+"""``python -m benchmarks ttft``: time to first token with 0, 50 and 90% of the prompt cached.
 
 For one model and prompt length, each repeat measures, interleaved so that a noisy neighbour
 hits every variant alike (the best of the repeats is reported)::
@@ -24,11 +24,11 @@ from typing import Any
 import torch
 
 from kvtier.config import Config
+from kvtier.demo.tiny_models import SIZES, build_model
 from kvtier.engine import Engine
 from kvtier.errors import StateError
 from kvtier.integrations.hf_kv import cache_from_kv, kv_from_cache, layout_from_model
 from kvtier.integrations.transformers import HFConnector
-from kvtier.testing.tiny_models import SIZES, build_model
 
 FRACTIONS = (50, 90)
 

@@ -1,5 +1,5 @@
-"""The ``conversation`` workload of ``kvtier bench serve``: chats whose next prompt holds the
-answer the model really generated.
+"""The ``conversation`` workload of ``python -m benchmarks serve``: chats whose next prompt
+holds the answer the model really generated.
 
 vLLM's serving benchmark sends prompts fixed before the run, so its ``chat`` workload writes
 each answer as random tokens. Here every round's prompt is the previous round's prompt, the

@@ -1,4 +1,4 @@
-"""The workloads of ``kvtier bench serve``, as arguments to vLLM's serving benchmark.
+"""The workloads of ``python -m benchmarks serve``, as arguments to vLLM's serving benchmark.
 
     name    vLLM dataset        what it is                                      pass 2
     prefix  prefix_repetition   --num-prefixes shared prefixes of --prefix-len  yes
@@ -48,7 +48,7 @@ class Workload:
     name: str
     dataset: list[str]
     repeat: bool = True
-    live: bool = False  # run by kvtier.bench.conversation, not vLLM's serving benchmark
+    live: bool = False  # run by benchmarks.conversation, not vLLM's serving benchmark
     measured: str = "pass2"  # the pass whose TTFT the headline ratios compare
 
 

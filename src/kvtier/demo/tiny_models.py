@@ -1,8 +1,8 @@
 """Small decoder-only models built in code: random weights, fixed seeds, no downloads.
 
-They exist so the oracle tests, ``kvtier demo`` and ``kvtier bench ttft`` run anywhere, offline,
-with real transformers attention (RoPE, grouped-query attention, the model's own masks). The
-weights are random, so the "text" is meaningless, but the KV is exactly what a trained model of
+They exist so the oracle tests, ``kvtier demo`` and ``python -m benchmarks ttft`` run anywhere,
+offline, with real transformers attention (RoPE, grouped-query attention, the model's own masks).
+The weights are random, so the "text" is meaningless, but the KV is exactly what a trained model of
 the same shape would cache, and greedy decoding is deterministic.
 
 Sizes (``--model-size``), chosen on a 2-core CPU box:

@@ -1,4 +1,4 @@
-"""``kvtier bench vllm``: time to first token inside a real vLLM, with and without kvtier.
+"""``python -m benchmarks vllm``: time to first token inside a real vLLM, with and without kvtier.
 
 One tiny Llama checkpoint written by code (4 layers, hidden 256, 2 KV heads), float32,
 ``enforce_eager``, a prompt of ``--prompt-tokens`` (4096) random tokens, ``max_tokens=1``: the
@@ -45,8 +45,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.isolation import stdout_to_stderr, work_dir
-from kvtier.testing.checkpoint import write_tiny_llama
+from benchmarks.isolation import stdout_to_stderr, work_dir
+from kvtier.demo.checkpoint import write_tiny_llama
 
 DISK_PAGE_CACHE = (
     "ttft_kvtier_disk_ms: the disk tier's files were written minutes before and are in the "

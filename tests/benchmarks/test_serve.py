@@ -1,4 +1,4 @@
-"""``kvtier bench serve`` in pieces (a full run starts 10+ vLLM servers: minutes, not a test):
+"""``python -m benchmarks serve`` in pieces (a full run starts 10+ vLLM servers: not a test):
 each configuration's vLLM settings, the chat workload, vLLM's parser accepting the
 benchmark's arguments, and the headline ratios."""
 
@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
+from benchmarks.__main__ import BENCHMARKS
 
-from kvtier.bench import serve, serving, workloads
-from kvtier.cli.bench import BENCHMARKS
+from benchmarks import serve, serving, workloads
 from kvtier.errors import InputError
 
 

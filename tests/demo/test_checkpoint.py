@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier.demo.checkpoint import TinyLlama, words_for, write_tiny_llama
 from kvtier.errors import InputError
-from kvtier.testing.checkpoint import TinyLlama, words_for, write_tiny_llama
 
 
 def test_transformers_loads_the_written_weights(tmp_path: Path) -> None:

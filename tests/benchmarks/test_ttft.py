@@ -1,16 +1,15 @@
-"""``kvtier bench ttft`` on a tiny model: every field is there and the arithmetic holds."""
+"""``python -m benchmarks ttft`` on a tiny model: every field is there and the arithmetic holds."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-
-from kvtier.cli.main import main
+from benchmarks.__main__ import main
 
 
 def test_bench_ttft_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "ttft", "--json", "--model-size", "tiny", "--prompt-tokens", "320"]
+    argv = ["ttft", "--json", "--model-size", "tiny", "--prompt-tokens", "320"]
     assert main([*argv, "--chunk-size", "32", "--repeats", "1"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["cached_50_tokens"] == 160 and result["cached_90_tokens"] == 288

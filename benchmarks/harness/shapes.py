@@ -1,4 +1,4 @@
-"""Realistic model shapes with random weights written in code, for ``kvtier bench serve``.
+"""Realistic model shapes with random weights written in code, for ``python -m benchmarks serve``.
 
 The tiny test Llama (4 layers, hidden 256) has 4 KiB of KV per token in fp32: every cached
 variant is within a few milliseconds of vLLM's own prefix cache, which says little. These
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvtier.demo.checkpoint import TinyLlama, write_tiny_llama
 from kvtier.errors import InputError
-from kvtier.testing.checkpoint import TinyLlama, write_tiny_llama
 
 SHAPES: dict[str, TinyLlama] = {
     "tiny": TinyLlama(),

@@ -1,6 +1,6 @@
 """A tiny Llama-style checkpoint written by code: seeded random weights, no download.
 
-vLLM loads models from files, so tests, ``kvtier bench vllm`` and ``kvtier demo --engine
+vLLM loads models from files, so tests, ``python -m benchmarks vllm`` and ``kvtier demo --engine
 vllm`` need a real checkpoint on disk. :func:`write_tiny_llama` writes one into a directory:
 
     config.json              LlamaConfig (4 layers, hidden 256, 4 heads / 2 KV heads)

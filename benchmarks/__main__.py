@@ -1,0 +1,28 @@
+"""``python -m benchmarks NAME [--json]``: the serving-stack benchmarks, printed as
+``kvtier bench`` prints its own (a table, or one JSON object)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvtier.cli import bench
+
+BENCHMARKS: dict[str, str] = {
+    "ttft": "time to first token with 0, 50 and 90 percent of the prompt cached (transformers)",
+    "vllm": "time to first token inside vLLM: cold, vLLM's prefix cache, kvtier CPU and disk",
+    "serve": "vLLM's serving benchmark per cache configuration: TTFT efficiency, throughput",
+    "families": "bytes stored per token per KV-cache group kind vs naive full KV, per family",
+    "fleet": "2 vLLM behind vllm-router: prefill computed vs ideal per policy, with/without kvtier",
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    bench.add_parser(parser, BENCHMARKS, "benchmarks")
+    return bench.run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
