@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "kvtier.repeated_log",
         "kvtier.local_sockets",
     ),
-    ("kvtier.config", "kvtier.layout", "kvtier.keys", "kvtier.validation"),
+    ("kvtier.config", "kvtier.layout", "kvtier.keys", "kvtier.validation", "kvtier.cache"),
     ("kvtier.memory",),
     ("kvtier.lease",),
     ("kvtier.storage",),

@@ -11,7 +11,7 @@ import torch
 
 import kvtier
 from kvtier import Engine, InputError, StateError
-from kvtier.server.surface import open_cache
+from kvtier.lifecycle import Lifecycle
 from kvtier.service import Service
 from tests.conftest import SMALL_LAYOUT, make_kv, make_tokens, small_config
 from tests.server.conftest import SPAWN
@@ -155,17 +155,23 @@ def test_closing_a_client_releases_its_leases(server: ServerProcess) -> None:
         assert idle_server_state(watcher) == IDLE
 
 
-def test_open_cache_picks_the_server_when_named(server: ServerProcess) -> None:
+def test_a_service_holds_the_server_client_when_a_server_is_named(server: ServerProcess) -> None:
     tokens, kv = make_tokens(32, 91), make_kv(32, 91)
-    for url, kind in ((None, Service), (server.url, kvtier.ServerClient)):
-        cache = open_cache(url, small_config(), SMALL_LAYOUT, model_name="either")
+    for url, kind in ((None, Engine), (server.url, kvtier.ServerClient)):
+        service = Service(small_config(), SMALL_LAYOUT, model_name="either", server=url).open()
         try:
+            cache = service.cache
             assert isinstance(cache, kind)
-            # in process: a Service, whose engine is local; through a server: none here
-            assert isinstance(cache.local_engine, Engine) is (url is None)
+            # in process: the engine is local; through a server: none here
+            assert (service.local_engine is cache) is (url is None)
+            assert isinstance(service.local_engine, Engine) is (url is None)
             assert cache.store(tokens, kv) == 2
             with cache.request("r"):
                 assert cache.lookup(tokens, "r") == 32
             assert cache.check_invariants() == []
+            assert service.admin is None and service.receiver is None
         finally:
-            cache.close()
+            service.close()
+        assert cache.state is Lifecycle.CLOSED
+    with pytest.raises(StateError, match="no engine runs here"):
+        _ = Service(small_config(), SMALL_LAYOUT, model_name="either", server=server.url).engine

@@ -252,18 +252,19 @@ def test_the_worker_that_owns_the_cache_serves_its_admin_api() -> None:
 
 
 def test_a_decoder_worker_receives_through_its_service_and_closes_the_receiver_with_it() -> None:
-    """The worker opens no PD receiver itself: its cache is a Service, which opens the
+    """The worker opens no PD receiver itself: it opens a Service, which opens the
     receiver after the engine (pd_role receiver) and closes it before, on worker.close()."""
     side = make_worker(enable_pd=True, pd_role="receiver", pd_buffer_size=f"{4 * CHUNK_BYTES}B")
     try:
-        assert isinstance(side.cache, Service) and side.engine is side.cache.local_engine
-        receiver = side.cache.receiver
+        assert isinstance(side.service, Service) and side.engine is side.service.local_engine
+        assert side.cache is side.service.cache is side.engine
+        receiver = side.service.receiver
         assert receiver is not None
         with socket.create_connection(("127.0.0.1", receiver.port), timeout=5):
             pass  # it listens
     finally:
         side.close()
-    assert side.cache.receiver is None
+    assert side.service.receiver is None
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", receiver.port), timeout=2).close()
 
