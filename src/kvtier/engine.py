@@ -191,7 +191,7 @@ class Engine(KVCache):
             spans = spans[: lease.limit]
         plan = manager.locate(spans, lease, prompt.skip // self.config.chunk_size)
         lease.plan = plan
-        found = self.observer.on_lookup(request_id, tokens, spans, plan, started, keyed_by(salt))
+        found = self.observer.on_lookup(lease, tokens, spans, plan, started, keyed_by(salt))
         # lookup_tokens: the whole prompt, partial tail included. The hit is counted when
         # loaded (_load): a lookup only finds.
         self.counters.add(lookups=1, lookup_tokens=len(tokens), found_tokens=found)
@@ -206,8 +206,7 @@ class Engine(KVCache):
         if plan.hits and plan.hits[0].tier is ENGINE:
             self._locate_skipped(plan, request_id)
         out = torch.empty(self.layout.kv_shape(plan.hit_tokens), dtype=self.layout.dtype)
-        loaded = self._load(plan, request_id, out, 0)
-        self.observer.on_retrieve(started)
+        loaded = self._load(plan, request_id, out, 0, started)
         return out[:, :, :loaded, :]
 
     def _retrieve_into(self, request_id: str, prompt: Prompt, out: torch.Tensor) -> int:
@@ -215,9 +214,7 @@ class Engine(KVCache):
         plan = self._plan(request_id, prompt)
         check_out(out, self.layout, plan.hit_tokens)
         start = (prompt.skip // self.config.chunk_size) * self.config.chunk_size
-        loaded_end = self._load(plan, request_id, out, start)
-        self.observer.on_retrieve(started)
-        return loaded_end
+        return self._load(plan, request_id, out, start, started)
 
     def _store(self, prompt: Prompt, kv: torch.Tensor, keys: RequestKeys | None) -> int:
         started = time.perf_counter()
@@ -234,10 +231,19 @@ class Engine(KVCache):
         _, leases = self._open_parts()
         lease = leases.get(request_id)
         ended = leases.end(request_id)
-        if ended:
-            unused = self.observer.on_request_end(request_id, lease)
+        if ended and lease is not None:
+            unused = self.observer.on_request_end(lease)
             self.counters.add(requests=1, unused_tokens=unused)
         return ended
+
+    def record_stored(self, request_id: str, tokens: int, prompt_tokens: int) -> None:
+        """``tokens`` of ``request_id``'s prompt were newly stored (for its log line): a
+        connector that knows which request a store is for says so (:meth:`store` takes no
+        request id). Nothing is kept for a request that holds no lease."""
+        _, leases = self._open_parts()
+        lease = leases.get(request_id)
+        if lease is not None:
+            lease.record.note_stored(tokens, prompt_tokens)
 
     def _record_ttft(self, seconds: float, prompt_tokens: int, hit_tokens: int) -> None:
         """For the TTFT metrics and the dashboard's TTFT-saved estimate (see
@@ -396,17 +402,24 @@ class Engine(KVCache):
         plan.hits[: len(skipped)] = found.hits
         plan.spare.extend(found.spare)
 
-    def _load(self, plan: LookupPlan, request_id: str, out: torch.Tensor | None, start: int) -> int:
+    def _load(
+        self,
+        plan: LookupPlan,
+        request_id: str,
+        out: torch.Tensor | None,
+        start: int,
+        started: float,
+    ) -> int:
+        """Copy the plan's hit from ``start`` into ``out`` (None: leave it in its pages);
+        the end of the loaded prefix. ``started``: when the retrieve began (its latency)."""
         manager, leases = self._open_parts()
         lease = leases.get(request_id)
         if lease is None:
             raise StateError(f"request {request_id!r} ended before its retrieve")
-        before = self.observer.before_load(plan)
         planned = plan.hit_tokens
-        loaded = manager.load(plan, lease, out, start)
-        if loaded < planned:
+        with self.observer.load(lease, plan, start, started) as load:
+            load.end = manager.load(plan, lease, out, start)
+        if load.end < planned:
             lease.limit = plan.hit_chunks  # the rest is a miss for this request from now on
-        self.observer.after_load(request_id, before, loaded)
-        copied = self.observer.on_loaded(request_id, plan, start, loaded)
-        self.counters.add(retrieved_tokens=copied, hit_tokens=copied)
-        return loaded
+        self.counters.add(retrieved_tokens=load.copied, hit_tokens=load.copied)
+        return load.end

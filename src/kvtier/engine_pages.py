@@ -55,7 +55,12 @@ class PageHost(Protocol):
     def _plan(self, request_id: str, prompt: Prompt) -> LookupPlan: ...
 
     def _load(
-        self, plan: LookupPlan, request_id: str, out: torch.Tensor | None, start: int
+        self,
+        plan: LookupPlan,
+        request_id: str,
+        out: torch.Tensor | None,
+        start: int,
+        started: float,
     ) -> int: ...
 
 
@@ -84,8 +89,7 @@ class EnginePages:
             plan = engine._plan(request_id, prompt)
             chunk = engine.config.chunk_size
             start = (prompt.skip // chunk) * chunk
-            loaded_end = engine._load(plan, request_id, None, start)
-            engine.observer.on_retrieve(started)
+            loaded_end = engine._load(plan, request_id, None, start, started)
             pages = [
                 (h.page, h.span.start, h.span.num_tokens)
                 for h in plan.hits

@@ -1,7 +1,12 @@
-"""Why a request hit or missed, chunk by chunk: a bounded record of recent lookups.
+"""Why a request's chunks were found or missed, chunk by chunk: a bounded record of recent
+lookups.
 
 For each lookup the engine makes, :class:`ExplainLog` records one row per chunk of the prompt:
-where it hit, or the reason it missed. The reasons, and what each one means exactly:
+the tier it was found in, or the reason it missed. A record counts tokens as the engine's
+counters do: ``found_tokens`` (found by the lookup in kvtier's tiers, beyond what the engine
+said it holds), ``loaded_tokens`` (copied into the engine since: the hit) and, once the
+request ended, ``unused_tokens`` (found, never loaded: the engine had them). The reasons a
+chunk missed, and what each one means exactly:
 
 ``not stored``
     No tier holds the chunk, and this process has no record of it ever being stored, dropped,
@@ -41,9 +46,9 @@ A record's ``keyed_by`` names what besides its tokens keyed the request apart ("
 "lora adapter 'B'", "2 images", "prompt embeddings"; absent for plain tokens): equal tokens
 under other keys are other chunks, so a miss there is by design.
 
-Hits name their tier; chunks inside ``skip_leading_tokens`` show tier ``engine`` (the engine
-already held them). Memory is bounded: the last ``capacity`` requests and the fate of the last
-``key_memory`` keys (oldest forgotten first).
+Found chunks name their tier; chunks inside ``skip_leading_tokens`` show tier ``engine`` (the
+engine already held them). Memory is bounded: the last ``capacity`` requests and the fate of
+the last ``key_memory`` keys (oldest forgotten first).
 """
 
 from __future__ import annotations
@@ -85,7 +90,7 @@ GROUP_MARK = " in KV-cache group "  # how a tier's corruption reason names the g
 # What the log remembers about a key: the last thing that happened to it.
 _STORED, _EVICTED, _DROPPED, _CORRUPT = "stored", "evicted", "dropped", "corrupt"
 
-# (first_index, last_index, hit, tier_or_reason, detail): consecutive chunks with the same
+# (first_index, last_index, found, tier_or_reason, detail): consecutive chunks with the same
 # outcome share one run, so a 512-chunk prompt that misses from chunk 3 on is two runs.
 Run = tuple[int, int, bool, str, str]
 Probe = Callable[[Sequence[ChunkKey]], list[str | None]]
@@ -154,17 +159,29 @@ class RequestExplain:
     fingerprint: str
     chunk_size: int
     prompt_tokens: int
-    hit_tokens: int
+    found_tokens: int  # found in kvtier's tiers by the last lookup
     keys: bytes  # 16 bytes per chunk, concatenated
     runs: list[Run]
     time: float = field(default_factory=time.time)
     lookups: int = 1
     keyed_by: str = ""
+    loaded_tokens: int = 0  # copied into the engine since the lookup
+    unused_tokens: int | None = None  # set when the request ends
+
+    def counts(self) -> dict[str, Any]:
+        """The request's tokens, named as the engine's counters name them."""
+        ended = {} if self.unused_tokens is None else {"unused_tokens": self.unused_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "found_tokens": self.found_tokens,
+            "loaded_tokens": self.loaded_tokens,
+            **ended,
+        }
 
     def chunk_rows(self) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
         n_keys = len(self.keys) // 16
-        for first, last, hit, what, detail in self.runs:
+        for first, last, found, what, detail in self.runs:
             for i in range(first, last + 1):
                 start = i * self.chunk_size
                 row: dict[str, Any] = {
@@ -172,19 +189,19 @@ class RequestExplain:
                     "start": start,
                     "end": min(start + self.chunk_size, self.prompt_tokens),
                     "key": self.keys[i * 16 : (i + 1) * 16].hex() if i < n_keys else None,
-                    "hit": hit,
+                    "found": found,
                 }
-                row["tier" if hit else "reason"] = what
+                row["tier" if found else "reason"] = what
                 if detail:
                     row["detail"] = detail
                 rows.append(row)
         return rows
 
     def as_dict(self) -> dict[str, Any]:
-        hits: dict[str, int] = {}
+        found: dict[str, int] = {}
         misses: dict[str, int] = {}
-        for first, last, hit, what, _ in self.runs:
-            bucket = hits if hit else misses
+        for first, last, was_found, what, _ in self.runs:
+            bucket = found if was_found else misses
             bucket[what] = bucket.get(what, 0) + last - first + 1
         return {
             "request_id": self.request_id,
@@ -192,21 +209,20 @@ class RequestExplain:
             "lookups": self.lookups,
             "fingerprint": self.fingerprint,
             "chunk_size": self.chunk_size,
-            "prompt_tokens": self.prompt_tokens,
-            "hit_tokens": self.hit_tokens,
+            **self.counts(),
             **({"keyed_by": self.keyed_by} if self.keyed_by else {}),
-            "summary": {"hit_chunks_by_tier": hits, "miss_chunks_by_reason": misses},
+            "summary": {"found_chunks_by_tier": found, "miss_chunks_by_reason": misses},
             "chunks": self.chunk_rows(),
         }
 
 
-def _append(runs: list[Run], index: int, hit: bool, what: str, detail: str) -> None:
+def _append(runs: list[Run], index: int, found: bool, what: str, detail: str) -> None:
     if runs:
-        first, last, h, w, d = runs[-1]
-        if last == index - 1 and (h, w, d) == (hit, what, detail):
-            runs[-1] = (first, index, h, w, d)
+        first, last, f, w, d = runs[-1]
+        if last == index - 1 and (f, w, d) == (found, what, detail):
+            runs[-1] = (first, index, f, w, d)
             return
-    runs.append((index, index, hit, what, detail))
+    runs.append((index, index, found, what, detail))
 
 
 class ExplainLog:
@@ -269,7 +285,7 @@ class ExplainLog:
         tokens: object,
         spans: Sequence[ChunkSpan],
         runs: Sequence[tuple[str, int, int]],
-        hit_tokens: int,
+        found_tokens: int,
         probe: Probe,
         keyed_by: str = "",
     ) -> None:
@@ -300,15 +316,16 @@ class ExplainLog:
             self._hex,
             self.chunk_size,
             prompt_tokens,
-            hit_tokens,
+            found_tokens,
             b"".join(keys),
             record_runs,
             keyed_by=keyed_by,
         )
         with self._lock:
             old = self._records.pop(request_id, None)
-            if old is not None:
+            if old is not None:  # a request looked up again (vLLM: preempted, resumed)
                 record.lookups = old.lookups + 1
+                record.loaded_tokens = old.loaded_tokens
             self._records[request_id] = record
             while len(self._records) > self.capacity:
                 self._records.popitem(last=False)
@@ -352,11 +369,19 @@ class ExplainLog:
         loaded_end: int,
         corrupt_tiers: set[str],
         why: Callable[[str, ChunkKey], str | None] | None = None,
+        copied: int = 0,
     ) -> None:
-        """A retrieve loaded up to ``loaded_end`` of the lookup's ``hits``: the first chunk
-        that did not load failed its checksum (when its tier counted one) or was lost.
-        ``why(tier, key)``: the tier's reason for a corrupt entry; when it names a KV-cache
-        group (``in KV-cache group sliding/w128/k160:0,2``), the detail names it too."""
+        """A retrieve copied ``copied`` tokens, up to ``loaded_end`` of the lookup's
+        ``hits``: the first chunk that did not load failed its checksum (when its tier
+        counted one) or was lost. ``why(tier, key)``: the tier's reason for a corrupt entry;
+        when it names a KV-cache group (``in KV-cache group sliding/w128/k160:0,2``), the
+        detail names it too."""
+        if not self.enabled:
+            return
+        with self._lock:
+            record = self._records.get(request_id)
+            if record is not None:
+                record.loaded_tokens += copied
         failed = [(span, tier) for span, tier in hits if span.end > loaded_end]
         if not failed:
             return
@@ -389,7 +414,13 @@ class ExplainLog:
             for i in sorted(rows):
                 _append(runs, i, *rows[i])
             record.runs = runs
-            record.hit_tokens = min(record.hit_tokens, loaded_end)
+
+    def record_end(self, request_id: str, unused_tokens: int) -> None:
+        """The request ended with ``unused_tokens`` found and never loaded."""
+        with self._lock:
+            record = self._records.get(request_id)
+            if record is not None:
+                record.unused_tokens = unused_tokens
 
     # -- queries ---------------------------------------------------------------------------
     def get(self, request_id: str) -> dict[str, Any] | None:
@@ -407,18 +438,14 @@ class ExplainLog:
             return record.as_dict() if record is not None else None
 
     def recent(self, limit: int) -> list[dict[str, Any]]:
-        """Newest first: id, time, prompt and hit tokens (no per-chunk rows)."""
+        """Newest first: id, time, prompt, found, loaded and (ended) unused tokens (no
+        per-chunk rows)."""
         with self._lock:
             records = list(self._records.values())[-limit:] if limit > 0 else []
-        return [
-            {
-                "request_id": r.request_id,
-                "time": r.time,
-                "prompt_tokens": r.prompt_tokens,
-                "hit_tokens": r.hit_tokens,
-            }
-            for r in reversed(records)
-        ]
+            return [
+                {"request_id": r.request_id, "time": r.time, **r.counts()}
+                for r in reversed(records)
+            ]
 
     def __len__(self) -> int:
         return len(self._records)

@@ -59,7 +59,6 @@ from kvtier.integrations.vllm.rpc import Hit, Leak, LookupServer
 from kvtier.integrations.vllm.states import PagedState
 from kvtier.keys import ChunkKey, ChunkSpan, ExtraKeys, RequestSalt
 from kvtier.layout import GroupKind, KVGroup, KVLayout
-from kvtier.observability.logs import REQUESTS
 from kvtier.service import Service
 from kvtier.storage.cpu import CpuTier
 
@@ -243,10 +242,9 @@ class WorkerSide:
                 cache_salt=spec.cache_salt,
                 keys=keys,
             )
-            ended = spec.request_id in meta.finishing  # its line is written: add no entry
-            if self.engine is not None and not ended:  # in-process: end_request writes it
+            if self.engine is not None:  # in-process: for the request's line (on its lease)
                 chunk = engine.config.chunk_size
-                REQUESTS.stored(spec.request_id, stored * chunk, len(spec.tokens))
+                self.engine.record_stored(spec.request_id, stored * chunk, len(spec.tokens))
             if spec.transfer_id is not None and self._pd is not None:
                 self._pd.send(spec.transfer_id, keys.spans[first:], out)
             if events is not None and published is not None and self.engine is None:
