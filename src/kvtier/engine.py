@@ -5,9 +5,10 @@ Every reference a request takes lives in its lease (:mod:`kvtier.lease`) until
 ``end_request``. Call it on every path that ends a request (finished, aborted, failed, timed
 out): a ``try/finally`` in the caller, or ``with engine.request(rid):`` that does it for you.
 
-Two narrower faces are views in their own modules: ``engine.pages()``
-(:mod:`kvtier.engine_pages`, for a process that maps the page buffer) and
-``engine.receiver_host()`` (:mod:`kvtier.pd.host`, for a decoder's PD receiver). Which tiers
+How a looked-up request's hit is planned and loaded is :mod:`kvtier.engine_loads`. Two
+narrower faces are views in their own modules: ``engine.pages()`` (:mod:`kvtier.engine_pages`,
+for a process that maps the page buffer) and ``engine.receiver_host()`` (:mod:`kvtier.pd.host`,
+for a decoder's PD receiver). Which tiers
 exist is the config's business (:mod:`kvtier.tiers`); the engine opens what it is given.
 """
 
@@ -26,8 +27,9 @@ import torch
 
 from kvtier.cache import Hit, KVCache
 from kvtier.config import Config
+from kvtier.engine_loads import RequestLoads
 from kvtier.engine_pages import EnginePages
-from kvtier.errors import InputError, StateError
+from kvtier.errors import StateError
 from kvtier.keys import RequestKeys, RequestSalt, keyed_by
 from kvtier.layout import KVLayout
 from kvtier.lease import Lease, LeaseInfo, LeaseTable
@@ -95,6 +97,7 @@ class Engine(KVCache):
         self._pool: BlockPool | None = None
         self._manager: StorageManager | None = None
         self._leases: LeaseTable[LookupPlan] | None = None
+        self._loads: RequestLoads | None = None
         self._page_memory = page_memory
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -115,6 +118,9 @@ class Engine(KVCache):
             )
             self._pool = self._manager.pool
             self._leases = LeaseTable[LookupPlan](self._pool)
+            self._loads = RequestLoads(
+                self._manager, self._leases, self.observer, self.counters, self._lookup
+            )
             self.observer.attach(self._manager)
             self._guard.open()
             log.info(
@@ -169,6 +175,12 @@ class Engine(KVCache):
         assert self._manager is not None and self._leases is not None
         return self._manager, self._leases
 
+    def _loads_part(self) -> RequestLoads:
+        """How a request's hit reaches the engine (:mod:`kvtier.engine_loads`)."""
+        self._open_parts()
+        assert self._loads is not None
+        return self._loads
+
     def _call(self) -> AbstractContextManager[None]:
         """A call counted in flight (see ``_guarded``): every public call of the cache
         surface, and the views in other modules."""
@@ -202,19 +214,21 @@ class Engine(KVCache):
         looked up; they are looked up and loaded now, and when the cache does not hold them
         all this raises :class:`InputError`: use :meth:`retrieve_into` with the same skip."""
         started = time.perf_counter()
-        plan = self._plan(request_id, prompt)
+        loads = self._loads_part()
+        plan = loads.plan(request_id, prompt)
         if plan.hits and plan.hits[0].tier is ENGINE:
-            self._locate_skipped(plan, request_id)
+            loads.locate_skipped(plan, request_id)
         out = torch.empty(self.layout.kv_shape(plan.hit_tokens), dtype=self.layout.dtype)
-        loaded = self._load(plan, request_id, out, 0, started)
+        loaded = loads.load(plan, request_id, out, 0, started)
         return out[:, :, :loaded, :]
 
     def _retrieve_into(self, request_id: str, prompt: Prompt, out: torch.Tensor) -> int:
         started = time.perf_counter()
-        plan = self._plan(request_id, prompt)
+        loads = self._loads_part()
+        plan = loads.plan(request_id, prompt)
         check_out(out, self.layout, plan.hit_tokens)
         start = (prompt.skip // self.config.chunk_size) * self.config.chunk_size
-        return self._load(plan, request_id, out, start, started)
+        return loads.load(plan, request_id, out, start, started)
 
     def _store(self, prompt: Prompt, kv: torch.Tensor, keys: RequestKeys | None) -> int:
         started = time.perf_counter()
@@ -360,66 +374,3 @@ class Engine(KVCache):
         finally:
             if lease is not None:
                 leases.end_busy(lease)
-
-    def _plan(self, request_id: str, prompt: Prompt) -> LookupPlan:
-        _, leases = self._open_parts()
-        lease = leases.get(request_id)
-        if lease is not None and lease.plan is not None and lease.keys is not None:
-            # The lookup's tokens stay with the lease: the same hit prefix (a memory compare,
-            # no hash) reuses the plan it pinned.
-            array = prompt.tokens
-            hit = lease.plan.hit_tokens
-            known = lease.keys
-            if (
-                prompt.salt == known.salt
-                and len(array) >= hit
-                and np.array_equal(array[:hit], known.tokens[:hit])
-            ):
-                return lease.plan
-        self._lookup(request_id, prompt)
-        lease = leases.get(request_id)
-        assert lease is not None and lease.plan is not None
-        return lease.plan
-
-    def _locate_skipped(self, plan: LookupPlan, request_id: str) -> None:
-        """Replace the plan's leading ENGINE chunks (skipped at lookup: the caller said it
-        holds them) with cached ones, pinned in the lease, or raise: never leave them as
-        uninitialised rows of a tensor that claims to be KV."""
-        manager, leases = self._open_parts()
-        lease = leases.get(request_id)
-        if lease is None:
-            raise StateError(f"request {request_id!r} ended before its retrieve")
-        skipped = [h.span for h in plan.hits if h.tier is ENGINE]
-        found = manager.locate(skipped, lease, 0)
-        if len(found.hits) < len(skipped):
-            n = skipped[-1].end
-            raise InputError(
-                f"request {request_id!r} was looked up with skip_leading_tokens covering its "
-                f"first {n} tokens, and the cache holds only {found.hit_tokens} of them: "
-                f"retrieve() returns KV from token 0, so call retrieve_into(tokens, "
-                f"{request_id!r}, out, skip_leading_tokens={n}) instead"
-            )
-        plan.hits[: len(skipped)] = found.hits
-        plan.spare.extend(found.spare)
-
-    def _load(
-        self,
-        plan: LookupPlan,
-        request_id: str,
-        out: torch.Tensor | None,
-        start: int,
-        started: float,
-    ) -> int:
-        """Copy the plan's hit from ``start`` into ``out`` (None: leave it in its pages);
-        the end of the loaded prefix. ``started``: when the retrieve began (its latency)."""
-        manager, leases = self._open_parts()
-        lease = leases.get(request_id)
-        if lease is None:
-            raise StateError(f"request {request_id!r} ended before its retrieve")
-        planned = plan.hit_tokens
-        with self.observer.load(lease, plan, start, started) as load:
-            load.end = manager.load(plan, lease, out, start)
-        if load.end < planned:
-            lease.limit = plan.hit_chunks  # the rest is a miss for this request from now on
-        self.counters.add(retrieved_tokens=load.copied, hit_tokens=load.copied)
-        return load.end

@@ -21,9 +21,9 @@ from contextlib import AbstractContextManager
 from typing import Protocol
 
 import numpy as np
-import torch
 
 from kvtier.config import Config
+from kvtier.engine_loads import RequestLoads
 from kvtier.errors import StateError
 from kvtier.keys import RequestKeys, RequestSalt
 from kvtier.lease import Lease, LeaseTable
@@ -32,7 +32,7 @@ from kvtier.storage.counters import EngineCounters
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.plan import ENGINE, LookupPlan
 from kvtier.storage.writes import StoreSlot
-from kvtier.validation import Prompt, check_prompt, check_request_id
+from kvtier.validation import check_prompt, check_request_id
 
 
 class PageHost(Protocol):
@@ -52,16 +52,7 @@ class PageHost(Protocol):
         self, tokens: np.ndarray, salt: RequestSalt | None, lease: Lease[LookupPlan] | None
     ) -> RequestKeys: ...
 
-    def _plan(self, request_id: str, prompt: Prompt) -> LookupPlan: ...
-
-    def _load(
-        self,
-        plan: LookupPlan,
-        request_id: str,
-        out: torch.Tensor | None,
-        start: int,
-        started: float,
-    ) -> int: ...
+    def _loads_part(self) -> RequestLoads: ...
 
 
 class EnginePages:
@@ -86,10 +77,11 @@ class EnginePages:
             started = time.perf_counter()
             check_request_id(request_id)
             prompt = check_prompt(tokens, skip_leading_tokens, cache_salt)
-            plan = engine._plan(request_id, prompt)
+            loads = engine._loads_part()
+            plan = loads.plan(request_id, prompt)
             chunk = engine.config.chunk_size
             start = (prompt.skip // chunk) * chunk
-            loaded_end = engine._load(plan, request_id, None, start, started)
+            loaded_end = loads.load(plan, request_id, None, start, started)
             pages = [
                 (h.page, h.span.start, h.span.num_tokens)
                 for h in plan.hits
