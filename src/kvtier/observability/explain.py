@@ -57,12 +57,16 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, fields
 from typing import Any
 
-import xxhash
-
 from kvtier.keys import ChunkKey, ChunkSpan, ChunkSpans, Fingerprint, as_token_array
+from kvtier.observability.explain_record import RequestExplain, Run, append_run
+from kvtier.observability.fingerprints import (
+    FINGERPRINTS,
+    FingerprintRegistry,
+    fingerprint_diff,
+    token_chain,
+)
 
 NOT_STORED = "not stored"
 EVICTED = "evicted"
@@ -90,139 +94,7 @@ GROUP_MARK = " in KV-cache group "  # how a tier's corruption reason names the g
 # What the log remembers about a key: the last thing that happened to it.
 _STORED, _EVICTED, _DROPPED, _CORRUPT = "stored", "evicted", "dropped", "corrupt"
 
-# (first_index, last_index, found, tier_or_reason, detail): consecutive chunks with the same
-# outcome share one run, so a 512-chunk prompt that misses from chunk 3 on is two runs.
-Run = tuple[int, int, bool, str, str]
 Probe = Callable[[Sequence[ChunkKey]], list[str | None]]
-
-
-def token_chain(tokens: object, chunk_size: int, count: int) -> list[bytes]:
-    """Fingerprint-free chain hashes of the first ``count`` chunks: equal tokens, equal hashes,
-    whatever the model. Used only to recognise a fingerprint mismatch."""
-    data = as_token_array(tokens).tobytes()
-    step = chunk_size * 4
-    prev = b"kvtier-token-chain"
-    out: list[bytes] = []
-    for i in range(count):
-        prev = xxhash.xxh3_128_digest(prev + data[i * step : (i + 1) * step])
-        out.append(prev)
-    return out
-
-
-class FingerprintRegistry:
-    """Process-wide: token-chain hash -> the fingerprints that stored those tokens (bounded)."""
-
-    def __init__(self, capacity: int = 100_000) -> None:
-        self.capacity = capacity
-        self._by_chain: OrderedDict[bytes, dict[bytes, Fingerprint]] = OrderedDict()
-        self._digests: set[bytes] = set()  # every fingerprint that ever stored here
-        self._lock = threading.Lock()
-
-    def add(self, chains: Iterable[bytes], digest: bytes, fingerprint: Fingerprint) -> None:
-        with self._lock:
-            self._digests.add(digest)
-            for chain in chains:
-                fps = self._by_chain.setdefault(chain, {})
-                fps[digest] = fingerprint
-                self._by_chain.move_to_end(chain)
-            while len(self._by_chain) > self.capacity:
-                self._by_chain.popitem(last=False)
-
-    def may_have_others(self, digest: bytes) -> bool:
-        """False while only ``digest`` ever stored (one engine per process): then no lookup
-        needs the token chain at all."""
-        with self._lock:
-            return bool(self._digests - {digest})
-
-    def others(self, chain: bytes, digest: bytes) -> list[Fingerprint]:
-        """Fingerprints other than ``digest`` that stored the tokens of ``chain``."""
-        with self._lock:
-            fps = self._by_chain.get(chain, {})
-            return [fp for d, fp in fps.items() if d != digest]
-
-
-FINGERPRINTS = FingerprintRegistry()
-
-
-def fingerprint_diff(mine: Fingerprint, other: Fingerprint) -> str:
-    parts = []
-    for f in fields(Fingerprint):
-        a, b = getattr(mine, f.name), getattr(other, f.name)
-        if a != b:
-            parts.append(f"{f.name} {b!r} (this engine: {a!r})")
-    return "stored under " + ", ".join(parts) if parts else "stored under another fingerprint"
-
-
-@dataclass
-class RequestExplain:
-    request_id: str
-    fingerprint: str
-    chunk_size: int
-    prompt_tokens: int
-    found_tokens: int  # found in kvtier's tiers by the last lookup
-    keys: bytes  # 16 bytes per chunk, concatenated
-    runs: list[Run]
-    time: float = field(default_factory=time.time)
-    lookups: int = 1
-    keyed_by: str = ""
-    loaded_tokens: int = 0  # copied into the engine since the lookup
-    unused_tokens: int | None = None  # set when the request ends
-
-    def counts(self) -> dict[str, Any]:
-        """The request's tokens, named as the engine's counters name them."""
-        ended = {} if self.unused_tokens is None else {"unused_tokens": self.unused_tokens}
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "found_tokens": self.found_tokens,
-            "loaded_tokens": self.loaded_tokens,
-            **ended,
-        }
-
-    def chunk_rows(self) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = []
-        n_keys = len(self.keys) // 16
-        for first, last, found, what, detail in self.runs:
-            for i in range(first, last + 1):
-                start = i * self.chunk_size
-                row: dict[str, Any] = {
-                    "index": i,
-                    "start": start,
-                    "end": min(start + self.chunk_size, self.prompt_tokens),
-                    "key": self.keys[i * 16 : (i + 1) * 16].hex() if i < n_keys else None,
-                    "found": found,
-                }
-                row["tier" if found else "reason"] = what
-                if detail:
-                    row["detail"] = detail
-                rows.append(row)
-        return rows
-
-    def as_dict(self) -> dict[str, Any]:
-        found: dict[str, int] = {}
-        misses: dict[str, int] = {}
-        for first, last, was_found, what, _ in self.runs:
-            bucket = found if was_found else misses
-            bucket[what] = bucket.get(what, 0) + last - first + 1
-        return {
-            "request_id": self.request_id,
-            "time": self.time,
-            "lookups": self.lookups,
-            "fingerprint": self.fingerprint,
-            "chunk_size": self.chunk_size,
-            **self.counts(),
-            **({"keyed_by": self.keyed_by} if self.keyed_by else {}),
-            "summary": {"found_chunks_by_tier": found, "miss_chunks_by_reason": misses},
-            "chunks": self.chunk_rows(),
-        }
-
-
-def _append(runs: list[Run], index: int, found: bool, what: str, detail: str) -> None:
-    if runs:
-        first, last, f, w, d = runs[-1]
-        if last == index - 1 and (f, w, d) == (found, what, detail):
-            runs[-1] = (first, index, f, w, d)
-            return
-    runs.append((index, index, found, what, detail))
 
 
 class ExplainLog:
@@ -309,7 +181,7 @@ class ExplainLog:
         full = len(spans)
         if prompt_tokens > full * self.chunk_size:  # a tail that is not a stored chunk
             detail = f"the last {prompt_tokens - full * self.chunk_size} tokens do not fill a chunk"
-            _append(record_runs, full, False, PARTIAL, detail + "; save_unfull_chunk is off")
+            append_run(record_runs, full, False, PARTIAL, detail + "; save_unfull_chunk is off")
         keys = spans.keys if isinstance(spans, ChunkSpans) else [s.key for s in spans]
         record = RequestExplain(
             request_id,
@@ -342,14 +214,14 @@ class ExplainLog:
         for span, tier, fate in zip(missing, where, fates, strict=True):
             if tier is not None:
                 if span.index == first_missing:
-                    _append(runs, span.index, False, CHANGED, f"held by {tier} now")
+                    append_run(runs, span.index, False, CHANGED, f"held by {tier} now")
                 else:
                     detail = f"held by {tier}, but chunk {first_missing} before it missed"
-                    _append(runs, span.index, False, NOT_CONTIGUOUS, detail)
+                    append_run(runs, span.index, False, NOT_CONTIGUOUS, detail)
                 continue
             if fate is not None:
                 event, fate_tier, when = fate
-                _append(runs, span.index, False, *_fate_reason(event, fate_tier, when))
+                append_run(runs, span.index, False, *_fate_reason(event, fate_tier, when))
                 continue
             others: list[Fingerprint] = []
             if check_fingerprints:
@@ -358,9 +230,9 @@ class ExplainLog:
                 others = self.registry.others(chains[span.index], self._digest)
             if others:
                 detail = fingerprint_diff(self.fingerprint, others[0])
-                _append(runs, span.index, False, FINGERPRINT_MISMATCH, detail)
+                append_run(runs, span.index, False, FINGERPRINT_MISMATCH, detail)
             else:
-                _append(runs, span.index, False, NOT_STORED, "")
+                append_run(runs, span.index, False, NOT_STORED, "")
 
     def record_load(
         self,
@@ -412,7 +284,7 @@ class ExplainLog:
                     rows[span.index] = (False, NOT_CONTIGUOUS, detail)
             runs: list[Run] = []
             for i in sorted(rows):
-                _append(runs, i, *rows[i])
+                append_run(runs, i, *rows[i])
             record.runs = runs
 
     def record_end(self, request_id: str, unused_tokens: int) -> None:
