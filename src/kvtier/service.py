@@ -13,12 +13,12 @@ bound is logged and the service runs without it (the cache itself is unaffected)
 that cannot be bound fails ``open`` (a decoder that cannot receive is no decoder).
 
 A Service holds its cache, ``service.cache`` (:class:`kvtier.cache.KVCache`, the surface
-connectors call): an Engine in this process, or, when ``server`` names a kvtier server, a
-:class:`~kvtier.server.client.ServerClient` of it (which serves its own admin API and has no
-PD receiver). ``local_engine`` is the Engine when it runs here (None through a server), for
-what only an in-process engine offers (PD hooks, the page API, ``tier(name)``). So whoever
-needs "the cache this process runs" opens one Service and never assembles engine, admin API
-and receiver by hand.
+connectors call): an Engine it builds in this process, or the cache it is given (``cache=``,
+e.g. a :class:`~kvtier.server.client.ServerClient` of the host's kvtier server, which serves
+its own admin API; no PD receiver then). ``local_engine`` is the Engine when it runs here
+(None through a server), for what only an in-process engine offers (PD hooks, the page API,
+``tier(name)``). So whoever needs "the cache this process runs" opens one Service and never
+assembles engine, admin API and receiver by hand.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from kvtier.errors import StateError
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import Lifecycle, Opens
 from kvtier.pd.receiver import PDReceiver
-from kvtier.server.client import ServerClient
 from kvtier.storage.base import Tier
 
 log = logging.getLogger(__name__)
@@ -57,22 +56,17 @@ class Service(Opens):
         tp_world_size: int = 1,
         page_memory: Callable[[int], mmap.mmap] | None = None,
         lower_tiers: Sequence[Tier] | None = None,
-        server: str | None = None,
+        cache: KVCache | None = None,
     ) -> None:
         """``page_memory``, ``lower_tiers``: as :class:`Engine`'s (the kvtier server passes
-        shared memory; a test passes ready-made tiers). ``server``: the kvtier server to use
-        (``unix:///path``) instead of an engine in this process."""
+        shared memory; a test passes ready-made tiers). ``cache``: an unopened cache to hold
+        instead of an engine built here (a client of the kvtier server); the Service opens
+        and closes it."""
         self.cache: KVCache
         self.local_engine: Engine | None = None
-        if server:
-            self.cache = ServerClient(
-                server,
-                layout,
-                model_name=model_name,
-                config=config,
-                tp_rank=tp_rank,
-                tp_world_size=tp_world_size,
-            )
+        if cache is not None:
+            self.cache = cache
+            self.local_engine = cache if isinstance(cache, Engine) else None
         else:
             self.cache = self.local_engine = Engine(
                 config,
@@ -83,7 +77,6 @@ class Service(Opens):
                 page_memory=page_memory,
                 lower_tiers=lower_tiers,
             )
-        self.server = server
         self.config = self.cache.config
         self.admin: AdminServer | None = None
         self.receiver: PDReceiver | None = None
@@ -95,7 +88,7 @@ class Service(Opens):
         """The engine this process runs; StateError for a service of a kvtier server."""
         if self.local_engine is None:
             raise StateError(
-                f"this Service uses the kvtier server at {self.server}: no engine runs here"
+                f"this Service holds a {type(self.cache).__name__}: no engine runs here"
             )
         return self.local_engine
 

@@ -191,10 +191,15 @@ def test_closing_a_client_releases_its_leases(server: ServerProcess) -> None:
         assert idle_server_state(watcher) == IDLE
 
 
-def test_a_service_holds_the_server_client_when_a_server_is_named(server: ServerProcess) -> None:
+def test_a_service_holds_the_server_client_it_is_given(server: ServerProcess) -> None:
     tokens, kv = make_tokens(32, 91), make_kv(32, 91)
     for url, kind in ((None, Engine), (server.url, kvtier.ServerClient)):
-        service = Service(small_config(), SMALL_LAYOUT, model_name="either", server=url).open()
+        client = (
+            None
+            if url is None
+            else kvtier.ServerClient(url, SMALL_LAYOUT, model_name="either", config=small_config())
+        )
+        service = Service(small_config(), SMALL_LAYOUT, model_name="either", cache=client).open()
         try:
             cache = service.cache
             assert isinstance(cache, kind)
@@ -209,5 +214,6 @@ def test_a_service_holds_the_server_client_when_a_server_is_named(server: Server
         finally:
             service.close()
         assert cache.state is Lifecycle.CLOSED
-    with pytest.raises(StateError, match="no engine runs here"):
-        _ = Service(small_config(), SMALL_LAYOUT, model_name="either", server=server.url).engine
+    client = kvtier.ServerClient(server.url, SMALL_LAYOUT, model_name="either")
+    with pytest.raises(StateError, match="holds a ServerClient: no engine runs here"):
+        _ = Service(small_config(), SMALL_LAYOUT, model_name="either", cache=client).engine

@@ -59,6 +59,7 @@ from kvtier.integrations.vllm.rpc import Hit, Leak, LookupServer
 from kvtier.integrations.vllm.states import PagedState
 from kvtier.keys import ChunkKey, ChunkSpan, ExtraKeys, RequestSalt
 from kvtier.layout import GroupKind, KVGroup, KVLayout
+from kvtier.server.client import ServerClient
 from kvtier.service import Service
 from kvtier.storage.cpu import CpuTier
 
@@ -132,13 +133,23 @@ class WorkerSide:
         layout = paged.layout()
         if self.groups.state:
             layout, self.states = self._with_states(kv_caches, layout)
+        client = None
+        if self.server:  # the host's kvtier server holds the cache; this is its client
+            client = ServerClient(
+                self.server,
+                layout,
+                model_name=self.model_name,
+                config=self.config,
+                tp_rank=self.tp_rank,
+                tp_world_size=self.tp_world_size,
+            )
         service = Service(
             self.config,
             layout,
             model_name=self.model_name,
             tp_rank=self.tp_rank,
             tp_world_size=self.tp_world_size,
-            server=self.server,
+            cache=client,
         ).open()
         self.service, self.paged, self.cache = service, paged, service.cache
         cache = service.cache
