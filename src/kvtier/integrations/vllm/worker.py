@@ -133,23 +133,14 @@ class WorkerSide:
         layout = paged.layout()
         if self.groups.state:
             layout, self.states = self._with_states(kv_caches, layout)
+        cfg, model, rank, size = self.config, self.model_name, self.tp_rank, self.tp_world_size
         client = None
         if self.server:  # the host's kvtier server holds the cache; this is its client
             client = ServerClient(
-                self.server,
-                layout,
-                model_name=self.model_name,
-                config=self.config,
-                tp_rank=self.tp_rank,
-                tp_world_size=self.tp_world_size,
+                self.server, layout, model_name=model, config=cfg, tp_rank=rank, tp_world_size=size
             )
         service = Service(
-            self.config,
-            layout,
-            model_name=self.model_name,
-            tp_rank=self.tp_rank,
-            tp_world_size=self.tp_world_size,
-            cache=client,
+            cfg, layout, model_name=model, tp_rank=rank, tp_world_size=size, cache=client
         ).open()
         self.service, self.paged, self.cache = service, paged, service.cache
         cache = service.cache
