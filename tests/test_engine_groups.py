@@ -42,7 +42,7 @@ def disk_config(path: Path) -> Config:
 def outcomes(engine: Engine, rid: str) -> list[str]:
     record = engine.observer.explain.get(rid)
     assert record is not None
-    return [f"hit:{c['tier']}" if c["hit"] else c["reason"] for c in record["chunks"]]
+    return [f"found:{c['tier']}" if c["found"] else c["reason"] for c in record["chunks"]]
 
 
 def test_a_chunk_page_holds_each_group_s_share() -> None:
@@ -106,7 +106,7 @@ def test_a_corrupt_group_part_is_a_miss_and_explain_names_the_group(
         out = engine.retrieve(tokens, "r")
         assert out.shape[2] == CHUNK
         assert torch.equal(out, kept(kv[:, :, :CHUNK], GEMMA))
-        assert outcomes(engine, "r") == ["hit:disk", ex.CHECKSUM_FAILURE, ex.NOT_CONTIGUOUS]
+        assert outcomes(engine, "r") == ["found:disk", ex.CHECKSUM_FAILURE, ex.NOT_CONTIGUOUS]
         record = engine.observer.explain.get("r")
         assert record is not None
         assert f"KV-cache group {group}" in record["chunks"][1]["detail"]

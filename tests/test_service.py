@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvtier import Config, Service
+from kvtier.cache import KVCache
 from kvtier.errors import StateError
 from kvtier.lifecycle import Lifecycle
 from tests.conftest import SMALL_LAYOUT, make_kv, small_config
@@ -73,21 +74,23 @@ def test_a_plain_service_is_just_the_engine() -> None:
         service.engine.end_request("r")
 
 
-def test_a_service_is_a_cache_whose_calls_go_to_its_local_engine() -> None:
-    """What ``open_cache`` returns in process: the KVCache surface plus the engine."""
+def test_a_service_holds_a_cache_that_is_its_local_engine() -> None:
+    """In process, the Service's cache (the KVCache surface connectors call) is its engine."""
     tokens, kv = list(range(32)), make_kv(32)
     with Service(small_config(), SMALL_LAYOUT, model_name="m") as service:
-        assert service.local_engine is service.engine
-        assert service.fingerprint == service.engine.fingerprint
-        assert service.store(tokens, kv) == 2
-        assert service.lookup(tokens, "r") == 32
-        assert torch.equal(service.retrieve(tokens, "r"), kv)
+        cache = service.cache
+        assert cache is service.local_engine is service.engine
+        assert isinstance(cache, KVCache) and cache.state is Lifecycle.OPEN
+        assert cache.store(tokens, kv) == 2
+        assert cache.lookup(tokens, "r") == 32
+        assert torch.equal(cache.retrieve(tokens, "r"), kv)
         assert service.engine.stats()["open_requests"] == 1
-        assert service.end_request("r") and not service.end_request("r")
-        with service.request("s") as rid:
-            assert service.lookup(tokens, rid) == 32
-        assert service.stats()["open_requests"] == 0  # the context manager ended it
-        assert service.flush(5.0) and service.check_invariants() == []
+        assert cache.end_request("r") and not cache.end_request("r")
+        with cache.request("s") as rid:
+            assert cache.lookup(tokens, rid) == 32
+        assert cache.stats()["open_requests"] == 0  # the context manager ended it
+        assert cache.flush(5.0) and cache.check_invariants() == []
+        assert not hasattr(service, "lookup")  # a Service holds a cache; it is not one
     assert service.engine.state is Lifecycle.CLOSED
 
 
@@ -107,7 +110,7 @@ def test_a_service_puts_its_pages_in_the_memory_it_is_given() -> None:
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Who may open a node's servers by hand, and why. Everyone else opens a Service (or calls
-# kvtier.server.surface.open_cache, which does).
+# a Service for a kvtier server, whose cache is a client).
 COMPOSERS: dict[str, frozenset[str]] = {
     "kvtier/service.py": frozenset({"AdminServer", "PDReceiver"}),
     # `kvtier demo --dashboard` moves one admin server, on the port the user named, from

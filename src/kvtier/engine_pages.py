@@ -21,18 +21,18 @@ from contextlib import AbstractContextManager
 from typing import Protocol
 
 import numpy as np
-import torch
 
 from kvtier.config import Config
+from kvtier.engine_loads import RequestLoads
 from kvtier.errors import StateError
-from kvtier.keys import RequestKeys, RequestSalt, as_token_array, check_salt
+from kvtier.keys import RequestKeys, RequestSalt
 from kvtier.lease import Lease, LeaseTable
 from kvtier.observability.observer import Observer
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.plan import ENGINE, LookupPlan
 from kvtier.storage.writes import StoreSlot
-from kvtier.validation import check_request_id, check_skip
+from kvtier.validation import check_prompt, check_request_id
 
 
 class PageHost(Protocol):
@@ -48,17 +48,11 @@ class PageHost(Protocol):
 
     def _open_parts(self) -> tuple[StorageManager, LeaseTable[LookupPlan]]: ...
 
-    def _request_keys(
+    def _keys_for(
         self, tokens: np.ndarray, salt: RequestSalt | None, lease: Lease[LookupPlan] | None
     ) -> RequestKeys: ...
 
-    def _plan(
-        self, tokens: object, request_id: str, skip_leading_tokens: int, salt: RequestSalt | None
-    ) -> LookupPlan: ...
-
-    def _load(
-        self, plan: LookupPlan, request_id: str, out: torch.Tensor | None, start: int
-    ) -> int: ...
+    def _loads_part(self) -> RequestLoads: ...
 
 
 class EnginePages:
@@ -81,11 +75,13 @@ class EnginePages:
         engine = self._engine
         with engine._call():
             started = time.perf_counter()
-            plan = engine._plan(tokens, request_id, skip_leading_tokens, cache_salt)
+            check_request_id(request_id)
+            prompt = check_prompt(tokens, skip_leading_tokens, cache_salt)
+            loads = engine._loads_part()
+            plan = loads.plan(request_id, prompt)
             chunk = engine.config.chunk_size
-            start = (skip_leading_tokens // chunk) * chunk
-            loaded_end = engine._load(plan, request_id, None, start)
-            engine.observer.on_retrieve(started)
+            start = (prompt.skip // chunk) * chunk
+            loaded_end = loads.load(plan, request_id, None, start, started)
             pages = [
                 (h.page, h.span.start, h.span.num_tokens)
                 for h in plan.hits
@@ -109,11 +105,11 @@ class EnginePages:
             started = time.perf_counter()
             manager, leases = engine._open_parts()
             check_request_id(request_id)
-            array = as_token_array(tokens)
-            check_skip(skip_leading_tokens)
-            spans = engine._request_keys(array, check_salt(cache_salt), None).spans
+            prompt = check_prompt(tokens, skip_leading_tokens, cache_salt)
+            array = prompt.tokens
+            spans = engine._keys_for(array, prompt.salt, None).spans
             engine.counters.add(stores=1)
-            offered = spans[skip_leading_tokens // engine.config.chunk_size :]
+            offered = spans[prompt.skip // engine.config.chunk_size :]
             slots, dropped = manager.reserve(offered)
             leases.open(request_id).take_pages([slot.page for slot in slots])
             engine.observer.on_store(array, offered, dropped, started)

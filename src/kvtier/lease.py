@@ -6,6 +6,10 @@ reference count itself. Whatever it holds (pinned CPU pages, pins on lower-tier 
 reservations) is recorded in its :class:`Lease` when taken, and :meth:`Lease.release` gives
 each back once. ``Engine.end_request`` releases the lease on every path (finished, aborted,
 failed, timed out); a second call finds no lease and does nothing.
+
+What the request's calls found, loaded and stored is kept on its lease too
+(:class:`RequestRecord`), so it ends with the request: its log line and the found / loaded /
+unused counters are made of it when the lease ends, and no map keyed by request id outlives it.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -63,6 +67,43 @@ class CallbackHold:
         return self.description
 
 
+@dataclass
+class RequestRecord:
+    """What happened to one request (its lookups, loads and stores), kept on its lease."""
+
+    prompt_tokens: int = 0
+    found: int = 0  # tokens its last lookup found in kvtier's tiers (beyond what it held)
+    loaded: int = 0  # tokens loaded into the engine since
+    loaded_by_tier: dict[str, int] = field(default_factory=dict)
+    stored: int = 0  # tokens of its prompt newly stored (when a connector names the request)
+    noted: bool = False  # anything above was recorded (a lease of a bare store is not)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def unused(self) -> int:
+        """Found and never loaded (the engine had them already, or never asked)."""
+        return max(0, self.found - self.loaded)
+
+    def note_found(self, prompt_tokens: int, found: int) -> None:
+        with self._lock:
+            self.prompt_tokens, self.found, self.noted = prompt_tokens, found, True
+
+    def note_loaded(self, tokens: int, by_tier: Mapping[str, int]) -> None:
+        """``tokens`` copied into the engine, ``by_tier`` of them from each tier."""
+        with self._lock:
+            self.noted = True
+            self.loaded += tokens
+            for tier, n in by_tier.items():
+                if n > 0:
+                    self.loaded_by_tier[tier] = self.loaded_by_tier.get(tier, 0) + n
+
+    def note_stored(self, tokens: int, prompt_tokens: int) -> None:
+        with self._lock:
+            self.noted = True
+            self.stored += tokens
+            self.prompt_tokens = max(self.prompt_tokens, prompt_tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class LeaseInfo:
     """A snapshot of one lease for stats, ``leaks()`` and the admin API."""
@@ -99,6 +140,8 @@ class Lease(Generic[PlanT]):
     # the request itself (a lookup) has not come: since ``joined``, such a lease may expire.
     claimed: bool = True
     joined: float = 0.0
+    # What the request found, loaded and stored (observability; ends with the lease).
+    record: RequestRecord = field(default_factory=RequestRecord)
 
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

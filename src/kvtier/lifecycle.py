@@ -6,9 +6,10 @@ from __future__ import annotations
 import enum
 import functools
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Concatenate, ParamSpec, Protocol, TypeVar
+from typing import Concatenate, ParamSpec, Protocol, Self, TypeVar
 
 from kvtier.errors import KVTierError, StateError
 
@@ -17,6 +18,23 @@ class Lifecycle(enum.Enum):
     NEW = "new"
     OPEN = "open"
     CLOSED = "closed"
+
+
+class Opens(ABC):
+    """An object with :meth:`open` and an idempotent :meth:`close`: ``with obj:`` opens it
+    and closes it on every way out of the block."""
+
+    @abstractmethod
+    def open(self) -> Self: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class CallGuard:

@@ -1,22 +1,24 @@
-"""A cache with the servers its config asks for, opened in order and closed in reverse.
+"""A node: a cache with the servers its config asks for, opened in order and closed in reverse.
 
 :class:`kvtier.engine.Engine` is the cache alone: it binds no port and starts no server, so a
 library user (a connector, a test, a benchmark) gets exactly what it asked for. A process that
-*is* a kvtier node (``kvtier serve-admin``, a PD decoder, the kvtier server) opens a
-:class:`Service`::
+*is* a kvtier node (a vLLM worker, ``kvtier serve-admin``, a PD decoder, each model of the kvtier
+server) opens a :class:`Service`::
 
-    open:   engine  ->  admin API (internal_api_server_enabled)  ->  PD receiver (pd_role receiver)
-    close:  PD receiver  ->  admin API  ->  engine
+    open:   cache  ->  admin API (internal_api_server_enabled)  ->  PD receiver (pd_role receiver)
+    close:  PD receiver  ->  admin API  ->  cache
 
-so nothing serves an engine that is not open yet or any more. An admin port that cannot be
+so nothing serves a cache that is not open yet or any more. An admin port that cannot be
 bound is logged and the service runs without it (the cache itself is unaffected); a PD port
 that cannot be bound fails ``open`` (a decoder that cannot receive is no decoder).
 
-A Service is also a cache: it has the surface connectors use (``kvtier.server.surface.KVCache``:
-lookup, retrieve, store, end_request, stats, ...), each call going to its engine, and
-``local_engine`` (its engine; a server client's is None) for what only an in-process engine
-offers (PD hooks, the page API, ``tier(name)``). So whoever needs "the cache this process
-runs" opens one Service and never assembles engine, admin API and receiver by hand.
+A Service holds its cache, ``service.cache`` (:class:`kvtier.cache.KVCache`, the surface
+connectors call): an Engine it builds in this process, or the cache it is given (``cache=``,
+e.g. a :class:`~kvtier.server.client.ServerClient` of the host's kvtier server, which serves
+its own admin API; no PD receiver then). ``local_engine`` is the Engine when it runs here
+(None through a server), for what only an in-process engine offers (PD hooks, the page API,
+``tier(name)``). So whoever needs "the cache this process runs" opens one Service and never
+assembles engine, admin API and receiver by hand.
 """
 
 from __future__ import annotations
@@ -24,28 +26,25 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
-from types import TracebackType
-from typing import Any
-
-import torch
+from collections.abc import Callable, Sequence
+from typing import Self
 
 from kvtier.admin.server import AdminServer
+from kvtier.cache import KVCache
 from kvtier.config import Config
-from kvtier.engine import Engine, Hit
+from kvtier.engine import Engine
 from kvtier.errors import StateError
-from kvtier.keys import Fingerprint, KeyChain, RequestKeys, RequestSalt
 from kvtier.layout import KVLayout
-from kvtier.lifecycle import Lifecycle
+from kvtier.lifecycle import Lifecycle, Opens
 from kvtier.pd.receiver import PDReceiver
 from kvtier.storage.base import Tier
 
 log = logging.getLogger(__name__)
 
 
-class Service:
-    """An :class:`Engine`, its admin API and its PD receiver, as one lifecycle."""
+class Service(Opens):
+    """A cache (an :class:`Engine`, or a client of the kvtier server), its admin API and its
+    PD receiver, as one lifecycle."""
 
     def __init__(
         self,
@@ -57,40 +56,55 @@ class Service:
         tp_world_size: int = 1,
         page_memory: Callable[[int], mmap.mmap] | None = None,
         lower_tiers: Sequence[Tier] | None = None,
+        cache: KVCache | None = None,
     ) -> None:
         """``page_memory``, ``lower_tiers``: as :class:`Engine`'s (the kvtier server passes
-        shared memory; a test passes ready-made tiers)."""
-        self.engine = Engine(
-            config,
-            layout,
-            model_name=model_name,
-            tp_rank=tp_rank,
-            tp_world_size=tp_world_size,
-            page_memory=page_memory,
-            lower_tiers=lower_tiers,
-        )
-        self.config = self.engine.config
+        shared memory; a test passes ready-made tiers). ``cache``: an unopened cache to hold
+        instead of an engine built here (a client of the kvtier server); the Service opens
+        and closes it."""
+        self.cache: KVCache
+        self.local_engine: Engine | None = None
+        if cache is not None:
+            self.cache = cache
+            self.local_engine = cache if isinstance(cache, Engine) else None
+        else:
+            self.cache = self.local_engine = Engine(
+                config,
+                layout,
+                model_name=model_name,
+                tp_rank=tp_rank,
+                tp_world_size=tp_world_size,
+                page_memory=page_memory,
+                lower_tiers=lower_tiers,
+            )
+        self.config = self.cache.config
         self.admin: AdminServer | None = None
         self.receiver: PDReceiver | None = None
         self._state = Lifecycle.NEW
         self._lock = threading.Lock()
 
     @property
-    def local_engine(self) -> Engine:
-        """The engine this process runs (a server client's ``local_engine`` is None)."""
-        return self.engine
+    def engine(self) -> Engine:
+        """The engine this process runs; StateError for a service of a kvtier server."""
+        if self.local_engine is None:
+            raise StateError(
+                f"this Service holds a {type(self.cache).__name__}: no engine runs here"
+            )
+        return self.local_engine
 
-    def open(self) -> Service:
+    def open(self) -> Self:
         with self._lock:
             if self._state is Lifecycle.OPEN:
                 return self
             if self._state is Lifecycle.CLOSED:
                 raise StateError("this Service is closed; create a new one")
-            self.engine.open()
+            self.cache.open()
             try:
-                self.admin = open_admin(self.engine)
-                if self.engine.receiver_host().pd_buffer is not None:  # pd_role receiver
-                    self.receiver = PDReceiver.for_engine(self.engine).open()
+                engine = self.local_engine
+                if engine is not None:  # a kvtier server serves its own admin API
+                    self.admin = open_admin(engine)
+                    if engine.receiver_host().pd_buffer is not None:  # pd_role receiver
+                        self.receiver = PDReceiver.for_engine(engine).open()
             except BaseException:
                 self._close_parts()
                 raise
@@ -98,7 +112,7 @@ class Service:
             return self
 
     def close(self) -> None:
-        """Close the receiver, the admin API, then the engine. Idempotent."""
+        """Close the receiver, the admin API, then the cache. Idempotent."""
         with self._lock:
             if self._state is Lifecycle.CLOSED:
                 return
@@ -114,7 +128,7 @@ class Service:
             if admin is not None:
                 admin.close()
         finally:
-            self.engine.close()
+            self.cache.close()
 
     @property
     def state(self) -> Lifecycle:
@@ -124,109 +138,6 @@ class Service:
     def admin_url(self) -> str | None:
         """Base URL of the admin API while it runs (``internal_api_server_enabled``)."""
         return self.admin.url if self.admin is not None and self.admin.running else None
-
-    def __enter__(self) -> Service:
-        return self.open()
-
-    # -- the cache surface (KVCache): the engine's ------------------------------------------
-    @property
-    def layout(self) -> KVLayout:
-        return self.engine.layout
-
-    @property
-    def fingerprint(self) -> Fingerprint:
-        return self.engine.fingerprint
-
-    @property
-    def keychain(self) -> KeyChain:
-        return self.engine.keychain
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.engine.chunk_bytes
-
-    def lookup(
-        self,
-        tokens: object,
-        request_id: str,
-        *,
-        skip_leading_tokens: int = 0,
-        cache_salt: RequestSalt | None = None,
-    ) -> Hit:
-        return self.engine.lookup(
-            tokens, request_id, skip_leading_tokens=skip_leading_tokens, cache_salt=cache_salt
-        )
-
-    def retrieve(
-        self, tokens: object, request_id: str, *, cache_salt: RequestSalt | None = None
-    ) -> torch.Tensor:
-        return self.engine.retrieve(tokens, request_id, cache_salt=cache_salt)
-
-    def retrieve_into(
-        self,
-        tokens: object,
-        request_id: str,
-        out: torch.Tensor,
-        *,
-        skip_leading_tokens: int = 0,
-        cache_salt: RequestSalt | None = None,
-    ) -> int:
-        return self.engine.retrieve_into(
-            tokens, request_id, out, skip_leading_tokens=skip_leading_tokens, cache_salt=cache_salt
-        )
-
-    def store(
-        self,
-        tokens: object,
-        kv: torch.Tensor,
-        *,
-        skip_leading_tokens: int = 0,
-        cache_salt: RequestSalt | None = None,
-        keys: RequestKeys | None = None,
-    ) -> int:
-        return self.engine.store(
-            tokens, kv, skip_leading_tokens=skip_leading_tokens, cache_salt=cache_salt, keys=keys
-        )
-
-    def request_keys(
-        self,
-        tokens: object,
-        request_id: str | None = None,
-        *,
-        cache_salt: RequestSalt | None = None,
-    ) -> RequestKeys:
-        return self.engine.request_keys(tokens, request_id, cache_salt=cache_salt)
-
-    def loading(self, request_id: str) -> AbstractContextManager[bool]:
-        return self.engine.loading(request_id)
-
-    def end_request(self, request_id: str) -> bool:
-        return self.engine.end_request(request_id)
-
-    @contextmanager
-    def request(self, request_id: str) -> Iterator[str]:
-        with self.engine.request(request_id) as rid:
-            yield rid
-
-    def record_ttft(self, seconds: float, *, prompt_tokens: int, hit_tokens: int) -> None:
-        self.engine.record_ttft(seconds, prompt_tokens=prompt_tokens, hit_tokens=hit_tokens)
-
-    def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
-
-    def check_invariants(self) -> list[str]:
-        return self.engine.check_invariants()
-
-    def flush(self, timeout: float | None = None) -> bool:
-        return self.engine.flush(timeout)
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def open_admin(engine: Engine) -> AdminServer | None:

@@ -1,14 +1,51 @@
-"""Checks of what callers pass to the engine: each failure is an InputError or ConfigError
-that names the value and what would be valid."""
+"""Checks of what callers pass to a cache: each failure is an InputError or ConfigError
+that names the value and what would be valid. The one set of checks of every surface
+(:class:`kvtier.cache.KVCache`: the engine and the server client alike), so a call one
+accepts is never refused by the other."""
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvtier.errors import ConfigError, InputError
+from kvtier.keys import RequestKeys, RequestSalt, as_token_array, check_salt
 from kvtier.layout import KVLayout
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A call's tokens, checked: a contiguous int32 array, the leading tokens the caller
+    holds already (``skip_leading_tokens``) and the request's salt."""
+
+    tokens: np.ndarray
+    skip: int = 0
+    salt: RequestSalt | None = None
+
+
+def check_prompt(tokens: object, skip_leading_tokens: object, cache_salt: object) -> Prompt:
+    check_skip(skip_leading_tokens)
+    salt = check_salt(cache_salt)
+    assert isinstance(skip_leading_tokens, int)
+    return Prompt(as_token_array(tokens), skip_leading_tokens, salt)
+
+
+def check_keys(keys: object, chain: object, prompt: Prompt) -> None:
+    """``keys`` passed to a store must be this cache's ``request_keys()`` of the same tokens
+    and salt (nothing is hashed then)."""
+    if (
+        not isinstance(keys, RequestKeys)
+        or keys.chain is not chain
+        or keys.salt != prompt.salt
+        or not np.array_equal(keys.tokens, prompt.tokens)
+    ):
+        raise InputError(
+            "keys must be this engine's request_keys() of the same tokens and cache_salt"
+        )
 
 
 def check_kv(kv: object, layout: KVLayout, num_tokens: int) -> None:
@@ -85,3 +122,18 @@ def check_fits_in_memory(key: str, nbytes: int) -> None:
         return
     if nbytes > total:
         raise ConfigError(key, nbytes, f"at most this machine's memory ({total} bytes)")
+
+
+def check_ttft(seconds: object, prompt_tokens: object, hit_tokens: object) -> None:
+    """InputError naming the first bad argument of ``record_ttft``."""
+    real = isinstance(seconds, int | float) and not isinstance(seconds, bool)
+    if not real or not math.isfinite(seconds) or seconds < 0:  # type: ignore[arg-type,operator]
+        raise InputError(f"record_ttft: seconds must be a finite number >= 0, got {seconds!r}")
+    for name, value in (("prompt_tokens", prompt_tokens), ("hit_tokens", hit_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**62:
+            raise InputError(f"record_ttft: {name} must be an int from 0 to 2**62, got {value!r}")
+    assert isinstance(prompt_tokens, int) and isinstance(hit_tokens, int)
+    if hit_tokens > prompt_tokens:
+        raise InputError(
+            f"record_ttft: hit_tokens ({hit_tokens}) must be <= prompt_tokens ({prompt_tokens})"
+        )

@@ -89,6 +89,9 @@ def test_page_shows_occupancy_and_updates_after_a_store(
     assert "open-request" in dom.text["leases"]
     assert "PD is off" in dom.text["pd"]
     assert "open-request" in dom.text["requests"]
+    # found, loaded, unused as the counters name them; unused is set when the request ends
+    assert "found" in dom.text["requests"] and "unused" in dom.text["requests"]
+    assert "open-request484848\u2013" in dom.text["requests"].replace(" ", "")
     engine.end_request("open-request")
 
 
@@ -100,7 +103,7 @@ def test_explain_link_renders_the_chunk_table(service: Service, engine: Engine) 
     dom = Dom(run_chromium(page_url(service) + "#explain=asked", "--dump-dom", virtual_ms=1500))
     text = dom.text["explain"]
     assert "explain asked" in text
-    assert "0\u20131" in text and "hit in cpu" in text  # chunks 0-1 hit in the CPU tier
+    assert "0\u20131" in text and "found in cpu" in text  # chunks 0-1 found in the CPU tier
     assert "not stored" in text and "partial chunk" in text
 
 

@@ -212,7 +212,8 @@ def test_explain_and_requests(admin_engine: Engine, url: str) -> None:
         "not stored",
     ]
     recent = get(url, "/requests?limit=5").json()["requests"]
-    assert recent[0]["request_id"] == "req-7" and recent[0]["hit_tokens"] == 32
+    assert recent[0]["request_id"] == "req-7" and recent[0]["found_tokens"] == 32
+    assert recent[0]["loaded_tokens"] == 0 and recent[0]["unused_tokens"] == 32
     odd = "id with spaces/and?marks&="
     admin_engine.lookup(tokens, odd)
     admin_engine.end_request(odd)

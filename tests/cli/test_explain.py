@@ -1,4 +1,4 @@
-"""``kvtier explain`` reaches a running engine's admin API: a request's hit and miss runs, the
+"""``kvtier explain`` reaches a running engine's admin API: a request's found and miss runs, the
 recent requests, a clear "not found", and a hint when no admin API answers."""
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def test_explain_prints_a_requests_hit_and_miss_runs(
     assert code == 0
     record = admin.engine.observer.explain.get("req-7")
     assert record is not None
-    assert f"request req-7: {record['hit_tokens']} of {record['prompt_tokens']}" in out
+    assert record["found_tokens"] == 32 and record["prompt_tokens"] == 48
+    assert record["loaded_tokens"] == 0 and record["unused_tokens"] == 32  # never retrieved
+    assert "request req-7: 32 of 48 prompt tokens found, 0 loaded, 32 unused" in out
     assert "chunks 0-1 (tokens 0-32): cpu" in out
     assert "chunk 2 (tokens 32-48): miss: not stored" in out
     code, out, _ = _explain(capsys, "req-7", "--admin", admin.admin_url, "--token", TOKEN, "--json")
@@ -58,7 +60,7 @@ def test_explain_without_an_id_lists_recent_requests(
     assert admin.admin_url is not None
     monkeypatch.setenv("KVTIER_ADMIN_TOKEN", TOKEN)  # read when the parser is built
     code, out, _ = _explain(capsys, "--admin", admin.admin_url)
-    assert code == 0 and "req-7: 32 of 48 prompt tokens hit" in out
+    assert code == 0 and "req-7: 32 of 48 prompt tokens found, 0 loaded, 32 unused" in out
 
 
 def test_explain_says_what_went_wrong(admin: Service, capsys: pytest.CaptureFixture[str]) -> None:

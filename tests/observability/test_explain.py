@@ -1,4 +1,4 @@
-"""Per-request explain: each chunk's hit tier or the reason it missed."""
+"""Per-request explain: the tier each chunk was found in, or the reason it missed."""
 
 from __future__ import annotations
 
@@ -21,20 +21,27 @@ CHUNK_BYTES = SMALL_LAYOUT.chunk_bytes(SMALL_CHUNK)
 def outcomes(engine: Engine, request_id: str) -> list[str]:
     record = engine.observer.explain.get(request_id)
     assert record is not None
-    return [f"hit:{c['tier']}" if c["hit"] else c["reason"] for c in record["chunks"]]
+    return [f"found:{c['tier']}" if c["found"] else c["reason"] for c in record["chunks"]]
 
 
-def test_hit_tier_and_not_stored(engine: Engine) -> None:
+def test_found_tier_and_not_stored(engine: Engine) -> None:
     tokens = make_tokens(32)
     engine.store(tokens, make_kv(32))
     prompt = tokens + make_tokens(40, seed=5)  # 2 hit chunks, 2 new chunks, 8 tail tokens
     engine.lookup(prompt, "r")
-    assert outcomes(engine, "r") == ["hit:cpu", "hit:cpu", ex.NOT_STORED, ex.NOT_STORED, ex.PARTIAL]
+    assert outcomes(engine, "r") == [
+        "found:cpu",
+        "found:cpu",
+        ex.NOT_STORED,
+        ex.NOT_STORED,
+        ex.PARTIAL,
+    ]
     record = engine.observer.explain.get("r")
     assert record is not None
-    assert record["prompt_tokens"] == 72 and record["hit_tokens"] == 32
+    assert record["prompt_tokens"] == 72 and record["found_tokens"] == 32
+    assert record["loaded_tokens"] == 0 and "unused_tokens" not in record  # open, not loaded
     assert record["summary"] == {
-        "hit_chunks_by_tier": {"cpu": 2},
+        "found_chunks_by_tier": {"cpu": 2},
         "miss_chunks_by_reason": {ex.NOT_STORED: 2, ex.PARTIAL: 1},
     }
     assert [(c["start"], c["end"]) for c in record["chunks"]][-1] == (64, 72)
@@ -63,7 +70,7 @@ def test_not_contiguous_after_an_evicted_chunk(engine_factory: Callable[..., Eng
     engine.end_request("touch")
     engine.store(make_tokens(32, seed=3), make_kv(32, seed=3))  # evicts the LRU: chunk 1
     engine.lookup(tokens, "r")
-    assert outcomes(engine, "r") == ["hit:cpu", ex.EVICTED, ex.NOT_CONTIGUOUS]
+    assert outcomes(engine, "r") == ["found:cpu", ex.EVICTED, ex.NOT_CONTIGUOUS]
     record = engine.observer.explain.get("r")
     assert record is not None
     assert record["chunks"][1]["detail"].startswith("evicted from cpu at ")
@@ -112,7 +119,7 @@ def test_skip_leading_tokens_show_as_engine(engine: Engine) -> None:
     tokens = make_tokens(48)
     engine.store(tokens, make_kv(48))
     engine.lookup(tokens, "r", skip_leading_tokens=16)
-    assert outcomes(engine, "r") == ["hit:engine", "hit:cpu", "hit:cpu"]
+    assert outcomes(engine, "r") == ["found:engine", "found:cpu", "found:cpu"]
     engine.end_request("r")
 
 
@@ -135,13 +142,13 @@ def test_checksum_failure_at_retrieve(tmp_path: Path) -> None:
                     f.seek(HEADER_SIZE + 3)
                     f.write(b"\x00\x01\x02\x03")
         assert engine.lookup(tokens, "r") == 48
-        assert outcomes(engine, "r") == ["hit:disk", "hit:disk", "hit:disk"]
+        assert outcomes(engine, "r") == ["found:disk", "found:disk", "found:disk"]
         assert engine.retrieve(tokens, "r").shape[2] == 16
-        assert outcomes(engine, "r") == ["hit:disk", ex.CHECKSUM_FAILURE, ex.NOT_CONTIGUOUS]
+        assert outcomes(engine, "r") == ["found:disk", ex.CHECKSUM_FAILURE, ex.NOT_CONTIGUOUS]
         engine.end_request("r")
         # a later request is told the chunk failed its checksum (the tier removed it)
         engine.lookup(tokens, "again")
-        assert outcomes(engine, "again") == ["hit:disk", ex.CHECKSUM_FAILURE, ex.NOT_CONTIGUOUS]
+        assert outcomes(engine, "again") == ["found:disk", ex.CHECKSUM_FAILURE, ex.NOT_CONTIGUOUS]
         engine.end_request("again")
 
 
@@ -219,5 +226,28 @@ def test_explain_names_what_keyed_a_request_apart(engine: Engine) -> None:
         ("plain", None, 32),
     ]:
         record = engine.observer.explain.get(rid)
-        assert record is not None and record.get("keyed_by") == why and record["hit_tokens"] == hit
+        assert (
+            record is not None and record.get("keyed_by") == why and record["found_tokens"] == hit
+        )
         engine.end_request(rid)
+
+
+def test_a_record_counts_found_loaded_and_unused_as_the_counters_do(engine: Engine) -> None:
+    """found: in kvtier's tiers beyond the skip; loaded: copied since; unused: at the end."""
+    tokens = make_tokens(48)
+    engine.store(tokens, make_kv(48))
+    with engine.request("used"):
+        engine.lookup(tokens, "used", skip_leading_tokens=16)
+        engine.retrieve_into(tokens, "used", make_kv(48) * 0, skip_leading_tokens=16)
+    with engine.request("unused"):
+        engine.lookup(tokens, "unused")
+    used, unused = engine.observer.explain.get("used"), engine.observer.explain.get("unused")
+    assert used is not None and unused is not None
+    assert (used["found_tokens"], used["loaded_tokens"], used["unused_tokens"]) == (32, 32, 0)
+    assert (unused["found_tokens"], unused["loaded_tokens"], unused["unused_tokens"]) == (48, 0, 48)
+    stats = engine.stats()
+    assert stats["found_tokens"] == 32 + 48 and stats["hit_tokens"] == 32
+    assert stats["unused_tokens"] == 48
+    recent = {r["request_id"]: r for r in engine.observer.explain.recent(5)}
+    counts = {"prompt_tokens": 48, "found_tokens": 32, "loaded_tokens": 32, "unused_tokens": 0}
+    assert recent["used"] == {"request_id": "used", "time": used["time"], **counts}

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvtier.engine import Engine
+from kvtier.lease import RequestRecord
 from kvtier.observability import logs
 from tests.conftest import make_kv, make_tokens
 
@@ -99,12 +100,13 @@ def test_one_line_per_request_says_what_was_loaded_from_which_tier(
         "request not-needed: 53 prompt tokens, loaded 0 tokens from kvtier, "
         "found 48 (48 not needed: the engine had them)",
     ]
-    log = logs.RequestLog(logging.getLogger("kvtier.requests"))
-    log.found("r", 1408, 1024)
-    log.loaded("r", {"cpu": 768, "disk": 256})
-    log.stored("r", 256, 1408)
+    record = RequestRecord()
+    record.note_found(1408, 1024)
+    record.note_loaded(1024, {"cpu": 768, "disk": 256})
+    record.note_stored(256, 1408)
     with caplog.at_level(logging.INFO, logger="kvtier.requests"):
-        line = log.end("r")
+        line = logs.log_request_end("r", record)
+        assert logs.log_request_end("bare-store", RequestRecord()) is None  # nothing noted
     assert line == (
         "request r: 1408 prompt tokens, loaded 1024 tokens from kvtier (cpu 768, disk 256), "
         "stored 256 new"

@@ -6,12 +6,14 @@ import os
 import stat
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 import kvtier
 from kvtier import Engine, InputError, StateError
-from kvtier.server.surface import open_cache
+from kvtier.keys import RequestKeys
+from kvtier.lifecycle import Lifecycle
 from kvtier.service import Service
 from tests.conftest import SMALL_LAYOUT, make_kv, make_tokens, small_config
 from tests.server.conftest import SPAWN
@@ -42,6 +44,40 @@ def test_connect_store_lookup_retrieve(server: ServerProcess) -> None:
             assert torch.equal(out[:, :, :96], kv[:, :, :96])
             assert client.stats()["open_requests"] == 1
         assert idle_server_state(client) == IDLE
+
+
+def test_the_engine_and_the_client_refuse_the_same_calls_with_the_same_words(
+    server: ServerProcess,
+) -> None:
+    """One validation for both surfaces (kvtier.cache.KVCache): each bad call is refused
+    before it reaches the server, in the words the in-process engine uses."""
+    tokens, kv = make_tokens(32, 7), make_kv(32, 7)
+    engine = Engine(small_config(), SMALL_LAYOUT, model_name="same-words")
+    with engine, open_client(server.url, model_name="same-words") as client:
+        other = kvtier.Engine(small_config(), SMALL_LAYOUT, model_name="other").keychain
+        foreign = RequestKeys(other, np.asarray(tokens, dtype=np.int32), None, False)
+        calls: list[Any] = [
+            lambda c: c.lookup(tokens, ""),
+            lambda c: c.lookup(tokens, "r", skip_leading_tokens=-1),
+            lambda c: c.lookup(tokens, "r", cache_salt=7),
+            lambda c: c.retrieve_into(tokens, "r", torch.zeros(3)),
+            lambda c: c.store(tokens, torch.zeros(2, 3, 32, 16)),
+            lambda c: c.store(tokens, kv, keys=c.request_keys(tokens[:16])),
+            lambda c: c.store(tokens, kv, keys=foreign),
+            lambda c: c.end_request(""),
+            lambda c: c.request_keys(tokens, ""),
+            lambda c: c.record_ttft(-1.0, prompt_tokens=4, hit_tokens=0),
+            lambda c: c.record_ttft(1.0, prompt_tokens=4, hit_tokens=5),
+        ]
+        for call in calls:
+            words = []
+            for cache in (engine, client):
+                with pytest.raises(InputError) as refused:
+                    call(cache)
+                words.append(str(refused.value))
+            assert words[0] == words[1]
+        assert client.connected and client.unserved == 0  # nothing went to the server
+        assert engine.stats()["open_requests"] == 0 and engine.check_invariants() == []
 
 
 def test_same_answers_as_an_in_process_engine(server: ServerProcess) -> None:
@@ -155,17 +191,29 @@ def test_closing_a_client_releases_its_leases(server: ServerProcess) -> None:
         assert idle_server_state(watcher) == IDLE
 
 
-def test_open_cache_picks_the_server_when_named(server: ServerProcess) -> None:
+def test_a_service_holds_the_server_client_it_is_given(server: ServerProcess) -> None:
     tokens, kv = make_tokens(32, 91), make_kv(32, 91)
-    for url, kind in ((None, Service), (server.url, kvtier.ServerClient)):
-        cache = open_cache(url, small_config(), SMALL_LAYOUT, model_name="either")
+    for url, kind in ((None, Engine), (server.url, kvtier.ServerClient)):
+        client = (
+            None
+            if url is None
+            else kvtier.ServerClient(url, SMALL_LAYOUT, model_name="either", config=small_config())
+        )
+        service = Service(small_config(), SMALL_LAYOUT, model_name="either", cache=client).open()
         try:
+            cache = service.cache
             assert isinstance(cache, kind)
-            # in process: a Service, whose engine is local; through a server: none here
-            assert isinstance(cache.local_engine, Engine) is (url is None)
+            # in process: the engine is local; through a server: none here
+            assert (service.local_engine is cache) is (url is None)
+            assert isinstance(service.local_engine, Engine) is (url is None)
             assert cache.store(tokens, kv) == 2
             with cache.request("r"):
                 assert cache.lookup(tokens, "r") == 32
             assert cache.check_invariants() == []
+            assert service.admin is None and service.receiver is None
         finally:
-            cache.close()
+            service.close()
+        assert cache.state is Lifecycle.CLOSED
+    client = kvtier.ServerClient(server.url, SMALL_LAYOUT, model_name="either")
+    with pytest.raises(StateError, match="holds a ServerClient: no engine runs here"):
+        _ = Service(small_config(), SMALL_LAYOUT, model_name="either", cache=client).engine

@@ -132,7 +132,7 @@ def decoder_process(channel: str, pages: int, ports: Any, control: Connection) -
     # The Service opens the engine, then its PD receiver (pd_role receiver, 127.0.0.1, a free
     # port: no pd_peer_* keys set), and closes them in reverse.
     with Service(_config(channel, pages), LAYOUT, model_name=MODEL) as service:
-        engine, receiver = service.local_engine, service.receiver
+        engine, receiver = service.engine, service.receiver
         assert receiver is not None  # pd_role receiver
         ports.put((engine.fingerprint.hex(), receiver.port))
         i = 0

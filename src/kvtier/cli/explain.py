@@ -62,10 +62,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(body, indent=2))
     elif args.request_id is None:
         for row in body["requests"]:
-            print(
-                f"{row['request_id']}: {row['hit_tokens']} of {row['prompt_tokens']} "
-                "prompt tokens hit"
-            )
+            print(f"{row['request_id']}: {_counts(row)}")
     else:
         print(_describe(body))
     return 0
@@ -99,15 +96,14 @@ def _get(url: str, token: str | None) -> Any:
 
 def _describe(record: dict[str, Any]) -> str:
     lines = [
-        f"request {record['request_id']}: {record['hit_tokens']} of "
-        f"{record['prompt_tokens']} prompt tokens hit ({record['lookups']} lookups, "
+        f"request {record['request_id']}: {_counts(record)} ({record['lookups']} lookups, "
         f"chunks of {record['chunk_size']} tokens)"
     ]
     if "keyed_by" in record:
         lines.append(f"  keyed by {record['keyed_by']}")
     runs: list[list[Any]] = []  # [first, last, start, end, what, detail]
     for row in record["chunks"]:
-        what = row.get("tier") if row["hit"] else f"miss: {row.get('reason')}"
+        what = row.get("tier") if row["found"] else f"miss: {row.get('reason')}"
         detail = row.get("detail", "")
         if runs and runs[-1][4:] == [what, detail] and runs[-1][1] == row["index"] - 1:
             runs[-1][1], runs[-1][3] = row["index"], row["end"]
@@ -119,3 +115,12 @@ def _describe(record: dict[str, Any]) -> str:
             f"  {chunks} (tokens {start}-{end}): {what}" + (f" ({detail})" if detail else "")
         )
     return "\n".join(lines)
+
+
+def _counts(record: dict[str, Any]) -> str:
+    """A request's tokens as the counters name them: found, loaded, unused (once ended)."""
+    unused = f", {record['unused_tokens']} unused" if "unused_tokens" in record else ""
+    return (
+        f"{record['found_tokens']} of {record['prompt_tokens']} prompt tokens found, "
+        f"{record['loaded_tokens']} loaded{unused}"
+    )

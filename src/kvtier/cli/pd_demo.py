@@ -116,7 +116,7 @@ def decoder_main(args: argparse.Namespace, jobs: Any, results: Any) -> None:
     # The Service opens the engine, then its PD receiver (pd_role receiver, 127.0.0.1, a free
     # port), and closes them in reverse.
     with Service(config, layout, model_name=f"llama-{args.model_size}") as service:
-        engine, receiver = service.local_engine, service.receiver
+        engine, receiver = service.engine, service.receiver
         tier = engine.receiver_host().pd_buffer
         assert receiver is not None and tier is not None
         results.put(("ready", receiver.port, tier.num_pages))
@@ -157,7 +157,7 @@ def prefiller_main(args: argparse.Namespace, port: int, jobs: Any, results: Any)
     layout = layout_from_model(model)
     config = _config(args, "sender", layout.chunk_bytes(args.chunk_size), port)
     with Service(config, layout, model_name=f"llama-{args.model_size}") as service:
-        engine = service.local_engine
+        engine = service.engine
         connector = HFConnector(engine, model)
         with PDSender.from_config(config, layout, engine.fingerprint.hex()) as sender:
             while (job := jobs.get()) is not None:

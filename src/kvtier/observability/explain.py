@@ -1,7 +1,12 @@
-"""Why a request hit or missed, chunk by chunk: a bounded record of recent lookups.
+"""Why a request's chunks were found or missed, chunk by chunk: a bounded record of recent
+lookups.
 
 For each lookup the engine makes, :class:`ExplainLog` records one row per chunk of the prompt:
-where it hit, or the reason it missed. The reasons, and what each one means exactly:
+the tier it was found in, or the reason it missed. A record counts tokens as the engine's
+counters do: ``found_tokens`` (found by the lookup in kvtier's tiers, beyond what the engine
+said it holds), ``loaded_tokens`` (copied into the engine since: the hit) and, once the
+request ended, ``unused_tokens`` (found, never loaded: the engine had them). The reasons a
+chunk missed, and what each one means exactly:
 
 ``not stored``
     No tier holds the chunk, and this process has no record of it ever being stored, dropped,
@@ -41,9 +46,9 @@ A record's ``keyed_by`` names what besides its tokens keyed the request apart ("
 "lora adapter 'B'", "2 images", "prompt embeddings"; absent for plain tokens): equal tokens
 under other keys are other chunks, so a miss there is by design.
 
-Hits name their tier; chunks inside ``skip_leading_tokens`` show tier ``engine`` (the engine
-already held them). Memory is bounded: the last ``capacity`` requests and the fate of the last
-``key_memory`` keys (oldest forgotten first).
+Found chunks name their tier; chunks inside ``skip_leading_tokens`` show tier ``engine`` (the
+engine already held them). Memory is bounded: the last ``capacity`` requests and the fate of
+the last ``key_memory`` keys (oldest forgotten first).
 """
 
 from __future__ import annotations
@@ -52,12 +57,16 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, fields
 from typing import Any
 
-import xxhash
-
 from kvtier.keys import ChunkKey, ChunkSpan, ChunkSpans, Fingerprint, as_token_array
+from kvtier.observability.explain_record import RequestExplain, Run, append_run
+from kvtier.observability.fingerprints import (
+    FINGERPRINTS,
+    FingerprintRegistry,
+    fingerprint_diff,
+    token_chain,
+)
 
 NOT_STORED = "not stored"
 EVICTED = "evicted"
@@ -85,128 +94,7 @@ GROUP_MARK = " in KV-cache group "  # how a tier's corruption reason names the g
 # What the log remembers about a key: the last thing that happened to it.
 _STORED, _EVICTED, _DROPPED, _CORRUPT = "stored", "evicted", "dropped", "corrupt"
 
-# (first_index, last_index, hit, tier_or_reason, detail): consecutive chunks with the same
-# outcome share one run, so a 512-chunk prompt that misses from chunk 3 on is two runs.
-Run = tuple[int, int, bool, str, str]
 Probe = Callable[[Sequence[ChunkKey]], list[str | None]]
-
-
-def token_chain(tokens: object, chunk_size: int, count: int) -> list[bytes]:
-    """Fingerprint-free chain hashes of the first ``count`` chunks: equal tokens, equal hashes,
-    whatever the model. Used only to recognise a fingerprint mismatch."""
-    data = as_token_array(tokens).tobytes()
-    step = chunk_size * 4
-    prev = b"kvtier-token-chain"
-    out: list[bytes] = []
-    for i in range(count):
-        prev = xxhash.xxh3_128_digest(prev + data[i * step : (i + 1) * step])
-        out.append(prev)
-    return out
-
-
-class FingerprintRegistry:
-    """Process-wide: token-chain hash -> the fingerprints that stored those tokens (bounded)."""
-
-    def __init__(self, capacity: int = 100_000) -> None:
-        self.capacity = capacity
-        self._by_chain: OrderedDict[bytes, dict[bytes, Fingerprint]] = OrderedDict()
-        self._digests: set[bytes] = set()  # every fingerprint that ever stored here
-        self._lock = threading.Lock()
-
-    def add(self, chains: Iterable[bytes], digest: bytes, fingerprint: Fingerprint) -> None:
-        with self._lock:
-            self._digests.add(digest)
-            for chain in chains:
-                fps = self._by_chain.setdefault(chain, {})
-                fps[digest] = fingerprint
-                self._by_chain.move_to_end(chain)
-            while len(self._by_chain) > self.capacity:
-                self._by_chain.popitem(last=False)
-
-    def may_have_others(self, digest: bytes) -> bool:
-        """False while only ``digest`` ever stored (one engine per process): then no lookup
-        needs the token chain at all."""
-        with self._lock:
-            return bool(self._digests - {digest})
-
-    def others(self, chain: bytes, digest: bytes) -> list[Fingerprint]:
-        """Fingerprints other than ``digest`` that stored the tokens of ``chain``."""
-        with self._lock:
-            fps = self._by_chain.get(chain, {})
-            return [fp for d, fp in fps.items() if d != digest]
-
-
-FINGERPRINTS = FingerprintRegistry()
-
-
-def fingerprint_diff(mine: Fingerprint, other: Fingerprint) -> str:
-    parts = []
-    for f in fields(Fingerprint):
-        a, b = getattr(mine, f.name), getattr(other, f.name)
-        if a != b:
-            parts.append(f"{f.name} {b!r} (this engine: {a!r})")
-    return "stored under " + ", ".join(parts) if parts else "stored under another fingerprint"
-
-
-@dataclass
-class RequestExplain:
-    request_id: str
-    fingerprint: str
-    chunk_size: int
-    prompt_tokens: int
-    hit_tokens: int
-    keys: bytes  # 16 bytes per chunk, concatenated
-    runs: list[Run]
-    time: float = field(default_factory=time.time)
-    lookups: int = 1
-    keyed_by: str = ""
-
-    def chunk_rows(self) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = []
-        n_keys = len(self.keys) // 16
-        for first, last, hit, what, detail in self.runs:
-            for i in range(first, last + 1):
-                start = i * self.chunk_size
-                row: dict[str, Any] = {
-                    "index": i,
-                    "start": start,
-                    "end": min(start + self.chunk_size, self.prompt_tokens),
-                    "key": self.keys[i * 16 : (i + 1) * 16].hex() if i < n_keys else None,
-                    "hit": hit,
-                }
-                row["tier" if hit else "reason"] = what
-                if detail:
-                    row["detail"] = detail
-                rows.append(row)
-        return rows
-
-    def as_dict(self) -> dict[str, Any]:
-        hits: dict[str, int] = {}
-        misses: dict[str, int] = {}
-        for first, last, hit, what, _ in self.runs:
-            bucket = hits if hit else misses
-            bucket[what] = bucket.get(what, 0) + last - first + 1
-        return {
-            "request_id": self.request_id,
-            "time": self.time,
-            "lookups": self.lookups,
-            "fingerprint": self.fingerprint,
-            "chunk_size": self.chunk_size,
-            "prompt_tokens": self.prompt_tokens,
-            "hit_tokens": self.hit_tokens,
-            **({"keyed_by": self.keyed_by} if self.keyed_by else {}),
-            "summary": {"hit_chunks_by_tier": hits, "miss_chunks_by_reason": misses},
-            "chunks": self.chunk_rows(),
-        }
-
-
-def _append(runs: list[Run], index: int, hit: bool, what: str, detail: str) -> None:
-    if runs:
-        first, last, h, w, d = runs[-1]
-        if last == index - 1 and (h, w, d) == (hit, what, detail):
-            runs[-1] = (first, index, h, w, d)
-            return
-    runs.append((index, index, hit, what, detail))
 
 
 class ExplainLog:
@@ -269,7 +157,7 @@ class ExplainLog:
         tokens: object,
         spans: Sequence[ChunkSpan],
         runs: Sequence[tuple[str, int, int]],
-        hit_tokens: int,
+        found_tokens: int,
         probe: Probe,
         keyed_by: str = "",
     ) -> None:
@@ -293,22 +181,23 @@ class ExplainLog:
         full = len(spans)
         if prompt_tokens > full * self.chunk_size:  # a tail that is not a stored chunk
             detail = f"the last {prompt_tokens - full * self.chunk_size} tokens do not fill a chunk"
-            _append(record_runs, full, False, PARTIAL, detail + "; save_unfull_chunk is off")
+            append_run(record_runs, full, False, PARTIAL, detail + "; save_unfull_chunk is off")
         keys = spans.keys if isinstance(spans, ChunkSpans) else [s.key for s in spans]
         record = RequestExplain(
             request_id,
             self._hex,
             self.chunk_size,
             prompt_tokens,
-            hit_tokens,
+            found_tokens,
             b"".join(keys),
             record_runs,
             keyed_by=keyed_by,
         )
         with self._lock:
             old = self._records.pop(request_id, None)
-            if old is not None:
+            if old is not None:  # a request looked up again (vLLM: preempted, resumed)
                 record.lookups = old.lookups + 1
+                record.loaded_tokens = old.loaded_tokens
             self._records[request_id] = record
             while len(self._records) > self.capacity:
                 self._records.popitem(last=False)
@@ -325,14 +214,14 @@ class ExplainLog:
         for span, tier, fate in zip(missing, where, fates, strict=True):
             if tier is not None:
                 if span.index == first_missing:
-                    _append(runs, span.index, False, CHANGED, f"held by {tier} now")
+                    append_run(runs, span.index, False, CHANGED, f"held by {tier} now")
                 else:
                     detail = f"held by {tier}, but chunk {first_missing} before it missed"
-                    _append(runs, span.index, False, NOT_CONTIGUOUS, detail)
+                    append_run(runs, span.index, False, NOT_CONTIGUOUS, detail)
                 continue
             if fate is not None:
                 event, fate_tier, when = fate
-                _append(runs, span.index, False, *_fate_reason(event, fate_tier, when))
+                append_run(runs, span.index, False, *_fate_reason(event, fate_tier, when))
                 continue
             others: list[Fingerprint] = []
             if check_fingerprints:
@@ -341,9 +230,9 @@ class ExplainLog:
                 others = self.registry.others(chains[span.index], self._digest)
             if others:
                 detail = fingerprint_diff(self.fingerprint, others[0])
-                _append(runs, span.index, False, FINGERPRINT_MISMATCH, detail)
+                append_run(runs, span.index, False, FINGERPRINT_MISMATCH, detail)
             else:
-                _append(runs, span.index, False, NOT_STORED, "")
+                append_run(runs, span.index, False, NOT_STORED, "")
 
     def record_load(
         self,
@@ -352,11 +241,19 @@ class ExplainLog:
         loaded_end: int,
         corrupt_tiers: set[str],
         why: Callable[[str, ChunkKey], str | None] | None = None,
+        copied: int = 0,
     ) -> None:
-        """A retrieve loaded up to ``loaded_end`` of the lookup's ``hits``: the first chunk
-        that did not load failed its checksum (when its tier counted one) or was lost.
-        ``why(tier, key)``: the tier's reason for a corrupt entry; when it names a KV-cache
-        group (``in KV-cache group sliding/w128/k160:0,2``), the detail names it too."""
+        """A retrieve copied ``copied`` tokens, up to ``loaded_end`` of the lookup's
+        ``hits``: the first chunk that did not load failed its checksum (when its tier
+        counted one) or was lost. ``why(tier, key)``: the tier's reason for a corrupt entry;
+        when it names a KV-cache group (``in KV-cache group sliding/w128/k160:0,2``), the
+        detail names it too."""
+        if not self.enabled:
+            return
+        with self._lock:
+            record = self._records.get(request_id)
+            if record is not None:
+                record.loaded_tokens += copied
         failed = [(span, tier) for span, tier in hits if span.end > loaded_end]
         if not failed:
             return
@@ -387,9 +284,15 @@ class ExplainLog:
                     rows[span.index] = (False, NOT_CONTIGUOUS, detail)
             runs: list[Run] = []
             for i in sorted(rows):
-                _append(runs, i, *rows[i])
+                append_run(runs, i, *rows[i])
             record.runs = runs
-            record.hit_tokens = min(record.hit_tokens, loaded_end)
+
+    def record_end(self, request_id: str, unused_tokens: int) -> None:
+        """The request ended with ``unused_tokens`` found and never loaded."""
+        with self._lock:
+            record = self._records.get(request_id)
+            if record is not None:
+                record.unused_tokens = unused_tokens
 
     # -- queries ---------------------------------------------------------------------------
     def get(self, request_id: str) -> dict[str, Any] | None:
@@ -407,18 +310,14 @@ class ExplainLog:
             return record.as_dict() if record is not None else None
 
     def recent(self, limit: int) -> list[dict[str, Any]]:
-        """Newest first: id, time, prompt and hit tokens (no per-chunk rows)."""
+        """Newest first: id, time, prompt, found, loaded and (ended) unused tokens (no
+        per-chunk rows)."""
         with self._lock:
             records = list(self._records.values())[-limit:] if limit > 0 else []
-        return [
-            {
-                "request_id": r.request_id,
-                "time": r.time,
-                "prompt_tokens": r.prompt_tokens,
-                "hit_tokens": r.hit_tokens,
-            }
-            for r in reversed(records)
-        ]
+            return [
+                {"request_id": r.request_id, "time": r.time, **r.counts()}
+                for r in reversed(records)
+            ]
 
     def __len__(self) -> int:
         return len(self._records)

@@ -8,8 +8,8 @@ pid, level, time, file:line), at the level ``KVTIER_LOG_LEVEL`` names (INFO by d
 A WARNING or worse repeated (same logger, same message template) within
 :data:`REPEAT_WINDOW_S` is dropped and counted; the next one that passes says how many were.
 
-:class:`RequestLog` (one per process, :data:`REQUESTS`) gathers what happened to a request and
-writes one INFO line on ``kvtier.requests`` when it ends::
+When a request ends, :func:`log_request_end` writes what happened to it (its lease's
+:class:`~kvtier.lease.RequestRecord`) as one INFO line on ``kvtier.requests``::
 
     request cmpl-7-0: 1408 prompt tokens, loaded 1024 from kvtier (cpu 768, disk 256),
     found 1280 (256 not needed: the engine had them), stored 256 new
@@ -24,13 +24,11 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+
+from kvtier.lease import RequestRecord
 
 REPEAT_WINDOW_S = 60.0
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-MAX_OPEN_REQUESTS = 100_000  # a request whose end never comes is forgotten, oldest first
 
 request_log = logging.getLogger("kvtier.requests")
 _joined: set[str] = set()
@@ -92,76 +90,25 @@ def join_host_logging(host: str = "vllm", *, level: int | None = None) -> bool:
         return True
 
 
-@dataclass
-class _Request:
-    prompt_tokens: int = 0
-    found: int = 0
-    loaded: int = 0
-    loaded_by_tier: dict[str, int] = field(default_factory=dict)
-    stored: int = 0
+def log_request_end(request_id: str, record: RequestRecord) -> str | None:
+    """Write (and return) the request's line; None when nothing was recorded for it (a
+    lease that only held a store's pages) or the line is off."""
+    if not record.noted or not request_log.isEnabledFor(logging.INFO):
+        return None
+    line = describe(request_id, record)
+    request_log.info("%s", line)
+    return line
 
 
-class RequestLog:
-    """What happened to each open request, written as one line when it ends (see module)."""
-
-    def __init__(self, logger: logging.Logger = request_log) -> None:
-        self.logger = logger
-        self._open: OrderedDict[str, _Request] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def _get(self, request_id: str) -> _Request:
-        entry = self._open.get(request_id)
-        if entry is None:
-            entry = self._open[request_id] = _Request()
-            while len(self._open) > MAX_OPEN_REQUESTS:
-                self._open.popitem(last=False)
-        return entry
-
-    def found(self, request_id: str, prompt_tokens: int, tokens: int) -> None:
-        with self._lock:
-            entry = self._get(request_id)
-            entry.prompt_tokens, entry.found = prompt_tokens, tokens
-
-    def loaded(self, request_id: str, by_tier: Mapping[str, int]) -> None:
-        with self._lock:
-            entry = self._get(request_id)
-            for tier, n in by_tier.items():
-                if n > 0:
-                    entry.loaded += n
-                    entry.loaded_by_tier[tier] = entry.loaded_by_tier.get(tier, 0) + n
-
-    def stored(self, request_id: str, tokens: int, prompt_tokens: int) -> None:
-        """``tokens`` of ``request_id``'s prompt newly stored (a connector that knows the
-        request says so; an Engine's store has no request id)."""
-        with self._lock:
-            entry = self._get(request_id)
-            entry.stored += tokens
-            entry.prompt_tokens = max(entry.prompt_tokens, prompt_tokens)
-
-    def end(self, request_id: str) -> str | None:
-        """Write (and return) the request's line; None when nothing was recorded for it."""
-        with self._lock:
-            entry = self._open.pop(request_id, None)
-        if entry is None or not self.logger.isEnabledFor(logging.INFO):
-            return None
-        line = describe(request_id, entry)
-        self.logger.info("%s", line)
-        return line
-
-
-def describe(request_id: str, entry: _Request) -> str:
-    parts = [f"request {request_id}: {entry.prompt_tokens} prompt tokens"]
-    if entry.loaded:
-        tiers = ", ".join(f"{t} {n}" for t, n in sorted(entry.loaded_by_tier.items()))
-        parts.append(f"loaded {entry.loaded} tokens from kvtier ({tiers})")
+def describe(request_id: str, record: RequestRecord) -> str:
+    parts = [f"request {request_id}: {record.prompt_tokens} prompt tokens"]
+    if record.loaded:
+        tiers = ", ".join(f"{t} {n}" for t, n in sorted(record.loaded_by_tier.items()))
+        parts.append(f"loaded {record.loaded} tokens from kvtier ({tiers})")
     else:
         parts.append("loaded 0 tokens from kvtier")
-    unused = max(0, entry.found - entry.loaded)
-    if unused:
-        parts.append(f"found {entry.found} ({unused} not needed: the engine had them)")
-    if entry.stored:
-        parts.append(f"stored {entry.stored} new")
+    if record.unused:
+        parts.append(f"found {record.found} ({record.unused} not needed: the engine had them)")
+    if record.stored:
+        parts.append(f"stored {record.stored} new")
     return ", ".join(parts)
-
-
-REQUESTS = RequestLog()

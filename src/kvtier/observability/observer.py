@@ -9,17 +9,18 @@ engine call            observer hook
 =====================  =======================================================================
 ``lookup``             :meth:`on_lookup` (latency, found tokens per tier, explain record);
                        returns the tokens found beyond those the engine holds
-``retrieve[_into]``    :meth:`on_loaded` (tokens copied into the engine: the hit)
+``retrieve[_into]``    ``with`` :meth:`load` ``as load: load.end = ...``: one record per
+                       load (latency, tokens loaded per tier, checksum failures for explain);
+                       ``load.copied`` is the tokens copied into the engine
 ``store``              :meth:`on_store` (latency, which keys were stored or dropped)
-``retrieve[_into]``    :meth:`on_retrieve` (latency); ``_load`` brackets the copy with
-                       :meth:`before_load` / :meth:`after_load` (checksum failures at retrieve)
-``end_request``        :meth:`on_request_end` (how long the lease was held); returns the
-                       tokens found for the request and never loaded ("found, not needed")
+``end_request``        :meth:`on_request_end` (how long the lease was held, the request's log
+                       line); returns the tokens found for the request and never loaded
 ``record_ttft``        :meth:`record_ttft` (a connector reports the time to first token)
 =====================  =======================================================================
 
-Readers (the Prometheus collector, the admin API) only read; hooks never raise into the
-engine for an observability problem.
+What one request found and loaded is kept on its lease (:class:`~kvtier.lease.RequestRecord`),
+not here: it ends with the request. Readers (the Prometheus collector, the admin API) only
+read; hooks never raise into the engine for an observability problem.
 """
 
 from __future__ import annotations
@@ -29,20 +30,21 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence, Sized
+from collections.abc import Callable, Iterator, Sequence, Sized
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvtier.errors import ConfigError, InputError, KVTierError
+from kvtier.errors import ConfigError, KVTierError
 from kvtier.keys import ChunkKey, ChunkSpan, Fingerprint
 from kvtier.observability.explain import ExplainLog
 from kvtier.observability.histogram import LATENCY_BUCKETS, LEASE_BUCKETS, Histogram
-from kvtier.observability.logs import REQUESTS
+from kvtier.observability.logs import log_request_end
 from kvtier.storage.plan import ENGINE
 
 if TYPE_CHECKING:
     from kvtier.config import Config
-    from kvtier.lease import Lease
+    from kvtier.lease import Lease, RequestRecord
     from kvtier.storage.manager import StorageManager
     from kvtier.storage.plan import LookupPlan
 
@@ -50,6 +52,19 @@ log = logging.getLogger(__name__)
 
 OPERATIONS = ("lookup", "store", "retrieve")
 DEFAULT_EXPLAIN_REQUESTS = 1000
+
+
+@dataclass
+class Load:
+    """One load of a request's hit: the caller sets ``end`` (the end of the loaded prefix)."""
+
+    start: int
+    end: int = 0
+
+    @property
+    def copied(self) -> int:
+        """Tokens copied into the engine by this load (the hit it served)."""
+        return max(0, self.end - self.start)
 
 
 @dataclass
@@ -83,8 +98,6 @@ class Observer:
         self.ttft_seconds = Histogram(LATENCY_BUCKETS)
         self.ttft = TtftTotals()
         self.lookup_hit_tokens: Counter[str] = Counter()  # tier -> tokens found by lookups
-        # request -> [tokens its last lookup found in kvtier's tiers, tokens loaded since]
-        self._found_loaded: dict[str, list[int]] = {}
         self._manager: StorageManager | None = None
         self._lock = threading.Lock()
 
@@ -97,7 +110,7 @@ class Observer:
     # -- hooks -----------------------------------------------------------------------------
     def on_lookup(
         self,
-        request_id: str,
+        lease: Lease[Any],
         tokens: object,
         spans: Sequence[ChunkSpan],
         plan: LookupPlan,
@@ -120,26 +133,35 @@ class Observer:
         with self._lock:
             for name, tokens_hit in by_tier.items():
                 self.lookup_hit_tokens[name] += tokens_hit
-            entry = self._found_loaded.setdefault(request_id, [0, 0])
-            entry[0] = found
         _guarded(
             self.explain.record_lookup,
-            request_id,
+            lease.request_id,
             tokens,
             plan.spans,
             runs,
-            plan.hit_tokens,
+            found,
             self._probe,
             keyed_by,
         )
         prompt = len(tokens) if isinstance(tokens, Sized) else plan.spans.num_tokens
-        REQUESTS.found(request_id, prompt, found)
+        lease.record.note_found(prompt, found)
         self.latency["lookup"].observe(time.perf_counter() - started)
         return found
 
-    def on_loaded(self, request_id: str, plan: LookupPlan, start: int, end: int) -> int:
-        """``request_id``'s hit ``[start, end)`` was copied into the engine; returns how many
-        tokens that is (the hit)."""
+    @contextmanager
+    def load(
+        self, lease: Lease[Any], plan: LookupPlan, start: int, started: float
+    ) -> Iterator[Load]:
+        """``with observer.load(lease, plan, start, started) as load: load.end = ...``: the
+        request's hit from ``start`` is copied into the engine in the block. One record at
+        its end: tokens loaded per tier (on the lease), a short load's first failed chunk
+        for explain (checksum failure or lost), the retrieve's latency since ``started``. A
+        load that raises records nothing."""
+        hits = [(h.span, h.tier.name) for h in plan.hits]  # as planned: a load may cut them
+        corrupt_before = self._corrupt_counts()
+        load = Load(start)
+        yield load
+        end = load.end
         by_tier: dict[str, int] = {}
         for hit in plan.hits:
             if hit.tier is ENGINE:
@@ -147,13 +169,14 @@ class Observer:
             overlap = min(hit.span.end, end) - max(hit.span.start, start)
             if overlap > 0:
                 by_tier[hit.tier.name] = by_tier.get(hit.tier.name, 0) + overlap
-        copied = max(0, end - start)
-        with self._lock:
-            entry = self._found_loaded.get(request_id)
-            if entry is not None:
-                entry[1] += copied
-        REQUESTS.loaded(request_id, by_tier)
-        return copied
+        lease.record.note_loaded(load.copied, by_tier)
+        rose: set[str] = set()
+        if hits and hits[-1][0].end > end:
+            now = self._corrupt_counts()
+            rose = {t for t, n in now.items() if n > corrupt_before.get(t, 0)}
+        request = lease.request_id
+        _guarded(self.explain.record_load, request, hits, end, rose, self._corruption, load.copied)
+        self.latency["retrieve"].observe(time.perf_counter() - started)
 
     def on_store(
         self, tokens: object, spans: Sequence[ChunkSpan], dropped: int, started: float
@@ -161,39 +184,19 @@ class Observer:
         _guarded(self.explain.note_store, tokens, spans, min(dropped, len(spans)))
         self.latency["store"].observe(time.perf_counter() - started)
 
-    def on_retrieve(self, started: float) -> None:
-        self.latency["retrieve"].observe(time.perf_counter() - started)
-
-    def before_load(self, plan: LookupPlan) -> tuple[list[tuple[ChunkSpan, str]], dict[str, int]]:
-        hits = [(h.span, h.tier.name) for h in plan.hits]
-        return hits, self._corrupt_counts()
-
-    def after_load(
-        self,
-        request_id: str,
-        before: tuple[list[tuple[ChunkSpan, str]], dict[str, int]],
-        loaded_end: int,
-    ) -> None:
-        hits, corrupt_before = before
-        if hits and hits[-1][0].end > loaded_end:
-            now = self._corrupt_counts()
-            rose = {t for t, n in now.items() if n > corrupt_before.get(t, 0)}
-            _guarded(self.explain.record_load, request_id, hits, loaded_end, rose, self._corruption)
-
-    def on_request_end(self, request_id: str, lease: Lease[Any] | None) -> int:
-        """The request ended: observe its lease's duration; return the tokens its lookup
-        found that were never loaded (the engine had them already, or never asked)."""
-        if lease is not None:
-            self.lease_seconds.observe(time.monotonic() - lease.created)
-        with self._lock:
-            found, loaded = self._found_loaded.pop(request_id, (0, 0))
-        REQUESTS.end(request_id)
-        return max(0, found - loaded)
+    def on_request_end(self, lease: Lease[Any]) -> int:
+        """The request ended: observe its lease's duration and write its log line; return
+        the tokens its lookup found that were never loaded (the engine had them already, or
+        never asked)."""
+        self.lease_seconds.observe(time.monotonic() - lease.created)
+        record: RequestRecord = lease.record
+        _guarded(self.explain.record_end, lease.request_id, record.unused)
+        log_request_end(lease.request_id, record)
+        return record.unused
 
     def record_ttft(self, seconds: float, *, prompt_tokens: int, hit_tokens: int) -> None:
         """A connector reports one request's time to first token, its prompt length and how
-        many of those tokens came from the cache."""
-        _check_ttft(seconds, prompt_tokens, hit_tokens)
+        many of those tokens came from the cache (checked by the cache's ``record_ttft``)."""
         self.ttft_seconds.observe(seconds)
         with self._lock:
             self.ttft.requests += 1
@@ -288,18 +291,3 @@ def _explain_capacity(extra: dict[str, Any]) -> int:
             "extra_config.explain_requests", value, "an int in [0, 1000000] (0 turns explain off)"
         )
     return value
-
-
-def _check_ttft(seconds: object, prompt_tokens: object, hit_tokens: object) -> None:
-    """InputError naming the first bad argument of ``record_ttft``."""
-    real = isinstance(seconds, int | float) and not isinstance(seconds, bool)
-    if not real or not math.isfinite(seconds) or seconds < 0:  # type: ignore[arg-type,operator]
-        raise InputError(f"record_ttft: seconds must be a finite number >= 0, got {seconds!r}")
-    for name, value in (("prompt_tokens", prompt_tokens), ("hit_tokens", hit_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**62:
-            raise InputError(f"record_ttft: {name} must be an int from 0 to 2**62, got {value!r}")
-    assert isinstance(prompt_tokens, int) and isinstance(hit_tokens, int)
-    if hit_tokens > prompt_tokens:
-        raise InputError(
-            f"record_ttft: hit_tokens ({hit_tokens}) must be <= prompt_tokens ({prompt_tokens})"
-        )

@@ -2,7 +2,7 @@
 
 ``kvtier server`` (:class:`~kvtier.server.daemon.KVTierServer`) owns each model's engine,
 with its CPU page buffer in shared memory; :func:`connect` gives an engine process a client
-with the :class:`~kvtier.Engine` surface. See docs/server.md.
+with the cache surface (:class:`kvtier.cache.KVCache`, as an Engine has it). See docs/server.md.
 """
 
 from kvtier.server.client import ServerClient, connect

@@ -1,8 +1,6 @@
-"""``kvtier.connect(url, layout, model_name=...)``: the :class:`~kvtier.Engine` surface, served
-by a ``kvtier server`` on this host.
-
-Connectors use it exactly as an Engine (lookup, retrieve, retrieve_into, store, end_request,
-request(), stats, check_invariants, record_ttft, open/close/with). What differs is where the
+"""``kvtier.connect(url, layout, model_name=...)``: the cache surface
+(:class:`kvtier.cache.KVCache`, as an :class:`~kvtier.Engine` has it, its arguments checked
+there), served by a ``kvtier server`` on this host. What differs from an Engine is where the
 cache lives:
 
 - data never crosses the socket. A store asks the server for pages (``Reserve``), copies the
@@ -25,35 +23,28 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
+import numpy as np
 import torch
 
+from kvtier.cache import Hit, KVCache
 from kvtier.config import Config
-from kvtier.engine import Hit
 from kvtier.errors import InputError, StateError, TransferError
-from kvtier.keys import (
-    Fingerprint,
-    KeyChain,
-    RequestKeys,
-    RequestSalt,
-    as_token_array,
-    check_salt,
-)
+from kvtier.keys import RequestKeys, RequestSalt
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.lifecycle import Lifecycle
 from kvtier.server import protocol as wire
 from kvtier.server.endpoint import is_default, socket_path
 from kvtier.server.link import ServerLink
-from kvtier.validation import check_kv, check_out, check_request_id, check_skip
+from kvtier.validation import Prompt, check_out
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class ServerClient:
+class ServerClient(KVCache):
     """A kvtier cache in a ``kvtier server`` process, with an Engine's interface."""
 
     def __init__(
@@ -67,21 +58,10 @@ class ServerClient:
         tp_world_size: int = 1,
         max_backoff: float = 2.0,
     ) -> None:
-        if not isinstance(layout, KVLayout):
-            raise InputError(f"layout must be a KVLayout, got {type(layout).__name__}")
-        self.config = config if config is not None else Config.load()
-        self.layout = layout
-        self.fingerprint = Fingerprint(
-            model_name=model_name,
-            layout=layout,
-            chunk_size=self.config.chunk_size,
-            hash_algorithm=self.config.pre_caching_hash_algorithm,
-            tp_rank=tp_rank,
-            tp_world_size=tp_world_size,
-            cache_salt=self.config.cache_salt,
+        # The same fingerprint and keys as the server computes (kvtier.cache.fingerprint_for).
+        super().__init__(
+            config, layout, model_name=model_name, tp_rank=tp_rank, tp_world_size=tp_world_size
         )
-        self.keychain = KeyChain(self.fingerprint)  # the server computes the same keys
-        self.chunk_bytes = layout.chunk_bytes(self.config.chunk_size)
         self.url = url
         hello = wire.Hello(
             version=wire.VERSION,
@@ -114,7 +94,7 @@ class ServerClient:
         self.unserved = 0  # calls answered locally as a miss: no server, or it broke
 
     # -- lifecycle -------------------------------------------------------------------------
-    def open(self) -> ServerClient:
+    def open(self) -> Self:
         """Connect now if the server is there; if not, calls are misses until it is."""
         with self._lock:
             if self._state is Lifecycle.CLOSED:
@@ -130,17 +110,6 @@ class ServerClient:
             self._state = Lifecycle.CLOSED
             self._link.close()
 
-    def __enter__(self) -> ServerClient:
-        return self.open()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     @property
     def state(self) -> Lifecycle:
         return self._state
@@ -149,34 +118,13 @@ class ServerClient:
     def connected(self) -> bool:
         return self._link.connected
 
-    @property
-    def local_engine(self) -> None:
-        """No engine runs in this process (a Service's ``local_engine`` is its engine)."""
-        return None
-
-    @property
-    def admin(self) -> None:
-        """No admin API in this process: the kvtier server serves its own."""
-        return None
-
-    # -- the request API (as Engine) ---------------------------------------------------------
-    def lookup(
-        self,
-        tokens: object,
-        request_id: str,
-        *,
-        skip_leading_tokens: int = 0,
-        cache_salt: RequestSalt | None = None,
-    ) -> Hit:
-        """Tokens of the longest cached prefix, pinned for ``request_id`` until
-        :meth:`end_request`, and how many of them are in the server's CPU tier (0 beyond
-        the skip when the server is unreachable)."""
-        check_request_id(request_id)
-        check_skip(skip_leading_tokens)
-        array = as_token_array(tokens)
-        salt = check_salt(cache_salt)
-        request = wire.Lookup(request_id, array.tobytes(), skip_leading_tokens, salt)
-        held = self._held(len(array), skip_leading_tokens)
+    # -- the request API (KVCache's hooks: the arguments are checked) ----------------------
+    def _lookup(self, request_id: str, prompt: Prompt) -> Hit:
+        """How many of the hit tokens are in the server's CPU tier; a miss (0 beyond the
+        skip) when the server is unreachable."""
+        array = prompt.tokens
+        request = wire.Lookup(request_id, array.tobytes(), prompt.skip, prompt.salt)
+        held = self._held(len(array), prompt.skip)
 
         def hit(reply: wire.Reply) -> Hit:
             found = _expect(reply, wire.Hit)
@@ -186,13 +134,9 @@ class ServerClient:
 
         return self._exchange(request, hit, Hit(held, held))
 
-    def retrieve(
-        self, tokens: object, request_id: str, *, cache_salt: RequestSalt | None = None
-    ) -> torch.Tensor:
-        """KV of the cached prefix, ``[2, layers, hit, hidden]`` (hit 0 without a server)."""
-        check_request_id(request_id)
-        array = as_token_array(tokens)
-        request = wire.Retrieve(request_id, array.tobytes(), 0, check_salt(cache_salt))
+    def _retrieve(self, request_id: str, prompt: Prompt) -> torch.Tensor:
+        """Hit 0 without a server."""
+        request = wire.Retrieve(request_id, prompt.tokens.tobytes(), 0, prompt.salt)
 
         def copy(reply: wire.Reply) -> torch.Tensor:
             pages = _expect(reply, wire.Pages)
@@ -203,23 +147,10 @@ class ServerClient:
         nothing = torch.empty(self.layout.kv_shape(0), dtype=self.layout.dtype)
         return self._exchange(request, copy, nothing)
 
-    def retrieve_into(
-        self,
-        tokens: object,
-        request_id: str,
-        out: torch.Tensor,
-        *,
-        skip_leading_tokens: int = 0,
-        cache_salt: RequestSalt | None = None,
-    ) -> int:
-        """Copy the cached prefix from the shared pages into ``out`` (``[planes, layers, >=hit,
-        hidden]``, any device). Returns the end of the loaded prefix."""
-        check_request_id(request_id)
-        check_skip(skip_leading_tokens)
-        check_out(out, self.layout, 0)  # the hit's length is checked when the pages come
-        array = as_token_array(tokens)
-        salt = check_salt(cache_salt)
-        request = wire.Retrieve(request_id, array.tobytes(), skip_leading_tokens, salt)
+    def _retrieve_into(self, request_id: str, prompt: Prompt, out: torch.Tensor) -> int:
+        """Copied from the shared pages straight into ``out``."""
+        array = prompt.tokens
+        request = wire.Retrieve(request_id, array.tobytes(), prompt.skip, prompt.salt)
 
         def copy(reply: wire.Reply) -> int:
             pages = _expect(reply, wire.Pages)
@@ -227,30 +158,18 @@ class ServerClient:
             self._copy_out(pages, out)
             return pages.end
 
-        return self._exchange(request, copy, self._held(len(array), skip_leading_tokens))
+        return self._exchange(request, copy, self._held(len(array), prompt.skip))
 
-    def store(
-        self,
-        tokens: object,
-        kv: torch.Tensor,
-        *,
-        skip_leading_tokens: int = 0,
-        cache_salt: RequestSalt | None = None,
-        keys: RequestKeys | None = None,
-    ) -> int:
-        """Store the KV of ``tokens`` (``[2, layers, len(tokens), hidden]``): the server gives
-        pages for the chunks it lacks, this process copies into them. Returns chunks stored
+    def _store(self, prompt: Prompt, kv: torch.Tensor, keys: RequestKeys | None) -> int:
+        """The server gives pages for the chunks it lacks, this process copies into them
         (0 without a server: the store is dropped)."""
-        check_skip(skip_leading_tokens)
-        array = as_token_array(tokens)
-        salt = check_salt(cache_salt)
-        check_kv(kv, self.layout, len(array))
         store_id = next(self._store_ids)
         with self._lock:
             if not self._ready():
                 return 0
             try:
-                reserve = wire.Reserve(store_id, array.tobytes(), skip_leading_tokens, salt)
+                tokens = prompt.tokens.tobytes()
+                reserve = wire.Reserve(store_id, tokens, prompt.skip, prompt.salt)
                 slots = _expect(_raise_failed(self._link.call(reserve)), wire.Pages)
                 try:
                     self._copy_in(slots, kv)
@@ -268,28 +187,20 @@ class ServerClient:
                 self._lost(exc)
                 return 0
 
-    def end_request(self, request_id: str) -> bool:
-        """Release everything ``request_id`` holds on the server. False if it held nothing
-        (or the server is gone, which released it already)."""
-        check_request_id(request_id)
+    def _end_request(self, request_id: str) -> bool:
+        """False if it held nothing (or the server is gone, which released it already)."""
         with self._live_lock:
             self._live.discard(request_id)
         return self._exchange(
             wire.EndRequest(request_id), lambda r: _expect(r, wire.Ended).ok, False
         )
 
-    def request_keys(
-        self,
-        tokens: object,
-        request_id: str | None = None,
-        *,
-        cache_salt: RequestSalt | None = None,
+    def _request_keys(
+        self, tokens: np.ndarray, salt: RequestSalt | None, request_id: str | None
     ) -> RequestKeys:
-        """The chunk keys of ``tokens`` as the server computes them (hashed here: the
-        server keeps its own with the lease), e.g. to name stored chunks in events."""
-        array = as_token_array(tokens)
-        salt = check_salt(cache_salt)
-        return RequestKeys(self.keychain, array, salt, self.config.save_unfull_chunk)
+        """As the server computes them (hashed here: the server keeps its own with the
+        lease), e.g. to name stored chunks in events."""
+        return RequestKeys(self.keychain, tokens, salt, self.config.save_unfull_chunk)
 
     @contextmanager
     def loading(self, request_id: str) -> Iterator[bool]:
@@ -301,16 +212,7 @@ class ServerClient:
             live = request_id in self._live
         yield live
 
-    @contextmanager
-    def request(self, request_id: str) -> Iterator[str]:
-        """``with client.request(rid):`` ends the request on every way out of the block."""
-        try:
-            yield request_id
-        finally:
-            if self._state is Lifecycle.OPEN:
-                self.end_request(request_id)
-
-    def record_ttft(self, seconds: float, *, prompt_tokens: int, hit_tokens: int) -> None:
+    def _record_ttft(self, seconds: float, prompt_tokens: int, hit_tokens: int) -> None:
         request = wire.RecordTTFT(seconds, prompt_tokens, hit_tokens)
         self._exchange(request, lambda r: None, None)
 

@@ -25,12 +25,11 @@ import os
 import socket
 import threading
 import time
-from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from kvtier.config import Config
 from kvtier.errors import KVTierError, StateError
-from kvtier.lifecycle import Lifecycle
+from kvtier.lifecycle import Lifecycle, Opens
 from kvtier.server import endpoint
 from kvtier.server import protocol as wire
 from kvtier.server.handler import serve_connection
@@ -55,7 +54,7 @@ def admin_plan(config: Config) -> str:
     )
 
 
-class KVTierServer:
+class KVTierServer(Opens):
     def __init__(self, config: Config | None = None, socket_path: str | None = None) -> None:
         self.config = config if config is not None else Config.load()
         self.path = endpoint.socket_path(self.config, socket_path)
@@ -70,7 +69,7 @@ class KVTierServer:
         self.refused = 0
 
     # -- lifecycle -------------------------------------------------------------------------
-    def open(self) -> KVTierServer:
+    def open(self) -> Self:
         with self._lock:
             if self._state is Lifecycle.OPEN:
                 return self
@@ -131,17 +130,6 @@ class KVTierServer:
             thread.join(max(0.0, deadline - time.monotonic()))
         self.models.close()
         log.info("kvtier server stopped: %d connections drained", len(sessions))
-
-    def __enter__(self) -> KVTierServer:
-        return self.open()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # -- connections -----------------------------------------------------------------------
     def _admit(self, conn: socket.socket) -> None:

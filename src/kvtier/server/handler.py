@@ -41,7 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.engine import Engine, Hit
+from kvtier.cache import Hit
+from kvtier.engine import Engine
 from kvtier.errors import (
     CapacityError,
     InputError,

@@ -32,10 +32,10 @@ import time
 from dataclasses import dataclass, replace
 
 from kvtier.admin.server import AdminServer
+from kvtier.cache import fingerprint_for
 from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import CapacityError, ConfigError, ProtocolError, StateError
-from kvtier.keys import Fingerprint
 from kvtier.layout import KVLayout, dtype_from_name, parse_groups
 from kvtier.server.protocol import Hello
 from kvtier.server.shared_memory import SharedPages
@@ -149,14 +149,8 @@ class ModelTable:
             save_unfull_chunk=hello.save_unfull_chunk,
             enable_pd=False,  # a PD decoder runs its own engine; the server is a cache
         )
-        fingerprint = Fingerprint(
-            model_name=hello.model_name,
-            layout=layout,
-            chunk_size=config.chunk_size,
-            hash_algorithm=config.pre_caching_hash_algorithm,
-            tp_rank=hello.tp_rank,
-            tp_world_size=hello.tp_world_size,
-            cache_salt=config.cache_salt,
+        fingerprint = fingerprint_for(
+            config, layout, hello.model_name, hello.tp_rank, hello.tp_world_size
         ).hex()
         if fingerprint != hello.fingerprint:
             raise ProtocolError(

@@ -40,8 +40,8 @@ TOKENS = list(range(100, 180))  # 80 tokens: 2 whole chunks (32) + 16
 @pytest.fixture
 def pair() -> Iterator[tuple[WorkerSide, WorkerSide]]:
     decoder = make_worker(enable_pd=True, pd_role="receiver", pd_buffer_size=f"{4 * CHUNK_BYTES}B")
-    assert decoder.cache is not None and decoder.cache.receiver is not None
-    port = decoder.cache.receiver.port
+    assert decoder.service is not None and decoder.service.receiver is not None
+    port = decoder.service.receiver.port
     prefiller = make_worker(
         enable_pd=True, pd_role="sender", pd_peer_host="127.0.0.1", pd_peer_alloc_port=[port]
     )

@@ -187,7 +187,7 @@ def test_kvtier_explain_reaches_the_running_workers_admin_api(doc_server: Runnin
     )
     assert result.returncode == 0, result.stderr
     assert f"request {request_id}" in result.stdout  # vLLM runs it as cmpl-<id>-<n>-<suffix>
-    assert re.search(r": 0 of 60\d prompt tokens hit", result.stdout), result.stdout
+    assert re.search(r": 0 of 60\d prompt tokens found, 0 loaded", result.stdout), result.stdout
     assert f"chunks 0-{last} (tokens 0-512): miss: not stored" in result.stdout, result.stdout
 
 

@@ -5,6 +5,7 @@ guard (fast, so every rule has a test that runs in a second)."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 import urllib.request
@@ -69,6 +70,25 @@ def fill(worker: WorkerSide, blocks: list[int], seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for layer in worker.paged.layers:
         layer[blocks] = torch.randn(len(blocks), HEADS, BLOCK, 2 * DIM, generator=gen)
+
+
+def test_a_requests_line_says_what_its_saves_stored(
+    worker: WorkerSide, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a save stored is kept on the request's lease (in-process) and written in the
+    request's one line when the scheduler ends it; a save of a request with no lease keeps
+    nothing anywhere."""
+    tokens = list(range(300, 380))  # 80 tokens: 2 whole chunks + 16
+    fill(worker, [3, 4, 5, 6, 7], seed=2)
+    client = LookupClient(worker.engine_id)
+    with caplog.at_level(logging.INFO, logger="kvtier.requests"):
+        assert client.lookup("r", tokens, None).tokens == 0  # opens the request's lease
+        worker.save(KVTierMetadata(saves=[SaveSpec("r", tokens[:64], [3, 4, 5, 6, 7], 0, 64)]))
+        worker.save(KVTierMetadata(saves=[SaveSpec("gone", tokens[:64], [3, 4, 5, 6, 7], 0, 64)]))
+        assert client.end("r") and not client.end("gone")
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvtier.requests"]
+    assert lines == ["request r: 80 prompt tokens, loaded 0 tokens from kvtier, stored 64 new"]
+    client.close()
 
 
 def test_save_lookup_load_round_trip_through_the_socket(worker: WorkerSide) -> None:
@@ -252,18 +272,19 @@ def test_the_worker_that_owns_the_cache_serves_its_admin_api() -> None:
 
 
 def test_a_decoder_worker_receives_through_its_service_and_closes_the_receiver_with_it() -> None:
-    """The worker opens no PD receiver itself: its cache is a Service, which opens the
+    """The worker opens no PD receiver itself: it opens a Service, which opens the
     receiver after the engine (pd_role receiver) and closes it before, on worker.close()."""
     side = make_worker(enable_pd=True, pd_role="receiver", pd_buffer_size=f"{4 * CHUNK_BYTES}B")
     try:
-        assert isinstance(side.cache, Service) and side.engine is side.cache.local_engine
-        receiver = side.cache.receiver
+        assert isinstance(side.service, Service) and side.engine is side.service.local_engine
+        assert side.cache is side.service.cache is side.engine
+        receiver = side.service.receiver
         assert receiver is not None
         with socket.create_connection(("127.0.0.1", receiver.port), timeout=5):
             pass  # it listens
     finally:
         side.close()
-    assert side.cache.receiver is None
+    assert side.service.receiver is None
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", receiver.port), timeout=2).close()
 

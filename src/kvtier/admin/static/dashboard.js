@@ -216,7 +216,8 @@ function renderRequests(requests) {
   replaceRows(document.querySelector("#requests tbody"), requests.map((r) =>
     el("tr", { onclick: () => { selected = r.request_id; history.replaceState(null, "", "#explain=" + encodeURIComponent(selected)); explain(); } },
       el("td", { title: r.request_id }, r.request_id), el("td", {}, r.prompt_tokens),
-      el("td", {}, r.hit_tokens), el("td", {}, pct(r.hit_tokens, r.prompt_tokens)))), "no lookups yet", 4);
+      el("td", {}, r.found_tokens), el("td", {}, r.loaded_tokens),
+      el("td", { title: "found, never loaded: set when the request ends" }, r.unused_tokens ?? "\u2013"))), "no lookups yet", 5);
 }
 
 async function explain() {
@@ -226,17 +227,17 @@ async function explain() {
     const record = await getJSON("/explain?request_id=" + encodeURIComponent(selected));
     const runs = [];
     for (const c of record.chunks) {
-      const what = c.hit ? "hit in " + c.tier : c.reason;
+      const what = c.found ? "found in " + c.tier : c.reason;
       const last = runs[runs.length - 1];
       if (last && last.what === what && last.detail === (c.detail || "")) { last.to = c.index; last.end = c.end; }
-      else runs.push({ from: c.index, to: c.index, start: c.start, end: c.end, what, detail: c.detail || "", hit: c.hit });
+      else runs.push({ from: c.index, to: c.index, start: c.start, end: c.end, what, detail: c.detail || "", found: c.found });
     }
     const table = el("table", {}, el("thead", {}, el("tr", {}, el("th", {}, "chunks"), el("th", {}, "tokens"),
       el("th", {}, "outcome"), el("th", {}, "why"))));
     const body = el("tbody", {});
     for (const r of runs) {
       body.append(el("tr", {}, el("td", {}, r.from === r.to ? r.from : r.from + "\u2013" + r.to),
-        el("td", {}, r.start + "\u2013" + r.end), el("td", { class: r.hit ? "hit" : "miss" }, r.what),
+        el("td", {}, r.start + "\u2013" + r.end), el("td", { class: r.found ? "found" : "miss" }, r.what),
         el("td", { title: r.detail }, r.detail)));
     }
     table.append(body);

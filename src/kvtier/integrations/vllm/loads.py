@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
+from kvtier.cache import KVCache
 from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.metadata import LoadSpec
 from kvtier.integrations.vllm.paged import NULL_BLOCK, PagedKV
 from kvtier.integrations.vllm.states import PagedState
-from kvtier.server.surface import KVCache
 
 log = logging.getLogger(__name__)
 

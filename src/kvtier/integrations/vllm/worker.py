@@ -1,9 +1,9 @@
 """The worker side of the connector (runs in each vLLM worker process): it owns the cache.
 
-The cache is a :class:`~kvtier.service.Service` in this process (its engine, plus the admin
-API and the decoder's PD receiver its config asks for; ``cache.local_engine`` is the engine),
-or, with ``kv_connector_extra_config: {"server": "unix:///path/kvtier.sock"}``, a client of
-the host's ``kvtier server`` (one cache shared by
+The worker opens a :class:`~kvtier.service.Service`: its cache (``service.cache``) is an
+engine in this process (with the admin API and the decoder's PD receiver its config asks
+for; ``service.local_engine``), or, with ``kv_connector_extra_config: {"server":
+"unix:///path/kvtier.sock"}``, a client of the host's ``kvtier server`` (one cache shared by
 every vLLM instance on the host, outliving them). With a server, a lookup's pins and a load's
 lease live in the server, keyed by (this worker's connection, vLLM request id), and end by
 the same ``end`` path; a worker that dies releases them all when its socket closes.
@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from kvtier.admin.server import AdminServer
+from kvtier.cache import KVCache
 from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError, StateError
@@ -58,8 +59,8 @@ from kvtier.integrations.vllm.rpc import Hit, Leak, LookupServer
 from kvtier.integrations.vllm.states import PagedState
 from kvtier.keys import ChunkKey, ChunkSpan, ExtraKeys, RequestSalt
 from kvtier.layout import GroupKind, KVGroup, KVLayout
-from kvtier.observability.logs import REQUESTS
-from kvtier.server.surface import KVCache, open_cache
+from kvtier.server.client import ServerClient
+from kvtier.service import Service
 from kvtier.storage.cpu import CpuTier
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,9 @@ class WorkerSide:
         # vLLM's KV-cache groups; one of a kind kvtier does not model turns kvtier off.
         self.groups = groups or ModelGroups(())
         self.off = self.groups.off
-        self.cache: KVCache | None = None  # what loads, saves and lookups use
-        self.engine: Engine | None = None  # cache.local_engine: in-process, else None
+        self.service: Service | None = None  # the cache, its admin API and PD receiver
+        self.cache: KVCache | None = None  # service.cache: what loads, saves and lookups use
+        self.engine: Engine | None = None  # service.local_engine: in-process, else None
         self.paged: PagedKV | None = None
         self.states: PagedState | None = None  # the state groups' blocks, if any
         self._server: LookupServer | None = None
@@ -131,17 +133,19 @@ class WorkerSide:
         layout = paged.layout()
         if self.groups.state:
             layout, self.states = self._with_states(kv_caches, layout)
-        cache = open_cache(
-            self.server,
-            self.config,
-            layout,
-            model_name=self.model_name,
-            tp_rank=self.tp_rank,
-            tp_world_size=self.tp_world_size,
-        )
-        self.paged, self.cache = paged, cache
+        cfg, model, rank, size = self.config, self.model_name, self.tp_rank, self.tp_world_size
+        client = None
+        if self.server:  # the host's kvtier server holds the cache; this is its client
+            client = ServerClient(
+                self.server, layout, model_name=model, config=cfg, tp_rank=rank, tp_world_size=size
+            )
+        service = Service(
+            cfg, layout, model_name=model, tp_rank=rank, tp_world_size=size, cache=client
+        ).open()
+        self.service, self.paged, self.cache = service, paged, service.cache
+        cache = service.cache
         self._loads = Loads(cache, paged, self.block_size, self.states, self._attention_tables)
-        engine = cache.local_engine  # in-process: a Service, with its admin API and receiver
+        engine = service.local_engine  # in-process, with its admin API and receiver
         if engine is not None:
             self.engine = engine
             published = [(t, t.medium) for t in engine.tiers() if t.medium is not None]
@@ -170,7 +174,7 @@ class WorkerSide:
     @property
     def admin(self) -> AdminServer | None:
         """The admin API of the cache this worker owns (its Service's), or None."""
-        return self.cache.admin if self.cache is not None else None
+        return self.service.admin if self.service is not None else None
 
     def close(self) -> None:
         if self._server is not None:
@@ -181,8 +185,8 @@ class WorkerSide:
             self._pd = None
         if self._loads is not None:
             self._loads.close()
-        if self.cache is not None:
-            self.cache.close()  # a Service closes its receiver and admin API, then its engine
+        if self.service is not None:
+            self.service.close()  # its receiver and admin API, then its cache
 
     # -- the step --------------------------------------------------------------------------
     def load(self, meta: KVTierMetadata) -> None:
@@ -240,10 +244,9 @@ class WorkerSide:
                 cache_salt=spec.cache_salt,
                 keys=keys,
             )
-            ended = spec.request_id in meta.finishing  # its line is written: add no entry
-            if self.engine is not None and not ended:  # in-process: end_request writes it
+            if self.engine is not None:  # in-process: for the request's line (on its lease)
                 chunk = engine.config.chunk_size
-                REQUESTS.stored(spec.request_id, stored * chunk, len(spec.tokens))
+                self.engine.record_stored(spec.request_id, stored * chunk, len(spec.tokens))
             if spec.transfer_id is not None and self._pd is not None:
                 self._pd.send(spec.transfer_id, keys.spans[first:], out)
             if events is not None and published is not None and self.engine is None:
