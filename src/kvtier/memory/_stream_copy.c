@@ -12,16 +12,23 @@
  * a socket) sees every byte.
  *
  * Where SSE2 is missing (not x86-64) this is memcpy.
+ *
+ * copy_hash copies and hashes in the same pass (the kernel and its why: _copy_hash.h), also
+ * without the GIL: the PD chunk checksum of kvtier.pd.checksum, computed where the bytes are
+ * copied, so two threads copy and hash at once. Built only where xxhash.h is found.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
+#define KVT_COPY_HASH_NAME kvt_copy_hash_default
+#include "_copy_hash.h"
+
 #if defined(__SSE2__)
 #include <emmintrin.h>
 
-static void copy_streaming(char *dst, const char *src, size_t n) {
+void kvt_copy_streaming(char *dst, const char *src, size_t n) {
     /* Streaming stores need a 16-byte aligned destination: copy the head plainly. */
     size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
     if (head > n) {
@@ -43,13 +50,20 @@ static void copy_streaming(char *dst, const char *src, size_t n) {
         _mm_stream_si128((__m128i *)(dst + i + 48), d);
     }
     memcpy(dst + i, src + i, n - i);
-    _mm_sfence();
 }
+
+void kvt_store_fence(void) { _mm_sfence(); }
 #define STREAMING 1
 #else
-static void copy_streaming(char *dst, const char *src, size_t n) { memcpy(dst, src, n); }
+void kvt_copy_streaming(char *dst, const char *src, size_t n) { memcpy(dst, src, n); }
+void kvt_store_fence(void) {}
 #define STREAMING 0
 #endif
+
+static void copy_streaming(char *dst, const char *src, size_t n) {
+    kvt_copy_streaming(dst, src, n);
+    kvt_store_fence();
+}
 
 static PyObject *stream_copy(PyObject *module, PyObject *args) {
     (void)module;
@@ -73,10 +87,163 @@ static PyObject *stream_copy(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+#ifdef KVT_HAVE_XXHASH
+static kvt_copy_hash_fn copy_hash_kernel = kvt_copy_hash_default;
+static const char *copy_hash_isa = "default";
+
+static void pick_copy_hash_kernel(void) {
+#ifdef KVT_X86_ISAS
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) {
+        copy_hash_kernel = kvt_copy_hash_avx512;
+        copy_hash_isa = "avx512";
+    } else if (__builtin_cpu_supports("avx2")) {
+        copy_hash_kernel = kvt_copy_hash_avx2;
+        copy_hash_isa = "avx2";
+    }
+#endif
+}
+
+/* The buffers of one copy_hash call, taken under the GIL and released together. */
+typedef struct {
+    Py_buffer *views; /* sources, then destinations */
+    Py_ssize_t taken;
+    kvt_piece *pieces;
+} held_pieces;
+
+static void release_pieces(held_pieces *held) {
+    for (Py_ssize_t i = 0; i < held->taken; i++) {
+        PyBuffer_Release(&held->views[i]);
+    }
+    PyMem_Free(held->views);
+    PyMem_Free(held->pieces);
+}
+
+/* Takes every buffer and fills held->pieces; on an error releases what it took. */
+static int take_pieces(PyObject *dsts, PyObject *srcs, Py_ssize_t count, held_pieces *held) {
+    held->views = PyMem_Calloc((size_t)(2 * count + 1), sizeof(Py_buffer));
+    held->pieces = PyMem_Calloc((size_t)(count + 1), sizeof(kvt_piece));
+    held->taken = 0;
+    if (held->views == NULL || held->pieces == NULL) {
+        release_pieces(held);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_buffer *src = &held->views[held->taken];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(srcs, i), src, PyBUF_SIMPLE) < 0) {
+            goto fail;
+        }
+        held->taken++;
+        held->pieces[i].src = src->buf;
+        held->pieces[i].len = (size_t)src->len;
+        if (dsts == NULL) {
+            continue;
+        }
+        Py_buffer *dst = &held->views[held->taken];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(dsts, i), dst, PyBUF_WRITABLE) < 0) {
+            goto fail;
+        }
+        held->taken++;
+        held->pieces[i].dst = dst->buf;
+        if (dst->len != src->len) {
+            PyErr_Format(PyExc_ValueError,
+                         "copy_hash: piece %zd: destination has %zd bytes, source %zd; they "
+                         "must be equal", i, dst->len, src->len);
+            goto fail;
+        }
+    }
+    return 0;
+fail:
+    release_pieces(held);
+    return -1;
+}
+
+static PyObject *digests_bytes(const uint64_t *digests, size_t n) {
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(8 * n));
+    if (out == NULL) {
+        return NULL;
+    }
+    unsigned char *bytes = (unsigned char *)PyBytes_AS_STRING(out);
+    for (size_t i = 0; i < n; i++) {
+        for (int b = 0; b < 8; b++) { /* little-endian, whatever the host */
+            bytes[8 * i + b] = (unsigned char)(digests[i] >> (8 * b));
+        }
+    }
+    return out;
+}
+
+static PyObject *copy_hash(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *dst_arg, *src_arg;
+    Py_ssize_t block, stream_min;
+    if (!PyArg_ParseTuple(args, "OOnn:copy_hash", &dst_arg, &src_arg, &block, &stream_min)) {
+        return NULL;
+    }
+    if (block <= 0 || stream_min < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "copy_hash: block_bytes must be > 0 and stream_min >= 0, got %zd and %zd",
+                     block, stream_min);
+        return NULL;
+    }
+    PyObject *srcs = PySequence_Fast(src_arg, "copy_hash: srcs must be a sequence of buffers");
+    PyObject *dsts = NULL;
+    PyObject *result = NULL;
+    if (srcs == NULL) {
+        return NULL;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(srcs);
+    if (dst_arg != Py_None) {
+        dsts = PySequence_Fast(dst_arg, "copy_hash: dsts must be None or a sequence of buffers");
+        if (dsts == NULL) {
+            goto done;
+        }
+        if (PySequence_Fast_GET_SIZE(dsts) != count) {
+            PyErr_Format(PyExc_ValueError, "copy_hash: %zd destinations for %zd sources",
+                         PySequence_Fast_GET_SIZE(dsts), count);
+            goto done;
+        }
+    }
+    held_pieces held;
+    if (take_pieces(dsts, srcs, count, &held) < 0) {
+        goto done;
+    }
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        total += held.pieces[i].len;
+    }
+    size_t blocks = (total + (size_t)block - 1) / (size_t)block;
+    uint64_t *digests = PyMem_Malloc((blocks + 1) * sizeof(uint64_t));
+    if (digests == NULL) {
+        PyErr_NoMemory();
+    } else {
+        size_t n;
+        Py_BEGIN_ALLOW_THREADS
+        n = copy_hash_kernel(held.pieces, (size_t)count, (size_t)block, (size_t)stream_min,
+                             digests);
+        Py_END_ALLOW_THREADS
+        result = digests_bytes(digests, n);
+        PyMem_Free(digests);
+    }
+    release_pieces(&held);
+done:
+    Py_XDECREF(dsts);
+    Py_DECREF(srcs);
+    return result;
+}
+#endif /* KVT_HAVE_XXHASH */
+
 static PyMethodDef methods[] = {
     {"stream_copy", stream_copy, METH_VARARGS,
      "stream_copy(dst, src): copy src's bytes into dst (both contiguous, equal sizes) with\n"
      "streaming stores, without the GIL."},
+#ifdef KVT_HAVE_XXHASH
+    {"copy_hash", copy_hash, METH_VARARGS,
+     "copy_hash(dsts, srcs, block_bytes, stream_min) -> bytes: the pieces srcs, as one stream\n"
+     "cut into blocks of block_bytes, hashed (xxh3-64 per block, 8 little-endian bytes each)\n"
+     "and, unless dsts is None, copied into dsts (equal sizes; pieces of stream_min bytes or\n"
+     "more with streaming stores), in one pass without the GIL."},
+#endif
     {NULL, NULL, 0, NULL},
 };
 
@@ -87,9 +254,19 @@ static struct PyModuleDef module_def = {
 
 PyMODINIT_FUNC PyInit__stream_copy(void) {
     PyObject *module = PyModule_Create(&module_def);
-    if (module != NULL && PyModule_AddIntConstant(module, "STREAMING", STREAMING) < 0) {
+    if (module == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(module, "STREAMING", STREAMING) < 0) {
         Py_DECREF(module);
         return NULL;
     }
+#ifdef KVT_HAVE_XXHASH
+    pick_copy_hash_kernel();
+    if (PyModule_AddStringConstant(module, "HASH_ISA", copy_hash_isa) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+#endif
     return module;
 }
