@@ -1,5 +1,6 @@
 """The PD chunk checksum: one definition, whichever way it is computed (whole, fed in pieces,
-fused with a copy on one or two threads, from a strided view), and it sees every byte."""
+fused with a copy on one or two threads, from a strided view; in C, or in Python where the
+extension was built without xxhash.h), and it sees every byte. Every test runs both ways."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 import xxhash
 
+from kvtier.pd import checksum as checksum_module
 from kvtier.pd.checksum import (
     BLOCK_BYTES,
     BlockHasher,
@@ -20,6 +22,17 @@ from kvtier.pd.checksum import (
 )
 
 SIZES = [0, 3, BLOCK_BYTES - 1, BLOCK_BYTES, 2 * BLOCK_BYTES + 17, 5 * BLOCK_BYTES]
+
+
+@pytest.fixture(autouse=True, params=["fused", "python"])
+def hashing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``fused``: copy and hash in kvtier's C extension; ``python``: as on a machine without
+    xxhash.h, streaming copies then python xxhash."""
+    if request.param == "python":
+        monkeypatch.setattr(checksum_module, "native_copy_hash", None)
+    elif not checksum_module.FUSED:
+        pytest.skip("kvtier's extension was built without xxhash.h")
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
