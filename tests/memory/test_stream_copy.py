@@ -96,7 +96,7 @@ def native_copy_hash() -> Callable[..., bytes]:
 
 def test_copy_hash_is_built_where_make_installs_kvtier() -> None:
     # The Makefile installs libxxhash-dev before kvtier: without it the fused copy would be
-    # silently missing and the checksum would be hashed under the GIL.
+    # silently missing and the checksum hashed in Python, a block at a time.
     native_copy_hash()
     assert stream_copy.HASH_ISA in ("avx512", "avx2", "default")
 

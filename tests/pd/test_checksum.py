@@ -104,7 +104,9 @@ def test_a_destination_that_cannot_take_the_bytes_without_a_copy_is_refused() ->
 
 
 @pytest.mark.parametrize("piece", [1, 4095, BLOCK_BYTES // 3, BLOCK_BYTES, 3 * BLOCK_BYTES])
-def test_pieces_of_any_size_give_the_same_checksum(piece: int) -> None:
+def test_pieces_of_any_size_give_the_same_checksum(piece: int, hashing: str) -> None:
+    if hashing == "python":
+        pytest.skip("BlockHasher is Python either way: this would compare it with itself")
     src = data(3 * BLOCK_BYTES + 5, 3).numpy()
     hasher = BlockHasher()
     for start in range(0, len(src), piece):

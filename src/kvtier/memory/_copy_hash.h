@@ -2,7 +2,7 @@
  *
  * The pieces are one stream of bytes, cut into blocks of `block` bytes (the last one may be
  * shorter); each block's xxh3-64 digest is written to `digests`, in order. Where a piece has a
- * destination, its bytes are copied there too, STEP bytes at a time, each step hashed right
+ * destination, its bytes are copied there too, KVT_STEP bytes at a time, each step hashed right
  * after its copy, while the copy's reads have left it in the core's cache: the bytes cross the
  * memory bus once for both. Pieces of `stream_min` bytes and more are copied with streaming
  * stores (kvt_copy_streaming), smaller ones with memcpy (they are read again soon).
@@ -65,9 +65,10 @@ KVT_HIDDEN size_t kvt_copy_hash_avx512(const kvt_piece *, size_t, size_t, size_t
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
-/* 16 KiB: a step is copied, then hashed from L1. On the project's two-core host (48 KiB L1d,
- * 2 MiB L2), one thread's CPU time per byte measured the same for 4-32 KiB, 5-10% more for
- * 64 KiB to 1 MiB (a loaded machine: differences that small are not resolved). */
+/* 16 KiB: a step is copied, then hashed while it is still in L1 (48 KiB on the project's
+ * hosts). One thread's CPU time per byte measured within noise for steps of 4 KiB to 1 MiB on
+ * a shared, loaded host (a 1 MiB step still hashes from the 2 MiB L2); a step well inside
+ * L1 does not depend on the L2 of the next machine. */
 #define KVT_STEP ((size_t)16 << 10)
 
 KVT_HIDDEN size_t KVT_COPY_HASH_NAME(const kvt_piece *pieces, size_t count, size_t block,

@@ -12,15 +12,15 @@ source right after, while the block is still in the core's cache, so copy and ch
 pass over memory, not two; and two threads can each copy and hash half of a chunk.
 
 Where kvtier's C extension was built with xxhash.h (:data:`FUSED`), copy and hash are one
-call without the GIL (``copy_hash``, :mod:`kvtier.memory.stream_copy`): each 64 KiB of a block
+call without the GIL (``copy_hash``, :mod:`kvtier.memory.stream_copy`): each 16 KiB of a block
 is copied with streaming stores (the destination is never read: no read-for-ownership), then
 hashed by xxh3 (vectorised for the CPU) from the cache the copy's reads left it in, and two
 threads copy and hash at once. Without it, each 1 MiB block is copied by
 :func:`~kvtier.memory.stream_copy.copy_bytes` (streaming, without the GIL) and hashed by
-python ``xxhash``, which holds the GIL (about 17 us a block): two threads then hash one at a
-time. Both give the same digests. What is hashed is the source the copy read: a sender
-states what it meant to send; a reader serving a page checks the page's bytes in the pass
-that copies them out.
+python ``xxhash`` (4.x releases the GIL for pieces over 64 KiB), each block a trip through
+Python and two GIL hand-offs between the threads. Both give the same digests. What is hashed
+is the source the copy read: a sender states what it meant to send; a reader serving a page
+checks the page's bytes in the pass that copies them out.
 """
 
 from __future__ import annotations
@@ -202,9 +202,8 @@ def _copy_and_hash(pieces: list[Piece]) -> bytes:
         return native_copy_hash(dsts, srcs, BLOCK_BYTES, STREAM_MIN_BYTES)
     hasher = BlockHasher()
     for _, out, data in pieces:
-        # The copy reads the piece from memory without the GIL, leaving it in the cache for
-        # the hash, which holds the GIL: this way round the other thread's copy runs while
-        # this one hashes (hash first, the hash's reads from memory held the GIL: 10% slower).
+        # The copy reads the piece from memory, leaving it in the cache for the hash (hash
+        # first measured 10% slower).
         copy_bytes(out, data)
         hasher.update(data)
     return hasher.block_digests()
