@@ -94,54 +94,101 @@ def native_copy_hash() -> Callable[..., bytes]:
     return stream_copy.native_copy_hash
 
 
+def hash_isas() -> tuple[str, ...]:
+    if stream_copy.native_copy_hash is None:
+        return ()
+    from kvtier.memory._stream_copy import HASH_ISAS
+
+    return HASH_ISAS
+
+
+@pytest.fixture(params=hash_isas())
+def copy_hash(request: pytest.FixtureRequest) -> Callable[..., bytes]:
+    """copy_hash run by each kernel this CPU has (AVX-512, AVX2, the default build)."""
+    native = native_copy_hash()
+    isa = str(request.param)
+    return lambda *args: native(*args, isa)
+
+
 def test_copy_hash_is_built_where_make_installs_kvtier() -> None:
     # The Makefile installs libxxhash-dev before kvtier: without it the fused copy would be
     # silently missing and the checksum hashed in Python, a block at a time.
     native_copy_hash()
-    assert stream_copy.HASH_ISA in ("avx512", "avx2", "default")
+    assert hash_isas()[0] == stream_copy.HASH_ISA and hash_isas()[-1] == "default"
+    with pytest.raises(ValueError, match="isa 'sparc' is not one this CPU runs"):
+        native_copy_hash()(None, [b"1234"], BLOCK, 0, "sparc")
 
 
-@pytest.mark.parametrize("nbytes", [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 4097, 5 * BLOCK])
+@pytest.mark.parametrize("nbytes", [0, 1, 240, 241, 1025, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK])
 @pytest.mark.parametrize("offset", [0, 5])
-def test_copy_hash_copies_and_gives_the_reference_digests(nbytes: int, offset: int) -> None:
+def test_copy_hash_copies_and_gives_the_reference_digests(
+    nbytes: int, offset: int, copy_hash: Callable[..., bytes]
+) -> None:
     rng = np.random.default_rng(nbytes + offset)
     src = rng.integers(0, 256, nbytes + offset, dtype=np.uint8)[offset:]  # unaligned source
     dst = np.zeros(nbytes + 2 * offset, dtype=np.uint8)
-    digests = native_copy_hash()([dst[offset : offset + nbytes]], [src], BLOCK, STREAM_MIN_BYTES)
+    digests = copy_hash([dst[offset : offset + nbytes]], [src], BLOCK, STREAM_MIN_BYTES)
     assert digests == reference_digests(src.tobytes())
     assert np.array_equal(dst[offset : offset + nbytes], src)
     assert not dst[:offset].any() and not dst[offset + nbytes :].any()
-    assert native_copy_hash()(None, [src], BLOCK, 0) == digests  # hashing only
+    assert copy_hash(None, [src], BLOCK, 0) == digests  # hashing only
 
 
 @pytest.mark.parametrize("cuts", [(1,), (7, BLOCK - 3), (BLOCK // 3, BLOCK + 5, 2 * BLOCK)])
-def test_pieces_are_one_stream_cut_into_blocks_wherever_they_end(cuts: tuple[int, ...]) -> None:
-    """A chunk's rows are pieces of any size; blocks run across them (the decoder's serve)."""
+@pytest.mark.parametrize("gap", [0, 3])
+def test_pieces_are_one_stream_cut_into_blocks_wherever_they_end(
+    cuts: tuple[int, ...], gap: int, copy_hash: Callable[..., bytes]
+) -> None:
+    """Blocks run across pieces of any size: a contiguous page served into rows with gaps
+    between them (``gap``: a strided view of the caller's KV), or rows that follow each
+    other."""
     src = np.random.default_rng(len(cuts)).integers(0, 256, 3 * BLOCK + 11, dtype=np.uint8)
-    edges = [0, *cuts, len(src)]
-    dst = np.zeros_like(src)
-    spans = list(itertools.pairwise(edges))
-    digests = native_copy_hash()(
-        [dst[a:b] for a, b in spans], [src[a:b] for a, b in spans], BLOCK, STREAM_MIN_BYTES
-    )
+    spans = list(itertools.pairwise([0, *cuts, len(src)]))
+    out = np.zeros(len(src) + gap * len(spans), dtype=np.uint8)
+    dsts = [out[a + gap * i : b + gap * i] for i, (a, b) in enumerate(spans)]
+    digests = copy_hash(dsts, [src[a:b] for a, b in spans], BLOCK, STREAM_MIN_BYTES)
     assert digests == reference_digests(src.tobytes())
+    assert all(np.array_equal(d, src[a:b]) for d, (a, b) in zip(dsts, spans, strict=True))
+    assert out.sum() == src.sum(dtype=np.int64)  # nothing written into the gaps
+
+
+@pytest.mark.parametrize("row", [100, 64 << 10, BLOCK // 2 + 7])
+def test_a_source_in_rows_apart_is_hashed_in_order(
+    row: int, copy_hash: Callable[..., bytes]
+) -> None:
+    """A sender's chunk cut from a longer KV tensor: its rows are apart in memory, so blocks
+    are gathered across them, into a contiguous page."""
+    kv = np.random.default_rng(row).integers(0, 256, (8, 2 * row), dtype=np.uint8)
+    rows = [kv[i, :row] for i in range(8)]
+    page = np.zeros(8 * row, dtype=np.uint8)
+    dsts = [page[i * row : (i + 1) * row] for i in range(8)]
+    digests = copy_hash(dsts, rows, BLOCK, STREAM_MIN_BYTES)
+    assert digests == reference_digests(b"".join(r.tobytes() for r in rows))
+    assert np.array_equal(page, np.concatenate(rows))
+
+
+@pytest.mark.parametrize("block", [1, 64, 241, 4096 + 3])
+def test_any_block_size_gives_the_reference_digests(
+    block: int, copy_hash: Callable[..., bytes]
+) -> None:
+    src = np.random.default_rng(block).integers(0, 256, 3 * 4096 + 17, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    assert copy_hash([dst], [src], block, 0) == reference_digests(src.tobytes(), block)
     assert np.array_equal(dst, src)
 
 
-@pytest.mark.parametrize("block", [1, 64, 4096 + 3])
-def test_any_block_size_gives_the_reference_digests(block: int) -> None:
-    src = np.random.default_rng(block).integers(0, 256, 3 * 4096 + 17, dtype=np.uint8)
-    assert native_copy_hash()(None, [src], block, 0) == reference_digests(src.tobytes(), block)
-
-
-@pytest.mark.parametrize("offset", [0, BLOCK - 1, BLOCK, 2 * BLOCK + 100])
-def test_a_flipped_byte_changes_its_blocks_digest_only(offset: int) -> None:
+@pytest.mark.parametrize("offset", [0, 1000, BLOCK - 1, BLOCK, 2 * BLOCK + 100])
+def test_a_flipped_byte_changes_its_blocks_digest_only(
+    offset: int, copy_hash: Callable[..., bytes]
+) -> None:
     src = np.random.default_rng(offset).integers(0, 256, 3 * BLOCK, dtype=np.uint8)
-    before = native_copy_hash()(None, [src], BLOCK, 0)
+    dst = np.zeros_like(src)
+    before = copy_hash([dst], [src], BLOCK, STREAM_MIN_BYTES)
     src[offset] ^= 0x10
-    after = native_copy_hash()(None, [src], BLOCK, 0)
+    after = copy_hash([dst], [src], BLOCK, STREAM_MIN_BYTES)
     changed = [i for i in range(3) if before[8 * i : 8 * i + 8] != after[8 * i : 8 * i + 8]]
     assert changed == [offset // BLOCK]
+    assert np.array_equal(dst, src)
 
 
 def test_copy_hash_refuses_mismatched_pieces() -> None:

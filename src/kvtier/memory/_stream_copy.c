@@ -25,40 +25,6 @@
 #define KVT_COPY_HASH_NAME kvt_copy_hash_default
 #include "_copy_hash.h"
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-
-void kvt_copy_streaming(char *dst, const char *src, size_t n) {
-    /* Streaming stores need a 16-byte aligned destination: copy the head plainly. */
-    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
-    if (head > n) {
-        head = n;
-    }
-    memcpy(dst, src, head);
-    dst += head;
-    src += head;
-    n -= head;
-    size_t i = 0;
-    for (; i + 64 <= n; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
-        _mm_stream_si128((__m128i *)(dst + i), a);
-        _mm_stream_si128((__m128i *)(dst + i + 16), b);
-        _mm_stream_si128((__m128i *)(dst + i + 32), c);
-        _mm_stream_si128((__m128i *)(dst + i + 48), d);
-    }
-    memcpy(dst + i, src + i, n - i);
-}
-
-void kvt_store_fence(void) { _mm_sfence(); }
-#define STREAMING 1
-#else
-void kvt_copy_streaming(char *dst, const char *src, size_t n) { memcpy(dst, src, n); }
-void kvt_store_fence(void) {}
-#define STREAMING 0
-#endif
 
 static void copy_streaming(char *dst, const char *src, size_t n) {
     kvt_copy_streaming(dst, src, n);
@@ -88,20 +54,37 @@ static PyObject *stream_copy(PyObject *module, PyObject *args) {
 }
 
 #ifdef KVT_HAVE_XXHASH
-static kvt_copy_hash_fn copy_hash_kernel = kvt_copy_hash_default;
-static const char *copy_hash_isa = "default";
+/* The kernels this CPU can run, best first: copy_hash uses the first unless told another. */
+typedef struct {
+    const char *isa;
+    kvt_copy_hash_fn fn;
+} kernel_entry;
 
-static void pick_copy_hash_kernel(void) {
+static kernel_entry kernels[3];
+static int kernel_count = 0;
+
+static void find_kernels(void) {
 #ifdef KVT_X86_ISAS
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) {
-        copy_hash_kernel = kvt_copy_hash_avx512;
-        copy_hash_isa = "avx512";
-    } else if (__builtin_cpu_supports("avx2")) {
-        copy_hash_kernel = kvt_copy_hash_avx2;
-        copy_hash_isa = "avx2";
+        kernels[kernel_count++] = (kernel_entry){"avx512", kvt_copy_hash_avx512};
+    }
+    if (__builtin_cpu_supports("avx2")) {
+        kernels[kernel_count++] = (kernel_entry){"avx2", kvt_copy_hash_avx2};
     }
 #endif
+    kernels[kernel_count++] = (kernel_entry){"default", kvt_copy_hash_default};
+}
+
+static kvt_copy_hash_fn kernel_named(const char *isa) {
+    for (int i = 0; i < kernel_count; i++) {
+        if (isa == NULL || strcmp(isa, kernels[i].isa) == 0) {
+            return kernels[i].fn;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "copy_hash: isa '%s' is not one this CPU runs (HASH_ISAS)",
+                 isa);
+    return NULL;
 }
 
 /* The buffers of one copy_hash call, taken under the GIL and released together. */
@@ -177,7 +160,13 @@ static PyObject *copy_hash(PyObject *module, PyObject *args) {
     (void)module;
     PyObject *dst_arg, *src_arg;
     Py_ssize_t block, stream_min;
-    if (!PyArg_ParseTuple(args, "OOnn:copy_hash", &dst_arg, &src_arg, &block, &stream_min)) {
+    const char *isa = NULL;
+    if (!PyArg_ParseTuple(args, "OOnn|s:copy_hash", &dst_arg, &src_arg, &block, &stream_min,
+                          &isa)) {
+        return NULL;
+    }
+    kvt_copy_hash_fn kernel = kernel_named(isa);
+    if (kernel == NULL) {
         return NULL;
     }
     if (block <= 0 || stream_min < 0) {
@@ -219,7 +208,7 @@ static PyObject *copy_hash(PyObject *module, PyObject *args) {
     } else {
         size_t n;
         Py_BEGIN_ALLOW_THREADS
-        n = copy_hash_kernel(held.pieces, (size_t)count, (size_t)block, (size_t)stream_min,
+        n = kernel(held.pieces, (size_t)count, (size_t)block, (size_t)stream_min,
                              digests);
         Py_END_ALLOW_THREADS
         result = digests_bytes(digests, n);
@@ -239,10 +228,11 @@ static PyMethodDef methods[] = {
      "streaming stores, without the GIL."},
 #ifdef KVT_HAVE_XXHASH
     {"copy_hash", copy_hash, METH_VARARGS,
-     "copy_hash(dsts, srcs, block_bytes, stream_min) -> bytes: the pieces srcs, as one stream\n"
-     "cut into blocks of block_bytes, hashed (xxh3-64 per block, 8 little-endian bytes each)\n"
-     "and, unless dsts is None, copied into dsts (equal sizes; pieces of stream_min bytes or\n"
-     "more with streaming stores), in one pass without the GIL."},
+     "copy_hash(dsts, srcs, block_bytes, stream_min[, isa]) -> bytes: the pieces srcs, as one\n"
+     "stream cut into blocks of block_bytes, hashed (xxh3-64 per block, 8 little-endian bytes\n"
+     "each) and, unless dsts is None, copied into dsts (equal sizes; pieces of stream_min bytes\n"
+     "or more with streaming stores), in one pass without the GIL. isa: one of HASH_ISAS\n"
+     "(default: HASH_ISA, the first)."},
 #endif
     {NULL, NULL, 0, NULL},
 };
@@ -262,8 +252,14 @@ PyMODINIT_FUNC PyInit__stream_copy(void) {
         return NULL;
     }
 #ifdef KVT_HAVE_XXHASH
-    pick_copy_hash_kernel();
-    if (PyModule_AddStringConstant(module, "HASH_ISA", copy_hash_isa) < 0) {
+    find_kernels();
+    PyObject *isas = PyTuple_New(kernel_count);
+    for (int i = 0; isas != NULL && i < kernel_count; i++) {
+        PyTuple_SET_ITEM(isas, i, PyUnicode_FromString(kernels[i].isa));
+    }
+    if (PyModule_AddStringConstant(module, "HASH_ISA", kernels[0].isa) < 0 ||
+        PyModule_AddObject(module, "HASH_ISAS", isas) < 0) {
+        Py_XDECREF(isas);
         Py_DECREF(module);
         return NULL;
     }
