@@ -1,19 +1,23 @@
 /* Copy and hash in one pass: the kernel behind kvtier.memory._stream_copy.copy_hash.
  *
  * The pieces are one stream of bytes, cut into blocks of `block` bytes (the last one may be
- * shorter); each block's xxh3-64 digest is written to `digests`, in order. Where a piece has a
- * destination, its bytes are copied there too, KVT_STEP bytes at a time, each step hashed right
- * after its copy, while the copy's reads have left it in the core's cache: the bytes cross the
- * memory bus once for both. Pieces of `stream_min` bytes and more are copied with streaming
- * stores (kvt_copy_streaming), smaller ones with memcpy (they are read again soon).
+ * shorter); each block's xxh3-64 digest is written to `digests`, in order. Where the pieces
+ * have destinations, the bytes are copied there too, each stretch hashed right after its copy,
+ * while the copy's reads have left it in L1: the bytes cross the memory bus once for both.
+ * Pieces of `stream_min` bytes and more are copied with streaming stores, smaller ones with
+ * memcpy (they are read again soon).
  *
  *   pieces   |--- piece 0 ---|------ piece 1 ------|- 2 -|
  *   blocks   |--- block 0 ------|--- block 1 ------|- 2 -|   digests[0..2]
- *   steps    |..|..|..|..|.|..|..|..|..|..|..|..|.|..|.|   copy, then hash, each step
+ *   stripes  |||||||||||||||||||||||||||||||||||||||||||||   copy 1 KiB, accumulate it
  *
- * Without the GIL: the caller has taken every buffer first. The result equals hashing each
- * block whole (xxh3's streaming state is defined to give the one-shot digest), so it agrees
- * with python xxhash byte for byte.
+ * A block whose source is contiguous (a chunk sent whole; a page served, even into strided
+ * rows) goes through xxh3's stripe loop 1 KiB at a time (kvt_block_stripes); one gathered
+ * from rows apart (a chunk cut from a longer KV tensor) through xxh3's streaming state,
+ * 16 KiB at a time (kvt_block_steps).
+ *
+ * Without the GIL: the caller has taken every buffer first. Either way the result is xxh3-64
+ * of each block, as python xxhash computes it (the tests compare them byte for byte).
  *
  * xxh3 is vectorised for one instruction set at compile time; this header is included once
  * per set (KVT_COPY_HASH_NAME names that copy of the kernel): the default build in
@@ -147,8 +151,9 @@ KVT_HIDDEN size_t kvt_copy_hash_avx512(const kvt_piece *, size_t, size_t, size_t
 /* A block whose source is contiguous is hashed by xxh3's own stripe loop, driven from here:
  * each 1 KiB of it (xxh3's 16 stripes between two scrambles) is copied, then accumulated
  * while still in L1, so the core's copy of the next KiB overlaps the hashing of this one and
- * a copy that hashes costs about what a bare streaming copy does (one thread, measured: 13-14
- * GB/s of CPU time either way, against 9-10 for a 16 KiB copy then a 16 KiB hash). This uses
+ * a copy that hashes costs about what a bare streaming copy does (one thread, 32 MiB chunks
+ * into /dev/shm, per second of CPU time at load 13-15 on 2 cores: 12.9-13.8 GB against
+ * 13.4-14.7 for the bare copy and 9.4-10.3 for 16 KiB copied then hashed). This uses
  * xxhash.h's internal stripe functions (the same ones XXH3_64bits runs, so the digests are
  * xxh3's; the tests compare them with python xxhash); a header without them gets the
  * step loop below for every block. */

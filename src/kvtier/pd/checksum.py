@@ -12,15 +12,16 @@ source right after, while the block is still in the core's cache, so copy and ch
 pass over memory, not two; and two threads can each copy and hash half of a chunk.
 
 Where kvtier's C extension was built with xxhash.h (:data:`FUSED`), copy and hash are one
-call without the GIL (``copy_hash``, :mod:`kvtier.memory.stream_copy`): each 16 KiB of a block
-is copied with streaming stores (the destination is never read: no read-for-ownership), then
-hashed by xxh3 (vectorised for the CPU) from the cache the copy's reads left it in, and two
-threads copy and hash at once. Without it, each 1 MiB block is copied by
-:func:`~kvtier.memory.stream_copy.copy_bytes` (streaming, without the GIL) and hashed by
-python ``xxhash`` (4.x releases the GIL for pieces over 64 KiB), each block a trip through
-Python and two GIL hand-offs between the threads. Both give the same digests. What is hashed
-is the source the copy read: a sender states what it meant to send; a reader serving a page
-checks the page's bytes in the pass that copies them out.
+call per thread without the GIL (``copy_hash``, :mod:`kvtier.memory.stream_copy`): each KiB
+of a block is copied with streaming stores (the destination is never read: no
+read-for-ownership), then fed to xxh3's stripe loop (vectorised for the CPU) from L1, so the
+copy of the next KiB overlaps the hashing of this one, and two threads copy and hash at once.
+Without it, each 1 MiB block is copied by :func:`~kvtier.memory.stream_copy.copy_bytes`
+(streaming, without the GIL) and hashed by python ``xxhash`` (4.x releases the GIL for pieces
+over 64 KiB), each block a trip through Python and two GIL hand-offs between the threads.
+Both give the same digests. What is hashed is the source the copy read: a sender states what
+it meant to send; a reader serving a page checks the page's bytes in the pass that copies
+them out.
 """
 
 from __future__ import annotations
