@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test check bench system-deps clean
 
-$(STAMP): pyproject.toml src/kvtier/memory/_stream_copy.c
+# system-deps first (order-only: it does not force a reinstall): the C extension needs xxhash.h.
+$(STAMP): pyproject.toml $(wildcard src/kvtier/memory/*.c src/kvtier/memory/*.h) | system-deps
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, pinned: an unpinned torch pulls gigabytes of CUDA packages.
@@ -17,7 +18,8 @@ $(STAMP): pyproject.toml src/kvtier/memory/_stream_copy.c
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@touch $(STAMP)
 
-# Debian packages the test suite runs for real: redis-server (remote tier) and chromium (dashboard).
+# Debian packages the test suite runs for real: redis-server (remote tier) and chromium
+# (dashboard); and libxxhash-dev, the header kvtier's C extension is built with.
 system-deps:
 	@bash scripts/install-system-deps.sh
 

@@ -42,6 +42,7 @@ def test_bench_pd_reports_every_field() -> None:
     assert result["bytes_checked"] is True
     assert result["shm_with_serve_gbps"] < result["shm_gbps"]
     assert result["streaming_copy_built"] is True
+    assert result["copy_hash_built"] is True and result["hash_isa"]
     if nixl_installed():
         assert result["nixl_gbps"] > 0 and result["nixl_ratio"] > 0
     else:

@@ -24,11 +24,12 @@ streaming copy (the physical limit: what shm would do if checking the bytes were
 does, not on torch's intra-op pool: its idle OpenMP workers spin on the cores for a while after
 each copy, and measured half the transport's speed when it ran right after one.
 
-What ``shm_gbps`` times: the sender's side. shm moves each byte once: the sender copies each
-1 MiB block of the chunk into the decoder's page and hashes it while it is still in the cache
-(one thread or two); the decoder verifies every byte against that checksum only when it serves
-the chunk, fused with its copy out, so that check is not in ``shm_gbps`` (it replaces a copy
-the decoder makes anyway). ``shm_serve_gbps`` times it: the decoder's ``retrieve_into`` of one
+What ``shm_gbps`` times: the sender's side. shm moves each byte once: the sender copies the
+chunk into the decoder's page and hashes each piece of it while it is still in the cache (one
+thread or two; in C without the GIL where ``copy_hash_built``, see :mod:`kvtier.pd.checksum`);
+the decoder verifies every byte against that checksum only when it serves the chunk, fused
+with its copy out, so that check is not in ``shm_gbps`` (it replaces a copy the decoder makes
+anyway). ``shm_serve_gbps`` times it: the decoder's ``retrieve_into`` of one
 checked request (lookup done; each chunk copied from the receive buffer straight into the
 caller's tensor and verified in that pass, every repeat, best of ``--repeats``), and
 ``shm_with_serve_gbps`` is the two one after the other (``1 / (1/shm + 1/serve)``), the figure
@@ -80,8 +81,9 @@ from kvtier.config.channels import NIXL_UNAVAILABLE, nixl_installed
 from kvtier.engine import Engine
 from kvtier.keys import Fingerprint, KeyChain
 from kvtier.layout import KVLayout
-from kvtier.memory.stream_copy import STREAMING, copy_bytes
+from kvtier.memory.stream_copy import HASH_ISA, STREAMING, copy_bytes
 from kvtier.pd.channels.shm import POPULATE, SHM_DIR
+from kvtier.pd.checksum import FUSED
 from kvtier.pd.sender import OutChunk, PDSender, chunks_from_kv
 from kvtier.service import Service
 
@@ -261,6 +263,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "memcpy_2_threads_gbps": rate["memcpy2"],
         "streaming_copy_gbps": streaming_gbps,
         "streaming_copy_built": STREAMING,
+        # Copy and checksum fused in C without the GIL, xxh3 on this instruction set (False,
+        # "": hashed with python xxhash after each streaming copy).
+        "copy_hash_built": FUSED,
+        "hash_isa": HASH_ISA,
         "raw_socket_gbps": rate["raw"],
         "shm_ratio": rate["shm"] / memcpy_gbps,
         "shm_serve_ratio": served["shm"] / serve_memcpy["shm"],

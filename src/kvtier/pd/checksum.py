@@ -11,11 +11,17 @@ Why blocks rather than one digest of the whole chunk: a copy copies a block and 
 source right after, while the block is still in the core's cache, so copy and check cost one
 pass over memory, not two; and two threads can each copy and hash half of a chunk.
 
-The copy is :func:`kvtier.memory.stream_copy.copy_bytes`: streaming stores without the GIL,
-so the destination is never read (no read-for-ownership) and the other thread copies while
-this one hashes (xxhash holds the GIL, for about 17 us a block in cache). What is hashed is
-the source the copy read: a sender states what it meant to send; a reader serving a page
-checks the page's bytes in the pass that copies them out.
+Where kvtier's C extension was built with xxhash.h (:data:`FUSED`), copy and hash are one
+call per thread without the GIL (``copy_hash``, :mod:`kvtier.memory.stream_copy`): each KiB
+of a block is copied with streaming stores (the destination is never read: no
+read-for-ownership), then fed to xxh3's stripe loop (vectorised for the CPU) from L1, so the
+copy of the next KiB overlaps the hashing of this one, and two threads copy and hash at once.
+Without it, each 1 MiB block is copied by :func:`~kvtier.memory.stream_copy.copy_bytes`
+(streaming, without the GIL) and hashed by python ``xxhash`` (4.x releases the GIL for pieces
+over 64 KiB), each block a trip through Python and two GIL hand-offs between the threads.
+Both give the same digests. What is hashed is the source the copy read: a sender states what
+it meant to send; a reader serving a page checks the page's bytes in the pass that copies
+them out.
 """
 
 from __future__ import annotations
@@ -29,25 +35,29 @@ import numpy as np
 import torch
 import xxhash
 
-from kvtier.memory.stream_copy import copy_bytes
+from kvtier.memory.stream_copy import STREAM_MIN_BYTES, copy_bytes, native_copy_hash
+
+FUSED = native_copy_hash is not None  # copy and hash in C, without the GIL
 
 BLOCK_BYTES = 1 << 20
-# Copies go a block at a time: a block just copied is still in the core's 1 MiB L2 when it is
-# hashed. Smaller pieces measured slower on two threads (256 KiB: 17 GB/s against 23 for
-# 1 MiB), each hand-off of the GIL between the hashing threads costing more than it saves.
+# Pieces of a contiguous chunk, as the threads' shares are cut. In Python (not FUSED) copies
+# go a block at a time, a block just copied still in the core's L2 when it is hashed; smaller
+# pieces measured slower on two threads (256 KiB: 17 GB/s against 23 for 1 MiB), each trip
+# through Python and the GIL costing more than it saves. FUSED copies go 16 KiB at a time
+# inside the C kernel, whatever the pieces.
 COPY_BYTES = BLOCK_BYTES
 
 
-def combine(digests: list[int]) -> int:
-    """The chunk checksum from its block digests, in order."""
-    return int(xxhash.xxh3_64_intdigest(np.asarray(digests, dtype="<u8").tobytes()))
+def combine(digests: bytes) -> int:
+    """The chunk checksum from its block digests, in order, 8 little-endian bytes each."""
+    return int(xxhash.xxh3_64_intdigest(digests))
 
 
 class BlockHasher:
     """The chunk checksum fed in pieces of any size, in order (a socket's reads, say)."""
 
     def __init__(self) -> None:
-        self._digests: list[int] = []
+        self._digests = bytearray()  # d_0 || d_1 || ...
         self._partial = xxhash.xxh3_64()
         self._fill = 0  # bytes of the current block seen so far
 
@@ -56,7 +66,7 @@ class BlockHasher:
         while view.nbytes:
             take = min(BLOCK_BYTES - self._fill, view.nbytes)
             if self._fill == 0 and take == BLOCK_BYTES:
-                self._digests.append(xxhash.xxh3_64_intdigest(view[:take]))
+                self._digests += xxhash.xxh3_64_intdigest(view[:take]).to_bytes(8, "little")
             else:
                 self._partial.update(view[:take])
                 self._fill += take
@@ -65,23 +75,27 @@ class BlockHasher:
             view = view[take:]
 
     def _close_block(self) -> None:
-        self._digests.append(self._partial.intdigest())
+        self._digests += self._partial.intdigest().to_bytes(8, "little")
         self._partial.reset()
         self._fill = 0
 
-    def block_digests(self) -> list[int]:
+    def block_digests(self) -> bytes:
         if self._fill:
             self._close_block()
-        return self._digests
+        return bytes(self._digests)
 
     def intdigest(self) -> int:
         return combine(self.block_digests())
 
 
 def checksum(data: torch.Tensor) -> int:
-    """The checksum of a contiguous CPU tensor's bytes (no copy)."""
+    """The checksum of a contiguous CPU tensor's bytes (no copy; without the GIL when
+    :data:`FUSED`)."""
+    flat = _flat_bytes(data)
+    if native_copy_hash is not None:
+        return combine(native_copy_hash(None, [flat], BLOCK_BYTES, 0))
     hasher = BlockHasher()
-    hasher.update(_flat_bytes(data))
+    hasher.update(flat)
     return hasher.intdigest()
 
 
@@ -182,12 +196,15 @@ def _half(pieces: list[Piece]) -> int:
     return len(pieces)
 
 
-def _copy_and_hash(pieces: list[Piece]) -> list[int]:
+def _copy_and_hash(pieces: list[Piece]) -> bytes:
+    if native_copy_hash is not None:
+        dsts = [out for _, out, _ in pieces]
+        srcs = [data for _, _, data in pieces]
+        return native_copy_hash(dsts, srcs, BLOCK_BYTES, STREAM_MIN_BYTES)
     hasher = BlockHasher()
     for _, out, data in pieces:
-        # The copy reads the piece from memory without the GIL, leaving it in the cache for
-        # the hash, which holds the GIL: this way round the other thread's copy runs while
-        # this one hashes (hash first, the hash's reads from memory held the GIL: 10% slower).
+        # The copy reads the piece from memory, leaving it in the cache for the hash (hash
+        # first measured 10% slower).
         copy_bytes(out, data)
         hasher.update(data)
     return hasher.block_digests()
