@@ -38,6 +38,9 @@ _PAGE_OF = attrgetter("page")
 class CpuTier(Tier):
     name = "cpu"
     medium = "CPU"
+    # An entry is a page of the pool, served from it with no copy. False for a CPU tier
+    # through a codec (kvtier.storage.cpu_coded): the manager loads it like a lower tier.
+    resident = True
 
     def __init__(
         self,
