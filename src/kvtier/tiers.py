@@ -116,7 +116,7 @@ def cpu_pages(config: Config, layout: KVLayout) -> int:
     chunk_bytes = layout.chunk_bytes(config.chunk_size)
     if config.cpu_codec == IDENTITY.name:
         return pages_for_capacity("max_local_cpu_size", config.max_local_cpu_size, chunk_bytes)
-    codec = codec_from_config("cpu_codec", config.cpu_codec)
+    codec = codec_from_config("cpu_codec", config.cpu_codec, layout.dtype)
     shape = slot_shape(codec, layout, config.chunk_size)
     pages, _ = split_capacity(
         config.max_local_cpu_size, config.cpu_codec_staging, chunk_bytes, shape

@@ -13,10 +13,10 @@ dim and dtype, one layer and :data:`MINI_TOKENS` tokens (a quantised codec's rat
 only on those: scales per token and head), with synthetic KV
 (:func:`kvtier.bench.codec_data.synthetic_kv`). Per request::
 
-    lookup   pin_many(the prompt's keys) -> h; each of the h chunks is decoded (checksum
-             first) into one staging page, as a load into the caller's tensor recycles it
-    store    each block not cached: the page encoded into slots (insert), evicting by the
-             policy; a block for which even eviction frees no slot is dropped
+    lookup   pin_many(the prompt's keys) -> h, marked used; each of the h chunks is decoded
+             (checksum first) into one staging page, as a load into a tensor recycles it
+    store    make_room for the blocks not cached (the policy's victims go first, as the
+             engine's store evicts), then each encoded into slots (insert)
 
 So the figures count what the coded tier really keeps in those bytes: slot rounding, the
 staging share, a lossless entry's variable size, and a decode of every hit.
@@ -90,9 +90,13 @@ class CodedReplay:
     def store(self, ids: Sequence[int], start: int, tokens: Sequence[int]) -> None:
         tier, whole = self.tier, self.whole_tokens
         keys = self._keys(ids[start:])
-        for key, n, present in zip(keys, tokens[start:], tier.contains(keys), strict=True):
-            if present or n < whole:
-                continue
+        missing = [
+            key
+            for key, n, present in zip(keys, tokens[start:], tier.contains(keys), strict=True)
+            if not present and n >= whole
+        ]
+        tier.make_room(len(missing))  # as StorageManager.store does before its inserts
+        for key in missing:
             self.page.copy_(self.kv)  # what the engine's store copies in
             pages = tier.allocate(1)
             assert pages is not None  # one page, returned by every insert below

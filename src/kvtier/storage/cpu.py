@@ -131,6 +131,10 @@ class CpuTier(Tier):
             self.pool.retain(pages)
         return pages
 
+    def make_room(self, chunks: int) -> None:
+        """Nothing: ``allocate`` evicts for a page (a coded tier evicts here for its slots)."""
+        return None
+
     def entries(self, keys: Sequence[ChunkKey]) -> list[CpuEntry | None]:
         with self._lock:
             return [self._index.get(k) for k in keys]

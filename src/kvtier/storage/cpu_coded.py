@@ -11,15 +11,15 @@ other codec an entry is the codec's stored bytes, and the RAM is split in two
     store   kv -> a staging page (the engine's one copy) -> encode -> the entry's slots,
             xxh3-128 of the stored bytes; the page goes back to the pool once the lower-tier
             writes that share it have landed (the entry never holds a page)
-    lookup  the entry pinned by key (each of its slots retained), and a staging page
-            reserved for it, as for a disk hit: the storage manager treats a CPU tier that is
-            not ``resident`` as it treats a lower tier
-    load    the stored bytes' checksum checked, then decoded into the staging page; the
-            request's lease holds that page until the request ends
+    lookup  the entry pinned by key, as a disk hit is: the storage manager treats a CPU
+            tier that is not ``resident`` as it treats a lower tier
+    load    the stored bytes' checksum checked, then decoded into a staging page held by
+            the request's lease; copied into the caller's tensor, that page is reused for
+            the next chunk (``StorageManager.load``), so a hit is not bounded by the pages
 
-So staging pages bound what is in flight (the chunks of the hits being loaded and held, of
-the stores being encoded, of the lower-tier writes not yet landed), and the coded store bounds
-what is cached. A page count per chunk does not change: a decoded chunk is one page, as
+So staging pages bound what is in flight (the chunks of stores being encoded, of lower-tier
+writes not yet landed, of hits a reader of pages holds), and the coded store bounds what is
+cached. A page count per chunk does not change: a decoded chunk is one page, as
 everywhere else in kvtier.
 
 Slots. The store is a second :class:`~kvtier.memory.block_pool.BlockPool` (reference counts
@@ -31,17 +31,21 @@ into a scratch buffer first (one copy of the stored bytes).
 
 The invariants of the identity tier hold: an entry holds one reference to each of its slots,
 a pin (by key: ``pin``/``pin_many``, which the manager holds in the request's lease) one
-more, and eviction skips an entry whose first slot anyone else holds; every read checks the
-checksum of the stored bytes before decoding, and a mismatch is a miss (logged, counted,
-the entry dropped). A lossy codec's tier reports :attr:`fingerprint` with the codec in it
+more to its first slot, a read one to each while it decodes, and eviction skips an entry
+whose first slot anyone else holds; every read checks the checksum of the stored bytes
+before decoding, and a mismatch is a miss (logged, counted, the entry dropped). A lossy
+codec's tier reports :attr:`fingerprint` with the codec in it
 (:func:`~kvtier.storage.codecs.tier_fingerprint`); its entries never leave this process
 encoded (a lower tier is written from the staging page, at the engine's own precision), so
-no reader with another codec can take them.
+no reader with another codec can take them. A lossy codec that failed the quality gate for
+the layout's dtype is refused before the tier is built (``tiers.cpu_pages``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +64,9 @@ from kvtier.storage.policy import EvictionPolicy
 from kvtier.storage.records import payload_checksum
 
 log = logging.getLogger(__name__)
+# A byte codec's stored bytes are immutable ``bytes``: torch warns (once) that the tensor
+# viewing them is read-only. Only read, to copy them into slots.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
 
 STAGING_SHARE = 16  # cpu_codec_staging auto: 1/16 of max_local_cpu_size
 BYTE_CODEC_SLOTS = 16  # slots per chunk for a codec whose stored size varies
@@ -106,10 +113,6 @@ class CodedEntry:
     num_tokens: int
     nbytes: int  # the decoded payload
 
-    @property
-    def page(self) -> None:  # never a pool page: the audit compares hits' pages with this
-        return None
-
 
 class CodedCpuTier(CpuTier):
     """The CPU tier storing each chunk through ``codec`` into ``store`` (module docstring)."""
@@ -131,6 +134,7 @@ class CodedCpuTier(CpuTier):
         self.codec = codec
         self.fingerprint = tier_fingerprint(fingerprint, codec)
         self._coded: dict[ChunkKey, CodedEntry] = {}
+        self._fixed = isinstance(codec, QuantizedCodec)  # one slot a chunk
 
     # -- pages: staging only ---------------------------------------------------------------
     def allocate(self, count: int) -> list[int] | None:
@@ -321,15 +325,35 @@ class CodedCpuTier(CpuTier):
         on_done(PutResult(key, PutOutcome.STORED))
 
     def pin(self, key: ChunkKey) -> bool:
+        return self.pin_many([key]) == 1
+
+    def pin_many(self, keys: Sequence[ChunkKey]) -> int:
+        """Pin the leading run of ``keys`` that is cached and mark it used (the policy's
+        touch, as a CPU lookup does), under one lock; how many were pinned. A pin is one
+        reference to the entry's first slot, what eviction looks at: a reader retains every
+        slot for itself (get_into), so nothing more is needed to keep the bytes."""
         with self._lock:
-            entry = self._coded.get(key)
-            if entry is None:
-                return False
-            # One reference to the first slot: what eviction looks at. A reader retains
-            # every slot for itself (get_into), so nothing more is needed to keep the bytes.
-            self.store.retain(entry.slots[:1])
-            self._key_pins.record(key, entry.slots[0])
-            return True
+            pinned = 0
+            for key in keys:
+                entry = self._coded.get(key)
+                if entry is None:
+                    break
+                self.store.retain(entry.slots[:1])
+                self._key_pins.record(key, entry.slots[0])
+                pinned += 1
+            if pinned:
+                self.policy.touch(keys[:pinned])
+        return pinned
+
+    def make_room(self, chunks: int) -> None:
+        """Evict now what ``chunks`` whole chunks need, as the identity tier's page
+        allocation does before a store's inserts (so a store's own chunks do not push each
+        other out): a lossless chunk is counted at the store's mean slots per entry."""
+        with self._lock:
+            per_chunk = (
+                self.store.used_pages / len(self._coded) if self._coded and not self._fixed else 1
+            )
+            self._evict(math.ceil(chunks * per_chunk) - self.store.free_pages)
 
     def unpin(self, key: ChunkKey) -> None:
         with self._lock:

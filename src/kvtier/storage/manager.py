@@ -415,6 +415,8 @@ class StorageManager:
         staging (``CpuTier.resident`` false): there the chunks go through in batches of what
         the pool holds, each batch's pages back in the pool before the next is reserved."""
         step = len(spans) if self.cpu.resident else max(1, self.pool.num_pages // 2)
+        if not self.cpu.resident and self.cpu_visible and spans:  # evict before the inserts
+            self.cpu.make_room(self.cpu.contains([s.key for s in spans]).count(False))
         stored = dropped = 0
         for at in range(0, len(spans), max(step, 1)):
             slots, dropped = self.reserve(spans[at : at + step])
