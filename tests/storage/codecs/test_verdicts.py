@@ -45,7 +45,7 @@ def test_a_codec_that_failed_the_gate_is_refused_naming_the_measured_loss(
 
 def test_kvtiers_lossy_codecs_pass_on_the_dtypes_the_gate_measured() -> None:
     for codec in (FP8, INT8):
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
             found = verdicts.verdict(codec.name, str(dtype).removeprefix("torch."))
             assert found is not None and found.passed, (codec.name, dtype)
             assert codecs.codec_from_config("cpu_codec", codec.name, dtype) is codec
