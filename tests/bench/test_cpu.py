@@ -66,3 +66,14 @@ def test_bench_cpu_fails_when_the_timed_retrieve_writes_nothing(
     monkeypatch.setattr(StorageManager, "_copy_out", lambda *args: None)
     with pytest.raises(AssertionError, match="retrieved bytes differ"):
         cpu.run(_args())
+
+
+@pytest.mark.parametrize("codec", ["lossless", "int8"])
+def test_bench_cpu_runs_the_tier_through_a_codec(codec: str) -> None:
+    data = cpu.run(_args("--codec", codec))
+    assert data["codec"] == codec and data["retrieve_gbps"] > 0 and data["store_gbps"] > 0
+    assert (
+        data["retrieve_rel_error"] == 0.0
+        if codec == "lossless"
+        else 0 < data["retrieve_rel_error"] < 0.05
+    )

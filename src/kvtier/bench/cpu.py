@@ -10,8 +10,9 @@ After timing, the buffer the retrieves wrote into is zeroed and the prompt retri
 more the same way; the bench fails unless those bytes equal the stored KV (with a lossy
 ``--codec``: unless they are within 5 % relative L2 error of it).
 
-``--codec NAME`` sets ``cpu_codec``: a store then also encodes each chunk into the coded
-store, a retrieve checks and decodes each one into a staging page before its copy out.
+``--codec NAME`` sets ``cpu_codec`` (one staging page, the coded store sized to hold the
+prompt even uncompressed): a store then also encodes each chunk into the coded store, a
+retrieve checks and decodes each one into the staging page before its copy out.
 
 ``lookup_128k_ms`` uses a small layout (lookup cost must not depend on chunk bytes): hashing
 plus index probe plus pinning of a fully cached 131072-token prompt.
@@ -65,13 +66,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dst.copy_(kv)  # touch the destination once, as the engine's buffer is touched at open
 
     codec = codecs.codec_from_config("--codec", args.codec)
+    sizes: dict[str, object] = {"max_local_cpu_size": f"{nbytes}B"}
+    if not codec.is_identity:  # room for the prompt's chunks even if they do not compress
+        sizes = {
+            "max_local_cpu_size": f"{nbytes * 17 // 16 + 2 * chunk_bytes}B",
+            "cpu_codec_staging": f"{chunk_bytes}B",
+        }
     config = Config.load(
         env={},
-        overrides={
-            "chunk_size": chunk_size,
-            "max_local_cpu_size": f"{nbytes}B",
-            "cpu_codec": codec.name,
-        },
+        overrides={"chunk_size": chunk_size, "cpu_codec": codec.name, **sizes},
     )
     rng = np.random.default_rng(0)
     with Engine(config, layout, model_name="bench-cpu") as engine:
@@ -120,7 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         retrieve_once()
         error = float((out.float() - kv.float()).norm() / kv.float().norm())
         if error > (0 if codec.lossless else LOSSY_ERROR):
-            raise AssertionError(f"bench cpu: retrieved KV differs from the stored KV ({error})")
+            raise AssertionError(f"bench cpu: retrieved bytes differ from the stored KV ({error})")
 
     lookup_ms, hash_rate = _lookup_cost(chunk_size, repeats)
     memcpy = gbps(nbytes, memcpy_s)
