@@ -68,12 +68,8 @@ def test_bench_cpu_fails_when_the_timed_retrieve_writes_nothing(
         cpu.run(_args())
 
 
-@pytest.mark.parametrize("codec", ["lossless", "int8"])
-def test_bench_cpu_runs_the_tier_through_a_codec(codec: str) -> None:
+def test_bench_cpu_runs_the_tier_through_a_codec() -> None:
+    codec = "int8"  # lossless runs the same path (test_cpu_codec_engine.py checks it)
     data = cpu.run(_args("--codec", codec))
     assert data["codec"] == codec and data["retrieve_gbps"] > 0 and data["store_gbps"] > 0
-    assert (
-        data["retrieve_rel_error"] == 0.0
-        if codec == "lossless"
-        else 0 < data["retrieve_rel_error"] < 0.05
-    )
+    assert 0 < data["retrieve_rel_error"] < 0.05
