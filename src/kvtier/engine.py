@@ -34,7 +34,7 @@ from kvtier.keys import RequestKeys, RequestSalt, keyed_by
 from kvtier.layout import KVLayout
 from kvtier.lease import Lease, LeaseInfo, LeaseTable
 from kvtier.lifecycle import CallGuard, Lifecycle, guarded
-from kvtier.memory.block_pool import BlockPool, pages_for_capacity
+from kvtier.memory.block_pool import BlockPool
 from kvtier.observability.observer import Observer
 from kvtier.observability.stats import engine_stats
 from kvtier.pd.host import EngineReceiverHost
@@ -43,7 +43,7 @@ from kvtier.storage.base import Tier
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.plan import ENGINE, LookupPlan
-from kvtier.tiers import check_tier_urls, clear_tiers, given_lower_tiers, open_storage
+from kvtier.tiers import check_tier_urls, clear_tiers, cpu_pages, given_lower_tiers, open_storage
 from kvtier.validation import Prompt, check_fits_in_memory, check_out
 
 log = logging.getLogger(__name__)
@@ -86,10 +86,8 @@ class Engine(KVCache):
         else:
             lower_tiers = given_lower_tiers(lower_tiers)
         self._lower_tiers = lower_tiers
-        self.num_pages = pages_for_capacity(
-            "max_local_cpu_size", self.config.max_local_cpu_size, self.chunk_bytes
-        )
-        check_fits_in_memory("max_local_cpu_size", self.num_pages * self.chunk_bytes)
+        self.num_pages = cpu_pages(self.config, layout)  # staging pages only with a cpu_codec
+        check_fits_in_memory("max_local_cpu_size", self.config.max_local_cpu_size)
         self.counters = EngineCounters()
         self.observer = Observer(self.fingerprint, self.config)  # metrics, explain (no I/O)
         self._guard = CallGuard("Engine")  # the state, and the public calls in flight

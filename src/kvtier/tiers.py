@@ -22,10 +22,12 @@ from kvtier.config import Config
 from kvtier.errors import InputError, TierError
 from kvtier.keys import Fingerprint
 from kvtier.layout import KVLayout
-from kvtier.memory.block_pool import BlockPool
+from kvtier.memory.block_pool import BlockPool, pages_for_capacity
 from kvtier.storage.base import Tier
+from kvtier.storage.codecs import IDENTITY, PayloadCodec, codec_from_config
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
+from kvtier.storage.cpu_coded import CodedCpuTier, slot_shape, split_capacity
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.policy import make_policy
 from kvtier.storage.registry import TIER_KEYS, TIERS, TierRegistry
@@ -80,10 +82,14 @@ def open_storage(
     config names; the manager owns them from here (opens them now, closes them with itself).
     If a tier fails to open, what was built or given is closed again and the error raised."""
     page_bytes = layout.chunk_bytes(config.chunk_size)
+    store = _coded_store(config, layout)  # before any memory: its ConfigError first
     mapping = page_memory(num_pages * page_bytes) if page_memory else None
     pool = BlockPool(num_pages, page_bytes, mapping=mapping)
     lower: list[Tier] = list(lower_tiers) if lower_tiers is not None else []
+    slots: BlockPool | None = None
     try:
+        if store is not None:
+            slots = BlockPool(store[2], store[1])  # the coded chunks' memory, touched now
         if lower_tiers is None:
             lower.extend(build_lower_tiers(config, layout, fingerprint))
         for tier in lower:
@@ -92,9 +98,43 @@ def open_storage(
         for tier in lower:
             tier.close()
         pool.close()
+        if slots is not None:
+            slots.close()
         raise
-    cpu = CpuTier(pool, layout.payload_bytes, make_policy(config.cache_policy))
+    policy = make_policy(config.cache_policy)
+    if store is None or slots is None:
+        cpu = CpuTier(pool, layout.payload_bytes, policy)
+    else:
+        cpu = CodedCpuTier(pool, slots, layout, store[0], fingerprint, policy)
     return StorageManager(config, layout, pool, cpu, lower, counters)
+
+
+def cpu_pages(config: Config, layout: KVLayout) -> int:
+    """The page pool's size for ``config``: every whole chunk of ``max_local_cpu_size``, or
+    with a ``cpu_codec`` other than identity only the staging pages (the rest holds the coded
+    chunks: :mod:`kvtier.storage.cpu_coded`). ConfigError naming the key when it is too small."""
+    chunk_bytes = layout.chunk_bytes(config.chunk_size)
+    if config.cpu_codec == IDENTITY.name:
+        return pages_for_capacity("max_local_cpu_size", config.max_local_cpu_size, chunk_bytes)
+    codec = codec_from_config("cpu_codec", config.cpu_codec, layout.dtype)
+    shape = slot_shape(codec, layout, config.chunk_size)
+    pages, _ = split_capacity(
+        config.max_local_cpu_size, config.cpu_codec_staging, chunk_bytes, shape
+    )
+    return pages
+
+
+def _coded_store(config: Config, layout: KVLayout) -> tuple[PayloadCodec, int, int] | None:
+    """(codec, slot bytes, slots) of the coded CPU store, or None for the identity codec."""
+    if config.cpu_codec == IDENTITY.name:
+        return None
+    codec = codec_from_config("cpu_codec", config.cpu_codec)
+    shape = slot_shape(codec, layout, config.chunk_size)
+    chunk_bytes = layout.chunk_bytes(config.chunk_size)
+    _, slots = split_capacity(
+        config.max_local_cpu_size, config.cpu_codec_staging, chunk_bytes, shape
+    )
+    return codec, shape[0], slots
 
 
 def clear_tiers(tiers: Sequence[Tier]) -> dict[str, int]:

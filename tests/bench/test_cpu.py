@@ -66,3 +66,10 @@ def test_bench_cpu_fails_when_the_timed_retrieve_writes_nothing(
     monkeypatch.setattr(StorageManager, "_copy_out", lambda *args: None)
     with pytest.raises(AssertionError, match="retrieved bytes differ"):
         cpu.run(_args())
+
+
+def test_bench_cpu_runs_the_tier_through_a_codec() -> None:
+    codec = "int8"  # lossless runs the same path (test_cpu_codec_engine.py checks it)
+    data = cpu.run(_args("--codec", codec))
+    assert data["codec"] == codec and data["retrieve_gbps"] > 0 and data["store_gbps"] > 0
+    assert 0 < data["retrieve_rel_error"] < 0.05

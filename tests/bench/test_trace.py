@@ -106,3 +106,13 @@ def test_a_codec_fits_ratio_times_the_blocks_in_the_same_bytes(tmp_path: Path, c
     assert result["codec_of_opt"] == pytest.approx(
         result["codec_hit_ratio"] / result["opt_hit_ratio"]
     )
+    # The real coded tier: 1/16 of the bytes are staging pages, the rest slots of the
+    # reference chunk's stored size (fp8: one a block; lossless: 1/16 of a block each).
+    assert result["codec_staging_pages"] == max(1, blocks // 16)
+    per_entry = result["codec_slots_per_entry"]
+    held = result["codec_slots"] / per_entry
+    assert held == pytest.approx((blocks - result["codec_staging_pages"]) * ratio, rel=0.1)
+    assert per_entry == 1 if codec == "fp8" else 1 < per_entry < 16
+    assert result["codec_decoded_hits"] > 0 and result["codec_corrupt"] == 0
+    if codec == "fp8":  # lossless: its 1.3x less staging and slot rounding can lose here
+        assert result["codec_hit_ratio"] > result["cpu_hit_ratio"]

@@ -1,5 +1,6 @@
-"""disk_codec and remote_codec: validated by name, read by the tiers (a lossy one gives the
-tier a fingerprint of its own), and LMCache's remote_serde mapped onto remote_codec."""
+"""cpu_codec, disk_codec and remote_codec: validated by name, read by the tiers (a lossy one
+gives the tier a fingerprint of its own), and LMCache's remote_serde mapped onto
+remote_codec; cpu_codec_staging a size."""
 
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ FP = Fingerprint("codec-config", LAYOUT, 16)
 def test_the_config_names_every_builtin_codec_and_defaults_to_identity() -> None:
     assert tuple(c.name for c in codecs.BUILTIN) == PAYLOAD_CODECS
     config = Config.load(env={})
-    assert (config.disk_codec, config.remote_codec) == ("identity", "identity")
+    assert (config.cpu_codec, config.disk_codec, config.remote_codec) == ("identity",) * 3
+    assert config.cpu_codec_staging == 0  # auto: 1/16 of max_local_cpu_size
 
 
-@pytest.mark.parametrize("key", ["disk_codec", "remote_codec"])
+@pytest.mark.parametrize("key", ["cpu_codec", "disk_codec", "remote_codec"])
 @pytest.mark.parametrize("value", ["zstd", "cachegen", 8, None])
 def test_a_bad_codec_names_key_value_and_the_choices(key: str, value: object) -> None:
     with pytest.raises(ConfigError) as info:
@@ -39,6 +41,16 @@ def test_a_bad_codec_names_key_value_and_the_choices(key: str, value: object) ->
 
 def test_the_environment_sets_a_codec() -> None:
     assert Config.load(env={"KVTIER_DISK_CODEC": "lossless"}).disk_codec == "lossless"
+    env = {"KVTIER_CPU_CODEC": "fp8", "KVTIER_CPU_CODEC_STAGING": "64MiB"}
+    config = Config.load(env=env)
+    assert (config.cpu_codec, config.cpu_codec_staging) == ("fp8", 64 << 20)
+
+
+@pytest.mark.parametrize("value", ["lots", -1, [1]])
+def test_a_bad_staging_size_names_the_key(value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        Config.load(env={}, overrides={"cpu_codec_staging": value})
+    assert info.value.key == "cpu_codec_staging"
 
 
 @pytest.mark.parametrize("name", PAYLOAD_CODECS)

@@ -7,7 +7,12 @@ chunk into the page; a retrieve is a lookup, pins and one copy per chunk out of 
 the ratios show the cost kvtier adds.
 
 After timing, the buffer the retrieves wrote into is zeroed and the prompt retrieved once
-more the same way; the bench fails unless those bytes equal the stored KV.
+more the same way; the bench fails unless those bytes equal the stored KV (with a lossy
+``--codec``: unless they are within 5 % relative L2 error of it).
+
+``--codec NAME`` sets ``cpu_codec`` (one staging page, the coded store sized to hold the
+prompt even uncompressed): a store then also encodes each chunk into the coded store, a
+retrieve checks and decodes each one into the staging page before its copy out.
 
 ``lookup_128k_ms`` uses a small layout (lookup cost must not depend on chunk bytes): hashing
 plus index probe plus pinning of a fully cached 131072-token prompt.
@@ -28,8 +33,10 @@ from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.keys import Fingerprint, KeyChain
 from kvtier.layout import KVLayout
+from kvtier.storage import codecs
 
 BIG_LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+LOSSY_ERROR = 0.05  # relative L2 error a lossy codec's retrieve may show (fp8: ~2.5 %)
 LOOKUP_LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=16, dtype=torch.bfloat16)
 
 
@@ -37,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", type=int, default=16, help="chunks per store (16 = 512 MiB)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs; best is reported")
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk")
+    parser.add_argument(
+        "--codec",
+        default="identity",
+        choices=[c.name for c in codecs.registered()],
+        help="cpu_codec: the tier stores through this codec (1/16 of the buffer is staging)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -52,8 +65,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dst = torch.empty_like(kv)
     dst.copy_(kv)  # touch the destination once, as the engine's buffer is touched at open
 
+    codec = codecs.codec_from_config("--codec", args.codec)
+    sizes: dict[str, object] = {"max_local_cpu_size": f"{nbytes}B"}
+    if not codec.is_identity:  # room for the prompt's chunks even if they do not compress
+        sizes = {
+            "max_local_cpu_size": f"{nbytes * 17 // 16 + 2 * chunk_bytes}B",
+            "cpu_codec_staging": f"{chunk_bytes}B",
+        }
     config = Config.load(
-        env={}, overrides={"chunk_size": chunk_size, "max_local_cpu_size": f"{nbytes}B"}
+        env={},
+        overrides={"chunk_size": chunk_size, "cpu_codec": codec.name, **sizes},
     )
     rng = np.random.default_rng(0)
     with Engine(config, layout, model_name="bench-cpu") as engine:
@@ -100,14 +121,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # not write (or wrote wrong) cannot pass for the ones the timing loop left there.
         out.zero_()
         retrieve_once()
-        if not torch.equal(out, kv):
-            raise AssertionError("bench cpu: retrieved bytes differ from the stored bytes")
+        error = float((out.float() - kv.float()).norm() / kv.float().norm())
+        if error > (0 if codec.lossless else LOSSY_ERROR):
+            raise AssertionError(f"bench cpu: retrieved bytes differ from the stored KV ({error})")
 
     lookup_ms, hash_rate = _lookup_cost(chunk_size, repeats)
     memcpy = gbps(nbytes, memcpy_s)
     store = gbps(nbytes, store_s)
     retrieve = gbps(nbytes, retrieve_s)
     return {
+        "codec": codec.name,
+        "retrieve_rel_error": error,
         "chunk_bytes": chunk_bytes,
         "chunks": chunks,
         "bytes": nbytes,

@@ -33,6 +33,8 @@ class Config:
     local_disk: str | None = None
     max_local_disk_size: int = 0
     remote_url: str | None = None
+    cpu_codec: str = "identity"
+    cpu_codec_staging: int = 0
     disk_codec: str = "identity"
     remote_codec: str = "identity"
     save_unfull_chunk: bool = False
@@ -209,6 +211,13 @@ def _check_combinations(cfg: Config) -> None:
             "max_local_cpu_size",
             cfg.max_local_cpu_size,
             "above 0: CPU memory is the cache or, with local_cpu false, the staging buffer",
+        )
+    if cfg.cpu_codec != "identity" and not cfg.local_cpu and cfg.use_only_staging_buffer:
+        raise ConfigError(
+            "cpu_codec",
+            cfg.cpu_codec,
+            "'identity' when the CPU memory is staging only (local_cpu false, "
+            "use_only_staging_buffer true): it caches nothing to encode",
         )
     if cfg.local_disk and cfg.max_local_disk_size <= 0:
         raise ConfigError(

@@ -62,6 +62,22 @@ KEYS: tuple[KeySpec, ...] = (
         "store (or a scheme registered in kvtier.storage.registry).",
     ),
     KeySpec(
+        "cpu_codec",
+        p.choice(PAYLOAD_CODECS, fold_case=False),
+        "identity",
+        "CPU tier payload codec: identity (zero copy), lossless, fp8 or int8 (more chunks "
+        "in the same RAM, decoded at load; see docs/codecs.md).",
+        lmcache=False,
+    ),
+    KeySpec(
+        "cpu_codec_staging",
+        p.size(GIB),
+        0.0,
+        "With a cpu_codec: the part of max_local_cpu_size kept as decoded staging pages for "
+        "loads and stores in flight; 0 = 1/16 of it.",
+        lmcache=False,
+    ),
+    KeySpec(
         "disk_codec",
         p.choice(PAYLOAD_CODECS, fold_case=False),
         "identity",

@@ -9,8 +9,6 @@ tier stores it), :mod:`~kvtier.quality.gate` (the figures and the pass rule).
 from __future__ import annotations
 
 from kvtier.quality.gate import (
-    ACCURACY_SLACK,
-    MIN_AGREEMENT,
     GateResult,
     QualityGate,
     QualityGateFailed,
@@ -20,6 +18,7 @@ from kvtier.quality.gate import (
 )
 from kvtier.quality.model import RecallModel, RecallModelSpec, TrainingFailed, recall_model
 from kvtier.quality.task import RecallTask
+from kvtier.storage.codecs.verdicts import ACCURACY_SLACK, MIN_AGREEMENT
 
 __all__ = [
     "ACCURACY_SLACK",

@@ -18,8 +18,9 @@ A codec passes when its accuracy is within :data:`ACCURACY_SLACK` (1 point) of t
 reference's and its greedy agreement is at least :data:`MIN_AGREEMENT` (99 %). KL is
 reported, not judged: it sees losses too small to change an answer yet.
 
-:func:`check` raises :class:`QualityGateFailed` naming the measured loss: what a tier
-configured with a lossy codec the gate does not pass for the model should be refused with.
+:func:`check` raises :class:`QualityGateFailed` naming the measured loss. Every measure
+records its verdict (:mod:`kvtier.storage.codecs.verdicts`): a tier configured with a lossy
+codec whose verdict failed for its KV dtype refuses to start, naming the same loss.
 :func:`gate_figures` is the JSON-ready form ``kvtier bench codec --json`` prints.
 """
 
@@ -36,10 +37,8 @@ from kvtier.integrations.hf_kv import cache_from_kv, kv_from_cache, layout_from_
 from kvtier.layout import dtype_name
 from kvtier.quality.model import RecallModel, recall_model
 from kvtier.quality.roundtrip import through_codec
-from kvtier.storage.codecs import PayloadCodec
-
-ACCURACY_SLACK = 0.01  # a passing codec loses at most 1 point of accuracy
-MIN_AGREEMENT = 0.99  # and picks the reference's answer token at 99 % of queries at least
+from kvtier.storage.codecs import PayloadCodec, verdicts
+from kvtier.storage.codecs.verdicts import ACCURACY_SLACK, MIN_AGREEMENT, Verdict
 
 EVAL_SEED = 1234  # the eval set: disjoint in practice from the training draws (seed 0)
 
@@ -60,16 +59,22 @@ class GateResult:
     ratio: float  # payload bytes / stored bytes
     passed: bool
 
-    def describe(self) -> str:
-        verdict = "passes" if self.passed else "fails"
-        return (
-            f"codec {self.codec!r} {verdict} the quality gate for model {self.model} "
-            f"({self.kv_dtype} KV): accuracy {self.accuracy:.1%} vs "
-            f"{self.recompute_accuracy:.1%} recomputed, greedy agreement "
-            f"{self.greedy_agreement:.1%}, next-token KL {self.kl_mean:.2e} nats over "
-            f"{self.queries} answers (pass: accuracy within {ACCURACY_SLACK * 100:.0f} point "
-            f"and agreement >= {MIN_AGREEMENT:.0%})"
+    @property
+    def verdict(self) -> Verdict:
+        """What a tier at start checks (:mod:`kvtier.storage.codecs.verdicts`)."""
+        return Verdict(
+            self.codec,
+            self.kv_dtype,
+            self.model,
+            self.queries,
+            self.recompute_accuracy,
+            self.accuracy,
+            self.greedy_agreement,
+            self.kl_mean,
         )
+
+    def describe(self) -> str:
+        return self.verdict.describe()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,7 +152,7 @@ class QualityGate:
         accuracy = hits / self.queries
         agreement = agree / self.queries
         passed = accuracy >= self.recompute_accuracy - ACCURACY_SLACK and agreement >= MIN_AGREEMENT
-        return GateResult(
+        result = GateResult(
             codec=codec.name,
             model=self.model.name,
             kv_dtype=dtype_name(self.kv_dtype),
@@ -160,6 +165,8 @@ class QualityGate:
             ratio=payload / stored if stored else 0.0,
             passed=passed,
         )
+        verdicts.record(result.verdict)  # a tier configured with it from now on sees it
+        return result
 
     def check(self, codec: PayloadCodec) -> GateResult:
         """:meth:`measure`, raising :class:`QualityGateFailed` when the codec fails."""

@@ -38,6 +38,9 @@ _PAGE_OF = attrgetter("page")
 class CpuTier(Tier):
     name = "cpu"
     medium = "CPU"
+    # An entry is a page of the pool, served from it with no copy. False for a CPU tier
+    # through a codec (kvtier.storage.cpu_coded): the manager loads it like a lower tier.
+    resident = True
 
     def __init__(
         self,
@@ -127,6 +130,10 @@ class CpuTier(Tier):
             pages: list[int] = list(map(_PAGE_OF, found))
             self.pool.retain(pages)
         return pages
+
+    def make_room(self, chunks: int) -> None:
+        """Nothing: ``allocate`` evicts for a page (a coded tier evicts here for its slots)."""
+        return None
 
     def entries(self, keys: Sequence[ChunkKey]) -> list[CpuEntry | None]:
         with self._lock:

@@ -96,7 +96,7 @@ class StorageManager:
         runs: list[tuple[Source, int, int]] = [(ENGINE, 0, skip)] if skip else []
         pages: list[int | None] = [None] * skip
         done = skip
-        if self.cpu_visible and done < len(spans):
+        if self.cpu_visible and self.cpu.resident and done < len(spans):
             cpu_pages = self.cpu.pin_prefix(spans.keys[done:] if done else spans.keys)
             lease.take_pages(cpu_pages)
             if cpu_pages:
@@ -126,7 +126,11 @@ class StorageManager:
     ) -> tuple[list[ChunkHit], list[int]]:
         """A free page, held by the lease, for each lower-tier chunk of ``hits`` to be read
         into at load. Where pages run out the hit ends (before the first chunk without one):
-        a hit that could not be loaded is never promised."""
+        a hit that could not be loaded is never promised. Beside a coded CPU tier
+        (``CpuTier.resident`` false: its pages are only staging) the chunks need one page
+        between them when they are loaded into the caller's tensor, which recycles it
+        (``load``): with one reserved the whole hit is promised (a reader of pages,
+        ``out=None``, may then get less: the hit ends where the pages do)."""
         lower = [i for i, h in enumerate(hits) if h.page is None]
         spare = self.cpu.allocate(len(lower)) if lower else []
         if spare is None:  # short of pages: as many as there are, one at a time
@@ -137,8 +141,9 @@ class StorageManager:
                     break
                 spare.extend(got)
         lease.take_pages(spare)
-        if len(spare) < len(lower):
-            end = lower[len(spare)]
+        short = [i for i in lower[len(spare) :] if not spare or self.cpu.resident]
+        if short:
+            end = short[0]
             log.debug(
                 "lookup declined %d lower-tier chunks: no free CPU page to load them into",
                 len(hits) - end,
@@ -191,13 +196,15 @@ class StorageManager:
         hits: list[ChunkHit] = []
         all_keys = spans.keys if isinstance(spans, ChunkSpans) else [s.key for s in spans]
         cpu_run = [k for k, w in zip(all_keys, where, strict=True) if w is self.cpu]
+        if not self.cpu.resident:  # a coded CPU tier: pinned by key and loaded as a lower one
+            cpu_run = []
         cpu_entries = self.cpu.pin_keys(cpu_run) if cpu_run else {}
         lease.take_pages([e.page for e in cpu_entries.values()])
         i = 0
         while i < len(spans):
             tier = where[i]
             assert tier is not None
-            if tier is self.cpu:
+            if tier is self.cpu and self.cpu.resident:
                 entry = cpu_entries.get(spans[i].key)
                 if entry is None:
                     break
@@ -264,6 +271,12 @@ class StorageManager:
                     assert hit.page is not None
                     if out is not None:
                         self._copy_out(hit.page, span, out)
+                        if not self.cpu.resident:
+                            # The page was only this chunk's staging (the coded CPU tier took
+                            # its own copy, if any): the next chunk reuses it (held by the
+                            # lease still), and a later load of this one reads it again.
+                            plan.spare.append(hit.page)
+                            hit.page = None
                 self.counters.count_hit(hit.tier.name, span.num_tokens)
             loaded_end = span.end
         # Chunks after a failed fetch are no longer usable: drop them from the plan.
@@ -281,7 +294,7 @@ class StorageManager:
         for hit in plan.hits:
             tier = hit.tier
             if tier is ENGINE or tier is self.cpu or hit.page is not None:
-                continue
+                continue  # a coded CPU tier's chunks: one by one in load, recycling a page
             if direct and tier.serves_views:
                 continue
             if hit.span.end > start_token:
@@ -398,15 +411,27 @@ class StorageManager:
     def store(self, spans: Sequence[ChunkSpan], kv: torch.Tensor) -> tuple[int, int]:
         """Copy each chunk not yet held into a page and hand it to the tiers that lack it.
         Returns (chunks newly stored somewhere, chunks dropped). When no page can be freed,
-        the rest is dropped (counted): a store never waits."""
-        slots, dropped = self.reserve(spans)
-        pages = [slot.page for slot in slots]
-        try:
-            for slot in slots:
-                self._copy_in(kv, slot.span, slot.page)
-            stored = self.commit(slots)
-        finally:
-            self.pool.release(pages)  # the reservation's own references (owners took theirs)
+        the rest is dropped (counted): a store never waits. A coded CPU tier's pages are only
+        staging (``CpuTier.resident`` false): there the chunks go through in batches of what
+        the pool holds, each batch's pages back in the pool before the next is reserved."""
+        step = len(spans) if self.cpu.resident else max(1, self.pool.num_pages // 2)
+        if not self.cpu.resident and self.cpu_visible and spans:  # evict before the inserts
+            self.cpu.make_room(self.cpu.contains([s.key for s in spans]).count(False))
+        stored = dropped = 0
+        for at in range(0, len(spans), max(step, 1)):
+            slots, dropped = self.reserve(spans[at : at + step])
+            pages = [slot.page for slot in slots]
+            try:
+                for slot in slots:
+                    self._copy_in(kv, slot.span, slot.page)
+                stored += self.commit(slots)
+            finally:
+                self.pool.release(pages)  # the reservation's own references (owners took theirs)
+            if dropped:  # no page for the rest either: counted as dropped too
+                rest = max(0, len(spans) - at - step)
+                self.counters.add(dropped_chunks=rest)
+                dropped += rest
+                break
         return stored, dropped
 
     def reserve(self, spans: Sequence[ChunkSpan]) -> tuple[list[StoreSlot], int]:

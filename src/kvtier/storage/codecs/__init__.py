@@ -15,7 +15,9 @@ record format and fixed for good::
     2   fp8        no        quantized.py   e4m3 + f32 scales per token and head
     3   int8       no        quantized.py   int8 + f32 scales (keys per channel)
 
-A tier writes with the codec its config names (``disk_codec``, ``remote_codec``) and runs
+A lossy codec must pass the quality gate for the KV dtype it stores (:mod:`.verdicts`): a
+tier refuses at start one whose verdict failed. A tier writes with the codec its config
+names (``cpu_codec``, ``disk_codec``, ``remote_codec``) and runs
 under :func:`tier_fingerprint`: a lossy codec enters the fingerprint (the tier's namespace
 and every record header), so a reader configured with another codec misses those chunks
 instead of taking them as its own; a lossless one does not (any reader decodes it).
@@ -26,8 +28,12 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+import torch
+
 from kvtier.errors import ConfigError
 from kvtier.keys import Fingerprint
+from kvtier.layout import dtype_name
+from kvtier.storage.codecs import verdicts
 from kvtier.storage.codecs.base import CODEC_ID_MAX, Buffer, PayloadCodec
 from kvtier.storage.codecs.identity import IDENTITY, IdentityCodec
 from kvtier.storage.codecs.lossless import LOSSLESS
@@ -96,12 +102,17 @@ def registered() -> tuple[PayloadCodec, ...]:
     return tuple(table[i] for i in sorted(table))
 
 
-def codec_from_config(key: str, name: str) -> PayloadCodec:
-    """The registered codec a config key names; ConfigError naming the choices if none."""
+def codec_from_config(key: str, name: str, kv_dtype: torch.dtype | None = None) -> PayloadCodec:
+    """The registered codec a config key names; ConfigError naming the choices if none.
+    With ``kv_dtype`` (a tier at start: its layout's dtype), also ConfigError naming the
+    measured loss for a lossy codec that failed the quality gate on that dtype
+    (:func:`kvtier.storage.codecs.verdicts.check_codec`)."""
     codec = codec_by_name(name)
     if codec is None:
         choices = ", ".join(c.name for c in registered())
         raise ConfigError(key, name, f"one of {choices}")
+    if kv_dtype is not None:
+        verdicts.check_codec(key, codec, dtype_name(kv_dtype))
     return codec
 
 

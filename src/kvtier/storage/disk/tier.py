@@ -154,7 +154,7 @@ class DiskTier(Tier):
     def from_config(cls, config: Config, layout: KVLayout, fingerprint: Fingerprint) -> DiskTier:
         """Validate the disk keys (nothing touches the disk until :meth:`open`)."""
         options = options_from_config(config, layout, fingerprint.chunk_size)
-        codec = codec_from_config("disk_codec", config.disk_codec)
+        codec = codec_from_config("disk_codec", config.disk_codec, layout.dtype)
         return cls(options, layout, fingerprint, codec)
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -134,7 +134,7 @@ class RedisTier(Tier):
     @classmethod
     def from_config(cls, config: Config, layout: KVLayout, fingerprint: Fingerprint) -> RedisTier:
         target = parse_remote_url(config.remote_url)
-        codec = codec_from_config("remote_codec", config.remote_codec)
+        codec = codec_from_config("remote_codec", config.remote_codec, layout.dtype)
         return cls(target, layout, fingerprint, RedisOptions.from_config(config), codec)
 
     def redis_name(self, key: ChunkKey) -> bytes:
