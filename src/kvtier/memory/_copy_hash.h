@@ -158,7 +158,8 @@ KVT_HIDDEN size_t kvt_copy_hash_avx512(const kvt_piece *, size_t, size_t, size_t
  * xxh3's; the tests compare them with python xxhash); a header without them gets the
  * step loop below for every block. */
 #if defined(XXH3_accumulate_512) && defined(XXH3_scrambleAcc) && defined(XXH3_INIT_ACC) \
-    && defined(XXH_SECRET_DEFAULT_SIZE) && defined(XXH_STRIPE_LEN) && defined(XXH3_MIDSIZE_MAX)
+    && defined(XXH_SECRET_DEFAULT_SIZE) && defined(XXH_STRIPE_LEN) && defined(XXH3_MIDSIZE_MAX) \
+    && defined(XXH_PRIME64_1) && XXH_VERSION_NUMBER >= 800 && XXH_VERSION_NUMBER < 900
 #define KVT_STRIPE_LOOP 1
 
 static uint64_t kvt_block_stripes(const char *src, size_t len, kvt_cursor *out) {
