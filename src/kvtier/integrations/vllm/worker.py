@@ -53,8 +53,8 @@ from kvtier.integrations.vllm.loads import Loads
 from kvtier.integrations.vllm.metadata import KVTierMetadata, SaveSpec
 from kvtier.integrations.vllm.metrics import CounterDeltas
 from kvtier.integrations.vllm.paged import PagedKV
-from kvtier.integrations.vllm.pd import PDEndpoint
-from kvtier.integrations.vllm.rpc import Hit, Leak, LookupServer
+from kvtier.integrations.vllm.pd import DecoderPulls, PDEndpoint
+from kvtier.integrations.vllm.rpc import Hit, Leak, LookupServer, PullFrom
 from kvtier.integrations.vllm.states import PagedState
 from kvtier.keys import ChunkKey, ChunkSpan, ExtraKeys, RequestSalt
 from kvtier.layout import GroupKind, KVGroup, KVLayout
@@ -109,6 +109,7 @@ class WorkerSide:
         self.events = EventLog(block_size, config.chunk_size) if events and tp_rank == 0 else None
         self._media: list[str] = []
         self._pd: PDEndpoint | None = None
+        self.pulls: DecoderPulls | None = None  # a PD decoder's pulls (xPyD)
         self._deltas = CounterDeltas()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -151,6 +152,7 @@ class WorkerSide:
                     self.events.follow(tier, medium)
             if engine.config.enable_pd and engine.config.pd_role == "sender":
                 self._pd = PDEndpoint(engine, self.tp_rank)
+            self.pulls = DecoderPulls.for_cache(engine, cache)  # a PD decoder's, else None
         else:
             # The server evicts on its own; stores are reported in the media it has.
             # A server not reached yet has at least its CPU tier.
@@ -179,6 +181,9 @@ class WorkerSide:
         if self._pd is not None:
             self._pd.close()
             self._pd = None
+        if self.pulls is not None:
+            self.pulls.close()
+            self.pulls = None
         if self._loads is not None:
             self._loads.close()
         if self.cache is not None:
@@ -373,13 +378,27 @@ class WorkerChannel:
         return Hit(hit.tokens, hit.cpu_tokens)
 
     def end(self, request_id: str) -> bool:
+        if self._worker.pulls is not None:
+            self._worker.pulls.forget(request_id)
         return self._cache().end_request(request_id)  # during a load: released when it is done
 
+    def pull(self, pull: PullFrom) -> bool:
+        pulls = self._worker.pulls
+        if pulls is None:
+            raise StateError("this kvtier worker is not a PD decoder (pd_role receiver)")
+        return pulls.poll(pull.request_id, pull.tokens, pull.cache_salt, pull.host, pull.port)
+
     def stats(self) -> dict[str, Any]:
-        return self._cache().stats()
+        stats = self._cache().stats()
+        pd = self._worker._pd
+        source = pd.stats() if pd is not None else None
+        if source is not None:
+            stats["pd_source"] = source  # where decoders pull from (xPyD), and its buffer
+        return stats
 
     def check(self) -> list[str]:
-        return self._cache().check_invariants()
+        pd = self._worker._pd
+        return self._cache().check_invariants() + (pd.check() if pd is not None else [])
 
     def flush(self, timeout: float) -> bool:
         return self._cache().flush(timeout)
