@@ -262,3 +262,28 @@ def test_a_prefiller_killed_mid_pull_leaves_the_decoder_prefilling_holding_nothi
         proc.join(10)
         receiver.close()
         engine.close()
+
+
+def test_a_decoder_connection_idle_past_the_message_deadline_serves_the_next_pull() -> None:
+    """Between pulls the prefiller waits pd_idle_timeout_sec, not pd_message_timeout_sec: the
+    decoder's kept connection still serves its next pull."""
+    src = source(pd_message_timeout_sec=0.3)
+    engine, receiver = decoder("tcp", pages=8, pd_message_timeout_sec=0.3)
+    try:
+        puller = Puller(receiver)
+        first, second = request_tokens(0), request_tokens(1)
+        hold(src, "t1", first)
+        hold(src, "t2", second)
+        assert puller.pull(*src.address, "t1", keys_of(first)).ok
+        [kept] = puller._idle[src.address]
+        time.sleep(0.8)  # past the message deadline on both sides
+        assert puller.pull(*src.address, "t2", keys_of(second)).ok
+        assert puller._idle[src.address] == [kept]  # the same connection, reused
+        for rid in ("t1", "t2"):
+            engine.end_request(rid)
+        assert_all_free(engine)
+        puller.close()
+    finally:
+        receiver.close()
+        engine.close()
+        src.close()

@@ -205,13 +205,16 @@ class PDSource:
         try:
             sender.adopt(state.sock, f"the PD decoder at {state.peer}")
             while True:
+                state.sock.settimeout(None)  # between pulls the guard's deadline bounds it
                 self.guard.expect(state, self.idle_timeout, "no Pull within pd_idle_timeout_sec")
                 msg = recv_message(state.sock)
                 if msg is None:
                     return
                 if not isinstance(msg, Pull):
                     raise ProtocolError(f"expected Pull, got {type(msg).__name__}")
-                self.guard.expect(state, math.inf, "")  # the sender's own timeouts bound it
+                # Serving: the sender's own socket timeouts bound each of its waits.
+                self.guard.expect(state, math.inf, "")
+                state.sock.settimeout(self.io_timeout)
                 self._serve_pull(sender, state, msg)
         except TransferError as exc:
             level = logging.DEBUG if state.overdue else logging.WARNING

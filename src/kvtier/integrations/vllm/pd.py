@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -44,6 +45,8 @@ from kvtier.pd.source import PDSource
 log = logging.getLogger(__name__)
 
 PULL_THREADS = 4  # pulls at once per decoder worker (each has its own connection)
+RECENT_PULLS = 1000
+POLL_WAIT_S = 0.05  # longest a scheduler's poll waits for a pull to end (see poll)
 
 
 class PDEndpoint:
@@ -109,6 +112,8 @@ class DecoderPulls:
         self._pool = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="kvtier-pd-pull")
         self._pulls: dict[str, Future[bool]] = {}
         self._lock = threading.Lock()
+        # The latest pulls, for tests and operators: (transfer id, "host:port", chunks, ok).
+        self.recent: deque[tuple[str, str, int, bool]] = deque(maxlen=RECENT_PULLS)
 
     @classmethod
     def for_cache(cls, engine: Engine, cache: object) -> DecoderPulls | None:
@@ -125,19 +130,23 @@ class DecoderPulls:
         port: int,
     ) -> bool:
         """Start pulling ``transfer_id`` (first call) or say whether it has ended (asked
-        again after that, still True: the pull is forgotten when the request ends)."""
+        again after that, still True: the pull is forgotten when the request ends). Waits up
+        to ``POLL_WAIT_S`` for it to end: vLLM asks again at once, and a scheduler spinning
+        on "not yet" starves the pull's own thread of the GIL (a 600-token pull took 9.7 s
+        so, under load, past the handshake deadline)."""
         with self._lock:
             pull = self._pulls.get(transfer_id)
             if pull is None:
                 keys = [s.key for s in self.engine.request_keys(tokens, cache_salt=salt).spans]
-                self._pulls[transfer_id] = self._pool.submit(
-                    self._pull, host, port, transfer_id, keys
-                )
-                return False
-            return pull.done()
+                pull = self._pool.submit(self._pull, host, port, transfer_id, keys)
+                self._pulls[transfer_id] = pull
+        wait([pull], timeout=POLL_WAIT_S)
+        return pull.done()
 
     def _pull(self, host: str, port: int, transfer_id: str, keys: list[ChunkKey]) -> bool:
         outcome = self.puller.pull(host, port, transfer_id, keys)
+        chunks = outcome.chunks + outcome.held  # received, or in the buffer already
+        self.recent.append((transfer_id, f"{host}:{port}", chunks, outcome.ok))
         if not outcome.ok:
             log.warning(
                 "kvtier PD: pulling %s from %s:%d failed, the decoder prefills: %s",
@@ -147,6 +156,13 @@ class DecoderPulls:
                 outcome.reason,
             )
         return outcome.ok
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "pulls": self.puller.pulls,
+            "failures": self.puller.failures,
+            "recent": [list(r) for r in self.recent],
+        }
 
     def forget(self, transfer_id: str) -> None:
         """The request ended: its pull, if still running, ends on its own (what it reserved

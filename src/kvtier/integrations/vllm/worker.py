@@ -394,6 +394,8 @@ class WorkerChannel:
         source = pd.stats() if pd is not None else None
         if source is not None:
             stats["pd_source"] = source  # where decoders pull from (xPyD), and its buffer
+        if self._worker.pulls is not None:
+            stats["pd_pulls"] = self._worker.pulls.stats()  # a decoder's (xPyD)
         return stats
 
     def check(self) -> list[str]:
