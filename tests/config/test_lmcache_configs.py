@@ -110,6 +110,9 @@ def test_the_1p1d_prefiller_loads_as_a_prefiller_decoders_pull_from(tmp_path: Pa
     # with a decoder named, the same file pushes to that one decoder (1P1D, as before)
     config = load(tmp_path, PREFILLER + 'pd_peer_host: "decoder"\npd_peer_alloc_port: 7400\n')
     assert config.pd_peer_alloc_port == (7400,)
+    # LMCache's enable_xpyd is its alias of enable_pd
+    xpyd = load(tmp_path, PREFILLER.replace("enable_pd: True", "enable_xpyd: True"))
+    assert xpyd.enable_pd and xpyd.pd_role == "sender"
     # and without a buffer it is refused, naming both ways
     with pytest.raises(ConfigError, match="pd_buffer_size") as info:
         load(tmp_path, PREFILLER.replace("pd_buffer_size: 1073741824\n", ""))
