@@ -46,9 +46,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 PREFILLERS = [unique_engine_id(f"kvtier-test-prefiller-{i}") for i in range(2)]
 DECODERS = [unique_engine_id(f"kvtier-test-decoder-{i}") for i in range(2)]
 PREFILLER = PREFILLERS[0]
-# Send buffers and receive reservations: short, yet far beyond a request's trip from the
-# prefiller's answer to its decoder's lookup (10 s was not, with four vLLMs at load 40+).
-TTL_S = 30.0
+# Send buffers and receive reservations: short (the kill test waits it out), yet far beyond
+# a request's trip from the prefiller's answer to its decoder's pull (well under a second).
+TTL_S = 12.0
 SCALED = {"max_local_cpu_size": "64MiB", "pd_buffer_size": "16MiB", "chunk_size": 256}
 
 
