@@ -4,16 +4,25 @@ each one call into the worker's cache."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvtier.engine import Engine
 from kvtier.errors import StateError
+from kvtier.integrations.vllm.pd import DecoderPulls, PDEndpoint
 from kvtier.integrations.vllm.rpc import Hit, Leak, PullFrom
 from kvtier.keys import RequestSalt
 from kvtier.server.surface import KVCache
 
-if TYPE_CHECKING:
-    from kvtier.integrations.vllm.worker import WorkerSide
+
+class ServedWorker(Protocol):
+    """The parts of :class:`~.worker.WorkerSide` the channel calls into."""
+
+    engine: Engine | None
+    server: str | None
+    pulls: DecoderPulls | None
+    _pd: PDEndpoint | None
+
+    def _parts(self) -> tuple[KVCache, Any]: ...
 
 
 class WorkerChannel:
@@ -21,7 +30,7 @@ class WorkerChannel:
     scheduler's lookups and ends, and an operator's or a test's probes, each one call into
     the worker's cache."""
 
-    def __init__(self, worker: WorkerSide) -> None:
+    def __init__(self, worker: ServedWorker) -> None:
         self._worker = worker
 
     def lookup(self, request_id: str, tokens: list[int], cache_salt: RequestSalt | None) -> Hit:
