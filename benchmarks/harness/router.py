@@ -284,20 +284,6 @@ def router_command(
     return cmd
 
 
-def pd_command(prefill: str, decode: str, port: int, metrics_port: int) -> list[str]:
-    """vllm-router in PD mode as docs/vllm.md runs it, on loopback ports."""
-    return [
-        router_binary(),
-        "--vllm-pd-disaggregation",
-        "--prefill", prefill,
-        "--decode", decode,
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--prometheus-port", str(metrics_port),
-        "--worker-startup-check-interval", "1",
-    ]  # fmt: skip
-
-
 class RouterProcess:
     """``command`` (vllm-router, or a command that execs it) serving on ``port``, in its own
     process group, its output appended to ``log``."""

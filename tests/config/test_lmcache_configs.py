@@ -99,15 +99,24 @@ def test_decoder_with_no_cpu_tier_loads(tmp_path: Path) -> None:
     assert config.pd_peer_alloc_port == (7400,)
 
 
-def test_prefiller_without_a_peer_port_is_refused_naming_what_is_missing(
-    tmp_path: Path,
-) -> None:
-    with pytest.raises(ConfigError, match="pd_peer_alloc_port") as info:
-        load(tmp_path, PREFILLER)
-    assert "per request" in str(info.value) and "pd_peer_host" in str(info.value)
-    # with the decoder named, the same file loads
-    config = load(tmp_path, PREFILLER + 'pd_peer_host: "decoder"\npd_peer_alloc_port: 7400\n')
+def test_the_1p1d_prefiller_loads_as_a_prefiller_decoders_pull_from(tmp_path: Path) -> None:
+    """No decoder in it (LMCache's proxy names one per request): kvtier's prefiller then holds
+    each request's chunks in a send buffer of pd_buffer_size and the decoder the router picks
+    pulls them (docs/pd.md, xPyD)."""
+    config = load(tmp_path, PREFILLER)
     assert config.pd_role == "sender" and not config.local_cpu
+    assert config.pd_peer_alloc_port is None and config.pd_buffer_size == 1073741824
+    assert config.pd_serve_host == "127.0.0.1" and config.pd_serve_port is None
+    # with a decoder named, the same file pushes to that one decoder (1P1D, as before)
+    config = load(tmp_path, PREFILLER + 'pd_peer_host: "decoder"\npd_peer_alloc_port: 7400\n')
+    assert config.pd_peer_alloc_port == (7400,)
+    # LMCache's enable_xpyd is its alias of enable_pd
+    xpyd = load(tmp_path, PREFILLER.replace("enable_pd: True", "enable_xpyd: True"))
+    assert xpyd.enable_pd and xpyd.pd_role == "sender"
+    # and without a buffer it is refused, naming both ways
+    with pytest.raises(ConfigError, match="pd_buffer_size") as info:
+        load(tmp_path, PREFILLER.replace("pd_buffer_size: 1073741824\n", ""))
+    assert "pd_peer_alloc_port" in str(info.value)
 
 
 def test_features_kvtier_lacks_are_refused_by_name(tmp_path: Path) -> None:

@@ -13,11 +13,14 @@ def load(**overrides: object) -> Config:
     return Config.load(env={}, overrides=overrides)
 
 
-def test_a_sender_needs_the_decoders_port() -> None:
+def test_a_sender_names_its_decoder_or_has_a_send_buffer_decoders_pull_from() -> None:
     with pytest.raises(ConfigError) as info:
         load(enable_pd=True, pd_role="sender")
-    assert info.value.key == "pd_peer_alloc_port"
+    assert info.value.key == "pd_buffer_size"
+    assert "pd_peer_alloc_port" in str(info.value) and "pull" in str(info.value)
     assert load(enable_pd=True, pd_role="sender", pd_peer_alloc_port=5555).pd_peer_alloc_port
+    pulled = load(enable_pd=True, pd_role="sender", pd_buffer_size="1MiB", pd_serve_port=7600)
+    assert pulled.pd_serve_port == (7600,) and pulled.pd_serve_host == "127.0.0.1"
 
 
 def test_a_receiver_needs_a_buffer_size() -> None:

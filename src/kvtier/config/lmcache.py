@@ -150,9 +150,9 @@ LMCACHE_KEYS: tuple[LMCacheKey, ...] = (
     ),
     LMCacheKey(
         "enable_xpyd",
-        "refused",
-        "when true: each kvtier prefiller sends to the one decoder its pd_peer_* keys "
-        "name (several prefillers per decoder behind vllm-router, not several decoders)",
+        "mapped",
+        "enable_pd (LMCache's alias); a prefiller with no pd_peer_alloc_port serves any decoder "
+        "behind the router, which pulls from it (docs/pd.md, xPyD)",
     ),
     LMCacheKey("external_backends", "refused", "when set: kvtier has no storage plugins"),
     LMCacheKey(
@@ -210,6 +210,7 @@ def translate(raw: Raw, note: Callable[[str], None]) -> None:
             del raw[key]
     _serde(raw, note)
     _legacy_device(raw, note)
+    _xpyd(raw, note)
     _nixl(raw, note)
     _remote(raw, note)
     _no_cpu_tier(raw, note)
@@ -266,6 +267,13 @@ def _legacy_device(raw: Raw, note: Callable[[str], None]) -> None:
         # LMCache sizes a local_device read from a file at max_local_cache_size 20 (GB).
         raw["max_local_disk_size"] = (LEGACY_DEVICE_GB, f"LMCache's default, {device[1]}")
         note(f"local_device with no max_local_cache_size -> max_local_disk_size {LEGACY_DEVICE_GB}")
+
+
+def _xpyd(raw: Raw, note: Callable[[str], None]) -> None:
+    if "enable_xpyd" in raw:
+        value, source = raw.pop("enable_xpyd")
+        raw.setdefault("enable_pd", (value, source))
+        note(f"enable_xpyd ({source}) -> enable_pd")
 
 
 def _nixl(raw: Raw, note: Callable[[str], None]) -> None:

@@ -49,6 +49,8 @@ class Config:
     pd_peer_host: str | None = None
     pd_peer_init_port: tuple[int, ...] | None = None
     pd_peer_alloc_port: tuple[int, ...] | None = None
+    pd_serve_host: str = "127.0.0.1"
+    pd_serve_port: tuple[int, ...] | None = None
     pd_proxy_host: str | None = None
     pd_proxy_port: tuple[int, ...] | None = None
     pd_allocation_timeout_sec: float = 10.0
@@ -233,13 +235,16 @@ def _check_combinations(cfg: Config) -> None:
         raise ConfigError("pd_role", None, "'sender' or 'receiver' when enable_pd is true")
     if cfg.enable_pd and cfg.pd_role == "receiver" and cfg.pd_buffer_size is None:
         raise ConfigError("pd_buffer_size", None, "a size in bytes for a PD receiver")
-    if cfg.enable_pd and cfg.pd_role == "sender" and not cfg.pd_peer_alloc_port:
+    # A sender naming no decoder: decoders pull from it (xPyD, kvtier.pd.source), out of a
+    # send buffer that holds each request's chunks until its decoder comes.
+    pulled = cfg.enable_pd and cfg.pd_role == "sender" and not cfg.pd_peer_alloc_port
+    if pulled and cfg.pd_buffer_size is None:
         raise ConfigError(
-            "pd_peer_alloc_port",
+            "pd_buffer_size",
             None,
-            "the decoder's port (and pd_peer_host) for a PD sender: a kvtier prefiller sends "
-            "to the one decoder its config names; taking the decoder's address per request "
-            "from the proxy (as LMCache's prefiller does) is not implemented",
+            "a size in bytes for a PD sender with no pd_peer_alloc_port (decoders pull "
+            "from its send buffer); or name the one decoder it pushes to with "
+            "pd_peer_host and pd_peer_alloc_port",
         )
     if cfg.pd_auth_token is not None and len(cfg.pd_auth_token.strip()) < MIN_TOKEN_CHARS:
         # Set but empty or short: refused, never taken as "auth off" or as a guessable key

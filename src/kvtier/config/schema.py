@@ -133,6 +133,21 @@ KEYS: tuple[KeySpec, ...] = (
     KeySpec("pd_peer_host", p.text(), None, "Receiver host the sender connects to."),
     KeySpec("pd_peer_init_port", p.ports, None, "Receiver handshake port (or one per rank)."),
     KeySpec("pd_peer_alloc_port", p.ports, None, "Receiver allocation port (or one per rank)."),
+    KeySpec(
+        "pd_serve_host",
+        p.text(),
+        "127.0.0.1",
+        "A PD sender with no pd_peer_alloc_port: where decoders pull from (listens, and is "
+        "named in kv_transfer_params).",
+        lmcache=False,
+    ),
+    KeySpec(
+        "pd_serve_port",
+        p.ports,
+        None,
+        "That sender's port (or one per TP rank); unset: a free port, named per request.",
+        lmcache=False,
+    ),
     KeySpec("pd_proxy_host", p.text(), None, "Proxy host notified when a transfer is done."),
     KeySpec("pd_proxy_port", p.ports, None, "Proxy port."),
     KeySpec(

@@ -32,6 +32,17 @@ One connection carries one sender's requests, one at a time::
                                          <-  DoneReply(rid, ok, message)
     Abort(rid, reason)                  ->   (instead of the rest) the reservation is released
 
+Pulled (xPyD, :mod:`kvtier.pd.source`): the decoder dials the prefiller named in the request's
+``kv_transfer_params``; the prefiller still speaks first (Hello) and the rest is the same
+conversation, each request opened by the decoder's claim::
+
+    prefiller (listens)                      decoder (dials)
+    Hello(...)                          ->   ... handshake as above ...
+                                        <-  HelloReply
+                                        <-  Pull(transfer id, the decoder's chunk keys)
+    AllocRequest(transfer id, ...)      ->   (the held chunks: a prefix of the decoder's keys)
+    ... as above ... | ErrorReply(kind: unknown / claimed / mismatch)
+
 The receiver bounds each peer in time: the handshake and every message of a request (a
 chunk's payload included) must arrive within ``pd_message_timeout_sec``, and a connection
 idle between requests is closed after ``pd_idle_timeout_sec``.
@@ -47,7 +58,7 @@ from kvtier.errors import ProtocolError, TransferError, TransferTimeout
 from kvtier.framing import HEADER, Framing
 
 MAGIC = b"KVP"
-VERSION = 2  # 2: the chunk checksum is the block checksum of kvtier.pd.checksum
+VERSION = 3  # 2: the chunk checksum is per block (kvtier.pd.checksum); 3: Pull (xPyD)
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: an AllocRequest for ~30k chunks; anything bigger is abuse
 
 
@@ -117,6 +128,13 @@ class Abort(msgspec.Struct, tag=True):
     reason: str
 
 
+class Pull(msgspec.Struct, tag=True):
+    """A decoder's claim of a transfer: its id and the chunk keys of the decoder's prompt."""
+
+    request_id: str  # the transfer id
+    keys: list[bytes]
+
+
 Message = (
     Hello
     | Challenge
@@ -129,6 +147,7 @@ Message = (
     | RequestDone
     | DoneReply
     | Abort
+    | Pull
 )
 
 FRAMING: Framing[Message] = Framing(MAGIC, VERSION, MAX_BODY_BYTES, Message)

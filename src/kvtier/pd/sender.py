@@ -130,13 +130,20 @@ class PDSender:
             self.close()  # the receiver dropped an idle connection: start a fresh one
         if self._sock is not None:
             return self
-        channel = sender_channel(self.channel_name)
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.io_timeout)
         except OSError as exc:
             raise TransferError(
                 f"cannot reach the PD receiver at {self.host}:{self.port}: {exc}"
             ) from None
+        return self.adopt(sock, f"the PD receiver at {self.host}:{self.port}")
+
+    def adopt(self, sock: socket.socket, where: str) -> PDSender:
+        """Run the sender's handshake on a connected ``sock`` and send over it from now on
+        (a pulled transfer: the decoder dialed, :mod:`kvtier.pd.source`). ``where`` names
+        the receiver in errors. Closes ``sock`` when the handshake fails."""
+        channel = sender_channel(self.channel_name)
+        sock.settimeout(self.io_timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             nonce = new_nonce() if self.auth_token is not None else b""
@@ -149,7 +156,6 @@ class PDSender:
                 **channel.hello_fields(),
             )
             send_message(sock, hello)
-            where = f"the PD receiver at {self.host}:{self.port}"
             answer = answer_challenge(sock, nonce, self.auth_token, where)
             reply = self._check_reply(answer, HelloReply)
             channel.attach(reply)
@@ -194,8 +200,15 @@ class PDSender:
         if not chunks:
             return SendReport(0, 0, 0, 0.0, 0.0)
         self.open()
+        return self.transfer(request_id, chunks, abort_after=abort_after)
+
+    def transfer(
+        self, request_id: str, chunks: Sequence[OutChunk], *, abort_after: int | None = None
+    ) -> SendReport:
+        """:meth:`send` over the connection as it is (never reconnects)."""
         sock, channel = self._sock, self._channel
-        assert sock is not None and channel is not None
+        if sock is None or channel is None:
+            raise TransferError(f"request {request_id!r}: the PD connection is closed")
         start = time.perf_counter()
         try:
             request = AllocRequest(

@@ -32,6 +32,13 @@ PROMPTS["a_exact"] = PROMPTS["a"][:768]  # exactly 3 chunks: the last token is r
 LONG = 32  # decode tokens of the lifecycle test's longest requests (they grow into new blocks)
 
 
+def xpyd_prompts() -> list[list[int]]:
+    """16 requests over 4 shared 2-chunk prefixes (test_pd_router's xPyD requests), each with
+    a tail of 40-239 tokens: 2 whole chunks each, never a whole number of chunks."""
+    prefixes = [tokens(512, seed=300 + i) for i in range(4)]
+    return [prefixes[i % 4] + tokens(40 + (i * 53) % 200, seed=400 + i) for i in range(16)]
+
+
 def lifecycle_prompts(n: int = 200) -> list[list[int]]:
     """Requests over 8 shared documents (so kvtier hits), some longer than the batch."""
     docs = [tokens(256 + 128 * (i % 4), seed=100 + i) for i in range(8)]
@@ -71,6 +78,7 @@ def reference(model_dir: Path, instances: Instances) -> dict[str, list[list[int]
     outs = plain.generate([PROMPTS[n] for n in names])
     ref = {n: [o] for n, o in zip(names, outs, strict=True)}
     ref["lifecycle"] = plain.generate(lifecycle_prompts(), max_tokens=LONG)
+    ref["xpyd"] = plain.generate(xpyd_prompts())
     instances.close()
     return ref
 

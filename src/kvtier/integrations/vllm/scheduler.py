@@ -31,15 +31,9 @@ token (vLLM needs its logits)::
     vLLM    |===|===|                                        its own prefix cache (local)
     load            |===|===|===|===|===|===|===|===|===|    usable - local
 
-PD through any standard proxy (vllm-router, vLLM's example proxies), with vLLM's per-request
-``kv_transfer_params``; the proxy copies the prefiller's answer into the decode request::
-
-    proxy ──▶ prefiller  {"do_remote_decode": true, ...}      a PD sender names a transfer,
-                                                               sends each chunk it saves under it
-    prefiller ──▶ proxy  {"do_remote_prefill": true, "do_remote_decode": false,
-                          "kvtier_transfer_id": id}            request_finished's answer
-    proxy ──▶ decoder    the same object                       the decoder's lookup finds the
-                                                               chunks; its end frees the transfer
+PD (a prefiller's transfer id and a decoder's pull, through the proxy's
+``kv_transfer_params``): :mod:`.handoff`. A decoder told where to pull from answers
+``None`` (vLLM asks again next step) until its workers' pulls have ended, then looks up.
 
 A model with a state group (Mamba, gated delta-net: ``state_chunks``) resumes only where
 a state was taken, at a chunk end: its usable hit is floored to whole chunks, not blocks;
@@ -69,27 +63,19 @@ ends like any other request: once, when vLLM finishes it.
 from __future__ import annotations
 
 import logging
-import uuid
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.extra_keys import RequestKeyer
-from kvtier.integrations.vllm.metadata import (
-    DO_REMOTE_DECODE,
-    DO_REMOTE_PREFILL,
-    TRANSFER_ID,
-    KVTierMetadata,
-    LoadSpec,
-    SaveSpec,
-)
+from kvtier.integrations.vllm.handoff import Handoff, Source
+from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.rpc import Hit, LookupClient
 from kvtier.keys import ExtraKeys, RequestSalt
 from kvtier.repeated_log import RepeatedLog
 
 log = logging.getLogger(__name__)
-
-MAX_TRANSFER_ID = 256  # characters; a prefiller names ids of at most 97
 
 
 @dataclass
@@ -105,6 +91,8 @@ class _Request:
     load: tuple[int, int] | None = None
     saved: int = 0
     transfer_id: str | None = None  # PD: named by the prefiller, passed on by the proxy
+    source: Source | None = None  # PD decoder, xPyD: the prefiller to pull from, until pulled
+    pull_since: float = 0.0
 
 
 class SchedulerSide:
@@ -149,18 +137,31 @@ class SchedulerSide:
         self.uncached = 0  # requests not cached: something in them kvtier cannot key
         self._async_loads: list[LoadSpec] = []  # for requests vLLM does not schedule yet
         self._complaints = RepeatedLog(log)  # a worker down fails every call: log it once
+        self._handoff = Handoff(
+            clients, pd_sender=pd_sender, loads=loads, complaints=self._complaints
+        )
 
     # -- vLLM's scheduler hooks ------------------------------------------------------------
-    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """Tokens kvtier can add beyond ``num_computed_tokens`` (whole blocks), and whether
-        they load asynchronously (some come from disk or Redis)."""
+        they load asynchronously (some come from disk or Redis); None while a PD decoder's
+        pull runs (vLLM asks again next step)."""
         rid = request.request_id
         state = self._state_of(request)
         if state.transfer_id is None:
-            state.transfer_id = self._transfer_id(getattr(request, "kv_transfer_params", None))
+            params = getattr(request, "kv_transfer_params", None)
+            state.transfer_id, state.source = self._handoff.transfer(params)
+            state.pull_since = time.monotonic()
         state.local = num_computed_tokens
         if not self.loads or len(state.tokens) < 2 or state.uncached is not None:
             return 0, False
+        if state.hit is None and state.source is not None and state.transfer_id is not None:
+            args = (state.tokens, state.salt, state.source, state.pull_since)
+            if not self._handoff.pulled(state.transfer_id, *args):
+                return None, False
+            state.source = None  # pulled, or given up: look up whatever arrived
         if state.hit is None:
             state.hit = self._lookup(rid, state.tokens, state.salt)
             if state.transfer_id is None or not self.saves:
@@ -266,7 +267,7 @@ class SchedulerSide:
         not ``pd_reservation_ttl_sec`` later."""
         state = self._requests.pop(request_id, None)
         if state is None:
-            transfer = self._transfer_id(params) if self.pd_sender is None else None
+            transfer = self._handoff.transfer(params)[0] if self.pd_sender is None else None
             ending = [transfer] if transfer is not None else []
         else:
             ending = [request_id] if state.hit is not None else []  # else: nothing pinned
@@ -275,7 +276,7 @@ class SchedulerSide:
         self._end(ending)
         if state is None or state.transfer_id is None or self.pd_sender is None:
             return None
-        return {DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, TRANSFER_ID: state.transfer_id}
+        return self._handoff.answer(state.transfer_id)
 
     def save_output(self, request: Any, tables: Any) -> bool:
         """Before :meth:`finished`: queue the ending request's unsaved whole chunks of
@@ -301,31 +302,6 @@ class SchedulerSide:
             SaveSpec(rid, tokens[:end], blocks, state.saved, end, None, state.salt, groups)
         )
         return True
-
-    def _transfer_id(self, params: Any) -> str | None:
-        """PD: the transfer a request belongs to, from its ``kv_transfer_params``. A prefiller
-        names a new one when the proxy asks it to prefill for a remote decoder; a decoder takes
-        the one the prefiller named (anything but a short string is no transfer)."""
-        if not isinstance(params, dict):
-            return None
-        if self.pd_sender is not None:
-            wanted = params.get(DO_REMOTE_DECODE) is True
-            # At most 64 + 1 + 32 characters, whatever the engine id: a decoder takes it.
-            return f"{self.pd_sender[:64]}-{uuid.uuid4().hex}" if wanted else None
-        named = params.get(TRANSFER_ID)
-        if not self.loads or named is None:
-            return None
-        if not isinstance(named, str) or not 0 < len(named) <= MAX_TRANSFER_ID:
-            self._complaints.warning(
-                ("transfer_id",),
-                "kvtier PD: ignoring kv_transfer_params %s=%.80r: not a string of 1 to %d "
-                "characters; the decoder prefills this request itself",
-                TRANSFER_ID,
-                named,
-                MAX_TRANSFER_ID,
-            )
-            return None
-        return named
 
     def _end(self, ending: list[str]) -> None:
         for rid in ending:

@@ -54,10 +54,11 @@ from kvtier.integrations.vllm.loads import Loads
 from kvtier.integrations.vllm.metadata import KVTierMetadata, SaveSpec
 from kvtier.integrations.vllm.metrics import CounterDeltas
 from kvtier.integrations.vllm.paged import PagedKV
-from kvtier.integrations.vllm.pd import PDEndpoint
-from kvtier.integrations.vllm.rpc import Hit, Leak, LookupServer
+from kvtier.integrations.vllm.pd import DecoderPulls, PDEndpoint
+from kvtier.integrations.vllm.rpc import LookupServer
 from kvtier.integrations.vllm.states import PagedState
-from kvtier.keys import ChunkKey, ChunkSpan, ExtraKeys, RequestSalt
+from kvtier.integrations.vllm.worker_channel import WorkerChannel
+from kvtier.keys import ChunkKey, ChunkSpan, ExtraKeys
 from kvtier.layout import GroupKind, KVGroup, KVLayout
 from kvtier.server.client import ServerClient
 from kvtier.service import Service
@@ -111,6 +112,7 @@ class WorkerSide:
         self.events = EventLog(block_size, config.chunk_size) if events and tp_rank == 0 else None
         self._media: list[str] = []
         self._pd: PDEndpoint | None = None
+        self.pulls: DecoderPulls | None = None  # a PD decoder's pulls (xPyD)
         self._deltas = CounterDeltas()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -155,6 +157,7 @@ class WorkerSide:
                     self.events.follow(tier, medium)
             if engine.config.enable_pd and engine.config.pd_role == "sender":
                 self._pd = PDEndpoint(engine, self.tp_rank)
+            self.pulls = DecoderPulls.for_cache(engine, cache)  # a PD decoder's, else None
         else:
             # The server evicts on its own; stores are reported in the media it has.
             # A server not reached yet has at least its CPU tier.
@@ -183,6 +186,9 @@ class WorkerSide:
         if self._pd is not None:
             self._pd.close()
             self._pd = None
+        if self.pulls is not None:
+            self.pulls.close()
+            self.pulls = None
         if self._loads is not None:
             self._loads.close()
         if self.service is not None:
@@ -361,48 +367,3 @@ class WorkerSide:
                 layout.kv_shape(capacity), dtype=layout.dtype, device=paged.layers[0].device
             )
         return self._scratch
-
-
-class WorkerChannel:
-    """What the worker serves on its lookup channel (:class:`~.rpc.LookupHandler`): the
-    scheduler's lookups and ends, and an operator's or a test's probes, each one call into
-    the worker's cache."""
-
-    def __init__(self, worker: WorkerSide) -> None:
-        self._worker = worker
-
-    def lookup(self, request_id: str, tokens: list[int], cache_salt: RequestSalt | None) -> Hit:
-        hit = self._cache().lookup(tokens, request_id, cache_salt=cache_salt)
-        return Hit(hit.tokens, hit.cpu_tokens)
-
-    def end(self, request_id: str) -> bool:
-        return self._cache().end_request(request_id)  # during a load: released when it is done
-
-    def stats(self) -> dict[str, Any]:
-        return self._cache().stats()
-
-    def check(self) -> list[str]:
-        return self._cache().check_invariants()
-
-    def flush(self, timeout: float) -> bool:
-        return self._cache().flush(timeout)
-
-    def leaks(self) -> list[Leak]:
-        leaks = self._engine("leaks").leaks()
-        return [Leak(i.request_id, i.pinned_pages, list(i.holds)) for i in leaks]
-
-    def clear(self) -> dict[str, int]:
-        return self._engine("clear").clear()
-
-    def _cache(self) -> KVCache:
-        cache, _ = self._worker._parts()
-        return cache
-
-    def _engine(self, op: str) -> Engine:
-        """The in-process Engine; through a kvtier server its admin API does these."""
-        if self._worker.engine is None:
-            raise StateError(
-                f"kvtier channel op {op!r} needs an in-process Engine; this worker uses "
-                f"the kvtier server at {self._worker.server} (use its admin API)"
-            )
-        return self._worker.engine

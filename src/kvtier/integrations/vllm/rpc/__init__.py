@@ -21,6 +21,8 @@ connection, one request at a time, each answered by exactly one reply::
     Hello(version, engine_id)          ->  <- Welcome(pid) | Refused(reason), then closes
     Lookup(request_id, tokens, salt)   ->  <- Hit(tokens, cpu_tokens)
     End(request_id)                    ->  <- Ended(ok)
+    PullFrom(transfer, tokens, salt,   ->  <- Pulling(done)  (a PD decoder, xPyD: starts the
+             host, port)                        pull, then says whether it has ended)
     GetStats / GetLeaks / Check        ->  <- Stats / Leaks / Problems
     Flush(timeout) / Clear             ->  <- Ended(ok) / Cleared(dropped)
     a request the worker cannot serve  ->  <- Failed(kind, message); the connection stays
@@ -69,6 +71,8 @@ from kvtier.integrations.vllm.rpc.messages import (
     LookupHandler,
     Message,
     Problems,
+    PullFrom,
+    Pulling,
     Refused,
     Reply,
     Request,
@@ -105,6 +109,8 @@ __all__ = [
     "LookupServer",
     "Message",
     "Problems",
+    "PullFrom",
+    "Pulling",
     "Refused",
     "Reply",
     "Request",

@@ -34,6 +34,8 @@ from kvtier.integrations.vllm.rpc.messages import (
     Lookup,
     Message,
     Problems,
+    PullFrom,
+    Pulling,
     Refused,
     Reply,
     Request,
@@ -93,6 +95,10 @@ class LookupClient:
         except (TypeError, ValueError) as exc:
             raise InputError(f"lookup of {request_id!r}: tokens must be integers ({exc})") from None
         return _expect(self._call(message, timeout), Hit)
+
+    def pull(self, pull: PullFrom, *, timeout: float | None = None) -> bool:
+        """PD decoder: start (or poll) pulling a transfer; True once it has ended."""
+        return _expect(self._call(pull, timeout), Pulling).done
 
     def end(self, request_id: str, *, timeout: float | None = None) -> bool:
         return _expect(self._call(End(request_id), timeout), Ended).ok

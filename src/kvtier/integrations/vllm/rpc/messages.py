@@ -44,6 +44,17 @@ class End(msgspec.Struct, tag=True):
     request_id: str
 
 
+class PullFrom(msgspec.Struct, tag=True):
+    """PD decoder (xPyD): pull transfer ``request_id`` from the prefiller at ``host:port``
+    (started by the first call, polled by the next ones)."""
+
+    request_id: str  # the transfer id
+    tokens: list[int]
+    cache_salt: RequestSalt | None
+    host: str
+    port: int
+
+
 class GetStats(msgspec.Struct, tag=True):
     pass
 
@@ -84,6 +95,10 @@ class Ended(msgspec.Struct, tag=True):
     ok: bool
 
 
+class Pulling(msgspec.Struct, tag=True):
+    done: bool  # the pull has ended (received, or failed: the decoder prefills)
+
+
 class Stats(msgspec.Struct, tag=True):
     stats: dict[str, Any]
 
@@ -113,8 +128,8 @@ class Failed(msgspec.Struct, tag=True):
     message: str
 
 
-Request = Hello | Lookup | End | GetStats | GetLeaks | Check | Flush | Clear
-Reply = Welcome | Refused | Hit | Ended | Stats | Leaks | Problems | Cleared | Failed
+Request = Hello | Lookup | End | PullFrom | GetStats | GetLeaks | Check | Flush | Clear
+Reply = Welcome | Refused | Hit | Ended | Pulling | Stats | Leaks | Problems | Cleared | Failed
 Message = Request | Reply
 
 FRAMING: Framing[Message] = Framing(MAGIC, VERSION, MAX_BODY_BYTES, Message, STALL_TIMEOUT_S)
@@ -131,6 +146,7 @@ class LookupHandler(Protocol):
 
     def lookup(self, request_id: str, tokens: list[int], cache_salt: RequestSalt | None) -> Hit: ...
     def end(self, request_id: str) -> bool: ...
+    def pull(self, pull: PullFrom) -> bool: ...
     def stats(self) -> dict[str, Any]: ...
     def leaks(self) -> list[Leak]: ...
     def check(self) -> list[str]: ...

@@ -36,6 +36,8 @@ from kvtier.integrations.vllm.rpc.messages import (
     LookupHandler,
     Message,
     Problems,
+    PullFrom,
+    Pulling,
     Refused,
     Reply,
     Stats,
@@ -180,6 +182,8 @@ class LookupServer:
                 return handler.lookup(rid, tokens, salt)
             case End(request_id=rid):
                 return Ended(handler.end(rid))
+            case PullFrom():
+                return Pulling(handler.pull(message))
             case GetStats():
                 return Stats(handler.stats())
             case GetLeaks():

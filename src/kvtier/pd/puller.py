@@ -1,0 +1,155 @@
+"""The decoder side of a pulled transfer (xPyD): dial the prefiller a request names, claim its
+transfer, receive it into the PD receive buffer.
+
+The conversation is the receiver's own (:mod:`kvtier.pd.receiver`): the same handshake, the
+same reservation into the transfer id's lease, the same checksum per chunk, on a connection
+the decoder dialed instead of accepted (see :mod:`kvtier.pd.source` for the prefiller's end).
+Whatever goes wrong (the prefiller unreachable, dead mid-transfer, refusing the claim, a bad
+chunk) ends in a failed :class:`~kvtier.pd.receiver.TransferOutcome`, with everything the
+transfer reserved given back: the decoder then prefills what it did not receive. Every wait
+has a deadline (the receiver's watchdog), so a pull never hangs.
+
+Connections are kept per prefiller address and reused, one pull at a time each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import socket
+import threading
+from collections.abc import Sequence
+
+from kvtier.errors import ProtocolError, TransferError
+from kvtier.keys import ChunkKey
+from kvtier.pd.guard import Connection
+from kvtier.pd.protocol import AllocRequest, ErrorReply, Pull, recv_message, send_message
+from kvtier.pd.receiver import PDReceiver, TransferOutcome, _InFlight
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 5.0  # an address that does not answer: the decoder prefills instead
+MAX_IDLE_PER_PEER = 4
+
+
+class Puller:
+    def __init__(self, receiver: PDReceiver) -> None:
+        self.receiver = receiver
+        self._idle: dict[tuple[str, int], list[Connection]] = {}
+        self._lock = threading.Lock()
+        self.pulls = 0
+        self.failures = 0
+
+    def pull(
+        self, host: str, port: int, transfer_id: str, keys: Sequence[ChunkKey]
+    ) -> TransferOutcome:
+        """Claim ``transfer_id`` from the prefiller at ``host:port`` for a prompt of chunk
+        ``keys`` and receive it; the reservation joins ``transfer_id``'s lease."""
+        self.pulls += 1
+        try:
+            state = self._connection(host, port)
+        except TransferError as exc:
+            self.failures += 1
+            log.warning("PD pull of %r from %s:%d: %s", transfer_id, host, port, exc)
+            return TransferOutcome(False, str(exc))
+        receiver = self.receiver
+        current: _InFlight | None = None
+        try:
+            send_message(state.sock, Pull(transfer_id, list(keys)))
+            while True:
+                limit = receiver.io_timeout
+                receiver.guard.expect(state, limit, f"pull {transfer_id!r}: silent {limit:g}s")
+                msg = recv_message(state.sock)
+                if msg is None:
+                    raise TransferError("the prefiller closed the connection")
+                if isinstance(msg, ErrorReply) and current is None:
+                    outcome = TransferOutcome(
+                        False, f"prefiller refused ({msg.kind}): {msg.message}"
+                    )
+                    break
+                if isinstance(msg, AllocRequest):
+                    _check_claim(msg, transfer_id, keys)
+                current = receiver._handle(state, msg, current)
+                if current is None:  # DoneReply sent, or the request refused or aborted
+                    taken = receiver.wait_outcome(transfer_id, 0)
+                    outcome = taken or TransferOutcome(False, "no outcome recorded")
+                    break
+        except TransferError as exc:
+            error = TransferError(state.overdue) if state.overdue else exc
+            receiver._closed_on(state, current, error)
+            receiver.wait_outcome(transfer_id, 0)  # taken here: nobody else asks
+            self._drop(state)
+            self.failures += 1
+            return TransferOutcome(False, str(error))
+        if not outcome.ok:
+            self.failures += 1
+        self._keep(host, port, state)
+        return outcome
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for state in conns:
+                self._drop(state)
+
+    # -- connections -----------------------------------------------------------------------
+    def _connection(self, host: str, port: int) -> Connection:
+        with self._lock:
+            conns = self._idle.get((host, port), [])
+            while conns:
+                state = conns.pop()
+                if not state.overdue and not _readable(state.sock):
+                    return state
+                self._drop(state)  # closed by the prefiller (idle) or by our watchdog
+        return self._dial(host, port)
+
+    def _dial(self, host: str, port: int) -> Connection:
+        receiver = self.receiver
+        try:
+            sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+        except OSError as exc:
+            raise TransferError(f"cannot reach the PD prefiller at {host}:{port}: {exc}") from None
+        sock.settimeout(None)  # the watchdog bounds every wait
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        state = receiver.guard.admit(sock, f"{host}:{port}")
+        if state is None:
+            raise TransferError("pd_max_connections are open; not pulling")
+        try:
+            receiver._handshake(state)
+        except TransferError as exc:
+            receiver._closed_on(state, None, TransferError(state.overdue) if state.overdue else exc)
+            self._drop(state)
+            raise
+        return state
+
+    def _keep(self, host: str, port: int, state: Connection) -> None:
+        idle = self.receiver.idle_timeout
+        self.receiver.guard.expect(state, idle, f"pull connection idle for {idle:g}s")
+        with self._lock:
+            conns = self._idle.setdefault((host, port), [])
+            if len(conns) < MAX_IDLE_PER_PEER:
+                conns.append(state)
+                return
+        self._drop(state)
+
+    def _drop(self, state: Connection) -> None:
+        self.receiver.guard.leave(state)
+        with contextlib.suppress(OSError):
+            state.sock.close()
+
+
+def _check_claim(msg: AllocRequest, transfer_id: str, keys: Sequence[ChunkKey]) -> None:
+    """The prefiller may only send what was claimed: this transfer, a prefix of our keys."""
+    if msg.request_id != transfer_id or msg.keys != list(keys[: len(msg.keys)]):
+        raise ProtocolError(f"the prefiller offered other chunks than transfer {transfer_id!r}'s")
+
+
+def _readable(sock: socket.socket) -> bool:
+    """An idle connection with something to read has been closed (or is out of step)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable)
+    except (OSError, ValueError):
+        return True
