@@ -41,6 +41,7 @@ from kvtier.pd.puller import Puller
 from kvtier.pd.receiver import PDReceiver
 from kvtier.pd.sender import PDSender, chunks_from_kv
 from kvtier.pd.source import PDSource
+from kvtier.service import Service
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +117,9 @@ class DecoderPulls:
         self.recent: deque[tuple[str, str, int, bool]] = deque(maxlen=RECENT_PULLS)
 
     @classmethod
-    def for_cache(cls, engine: Engine, cache: object) -> DecoderPulls | None:
-        """The pulls of a worker whose cache (a Service) runs a PD receiver, else None."""
-        receiver = getattr(cache, "receiver", None)
+    def for_service(cls, engine: Engine, service: Service) -> DecoderPulls | None:
+        """The pulls of a worker whose Service runs a PD receiver (a decoder), else None."""
+        receiver = service.receiver
         return cls(engine, receiver) if isinstance(receiver, PDReceiver) else None
 
     def poll(

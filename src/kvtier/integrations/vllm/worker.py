@@ -157,7 +157,7 @@ class WorkerSide:
                     self.events.follow(tier, medium)
             if engine.config.enable_pd and engine.config.pd_role == "sender":
                 self._pd = PDEndpoint(engine, self.tp_rank)
-            self.pulls = DecoderPulls.for_cache(engine, cache)  # a PD decoder's, else None
+            self.pulls = DecoderPulls.for_service(engine, service)  # a PD decoder's, or None
         else:
             # The server evicts on its own; stores are reported in the media it has.
             # A server not reached yet has at least its CPU tier.
