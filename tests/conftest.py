@@ -8,7 +8,17 @@ import pytest
 import torch
 
 from kvtier import Config, Engine, KVLayout, Service
+from tests.recall_training import start_recall_training, stop_recall_training
 from tests.redis_servers import RedisServer
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    start_recall_training()  # the codec quality gate's model: see tests/recall_training.py
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    stop_recall_training()
+
 
 SMALL_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 SMALL_CHUNK = 16  # tokens; chunk_bytes = 2*2*16*16*4 = 4096

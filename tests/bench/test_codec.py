@@ -36,17 +36,3 @@ def test_every_codec_is_measured_on_bf16_and_fp32_against_memcpy() -> None:
                 row["encode_gbps"] / result[dtype]["memcpy_gbps"]
             )
         assert all(row["gate"] is None for row in rows.values())  # --no-gate
-
-
-def test_the_quality_gates_figures_stand_beside_each_lossy_codec() -> None:
-    """The real gate (its trained recall model, shared with tests/quality): fp8 and int8
-    pass it at both dtypes; the lossless codec has nothing to gate."""
-    result = run("--codec", "fp8", "--codec", "int8", "--codec", "lossless")
-    for dtype in ("bf16", "fp32"):
-        rows = result[dtype]["codecs"]
-        assert rows["lossless"]["gate"] is None
-        for name in ("fp8", "int8"):
-            gate = rows[name]["gate"]
-            assert gate["codec"] == name and gate["passed"] is True, gate
-            assert gate["greedy_agreement"] >= 0.99
-            assert gate["accuracy"] >= gate["recompute_accuracy"] - 0.01
