@@ -145,40 +145,57 @@ class CodedTierMachine(RuleBasedStateMachine):
         super().__init__()
         self.tier = coded_tier(LOSSLESS, chunks=3)
         self.keys = [random_key() for _ in range(6)]
-        self.pins: list[ChunkKey] = []
+        # A pin holds the entry it was taken on: once that entry is removed, a new store of
+        # the same key is a new entry, unpinned. So each pin records the key's generation
+        # (bumped by every remove), and a key's pins end last-taken first, as the tier's do.
+        self.pins: dict[ChunkKey, list[int]] = {}
+        self.generation = dict.fromkeys(self.keys, 0)
+
+    def held(self) -> list[ChunkKey]:
+        """Keys whose current entry some pin holds."""
+        return [k for k, gens in self.pins.items() if self.generation[k] in gens]
 
     @rule(i=st.integers(0, 5), seed=st.integers(0, 3))
     def put(self, i: int, seed: int) -> None:
-        held = [k for k in set(self.pins) if self.tier.contains([k])[0]]
+        held = self.held()
+        assert all(self.tier.contains(held))
         put_and_wait(self.tier, self.keys[i], kv_payload(CONTRACT_LAYOUT, 16, seed), 16)
         assert all(self.tier.contains(held))  # a put evicts, but never a pinned entry
 
     @rule(i=st.integers(0, 5))
     def pin(self, i: int) -> None:
-        if self.tier.pin(self.keys[i]):
-            self.pins.append(self.keys[i])
+        key = self.keys[i]
+        if self.tier.pin(key):
+            self.pins.setdefault(key, []).append(self.generation[key])
 
     @precondition(lambda self: self.pins)
     @rule(data=st.data())
     def unpin(self, data: st.DataObject) -> None:
-        key = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
+        key = data.draw(st.sampled_from(sorted(self.pins)))
+        self.pins[key].pop()
+        if not self.pins[key]:
+            del self.pins[key]
         self.tier.unpin(key)
 
     @rule(i=st.integers(0, 5))
     def remove(self, i: int) -> None:
-        self.tier.remove(self.keys[i])
+        if self.tier.remove(self.keys[i]):
+            self.generation[self.keys[i]] += 1
 
     @rule()
     def clear(self) -> None:
+        held = self.held()
         self.tier.clear()
+        assert all(self.tier.contains(held))  # a clear keeps what a pin holds
 
     @invariant()
     def every_reference_has_an_owner(self) -> None:
         assert self.tier.audit_slots() == []
 
     def teardown(self) -> None:
-        for key in self.pins:
-            self.tier.unpin(key)
+        for key, gens in self.pins.items():
+            for _ in gens:
+                self.tier.unpin(key)
         self.tier.unpin(self.keys[0])  # no pin left: a no-op, never a second release
         self.tier.clear(force=True)
         assert self.tier.store.free_pages == self.tier.store.num_pages
