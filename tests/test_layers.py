@@ -22,6 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "kvtier.framing",
         "kvtier.repeated_log",
         "kvtier.local_sockets",
+        "kvtier.cpu_affinity",
     ),
     ("kvtier.config", "kvtier.layout", "kvtier.keys", "kvtier.validation", "kvtier.cache"),
     ("kvtier.memory",),

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from kvtier.config import Config
+from kvtier.cpu_affinity import unpin_current_thread
 from kvtier.errors import ConfigError, InputError, StateError, TransferError, TransferTimeout
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.layout import KVLayout
@@ -169,7 +170,9 @@ class PDBuffer(Tier):
         with self._cond:
             if self._pool is None:
                 self._pool = self.channel.make_pool(self.num_pages, self.page_bytes)
-                self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-pd-serve")
+                self._helper = ThreadPoolExecutor(
+                    1, thread_name_prefix="kvtier-pd-serve", initializer=unpin_current_thread
+                )
                 self._copier = CopyThreads(self._helper)
 
     def close(self) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from kvtier.cache import KVCache
+from kvtier.cpu_affinity import unpin_current_thread
 from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.metadata import LoadSpec
 from kvtier.integrations.vllm.paged import NULL_BLOCK, PagedKV
@@ -66,7 +67,9 @@ class Loads:
         self._done: set[str] = set()
         self._thread_scratch: torch.Tensor | None = None
         # One loader thread, started by the first submit: loads queue behind each other.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-load")
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="kvtier-load", initializer=unpin_current_thread
+        )
 
     def run(self, spec: LoadSpec, out: torch.Tensor) -> None:
         """Load ``spec`` now (``out``: a ``[2, layers, >=len(tokens), hidden]`` scratch)."""

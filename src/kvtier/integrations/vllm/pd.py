@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from kvtier.cpu_affinity import unpin_current_thread
 from kvtier.engine import Engine
 from kvtier.errors import KVTierError
 from kvtier.keys import ChunkKey, ChunkSpan, RequestSalt
@@ -110,7 +111,9 @@ class DecoderPulls:
     def __init__(self, engine: Engine, receiver: PDReceiver) -> None:
         self.engine = engine
         self.puller = Puller(receiver)
-        self._pool = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="kvtier-pd-pull")
+        self._pool = ThreadPoolExecutor(
+            PULL_THREADS, thread_name_prefix="kvtier-pd-pull", initializer=unpin_current_thread
+        )
         self._pulls: dict[str, Future[bool]] = {}
         self._lock = threading.Lock()
         # The latest pulls, for tests and operators: (transfer id, "host:port", chunks, ok).

@@ -46,6 +46,7 @@ import torch
 from kvtier.admin.server import AdminServer
 from kvtier.cache import KVCache
 from kvtier.config import Config
+from kvtier.cpu_affinity import unpinned
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError, StateError
 from kvtier.integrations.vllm.events import EventLog
@@ -135,6 +136,14 @@ class WorkerSide:
         layout = paged.layout()
         if self.groups.state:
             layout, self.states = self._with_states(kv_caches, layout)
+        # Every thread kvtier starts here (PD, lookups, writes) runs off the compute cores
+        # vLLM pinned this thread to (kvtier.cpu_affinity).
+        with unpinned():
+            self._open(paged, layout)
+
+    def _open(self, paged: PagedKV, layout: KVLayout) -> None:
+        """Open the cache (this worker's own, or its client of the host's server), the loads,
+        the PD roles and the scheduler's channel."""
         cfg, model, rank, size = self.config, self.model_name, self.tp_rank, self.tp_world_size
         client = None
         if self.server:  # the host's kvtier server holds the cache; this is its client

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kvtier.cpu_affinity import unpin_current_thread
 from kvtier.keys import ChunkKey
 from kvtier.storage.base import ReadAbandoned
 
@@ -36,7 +37,9 @@ class BoundedReads:
         self.timeouts = 0  # reads abandoned so far
         self.stalled = 0  # abandoned reads still running
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-disk-read")
+        self._pool = ThreadPoolExecutor(
+            threads, thread_name_prefix="kvtier-disk-read", initializer=unpin_current_thread
+        )
 
     def read(
         self, read_one: ReadOne, items: Sequence[tuple[ChunkKey, torch.Tensor]]
