@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvtier.config import Config
 from kvtier.errors import InputError, TierError
@@ -109,32 +110,47 @@ def open_storage(
     return StorageManager(config, layout, pool, cpu, lower, counters)
 
 
-def cpu_pages(config: Config, layout: KVLayout) -> int:
-    """The page pool's size for ``config``: every whole chunk of ``max_local_cpu_size``, or
-    with a ``cpu_codec`` other than identity only the staging pages (the rest holds the coded
-    chunks: :mod:`kvtier.storage.cpu_coded`). ConfigError naming the key when it is too small."""
+@dataclass(frozen=True, slots=True)
+class CpuCapacity:
+    """What ``max_local_cpu_size`` buys for a config and layout."""
+
+    codec: str
+    staging_pages: int  # decoded pages: the whole tier with identity, else its staging share
+    slots: int  # the coded store's slots (0 with identity)
+    slot_bytes: int
+    chunks: int  # whole chunks the tier holds at least (exactly, for identity, fp8 and int8)
+    bytes_used: int  # of max_local_cpu_size, after rounding down to pages and slots
+
+
+def cpu_capacity(config: Config, layout: KVLayout) -> CpuCapacity:
+    """The CPU tier's capacity: every whole chunk of ``max_local_cpu_size`` as pages, or with
+    a ``cpu_codec`` other than identity the staging pages plus the slots of the coded store
+    (:mod:`kvtier.storage.cpu_coded`). ConfigError naming the key when it is too small, or
+    when the codec failed the quality gate for the layout's dtype."""
     chunk_bytes = layout.chunk_bytes(config.chunk_size)
     if config.cpu_codec == IDENTITY.name:
-        return pages_for_capacity("max_local_cpu_size", config.max_local_cpu_size, chunk_bytes)
+        pages = pages_for_capacity("max_local_cpu_size", config.max_local_cpu_size, chunk_bytes)
+        return CpuCapacity(IDENTITY.name, pages, 0, 0, pages, pages * chunk_bytes)
     codec = codec_from_config("cpu_codec", config.cpu_codec, layout.dtype)
-    shape = slot_shape(codec, layout, config.chunk_size)
-    pages, _ = split_capacity(
-        config.max_local_cpu_size, config.cpu_codec_staging, chunk_bytes, shape
+    slot_bytes, per_chunk = slot_shape(codec, layout, config.chunk_size)
+    pages, slots = split_capacity(
+        config.max_local_cpu_size, config.cpu_codec_staging, chunk_bytes, (slot_bytes, per_chunk)
     )
-    return pages
+    used = pages * chunk_bytes + slots * slot_bytes
+    return CpuCapacity(codec.name, pages, slots, slot_bytes, slots // per_chunk, used)
+
+
+def cpu_pages(config: Config, layout: KVLayout) -> int:
+    """The page pool's size for ``config`` (:func:`cpu_capacity`'s staging pages)."""
+    return cpu_capacity(config, layout).staging_pages
 
 
 def _coded_store(config: Config, layout: KVLayout) -> tuple[PayloadCodec, int, int] | None:
     """(codec, slot bytes, slots) of the coded CPU store, or None for the identity codec."""
     if config.cpu_codec == IDENTITY.name:
         return None
-    codec = codec_from_config("cpu_codec", config.cpu_codec)
-    shape = slot_shape(codec, layout, config.chunk_size)
-    chunk_bytes = layout.chunk_bytes(config.chunk_size)
-    _, slots = split_capacity(
-        config.max_local_cpu_size, config.cpu_codec_staging, chunk_bytes, shape
-    )
-    return codec, shape[0], slots
+    capacity = cpu_capacity(config, layout)
+    return codec_from_config("cpu_codec", config.cpu_codec), capacity.slot_bytes, capacity.slots
 
 
 def clear_tiers(tiers: Sequence[Tier]) -> dict[str, int]:

@@ -7,8 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvtier.cli.main import COMMANDS, build_parser, main
+from kvtier.layout import KVLayout
+from kvtier.storage.codecs import FP8
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -46,6 +49,23 @@ def test_check_config_shows_values_sources_and_derived_sizes(tmp_path: Path) -> 
     assert data["derived"]["chunk_bytes"] == 32 * 1024**2  # 8B-like layout, bf16
     assert data["derived"]["cpu_chunks"] == 3  # 100 MiB rounded down to whole 32 MiB chunks
     assert data["derived"]["cpu_bytes_used"] == 96 * 1024**2
+
+
+def test_check_config_counts_a_coded_cpu_tier_in_its_coded_chunks(tmp_path: Path) -> None:
+    """With a cpu_codec the same bytes hold more chunks: a staging page plus slots the size
+    of one coded chunk (fp8 on bf16 KV: about half a chunk each), not whole decoded pages."""
+    path = tmp_path / "c.yaml"
+    path.write_text("chunk_size: 256\nmax_local_cpu_size: '100MiB'\ncpu_codec: fp8\n")
+    result = run_cli("check-config", str(path), "--json", env={"PATH": "/usr/bin"})
+    assert result.returncode == 0, result.stderr
+    derived = json.loads(result.stdout)["derived"]
+    layout = KVLayout(32, 8, 128, torch.bfloat16)  # check-config's default layout
+    chunk = layout.chunk_bytes(256)
+    slot = -(-FP8.stored_bytes(layout, 256) // 64) * 64  # a slot holds one chunk, aligned
+    assert derived["cpu_codec"] == "fp8" and derived["cpu_staging_chunks"] == 1
+    assert derived["cpu_chunks"] == (100 * 1024**2 - chunk) // slot
+    assert derived["cpu_chunks"] > 100 * 1024**2 // chunk  # more than identity's 3
+    assert derived["cpu_bytes_used"] == chunk + derived["cpu_chunks"] * slot <= 100 * 1024**2
 
 
 def test_check_config_bad_value_exits_2_with_the_key(tmp_path: Path) -> None:

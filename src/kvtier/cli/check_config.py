@@ -14,7 +14,7 @@ from kvtier.config.sizes import format_size
 from kvtier.layout import KVLayout
 from kvtier.memory.block_pool import pages_for_capacity
 from kvtier.storage.disk.options import check_directory, options_from_config
-from kvtier.tiers import check_tier_urls
+from kvtier.tiers import check_tier_urls, cpu_capacity
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -42,9 +42,13 @@ def run(args: argparse.Namespace) -> int:
     layout = KVLayout(args.layers, args.kv_heads, args.head_dim, getattr(torch, args.dtype))
     chunk_bytes = layout.chunk_bytes(config.chunk_size)
     derived: dict[str, object] = {"layout": layout.describe(), "chunk_bytes": chunk_bytes}
-    cpu_pages = pages_for_capacity("max_local_cpu_size", config.max_local_cpu_size, chunk_bytes)
-    derived["cpu_chunks"] = cpu_pages
-    derived["cpu_bytes_used"] = cpu_pages * chunk_bytes
+    cpu = cpu_capacity(config, layout)
+    derived["cpu_chunks"] = cpu.chunks  # at least: a lossless chunk may take fewer slots
+    derived["cpu_bytes_used"] = cpu.bytes_used
+    if cpu.slots:  # a cpu_codec: staging pages plus the coded store
+        derived["cpu_codec"] = cpu.codec
+        derived["cpu_staging_chunks"] = cpu.staging_pages
+        derived["cpu_coded_slots"] = f"{cpu.slots} x {cpu.slot_bytes} bytes"
     if config.local_disk:
         # What the engine's disk tier will check at construction and open (nothing created)
         disk = options_from_config(config, layout, config.chunk_size)
