@@ -331,7 +331,7 @@ def test_a_disk_file_of_a_codec_this_process_lacks_is_dropped_once_logged(
     finally:
         codecs.unregister(ZLIB.codec_id)
     # Read while open (the index names them): each is a miss and removed, one log line.
-    with caplog.at_level(logging.WARNING, logger="kvtier.storage.disk.tier"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage.disk.reads"):
         for key in keys[:2]:
             assert tier.get_into(key, torch.zeros(PAGE_BYTES, dtype=torch.uint8)) is None
     lines = [r for r in caplog.records if "format this kvtier does not read" in r.getMessage()]

@@ -523,7 +523,7 @@ def test_files_of_format_version_1_are_dropped_at_open_and_on_read_logged_once(
         path = tmp_path / f"{FP.hex()}-{key.hex()}.kvc"
         path.write_bytes(v1_record(key, FP, CONTRACT_CHUNK, payload(CONTRACT_CHUNK, 40 + i)))
     tier = make_tier(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="kvtier.storage.disk.tier"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage.disk.reads"):
         tier.open()
         assert tier.index_checked(10.0)
         for key in keys[:3]:
