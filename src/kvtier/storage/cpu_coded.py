@@ -53,7 +53,8 @@ from typing import Any
 import torch
 
 from kvtier.errors import ConfigError, CorruptRecord
-from kvtier.keys import ChunkKey, Fingerprint
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.lease import LeaseTable
 from kvtier.memory.block_pool import BlockPool
