@@ -11,7 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier import InputError, KVLayout
-from kvtier.keys import ExtraKeys, Fingerprint, KeyChain, RequestKeys, check_salt
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import KeyChain, RequestKeys
+from kvtier.request_salt import ExtraKeys, check_salt
 
 LAYOUT = KVLayout(2, 2, 8, torch.float32)
 SIZE = 4

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 
@@ -11,7 +12,8 @@ import torch
 import xxhash
 
 from kvtier import InputError, KVLayout
-from kvtier.keys import Fingerprint, KeyChain
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import KeyChain
 
 LAYOUT = KVLayout(2, 2, 8, torch.float32)
 
@@ -81,11 +83,14 @@ def test_list_numpy_and_tensor_tokens_give_the_same_keys() -> None:
 
 def test_keys_are_the_same_in_another_process() -> None:
     code = (
-        "import torch; from kvtier import KVLayout; from kvtier.keys import Fingerprint, KeyChain;"
+        "import torch; from kvtier import KVLayout; from kvtier.fingerprint import Fingerprint;"
+        "from kvtier.keys import KeyChain;"
         "c = KeyChain(Fingerprint('m', KVLayout(2, 2, 8, torch.float32), 4));"
         "print(','.join(s.key.hex() for s in c.keys(list(range(12)), include_partial=False)))"
     )
     env = {"PYTHONHASHSEED": "12345"}
+    if "PYTHONPATH" in os.environ:  # the child hashes with the kvtier under test, not another
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
     )

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtier.errors import InputError
-from kvtier.keys import Fingerprint
+from kvtier.fingerprint import Fingerprint
 from kvtier.layout import GroupKind, KVGroup, KVLayout, parse_groups, state_layers_needed
 
 LLAMA = KVLayout(4, 2, 64, torch.float32)

@@ -28,7 +28,8 @@ from kvtier.errors import (
     TransferError,
     TransferTimeout,
 )
-from kvtier.keys import Fingerprint, KeyChain
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import KeyChain
 from kvtier.layout import KVLayout
 from kvtier.server.client import ServerClient, connect
 from kvtier.service import Service

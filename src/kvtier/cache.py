@@ -33,9 +33,12 @@ import torch
 
 from kvtier.config import Config
 from kvtier.errors import InputError, StateError
-from kvtier.keys import Fingerprint, KeyChain, RequestKeys, RequestSalt, as_token_array, check_salt
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import KeyChain, RequestKeys
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import Lifecycle, Opens
+from kvtier.request_salt import RequestSalt, check_salt
+from kvtier.tokens import as_token_array
 from kvtier.validation import (
     Prompt,
     check_keys,

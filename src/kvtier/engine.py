@@ -30,7 +30,7 @@ from kvtier.config import Config
 from kvtier.engine_loads import RequestLoads
 from kvtier.engine_pages import EnginePages
 from kvtier.errors import StateError
-from kvtier.keys import RequestKeys, RequestSalt, keyed_by
+from kvtier.keys import RequestKeys
 from kvtier.layout import KVLayout
 from kvtier.lease import Lease, LeaseInfo, LeaseTable
 from kvtier.lifecycle import CallGuard, Lifecycle, guarded
@@ -38,6 +38,7 @@ from kvtier.memory.block_pool import BlockPool
 from kvtier.observability.observer import Observer
 from kvtier.observability.stats import engine_stats
 from kvtier.pd.host import EngineReceiverHost
+from kvtier.request_salt import RequestSalt, keyed_by
 from kvtier.storage.audit import audit_references
 from kvtier.storage.base import Tier
 from kvtier.storage.counters import EngineCounters

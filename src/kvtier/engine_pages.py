@@ -25,9 +25,10 @@ import numpy as np
 from kvtier.config import Config
 from kvtier.engine_loads import RequestLoads
 from kvtier.errors import StateError
-from kvtier.keys import RequestKeys, RequestSalt
+from kvtier.keys import RequestKeys
 from kvtier.lease import Lease, LeaseTable
 from kvtier.observability.observer import Observer
+from kvtier.request_salt import RequestSalt
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.plan import ENGINE, LookupPlan

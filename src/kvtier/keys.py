@@ -10,9 +10,9 @@ request's chain, ``h_-1 = H(H(fingerprint) || "\x1fcache_salt\x1f" || salt)``, s
 of the request differs from every key of another salt or of no salt, while equal salts share.
 It composes with the fingerprint's own (engine-wide) ``cache_salt``: both are in the seed.
 
-Equal tokens are not always equal KV. A request may carry :class:`ExtraKeys` in place of a
-plain salt: everything else an engine keys its own prefix cache by (vLLM's block-hash "extra
-keys")::
+Equal tokens are not always equal KV. A request may carry
+:class:`~kvtier.request_salt.ExtraKeys` in place of a plain salt: everything else an engine
+keys its own prefix cache by (vLLM's block-hash "extra keys")::
 
     adapter   a LoRA adapter's identity (a digest of its weights): it re-seeds the chain,
               h_-1 = H(seed || "\x1flora\x1f" || adapter), so no chunk is shared with the
@@ -30,7 +30,7 @@ The suffix makes a keyed chunk's bytes 2 mod 4 long, so it never equals a chunk 
 
 ``h_i`` names chunk ``i`` *and everything before it*: equal keys mean equal prefixes.
 ``H`` is deterministic across processes and machines (xxh3-128 by default; never Python's
-salted ``hash()``).
+salted ``hash()``); :mod:`kvtier.fingerprint` holds it and the fingerprint.
 
 The chain runs without Python bytecode per chunk: ``numpy`` cuts the tokens into one
 ``bytes`` per chunk, and a pipeline of C-level ``map`` calls concatenates, hashes and appends
@@ -47,158 +47,20 @@ only the keys.
 
 from __future__ import annotations
 
-import hashlib
 import operator
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple, TypeAlias, overload
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple, overload
 
-import msgspec
 import numpy as np
-import torch
-import xxhash
 
-from kvtier.errors import InputError
-from kvtier.layout import KVLayout, dtype_name
+from kvtier.fingerprint import HASHERS, Fingerprint
+from kvtier.request_salt import ExtraKeys, RequestSalt, check_salt, salt_of
+from kvtier.tokens import as_token_array
 
 ChunkKey = bytes  # 16 bytes: h_i above. Cheap to hash and compare; hex() for file/redis names.
 
-KEY_BYTES = 16
-
-
-def _blake3(data: bytes) -> bytes:
-    import blake3  # imported lazily: only needed when configured
-
-    return bytes(blake3.blake3(data).digest(length=KEY_BYTES))
-
-
-_HASHERS: dict[str, Callable[[bytes], bytes]] = {
-    "xxh3_128": xxhash.xxh3_128_digest,
-    "blake3": _blake3,
-    "sha256": lambda data: hashlib.sha256(data).digest()[:KEY_BYTES],
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Fingerprint:
-    """Everything that makes two KV caches incompatible. Keys with another fingerprint never
-    match, so a cache shared by a fleet can hold many models and tenants side by side."""
-
-    model_name: str
-    layout: KVLayout
-    chunk_size: int
-    hash_algorithm: str = "xxh3_128"
-    tp_rank: int = 0
-    tp_world_size: int = 1
-    cache_salt: str = ""
-    # A lossy payload codec the chunks were stored with (kvtier.storage.codecs): what a
-    # reader gets back differs from the model's KV, so it is another cache. Empty for
-    # identity and lossless codecs (any reader decodes those to the same bytes).
-    lossy_codec: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.model_name:
-            raise InputError("model_name must be a non-empty string (it is part of every key)")
-        if self.hash_algorithm not in _HASHERS:
-            raise InputError(
-                f"hash algorithm {self.hash_algorithm!r} unknown; use one of {', '.join(_HASHERS)}"
-            )
-        if not 0 <= self.tp_rank < self.tp_world_size:
-            raise InputError(
-                f"tp_rank {self.tp_rank} must be in [0, tp_world_size={self.tp_world_size})"
-            )
-
-    def canonical(self) -> bytes:
-        """A stable byte string of every field (the seed of the chain)."""
-        lay = self.layout
-        # MLA KV is the same on every tensor-parallel rank: one copy serves every rank (and
-        # every TP size), so the rank is left out and ranks share keys.
-        tp = "tp-shared" if lay.tp_shared else f"tp{self.tp_rank}/{self.tp_world_size}"
-        parts = [
-            "kvtier-fp-1",
-            self.model_name,
-            f"{lay.num_layers}x{lay.num_kv_heads}x{lay.head_dim}",
-            dtype_name(lay.dtype),
-            str(self.chunk_size),
-            self.hash_algorithm,
-            tp,
-            self.cache_salt,
-        ]
-        if lay.groups != KVLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype).groups:
-            # Every group's kind, window and layers (a one-group Llama-shaped layout keeps the
-            # string it always had, so caches written before groups existed still match).
-            parts.append(f"planes{lay.planes}|{lay.describe_groups()}")
-        if self.lossy_codec:  # added only when set: keys without one are unchanged
-            parts.append(f"lossy-codec={self.lossy_codec}")
-        return "\x1f".join(parts).encode()
-
-    def digest(self) -> bytes:
-        return _HASHERS[self.hash_algorithm](self.canonical())
-
-    def hex(self) -> str:
-        """Short stable id, used as a namespace in file and redis key names."""
-        return self.digest()[:8].hex()
-
-
-def as_token_array(tokens: object) -> np.ndarray:
-    """Tokens as a contiguous 1-D int32 array, without copying when they already are one.
-    Anything else is an :class:`InputError` naming ``tokens``; no numpy or torch error leaks
-    (an int too large for int64, a meta or sparse tensor, an object array)."""
-    try:
-        array = _to_array(tokens)
-    except InputError:
-        raise
-    except (OverflowError, ValueError, TypeError, RuntimeError, NotImplementedError) as exc:
-        raise InputError(
-            f"tokens must be a 1-D sequence, array or tensor of int32 token ids; "
-            f"converting it failed: {type(exc).__name__}: {exc}"
-        ) from None
-    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
-        raise InputError(
-            f"tokens must be a 1-D integer array, got shape {array.shape} dtype {array.dtype}"
-        )
-    if array.size == 0:
-        raise InputError("tokens is empty: there is nothing to look up or store")
-    if array.dtype != np.int32:
-        low, high = int(array.min()), int(array.max())
-        info = np.iinfo(np.int32)
-        if low < info.min or high > info.max:
-            bad = low if low < info.min else high
-            raise InputError(
-                f"tokens: token ids must fit in int32 ({info.min} to {info.max}), found {bad}"
-            )
-        array = array.astype(np.int32)
-    return np.ascontiguousarray(array.astype("<i4", copy=False))
-
-
-def _to_array(tokens: object) -> np.ndarray:
-    if isinstance(tokens, torch.Tensor):
-        if tokens.is_nested or tokens.layout != torch.strided or tokens.is_meta:
-            raise InputError(
-                f"tokens must be a dense tensor with data, got layout {tokens.layout} on "
-                f"{tokens.device}" + (" (nested)" if tokens.is_nested else "")
-            )
-        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex():
-            raise InputError(
-                f"tokens must be a 1-D integer tensor, got shape {tuple(tokens.shape)} "
-                f"dtype {tokens.dtype}"
-            )
-        return tokens.detach().cpu().numpy()
-    if isinstance(tokens, np.ndarray):
-        return tokens
-    if isinstance(tokens, Sequence) and not isinstance(tokens, str | bytes):
-        if tokens and not all(
-            isinstance(t, int | np.integer) and not isinstance(t, bool) for t in tokens
-        ):
-            bad = next(
-                t for t in tokens if not isinstance(t, int | np.integer) or isinstance(t, bool)
-            )
-            raise InputError(f"tokens must be integers, found {bad!r} ({type(bad).__name__})")
-        return np.asarray(tokens, dtype=np.int64)
-    raise InputError(
-        f"tokens must be a sequence, array or tensor of ints, got {type(tokens).__name__}"
-    )
+_SEEDS_KEPT = 4096  # salted seeds remembered (one hash each to make; tenants are few)
 
 
 class ChunkSpan(NamedTuple):
@@ -290,124 +152,13 @@ class ChunkSpans(Sequence[ChunkSpan]):
         return f"ChunkSpans({len(self.keys)} chunks from {self.first}, size {self.chunk_size})"
 
 
-MAX_SALT_CHARS = 1024
-MAX_DIGEST_BYTES = 64  # an adapter's or an item's digest (sha256 is 32)
-MAX_ITEMS = 1 << 16  # keyed token ranges of one request: vLLM's give one per chunk (16M tokens)
-MAX_LABELS = 16
-_SEEDS_KEPT = 4096  # salted seeds remembered (one hash each to make; tenants are few)
-
-
-class ExtraKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What names a request's KV besides its tokens (see the module docstring).
-
-    ``salt``: the request's ``cache_salt``. ``adapter``: a digest of its LoRA adapter's
-    weights (empty: the base model). ``items``: ``(start, end, digest)`` token ranges keyed
-    by content, sorted by start. ``labels``: what :mod:`kvtier.observability.explain` says
-    about them ("lora adapter 'B'", "2 images"); not part of any key.
-
-    Passed wherever a request's ``cache_salt`` goes (lookup, retrieve, store, the server's
-    wire, vLLM's lookup channel): it is the request's salt, widened."""
-
-    salt: str | None = None
-    adapter: bytes = b""
-    items: tuple[tuple[int, int, bytes], ...] = ()
-    labels: tuple[str, ...] = ()
-
-    def plain_chunks(self, chunk_size: int) -> int | None:
-        """How many leading chunks are keyed as plain text of this salt is (None: all of
-        them): none under an adapter, those before the first item otherwise."""
-        if self.adapter:
-            return 0
-        return self.items[0][0] // chunk_size if self.items else None
-
-    def describe(self) -> str:
-        """One phrase for logs and explain: the labels, or what the keys hold."""
-        if self.labels:
-            return ", ".join(self.labels)
-        parts = ["a LoRA adapter"] if self.adapter else []
-        if self.items:
-            parts.append(f"{len(self.items)} content-keyed token ranges")
-        return ", ".join(parts) or "no extra keys"
-
-
-RequestSalt: TypeAlias = str | ExtraKeys  # what a request's ``cache_salt`` may be
-
-
-def check_salt(salt: object) -> RequestSalt | None:
-    """A per-request salt: None, a string (``""`` means none) of at most
-    :data:`MAX_SALT_CHARS` characters, or :class:`ExtraKeys` (with no adapter and no items
-    it is its plain salt). Anything else is an :class:`InputError` naming what is wrong."""
-    if isinstance(salt, ExtraKeys):
-        return _check_extra_keys(salt)
-    if salt is None or salt == "":
-        return None
-    if not isinstance(salt, str):
-        raise InputError(
-            f"cache_salt must be a string, ExtraKeys or None, got {type(salt).__name__}"
-        )
-    if len(salt) > MAX_SALT_CHARS:
-        raise InputError(
-            f"cache_salt has {len(salt)} characters; at most {MAX_SALT_CHARS} are accepted"
-        )
-    return salt
-
-
-def _check_extra_keys(extra: ExtraKeys) -> RequestSalt | None:
-    salt = check_salt(extra.salt)
-    if not isinstance(extra.adapter, bytes) or len(extra.adapter) > MAX_DIGEST_BYTES:
-        raise InputError(f"ExtraKeys.adapter must be a digest of at most {MAX_DIGEST_BYTES} bytes")
-    if len(extra.items) > MAX_ITEMS:
-        raise InputError(
-            f"ExtraKeys has {len(extra.items)} items; at most {MAX_ITEMS} are accepted"
-        )
-    previous = 0
-    for item in extra.items:
-        if not (isinstance(item, tuple) and len(item) == 3):
-            raise InputError(f"ExtraKeys item {item!r} must be (start, end, digest)")
-        start, end, digest = item
-        if not (
-            isinstance(start, int)
-            and isinstance(end, int)
-            and 0 <= start < end
-            and start >= previous
-            and isinstance(digest, bytes)
-            and 0 < len(digest) <= MAX_DIGEST_BYTES
-        ):
-            raise InputError(
-                f"ExtraKeys item {item!r}: need 0 <= start < end, items sorted by start, and a "
-                f"digest of 1 to {MAX_DIGEST_BYTES} bytes"
-            )
-        previous = start
-    if len(extra.labels) > MAX_LABELS or not all(
-        isinstance(label, str) and len(label) <= 200 for label in extra.labels
-    ):
-        raise InputError(f"ExtraKeys.labels: at most {MAX_LABELS} strings of 200 characters")
-    if not extra.adapter and not extra.items:
-        return salt  # nothing but a salt: keyed exactly as the plain salt is
-    if salt != extra.salt:
-        return msgspec.structs.replace(extra, salt=salt)
-    return extra
-
-
-def keyed_by(salt: RequestSalt | None) -> str:
-    """What besides its tokens keys a request, in words ("" for none)."""
-    if isinstance(salt, ExtraKeys):
-        return ", ".join((["cache salt"] if salt.salt else []) + [salt.describe()])
-    return "cache salt" if salt else ""
-
-
-def salt_of(salt: RequestSalt | None) -> str | None:
-    """The plain ``cache_salt`` part of a request's salt."""
-    return salt.salt if isinstance(salt, ExtraKeys) else salt
-
-
 class KeyChain:
     """Turns token sequences into chunk keys for one fingerprint (and a request's salt)."""
 
     def __init__(self, fingerprint: Fingerprint) -> None:
         self.fingerprint = fingerprint
         self.chunk_size = fingerprint.chunk_size
-        self._hash = _HASHERS[fingerprint.hash_algorithm]
+        self._hash = HASHERS[fingerprint.hash_algorithm]
         self._seed = fingerprint.digest()
         self._salted: dict[tuple[str, bytes], bytes] = {}
         self.chunks_hashed = 0  # chunks hashed since made (a diagnostic: tests count it)

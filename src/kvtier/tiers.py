@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from kvtier.config import Config
 from kvtier.errors import InputError, TierError
-from kvtier.keys import Fingerprint
+from kvtier.fingerprint import Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.memory.block_pool import BlockPool, pages_for_capacity
 from kvtier.storage.base import Tier

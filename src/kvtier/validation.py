@@ -13,8 +13,10 @@ import numpy as np
 import torch
 
 from kvtier.errors import ConfigError, InputError
-from kvtier.keys import RequestKeys, RequestSalt, as_token_array, check_salt
+from kvtier.keys import RequestKeys
 from kvtier.layout import KVLayout
+from kvtier.request_salt import RequestSalt, check_salt
+from kvtier.tokens import as_token_array
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ import torch
 
 from kvtier.bench import cpu
 from kvtier.keys import ChunkSpan
-from kvtier.storage.manager import StorageManager
+from kvtier.storage.loads import PlanLoader
 from tests.cli.test_main import run_cli
 
 
@@ -47,13 +47,13 @@ def test_bench_cpu_fails_when_the_timed_retrieve_flips_a_byte(
 ) -> None:
     """The timed retrieve copies each chunk out of its CPU page (``_copy_out``); one byte
     wrong there must end the bench with an error, not a GB/s figure."""
-    copy_out = StorageManager._copy_out
+    copy_out = PlanLoader._copy_out
 
-    def flipping(self: StorageManager, page: int, span: ChunkSpan, out: torch.Tensor) -> None:
+    def flipping(self: PlanLoader, page: int, span: ChunkSpan, out: torch.Tensor) -> None:
         copy_out(self, page, span, out)
         out[1, 0, span.start].view(torch.uint8)[1] ^= 0x10  # one byte of the chunk
 
-    monkeypatch.setattr(StorageManager, "_copy_out", flipping)
+    monkeypatch.setattr(PlanLoader, "_copy_out", flipping)
     with pytest.raises(AssertionError, match="retrieved bytes differ"):
         cpu.run(_args())
 
@@ -63,7 +63,7 @@ def test_bench_cpu_fails_when_the_timed_retrieve_writes_nothing(
 ) -> None:
     """A retrieve that reports every token but copies none: the destination must not hold
     the expected bytes from before (it used to be filled with them before timing)."""
-    monkeypatch.setattr(StorageManager, "_copy_out", lambda *args: None)
+    monkeypatch.setattr(PlanLoader, "_copy_out", lambda *args: None)
     with pytest.raises(AssertionError, match="retrieved bytes differ"):
         cpu.run(_args())
 

@@ -12,7 +12,7 @@ import torch
 from kvtier.config import Config
 from kvtier.config.schema import PAYLOAD_CODECS
 from kvtier.errors import ConfigError
-from kvtier.keys import Fingerprint
+from kvtier.fingerprint import Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.storage import codecs
 from kvtier.storage.disk.tier import DiskTier

@@ -181,7 +181,7 @@ def test_bad_explain_size_is_a_config_error(bad: Any) -> None:
 
 
 def test_key_memory_is_bounded() -> None:
-    from kvtier.keys import Fingerprint
+    from kvtier.fingerprint import Fingerprint
 
     log = ex.ExplainLog(
         Fingerprint("m", SMALL_LAYOUT, SMALL_CHUNK), save_unfull_chunk=False, key_memory=4
@@ -212,7 +212,7 @@ def test_the_id_a_vllm_client_knows_finds_the_internal_record(engine: Engine) ->
 
 def test_explain_names_what_keyed_a_request_apart(engine: Engine) -> None:
     """Equal tokens under an adapter are other chunks: the record says why they missed."""
-    from kvtier.keys import ExtraKeys
+    from kvtier.request_salt import ExtraKeys
 
     tokens = make_tokens(32)
     engine.store(tokens, make_kv(32))

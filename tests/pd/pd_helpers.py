@@ -17,7 +17,8 @@ import torch
 
 from kvtier import Engine
 from kvtier.config.channels import nixl_installed
-from kvtier.keys import Fingerprint, KeyChain
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import KeyChain
 from kvtier.pd.buffer import PDBuffer
 from kvtier.pd.receiver import PDReceiver
 from kvtier.pd.sender import PDSender, chunks_from_kv

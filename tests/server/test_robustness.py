@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtier.keys import Fingerprint
+from kvtier.fingerprint import Fingerprint
 from kvtier.layout import dtype_name
 from kvtier.server import protocol as wire
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens

@@ -30,7 +30,7 @@ import torch
 import xxhash
 
 from kvtier.errors import CorruptRecord, UnknownRecordFormat
-from kvtier.keys import Fingerprint
+from kvtier.fingerprint import Fingerprint
 from kvtier.layout import GroupKind, KVGroup, KVLayout
 from kvtier.storage import codecs, records
 from kvtier.storage.codecs import PayloadCodec, tier_fingerprint

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.config import Config
-from kvtier.keys import ChunkKey, Fingerprint
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
 

@@ -21,7 +21,7 @@ import torch
 
 from kvtier.config.remote_url import parse_remote_url
 from kvtier.errors import CorruptRecord
-from kvtier.keys import Fingerprint
+from kvtier.fingerprint import Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.storage import codecs, records
 from kvtier.storage.base import PutOutcome

@@ -16,7 +16,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier.keys import ChunkKey, Fingerprint
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import ChunkKey
 from kvtier.memory.block_pool import BlockPool
 from kvtier.storage.codecs import FP8, INT8, LOSSLESS, PayloadCodec, QuantizedCodec
 from kvtier.storage.cpu_coded import CodedCpuTier, slot_shape

@@ -8,7 +8,8 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
-from kvtier.keys import ChunkKey, Fingerprint, KeyChain
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import ChunkKey, KeyChain
 from kvtier.lease import LeaseTable
 from kvtier.memory.block_pool import BlockPool
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtier.errors import CorruptRecord, UnknownRecordFormat
-from kvtier.keys import Fingerprint
+from kvtier.fingerprint import Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.storage import records
 from kvtier.storage.records import (

@@ -16,7 +16,7 @@ from kvtier import Engine
 from kvtier.config import Config
 from kvtier.config.remote_url import REDIS_SCHEMES
 from kvtier.errors import ConfigError
-from kvtier.keys import Fingerprint
+from kvtier.fingerprint import Fingerprint
 from kvtier.pd.buffer import PDBuffer
 from kvtier.storage.disk.tier import DiskTier
 from kvtier.storage.redis.tier import RedisTier

@@ -31,7 +31,8 @@ import torch
 from kvtier.bench.timing import best_interleaved, best_seconds, gbps
 from kvtier.config import Config
 from kvtier.engine import Engine
-from kvtier.keys import Fingerprint, KeyChain
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import KeyChain
 from kvtier.layout import KVLayout
 from kvtier.storage import codecs
 

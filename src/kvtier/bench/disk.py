@@ -46,7 +46,7 @@ import torch
 
 from kvtier.bench.codec_data import kv_page, reads_back
 from kvtier.bench.timing import gbps
-from kvtier.keys import Fingerprint
+from kvtier.fingerprint import Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.memory.block_pool import BlockPool
 from kvtier.storage import codecs

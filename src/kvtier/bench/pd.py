@@ -79,7 +79,8 @@ from kvtier.bench.timing import best_interleaved, gbps
 from kvtier.config import Config
 from kvtier.config.channels import NIXL_UNAVAILABLE, nixl_installed
 from kvtier.engine import Engine
-from kvtier.keys import Fingerprint, KeyChain
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import KeyChain
 from kvtier.layout import KVLayout
 from kvtier.memory.stream_copy import HASH_ISA, STREAMING, copy_bytes
 from kvtier.pd.channels.shm import POPULATE, SHM_DIR

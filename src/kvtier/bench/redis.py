@@ -48,7 +48,8 @@ from kvtier.config import Config
 from kvtier.config.remote_url import mask_password, parse_remote_url
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError
-from kvtier.keys import Fingerprint, KeyChain
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import KeyChain
 from kvtier.layout import KVLayout
 from kvtier.storage import codecs, records
 from kvtier.storage.base import PutResult

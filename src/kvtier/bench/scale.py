@@ -53,7 +53,8 @@ from kvtier.bench.redis import _server as redis_server
 from kvtier.bench.timing import best_seconds, gbps
 from kvtier.config import Config
 from kvtier.engine import Engine
-from kvtier.keys import Fingerprint, KeyChain
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import KeyChain
 from kvtier.layout import KVLayout
 from kvtier.storage.disk import files
 from kvtier.storage.disk.options import DiskOptions

@@ -31,7 +31,8 @@ import torch
 from kvtier.bench.codec_data import synthetic_kv
 from kvtier.bench.trace_file import Trace
 from kvtier.bench.trace_sims import replay
-from kvtier.keys import ChunkKey, Fingerprint
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.memory.block_pool import BlockPool
 from kvtier.storage.codecs import PayloadCodec

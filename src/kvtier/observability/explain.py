@@ -59,7 +59,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from kvtier.keys import ChunkKey, ChunkSpan, ChunkSpans, Fingerprint, as_token_array
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import ChunkKey, ChunkSpan, ChunkSpans
 from kvtier.observability.explain_record import RequestExplain, Run, append_run
 from kvtier.observability.fingerprints import (
     FINGERPRINTS,
@@ -67,6 +68,7 @@ from kvtier.observability.fingerprints import (
     fingerprint_diff,
     token_chain,
 )
+from kvtier.tokens import as_token_array
 
 NOT_STORED = "not stored"
 EVICTED = "evicted"

@@ -13,7 +13,8 @@ from dataclasses import fields
 
 import xxhash
 
-from kvtier.keys import Fingerprint, as_token_array
+from kvtier.fingerprint import Fingerprint
+from kvtier.tokens import as_token_array
 
 
 def token_chain(tokens: object, chunk_size: int, count: int) -> list[bytes]:

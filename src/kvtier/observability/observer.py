@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.keys import ChunkKey, ChunkSpan, Fingerprint
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.observability.explain import ExplainLog
 from kvtier.observability.histogram import LATENCY_BUCKETS, LEASE_BUCKETS, Histogram
 from kvtier.observability.logs import log_request_end

@@ -40,7 +40,8 @@ import torch
 from kvtier.config import Config
 from kvtier.cpu_affinity import unpin_current_thread
 from kvtier.errors import ConfigError, InputError, StateError, TransferError, TransferTimeout
-from kvtier.keys import ChunkKey, Fingerprint
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.lease import LeaseTable
 from kvtier.memory.block_pool import BlockPool, pages_for_capacity

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvtier.config import Config
 from kvtier.errors import StateError
-from kvtier.keys import Fingerprint
+from kvtier.fingerprint import Fingerprint
 from kvtier.lease import Hold, LeaseTable
 from kvtier.lifecycle import CallGuard
 from kvtier.pd.buffer import PDBuffer

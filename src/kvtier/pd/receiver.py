@@ -50,7 +50,8 @@ from kvtier.errors import (
     TransferError,
     TransferTimeout,
 )
-from kvtier.keys import ChunkKey, Fingerprint
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import ChunkKey
 from kvtier.lease import Hold
 from kvtier.pd.auth import challenge_sender, check_listen
 from kvtier.pd.buffer import PDBuffer, Reservation, TooLarge

@@ -31,9 +31,10 @@ import torch
 from kvtier.cache import Hit, KVCache
 from kvtier.config import Config
 from kvtier.errors import InputError, StateError, TransferError
-from kvtier.keys import RequestKeys, RequestSalt
+from kvtier.keys import RequestKeys
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.lifecycle import Lifecycle
+from kvtier.request_salt import RequestSalt
 from kvtier.server import protocol as wire
 from kvtier.server.endpoint import is_default, socket_path
 from kvtier.server.link import ServerLink

@@ -52,7 +52,7 @@ from kvtier.errors import (
     TransferError,
     TransferTimeout,
 )
-from kvtier.keys import RequestSalt
+from kvtier.request_salt import RequestSalt
 from kvtier.server import protocol as wire
 from kvtier.server.models import ModelTable
 from kvtier.server.sessions import Session

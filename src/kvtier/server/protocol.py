@@ -45,7 +45,7 @@ import msgspec
 
 from kvtier.framing import HEADER as HEADER  # tests build frames by hand
 from kvtier.framing import FrameReader, Framing
-from kvtier.keys import RequestSalt
+from kvtier.request_salt import RequestSalt
 
 MAGIC = b"KVS"
 VERSION = 1

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from kvtier.engine import Engine
 from kvtier.errors import CapacityError
-from kvtier.keys import RequestSalt
+from kvtier.request_salt import RequestSalt
 from kvtier.server.models import ModelSlot
 from kvtier.storage.writes import StoreSlot
 

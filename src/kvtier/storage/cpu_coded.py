@@ -15,7 +15,7 @@ other codec an entry is the codec's stored bytes, and the RAM is split in two
             tier that is not ``resident`` as it treats a lower tier
     load    the stored bytes' checksum checked, then decoded into a staging page held by
             the request's lease; copied into the caller's tensor, that page is reused for
-            the next chunk (``StorageManager.load``), so a hit is not bounded by the pages
+            the next chunk (``PlanLoader.load``), so a hit is not bounded by the pages
 
 So staging pages bound what is in flight (the chunks of stores being encoded, of lower-tier
 writes not yet landed, of hits a reader of pages holds), and the coded store bounds what is
@@ -53,7 +53,8 @@ from typing import Any
 import torch
 
 from kvtier.errors import ConfigError, CorruptRecord
-from kvtier.keys import ChunkKey, Fingerprint
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.lease import LeaseTable
 from kvtier.memory.block_pool import BlockPool
@@ -117,7 +118,7 @@ class CodedEntry:
 class CodedCpuTier(CpuTier):
     """The CPU tier storing each chunk through ``codec`` into ``store`` (module docstring)."""
 
-    resident = False  # a hit is decoded into a staging page at load (StorageManager)
+    resident = False  # a hit is decoded into a staging page at load (PlanLoader)
 
     def __init__(
         self,

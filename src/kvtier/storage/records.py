@@ -72,7 +72,8 @@ import torch
 import xxhash
 
 from kvtier.errors import CorruptRecord, UnknownRecordFormat
-from kvtier.keys import KEY_BYTES, ChunkKey, Fingerprint
+from kvtier.fingerprint import KEY_BYTES, Fingerprint
+from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.storage.codecs import IDENTITY, PayloadCodec, codec_by_id
 

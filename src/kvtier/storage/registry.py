@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from kvtier.config import Config
 from kvtier.config.remote_url import REDIS_SCHEMES, mask_password
 from kvtier.errors import ConfigError
-from kvtier.keys import Fingerprint
+from kvtier.fingerprint import Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.storage.base import Tier
 

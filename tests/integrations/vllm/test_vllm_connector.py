@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier.keys import Fingerprint, KeyChain
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import KeyChain
 from kvtier.layout import KVLayout
 from tests.redis_servers import RedisServer, free_port
 

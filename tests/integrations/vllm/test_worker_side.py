@@ -24,7 +24,7 @@ from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.rpc import Hit, LookupClient
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
-from kvtier.keys import ExtraKeys
+from kvtier.request_salt import ExtraKeys
 from kvtier.service import Service
 
 LAYERS, HEADS, DIM, BLOCK, BLOCKS, CHUNK = 2, 2, 8, 16, 64, 32

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvtier.config.remote_url import parse_remote_url
-from kvtier.keys import Fingerprint
+from kvtier.fingerprint import Fingerprint
 from kvtier.storage import records
 from kvtier.storage.codecs import FP8, IDENTITY, INT8, LOSSLESS, PayloadCodec
 from kvtier.storage.disk.tier import DiskTier

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvtier.keys import Fingerprint
+from kvtier.fingerprint import Fingerprint
 from kvtier.storage.codecs import IDENTITY, PayloadCodec
 from kvtier.storage.disk.options import DiskOptions
 from kvtier.storage.disk.tier import DiskTier

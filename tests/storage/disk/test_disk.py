@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvtier.errors import ConfigError, StateError
-from kvtier.keys import Fingerprint
+from kvtier.fingerprint import Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.storage.base import PutOutcome, PutResult
 from kvtier.storage.disk.files import READ_BLOCK

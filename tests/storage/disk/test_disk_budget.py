@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.keys import ChunkKey, Fingerprint
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import ChunkKey
 from kvtier.storage.base import PutOutcome
 from kvtier.storage.disk.tier import DiskTier
 from tests.storage.disk.disk_helpers import RECORD_BYTES, chunk_files, make_tier

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.keys import Fingerprint
+from kvtier.fingerprint import Fingerprint
 from kvtier.storage.disk import files, snapshot
 from kvtier.storage.disk.tier import DiskTier
 from kvtier.storage.records import HEADER_SIZE, encode_header

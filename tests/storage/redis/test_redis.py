@@ -16,7 +16,7 @@ import torch
 from kvtier import Engine
 from kvtier.config.remote_url import parse_remote_url
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.keys import Fingerprint
+from kvtier.fingerprint import Fingerprint
 from kvtier.storage import records
 from kvtier.storage.base import PutOutcome
 from kvtier.storage.redis.options import RedisOptions

@@ -3,7 +3,7 @@
 vLLM's own prefix cache keys a block by its tokens and by "extra keys"
 (``vllm.v1.core.kv_cache_utils.generate_block_hash_extra_keys``). kvtier asks that same
 function for the extra keys of every chunk, so it keys by exactly what vLLM keys by, and
-turns each kind into :class:`~kvtier.keys.ExtraKeys`::
+turns each kind into :class:`~kvtier.request_salt.ExtraKeys`::
 
     vLLM's extra key                      kvtier
     ("cache_salt", salt)   first block    ExtraKeys.salt: re-seeds every key of the request
@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 import xxhash
 
-from kvtier.keys import ExtraKeys, RequestSalt, check_salt
+from kvtier.request_salt import ExtraKeys, RequestSalt, check_salt
 
 log = logging.getLogger(__name__)
 

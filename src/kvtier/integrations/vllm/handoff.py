@@ -30,8 +30,8 @@ from typing import Any
 from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.metadata import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, TRANSFER_ID
 from kvtier.integrations.vllm.rpc import LookupClient, PullFrom
-from kvtier.keys import RequestSalt
 from kvtier.repeated_log import RepeatedLog
+from kvtier.request_salt import RequestSalt
 
 log = logging.getLogger(__name__)
 

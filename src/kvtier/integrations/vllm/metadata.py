@@ -14,7 +14,7 @@ vLLM's first KV cache group (a position ``p`` lives in ``block_ids[p // block_si
 
 Both carry the prompt's tokens (a load: the whole prompt, which is what the lookup hashed, so
 the worker reuses the pinned plan; a save: the prompt up to ``end``) and the request's salt:
-vLLM's ``cache_salt``, or :class:`~kvtier.keys.ExtraKeys` with its LoRA adapter, images and
+vLLM's ``cache_salt``, or :class:`~kvtier.request_salt.ExtraKeys` with its LoRA adapter, images and
 prompt embeddings too (:mod:`.extra_keys`), which key every chunk of the request. The
 metadata is pickled to the worker processes, so it holds plain Python values only.
 """
@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvtier.keys import RequestSalt
+from kvtier.request_salt import RequestSalt
 
 # PD: keys of vLLM's per-request kv_transfer_params (the hand-off is drawn in .pd).
 TRANSFER_ID = "kvtier_transfer_id"  # kvtier's own: the prefiller's id for the transfer

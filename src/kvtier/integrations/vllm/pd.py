@@ -37,11 +37,12 @@ import torch
 from kvtier.cpu_affinity import unpin_current_thread
 from kvtier.engine import Engine
 from kvtier.errors import KVTierError
-from kvtier.keys import ChunkKey, ChunkSpan, RequestSalt
+from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.pd.puller import Puller
 from kvtier.pd.receiver import PDReceiver
 from kvtier.pd.sender import PDSender, chunks_from_kv
 from kvtier.pd.source import PDSource
+from kvtier.request_salt import RequestSalt
 from kvtier.service import Service
 
 log = logging.getLogger(__name__)

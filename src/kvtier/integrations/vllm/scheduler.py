@@ -72,8 +72,8 @@ from kvtier.integrations.vllm.extra_keys import RequestKeyer
 from kvtier.integrations.vllm.handoff import Handoff, Source
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.rpc import Hit, LookupClient
-from kvtier.keys import ExtraKeys, RequestSalt
 from kvtier.repeated_log import RepeatedLog
+from kvtier.request_salt import ExtraKeys, RequestSalt
 
 log = logging.getLogger(__name__)
 

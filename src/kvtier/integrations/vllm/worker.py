@@ -59,8 +59,9 @@ from kvtier.integrations.vllm.pd import DecoderPulls, PDEndpoint
 from kvtier.integrations.vllm.rpc import LookupServer
 from kvtier.integrations.vllm.states import PagedState
 from kvtier.integrations.vllm.worker_channel import WorkerChannel
-from kvtier.keys import ChunkKey, ChunkSpan, ExtraKeys
+from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.layout import GroupKind, KVGroup, KVLayout
+from kvtier.request_salt import ExtraKeys
 from kvtier.server.client import ServerClient
 from kvtier.service import Service
 from kvtier.storage.cpu import CpuTier

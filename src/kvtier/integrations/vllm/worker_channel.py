@@ -11,7 +11,7 @@ from kvtier.engine import Engine
 from kvtier.errors import StateError
 from kvtier.integrations.vllm.pd import DecoderPulls, PDEndpoint
 from kvtier.integrations.vllm.rpc import Hit, Leak, PullFrom
-from kvtier.keys import RequestSalt
+from kvtier.request_salt import RequestSalt
 
 
 class ServedWorker(Protocol):

@@ -31,7 +31,7 @@ import threading
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.keys import Fingerprint
+from kvtier.fingerprint import Fingerprint
 from kvtier.layout import dtype_name
 from kvtier.storage.codecs import verdicts
 from kvtier.storage.codecs.base import CODEC_ID_MAX, Buffer, PayloadCodec

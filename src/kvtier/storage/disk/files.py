@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.errors import CorruptRecord
-from kvtier.keys import KEY_BYTES, ChunkKey, Fingerprint
+from kvtier.fingerprint import KEY_BYTES, Fingerprint
+from kvtier.keys import ChunkKey
 from kvtier.storage.records import HEADER_SIZE, RecordHeader, decode_header, stored_target
 
 SUFFIX = ".kvc"

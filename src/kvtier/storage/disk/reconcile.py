@@ -35,7 +35,8 @@ import threading
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvtier.keys import ChunkKey, Fingerprint
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import ChunkKey
 from kvtier.storage.disk import files
 from kvtier.storage.disk.budget import Evicted
 from kvtier.storage.disk.index import DiskEntry, DiskIndex

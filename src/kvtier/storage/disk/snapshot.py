@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvtier.keys import KEY_BYTES, ChunkKey, Fingerprint
+from kvtier.fingerprint import KEY_BYTES, Fingerprint
+from kvtier.keys import ChunkKey
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvtier.config.sizes import format_size
-from kvtier.keys import ChunkKey, Fingerprint
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import ChunkKey
 from kvtier.storage.codecs import PayloadCodec
 from kvtier.storage.disk import files, snapshot
 from kvtier.storage.disk.budget import BudgetMember, DirectoryBudget, Evicted

@@ -61,7 +61,8 @@ import torch
 from kvtier.config import Config
 from kvtier.config.sizes import format_size
 from kvtier.errors import ConfigError, StateError
-from kvtier.keys import ChunkKey, Fingerprint
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import CallGuard, Lifecycle
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage

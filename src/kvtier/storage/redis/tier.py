@@ -50,7 +50,8 @@ from redis.exceptions import AskError, MovedError, ResponseError
 from kvtier.config import Config
 from kvtier.config.remote_url import RemoteTarget, parse_remote_url
 from kvtier.errors import CorruptRecord, StateError, TierError, TierUnavailable, UnknownRecordFormat
-from kvtier.keys import ChunkKey, Fingerprint
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import CallGuard, Lifecycle
 from kvtier.repeated_log import RepeatedLog

@@ -46,7 +46,7 @@ from kvtier.integrations.vllm.rpc.messages import (
     send,
     socket_path,
 )
-from kvtier.keys import RequestSalt
+from kvtier.request_salt import RequestSalt
 
 R = TypeVar("R", bound=Reply)
 

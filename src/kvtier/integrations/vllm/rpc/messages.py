@@ -17,7 +17,7 @@ from kvtier import local_sockets
 from kvtier.errors import InputError
 from kvtier.framing import HEADER as HEADER  # tests build frames by hand
 from kvtier.framing import FrameReader, Framing
-from kvtier.keys import RequestSalt
+from kvtier.request_salt import RequestSalt
 
 MAGIC = b"KVL"
 VERSION = 1
