@@ -53,7 +53,7 @@ from kvtier.errors import (
 from kvtier.keys import ChunkKey, Fingerprint
 from kvtier.lease import Hold
 from kvtier.pd.auth import challenge_sender, check_listen
-from kvtier.pd.buffer import PDBuffer, Reservation, TooLarge
+from kvtier.pd.buffer import PDBuffer, TooLarge
 from kvtier.pd.guard import Connection, ConnectionGuard
 from kvtier.pd.protocol import (
     Abort,
@@ -69,6 +69,7 @@ from kvtier.pd.protocol import (
     recv_message,
     send_message,
 )
+from kvtier.pd.reservation import Reservation
 
 log = logging.getLogger(__name__)
 
