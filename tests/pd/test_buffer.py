@@ -16,9 +16,10 @@ from kvtier.config.channels import check_channel
 from kvtier.errors import ConfigError, TransferTimeout
 from kvtier.lease import LeaseTable
 from kvtier.memory.block_pool import BlockPool
-from kvtier.pd.buffer import PDBuffer, Reservation, TooLarge
+from kvtier.pd.buffer import PDBuffer, TooLarge
 from kvtier.pd.channels.base import checksum
 from kvtier.pd.channels.tcp import TcpReceiver
+from kvtier.pd.reservation import Reservation
 from kvtier.storage.base import OnDone, PutOutcome, PutResult
 from tests.conftest import SMALL_LAYOUT, make_tokens, small_config
 from tests.storage.tier_contract import (

@@ -16,9 +16,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvtier.errors import TransferTimeout
 from kvtier.lease import CallbackHold, LeaseTable
 from kvtier.memory.block_pool import BlockPool
-from kvtier.pd.buffer import PDBuffer, Reservation, TooLarge
+from kvtier.pd.buffer import PDBuffer, TooLarge
 from kvtier.pd.channels.base import checksum
 from kvtier.pd.channels.tcp import TcpReceiver
+from kvtier.pd.reservation import Reservation
 from tests.storage.tier_contract import PAGE_BYTES, TOKEN_BYTES
 
 KEYS = [os.urandom(16) for _ in range(7)]

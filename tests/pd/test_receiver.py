@@ -309,9 +309,9 @@ def test_transfer_arriving_after_the_decoder_ended_the_request_is_refused(
 def test_outcomes_nobody_collects_are_bounded(
     make_decoder: Callable[..., Decoder], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvtier.pd import receiver as receiver_module
+    from kvtier.pd import outcomes
 
-    monkeypatch.setattr(receiver_module, "MAX_UNCOLLECTED_OUTCOMES", 3)
+    monkeypatch.setattr(outcomes, "MAX_UNCOLLECTED_OUTCOMES", 3)
     engine, receiver = make_decoder("tcp")
     with sender("tcp", receiver.port) as tx:
         for i in range(5):

@@ -31,15 +31,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvtier.config import Config
-from kvtier.cpu_affinity import unpin_current_thread
-from kvtier.errors import ConfigError, InputError, StateError, TransferError, TransferTimeout
+from kvtier.errors import ConfigError, StateError, TransferError, TransferTimeout
 from kvtier.fingerprint import Fingerprint
 from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
@@ -47,7 +45,9 @@ from kvtier.lease import LeaseTable
 from kvtier.memory.block_pool import BlockPool, pages_for_capacity
 from kvtier.pd.channels import receiver_channel
 from kvtier.pd.channels.base import ReceiverChannel
-from kvtier.pd.checksum import CopyThreads, checksum
+from kvtier.pd.checksum import checksum
+from kvtier.pd.reservation import Reservation
+from kvtier.pd.serve_copy import ServeCopier
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierCounters, TierUsage
 from kvtier.storage.key_pins import KeyPins
 
@@ -64,44 +64,6 @@ class _Entry:
     num_tokens: int
     checksum: int = 0
     ready: bool = False  # verified and visible to lookups
-
-
-class Reservation:
-    """The pages one request holds in the receive buffer (a lease Hold; released once)."""
-
-    def __init__(
-        self, tier: PDBuffer, request_id: str, pages: list[int], new: dict[int, ChunkKey]
-    ) -> None:
-        self.tier = tier
-        self.request_id = request_id
-        self.pages = pages  # one reference each, owned by this reservation
-        self.new = new  # page -> key for the chunks this request's sender must fill
-        self._released = False
-        self._lock = threading.Lock()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the receive buffer this reservation holds now (0 once released)."""
-        return 0 if self._released else len(self.pages) * self.tier.page_bytes
-
-    def release(self) -> None:
-        with self._lock:
-            if self._released:
-                return
-            self._released = True
-        self.tier._end_reservation(self)
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def describe(self) -> str:
-        if self._released:
-            return f"pd reservation of {len(self.pages)} pages (released)"
-        received = self.tier.received_count(self)
-        text = f"pd reservation of {len(self.pages)} pages ({received} of {len(self.new)} received"
-        held = len(self.pages) - len(self.new)
-        return text + (f", {held} already held)" if held else ")")
 
 
 @dataclass
@@ -145,8 +107,7 @@ class PDBuffer(Tier):
         self._page_key: dict[int, ChunkKey] = {}
         self._key_pins = KeyPins()
         self._cond = threading.Condition(threading.RLock())
-        self._helper: ThreadPoolExecutor | None = None  # copies and hashes half a served chunk
-        self._copier: CopyThreads | None = None
+        self._serving = ServeCopier()
 
     @classmethod
     def from_config(cls, config: Config, layout: KVLayout, fingerprint: Fingerprint) -> PDBuffer:
@@ -171,10 +132,7 @@ class PDBuffer(Tier):
         with self._cond:
             if self._pool is None:
                 self._pool = self.channel.make_pool(self.num_pages, self.page_bytes)
-                self._helper = ThreadPoolExecutor(
-                    1, thread_name_prefix="kvtier-pd-serve", initializer=unpin_current_thread
-                )
-                self._copier = CopyThreads(self._helper)
+                self._serving.open()
 
     def close(self) -> None:
         with self._cond:
@@ -185,10 +143,7 @@ class PDBuffer(Tier):
             self._cond.notify_all()
         if pool is not None:
             pool.close()
-        helper, self._helper = self._helper, None
-        self._copier = None
-        if helper is not None:
-            helper.shutdown(wait=True)
+        self._serving.close()
         self.channel.close()
 
     @property
@@ -289,7 +244,8 @@ class PDBuffer(Tier):
         with self._cond:
             setattr(self.counters, name, getattr(self.counters, name) + n)
 
-    def _end_reservation(self, reservation: Reservation) -> None:
+    def end_reservation(self, reservation: Reservation) -> None:
+        """Give back ``reservation``'s references (its :meth:`~Reservation.release`, once)."""
         with self._cond:
             if self._pool is None:
                 return  # closed: the whole pool is gone
@@ -328,21 +284,9 @@ class PDBuffer(Tier):
                 return None
             nbytes = self.payload_bytes(entry.num_tokens)
             src = self.pool.page_bytes_view(entry.page, nbytes)
-            if out.dtype == torch.uint8 and out.dim() == 1:
-                dst = out[:nbytes]
-            elif out.numel() * out.element_size() == nbytes:
-                dst, src = out, src.view(out.dtype).view(out.shape)
-            else:
-                raise InputError(
-                    f"PD chunk {key.hex()}: out must be uint8 bytes or a view of its "
-                    f"{entry.num_tokens} tokens ({nbytes} bytes), got {out.dtype} "
-                    f"{tuple(out.shape)}"
-                )
-            # Copy and verify in one pass: each piece of the page is copied out, then hashed
-            # from the cache the copy left it in, so the bytes checked are the bytes served.
-            # On a mismatch out holds garbage, but the caller serves nothing from a miss.
-            assert self._copier is not None  # set with the pool, at open
-            if self._copier.copy(dst, src) != entry.checksum:
+            # Copied and verified in one pass (serve_copy): on a mismatch out holds garbage,
+            # but the caller serves nothing from a miss.
+            if self._serving.copy(key, entry.num_tokens, src, out) != entry.checksum:
                 log.error("PD chunk %s does not match its sender's checksum; dropped", key.hex())
                 self.counters.corrupt += 1
                 self._drop(key, entry)

@@ -1,11 +1,11 @@
 """The decoder side of a pulled transfer (xPyD): dial the prefiller a request names, claim its
 transfer, receive it into the PD receive buffer.
 
-The conversation is the receiver's own (:mod:`kvtier.pd.receiver`): the same handshake, the
+The conversation is the receiver's own (:mod:`kvtier.pd.conversation`): the same handshake, the
 same reservation into the transfer id's lease, the same checksum per chunk, on a connection
 the decoder dialed instead of accepted (see :mod:`kvtier.pd.source` for the prefiller's end).
 Whatever goes wrong (the prefiller unreachable, dead mid-transfer, refusing the claim, a bad
-chunk) ends in a failed :class:`~kvtier.pd.receiver.TransferOutcome`, with everything the
+chunk) ends in a failed :class:`~kvtier.pd.outcomes.TransferOutcome`, with everything the
 transfer reserved given back: the decoder then prefills what it did not receive. Every wait
 has a deadline (the receiver's watchdog), so a pull never hangs.
 
@@ -23,9 +23,11 @@ from collections.abc import Sequence
 
 from kvtier.errors import ProtocolError, TransferError
 from kvtier.keys import ChunkKey
+from kvtier.pd.conversation import RequestInFlight
 from kvtier.pd.guard import Connection
+from kvtier.pd.outcomes import TransferOutcome
 from kvtier.pd.protocol import AllocRequest, ErrorReply, Pull, recv_message, send_message
-from kvtier.pd.receiver import PDReceiver, TransferOutcome, _InFlight
+from kvtier.pd.receiver import PDReceiver
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ class Puller:
             log.warning("PD pull of %r from %s:%d: %s", transfer_id, host, port, exc)
             return TransferOutcome(False, str(exc))
         receiver = self.receiver
-        current: _InFlight | None = None
+        current: RequestInFlight | None = None
         try:
             send_message(state.sock, Pull(transfer_id, list(keys)))
             while True:
@@ -70,14 +72,14 @@ class Puller:
                     break
                 if isinstance(msg, AllocRequest):
                     _check_claim(msg, transfer_id, keys)
-                current = receiver._handle(state, msg, current)
+                current = receiver.conversation.handle(state, msg, current)
                 if current is None:  # DoneReply sent, or the request refused or aborted
                     taken = receiver.wait_outcome(transfer_id, 0)
                     outcome = taken or TransferOutcome(False, "no outcome recorded")
                     break
         except TransferError as exc:
             error = TransferError(state.overdue) if state.overdue else exc
-            receiver._closed_on(state, current, error)
+            receiver.conversation.connection_failed(state, current, error)
             receiver.wait_outcome(transfer_id, 0)  # taken here: nobody else asks
             self._drop(state)
             self.failures += 1
@@ -117,9 +119,10 @@ class Puller:
         if state is None:
             raise TransferError("pd_max_connections are open; not pulling")
         try:
-            receiver._handshake(state)
+            receiver.conversation.handshake(state)
         except TransferError as exc:
-            receiver._closed_on(state, None, TransferError(state.overdue) if state.overdue else exc)
+            error = TransferError(state.overdue) if state.overdue else exc
+            receiver.conversation.connection_failed(state, None, error)
             self._drop(state)
             raise
         return state

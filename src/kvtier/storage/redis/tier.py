@@ -10,7 +10,8 @@ The fingerprint in every name keeps models, layouts and tenants apart and lets :
 delete exactly this engine's namespace (``SCAN MATCH kvtier:<fp>:*``). Names carry no
 ``{hash tag}``, so a cluster spreads chunks over all its masters.
 
-Protocol (see :mod:`kvtier.storage.base`), and how each call behaves here:
+Protocol (see :mod:`kvtier.storage.base`), and how each call behaves here (the Redis commands
+behind each, for one server or a cluster, are in :mod:`kvtier.storage.redis.commands`):
 
 * ``contains(keys)``: one round trip: a script running ``EXISTS`` per key on one server, a
   pipeline of ``EXISTS`` on a cluster (one round per master).
@@ -45,7 +46,7 @@ from typing import Any, TypeVar
 
 import torch
 from redis.cluster import RedisCluster
-from redis.exceptions import AskError, MovedError, ResponseError
+from redis.exceptions import ResponseError
 
 from kvtier.config import Config
 from kvtier.config.remote_url import RemoteTarget, parse_remote_url
@@ -58,21 +59,21 @@ from kvtier.repeated_log import RepeatedLog
 from kvtier.storage import records
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierCounters, TierUsage
 from kvtier.storage.codecs import IDENTITY, PayloadCodec, codec_from_config, tier_fingerprint
+from kvtier.storage.redis.commands import (
+    exists_by_script,
+    exists_pipelined,
+    read_record,
+    send_record,
+    server_usage,
+    unlink_matching,
+)
 from kvtier.storage.redis.link import RedisLink
 from kvtier.storage.redis.options import RedisOptions
-from kvtier.storage.redis.wire import get_into, set_parts
 from kvtier.storage.write_queue import Write, WriteQueue, complete
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# One EXISTS per key in a single command: on one server this answers a 512-chunk lookup in
-# about 0.8 ms, against 2.4 ms for a redis-py pipeline of 512 EXISTS (packing in Python
-# dominates). A cluster refuses scripts over keys in different slots, so it pipelines.
-_EXISTS_EACH = (
-    "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end return r"
-)
 
 
 @dataclass
@@ -173,17 +174,12 @@ class RedisTier(Tier):
         def exists(client: Any) -> list[Any]:
             if self._use_script and not isinstance(client, RedisCluster):
                 try:
-                    return list(client.eval(_EXISTS_EACH, len(names), *names))
+                    return exists_by_script(client, names)
                 except ResponseError as exc:
                     # Scripting disabled or restricted (some managed services): pipeline.
                     log.info("redis EVAL refused (%s); using pipelined EXISTS", exc)
                     self._use_script = False
-            if isinstance(client, RedisCluster):
-                return _cluster_exists(client, names)
-            pipe = client.pipeline(transaction=False)
-            for name in names:
-                pipe.exists(name)
-            return list(pipe.execute())
+            return exists_pipelined(client, names)
 
         try:
             return [bool(n) for n in self._call(exists)]
@@ -196,8 +192,11 @@ class RedisTier(Tier):
             return self._get_into(key, out)
 
     def _get_into(self, key: ChunkKey, out: torch.Tensor) -> int | None:
+        name = self.redis_name(key)
         try:
-            tokens = self._call(lambda client: self._read(client, key, out))
+            tokens = self._call(
+                lambda client: read_record(client, name, key, self.fingerprint, out)
+            )
         except UnknownRecordFormat as exc:
             # Kept: another engine of the fleet may read it, and a store of ours replaces it.
             self._repeated.warning(
@@ -225,47 +224,6 @@ class RedisTier(Tier):
             self._bump(hits=1, bytes_read=self.layout.payload_bytes(tokens))
         return tokens
 
-    def _read(self, client: Any, key: ChunkKey, out: torch.Tensor) -> int | None:
-        name = self.redis_name(key)
-        head = bytearray(records.header_size())
-        found: list[tuple[records.RecordHeader, memoryview]] = []
-
-        def place(head_view: memoryview, rest: int) -> memoryview:
-            header = records.decode_header(head_view, self.fingerprint, key)
-            if header.stored_len != rest:
-                raise CorruptRecord(
-                    f"record has {rest} stored bytes, header says {header.stored_len}"
-                )
-            stored = records.stored_target(header, out)  # identity: the page itself
-            found.append((header, stored))
-            return stored
-
-        hasher = records.payload_hasher()  # fed as the stored bytes land: no second pass
-        pool = self._pool_for(client, name)
-        conn = pool.get_connection()
-        try:
-            length = get_into(conn, name, memoryview(head), place, hasher.update)
-        except ValueError as exc:
-            raise CorruptRecord(str(exc)) from exc
-        except (MovedError, AskError):
-            # The slot moved (cluster resharding): let redis-py follow the redirect.
-            return self._read_via_client(client, key, name, out)
-        finally:
-            pool.release(conn)
-        if length is None:
-            return None
-        header, stored = found[0]
-        records.finish_read(header, hasher.digest(), stored, out, self.fingerprint.layout)
-        return header.num_tokens
-
-    def _read_via_client(
-        self, client: Any, key: ChunkKey, name: bytes, out: torch.Tensor
-    ) -> int | None:
-        value = client.get(name)
-        if value is None:
-            return None
-        return records.decode_record_into(value, self.fingerprint, key, out)
-
     # -- writes ----------------------------------------------------------------------------
     def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
         """Raises StateError when closed (as before); a put racing close is either queued
@@ -285,7 +243,8 @@ class RedisTier(Tier):
                 job.key, self.fingerprint, job.num_tokens, job.payload, self.codec
             )
             name = self.redis_name(job.key)
-            self._call(lambda client: self._send(client, name, [header, stored]))
+            parts: list[bytes | memoryview] = [header, stored]
+            self._call(lambda client: send_record(client, name, parts, self._set_options))
         except (TierError, ValueError, TypeError) as exc:
             self._note_failure("write", exc)
             self._bump(failed=1)
@@ -293,16 +252,6 @@ class RedisTier(Tier):
         self._bump(stored=1, bytes_written=stored.nbytes)
         self.report_added((job.key,))  # the server has it now, not when it was queued
         return PutResult(job.key, PutOutcome.STORED)
-
-    def _send(self, client: Any, name: bytes, parts: list[bytes | memoryview]) -> None:
-        pool = self._pool_for(client, name)
-        conn = pool.get_connection()
-        try:
-            set_parts(conn, name, parts, self._set_options)
-        except (MovedError, AskError):
-            client.set(name, b"".join(parts), px=_px(self._set_options))
-        finally:
-            pool.release(conn)
 
     def flush(self, timeout: float | None = None) -> bool:
         return self.writes.flush(timeout)
@@ -351,21 +300,7 @@ class RedisTier(Tier):
         with self._lock:
             keep = {self.redis_name(k) for k in self._pins}
         pattern = self.prefix + b"*"
-
-        def delete_all(client: Any) -> list[bytes]:
-            removed: list[bytes] = []
-            for server in _servers(client):
-                names = [n for n in server.scan_iter(match=pattern, count=1000) if n not in keep]
-                # One UNLINK per name: a cluster refuses multi-key commands across slots.
-                for start in range(0, len(names), 1000):
-                    batch = names[start : start + 1000]
-                    pipe = server.pipeline(transaction=False)
-                    for name in batch:
-                        pipe.unlink(name)
-                    removed += [n for n, ok in zip(batch, pipe.execute(), strict=True) if ok]
-            return removed
-
-        removed = self._call(delete_all)
+        removed = self._call(lambda client: unlink_matching(client, pattern, keep))
         self.report_removed([self._chunk_key(name) for name in removed])
         return len(removed)
 
@@ -381,17 +316,8 @@ class RedisTier(Tier):
             return self._usage()
 
     def _usage(self) -> TierUsage:
-        def read(client: Any) -> TierUsage:
-            used = capacity = entries = 0
-            for server in _servers(client):
-                info = server.info("memory")
-                used += int(info.get("used_memory", 0))
-                capacity += int(info.get("maxmemory", 0)) or int(info.get("total_system_memory", 0))
-                entries += int(server.dbsize())
-            return TierUsage(used, max(capacity, used), entries)
-
         try:
-            self._last_usage = self._call(read)
+            self._last_usage = self._call(server_usage)
         except TierError as exc:
             self._note_failure("usage", exc)
         self.counters.outages = self.link.outages
@@ -403,12 +329,6 @@ class RedisTier(Tier):
     # -- helpers ---------------------------------------------------------------------------
     def _call(self, fn: Callable[[Any], T]) -> T:
         return self.link.call(fn)
-
-    def _pool_for(self, client: Any, name: bytes) -> Any:
-        if isinstance(client, RedisCluster):
-            node = client.get_node_from_key(name)  # type: ignore[no-untyped-call]
-            return client.get_redis_connection(node).connection_pool
-        return client.connection_pool
 
     def _delete_quietly(self, key: ChunkKey) -> None:
         try:
@@ -425,44 +345,3 @@ class RedisTier(Tier):
         with self._lock:
             for field_name, delta in deltas.items():
                 setattr(self.counters, field_name, getattr(self.counters, field_name) + delta)
-
-
-def _cluster_exists(client: RedisCluster, names: Sequence[bytes]) -> list[Any]:
-    """EXISTS for each name: one plain pipeline per master, not redis-py's cluster pipeline.
-
-    On a timeout the cluster pipeline re-sends each failed command alone on a fresh
-    connection, so a paused master cost ``blocking_timeout_secs`` once per key it holds (6 s
-    for a lookup of 8 chunks with a 1 s timeout); a plain pipeline costs it once. Replies
-    redirected by a moving slot (resharding) are asked again through the cluster client,
-    which follows the redirect."""
-    by_node: dict[str, tuple[Any, list[int]]] = {}
-    for i, name in enumerate(names):
-        node = client.get_node_from_key(name)  # type: ignore[no-untyped-call]
-        by_node.setdefault(node.name, (node, []))[1].append(i)
-    answers: list[Any] = [0] * len(names)
-    redirected: list[int] = []
-    for node, indexes in by_node.values():
-        pipe = client.get_redis_connection(node).pipeline(transaction=False)
-        for i in indexes:
-            pipe.exists(names[i])
-        for i, reply in zip(indexes, pipe.execute(raise_on_error=False), strict=True):
-            if isinstance(reply, MovedError | AskError):
-                redirected.append(i)
-            elif isinstance(reply, Exception):
-                raise reply
-            else:
-                answers[i] = reply
-    for i in redirected:
-        answers[i] = client.exists(names[i])
-    return answers
-
-
-def _servers(client: Any) -> list[Any]:
-    """One plain client per master (the client itself for a single server)."""
-    if isinstance(client, RedisCluster):
-        return [client.get_redis_connection(node) for node in client.get_primaries()]  # type: ignore[no-untyped-call]
-    return [client]
-
-
-def _px(options: Sequence[bytes]) -> int | None:
-    return int(options[1]) if options else None
