@@ -27,7 +27,7 @@ demo: $(STAMP)
 	$(BIN)/kvtier demo
 
 test: $(STAMP) system-deps
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 check: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
