@@ -31,41 +31,21 @@ Each curve comes with a baseline measured in the same run, so a loaded machine s
     trip, pins. Baseline ``redis_contains_ms_<n>_tokens``: the tier's ``contains`` alone.
 
 ``--plot PATH`` writes the curves as a PNG (matplotlib).
+
+This module holds the options, the figures and the plot; the curves are measured in
+:mod:`~kvtier.bench.scale_lookup` (lookup, redis lookup), :mod:`~kvtier.bench.scale_disk`
+(disk restart) and :mod:`~kvtier.bench.scale_cpu` (resident memory, threads).
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
-import shutil
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-import torch
-
-from kvtier.bench.redis import _server as redis_server
-from kvtier.bench.timing import best_seconds, gbps
-from kvtier.config import Config
-from kvtier.engine import Engine
-from kvtier.fingerprint import Fingerprint
-from kvtier.keys import KeyChain
-from kvtier.layout import KVLayout
-from kvtier.storage.disk import files
-from kvtier.storage.disk.options import DiskOptions
-from kvtier.storage.disk.tier import DiskTier
-from kvtier.storage.records import HEADER_SIZE, encode_header
-from kvtier.storage.redis.tier import RedisTier
-
-LOOKUP_LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=16, dtype=torch.bfloat16)
-TINY_LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.bfloat16)
-THROUGHPUT_LAYOUT = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-CHUNK = 256
+from kvtier.bench import scale_cpu, scale_disk, scale_lookup
 
 
 def _ints(text: str) -> list[int]:
@@ -96,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chunk-size",
         type=int,
-        default=CHUNK,
+        default=scale_lookup.CHUNK,
         help="tokens per chunk of the lookup curve and the redis lookup (the vLLM connector's "
         "default is vLLM's block, 128 on its CPU build)",
     )
@@ -109,13 +89,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     curves: dict[str, Any] = {}
     _say("lookup curve")
     result["chunk_size"] = args.chunk_size
-    lookup = _lookup_curve(args.lookup_tokens, args.repeats, args.chunk_size)
+    lookup = scale_lookup.lookup_curve(args.lookup_tokens, args.repeats, args.chunk_size)
     curves["lookup"] = lookup
     for n, (ms, hash_ms) in lookup.items():
         result[f"lookup_ms_{label(n)}_tokens"] = round(ms, 3)
         result[f"hash_ms_{label(n)}_tokens"] = round(hash_ms, 3)
     _say("disk restart curve")
-    disk = _disk_curve(args.disk_files, args.dir)
+    disk = scale_disk.disk_curve(args.disk_files, args.dir, _say)
     curves["disk"] = disk
     for n, row in disk.items():
         result[f"disk_open_s_{label(n)}"] = round(row["open_s"], 3)
@@ -124,9 +104,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result[f"disk_checked_s_{label(n)}"] = round(row["checked_s"], 3)
     result["rss_chunks"] = args.rss_chunks
     _say(f"resident memory of {args.rss_chunks} chunks")
-    result["rss_bytes_per_chunk"] = round(_rss_per_chunk(args.rss_chunks))
+    result["rss_bytes_per_chunk"] = round(scale_cpu.rss_per_chunk(args.rss_chunks))
     _say("CPU tier under concurrent threads")
-    throughput = _throughput(args.threads, args.throughput_chunks, args.duration)
+    throughput = scale_cpu.throughput(args.threads, args.throughput_chunks, args.duration)
     curves["threads"] = throughput
     result["memcpy_gbps"] = round(throughput.pop("memcpy_gbps"), 3)
     for k, row in throughput.items():
@@ -134,7 +114,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result[f"cpu_lookups_per_s_t{k}"] = round(row["lookups_per_s"])
     if args.redis_tokens:
         _say("redis lookup")
-        ms, contains_ms = _redis_lookup(args.redis_tokens, args.repeats, args.chunk_size)
+        ms, contains_ms = scale_lookup.redis_lookup(
+            args.redis_tokens, args.repeats, args.chunk_size
+        )
         result[f"redis_lookup_ms_{label(args.redis_tokens)}_tokens"] = round(ms, 3)
         result[f"redis_contains_ms_{label(args.redis_tokens)}_tokens"] = round(contains_ms, 3)
     result["load_avg_1m_end"] = _load()
@@ -159,338 +141,6 @@ def label(n: int) -> str:
 
 def _load() -> float:
     return round(os.getloadavg()[0], 2)
-
-
-# -- lookup against prompt length ------------------------------------------------------------
-def _lookup_curve(
-    lengths: list[int], repeats: int, chunk: int = CHUNK
-) -> dict[int, tuple[float, float]]:
-    """{tokens: (lookup ms, hash ms)}, medians."""
-    if not lengths:
-        return {}
-    longest = max(lengths)
-    layout = LOOKUP_LAYOUT
-    chunks = longest // chunk
-    config = Config.load(
-        env={},
-        overrides={
-            "chunk_size": chunk,
-            "max_local_cpu_size": f"{chunks * layout.chunk_bytes(chunk)}B",
-        },
-    )
-    tokens = torch.from_numpy(np.random.default_rng(1).integers(0, 32000, longest, dtype=np.int32))
-    chain = KeyChain(Fingerprint("bench-scale-hash", layout, chunk))
-    out: dict[int, tuple[float, float]] = {}
-    with Engine(config, layout, model_name="bench-scale-lookup") as engine:
-        stored = engine.store(tokens, torch.zeros(layout.kv_shape(longest), dtype=layout.dtype))
-        if stored != chunks:
-            raise RuntimeError(f"stored {stored} of {chunks} chunks for the lookup curve")
-        counter = iter(range(1 << 30))
-        for n in sorted(lengths):
-            prefix = tokens[:n]
-            lookups, hashes = [], []
-            for _ in range(max(repeats, 3)):
-                rid = f"l{next(counter)}"
-                start = time.perf_counter()
-                hit = engine.lookup(prefix, rid)
-                lookups.append(time.perf_counter() - start)
-                engine.end_request(rid)
-                if hit != n // chunk * chunk:
-                    raise RuntimeError(f"lookup of {n} tokens hit {hit}")
-                start = time.perf_counter()
-                chain.keys(prefix, include_partial=False)
-                hashes.append(time.perf_counter() - start)
-            out[n] = (float(np.median(lookups)) * 1e3, float(np.median(hashes)) * 1e3)
-    return out
-
-
-# -- disk restart against file count ---------------------------------------------------------
-DISK_FP = Fingerprint("bench-scale-disk", TINY_LAYOUT, 1)
-
-
-def _write_files(path: str, start: int, stop: int) -> None:
-    """Write records for keys start..stop-1 (a worker process: no fsync, test data)."""
-    payload = torch.zeros(TINY_LAYOUT.chunk_bytes(1), dtype=torch.uint8)
-    body = payload.numpy().tobytes()
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    fp_hex = DISK_FP.hex()
-    try:
-        for i in range(start, stop):
-            key = i.to_bytes(16, "big")
-            record = encode_header(key, DISK_FP, 1, payload) + body
-            f = os.open(
-                files.final_name(fp_hex, key),
-                os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                0o644,
-                dir_fd=fd,
-            )
-            try:
-                os.write(f, record)
-            finally:
-                os.close(f)
-    finally:
-        os.close(fd)
-
-
-def _fill(path: str, have: int, want: int) -> None:
-    if want - have < 20_000:  # starting processes costs more than it saves
-        _write_files(path, have, want)
-        return
-    workers = 2
-    step = (want - have + workers - 1) // workers
-    ctx = multiprocessing.get_context("spawn")
-    procs = [
-        ctx.Process(
-            target=_write_files, args=(path, have + j * step, min(want, have + (j + 1) * step))
-        )
-        for j in range(workers)
-    ]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join()
-        if proc.exitcode != 0:
-            raise RuntimeError(f"a file-writing process exited with {proc.exitcode}")
-
-
-def _disk_curve(counts: list[int], where: str | None) -> dict[int, dict[str, float]]:
-    if not counts:
-        return {}
-    record = HEADER_SIZE + TINY_LAYOUT.chunk_bytes(1)
-    top = tempfile.mkdtemp(prefix="kvtier-bench-scale-", dir=where)
-    path = os.path.join(top, "chunks")
-    os.mkdir(path)
-    out: dict[int, dict[str, float]] = {}
-    have = 0
-    probe = torch.empty(TINY_LAYOUT.chunk_bytes(1), dtype=torch.uint8)
-    try:
-        for n in sorted(counts):
-            _say(f"writing {n - have} chunk files")
-            _fill(path, have, n)
-            have = n
-            _say(f"restarts over {n} files")
-            options = DiskOptions(path, capacity_bytes=2 * n * record, io_threads=2)
-            index = os.path.join(path, f".{DISK_FP.hex()}.index")
-            if os.path.exists(index):
-                os.unlink(index)  # no saved index: every header is read
-            first_key = (n - 1).to_bytes(16, "big")
-
-            tier, scan_s, _ = _restart(options, first_key, n, probe)
-            start = time.perf_counter()
-            tier.close()  # saves the index
-            save_s = time.perf_counter() - start
-            tier, open_s, checked_s = _restart(options, first_key, n, probe)
-            tier.close()
-            out[n] = {
-                "open_s": open_s,
-                "scan_open_s": scan_s,
-                "save_s": save_s,
-                "checked_s": checked_s,
-            }
-    finally:
-        shutil.rmtree(top, ignore_errors=True)
-    return out
-
-
-def _restart(
-    options: DiskOptions, key: bytes, n: int, probe: torch.Tensor
-) -> tuple[DiskTier, float, float]:
-    """Open a disk tier over ``n`` files and serve one hit; (the open tier, seconds to the
-    hit, seconds until the background check of a saved index ended)."""
-    tier = DiskTier(options, TINY_LAYOUT, DISK_FP)
-    start = time.perf_counter()
-    tier.open()
-    hit = tier.get_into(key, probe)
-    took = time.perf_counter() - start
-    if not tier.index_checked(3600.0):
-        tier.close()
-        raise RuntimeError(f"a restart over {n} files: the index check did not end")
-    checked = time.perf_counter() - start
-    if hit != 1 or tier.usage().entries != n:
-        tier.close()
-        raise RuntimeError(f"a restart over {n} files found {tier.usage().entries}, hit {hit}")
-    return tier, took, checked
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-# -- resident memory per cached chunk --------------------------------------------------------
-def _rss_child(chunks: int, queue: Any) -> None:
-    chunk_size = 16
-    layout = TINY_LAYOUT
-    batch = min(chunks, 65536)
-    config = Config.load(
-        env={},
-        overrides={
-            "chunk_size": chunk_size,
-            "max_local_cpu_size": f"{chunks * layout.chunk_bytes(chunk_size)}B",
-        },
-    )
-    rng = np.random.default_rng(3)
-    kv = torch.zeros(layout.kv_shape(batch * chunk_size), dtype=layout.dtype)
-    with Engine(config, layout, model_name="bench-scale-rss") as engine:
-        tokens = rng.integers(0, 32000, batch * chunk_size, dtype=np.int32)
-        engine.store(tokens[:chunk_size], kv[:, :, :chunk_size])  # warm every code path
-        engine.clear()
-        before = _rss()
-        stored, seq = 0, 0
-        while stored < chunks:
-            take = min(batch, chunks - stored)
-            tokens = rng.integers(0, 32000, take * chunk_size, dtype=np.int32)
-            tokens[0] = seq  # a distinct first token: a distinct key chain per batch
-            seq += 1
-            stored += engine.store(tokens, kv[:, :, : take * chunk_size])
-        after = _rss()
-        entries = engine.tier("cpu").usage().entries  # type: ignore[union-attr]
-    queue.put(((after - before) / max(entries, 1), entries))
-
-
-def _rss_per_chunk(chunks: int) -> float:
-    """Bytes of resident memory per cached chunk beyond the (pre-touched) page buffer."""
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_rss_child, args=(chunks, queue))
-    proc.start()
-    per_chunk, entries = queue.get(timeout=1800)
-    proc.join()
-    if entries != chunks:
-        raise RuntimeError(f"the CPU tier kept {entries} of {chunks} chunks")
-    return float(per_chunk)
-
-
-# -- CPU tier under concurrent requesters ----------------------------------------------------
-def _throughput(thread_counts: list[int], chunks: int, duration: float) -> dict[Any, Any]:
-    layout = THROUGHPUT_LAYOUT
-    chunk_size = 256
-    num_tokens = chunks * chunk_size
-    nbytes = chunks * layout.chunk_bytes(chunk_size)
-    small = 16384
-    capacity_chunks = chunks + small // chunk_size
-    config = Config.load(
-        env={},
-        overrides={
-            "chunk_size": chunk_size,
-            "max_local_cpu_size": f"{capacity_chunks * layout.chunk_bytes(chunk_size)}B",
-        },
-    )
-    rng = np.random.default_rng(5)
-    tokens = torch.from_numpy(rng.integers(0, 32000, num_tokens, dtype=np.int32))
-    kv = torch.randn(layout.kv_shape(num_tokens)).to(layout.dtype)
-    out: dict[Any, Any] = {}
-    with Engine(config, layout, model_name="bench-scale-threads") as engine:
-        engine.store(tokens, kv)
-        dst = torch.empty_like(kv)
-        dst.copy_(kv)
-        memcpy_s = best_seconds(lambda: dst.copy_(kv), 5)
-        out["memcpy_gbps"] = gbps(nbytes, memcpy_s)
-        lookup_tokens = torch.from_numpy(rng.integers(0, 32000, small, dtype=np.int32))
-        lookup_layout_kv = torch.zeros(layout.kv_shape(small), dtype=layout.dtype)
-        engine.store(lookup_tokens, lookup_layout_kv)
-        for k in thread_counts:
-            buffers = [torch.empty_like(kv) for _ in range(k)]
-            for b in buffers:
-                b.fill_(0)
-
-            def retrieve(i: int, n: int, buffers: list[torch.Tensor] = buffers) -> None:
-                rid = f"t{i}-{n}"
-                engine.lookup(tokens, rid)
-                if engine.retrieve_into(tokens, rid, buffers[i]) != num_tokens:
-                    raise RuntimeError("a concurrent retrieve missed")
-                engine.end_request(rid)
-
-            def lookup(i: int, n: int) -> None:
-                rid = f"q{i}-{n}"
-                engine.lookup(lookup_tokens, rid)
-                engine.end_request(rid)
-
-            retrieves, retrieve_s = _run_threads(k, retrieve, duration)
-            lookups, lookup_s = _run_threads(k, lookup, duration)
-            if not torch.equal(buffers[0], kv):
-                raise RuntimeError("a concurrent retrieve returned other bytes")
-            out[k] = {
-                "gbps": gbps(nbytes * retrieves, retrieve_s),
-                "lookups_per_s": lookups / lookup_s,
-            }
-    return out
-
-
-def _run_threads(k: int, fn: Callable[[int, int], None], duration: float) -> tuple[int, float]:
-    """``k`` threads calling ``fn(thread, n)`` until ``duration`` passes: (total calls,
-    seconds from the start until the last thread finished its last call)."""
-    counts = [0] * k
-    errors: list[BaseException] = []
-    start_gate = threading.Barrier(k + 1)
-    deadline = [0.0]
-
-    def worker(i: int) -> None:
-        start_gate.wait()
-        try:
-            while time.perf_counter() < deadline[0]:
-                fn(i, counts[i])
-                counts[i] += 1
-        except BaseException as exc:  # reported to the caller
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(k)]
-    for thread in threads:
-        thread.start()
-    start = time.perf_counter()
-    deadline[0] = start + duration
-    start_gate.wait()
-    for thread in threads:
-        thread.join()
-    elapsed = time.perf_counter() - start
-    if errors:
-        raise errors[0]
-    return sum(counts), elapsed
-
-
-# -- redis lookup of a long prompt -----------------------------------------------------------
-def _redis_lookup(num_tokens: int, repeats: int, chunk: int = CHUNK) -> tuple[float, float]:
-    layout = LOOKUP_LAYOUT
-    chunks = num_tokens // chunk
-    tokens = torch.from_numpy(
-        np.random.default_rng(7).integers(0, 32000, num_tokens, dtype=np.int32)
-    )
-    with redis_server(None) as url:
-        config = Config.load(
-            env={},
-            overrides={
-                "chunk_size": chunk,
-                "remote_url": url,
-                "local_cpu": False,
-                "use_only_staging_buffer": True,  # CPU only stages: every lookup asks redis
-                "max_local_cpu_size": f"{chunks * layout.chunk_bytes(chunk)}B",
-            },
-        )
-        with Engine(config, layout, model_name="bench-scale-redis") as engine:
-            engine.store(tokens, torch.zeros(layout.kv_shape(num_tokens), dtype=layout.dtype))
-            engine.flush(300.0)
-            timings = []
-            for i in range(max(repeats, 3)):
-                start = time.perf_counter()
-                hit = engine.lookup(tokens, f"r{i}")
-                timings.append(time.perf_counter() - start)
-                engine.end_request(f"r{i}")
-                if hit != chunks * chunk:
-                    raise RuntimeError(f"redis lookup hit {hit} of {chunks * chunk} tokens")
-            keys = [s.key for s in KeyChain(engine.fingerprint).keys(tokens, include_partial=False)]
-            tier = RedisTier.from_config(config, layout, engine.fingerprint)
-            tier.open()
-            try:
-                contains = []
-                for _ in range(max(repeats, 3)):
-                    start = time.perf_counter()
-                    found = tier.contains(keys)
-                    contains.append(time.perf_counter() - start)
-                if not all(found):
-                    raise RuntimeError("contains missed chunks the engine had stored")
-            finally:
-                tier.close()
-    return float(np.median(timings)) * 1e3, float(np.median(contains)) * 1e3
 
 
 # -- the plot --------------------------------------------------------------------------------
