@@ -1,26 +1,8 @@
 """The scheduler side of the connector (runs in vLLM's engine-core process).
 
 It owns no KV and no pins: it asks the workers' Engines over the lookup channel and turns
-vLLM's scheduling decisions into per-step load and save specs. Per request it remembers::
-
-    tokens     the prompt (what kvtier hashes)
-    salt       vLLM's per-request ``cache_salt``, or ExtraKeys with its LoRA adapter, images
-               and prompt embeddings too (:mod:`.extra_keys`): it keys every chunk of the
-               request (lookup, load, save, PD, events), as vLLM keys its own blocks
-    uncached   why kvtier neither looks the request up nor saves it (something it cannot
-               key: it fails closed), or None
-    hit        the workers' :class:`~.rpc.Hit`, asked once: ``tokens`` kvtier holds and has
-               pinned for this request (the pin lives in the worker's lease until the
-               request ends), and ``cpu_tokens``, the part of it in the CPU tier: a load
-               reaching beyond it (disk, Redis) is asynchronous, the request waits and
-               the batch keeps stepping
-    local      tokens vLLM's own prefix cache supplied (whole blocks) when it last asked
-    block_ids  the request's block table (first KV cache group)
-    tables     with vLLM's hybrid KV cache manager and several KV-cache groups: every
-               group's block table (``block_ids`` is ``tables[0]``); empty otherwise
-    load       a load waiting for the next metadata: [local, local + accepted)
-    saved      prompt tokens kvtier holds or is being given (whole chunks)
-    transfer_id  PD: the prefiller's id for the request's transfer (see below)
+vLLM's scheduling decisions into per-step load and save specs; what it remembers of each
+request is a :class:`~.request_state.RequestState`.
 
 Hits count in whole chunks (the Engine), then whole vLLM blocks, and never the prompt's last
 token (vLLM needs its logits)::
@@ -64,35 +46,18 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.extra_keys import RequestKeyer
-from kvtier.integrations.vllm.handoff import Handoff, Source
+from kvtier.integrations.vllm.handoff import Handoff
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.integrations.vllm.request_state import RequestState, copy_tables, set_tables
 from kvtier.integrations.vllm.rpc import Hit, LookupClient
 from kvtier.repeated_log import RepeatedLog
 from kvtier.request_salt import ExtraKeys, RequestSalt
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Request:
-    tokens: list[int]
-    salt: RequestSalt | None = None
-    uncached: str | None = None
-    hit: Hit | None = None  # the workers' answer, asked once
-    local: int = 0
-    load_async: bool = False
-    block_ids: list[int] = field(default_factory=list)
-    tables: list[list[int]] = field(default_factory=list)  # every group's, when several
-    load: tuple[int, int] | None = None
-    saved: int = 0
-    transfer_id: str | None = None  # PD: named by the prefiller, passed on by the proxy
-    source: Source | None = None  # PD decoder, xPyD: the prefiller to pull from, until pulled
-    pull_since: float = 0.0
 
 
 class SchedulerSide:
@@ -132,7 +97,7 @@ class SchedulerSide:
         self._finishing: list[SaveSpec] = []  # decode saves of ended requests, next step
         # Hits are usable in whole blocks, or in whole chunks where a state must be restored.
         self._unit = chunk_size if state_chunks else block_size
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._keyer = RequestKeyer(chunk_size)
         self.uncached = 0  # requests not cached: something in them kvtier cannot key
         self._async_loads: list[LoadSpec] = []  # for requests vLLM does not schedule yet
@@ -187,7 +152,7 @@ class SchedulerSide:
         """``tables``: every KV-cache group's block table when there are several."""
         state = self._state_of(request)
         state.block_ids = list(block_ids)
-        _set_tables(state, tables)
+        set_tables(state, tables)
         if num_external_tokens <= 0:
             return
         start, end = state.local, state.local + num_external_tokens
@@ -201,7 +166,7 @@ class SchedulerSide:
                 end,
                 True,
                 state.salt,
-                _copy_tables(state),
+                copy_tables(state),
             )
             self._async_loads.append(spec)
         else:
@@ -216,11 +181,11 @@ class SchedulerSide:
             state = self._requests.get(rid)
             if state is not None:  # its blocks are gone; new ones come when it resumes
                 state.block_ids, state.load = [], None
-                _set_tables(state, ())
+                set_tables(state, ())
         for new in out.scheduled_new_reqs:
             state = self._state(new)
             state.block_ids = list(new.block_ids[0])
-            _set_tables(state, new.block_ids)
+            set_tables(state, new.block_ids)
             done = new.num_computed_tokens + out.num_scheduled_tokens[new.req_id]
             self._add_specs(meta, new.req_id, state, done)
         cached = out.scheduled_cached_reqs
@@ -231,7 +196,7 @@ class SchedulerSide:
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
                 state.block_ids = list(new_ids[0]) if new_ids else []
-                _set_tables(state, new_ids or ())
+                set_tables(state, new_ids or ())
             elif new_ids:
                 state.block_ids.extend(new_ids[0])  # also tables[0], the same list
                 for table, more in zip(state.tables[1:], new_ids[1:], strict=False):
@@ -330,7 +295,7 @@ class SchedulerSide:
             client.close()
 
     # -- helpers ---------------------------------------------------------------------------
-    def _state_of(self, request: Any) -> _Request:
+    def _state_of(self, request: Any) -> RequestState:
         """The request's state; made by its first hook, which is the one that sees vLLM's
         whole Request (``get_num_new_matched_tokens``, ``update_state_after_alloc``): the
         tokens and everything else that keys its KV."""
@@ -345,11 +310,11 @@ class SchedulerSide:
                     request.request_id,
                     keyed.uncached,
                 )
-            state = _Request(tokens=keyed.tokens, salt=keyed.salt, uncached=keyed.uncached)
+            state = RequestState(tokens=keyed.tokens, salt=keyed.salt, uncached=keyed.uncached)
             self._requests[request.request_id] = state
         return state
 
-    def _state(self, new: Any) -> _Request:
+    def _state(self, new: Any) -> RequestState:
         """The state a hook above made for a newly scheduled request (``new``: vLLM's
         NewRequestData). One no hook saw is keyed by its tokens alone, so it is not cached
         if it carries anything else (fail closed: its salt is not in NewRequestData)."""
@@ -360,7 +325,7 @@ class SchedulerSide:
                 for name in ("lora_request", "mm_features", "prompt_embeds")
             )
             why = "not seen at lookup, and it carries extra keys" if extra else None
-            state = _Request(tokens=list(new.prompt_token_ids or ()), uncached=why)
+            state = RequestState(tokens=list(new.prompt_token_ids or ()), uncached=why)
             self._requests[new.req_id] = state
         return state
 
@@ -385,7 +350,7 @@ class SchedulerSide:
             return Hit(0, 0)
         return Hit(min(h.tokens for h in hits), min(h.cpu_tokens for h in hits))
 
-    def _add_specs(self, meta: KVTierMetadata, rid: str, state: _Request, done: int) -> None:
+    def _add_specs(self, meta: KVTierMetadata, rid: str, state: RequestState, done: int) -> None:
         if state.load is not None:
             start, end = state.load
             meta.loads.append(
@@ -397,7 +362,7 @@ class SchedulerSide:
                     end,
                     False,
                     state.salt,
-                    _copy_tables(state),
+                    copy_tables(state),
                 )
             )
             state.load = None
@@ -419,18 +384,7 @@ class SchedulerSide:
                     end,
                     state.transfer_id,
                     state.salt,
-                    _copy_tables(state),
+                    copy_tables(state),
                 )
             )
             state.saved = end
-
-
-def _set_tables(state: _Request, tables: Any) -> None:
-    """Keep every group's table when there are several (one group: ``block_ids`` is all)."""
-    state.tables = [list(t) for t in tables] if tables and len(tables) > 1 else []
-    if state.tables:
-        state.tables[0] = state.block_ids
-
-
-def _copy_tables(state: _Request) -> tuple[list[int], ...]:
-    return tuple(t[:] for t in state.tables)
