@@ -70,7 +70,7 @@ def parse_fleets(text: str) -> list[tuple[int, int]]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleets", type=parse_fleets, default="2P2D,1P1D", help="e.g. 2P2D,1P1D")
-    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prefixes", type=int, default=4, help="shared prefixes")
     parser.add_argument("--prefix-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
@@ -78,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=256, help="kvtier's chunk (tokens)")
     parser.add_argument("--cpu-size", default="64MiB", help="kvtier CPU tier per instance")
     parser.add_argument("--pd-buffer-size", default="64MiB", help="send / receive buffer")
+    parser.add_argument("--layers", type=int, default=TinyLlama().num_layers, help="of the model")
+    parser.add_argument("--hidden", type=int, default=TinyLlama().hidden, help="of the model")
     parser.add_argument("--work-dir", default=None, help="keep logs here")
 
 
@@ -114,7 +116,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trace = prompts(args)
     load_before = os.getloadavg()
     with stdout_to_stderr(), work_dir(args.work_dir, "kvtier-bench-pd-fleet-") as work:
-        model = write_tiny_llama(work / "model")
+        shape = TinyLlama(num_layers=args.layers, hidden=args.hidden)
+        model = write_tiny_llama(work / "model", shape)
         reference, baseline = _decode_only(args, model, work, trace)
         rows = [baseline]
         for prefillers, decoders in args.fleets:
@@ -134,6 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "note": f"up to {servers} vLLM servers and vllm-router share {os.cpu_count()} cores "
             "(one compute core each): PD's mechanics and correctness, not its speed-up",
         },
+        "model": f"tiny Llama, random weights, float32: {args.layers} layers, hidden {args.hidden}",
         "requests": len(trace),
         "prompt_tokens": sum(len(p) for p in trace),
         "max_tokens": args.max_tokens,
