@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, str] = {
     "serve": "vLLM's serving benchmark per cache configuration: TTFT efficiency, throughput",
     "families": "bytes stored per token per KV-cache group kind vs naive full KV, per family",
     "fleet": "2 vLLM behind vllm-router: prefill computed vs ideal per policy, with/without kvtier",
+    "pd-fleet": "xPyD behind vllm-router (PD), concurrent: TTFT, tokens/s vs 1P1D and one vLLM",
 }
 
 

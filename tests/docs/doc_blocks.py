@@ -5,25 +5,17 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from benchmarks.harness.docs import FENCE as _FENCE
+from benchmarks.harness.docs import block_after
+
 ROOT = Path(__file__).resolve().parents[2]
-_FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
+__all__ = ["ROOT", "block_after", "blocks", "section"]
 
 
 def blocks(doc: str, lang: str | None = None) -> list[str]:
     """Fenced code blocks of ``doc`` (a path relative to the repository), in order."""
     text = (ROOT / doc).read_text()
     return [body for kind, body in _FENCE.findall(text) if lang is None or kind == lang]
-
-
-def block_after(doc: str, heading: str, lang: str | None = None) -> str:
-    """The first fenced block after the line that contains ``heading``."""
-    text = (ROOT / doc).read_text()
-    at = text.find(heading)
-    assert at >= 0, f"{doc} has no {heading!r}"
-    for match in _FENCE.finditer(text, at):
-        if lang is None or match.group(1) == lang:
-            return match.group(2)
-    raise AssertionError(f"{doc}: no {lang or ''} block after {heading!r}")
 
 
 def section(doc: str, heading: str) -> str:

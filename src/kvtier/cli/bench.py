@@ -32,13 +32,15 @@ def add_parser(
     benchmarks: dict[str, str] = BENCHMARKS,
     package: str = "kvtier.bench",
 ) -> None:
-    """One subcommand per benchmark module ``<package>.<name>`` that imports here."""
+    """One subcommand per benchmark module ``<package>.<name>`` that imports here (a ``-`` in
+    the command's name is a ``_`` in the module's: ``pd-fleet`` runs ``pd_fleet``)."""
     sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name, help_text in benchmarks.items():
+        path = f"{package}.{name.replace('-', '_')}"
         try:
-            module = importlib.import_module(f"{package}.{name}")
+            module = importlib.import_module(path)
         except ModuleNotFoundError as exc:
-            if not (exc.name or "").startswith(f"{package}.{name}"):
+            if not (exc.name or "").startswith(path):
                 raise
             continue
         bench = sub.add_parser(name, help=help_text, description=help_text)
