@@ -12,10 +12,8 @@ alone (a prefix cache in its own right); the last kills a prefiller and a decode
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
-import shlex
 import threading
 import time
 import urllib.error
@@ -26,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from benchmarks.harness.router import RouterProcess, router_binary
+from benchmarks.harness.pd import documented_router, documented_transfer, stats_of
+from benchmarks.harness.router import RouterProcess
 
 from kvtier.demo.checkpoint import words_for
 from kvtier.integrations.vllm.rpc import LookupClient
@@ -97,7 +96,7 @@ def servers(
         for server in decoders + prefillers:
             server.wait_ready()
         port = free_port()
-        command = documented_router(prefillers, decoders, port)
+        command = documented_router([p.url for p in prefillers], [d.url for d in decoders], port)
         router = RouterProcess(command, port, logs / "router.log")
         router.wait_ready()
         yield Servers(prefillers, decoders, router.url)
@@ -122,8 +121,7 @@ def documented(side: str, engine_id: str) -> dict[str, Any]:
     # The counts below are in 256-token chunks; the documented config leaves the chunk to
     # the connector (vLLM's block, 128 here), which tests/pd and test_groups.py cover.
     assert "chunk_size" not in extra
-    extra.update(SCALED, pd_reservation_ttl_sec=TTL_S)
-    return {**config, "engine_id": engine_id}
+    return documented_transfer(side, engine_id, **SCALED, pd_reservation_ttl_sec=TTL_S)
 
 
 def lmcache_server(
@@ -151,33 +149,6 @@ def lmcache_server(
         LMCACHE_CONFIG_FILE=str(path),
         VLLM_CPU_NUM_OF_RESERVED_CPU="1",
     )
-
-
-def documented_router(prefillers: list[Server], decoders: list[Server], port: int) -> list[str]:
-    """docs/vllm.md's xPyD router command, its URLs and port replaced by this fleet's, plus
-    the test's own: metrics on a free port, a starting worker noticed within a second."""
-    script = block_after("docs/vllm.md", "### Any prefiller to any decoder", "bash")
-    [line] = [line for line in script.splitlines() if line.startswith("vllm-router ")]
-    words = shlex.split(line)
-    urls = {"--prefill": iter(prefillers), "--decode": iter(decoders)}
-    command = [router_binary()]
-    for before, word in itertools.pairwise(words):
-        if before in urls:
-            word = next(urls[before]).url
-        elif before == "--port":
-            word = str(port)
-        command.append(word)
-    assert all(next(it, None) is None for it in urls.values())  # as many as the docs name
-    extra = ["--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1"]
-    return command + extra
-
-
-def stats_of(engine_id: str) -> dict[str, Any]:
-    client = LookupClient(engine_id)
-    try:
-        return client.stats()
-    finally:
-        client.close()
 
 
 def test_the_documented_pd_roles() -> None:
