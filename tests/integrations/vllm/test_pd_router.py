@@ -24,7 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from benchmarks.harness.pd import documented_router, documented_transfer, stats_of
+from benchmarks.harness.pd import (
+    documented_router,
+    documented_transfer,
+    settled_problems,
+    stats_of,
+)
 from benchmarks.harness.router import RouterProcess
 
 from kvtier.demo.checkpoint import words_for
@@ -278,31 +283,7 @@ def prompt_tokens(url: str) -> dict[str, int]:
 def assert_clean(wait_s: float, engines: tuple[str, ...] = (*PREFILLERS, *DECODERS)) -> None:
     """Nothing pinned, leaked or held anywhere (within ``wait_s``: a prefiller frees a
     transfer right after its decoder's last byte; a TTL may have to run out)."""
-
-    def problems() -> list[str]:
-        found: list[str] = []
-        for engine_id in engines:
-            client = LookupClient(engine_id)
-            try:
-                stats = client.stats()
-                found += [f"{engine_id}: {p}" for p in client.check()]
-                found += [f"{engine_id}: leak {leak}" for leak in client.leaks()]
-            finally:
-                client.close()
-            if stats["pinned_pages"]:
-                found.append(f"{engine_id}: {stats['pinned_pages']} pinned pages")
-            source = stats.get("pd_source")
-            if source is not None and (source["used_bytes"] or source["transfers"]):
-                found.append(f"{engine_id}: send buffer holds {source['transfers']} transfers")
-            pd = stats["tiers"].get("pd")
-            if pd is not None and pd["used_bytes"]:
-                found.append(f"{engine_id}: receive buffer holds {pd['used_bytes']} bytes")
-        return found
-
-    deadline = time.monotonic() + wait_s
-    while (found := problems()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert found == []
+    assert settled_problems(engines, wait_s) == []
 
 
 def streamed(url: str, prompt: str) -> str:
