@@ -46,7 +46,7 @@ import torch
 from kvtier.admin.server import AdminServer
 from kvtier.cache import KVCache
 from kvtier.config import Config
-from kvtier.cpu_affinity import unpinned
+from kvtier.cpu_affinity import engine_cpus, unpinned, use_cpus
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError, StateError
 from kvtier.integrations.vllm.events import EventLog
@@ -137,8 +137,9 @@ class WorkerSide:
         layout = paged.layout()
         if self.groups.state:
             layout, self.states = self._with_states(kv_caches, layout)
-        # Every thread kvtier starts here (PD, lookups, writes) runs off the compute cores
-        # vLLM pinned this thread to (kvtier.cpu_affinity).
+        # Every thread kvtier starts here (PD, lookups, loads, writes) runs on the CPUs vLLM
+        # was given, not only the compute cores it pinned this thread to (kvtier.cpu_affinity).
+        use_cpus(engine_cpus())
         with unpinned():
             self._open(paged, layout)
 
