@@ -38,6 +38,7 @@ What needs the Engine itself (eviction events, ``leaks``, ``clear``, PD, counter
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -177,12 +178,13 @@ class WorkerSide:
             self._media = list(media.values()) or ([cpu] if cpu is not None else [])
         self._server = LookupServer(self.engine_id, self.tp_rank, WorkerChannel(self)).open()
         log.info(
-            "kvtier worker %d: %s%s, cache %s, channel %s",
+            "kvtier worker %d: %s%s, cache %s, channel %s, threads on CPUs %s",
             self.tp_rank,
             paged.describe(),
             f"; {self.states.describe()}" if self.states is not None else "",
             self.server or "in-process",
             self._server.path,
+            sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "any",
         )
 
     @property
