@@ -12,6 +12,7 @@ import torch
 from kvtier.cli.main import COMMANDS, build_parser, main
 from kvtier.layout import KVLayout
 from kvtier.storage.codecs import FP8
+from kvtier.storage.cpu_coded import slot_shape
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -61,8 +62,9 @@ def test_check_config_counts_a_coded_cpu_tier_in_its_coded_chunks(tmp_path: Path
     derived = json.loads(result.stdout)["derived"]
     layout = KVLayout(32, 8, 128, torch.bfloat16)  # check-config's default layout
     chunk = layout.chunk_bytes(256)
-    slot = -(-FP8.stored_bytes(layout, 256) // 64) * 64  # a slot holds one chunk, aligned
+    slot, per_chunk = slot_shape(FP8, layout, 256)  # the coded store's own slot size
     assert derived["cpu_codec"] == "fp8" and derived["cpu_staging_chunks"] == 1
+    assert per_chunk == 1 and slot >= FP8.stored_bytes(layout, 256)  # one chunk per slot
     assert derived["cpu_chunks"] == (100 * 1024**2 - chunk) // slot
     assert derived["cpu_chunks"] > 100 * 1024**2 // chunk  # more than identity's 3
     assert derived["cpu_bytes_used"] == chunk + derived["cpu_chunks"] * slot <= 100 * 1024**2
