@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from kvtier.memory.stream_copy import copy_bytes
-from kvtier.pd.channels.shm import POPULATE, SHM_DIR
+from kvtier.pd.channels.shm import SHM_DIR
+from kvtier.pd.channels.shm_segments import POPULATE
 
 
 def sink_process(chunk_bytes: int, ports: Any) -> None:

@@ -1,7 +1,9 @@
 """Same-host shared-memory transport: the receive buffer is a /dev/shm segment.
 
-The receiver creates the segment (a file in /dev/shm, unlinked at close), maps it and pages
-it with its :class:`BlockPool`; the HelloReply names the file. The sender maps the same file
+The receiver creates the segment (a file in /dev/shm, unlinked at close, and held by a lock
+so that a later receiver removes it if its process dies first:
+:mod:`kvtier.pd.channels.shm_segments`), maps it and pages it with its :class:`BlockPool`;
+the HelloReply names the file. The sender maps the same file
 and copies each chunk once, straight into the page the AllocReply named, copying each block
 with streaming stores and hashing it from the cache right after
 (:func:`kvtier.pd.checksum.copy_with_checksum`, one thread or two), then sends the ChunkSent
@@ -15,11 +17,9 @@ ends there and the decoder recomputes the rest, as with a corrupt disk chunk.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import socket
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -27,11 +27,11 @@ import torch
 from kvtier.errors import TransferError
 from kvtier.memory.block_pool import BlockPool
 from kvtier.pd.channels.base import ReceiverChannel, SenderChannel
+from kvtier.pd.channels.shm_segments import POPULATE, Segment, create_segment
 from kvtier.pd.checksum import CopyThreads
 from kvtier.pd.protocol import ChunkSent, HelloReply, send_message
 
 SHM_DIR = "/dev/shm"
-POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # pre-fault the mapping: no faults on the hot path
 
 
 class ShmReceiver(ReceiverChannel):
@@ -39,28 +39,15 @@ class ShmReceiver(ReceiverChannel):
     verify_at_serve = True
 
     def __init__(self) -> None:
-        self._path = ""
+        self._segment: Segment | None = None
 
     def make_pool(self, num_pages: int, page_bytes: int) -> BlockPool:
-        nbytes = num_pages * page_bytes
-        path = os.path.join(SHM_DIR, f"kvtier-pd-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, nbytes)
-                mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | POPULATE)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise TransferError(
-                f"cannot create the shared-memory receive buffer {path}: {exc}"
-            ) from None
-        self._path = path
-        return BlockPool(num_pages, page_bytes, mapping=mapping)
+        self._segment = create_segment(SHM_DIR, num_pages * page_bytes)
+        return BlockPool(num_pages, page_bytes, mapping=self._segment.mapping)
 
     @property
     def shm_path(self) -> str:
-        return self._path
+        return self._segment.path if self._segment is not None else ""
 
     def receive_chunk(
         self, sock: socket.socket, page_view: torch.Tensor, msg: ChunkSent
@@ -68,10 +55,9 @@ class ShmReceiver(ReceiverChannel):
         return msg.checksum, None  # the sender wrote the bytes; verified when served
 
     def close(self) -> None:
-        if self._path:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path)
-            self._path = ""
+        segment, self._segment = self._segment, None
+        if segment is not None:
+            segment.remove()
 
 
 class ShmSender(SenderChannel):

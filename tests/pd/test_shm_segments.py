@@ -1,0 +1,108 @@
+"""The shm receive buffer cannot outlive its process: a segment left by a decoder that died
+(SIGKILL here) is removed by the next receiver; a living one's never is."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from kvtier.pd.channels.shm import SHM_DIR, ShmReceiver
+from kvtier.pd.channels.shm_segments import HIDDEN_GRACE_S, create_segment, sweep_orphans
+
+PAGE = 4096
+
+# A receiver in another process: prints its segment's path, then waits to be killed.
+CHILD = """
+import sys, time
+from kvtier.pd.channels import shm, shm_segments
+directory, pages = sys.argv[1], int(sys.argv[2])
+if directory == shm.SHM_DIR:
+    channel = shm.ShmReceiver()
+    channel.make_pool(pages, 4096)
+    path = channel.shm_path
+else:
+    path = shm_segments.create_segment(directory, pages * 4096).path
+print(path, flush=True)
+time.sleep(600)
+"""
+
+
+@contextmanager
+def receiver_process(directory: str, pages: int) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, directory, str(pages)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        path = proc.stdout.readline().strip()
+        assert path.startswith(directory), path
+        yield proc, path
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_killed_receivers_buffer_is_removed_by_the_next_receiver() -> None:
+    with receiver_process(SHM_DIR, pages=16) as (proc, orphan):
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert os.path.exists(orphan)  # nothing of the dead process's own ran: the file stayed
+    channel = ShmReceiver()
+    try:
+        channel.make_pool(4, PAGE)
+        assert not os.path.exists(orphan)
+        assert os.path.exists(channel.shm_path)
+    finally:
+        channel.close()
+    assert not os.path.exists(channel.shm_path)
+
+
+def test_a_living_receivers_buffer_is_never_removed(tmp_path: Path) -> None:
+    with receiver_process(str(tmp_path), pages=8) as (proc, alive):
+        assert sweep_orphans(str(tmp_path)) == 0
+        mine = create_segment(str(tmp_path), PAGE)
+        assert os.path.exists(alive) and os.path.exists(mine.path)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        # Dead now: the next sweep frees exactly its bytes and leaves this process's own.
+        assert sweep_orphans(str(tmp_path)) == 8 * PAGE
+        assert not os.path.exists(alive) and os.path.exists(mine.path)
+        mine.remove()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_segment_being_made_is_left_alone_until_it_is_stale(tmp_path: Path) -> None:
+    """A hidden name is a segment between its create and its lock: only an old one is swept."""
+    fresh, stale = tmp_path / ".kvtier-pd-1-fresh", tmp_path / ".kvtier-pd-2-stale"
+    for path in (fresh, stale):
+        path.write_bytes(b"x" * PAGE)
+    old = time.time() - 2 * HIDDEN_GRACE_S
+    os.utime(stale, (old, old))
+    assert sweep_orphans(str(tmp_path)) == PAGE
+    assert fresh.exists() and not stale.exists()
+
+
+def test_only_this_channels_regular_files_are_considered(tmp_path: Path) -> None:
+    other = tmp_path / "psm_not_ours"
+    other.write_bytes(b"x")
+    target = tmp_path / "target"
+    target.write_bytes(b"y")
+    (tmp_path / "kvtier-pd-link").symlink_to(target)
+    (tmp_path / "kvtier-pd-dir").mkdir()
+    assert sweep_orphans(str(tmp_path)) == 0
+    assert sorted(os.listdir(tmp_path)) == [
+        "kvtier-pd-dir",
+        "kvtier-pd-link",
+        "psm_not_ours",
+        "target",
+    ]
+
+
+def test_a_missing_directory_sweeps_nothing(tmp_path: Path) -> None:
+    assert sweep_orphans(str(tmp_path / "absent")) == 0
