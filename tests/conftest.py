@@ -11,9 +11,29 @@ from kvtier import Config, Engine, KVLayout, Service
 from tests.recall_training import start_recall_training, stop_recall_training
 from tests.redis_servers import RedisServer
 
+# Tests that start vLLM (one engine, a fleet, the demo) share session-scoped vLLM fixtures
+# and must not run beside each other (each binds its worker to the compute cores). Under
+# pytest-xdist (`make test` runs two workers) they go to one worker as one group, in order;
+# every other test is spread over the workers, so the second core works while vLLM runs.
+VLLM_TESTS = (
+    "tests/integrations/vllm/",
+    "tests/benchmarks/",
+    "tests/demo/test_vllm_demo.py",
+    "tests/docs/test_vllm_doc.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = config.rootpath
+    for item in items:
+        path = item.path.relative_to(root).as_posix()
+        if path.startswith(VLLM_TESTS):
+            item.add_marker(pytest.mark.xdist_group("vllm"))
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    start_recall_training()  # the codec quality gate's model: see tests/recall_training.py
+    if not hasattr(session.config, "workerinput"):  # once, in the controller, under xdist
+        start_recall_training()  # the codec quality gate's model: see tests/recall_training.py
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -6,11 +6,14 @@ docs/codecs.md)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import threading
 
 import pytest
 
-from kvtier.quality import QualityGate, QualityGateFailed, recall_model
+from kvtier.quality import QualityGate, QualityGateFailed, RecallModel, recall_model
 from kvtier.storage.codecs import IDENTITY
 from tests.quality.codecs import Int8Absmax, Ternary
 
@@ -63,3 +66,24 @@ def test_the_trained_model_is_loaded_from_its_cache_file(gate: QualityGate) -> N
     assert again.train_s == 0.0
     assert again.path == gate.model.path
     assert again.accuracy == gate.model.accuracy
+
+
+def test_a_second_asker_waits_for_the_training_under_way_then_loads_it(
+    gate: QualityGate,
+) -> None:
+    """Another process training the same spec holds the cache's lock: this one waits for it
+    (not training a second copy) and then loads the file it wrote."""
+    lock = os.open(gate.model.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # as a trainer in another process would hold it
+    got: list[RecallModel] = []
+    asker = threading.Thread(
+        target=lambda: got.append(recall_model(gate.model.spec, directory=gate.model.path.parent))
+    )
+    try:
+        asker.start()
+        asker.join(0.5)
+        assert asker.is_alive() and not got  # waiting on the trainer
+    finally:
+        os.close(lock)  # the trainer is done
+    asker.join(30)
+    assert got and got[0].train_s == 0.0 and got[0].path == gate.model.path

@@ -25,11 +25,14 @@ two processes training at once each leave a whole file.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,6 +112,28 @@ def recall_model(
     """The trained model of ``spec``: loaded from the cache, or trained (minutes) and cached."""
     spec = spec or RecallModelSpec()
     path = (directory or cache_dir()) / f"recall-{spec.digest()}.pt"
+    # One trainer per cache file: another process asking meanwhile (a second benchmark, a
+    # parallel test worker) waits for the first and loads what it wrote instead of training.
+    with _training_lock(path):
+        return _load_or_train(spec, path)
+
+
+@contextlib.contextmanager
+def _training_lock(path: Path) -> Iterator[None]:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield  # an unwritable cache: training is not cached either, so nothing to share
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _load_or_train(spec: RecallModelSpec, path: Path) -> RecallModel:
     model = _build(spec)
     if path.exists():
         saved = torch.load(path, map_location="cpu", weights_only=True)
@@ -125,7 +150,6 @@ def recall_model(
             f"{spec.short_steps + spec.long_steps} steps, below the {spec.min_accuracy:.0%} "
             "the quality gate needs; train longer (RecallModelSpec.long_steps)"
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     os.close(fd)
     torch.save({"weights": model.state_dict(), "accuracy": accuracy}, tmp)
