@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier.integrations.vllm.metadata import KVTierMetadata
+from kvtier.integrations.vllm.metadata import KVTierMetadata, SaveSpec
 from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
@@ -229,3 +229,27 @@ def test_a_decoder_never_takes_a_transfer_made_under_another_image(
     assert d_side.finished("d2", answer) is None
     assert pd_used(decoder) == 0  # the transfer's lease ended with the decode request
     assert decoder.engine is not None and decoder.engine.leaks() == []
+
+
+def test_a_state_models_prefiller_sends_its_hit_from_kvtiers_copy(
+    pair: tuple[WorkerSide, WorkerSide],
+) -> None:
+    """A state model's vLLM keeps no state in its blocks at the chunk ends of a hit: the
+    prefiller sends the hit's chunks once, read from kvtier (a ``held`` save at the request's
+    first step), and the chunk it computes after them at that step's end, as always."""
+    prefiller, decoder = pair
+    src = [3, 4, 5, 6, 7]
+    fill(prefiller, src, seed=4)
+    prefiller.save(KVTierMetadata(saves=[SaveSpec("w", TOKENS[:CHUNK], src, 0, CHUNK)]))
+    side = scheduler(prefiller, loads=True, saves=True, pd_sender="p-state", state_chunks=True)
+    assert side.num_new_matched_tokens(request("p", dict(ROUTER_PREFILL)), 0) == (CHUNK, False)
+    side.after_alloc(request("p", None), src, CHUNK)
+    meta = step(side, "p", src, CHUNK, CHUNK)  # the step after the hit ends on a chunk end
+    assert [(s.start, s.end, s.held) for s in meta.saves] == [(0, 32, True), (32, 64, False)]
+    prefiller.load(meta)
+    prefiller.save(meta)
+    assert pd_used(decoder) == 2 * CHUNK_BYTES  # both chunks reached the decoder
+    assert step(side, "p", src, 2 * CHUNK, 16).saves == []  # sent once
+    assert side.finished("p", ROUTER_PREFILL) is not None
+    assert prefiller.engine is not None and prefiller.engine.leaks() == []
+    side.close()

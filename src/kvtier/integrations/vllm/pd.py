@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from kvtier.cache import KVCache
 from kvtier.cpu_affinity import unpin_current_thread
 from kvtier.engine import Engine
 from kvtier.errors import KVTierError
@@ -84,6 +85,25 @@ class PDEndpoint:
         except KVTierError as exc:
             log.warning("kvtier PD: sending %s failed, the decoder prefills: %s", transfer_id, exc)
             return False
+
+    def send_held(
+        self,
+        cache: KVCache,
+        transfer_id: str,
+        tokens: list[int],
+        salt: RequestSalt | None,
+        out: torch.Tensor,
+    ) -> bool:
+        """Send the whole chunks of ``tokens`` that ``cache`` holds, read from it into ``out``
+        (a state model's prefiller hit them: vLLM's blocks keep no state at their ends).
+        False when it holds none or the send failed: the decoder prefills them itself."""
+        rid = f"{transfer_id}-held"
+        with cache.request(rid):
+            if cache.lookup(tokens, rid, cache_salt=salt).tokens <= 0:
+                return False
+            end = cache.retrieve_into(tokens, rid, out, cache_salt=salt)
+            spans = cache.request_keys(tokens, rid, cache_salt=salt).spans
+        return self.send(transfer_id, [s for s in spans if s.end <= end], out)
 
     def stats(self) -> dict[str, Any] | None:
         """Where decoders pull from, and the send buffer's counts (None when pushing)."""

@@ -25,6 +25,9 @@ state there is in vLLM's block then, and only then: a later step moves on)::
     steps   |--256--|--256--|--188-|        max_num_batched_tokens = chunk_size
     saves       c0      c1               each with its own end state
 
+A state model's PD prefiller sends its hit's chunks once, from kvtier's copy (``held``
+saves, at its first step): vLLM's blocks no longer keep the states at their ends.
+
 The answer a request generated (``save_decode_cache``): a chat's next turn sends it back as
 part of its prompt, so when a request ends, the whole chunks of prompt + output that hold KV
 and are not stored yet are saved too. vLLM keeps the request's blocks until the workers say
@@ -368,6 +371,8 @@ class SchedulerSide:
             state.load = None
         if not self.saves or state.uncached is not None:
             return
+        if self.state_chunks and self.pd_sender is not None and state.transfer_id is not None:
+            self._send_held(meta, rid, state)
         end = min(done, len(state.tokens)) // self.chunk_size * self.chunk_size
         if self.state_chunks and (done != end or end - state.saved != self.chunk_size):
             # Only the state at this step's end exists: one chunk, ending exactly here.
@@ -388,3 +393,14 @@ class SchedulerSide:
                 )
             )
             state.saved = end
+
+    def _send_held(self, meta: KVTierMetadata, rid: str, state: RequestState) -> None:
+        """The chunks of a state model's PD prefiller's hit (see the module docstring)."""
+        hit = state.hit.tokens if state.hit is not None else 0
+        held = min(hit, len(state.tokens) - 1) // self.chunk_size * self.chunk_size
+        if held > state.saved:
+            tokens, start, transfer = state.tokens[:held], state.saved, state.transfer_id
+            meta.saves.append(
+                SaveSpec(rid, tokens, [], start, held, transfer, state.salt, (), True)
+            )
+            state.saved = held

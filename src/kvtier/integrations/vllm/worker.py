@@ -227,6 +227,11 @@ class WorkerSide:
         engine, paged = self._parts()
         loads = self._loads_part()
         for spec in meta.saves:
+            if spec.held:  # a state model's PD prefiller's hit: its states are in kvtier
+                if self._pd is not None and spec.transfer_id is not None:
+                    out = self._scratch_for(spec.end)
+                    self._pd.send_held(engine, spec.transfer_id, spec.tokens, spec.cache_salt, out)
+                continue
             if loads.is_short(spec.request_id):
                 # This step computed the request on top of blocks its load could not fill:
                 # vLLM throws that away and recomputes, and so must kvtier (never store KV
