@@ -25,8 +25,10 @@ final one, so the first 4,096-token step fails in ``conv_ssm_forward``:
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 MAMBA2 = ("granite-4-h", "falcon-h1")
@@ -117,3 +119,38 @@ def measure(llm: Any, stats: Callable[[], Mapping[str, Any]], *, seed: int = 51)
         own_tokens=own_tokens,
         kvtier_tokens=kv_tokens,
     )
+
+
+CONNECTOR = {
+    "kv_connector": "KVTierConnector",
+    "kv_connector_module_path": "kvtier.integrations.vllm",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
+
+
+def measure_family(name: str, work: Path) -> Reuse:
+    """Write family ``name`` under ``work``, start one vLLM with kvtier (a 256 MiB CPU tier,
+    no ``chunk_size``) at vLLM's defaults (:func:`llm_args`), :func:`measure` it, stop it.
+    vLLM's children take ``VLLM_CPU_*`` from the environment: the caller sets them."""
+    from vllm import LLM
+
+    from benchmarks.harness.families import family, write_family
+    from kvtier.integrations.vllm.rpc import LookupClient
+
+    engine_id = f"kvtier-bench-{name}-{uuid.uuid4().hex[:8]}"
+    transfer = {
+        **CONNECTOR,
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {"max_local_cpu_size": "256MiB"},
+    }
+    path = write_family(name, work / name)
+    args: dict[str, Any] = {**llm_args(name), "dtype": family(name).dtype}
+    llm = LLM(model=str(path), enforce_eager=True, seed=0, kv_transfer_config=transfer, **args)
+    client = LookupClient(engine_id)
+    try:
+        return measure(llm, client.stats)
+    finally:
+        client.close()
+        llm.llm_engine.engine_core.shutdown()  # a leftover engine can hang the exit
+        del llm
