@@ -73,3 +73,20 @@ def test_bench_cpu_runs_the_tier_through_a_codec() -> None:
     data = cpu.run(_args("--codec", codec))
     assert data["codec"] == codec and data["retrieve_gbps"] > 0 and data["store_gbps"] > 0
     assert 0 < data["retrieve_rel_error"] < 0.05
+
+
+def test_bench_cpu_refuses_a_device_torch_cannot_use() -> None:
+    bad = ["tpu"] if torch.cuda.is_available() else ["tpu", "cuda"]
+    for device in bad:
+        with pytest.raises(SystemExit, match=f"--device '{device}'"):
+            cpu.run(_args("--device", device))
+
+
+@pytest.mark.gpu
+def test_bench_cpu_moves_kv_between_the_tier_and_the_gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")  # the gpu marker's skip: runs only where a GPU exists
+    data = cpu.run(_args("--device", "cuda"))
+    assert data["device"] == "cuda" and data["retrieve_rel_error"] == 0.0
+    assert data["h2d_gbps"] > 0 and data["d2h_gbps"] > 0
+    assert data["store_ratio"] > 0 and data["retrieve_ratio"] > 0

@@ -14,6 +14,11 @@ more the same way; the bench fails unless those bytes equal the stored KV (with 
 prompt even uncompressed): a store then also encodes each chunk into the coded store, a
 retrieve checks and decodes each one into the staging page before its copy out.
 
+``--device cuda`` keeps the KV on the GPU (as an engine's is): a store copies device to host
+pages, a retrieve host pages to the device, and the baselines are torch's own copies of the
+same bytes between the device and pinned host memory (``d2h_gbps`` for stores, ``h2d_gbps``
+for retrieves), the fastest way torch moves them.
+
 ``lookup_128k_ms`` uses a small layout (lookup cost must not depend on chunk bytes): hashing
 plus index probe plus pinning of a fully cached 131072-token prompt.
 """
@@ -51,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=[c.name for c in codecs.registered()],
         help="cpu_codec: the tier stores through this codec (1/16 of the buffer is staging)",
     )
+    parser.add_argument(
+        "--device", default="cpu", help="where the KV lives: cpu, or cuda (needs a GPU)"
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -62,9 +70,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     num_tokens = chunks * chunk_size
     nbytes = chunks * chunk_bytes
 
-    kv = torch.randn(layout.kv_shape(num_tokens), dtype=torch.float32).to(layout.dtype)
+    device = _device(args.device)
+    kv = torch.randn(layout.kv_shape(num_tokens), dtype=torch.float32).to(device, layout.dtype)
     dst = torch.empty_like(kv)
     dst.copy_(kv)  # touch the destination once, as the engine's buffer is touched at open
+
+    def sync() -> None:  # a device copy has landed when the call returns, as a host one has
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
     codec = codecs.codec_from_config("--codec", args.codec)
     sizes: dict[str, object] = {"max_local_cpu_size": f"{nbytes}B"}
@@ -86,6 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             tokens = rng.integers(0, 32000, num_tokens, dtype=np.int32)
             tokens[0] = next(counter)
             stored = engine.store(tokens, kv)
+            sync()
             assert stored == chunks, f"stored {stored} of {chunks} chunks"
 
         tokens = rng.integers(0, 32000, num_tokens, dtype=np.int32)
@@ -96,6 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rid = f"r{next(counter)}"
             engine.lookup(tokens, rid)
             loaded = engine.retrieve_into(tokens, rid, out)
+            sync()
             engine.end_request(rid)
             assert loaded == num_tokens
 
@@ -110,13 +125,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             return memcpy
 
-        baselines = {"memcpy1": memcpy_on(1), "memcpy2": memcpy_on(2)}
+        if device.type == "cpu":
+            baselines = {"memcpy1": memcpy_on(1), "memcpy2": memcpy_on(2)}
+            store_base, retrieve_base = baselines, baselines
+        else:
+            store_base, retrieve_base = _pinned_copies(kv, dst, sync)
         # Half the buffer holds the retrieve's chunks, half the fresh stores' (see max size).
-        stores = best_interleaved({**baselines, "store": store_fresh}, repeats)
+        stores = best_interleaved({**store_base, "store": store_fresh}, repeats)
         engine.store(tokens, kv)
-        retrieves = best_interleaved({**baselines, "retrieve": retrieve_once}, repeats)
-        memcpy_s = min(stores[b] for b in baselines)
-        memcpy_s = min(memcpy_s, *(retrieves[b] for b in baselines))
+        retrieves = best_interleaved({**retrieve_base, "retrieve": retrieve_once}, repeats)
+        store_base_s = min(stores[b] for b in store_base)
+        retrieve_base_s = min(retrieves[b] for b in retrieve_base)
+        memcpy_s = min(store_base_s, retrieve_base_s)
         store_s, retrieve_s = stores["store"], retrieves["retrieve"]
         # The check: the timed path once more into a zeroed buffer, so bytes a retrieve did
         # not write (or wrote wrong) cannot pass for the ones the timing loop left there.
@@ -130,8 +150,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     memcpy = gbps(nbytes, memcpy_s)
     store = gbps(nbytes, store_s)
     retrieve = gbps(nbytes, retrieve_s)
+    store_vs, retrieve_vs = gbps(nbytes, store_base_s), gbps(nbytes, retrieve_base_s)
+    by_device: dict[str, Any] = {}
+    if device.type != "cpu":
+        by_device = {"device": str(device), "d2h_gbps": round(store_vs, 3)}
+        by_device["h2d_gbps"] = round(retrieve_vs, 3)
     return {
         "codec": codec.name,
+        **by_device,
         "retrieve_rel_error": error,
         "chunk_bytes": chunk_bytes,
         "chunks": chunks,
@@ -139,12 +165,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "memcpy_gbps": round(memcpy, 3),
         "store_gbps": round(store, 3),
         "retrieve_gbps": round(retrieve, 3),
-        "store_ratio": round(store / memcpy, 3),
-        "retrieve_ratio": round(retrieve / memcpy, 3),
+        "store_ratio": round(store / store_vs, 3),
+        "retrieve_ratio": round(retrieve / retrieve_vs, 3),
         "lookup_128k_ms": round(lookup_ms, 4),
         "hash_tokens_per_s": round(hash_rate),
         "torch_threads": torch.get_num_threads(),
     }
+
+
+def _device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = torch.device("meta")  # not a device torch knows: refused below
+    if device.type not in ("cpu", "cuda") or (
+        device.type == "cuda" and not torch.cuda.is_available()
+    ):
+        raise SystemExit(f"bench cpu: --device {name!r}: use cpu, or cuda where torch sees a GPU")
+    return device
+
+
+def _pinned_copies(
+    kv: torch.Tensor, dst: torch.Tensor, sync: Callable[[], None]
+) -> tuple[dict[str, Callable[[], None]], dict[str, Callable[[], None]]]:
+    """torch's device-to-host copy of ``kv`` and host-to-device copy into ``dst`` through
+    pinned memory: the baselines of a store from and a retrieve into device memory."""
+    host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+
+    def d2h() -> None:
+        host.copy_(kv, non_blocking=True)
+        sync()
+
+    def h2d() -> None:
+        dst.copy_(host, non_blocking=True)
+        sync()
+
+    return {"d2h_pinned": d2h}, {"h2d_pinned": h2d}
 
 
 def _lookup_cost(chunk_size: int, repeats: int) -> tuple[float, float]:
