@@ -27,6 +27,7 @@ CONNECTOR = {
     "kv_load_failure_policy": "recompute",
 }
 MAX_TOKENS = 8
+SHUTDOWN_WAIT_S = 1.0
 
 
 def unique_engine_id(name: str) -> str:
@@ -127,7 +128,11 @@ class VllmInstance:
     def close(self) -> None:
         if self.probe is not None:
             self.probe.close()
-        self.llm.llm_engine.engine_core.shutdown()
+        # vLLM waits 5 s for its engine core, whose CPU worker takes that long or longer to
+        # leave after its queues close (then both are killed): every close paid 5 s. Nothing
+        # of kvtier's is lost by a shorter wait: the tests flush kvtier's writes before they
+        # restart (probe.flush), and a killed worker is a crash kvtier must survive anyway.
+        self.llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_WAIT_S)
         del self.llm
         gc.collect()
 
