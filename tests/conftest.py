@@ -23,6 +23,7 @@ VLLM_TESTS = (
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = config.rootpath
     for item in items:
