@@ -26,8 +26,10 @@ system-deps:
 demo: $(STAMP)
 	$(BIN)/kvtier demo
 
+# Two pytest-xdist workers: the tests that start vLLM run in order on one (tests/conftest.py),
+# everything else on both, so the second core works while vLLM runs.
 test: $(STAMP) system-deps
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=25 -n 2
 
 check: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
