@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier import ConfigError, Engine, InputError, KVLayout, StateError
+from kvtier import ConfigError, Engine, Hit, InputError, KVLayout, StateError
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
 
 EngineFactory = Callable[..., Engine]
@@ -16,7 +16,7 @@ def test_retrieve_returns_exactly_the_stored_bytes(engine: Engine) -> None:
     tokens, kv = make_tokens(64), make_kv(64)
     assert engine.store(tokens, kv) == 4
     with engine.request("r"):
-        assert engine.lookup(tokens + [1, 2, 3], "r") == 64
+        assert engine.lookup(tokens + [1, 2, 3], "r").tokens == 64
         out = engine.retrieve(tokens + [1, 2, 3], "r")
     assert out.shape == kv.shape and torch.equal(out, kv)
     assert engine.leaks() == [] and engine.check_invariants() == []
@@ -26,7 +26,7 @@ def test_hit_stops_at_the_first_divergent_chunk(engine: Engine) -> None:
     tokens = make_tokens(64)
     engine.store(tokens, make_kv(64))
     other = tokens[:40] + [7] * 24  # diverges inside chunk 2
-    assert engine.lookup(other, "r") == 32
+    assert engine.lookup(other, "r").tokens == 32
     engine.end_request("r")
 
 
@@ -56,7 +56,7 @@ def test_retrieve_into_writes_in_place_and_honours_skip(engine: Engine) -> None:
     engine.store(tokens, kv)
     out = torch.zeros(SMALL_LAYOUT.kv_shape(80))
     with engine.request("r"):
-        assert engine.lookup(tokens, "r", skip_leading_tokens=20) == 64
+        assert engine.lookup(tokens, "r", skip_leading_tokens=20).tokens == 64
         assert engine.retrieve_into(tokens, "r", out, skip_leading_tokens=20) == 64
     assert torch.equal(out[:, :, 16:64], kv[:, :, 16:64])  # from the chunk holding token 20
     assert not out[:, :, :16].any()  # chunks the engine already holds are not loaded
@@ -69,7 +69,7 @@ def test_retrieve_after_a_skipping_lookup_returns_the_real_skipped_chunks(engine
     tokens, kv = make_tokens(64), make_kv(64)
     engine.store(tokens, kv)
     with engine.request("r"):
-        assert engine.lookup(tokens, "r", skip_leading_tokens=32) == 64
+        assert engine.lookup(tokens, "r", skip_leading_tokens=32).tokens == 64
         out = engine.retrieve(tokens, "r")  # the skipped chunks are cached: loaded too
         assert out.shape == kv.shape and torch.equal(out, kv)
     assert engine.leaks() == [] and engine.check_invariants() == []
@@ -79,7 +79,7 @@ def test_retrieve_refuses_skipped_chunks_the_cache_does_not_hold(engine: Engine)
     tokens, kv = make_tokens(64), make_kv(64)
     assert engine.store(tokens, kv, skip_leading_tokens=32) == 2  # chunks 0 and 1 not stored
     with engine.request("r"):
-        assert engine.lookup(tokens, "r", skip_leading_tokens=32) == 64
+        assert engine.lookup(tokens, "r", skip_leading_tokens=32).tokens == 64
         with pytest.raises(InputError, match=r"retrieve_into\(.*skip_leading_tokens=32"):
             engine.retrieve(tokens, "r")
         out = torch.zeros_like(kv)  # the way that works, as the error says
@@ -91,8 +91,8 @@ def test_retrieve_refuses_skipped_chunks_the_cache_does_not_hold(engine: Engine)
 def test_skip_leading_tokens_chunks_are_hashed_but_not_stored(engine: Engine) -> None:
     tokens, kv = make_tokens(64), make_kv(64)
     assert engine.store(tokens, kv, skip_leading_tokens=32) == 2
-    assert engine.lookup(tokens, "r") == 0  # chunk 0 is not cached
-    assert engine.lookup(tokens, "s", skip_leading_tokens=32) == 64
+    assert engine.lookup(tokens, "r").tokens == 0  # chunk 0 is not cached
+    assert engine.lookup(tokens, "s", skip_leading_tokens=32).tokens == 64
     with engine.request("t"):
         out = torch.zeros_like(kv)
         engine.retrieve_into(tokens, "t", out, skip_leading_tokens=32)
@@ -105,12 +105,12 @@ def test_partial_chunk_only_with_save_unfull_chunk(engine_factory: EngineFactory
     tokens, kv = make_tokens(40), make_kv(40)
     plain = engine_factory()
     plain.store(tokens, kv)
-    assert plain.lookup(tokens, "r") == 32
+    assert plain.lookup(tokens, "r").tokens == 32
     plain.end_request("r")
     unfull = engine_factory(save_unfull_chunk=True)
     assert unfull.store(tokens, kv) == 3
     with unfull.request("r"):
-        assert unfull.lookup(tokens, "r") == 40
+        assert unfull.lookup(tokens, "r").tokens == 40
         assert torch.equal(unfull.retrieve(tokens, "r"), kv)
 
 
@@ -120,7 +120,7 @@ def test_another_model_never_matches(engine_factory: EngineFactory) -> None:
     a.store(tokens, make_kv(32))
     b = engine_factory(model_name="b")
     b.store(make_tokens(32, seed=5), make_kv(32))
-    assert b.lookup(tokens, "r") == 0
+    assert b.lookup(tokens, "r").tokens == 0
     b.end_request("r")
 
 
@@ -130,7 +130,7 @@ def test_full_of_pinned_pages_store_drops_and_retrieve_fails_cleanly(
     engine = engine_factory(cpu_chunks=2)
     first = make_tokens(32, seed=1)
     engine.store(first, make_kv(32, seed=1))
-    assert engine.lookup(first, "holder") == 32  # both pages pinned
+    assert engine.lookup(first, "holder").tokens == 32  # both pages pinned
     assert engine.store(make_tokens(32, seed=2), make_kv(32, seed=2)) == 0
     assert engine.stats()["dropped_chunks"] == 2
     engine.end_request("holder")
@@ -267,16 +267,16 @@ def test_a_hold_for_an_ended_request_is_released_not_leaked(engine: Engine) -> N
 def test_requests_of_two_salts_never_share_a_chunk(engine: Engine) -> None:
     tokens, kv = make_tokens(48), make_kv(48)
     assert engine.store(tokens, kv, cache_salt="tenant-A") == 3
-    assert engine.lookup(tokens, "b", cache_salt="tenant-B") == 0
-    assert engine.lookup(tokens, "plain") == 0  # nor with no salt at all
-    assert engine.lookup(tokens, "a", cache_salt="tenant-A") == 48
+    assert engine.lookup(tokens, "b", cache_salt="tenant-B").tokens == 0
+    assert engine.lookup(tokens, "plain").tokens == 0  # nor with no salt at all
+    assert engine.lookup(tokens, "a", cache_salt="tenant-A").tokens == 48
     assert torch.equal(engine.retrieve(tokens, "a", cache_salt="tenant-A"), kv)
     for rid in ("a", "b", "plain"):
         engine.end_request(rid)
     # an unsalted store is not visible to a salted request either
     other, other_kv = make_tokens(32, seed=9), make_kv(32, seed=9)
     engine.store(other, other_kv)
-    assert engine.lookup(other, "s", cache_salt="tenant-A") == 0
+    assert engine.lookup(other, "s", cache_salt="tenant-A").tokens == 0
     engine.end_request("s")
     # the server's page API keys by the salt too
     slots = engine.pages().reserve_pages(other, "w", cache_salt="tenant-B")
@@ -294,15 +294,13 @@ def test_a_lookup_says_how_much_of_its_hit_is_in_the_cpu_tier(
     engine = engine_factory(local_disk=str(tmp_path), max_local_disk_size="1MiB")
     tokens = make_tokens(48)
     engine.store(tokens, make_kv(48))
-    hit = engine.lookup(tokens, "r")
-    assert (hit, hit.tokens, hit.cpu_tokens) == (48, 48, 48)
+    assert engine.lookup(tokens, "r") == Hit(48, 48)
     engine.end_request("r")
     assert engine.flush(10.0)
     cpu = engine.tier("cpu")
     assert cpu is not None
     cpu.clear()  # the chunks are on disk only now
-    hit = engine.lookup(tokens, "d")
-    assert (hit.tokens, hit.cpu_tokens) == (48, 0)
+    assert engine.lookup(tokens, "d") == Hit(48, 0)
     assert torch.equal(engine.retrieve(tokens, "d"), make_kv(48))
     engine.end_request("d")
     assert engine.check_invariants() == []

@@ -72,7 +72,7 @@ def test_group_chunks_come_back_as_stored_from_every_tier(
         fresh = where != "cpu"
         reader = Engine(cfg, GEMMA, model_name="gemma-like").open() if fresh else writer
         try:
-            assert reader.lookup(tokens, "r") == 3 * CHUNK
+            assert reader.lookup(tokens, "r").tokens == 3 * CHUNK
             out = reader.retrieve(tokens, "r")
             reader.end_request("r")
             assert torch.equal(out, kept(kv[:, :, : 3 * CHUNK], GEMMA))
@@ -102,7 +102,7 @@ def test_a_corrupt_group_part_is_a_miss_and_explain_names_the_group(
         raw = bytearray(victim.read_bytes())
         raw[HEADER_SIZE + offset if offset > 0 else offset] ^= 0xFF
         victim.write_bytes(bytes(raw))
-        assert engine.lookup(tokens, "r") == 3 * CHUNK
+        assert engine.lookup(tokens, "r").tokens == 3 * CHUNK
         out = engine.retrieve(tokens, "r")
         assert out.shape[2] == CHUNK
         assert torch.equal(out, kept(kv[:, :, :CHUNK], GEMMA))
@@ -136,6 +136,6 @@ def test_a_deleted_record_is_a_miss_from_there_on(tmp_path: Path) -> None:
         # file deleted while the tier was closed leaves the index once that check is done.
         disk = engine.tier("disk")
         assert isinstance(disk, DiskTier) and disk.index_checked(30.0)
-        assert engine.lookup(tokens, "r") == CHUNK
+        assert engine.lookup(tokens, "r").tokens == CHUNK
         assert outcomes(engine, "r")[1:] == [ex.NOT_STORED, ex.NOT_CONTIGUOUS]
         engine.end_request("r")

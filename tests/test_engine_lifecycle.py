@@ -52,7 +52,7 @@ class EngineLifecycle(RuleBasedStateMachine):
     def lookup(self, tokens: list[int]) -> str:
         self.counter += 1
         rid = f"r{self.counter}"
-        hit = self.engine.lookup(tokens, rid)
+        hit = self.engine.lookup(tokens, rid).tokens
         assert 0 <= hit <= len(tokens)
         self.live[rid] = tokens
         return rid

@@ -23,7 +23,7 @@ def test_reserve_fill_commit_then_lease_pages_read_back() -> None:
     with Engine(small_config(), SMALL_LAYOUT, model_name="pages") as engine:
         slots = engine.pages().reserve_pages(tokens, "w", skip_leading_tokens=16)
         assert [s.span.start for s in slots] == [16, 32]  # whole chunks after the skip
-        assert engine.lookup(tokens, "early") == 0  # reserved pages are not visible yet
+        assert engine.lookup(tokens, "early").tokens == 0  # reserved pages are not visible yet
         engine.end_request("early")
         for slot in slots:
             span = slot.span
@@ -53,6 +53,6 @@ def test_ending_a_reservation_gives_its_pages_back_unstored() -> None:
         assert engine.stats()["allocator"]["pages_free"] == 4
         with pytest.raises(StateError, match="no reservation"):
             engine.pages().commit_pages("w", slots)  # too late: nothing is published
-        assert engine.lookup(tokens, "r") == 0
+        assert engine.lookup(tokens, "r").tokens == 0
         engine.end_request("r")
         assert engine.check_invariants() == []

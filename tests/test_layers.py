@@ -32,6 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "kvtier.request_salt",
         "kvtier.keys",
         "kvtier.validation",
+        "kvtier.hit",  # a lookup's answer: the engine's, the server's wire's, the vLLM channel's
         "kvtier.cache",
     ),
     ("kvtier.memory",),

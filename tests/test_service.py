@@ -70,7 +70,7 @@ def test_a_plain_service_is_just_the_engine() -> None:
     with Service(small_config(), SMALL_LAYOUT, model_name="m") as service:
         assert service.admin is None and service.receiver is None
         service.engine.store(list(range(16)), make_kv(16))
-        assert service.engine.lookup(list(range(16)), "r") == 16
+        assert service.engine.lookup(list(range(16)), "r").tokens == 16
         service.engine.end_request("r")
 
 
@@ -82,12 +82,12 @@ def test_a_service_holds_a_cache_that_is_its_local_engine() -> None:
         assert cache is service.local_engine is service.engine
         assert isinstance(cache, KVCache) and cache.state is Lifecycle.OPEN
         assert cache.store(tokens, kv) == 2
-        assert cache.lookup(tokens, "r") == 32
+        assert cache.lookup(tokens, "r").tokens == 32
         assert torch.equal(cache.retrieve(tokens, "r"), kv)
         assert service.engine.stats()["open_requests"] == 1
         assert cache.end_request("r") and not cache.end_request("r")
         with cache.request("s") as rid:
-            assert cache.lookup(tokens, rid) == 32
+            assert cache.lookup(tokens, rid).tokens == 32
         assert cache.stats()["open_requests"] == 0  # the context manager ended it
         assert cache.flush(5.0) and cache.check_invariants() == []
         assert not hasattr(service, "lookup")  # a Service holds a cache; it is not one

@@ -31,7 +31,7 @@ def test_the_configured_policy_chooses_the_cpu_victim(
     # two new chunks, one free page: one of first's chunks goes. LRU drops the least recently
     # used, the parent (the prompt is gone); REUSE drops the child and keeps the prefix.
     engine.store(make_tokens(2 * SMALL_CHUNK, seed=2), make_kv(2 * SMALL_CHUNK, seed=2))
-    assert engine.lookup(first, "r") == kept_chunks * SMALL_CHUNK
+    assert engine.lookup(first, "r").tokens == kept_chunks * SMALL_CHUNK
     engine.end_request("r")
 
 
@@ -82,7 +82,7 @@ def test_an_injected_tier_serves_hits_through_the_engine() -> None:
     try:
         tier = reader.tier("dict")
         assert isinstance(tier, DictTier) and tier.state == "open"
-        assert reader.lookup(tokens, "r") == 3 * SMALL_CHUNK  # the CPU tier is empty
+        assert reader.lookup(tokens, "r").tokens == 3 * SMALL_CHUNK  # the CPU tier is empty
         got = reader.retrieve(tokens, "r")
         assert torch.equal(got, kv)
         reader.end_request("r")

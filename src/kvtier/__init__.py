@@ -9,7 +9,7 @@ Quick start::
         tokens = list(range(64))
         engine.store(tokens, torch.randn(2, 2, 64, 128))
         with engine.request("r1"):
-            hit = engine.lookup(tokens + [7, 8], "r1")      # 64
+            hit = engine.lookup(tokens + [7, 8], "r1")      # Hit(tokens=64, cpu_tokens=64)
             kv = engine.retrieve(tokens + [7, 8], "r1")     # [2, 2, 64, 128]
 """
 
@@ -29,6 +29,7 @@ from kvtier.errors import (
     TransferTimeout,
 )
 from kvtier.fingerprint import Fingerprint
+from kvtier.hit import Hit
 from kvtier.keys import KeyChain
 from kvtier.layout import KVLayout
 from kvtier.server.client import ServerClient, connect
@@ -42,6 +43,7 @@ __all__ = [
     "Engine",
     "EngineState",
     "Fingerprint",
+    "Hit",
     "InputError",
     "KVLayout",
     "KVTierError",

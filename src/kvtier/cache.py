@@ -34,6 +34,7 @@ import torch
 from kvtier.config import Config
 from kvtier.errors import InputError, StateError
 from kvtier.fingerprint import Fingerprint
+from kvtier.hit import Hit
 from kvtier.keys import KeyChain, RequestKeys
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import Lifecycle, Opens
@@ -48,27 +49,6 @@ from kvtier.validation import (
     check_request_id,
     check_ttft,
 )
-
-
-class Hit(int):
-    """What :meth:`KVCache.lookup` found: the hit tokens (an ``int``, so a lookup still reads
-    as a number), and ``cpu_tokens``: how many of them, from token 0, are in the CPU tier or
-    held by the caller (the skip). Those load without reading disk, Redis or PD, so a
-    connector loads them in the step and the rest in the background."""
-
-    cpu_tokens: int
-
-    def __new__(cls, tokens: int, cpu_tokens: int = 0) -> Hit:
-        hit = super().__new__(cls, tokens)
-        hit.cpu_tokens = max(0, min(cpu_tokens, tokens))
-        return hit
-
-    @property
-    def tokens(self) -> int:
-        return int(self)
-
-    def __repr__(self) -> str:
-        return f"Hit(tokens={int(self)}, cpu_tokens={self.cpu_tokens})"
 
 
 def fingerprint_for(

@@ -25,11 +25,12 @@ from typing import Any, Self
 import numpy as np
 import torch
 
-from kvtier.cache import Hit, KVCache
+from kvtier.cache import KVCache
 from kvtier.config import Config
 from kvtier.engine_loads import RequestLoads
 from kvtier.engine_pages import EnginePages
 from kvtier.errors import StateError
+from kvtier.hit import Hit
 from kvtier.keys import RequestKeys
 from kvtier.layout import KVLayout
 from kvtier.lease import Lease, LeaseInfo, LeaseTable

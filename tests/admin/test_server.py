@@ -99,7 +99,7 @@ def test_unbindable_host_leaves_the_engine_working(
     assert "admin API not started" in caplog.text
     engine = service.engine
     engine.store(make_tokens(16), make_kv(16))  # the cache itself is unaffected
-    assert engine.lookup(make_tokens(16), "r") == 16
+    assert engine.lookup(make_tokens(16), "r").tokens == 16
     engine.end_request("r")
 
 
@@ -231,7 +231,7 @@ def test_explain_unknown_id_is_404(url: str) -> None:
 def test_clear_never_drops_pinned_entries(admin_engine: Engine, url: str) -> None:
     tokens = make_tokens(48)
     admin_engine.store(tokens, make_kv(48))
-    assert admin_engine.lookup(tokens[:32], "pinning") == 32  # chunks 0 and 1 pinned
+    assert admin_engine.lookup(tokens[:32], "pinning").tokens == 32  # chunks 0 and 1 pinned
     reply = call(url, "/clear", method="POST", token=TOKEN)
     assert reply.status == 200 and reply.json() == {"dropped": {"cpu": 1}}
     assert admin_engine.stats()["tiers"]["cpu"]["entries"] == 2

@@ -141,7 +141,7 @@ def test_checksum_failure_at_retrieve(tmp_path: Path) -> None:
                 with open(tmp_path / name, "r+b") as f:
                     f.seek(HEADER_SIZE + 3)
                     f.write(b"\x00\x01\x02\x03")
-        assert engine.lookup(tokens, "r") == 48
+        assert engine.lookup(tokens, "r").tokens == 48
         assert outcomes(engine, "r") == ["found:disk", "found:disk", "found:disk"]
         assert engine.retrieve(tokens, "r").shape[2] == 16
         assert outcomes(engine, "r") == ["found:disk", ex.CHECKSUM_FAILURE, ex.NOT_CONTIGUOUS]

@@ -29,7 +29,7 @@ def test_counts_after_one_store_and_one_partial_hit(engine_factory: Callable[...
     tokens = make_tokens(48)
     assert engine.store(tokens, make_kv(48)) == 3
     prompt = tokens[:32] + make_tokens(16, seed=9)  # chunks 0 and 1 hit, chunk 2 is new
-    assert engine.lookup(prompt, "r1") == 32
+    assert engine.lookup(prompt, "r1").tokens == 32
 
     assert value(reg, "kvtier_stores_total") == 1
     assert value(reg, "kvtier_stored_chunks_total") == 3
@@ -92,7 +92,7 @@ def test_evictions_and_dropped_stores(engine_factory: Callable[..., Engine]) -> 
     held = make_tokens(64, seed=3)
     engine.store(held, make_kv(64, seed=3))  # evicts 4 more
     assert value(reg, "kvtier_tier_evictions_total", tier="cpu") == 6
-    assert engine.lookup(held, "pin-all") == 64  # every page pinned now
+    assert engine.lookup(held, "pin-all").tokens == 64  # every page pinned now
     engine.store(make_tokens(48, seed=4), make_kv(48, seed=4))
     assert value(reg, "kvtier_dropped_chunks_total") == 3
     assert value(reg, "kvtier_tier_evictions_total", tier="cpu") == 6
@@ -122,7 +122,7 @@ def test_checksum_failure_on_disk_is_counted(tmp_path: Path) -> None:
                     byte = f.read(1)
                     f.seek(HEADER_SIZE + 10)
                     f.write(bytes([byte[0] ^ 0xFF]))
-        assert engine.lookup(tokens, "r") == 32  # the index still lists both
+        assert engine.lookup(tokens, "r").tokens == 32  # the index still lists both
         assert engine.retrieve(tokens, "r").shape[2] == 0  # chunk 0 fails its checksum
         assert value(reg, "kvtier_tier_checksum_failures_total", tier="disk") == 1
         assert value(reg, "kvtier_load_failures_total") == 1
@@ -245,10 +245,10 @@ def test_the_hit_is_what_was_loaded_and_found_but_unneeded_is_its_own_counter(
     tokens = make_tokens(48)
     engine.store(tokens, make_kv(48))
     with engine.request("loads"):
-        assert engine.lookup(tokens, "loads") == 48
+        assert engine.lookup(tokens, "loads").tokens == 48
         engine.retrieve(tokens, "loads")
     with engine.request("engine-had-it"):
-        assert engine.lookup(tokens, "engine-had-it") == 48  # found, never retrieved
+        assert engine.lookup(tokens, "engine-had-it").tokens == 48  # found, never retrieved
     assert value(reg, "kvtier_lookup_found_tokens_total") == 96
     assert value(reg, "kvtier_lookup_hit_tokens_total") == 48
     assert value(reg, "kvtier_retrieved_tokens_total") == 48

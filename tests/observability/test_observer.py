@@ -49,7 +49,7 @@ def test_a_failing_explain_hook_never_fails_the_request(
     tokens = make_tokens(16)
     engine.store(tokens, make_kv(16))
     with caplog.at_level(logging.ERROR, logger="kvtier.observability.observer"):
-        assert engine.lookup(tokens, "r") == 16
+        assert engine.lookup(tokens, "r").tokens == 16
     assert "explain hook broken failed; the request is unaffected" in caplog.text
     assert engine.counters.lookups == 1
     engine.end_request("r")

@@ -149,7 +149,7 @@ def test_a_peer_without_the_token_plants_nothing(
     from kvtier.observability.metrics import engine_registry
 
     assert engine_registry(engine).get_sample_value("kvtier_pd_auth_failures_total") == 4
-    assert engine.lookup(tokens, "victim") == 0  # nothing was planted
+    assert engine.lookup(tokens, "victim").tokens == 0  # nothing was planted
     engine.end_request("victim")
     assert_all_free(engine)
     with sender(channel, receiver.port, token=TOKEN) as tx:  # the real prefiller gets through

@@ -206,7 +206,7 @@ def test_decoder_pins_are_released_by_end_request() -> None:
             chunk = kv[:, :, span.start : span.end, :].contiguous().view(-1).view(torch.uint8)
             tier.page_view(page, chunk.numel()).copy_(chunk)
             assert tier.publish(res, page, xxh(chunk))
-        assert engine.lookup(tokens, "r") == 40
+        assert engine.lookup(tokens, "r").tokens == 40
         assert torch.equal(engine.retrieve(tokens, "r"), kv)
         assert engine.end_request("r")
         assert not engine.end_request("r")

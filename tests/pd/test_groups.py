@@ -50,7 +50,7 @@ def test_a_group_layout_crosses_pd_and_is_served_by_the_decoder(
                 report = tx.send("t1", chunks_from_kv(spans, kv))
             assert report.sent == 4
             assert report.nbytes == sum(layout.payload_bytes(s.num_tokens) for s in spans)
-            assert decoder.lookup(tokens, "r") == len(tokens)
+            assert decoder.lookup(tokens, "r").tokens == len(tokens)
             got = decoder.retrieve(tokens, "r")
             decoder.end_request("r")
             decoder.end_request("t1")

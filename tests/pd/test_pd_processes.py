@@ -110,7 +110,7 @@ def test_sigkilled_sender_gives_its_reservation_back(
             send_one(tx, "after", tokens)
         assert receiver.wait_outcome("after", 10.0) is not None
         with engine.request("after"):
-            assert engine.lookup(tokens, "after") == len(tokens)
+            assert engine.lookup(tokens, "after").tokens == len(tokens)
         assert_all_free(engine)
     finally:
         receiver.close()
@@ -147,7 +147,7 @@ def test_a_sender_killed_after_some_chunks_leaves_a_serving_decoder(
         # Where the kill lands: 12 pages reserved, 3 chunks verified and visible, no outcome.
         assert tier.contains(keys[3:4]) == [False]
         assert tier.pool.free_pages == 0 and receiver.wait_outcome("doomed", 0.0) is None
-        assert engine.lookup(tokens, "decode") == arrived
+        assert engine.lookup(tokens, "decode").tokens == arrived
         assert proc.pid is not None
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10.0)
@@ -165,7 +165,7 @@ def test_a_sender_killed_after_some_chunks_leaves_a_serving_decoder(
         done = receiver.wait_outcome("after", 10.0)
         assert done is not None and done.ok
         with engine.request("after"):
-            assert engine.lookup(after, "after") == len(after)
+            assert engine.lookup(after, "after").tokens == len(after)
         engine.end_request("after")
         assert_all_free(engine)
     finally:

@@ -101,7 +101,7 @@ def test_full_buffer_times_out_on_both_sides_and_decoder_prefills(
         assert outcome is not None and not outcome.ok and "no room" in outcome.reason
         assert decode(engine, receiver, "first", first) == len(first)
         with engine.request("second"):  # fallback: nothing arrived, prefill locally
-            assert engine.lookup(second, "second") == 0
+            assert engine.lookup(second, "second").tokens == 0
         send_one(tx, "second-again", second)  # room is back; same connection still works
         assert decode(engine, receiver, "second-again", second) == len(second)
     assert_all_free(engine)
@@ -259,7 +259,7 @@ def test_a_bad_checksum_is_reported_and_never_served(make_decoder: Callable[...,
     sock.close()
     outcome = receiver.wait_outcome("r", 5.0)
     assert outcome is not None and not outcome.ok
-    assert engine.lookup(tokens, "r") == 0  # nothing corrupt is ever served
+    assert engine.lookup(tokens, "r").tokens == 0  # nothing corrupt is ever served
     engine.end_request("r")
     assert pd_tier(engine).counters.corrupt == len(spans)
     assert_all_free(engine)
@@ -361,7 +361,7 @@ def test_shm_verifies_at_serve_time_and_a_changed_page_ends_the_hit(
     entry = tier._index[spans[1].key]  # the second chunk's page: a stray write lands there
     tier.page_view(entry.page, 8).copy_(torch.arange(8, dtype=torch.uint8))
     with engine.request("r"):
-        assert engine.lookup(tokens, "r") == len(tokens)  # the index does not know yet
+        assert engine.lookup(tokens, "r").tokens == len(tokens)  # the index does not know yet
         kv = engine.retrieve(tokens, "r")
         assert kv.shape[2] == spans[0].end  # served up to the changed chunk, not beyond
         assert torch.equal(kv, fake_prefill(tokens)[:, :, : spans[0].end])
@@ -389,7 +389,7 @@ def test_every_serve_copies_once_from_the_buffer_and_checks_what_it_copies(
     cpu_pool = engine.tier("cpu").pool  # type: ignore[union-attr]
     expected = fake_prefill(tokens)
     with engine.request("r"):
-        assert engine.lookup(tokens, "r") == len(tokens)
+        assert engine.lookup(tokens, "r").tokens == len(tokens)
         reserved = cpu_pool.used_pages  # the lookup's spare pages, one per PD chunk
         out = torch.zeros(2, SMALL_LAYOUT.num_layers, len(tokens) + 5, SMALL_LAYOUT.hidden)
         out = out.to(SMALL_LAYOUT.dtype)

@@ -98,7 +98,7 @@ def test_reservations_nobody_looks_up_expire_and_the_real_prefiller_gets_room(
         assert time.monotonic() - start < 5.0
     assert receiver.expired_reservations == 1
     assert engine.end_request("ghost") is False  # already ended by the expiry: no-op
-    assert engine.lookup(ghost, "late") == 0  # gone with its pages
+    assert engine.lookup(ghost, "late").tokens == 0  # gone with its pages
     engine.end_request("late")
     assert loads_exactly(engine, "real", real)
     assert engine.check_invariants() == []
@@ -113,7 +113,7 @@ def test_a_request_the_decoder_looked_up_never_expires(
     tokens = request_tokens(2)
     with sender(channel, receiver.port, token=TOKEN) as tx:
         send_one(tx, "kept", tokens)
-    assert engine.lookup(tokens, "kept") == len(tokens)  # claimed by the request itself
+    assert engine.lookup(tokens, "kept").tokens == len(tokens)  # claimed by the request itself
     time.sleep(2.5)  # several sweeps, well past the TTL
     assert receiver.expired_reservations == 0
     assert loads_exactly(engine, "kept", tokens)
@@ -146,7 +146,7 @@ def test_a_transfer_slower_than_the_ttl_completes_and_its_ttl_starts_after(
     assert isinstance(done, DoneReply) and done.ok, done
     assert receiver.expired_reservations == 0
     wait_until(lambda: receiver.expired_reservations == 1)  # unclaimed after the transfer
-    assert engine.lookup(tokens, "slow") == 0
+    assert engine.lookup(tokens, "slow").tokens == 0
     engine.end_request("slow")
     assert_all_free(engine)
 

@@ -34,7 +34,7 @@ def test_admin_api_and_metrics_of_a_served_model() -> None:
         with open_client(proc.url) as client:
             tokens = make_tokens(64, 3)
             client.store(tokens, make_kv(64, 3))
-            assert client.lookup(tokens, "seen-by-admin") == 64
+            assert client.lookup(tokens, "seen-by-admin").tokens == 64
             admin = client.stats()["server"]["admin_url"]
             assert admin and admin.startswith("http://127.0.0.1:")
             assert get(f"{admin}/health")[0] == 200

@@ -30,7 +30,7 @@ def test_idle_models_are_released_and_their_disk_tier_kept(
     wait_until(lambda: proc.server.models.slots() == [], what="the idle model released")
     assert proc.server.models.released == 1
     with open_client(proc.url) as client:
-        assert client.lookup(tokens, "again") == 64  # from the disk tier it kept
+        assert client.lookup(tokens, "again").tokens == 64  # from the disk tier it kept
         client.end_request("again")
 
 
@@ -45,7 +45,7 @@ def test_a_model_that_does_not_fit_is_refused_until_another_goes_idle(
     second = open_client(proc.url, model_name="second")
     assert not second.connected
     assert "server_max_memory" in second._link.last_error
-    assert second.lookup(make_tokens(32, 1), "r") == 0  # a miss, not an error
+    assert second.lookup(make_tokens(32, 1), "r").tokens == 0  # a miss, not an error
     first.close()  # idle now (a long grace): released when the room is needed
     wait_until(lambda: proc.server.models.slots()[0].clients == 0, what="first idle")
     wait_until(lambda: second._link.ensure(), what="second served")
@@ -78,7 +78,7 @@ def test_one_client_cannot_pin_every_page(make_server: object) -> None:
     with open_client(proc.url) as hog, open_client(proc.url) as other:
         for seed in range(4):  # 4 prompts of 4 chunks fill the 16 pages
             hog.store(make_tokens(64, 100 + seed), make_kv(64, 100 + seed))
-        hits = [hog.lookup(make_tokens(64, 100 + seed), f"hog-{seed}") for seed in range(4)]
+        hits = [hog.lookup(make_tokens(64, 100 + seed), f"hog-{seed}").tokens for seed in range(4)]
         assert hits == [64, 64, 0, 0]  # cached, but the last two are past its budget
         assert hog.stats()["pinned_pages"] == 8
         assert other.store(make_tokens(64, 200), make_kv(64, 200)) > 0

@@ -115,7 +115,7 @@ def test_a_request_trickled_after_the_hello_is_closed_at_the_frame_deadline(
     client = open_client(proc.url)
     tokens = make_tokens(64, 3)
     client.store(tokens, make_kv(64, 3))
-    assert client.lookup(tokens, "held") == 64  # something its connection must give back
+    assert client.lookup(tokens, "held").tokens == 64  # something its connection must give back
     sock = client._link.sock
     assert sock is not None
     trickle(sock, wire.encode(wire.Lookup("slow", packed(tokens))))  # type: ignore[operator]
@@ -133,13 +133,13 @@ def test_missed_lookups_keep_no_lease_and_no_keys(make_server: object) -> None:
     proc = make_server()  # type: ignore[operator]
     with open_client(proc.url) as client:
         for i in range(50):  # never ended, as a client that forgets its misses
-            assert client.lookup(make_tokens(16 * 1024, 1000 + i), f"miss-{i}") == 0
+            assert client.lookup(make_tokens(16 * 1024, 1000 + i), f"miss-{i}").tokens == 0
         assert client.stats()["open_requests"] == 0
         (session,) = proc.server.sessions.all()
         assert session.open_requests == 0 and session.open_tokens == 0
         tokens = make_tokens(64, 9)
         client.store(tokens, make_kv(64, 9))
-        assert client.lookup(tokens, "hit") == 64  # a hit stays open until it is ended
+        assert client.lookup(tokens, "hit").tokens == 64  # a hit stays open until it is ended
         assert client.stats()["open_requests"] == 1
         assert client.end_request("hit")
 
@@ -149,15 +149,15 @@ def test_open_requests_past_the_bound_are_refused_naming_the_key(make_server: ob
     tokens = make_tokens(32, 4)
     with open_client(proc.url) as client:
         client.store(tokens, make_kv(32, 4))
-        assert [client.lookup(tokens, f"r{i}") for i in range(3)] == [32, 32, 32]
+        assert [client.lookup(tokens, f"r{i}").tokens for i in range(3)] == [32, 32, 32]
         reply = client._link.call(wire.Lookup("r3", packed(tokens)))
         assert isinstance(reply, wire.Failed) and reply.kind == "capacity"
         assert "3 requests open" in reply.message
         assert "server_client_max_requests" in reply.message
-        assert client.lookup(tokens, "r4") == 0  # the client sees a miss, not an error
-        assert client.lookup(tokens, "r0") == 32  # an open request may look up again
+        assert client.lookup(tokens, "r4").tokens == 0  # the client sees a miss, not an error
+        assert client.lookup(tokens, "r0").tokens == 32  # an open request may look up again
         assert client.end_request("r0")
-        assert client.lookup(tokens, "r5") == 32  # room again once one ended
+        assert client.lookup(tokens, "r5").tokens == 32  # room again once one ended
         assert client.stats()["open_requests"] == 3
 
 
@@ -166,14 +166,14 @@ def test_tokens_kept_past_the_bound_are_refused_naming_the_key(make_server: obje
     tokens = make_tokens(64, 5)
     with open_client(proc.url) as client:
         client.store(tokens, make_kv(64, 5))
-        assert client.lookup(tokens, "a") == 64
+        assert client.lookup(tokens, "a").tokens == 64
         reply = client._link.call(wire.Lookup("b", packed(tokens)))
         assert isinstance(reply, wire.Failed) and reply.kind == "capacity"
         assert "128 tokens" in reply.message and "server_client_max_tokens" in reply.message
         reply = client._link.call(wire.Lookup("big", packed(make_tokens(4096, 6))))
         assert isinstance(reply, wire.Failed)  # refused even though it would miss
         assert client.end_request("a")
-        assert client.lookup(tokens, "b") == 64
+        assert client.lookup(tokens, "b").tokens == 64
         assert client.stats()["open_requests"] == 1
 
 
@@ -206,9 +206,9 @@ def test_one_lookup_gets_a_hit_cut_to_the_share(make_server: object) -> None:
     tokens = make_tokens(12 * SMALL_CHUNK, 10)  # 12 chunks cached, share of 8
     with open_client(proc.url) as client:
         assert store_in_shares(client, tokens, 10) == 12
-        assert client.lookup(tokens, "all") == SHARE * SMALL_CHUNK
+        assert client.lookup(tokens, "all").tokens == SHARE * SMALL_CHUNK
         assert client.stats()["pinned_pages"] == SHARE
-        assert client.lookup(tokens, "more") == 0  # at the share: nothing more, kept nothing
+        assert client.lookup(tokens, "more").tokens == 0  # at the share: nothing more, kept nothing
         assert client.stats()["open_requests"] == 1
 
 
@@ -241,7 +241,7 @@ def test_a_reserve_past_the_share_is_shortened(make_server: object) -> None:
         assert sum(pinned(proc)) == SHARE
         assert client._link.call(wire.Commit(1)) == wire.Stored(SHARE)
         assert client.store(tokens, make_kv(len(tokens), 13), skip_leading_tokens=128) == 4
-        assert client.lookup(tokens, "x") == SHARE * SMALL_CHUNK  # cut to the share as well
+        assert client.lookup(tokens, "x").tokens == SHARE * SMALL_CHUNK  # cut to the share as well
         assert client.check_invariants() == []
 
 
@@ -281,7 +281,7 @@ class PinShare(RuleBasedStateMachine):
     @rule(prompt=st.sampled_from(PROMPTS), skip=st.sampled_from([0, SMALL_CHUNK]))
     def hog_looks_up(self, prompt: list[int], skip: int) -> None:
         rid = self._rid()
-        hit = self.hog.lookup(prompt, rid, skip_leading_tokens=skip)
+        hit = self.hog.lookup(prompt, rid, skip_leading_tokens=skip).tokens
         assert hit <= len(prompt)
         if hit > skip // SMALL_CHUNK * SMALL_CHUNK:
             self.open.add(rid)
@@ -289,7 +289,7 @@ class PinShare(RuleBasedStateMachine):
     @rule(prompt=st.sampled_from(PROMPTS), after_lookup=st.booleans())
     def hog_retrieves(self, prompt: list[int], after_lookup: bool) -> None:
         rid = self._rid()
-        if after_lookup and self.hog.lookup(prompt, rid):
+        if after_lookup and self.hog.lookup(prompt, rid).tokens:
             self.open.add(rid)
         reply = self.hog._link.call(wire.Retrieve(rid, packed(prompt)))
         assert isinstance(reply, wire.Pages)
@@ -344,6 +344,6 @@ def test_client_reads_a_refusal_as_a_miss(make_server: object) -> None:
     client: ServerClient
     with open_client(proc.url) as client:
         client.store(tokens, make_kv(32, 14))
-        assert client.lookup(tokens, "a") == 32
-        assert client.lookup(tokens, "b") == 0
+        assert client.lookup(tokens, "a").tokens == 32
+        assert client.lookup(tokens, "b").tokens == 0
         assert client.stats()["connects"] == 1 and client.unserved == 1

@@ -36,7 +36,7 @@ def test_connect_store_lookup_retrieve(server: ServerProcess) -> None:
         assert client.store(tokens, kv) == 6  # 6 whole chunks of 16; the tail is not stored
         assert client.store(tokens, kv) == 0  # already held
         with client.request("r1"):
-            assert client.lookup(tokens + [5], "r1") == 96
+            assert client.lookup(tokens + [5], "r1").tokens == 96
             got = client.retrieve(tokens + [5], "r1")
             assert torch.equal(got, kv[:, :, :96])
             out = zeros_like_kv(120)
@@ -138,10 +138,10 @@ def test_other_fingerprints_share_the_server_not_the_chunks(server: ServerProces
         ]
         for other in others:
             assert other.connected
-            assert other.lookup(tokens, "x") == 0
+            assert other.lookup(tokens, "x").tokens == 0
             assert other.stats()["tiers"]["cpu"]["entries"] == 0  # an engine of its own
             other.close()
-        assert a.lookup(tokens, "x") == 64
+        assert a.lookup(tokens, "x").tokens == 64
         assert a.stats()["server"]["models"] == models_before + 4
 
 
@@ -166,7 +166,7 @@ def test_end_request_twice_is_a_no_op(server: ServerProcess) -> None:
     with open_client(server.url) as client:
         tokens = make_tokens(48, 31)
         client.store(tokens, make_kv(48, 31))
-        assert client.lookup(tokens, "twice") == 48
+        assert client.lookup(tokens, "twice").tokens == 48
         assert client.end_request("twice") is True
         assert client.end_request("twice") is False
         assert idle_server_state(client) == IDLE
@@ -183,8 +183,8 @@ def test_closing_a_client_releases_its_leases(server: ServerProcess) -> None:
     with open_client(server.url) as watcher:
         holder = open_client(server.url)
         holder.store(tokens, make_kv(64, 41))
-        assert holder.lookup(tokens, "a") == 64
-        assert holder.lookup(tokens, "b") == 64
+        assert holder.lookup(tokens, "a").tokens == 64
+        assert holder.lookup(tokens, "b").tokens == 64
         assert watcher.stats()["pinned_pages"] == 8
         holder.close()  # no end_request: the connection's end releases both
         wait_until(lambda: watcher.stats()["pinned_pages"] == 0, what="leases released")
@@ -208,7 +208,7 @@ def test_a_service_holds_the_server_client_it_is_given(server: ServerProcess) ->
             assert isinstance(service.local_engine, Engine) is (url is None)
             assert cache.store(tokens, kv) == 2
             with cache.request("r"):
-                assert cache.lookup(tokens, "r") == 32
+                assert cache.lookup(tokens, "r").tokens == 32
             assert cache.check_invariants() == []
             assert service.admin is None and service.receiver is None
         finally:

@@ -25,7 +25,7 @@ def test_a_group_layout_is_served_like_an_in_process_engine(
         assert writer.store(tokens, kv) == 3
     with open_client(server.url, layout, model_name=model) as reader:
         with reader.request("r"):
-            assert reader.lookup(tokens, "r") == 3 * CHUNK
+            assert reader.lookup(tokens, "r").tokens == 3 * CHUNK
             got = reader.retrieve(tokens, "r")
         assert reader.stats()["open_requests"] == 0
     assert torch.equal(got, kept(kv[:, :, : 3 * CHUNK], layout))
@@ -35,7 +35,7 @@ def test_a_group_layout_is_served_like_an_in_process_engine(
     )
     with Engine(cfg, layout, model_name=model) as engine:
         engine.store(tokens, kv)
-        assert engine.lookup(tokens, "e") == 3 * CHUNK
+        assert engine.lookup(tokens, "e").tokens == 3 * CHUNK
         assert torch.equal(engine.retrieve(tokens, "e"), got)
         engine.end_request("e")
 
@@ -59,7 +59,7 @@ def test_another_group_layout_of_the_same_model_never_shares_a_chunk(
         client.store(tokens, make_kv(len(tokens), seed=43, layout=GEMMA))
     other = open_client(server.url, untrimmed, model_name="groups-shared-name")
     with other, other.request("o"):
-        assert other.lookup(tokens, "o") == 0
+        assert other.lookup(tokens, "o").tokens == 0
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
@@ -78,7 +78,7 @@ def test_retrieve_into_a_buffer_of_the_layouts_own_planes_through_the_server(
     out = torch.zeros(layout.kv_shape(len(tokens)), dtype=layout.dtype)
     with open_client(server.url, layout, model_name=model) as reader:
         with reader.request("r"):
-            assert reader.lookup(tokens, "r") == 2 * CHUNK
+            assert reader.lookup(tokens, "r").tokens == 2 * CHUNK
             assert reader.retrieve_into(tokens, "r", out) == 2 * CHUNK
         short = torch.zeros(layout.kv_shape(CHUNK), dtype=layout.dtype)
         with reader.request("s"), pytest.raises(InputError, match=f">={2 * CHUNK}"):
@@ -96,6 +96,6 @@ def test_retrieve_into_a_buffer_of_the_layouts_own_planes_through_the_server(
     with Engine(cfg, layout, model_name=model) as engine, engine.request("e"):
         engine.store(tokens, kv)
         in_process = torch.zeros_like(out)
-        assert engine.lookup(tokens, "e") == 2 * CHUNK
+        assert engine.lookup(tokens, "e").tokens == 2 * CHUNK
         assert engine.retrieve_into(tokens, "e", in_process) == 2 * CHUNK
     assert torch.equal(in_process, out)

@@ -58,7 +58,7 @@ def test_a_server_of_another_uid_is_never_trusted(shared_dir: str) -> None:
     try:
         assert out.get(timeout=60) == "listening"
         client = open_client(f"unix://{path}")
-        assert client.lookup(make_tokens(64, 7), "r") == 0
+        assert client.lookup(make_tokens(64, 7), "r").tokens == 0
         assert not client.connected
         assert f"uid {NOBODY}" in client._link.last_error
         assert client._link.pages is None  # its memfd was never mapped
@@ -117,7 +117,7 @@ def test_a_squatted_default_directory_is_stepped_around_and_clients_find_the_ser
             assert client._link.path == server.path and client.connected
             client.store(tokens, torch.ones(SMALL_LAYOUT.kv_shape(2 * SMALL_CHUNK)))
             assert client.flush(30)
-            assert client.lookup(tokens, "r") == 2 * SMALL_CHUNK
+            assert client.lookup(tokens, "r").tokens == 2 * SMALL_CHUNK
         server.stop()
     assert identity(os.lstat(squatted)) == identity(before)  # the squatter's, untouched
     with KVTierServer(cfg) as again:  # the next start reuses that directory, makes no other
@@ -132,7 +132,7 @@ def test_a_client_started_first_finds_a_server_that_stepped_aside_later(
     squat(squatted, "nobody-0700")
     client = ServerClient(None, SMALL_LAYOUT, model_name="m", config=client_config())
     with client.open():
-        assert client.lookup(make_tokens(SMALL_CHUNK, 1), "r0") == 0  # nobody there yet
+        assert client.lookup(make_tokens(SMALL_CHUNK, 1), "r0").tokens == 0  # nobody there yet
         assert not client.connected
         with KVTierServer(server_config()) as server:
             threading.Thread(target=server.serve_forever, daemon=True).start()

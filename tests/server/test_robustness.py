@@ -107,7 +107,7 @@ def victim(server: ServerProcess) -> Iterator[object]:
     tokens = make_tokens(64, 77)
     client = open_client(server.url)
     client.store(tokens, make_kv(64, 77))
-    assert client.lookup(tokens, "victim") == 64
+    assert client.lookup(tokens, "victim").tokens == 64
     yield client
     client.end_request("victim")
     assert idle_server_state(client) == IDLE
@@ -118,7 +118,7 @@ def assert_victim_fine(victim: object) -> None:
     from kvtier.server.client import ServerClient
 
     assert isinstance(victim, ServerClient)
-    assert victim.lookup(make_tokens(64, 77), "victim-again") == 64
+    assert victim.lookup(make_tokens(64, 77), "victim-again").tokens == 64
     assert victim.end_request("victim-again")
     assert victim.stats()["connects"] == 1  # never reconnected: its connection was untouched
     assert victim.check_invariants() == []
@@ -225,8 +225,8 @@ def test_many_clients_at_once_are_bounded() -> None:
         assert (len(served), len(refused)) == (4, 8)
         tokens = make_tokens(32, 5)
         assert served[0].store(tokens, make_kv(32, 5)) == 2
-        assert all(c.lookup(tokens, "x") == 32 for c in served)
-        assert all(c.lookup(tokens, "x") == 0 for c in refused)  # a miss, not an error
+        assert all(c.lookup(tokens, "x").tokens == 32 for c in served)
+        assert all(c.lookup(tokens, "x").tokens == 0 for c in refused)  # a miss, not an error
         assert "server full: 4 clients connected" in proc.log()
         for c in served:
             c.close()

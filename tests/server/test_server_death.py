@@ -34,7 +34,7 @@ def test_clients_survive_a_server_killed_mid_call() -> None:
             while not stop.is_set():
                 rid = f"busy-{index}-{rounds[index]}"
                 client.store(tokens, kv)
-                hit = client.lookup(tokens, rid)
+                hit = client.lookup(tokens, rid).tokens
                 end = client.retrieve_into(tokens, rid, out)
                 client.end_request(rid)
                 if end:

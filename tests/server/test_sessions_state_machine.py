@@ -73,7 +73,7 @@ class Clients(RuleBasedStateMachine):
         i = self._pick(data)
         rid = f"r{self.next_rid}"
         self.next_rid += 1
-        hit = self.clients[i].lookup(prompt, rid)
+        hit = self.clients[i].lookup(prompt, rid).tokens
         if hit:  # a miss pinned nothing: the server ends it at once, keeping nothing
             self.open[i].add(rid)
         assert hit % SMALL_CHUNK == 0 and hit <= len(prompt)

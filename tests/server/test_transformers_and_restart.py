@@ -85,7 +85,7 @@ def test_server_killed_then_restarted_with_a_warm_disk_tier(tmp_path: Any) -> No
             assert not client.connected and client.stats()["unserved"] > 0
 
             proc.start()  # a new server on the same socket path and disk directory
-            wait_until(lambda: client.lookup(prompt, "probe") > 0, what="reconnect")
+            wait_until(lambda: client.lookup(prompt, "probe").tokens > 0, what="reconnect")
             client.end_request("probe")
             warm = check(conn, prompt, 1e-5)
             assert warm.reused_tokens == 6 * CHUNK
@@ -108,13 +108,13 @@ def test_sigterm_drains_and_exits_cleanly(tmp_path: Any) -> None:
             conn = HFConnector(client, model)  # type: ignore[arg-type]
             prompt = tokens(4 * CHUNK, seed=81)
             assert conn.generate(prompt, 2).stored_chunks == 4  # no flush: the drain must
-            assert client.lookup(prompt, "open-at-exit") == 4 * CHUNK  # held at SIGTERM
+            assert client.lookup(prompt, "open-at-exit").tokens == 4 * CHUNK  # held at SIGTERM
             assert proc.terminate() == 0
             log = proc.log()
             assert "SIGTERM: draining" in log and "kvtier server stopped" in log
             assert "Traceback" not in log
             proc.start()
-            wait_until(lambda: client.lookup(prompt, "again") > 0, what="reconnect")
+            wait_until(lambda: client.lookup(prompt, "again").tokens > 0, what="reconnect")
             assert client.retrieve(prompt, "again").shape[2] == 4 * CHUNK
             assert client.stats()["hit_tokens_by_tier"].get("disk") == 4 * CHUNK
             client.end_request("again")

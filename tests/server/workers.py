@@ -25,7 +25,7 @@ def fetch_prompt(url: str, num_tokens: int, seed: int, out: Queue[Any]) -> None:
     with open_client(url) as client:
         tokens = make_tokens(num_tokens, seed)
         with client.request("fetch"):
-            hit = client.lookup(tokens, "fetch")
+            hit = client.lookup(tokens, "fetch").tokens
             kv = client.retrieve(tokens, "fetch")
         out.put((hit, bool(torch.equal(kv, make_kv(num_tokens, seed)[:, :, :hit]))))
 
@@ -34,7 +34,7 @@ def hold_retrieve(url: str, num_tokens: int, seed: int, out: Queue[Any]) -> None
     """Retrieve a stored prompt, report the hit, then keep its lease until killed."""
     client = open_client(url)
     tokens = make_tokens(num_tokens, seed)
-    hit = client.lookup(tokens, "held")
+    hit = client.lookup(tokens, "held").tokens
     client.retrieve(tokens, "held")
     out.put(hit)
     time.sleep(3600)

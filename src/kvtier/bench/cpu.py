@@ -224,7 +224,7 @@ def _lookup_cost(chunk_size: int, repeats: int) -> tuple[float, float]:
         for _ in range(max(repeats, 20)):
             rid = f"l{next(counter)}"
             start = time.perf_counter()
-            hit = engine.lookup(tokens_tensor, rid)
+            hit = engine.lookup(tokens_tensor, rid).tokens
             timings.append(time.perf_counter() - start)
             engine.end_request(rid)
             assert hit == num_tokens, f"lookup hit {hit} of {num_tokens}"

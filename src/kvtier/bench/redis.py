@@ -247,7 +247,7 @@ def _lookup(url: str) -> dict[str, Any]:
         timings = []
         for i in range(20):
             start = time.perf_counter()
-            hit = engine.lookup(tokens, f"l{i}")
+            hit = engine.lookup(tokens, f"l{i}").tokens
             timings.append(time.perf_counter() - start)
             engine.end_request(f"l{i}")
             if hit != LOOKUP_TOKENS:

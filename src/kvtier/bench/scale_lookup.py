@@ -52,7 +52,7 @@ def lookup_curve(
             for _ in range(max(repeats, 3)):
                 rid = f"l{next(counter)}"
                 start = time.perf_counter()
-                hit = engine.lookup(prefix, rid)
+                hit = engine.lookup(prefix, rid).tokens
                 lookups.append(time.perf_counter() - start)
                 engine.end_request(rid)
                 if hit != n // chunk * chunk:
@@ -87,7 +87,7 @@ def redis_lookup(num_tokens: int, repeats: int, chunk: int = CHUNK) -> tuple[flo
             timings = []
             for i in range(max(repeats, 3)):
                 start = time.perf_counter()
-                hit = engine.lookup(tokens, f"r{i}")
+                hit = engine.lookup(tokens, f"r{i}").tokens
                 timings.append(time.perf_counter() - start)
                 engine.end_request(f"r{i}")
                 if hit != chunks * chunk:

@@ -241,7 +241,7 @@ def _lookup(url: str, config: Config) -> dict[str, Any]:
             for i in range(300):
                 rid = f"l{i}"
                 start = time.perf_counter()
-                hit = cache.lookup(tokens, rid)
+                hit = cache.lookup(tokens, rid).tokens
                 timings.append(time.perf_counter() - start)
                 cache.end_request(rid)
                 assert hit == LOOKUP_TOKENS, f"lookup hit {hit} of {LOOKUP_TOKENS}"

@@ -140,7 +140,7 @@ class Workload:
         rid = f"chat-{self.step}"
         started = time.perf_counter()
         hit = engine.lookup(prompt, rid)
-        loaded = engine.retrieve(prompt, rid).shape[2] if hit else 0
+        loaded = engine.retrieve(prompt, rid).shape[2] if hit.tokens else 0
         engine.store(prompt, self.kv[:, :, : len(prompt), :])
         modelled = (time.perf_counter() - started) + (
             len(prompt) - loaded

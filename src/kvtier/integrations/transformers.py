@@ -118,7 +118,7 @@ class HFConnector:
         cache = DynamicCache()
         if use_cache and self.engine is not None:
             try:
-                hit = self.engine.lookup(tokens, rid)
+                hit = self.engine.lookup(tokens, rid).tokens
                 if hit:
                     out = self._scratch_for(hit)
                     loaded = self.engine.retrieve_into(tokens, rid, out)

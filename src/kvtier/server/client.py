@@ -28,9 +28,10 @@ from typing import Any, Self, TypeVar
 import numpy as np
 import torch
 
-from kvtier.cache import Hit, KVCache
+from kvtier.cache import KVCache
 from kvtier.config import Config
 from kvtier.errors import InputError, StateError, TransferError
+from kvtier.hit import Hit
 from kvtier.keys import RequestKeys
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.lifecycle import Lifecycle
@@ -128,10 +129,10 @@ class ServerClient(KVCache):
         held = self._held(len(array), prompt.skip)
 
         def hit(reply: wire.Reply) -> Hit:
-            found = _expect(reply, wire.Hit)
+            found = _expect(reply, Hit)  # the server's engine's answer, as it made it
             with self._live_lock:
                 self._live.add(request_id)
-            return Hit(found.tokens, found.cpu_tokens)
+            return found
 
         return self._exchange(request, hit, Hit(held, held))
 

@@ -41,7 +41,6 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.cache import Hit
 from kvtier.engine import Engine
 from kvtier.errors import (
     CapacityError,
@@ -52,6 +51,7 @@ from kvtier.errors import (
     TransferError,
     TransferTimeout,
 )
+from kvtier.hit import Hit
 from kvtier.request_salt import RequestSalt
 from kvtier.server import protocol as wire
 from kvtier.server.models import ModelTable
@@ -149,7 +149,7 @@ def _dispatch(
     match message:
         case wire.Lookup(request_id=rid, tokens=raw, skip=skip, cache_salt=salt):
             hit, _ = _lookup(session, engine, session.request_id(rid), raw, skip, salt)
-            return wire.Hit(hit.tokens, hit.cpu_tokens)
+            return hit  # the engine's answer is the reply
         case wire.Retrieve(request_id=rid, tokens=raw, skip=skip, cache_salt=salt):
             server_rid = session.request_id(rid)
             tokens = _tokens(raw)

@@ -45,6 +45,7 @@ import msgspec
 
 from kvtier.framing import HEADER as HEADER  # tests build frames by hand
 from kvtier.framing import FrameReader, Framing
+from kvtier.hit import Hit as Hit  # the engine's answer, sent as it is
 from kvtier.request_salt import RequestSalt
 
 MAGIC = b"KVS"
@@ -129,11 +130,6 @@ class Welcome(msgspec.Struct, tag=True):
 
 class Refused(msgspec.Struct, tag=True):
     message: str
-
-
-class Hit(msgspec.Struct, tag=True):
-    tokens: int
-    cpu_tokens: int = 0  # of which in the CPU tier (load at once; the rest reads a lower tier)
 
 
 class Pages(msgspec.Struct, tag=True):

@@ -703,13 +703,13 @@ def test_an_ended_requests_answer_is_saved_before_vllm_frees_its_blocks(
     conversation = prompt + answer
     if not save_decode:
         assert meta.saves == [] and meta.finishing == [] and worker.finished_saves() == set()
-        assert worker.engine.lookup(conversation + [1], "t2") == CHUNK
+        assert worker.engine.lookup(conversation + [1], "t2").tokens == CHUNK
         return
     assert [(s.start, s.end, len(s.tokens)) for s in meta.saves] == [(CHUNK, 2 * CHUNK, 64)]
     assert meta.finishing == ["t1"]
     assert worker.finished_saves() == {"t1"} and worker.finished_saves() == set()  # once
     # the next turn (prompt, answer, a new question) finds both chunks
-    assert worker.engine.lookup(conversation + [1, 2, 3], "t2") == 2 * CHUNK
+    assert worker.engine.lookup(conversation + [1, 2, 3], "t2").tokens == 2 * CHUNK
     stored = torch.zeros(worker.engine.layout.kv_shape(2 * CHUNK))
     assert worker.engine.retrieve_into(conversation[: 2 * CHUNK], "t2", stored) == 2 * CHUNK
     worker.engine.end_request("t2")

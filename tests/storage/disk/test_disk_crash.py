@@ -107,7 +107,7 @@ def test_sigkill_mid_store_loop_serves_only_exact_bytes(
     for i in range(last_stored + 3):  # and a few it may have started after its last print
         rid = f"check-{i}"
         with engine.request(rid):
-            hit = engine.lookup(make_tokens(SEQ_TOKENS, i), rid)
+            hit = engine.lookup(make_tokens(SEQ_TOKENS, i), rid).tokens
             got = engine.retrieve(make_tokens(SEQ_TOKENS, i), rid)
         assert torch.equal(got, make_kv(SEQ_TOKENS, i)[:, :, : got.shape[2]]), f"sequence {i}"
         if i <= last_flushed and i in fully_stored:
@@ -190,7 +190,7 @@ LIMITED_WRITER = textwrap.dedent(
         disk = engine._manager.lower[0]
         assert engine.check_invariants() == []
         with engine.request("r"):
-            assert engine.lookup(make_tokens(32, 7), "r") == 32  # still served from CPU
+            assert engine.lookup(make_tokens(32, 7), "r").tokens == 32  # still served from CPU
         print(disk.counters.failed, disk.counters.no_space, disk.counters.stored)
     """
 )

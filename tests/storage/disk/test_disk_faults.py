@@ -153,7 +153,7 @@ def test_engine_keeps_the_page_of_a_stuck_read_until_it_returns(
         assert engine.store(tokens, kv) == 3
         assert engine.flush(10)
         free_before = engine.stats()["allocator"]["pages_free"]
-        assert engine.lookup(tokens, "r") == 48
+        assert engine.lookup(tokens, "r").tokens == 48
         out = torch.zeros_like(kv)
         finished, loaded = within(
             TIMEOUT_S + SLACK_S, lambda: engine.retrieve_into(tokens, "r", out)
@@ -170,7 +170,7 @@ def test_engine_keeps_the_page_of_a_stuck_read_until_it_returns(
             "the stuck reads' pages to come back",
         )
         assert engine.check_invariants() == [] and engine.leaks() == []
-        assert engine.lookup(tokens, "r2") == 48
+        assert engine.lookup(tokens, "r2").tokens == 48
         assert torch.equal(engine.retrieve(tokens, "r2"), kv)
         engine.end_request("r2")
 

@@ -63,7 +63,7 @@ class DiskLifecycle(RuleBasedStateMachine):
 
     @rule(rid=REQUESTS, base=st.integers(0, BASES - 1), n=LENGTHS)
     def lookup(self, rid: str, base: int, n: int) -> None:
-        hit = self.e.lookup(self.tokens[base][:n], rid)
+        hit = self.e.lookup(self.tokens[base][:n], rid).tokens
         assert 0 <= hit <= n
 
     @rule(rid=REQUESTS, base=st.integers(0, BASES - 1), n=LENGTHS)

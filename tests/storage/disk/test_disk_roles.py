@@ -57,7 +57,7 @@ def test_store_close_reopen_hits_identical_bytes(engine_factory: Factory, tmp_pa
 
     second = disk_engine(engine_factory, tmp_path)
     with second.request("r1"):
-        assert second.lookup(tokens, "r1") == N_TOKENS
+        assert second.lookup(tokens, "r1").tokens == N_TOKENS
         assert torch.equal(second.retrieve(tokens, "r1"), kv)
     assert second.counters.hit_tokens_by_tier["disk"] == N_TOKENS
     assert tiers(second)[1].counters.batched_reads == 3  # one batch for the lookup
@@ -126,7 +126,7 @@ def test_staging_only_cpu_is_never_looked_up_and_pages_come_back(
     assert disk.contains(keys) == [True] * 3
     assert engine.counters.writes_by_tier["disk"]["stored"] == 3
     with engine.request("r1"):
-        assert engine.lookup(tokens, "r1") == N_TOKENS
+        assert engine.lookup(tokens, "r1").tokens == N_TOKENS
         assert torch.equal(engine.retrieve(tokens, "r1"), kv)
         assert len(cpu) == 0  # a disk hit is not copied back
     with engine.request("r2"):
@@ -153,7 +153,7 @@ def test_staging_only_drops_a_store_when_every_page_is_in_flight(
     cpu, _ = tiers(engine)
     assert cpu.pool.free_pages == 2
     with engine.request("r"):
-        hit = engine.lookup(tokens, "r")
+        hit = engine.lookup(tokens, "r").tokens
         assert torch.equal(engine.retrieve(tokens, "r"), kv[:, :, :hit])
     assert_quiet(engine)
 
@@ -169,13 +169,13 @@ def test_chained_prefix_spans_cpu_and_disk(engine_factory: Factory, tmp_path: Pa
     assert cpu.remove(k1)  # chunk 1: disk only
     assert cpu.remove(k2) and disk.remove(k2)  # chunk 2: nowhere
     with engine.request("r1"):
-        assert engine.lookup(tokens, "r1") == 2 * SMALL_CHUNK
+        assert engine.lookup(tokens, "r1").tokens == 2 * SMALL_CHUNK
         assert torch.equal(engine.retrieve(tokens, "r1"), kv[:, :, : 2 * SMALL_CHUNK])
     assert engine.counters.hit_tokens_by_tier == {"cpu": SMALL_CHUNK, "disk": SMALL_CHUNK}
 
     assert cpu.remove(k0)  # chunk 0 nowhere: chunk 1 on disk no longer counts
     with engine.request("r2"):
-        assert engine.lookup(tokens, "r2") == 0
+        assert engine.lookup(tokens, "r2").tokens == 0
     assert_quiet(engine)
 
 
@@ -194,7 +194,7 @@ def test_a_corrupt_disk_chunk_ends_the_hit_and_is_recomputed(
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     with engine.request("r1"):
-        assert engine.lookup(tokens, "r1") == N_TOKENS  # headers look fine until read
+        assert engine.lookup(tokens, "r1").tokens == N_TOKENS  # headers look fine until read
         got = engine.retrieve(tokens, "r1")
     assert torch.equal(got, kv[:, :, :SMALL_CHUNK])  # served up to the bad chunk, never past
     assert disk.counters.corrupt == 1 and not path.exists()

@@ -220,7 +220,7 @@ def test_remote_hit_is_copied_to_cpu_as_the_tier_roles_say(
         assert writer.store(tokens, kv) == 4
         assert writer.flush(10.0)
     with _engine(server.url, local_cpu=local_cpu) as reader:
-        assert reader.lookup(tokens, "r1") == 64
+        assert reader.lookup(tokens, "r1").tokens == 64
         got = reader.retrieve(tokens, "r1")
         assert torch.equal(got, kv)
         reader.end_request("r1")
@@ -256,7 +256,7 @@ def test_two_engine_processes_share_a_cache(server: RedisServer, tmp_path: Path)
     assert report.read_text() == "5 True"
     tokens, kv = make_tokens(80, seed=5), make_kv(80, seed=5)
     with _engine(server.url) as engine:
-        assert engine.lookup(tokens, "r") == 80
+        assert engine.lookup(tokens, "r").tokens == 80
         got = engine.retrieve(tokens, "r")
         assert got.numpy().tobytes() == kv.numpy().tobytes()  # bytes identical
         engine.end_request("r")
@@ -384,7 +384,7 @@ def test_32_threads_at_once_all_hit_and_the_tier_stays_up(server: RedisServer) -
                 tokens, kv = corpus[(worker + round_) % prompts]
                 request = f"w{worker}-{round_}"
                 try:
-                    hits.append(reader.lookup(tokens, request))
+                    hits.append(reader.lookup(tokens, request).tokens)
                     if not torch.equal(reader.retrieve(tokens, request), kv):
                         failures.append(f"{request}: wrong KV")
                 except Exception as exc:

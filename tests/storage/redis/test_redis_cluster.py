@@ -86,7 +86,7 @@ def test_engines_share_a_cache_through_the_cluster(cluster: RedisClusterServers)
         assert writer.store(tokens, kv) == 6
         assert writer.flush(10.0)
     with Engine(config, SMALL_LAYOUT, model_name="m") as reader:
-        assert reader.lookup(tokens, "r") == 96
+        assert reader.lookup(tokens, "r").tokens == 96
         assert torch.equal(reader.retrieve(tokens, "r"), kv)
         reader.end_request("r")
         assert reader.check_invariants() == [] and reader.leaks() == []

@@ -200,7 +200,7 @@ def test_engine_survives_a_server_killed_mid_request(server: RedisServer) -> Non
     with Engine(
         config.with_overrides(use_only_staging_buffer=True), SMALL_LAYOUT, model_name="m"
     ) as reader:
-        assert reader.lookup(tokens, "r1") == 64  # found in redis, pinned in the lease
+        assert reader.lookup(tokens, "r1").tokens == 64  # found in redis, pinned in the lease
         server.kill()
         start = time.monotonic()
         out = torch.zeros(SMALL_LAYOUT.kv_shape(64), dtype=SMALL_LAYOUT.dtype)
@@ -208,7 +208,7 @@ def test_engine_survives_a_server_killed_mid_request(server: RedisServer) -> Non
         assert loaded == 0  # every chunk was a miss: the engine recomputes
         assert time.monotonic() - start < TIMEOUT_S + SLACK_S
         reader.end_request("r1")
-        assert reader.lookup(tokens, "r2") == 0  # disabled: a quick miss
+        assert reader.lookup(tokens, "r2").tokens == 0  # disabled: a quick miss
         reader.store(tokens, kv)  # writes are dropped, never an error
         reader.end_request("r2")
         assert reader.flush(5.0)
@@ -220,7 +220,7 @@ def test_engine_survives_a_server_killed_mid_request(server: RedisServer) -> Non
         assert tier.link.wait_up(15.0)
         reader.store(tokens, kv)
         assert reader.flush(10.0)
-        assert reader.lookup(tokens, "r3") == 64
+        assert reader.lookup(tokens, "r3").tokens == 64
         assert torch.equal(reader.retrieve(tokens, "r3"), kv)
         reader.end_request("r3")
         assert reader.check_invariants() == [] and reader.leaks() == []
@@ -298,7 +298,7 @@ def test_engine_starts_with_its_redis_down_and_serves_from_cpu(
     tokens, kv = make_tokens(48, seed=4), make_kv(48, seed=4)
     with Engine(config, SMALL_LAYOUT, model_name="m") as engine:
         assert engine.store(tokens, kv) == 3  # into CPU; the redis writes are dropped
-        assert engine.lookup(tokens, "r") == 48
+        assert engine.lookup(tokens, "r").tokens == 48
         assert torch.equal(engine.retrieve(tokens, "r"), kv)
         engine.end_request("r")
         stats = engine.stats()["tiers"]["redis"]
@@ -379,12 +379,12 @@ def test_engine_on_a_cluster_turns_a_master_fault_into_misses_and_recovers(fault
             def all_hit() -> bool:
                 engine.store(tokens, kv)
                 engine.flush(10.0)
-                hit = engine.lookup(tokens, "after")
+                hit = engine.lookup(tokens, "after").tokens
                 engine.end_request("after")
                 return hit == 128
 
             wait_until(all_hit, 30, "every chunk to hit again")
-            assert engine.lookup(tokens, "final") == 128
+            assert engine.lookup(tokens, "final").tokens == 128
             assert torch.equal(engine.retrieve(tokens, "final"), kv)
             engine.end_request("final")
             assert engine.check_invariants() == [] and engine.leaks() == []

@@ -7,7 +7,7 @@ end. Per request::
                request (lookup, load, save, PD, events), as vLLM keys its own blocks
     uncached   why kvtier neither looks the request up nor saves it (something it cannot
                key: it fails closed), or None
-    hit        the workers' :class:`~.rpc.Hit`, asked once: ``tokens`` kvtier holds and has
+    hit        the workers' :class:`~kvtier.hit.Hit`, asked once: ``tokens`` kvtier holds and has
                pinned for this request (the pin lives in the worker's lease until the
                request ends), and ``cpu_tokens``, the part of it in the CPU tier: a load
                reaching beyond it (disk, Redis) is asynchronous, the request waits and
@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.hit import Hit
 from kvtier.integrations.vllm.handoff import Source
-from kvtier.integrations.vllm.rpc import Hit
 from kvtier.request_salt import RequestSalt
 
 

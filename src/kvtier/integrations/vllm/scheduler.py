@@ -52,11 +52,12 @@ import time
 from typing import Any
 
 from kvtier.errors import KVTierError
+from kvtier.hit import Hit
 from kvtier.integrations.vllm.extra_keys import RequestKeyer
 from kvtier.integrations.vllm.handoff import Handoff
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.request_state import RequestState, copy_tables, set_tables
-from kvtier.integrations.vllm.rpc import Hit, LookupClient
+from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.repeated_log import RepeatedLog
 from kvtier.request_salt import ExtraKeys, RequestSalt
 

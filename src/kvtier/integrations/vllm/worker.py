@@ -29,8 +29,9 @@ One request, one registry: the lease in the cache (the Engine's, or the server's
 request's pins, the plan its lookup pinned and the prompt's keys, so the prompt is hashed
 once, by the lookup; loads reuse the plan, saves and events reuse the keys.
 
-The lookup answers two numbers: the hit, and how much of it is in the CPU tier (``Hit``:
-the rest comes from disk or Redis and is loaded asynchronously), the same through a server.
+The lookup answers two numbers: the hit, and how much of it is in the CPU tier (the cache's
+:class:`~kvtier.hit.Hit`, sent to the scheduler as it is: the rest comes from disk or Redis
+and is loaded asynchronously), the same through a server.
 What needs the Engine itself (eviction events, ``leaks``, ``clear``, PD, counters for vLLM's
 /metrics) is the server's business then: its admin API and /metrics.
 """

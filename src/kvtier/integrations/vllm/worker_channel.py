@@ -9,8 +9,9 @@ from typing import Any, Protocol
 from kvtier.cache import KVCache
 from kvtier.engine import Engine
 from kvtier.errors import StateError
+from kvtier.hit import Hit
 from kvtier.integrations.vllm.pd import DecoderPulls, PDEndpoint
-from kvtier.integrations.vllm.rpc import Hit, Leak, PullFrom
+from kvtier.integrations.vllm.rpc import Leak, PullFrom
 from kvtier.request_salt import RequestSalt
 
 
@@ -34,8 +35,7 @@ class WorkerChannel:
         self._worker = worker
 
     def lookup(self, request_id: str, tokens: list[int], cache_salt: RequestSalt | None) -> Hit:
-        hit = self._cache().lookup(tokens, request_id, cache_salt=cache_salt)
-        return Hit(hit.tokens, hit.cpu_tokens)
+        return self._cache().lookup(tokens, request_id, cache_salt=cache_salt)  # sent as is
 
     def end(self, request_id: str) -> bool:
         if self._worker.pulls is not None:

@@ -17,6 +17,7 @@ from kvtier import local_sockets
 from kvtier.errors import InputError
 from kvtier.framing import HEADER as HEADER  # tests build frames by hand
 from kvtier.framing import FrameReader, Framing
+from kvtier.hit import Hit as Hit  # the worker's cache's answer, sent as it is
 from kvtier.request_salt import RequestSalt
 
 MAGIC = b"KVL"
@@ -82,13 +83,6 @@ class Welcome(msgspec.Struct, tag=True):
 
 class Refused(msgspec.Struct, tag=True):
     reason: str
-
-
-class Hit(msgspec.Struct, tag=True, frozen=True):
-    """The answer to a lookup, as the worker's handler makes it and the scheduler uses it."""
-
-    tokens: int  # the hit, pinned for the request
-    cpu_tokens: int  # of which in the CPU tier (loadable within the step)
 
 
 class Ended(msgspec.Struct, tag=True):
