@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,30 +13,66 @@ from kvtier import Config, Engine, KVLayout, Service
 from tests.recall_training import start_recall_training, stop_recall_training
 from tests.redis_servers import RedisServer
 
-# Tests that start vLLM (one engine, a fleet, the demo) share session-scoped vLLM fixtures
-# and must not run beside each other (each binds its worker to the compute cores). Under
-# pytest-xdist (`make test` runs two workers) they are one work unit, run in order on one
-# worker from the start (the largest unit is sent first); every other test is a unit of its
-# own, spread over the workers, so the other core works while vLLM runs. (A scheduler of our
-# own rather than xdist_group marks: with pytest 9, xdist 3.8 cannot rename the nodeids
-# those marks rely on, and the marks are silently ignored.)
+# Tests that start vLLM (one engine, a fleet, the demo) share module and session vLLM
+# fixtures. Under pytest-xdist (`make test` runs two workers) they form two work units, each
+# run in order on one worker from the start (the largest units are sent first): the modules
+# that share the session's reference outputs of vLLM alone in one, the rest in the other,
+# of about equal length. Each worker's vLLMs compute on CPUs of their own (below), so the
+# two units do not take turns on one core; every other test is a unit of its own, run by
+# whichever worker is free. (A scheduler of our own rather than xdist_group marks: with
+# pytest 9, xdist 3.8 cannot rename the nodeids those marks rely on and ignores them.)
 VLLM_TESTS = (
     "tests/integrations/vllm/",
     "tests/benchmarks/",
     "tests/demo/test_vllm_demo.py",
     "tests/docs/test_vllm_doc.py",
 )
+VLLM_REFERENCE_UNIT = tuple(
+    f"tests/integrations/vllm/{name}.py"
+    for name in (
+        "test_fleet",
+        "test_pd_router",
+        "test_vllm_connector",
+        "test_vllm_no_prefix_cache",
+        "test_vllm_server",
+        "test_model_families",  # no reference outputs: evens out the two units
+    )
+)
+
+
+def vllm_unit(nodeid: str) -> str | None:
+    """The work unit of a test that starts vLLM, None for any other test."""
+    if nodeid.startswith(VLLM_REFERENCE_UNIT):
+        return "vllm-reference"
+    return "vllm" if nodeid.startswith(VLLM_TESTS) else None
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
-    class VllmApart(LoadScopeScheduling):
+    class VllmUnits(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "vllm" if nodeid.startswith(VLLM_TESTS) else nodeid
+            return vllm_unit(nodeid) or nodeid
 
-    return VllmApart(config, log)
+    return VllmUnits(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In an xdist worker: its vLLMs compute on its own share of this process's CPUs (the
+    last share for the first worker, as vLLM's own binding picks the last CPUs), unless the
+    environment already says where (``VLLM_CPU_OMP_THREADS_BIND``)."""
+    worker = getattr(config, "workerinput", None)
+    if worker is None or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    count = int(worker["workercount"])
+    index = int(worker["workerid"].removeprefix("gw"))
+    if count < 2 or len(cpus) < count:
+        return
+    share = len(cpus) // count
+    start = len(cpus) - (index + 1) * share
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus[start : start + share]))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
