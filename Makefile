@@ -26,8 +26,8 @@ system-deps:
 demo: $(STAMP)
 	$(BIN)/kvtier demo
 
-# Two pytest-xdist workers: the tests that start vLLM run in order on one (tests/conftest.py),
-# everything else on both, so the second core works while vLLM runs.
+# Two pytest-xdist workers: the tests that start vLLM run as two units, one per worker, each
+# worker's vLLMs on CPUs of their own (tests/conftest.py); the rest on whichever is free.
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q --durations=25 -n 2
 
