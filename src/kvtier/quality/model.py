@@ -19,8 +19,9 @@ recomputed KV is refused (:class:`TrainingFailed`), never cached: a gate on a mo
 cannot recall would pass every codec.
 
 The cache directory is ``$KVTIER_QUALITY_CACHE``, else ``$XDG_CACHE_HOME/kvtier/quality``,
-else ``~/.cache/kvtier/quality``; a file is written under a temporary name and renamed, so
-two processes training at once each leave a whole file.
+else ``~/.cache/kvtier/quality``. One process trains a spec at a time (a lock beside its
+file: the others wait, then load it), and the file is written under a temporary name and
+renamed, so a reader never sees half of one.
 """
 
 from __future__ import annotations
