@@ -24,6 +24,8 @@ BENCHMARKS: dict[str, str] = {
     "scale": "how costs grow: lookup vs prompt length, disk restart vs files, RSS, threads",
     "codec": "payload codecs: ratio, encode/decode GB/s on one thread vs memcpy, bf16 and fp32",
     "trace": "a production trace replayed through the CPU tier vs the optimum, LRU, ARC",
+    "sliding": "a sliding-window model's hits per GB on a trace: every token, big chunks, "
+    "lean records with whole ones at anchors",
 }
 
 
