@@ -116,12 +116,13 @@ class Reference:
     budget: int
     p1: list[int]  # stored by the kvtier vLLM
     p2: list[int]  # shares p1's first step
-    q: list[int]  # prefilled for a PD decoder
+    q: list[int]  # prefilled for a PD decoder: its tail has a checkpoint of its own
     r: list[int]  # shares p1's first step: prefilled for a PD decoder on a hit
     cold_p1: list[int]
     own_p2: list[int]  # vLLM's own prefix cache resuming p2 at the budget
     own_r: list[int]  # and r
     own_q: list[int]  # and q, after q
+    checkpoint: int  # q's last block boundary before its last token: a step end in vLLM
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +136,12 @@ def ref(held: Instances, tmp_path_factory: pytest.TempPathFactory) -> Reference:
     # The repeated prefix: one step of a lone prefill, one kvtier chunk.
     p1 = tokens(budget + 100, seed=51)
     p2 = p1[:budget] + tokens(120, seed=52)
-    q = tokens(budget + 90, seed=53)
+    # q's tail spans blocks: vLLM's align mode ends a step at its last block boundary
+    # (the checkpoint), and its own prefix cache resumes a repeat there.
+    block = int(cache.block_size)
+    q = tokens(budget + 2 * block + 44, seed=53)
+    checkpoint = (len(q) - 1) // block * block
+    assert budget < checkpoint < len(q)
     r = p1[:budget] + tokens(80, seed=54)
     plain.llm.reset_prefix_cache()
     cold_p1, _ = run(plain, p1)
@@ -144,9 +150,9 @@ def ref(held: Instances, tmp_path_factory: pytest.TempPathFactory) -> Reference:
     assert own_hit == own_hit_r == budget
     run(plain, q)
     own_q, own_hit = run(plain, q)
-    assert own_hit == budget
+    assert own_hit == checkpoint
     held.close()
-    return Reference(path, dtype, budget, p1, p2, q, r, cold_p1, own_p2, own_r, own_q)
+    return Reference(path, dtype, budget, p1, p2, q, r, cold_p1, own_p2, own_r, own_q, checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +235,7 @@ def test_states_travel_through_pd_redis_and_the_disk_after_a_restart_through_the
     # blocks no longer keep, so it is sent from kvtier's copy) for a remote decoder.
     s0 = kv.stats()
     answer_q = prefill_for_decoder(kv, ref.q)
-    assert kv.stats()["stored_chunks"] - s0["stored_chunks"] == 1
+    assert kv.stats()["stored_chunks"] - s0["stored_chunks"] == 2  # a chunk, the checkpoint
     answer_r = prefill_for_decoder(kv, ref.r)
     assert kv.probe is not None and kv.probe.flush(60.0) is True  # on disk and in Redis
 
@@ -248,20 +254,21 @@ def test_states_travel_through_pd_redis_and_the_disk_after_a_restart_through_the
         # vLLM counts no cached tokens for a request whose lookup waited for its pull: the
         # decoder's own counts say where the KV and states came from.
         d0 = decoder.stats()
-        assert run(decoder, ref.q, answer_q)[0] == ref.own_q  # pulled: KV and state
+        assert run(decoder, ref.q, answer_q)[0] == ref.own_q  # pulled: KV and states
         d1 = decoder.stats()
-        assert tier_hits(d0, d1, "pd") == budget
+        assert tier_hits(d0, d1, "pd") == ref.checkpoint  # the prompt's last state with it
+        print(f"\nPD decoder: q ({len(ref.q)} tokens) resumed at {ref.checkpoint}, not {budget}")
         assert run(decoder, ref.r, answer_r)[0] == ref.own_r
         d2 = decoder.stats()
         assert tier_hits(d1, d2, "pd") == budget
         pulls = [tuple(p)[2:] for p in d2["pd_pulls"]["recent"]]
-        assert pulls == [(1, True), (1, True)]  # one chunk each, r's from kvtier's copy
+        assert pulls == [(2, True), (1, True)]  # q's chunk and checkpoint; r's from kvtier
         # p2's prefix (p1's chunk) in Redis, gone from the PD buffer with r's request.
         decoder.llm.reset_prefix_cache()  # vLLM's own cache would answer first
         assert run(decoder, ref.p2) == (ref.own_p2, budget)
         d3 = decoder.stats()
         assert tier_hits(d2, d3, "redis") == budget
-        assert d3["retrieved_tokens"] - d0["retrieved_tokens"] == 3 * budget
+        assert d3["retrieved_tokens"] - d0["retrieved_tokens"] == ref.checkpoint + 2 * budget
         decoder.assert_clean(wait_s=5.0)
     finally:
         decoder.close()

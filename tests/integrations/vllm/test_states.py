@@ -147,3 +147,61 @@ def test_a_state_model_saves_one_chunk_per_step_only_where_the_step_ended() -> N
     assert [(s.start, s.end) for s in meta.saves] == [(0, 8)]
     side.close()
     plain.close()
+
+
+def test_a_prompt_checkpoint_saves_the_tail_up_to_its_last_block_boundary() -> None:
+    """vLLM's align mode ends a step at the prompt's last block boundary before its last
+    token (20 of 22 here): the tail up to there is saved with that state, after the whole
+    chunks, and nothing after it."""
+    tokens = list(range(100, 122))  # 2 whole chunks + 6: checkpoint at 20
+    side = SchedulerSide(
+        [LookupClient("kvtier-test-no-worker")],
+        block_size=BLOCK,
+        chunk_size=CHUNK,
+        loads=False,
+        saves=True,
+        state_chunks=True,
+    )
+    spans = []
+    for computed, scheduled, new in ((0, 8, True), (8, 8, False), (16, 4, False), (20, 2, False)):
+        meta = side.build_meta(_step("a", tokens, computed, scheduled, new=new))
+        spans += [(s.start, s.end, len(s.tokens)) for s in meta.saves]
+    assert spans == [(0, 8, 8), (8, 16, 16), (16, 20, 20)]
+    # A step that ran past the last chunk end lost its state: no checkpoint either.
+    meta = side.build_meta(_step("b", tokens, 0, 12, new=True))
+    meta2 = side.build_meta(_step("b", tokens, 12, 8, new=False))
+    assert meta.saves == meta2.saves == []
+    # 17 tokens: the last block boundary before the last token is 16, a chunk end that the
+    # chunk itself holds, so there is no checkpoint of its own.
+    short = list(range(17))
+    steps = ((0, 8, True), (8, 8, False), (16, 1, False))
+    saved = [
+        (s.start, s.end)
+        for computed, scheduled, new in steps
+        for s in side.build_meta(_step("c", short, computed, scheduled, new=new)).saves
+    ]
+    assert saved == [(0, 8), (8, 16)]
+    side.close()
+
+
+def test_a_checkpoint_state_goes_in_its_own_tokens_when_they_hold_it() -> None:
+    """A checkpoint's partial chunk holds its state in its own token range; one too short
+    for the state says so (``fits``) rather than spill into the chunk before it."""
+    chunk, hidden = 16, 8
+    caches = {"l0": state_cache(10, 1), "l2": state_cache(10, 2)}
+    groups = [(0, ("l0",)), (2, ("l2",))]
+    # One layer over a whole chunk: 2 * 16 * 8 * 2 = 512 bytes, room for 200 in one layer.
+    states = PagedState.from_vllm(caches, groups, block_size=BLOCK, first=1, layer_bytes=512)
+    assert states.count == 1
+    out = torch.zeros(2, 2, 2 * chunk, hidden, dtype=torch.bfloat16)
+    assert not states.fits(out, 20, chunk)  # 4 tokens: 128 bytes
+    assert states.fits(out, 24, chunk) and states.fits(out, 32, chunk)
+    tables = ([0, 0, 0, 0, 0, 4], [9] * 6, [0, 0, 0, 0, 0, 6])
+    states.gather(tables, 24, chunk, out)  # the state after 24 tokens: block index 5
+    assert not out[:, :, :16].any() and not out[:, :, 24:].any() and not out[:, 0].any()
+
+    other = {"l0": state_cache(10, 3), "l2": state_cache(10, 4)}
+    back = PagedState.from_vllm(other, groups, block_size=BLOCK, first=1, layer_bytes=512)
+    back.scatter(([0, 0, 0, 0, 0, 2], [9] * 6, [0, 0, 0, 0, 0, 3]), 24, chunk, out)
+    assert torch.equal(other["l0"][2], caches["l0"][4])
+    assert torch.equal(other["l2"][3], caches["l2"][6])

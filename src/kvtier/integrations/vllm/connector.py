@@ -161,6 +161,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if "chunk_size" not in self.config.origin:  # both roles choose alike, from vLLM's
             chunk = groups.default_chunk(block_size, int(budget or 0))
             self.config = self.config.with_overrides(chunk_size=chunk)
+        if groups.state and not self.config.save_unfull_chunk:
+            # A state model's prompt checkpoint is a partial chunk (.scheduler): it needs the
+            # key of the prompt's partial tail, as both roles and a server agree.
+            self.config = self.config.with_overrides(save_unfull_chunk=True)
         speculative = speculative_refusal(vllm_config.speculative_config)
         refusal = speculative or groups.state_refusal(self.config.chunk_size, int(budget or 0))
         groups = dataclasses.replace(groups, refusal=refusal)

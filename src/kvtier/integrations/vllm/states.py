@@ -10,8 +10,12 @@ chunk end ``e`` is in block ``table[e // block_size - 1]``.
 kvtier packs every state layer's bytes at a chunk's end, in model order, into the chunk
 tensor's state layers (:mod:`kvtier.layout`), over that chunk's token range::
 
-    out[:, first:first + n, e - chunk:e]  <-  bytes: layer a | layer b | ... | zeros
-                                              (viewed as the chunk's dtype)
+    out[:, first:first + n, s:e]  <-  bytes: layer a | layer b | ... | zeros
+                                      (viewed as the chunk's dtype; s: the chunk's start)
+
+A prompt's checkpoint (:mod:`.scheduler`) is a partial chunk ending at a block boundary
+inside a chunk: its state goes in its own shorter range, when that range holds it
+(:meth:`PagedState.fits`).
 
 Copies are raw bytes both ways, so a state restored is the state stored, bit for bit.
 """
@@ -101,12 +105,22 @@ class PagedState:
             return False
 
     def _region(self, out: torch.Tensor, end: int, chunk: int) -> torch.Tensor:
-        return out[:, self.first : self.first + self.count, end - chunk : end]
+        """The state layers over the chunk (of ``chunk`` tokens, or a partial one) that
+        ends at ``end``."""
+        start = (end - 1) // chunk * chunk
+        return out[:, self.first : self.first + self.count, start:end]
+
+    def fits(self, out: torch.Tensor, end: int, chunk: int) -> bool:
+        """Whether the chunk ending at ``end`` has room for the state (a partial chunk of a
+        few blocks may not: its state layers span only its own tokens)."""
+        region = self._region(out, end, chunk)
+        return region.numel() * region.element_size() >= self.state_bytes
 
     def gather(
         self, tables: Sequence[Sequence[int]], end: int, chunk: int, out: torch.Tensor
     ) -> None:
-        """Pack the state at ``end`` (a chunk end) into the state layers of ``out``."""
+        """Pack the state at ``end`` (a chunk end, or a checkpoint) into the state layers of
+        ``out``."""
         region = self._region(out, end, chunk)
         packed = torch.zeros(region.numel() * region.element_size(), dtype=torch.uint8)
         offset = 0

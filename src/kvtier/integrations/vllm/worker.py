@@ -249,10 +249,13 @@ class WorkerSide:
             # Sized for the whole prompt, not this save's end: the load of its repeat then
             # finds the buffer big enough (growing it costs ~30 ms of page faults for 96 MiB).
             out = self._scratch_for(max(spec.end, len(spec.tokens)))
+            chunk = engine.config.chunk_size
+            if states is not None and not states.fits(out, spec.end, chunk):
+                continue  # a checkpoint too short to hold the state: its chunks still hit
             paged.gather(tables, spec.start, spec.end, out)
             if states is not None:
-                # The scheduler sends one chunk per save, ending where this step ended.
-                chunk = engine.config.chunk_size
+                # The scheduler sends one chunk per save (or a prompt's checkpoint), ending
+                # where this step ended.
                 states.gather(spec.group_block_ids, spec.end, chunk, out)
             # The keys its lookup hashed, extended by the new chunks only.
             keys = engine.request_keys(spec.tokens, spec.request_id, cache_salt=spec.cache_salt)
@@ -270,7 +273,6 @@ class WorkerSide:
                 keys=keys,
             )
             if self.engine is not None:  # in-process: for the request's line (on its lease)
-                chunk = engine.config.chunk_size
                 self.engine.record_stored(spec.request_id, stored * chunk, len(spec.tokens))
             if spec.transfer_id is not None and self._pd is not None:
                 self._pd.send(spec.transfer_id, keys.spans[first:], out)
