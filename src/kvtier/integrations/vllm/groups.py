@@ -51,7 +51,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.layout import GroupKind
+from kvtier.layout import GroupKind, sliding_keep
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,26 @@ class ModelGroups:
         if self.state and step > 0 and step % unit == 0:
             return step
         return unit * max(1, -(-REUSE_TOKENS // unit))
+
+    def untrimmed_sliding(self, chunk_size: int, block_size: int) -> list[str]:
+        """One line per sliding window whose group stores every token of a chunk: its
+        ``keep`` (:func:`~kvtier.layout.sliding_keep`) is at least ``chunk_size``, so the
+        records are as large as full attention's. Each names the ``chunk_size`` from which
+        the group would store half or less (twice ``keep``, a multiple of the block). None
+        for a model kvtier is off for."""
+        out: list[str] = []
+        for g in self.groups:
+            if g.kind != GroupKind.SLIDING or self.off:
+                continue
+            keep = sliding_keep(g.window, g.block_size or block_size)
+            line = (
+                f"sliding/w{g.window} keeps all {chunk_size} tokens of each chunk; "
+                f"chunk_size >= {2 * keep} keeps {keep} of each (smaller records, hits in "
+                "whole chunks)"
+            )
+            if keep >= chunk_size and line not in out:
+                out.append(line)
+        return out
 
     def state_refusal(self, chunk_size: int, max_num_batched_tokens: int) -> str:
         """Why kvtier cannot keep this model's states aligned with vLLM's ('' if it can)."""
