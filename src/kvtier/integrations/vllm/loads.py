@@ -101,12 +101,16 @@ class Loads:
                             spec.request_id,
                         )
                         loaded = spec.start
-                    if self.states is not None and loaded < spec.end:
-                        loaded = spec.start  # no state at the end: a hit only if whole
+                    chunk = self.engine.config.chunk_size
+                    if self.states is not None and (
+                        loaded < spec.end or (loaded % chunk and loaded != hit)
+                    ):
+                        # A state is restored only from the record ending where the load
+                        # ends (a chunk end, or the checkpoint the hit ends at).
+                        loaded = spec.start
                     if loaded > spec.start:
                         self.paged.scatter(tables, spec.start, loaded, out)
                     if self.states is not None and loaded > spec.start:
-                        chunk = self.engine.config.chunk_size
                         self.states.scatter(spec.group_block_ids, loaded, chunk, out)
                 except KVTierError as exc:  # a tier failed outright: recompute all of it
                     log.warning("kvtier: load for %s failed: %s", spec.request_id, exc)

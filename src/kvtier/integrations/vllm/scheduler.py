@@ -18,16 +18,8 @@ PD (a prefiller's transfer id and a decoder's pull, through the proxy's
 ``None`` (vLLM asks again next step) until its workers' pulls have ended, then looks up.
 
 A model with a state group (Mamba, gated delta-net: ``state_chunks``) resumes only where
-a state was taken: at a chunk end, or at the prompt's checkpoint. A chunk is saved only in
-the step whose prefill ends exactly at that chunk's end (the state there is in vLLM's block
-then, and only then: a later step moves on). vLLM's align mode also ends a step at the
-prompt's last block boundary before its last token (its own prefix cache keeps that state);
-kvtier saves the prompt's tail up to there as a partial chunk with that state, its
-checkpoint, and looks a state model's prompt up only that far, so a repeat or a PD decoder
-resumes there instead of at the last chunk end::
-
-    steps   |--256--|--256--|-128-|-60-|     max_num_batched_tokens = chunk_size, block 64
-    saves       c0      c1   cp            each with its own end state; cp: 128 tokens
+a state was taken: its saves and lookups follow :mod:`.state_steps` (a chunk per step that
+ends on its end, and the prompt's checkpoint at its last block boundary).
 
 A state model's PD prefiller sends its hit's chunks once, from kvtier's copy (``held``
 saves, at its first step): vLLM's blocks no longer keep the states at their ends.
@@ -62,6 +54,7 @@ from kvtier.integrations.vllm.handoff import Handoff
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.request_state import RequestState, copy_tables, set_tables
 from kvtier.integrations.vllm.rpc import LookupClient
+from kvtier.integrations.vllm.state_steps import lookup_end, save_end, save_start
 from kvtier.repeated_log import RepeatedLog
 from kvtier.request_salt import ExtraKeys, RequestSalt
 
@@ -103,10 +96,9 @@ class SchedulerSide:
         self.state_chunks = state_chunks
         self.save_decode = save_decode and saves and not state_chunks and pd_sender is None
         self._finishing: list[SaveSpec] = []  # decode saves of ended requests, next step
-        # Hits are usable in whole blocks. A state model's lookup ends only at chunk ends or
-        # at its prompt's checkpoint (a block boundary), where its states are.
+        # Hits are usable in whole blocks (a state model's end at chunk ends or at its
+        # prompt's checkpoint, block boundaries where its states are).
         self.block_size = block_size
-        self._unit = block_size
         self._requests: dict[str, RequestState] = {}
         self._keyer = RequestKeyer(chunk_size)
         self.uncached = 0  # requests not cached: something in them kvtier cannot key
@@ -145,8 +137,8 @@ class SchedulerSide:
                 held = state.hit.tokens // self.chunk_size * self.chunk_size
                 state.saved = max(state.saved, held)
         last = len(state.tokens) - 1
-        usable = min(state.hit.tokens, last) // self._unit * self._unit
-        in_cpu = min(state.hit.cpu_tokens, last) // self._unit * self._unit
+        usable = min(state.hit.tokens, last) // self.block_size * self.block_size
+        in_cpu = min(state.hit.cpu_tokens, last) // self.block_size * self.block_size
         new = max(0, usable - num_computed_tokens)
         state.load_async = new > 0 and (
             self.all_async or (self.async_lower_loads and usable > max(in_cpu, num_computed_tokens))
@@ -340,20 +332,12 @@ class SchedulerSide:
             self._requests[new.req_id] = state
         return state
 
-    def _checkpoint(self, state: RequestState) -> int:
-        """A state model's prompt checkpoint: the last block boundary before the prompt's
-        last token, where vLLM's align mode ends a step and keeps the state (0 when that is
-        a chunk end, which a whole chunk holds, or for a model without states)."""
-        if not self.state_chunks:
-            return 0
-        position = (len(state.tokens) - 1) // self.block_size * self.block_size
-        return position if position % self.chunk_size else 0
-
     def _lookup_tokens(self, state: RequestState) -> list[int]:
-        """The tokens looked up: a state model's prompt only up to its checkpoint, whose
-        partial chunk (keyed by the prefix up to there) is the only one with a state."""
-        checkpoint = self._checkpoint(state)
-        return state.tokens[:checkpoint] if checkpoint else state.tokens
+        """The tokens looked up: a state model's prompt only up to its checkpoint (whose
+        partial chunk is the only one with a state at its end: :mod:`.state_steps`)."""
+        if not self.state_chunks:
+            return state.tokens
+        return state.tokens[: lookup_end(len(state.tokens), self.block_size, self.chunk_size)]
 
     def _lookup(self, rid: str, tokens: list[int], salt: RequestSalt | None) -> Hit:
         """The hit (and of it, in CPU) that every worker holds (the smallest); a worker that
@@ -396,22 +380,18 @@ class SchedulerSide:
             return
         if self.state_chunks and self.pd_sender is not None and state.transfer_id is not None:
             self._send_held(meta, rid, state)
-        checkpoint = self._checkpoint(state)
-        end = min(done, len(state.tokens)) // self.chunk_size * self.chunk_size
-        if self.state_chunks and checkpoint and done == checkpoint and state.saved == end:
-            end = checkpoint  # the prompt's tail, with the state vLLM keeps at its end
-        elif self.state_chunks and (done != end or end - state.saved != self.chunk_size):
-            # Only the state at this step's end exists: one chunk, ending exactly here.
-            # (A step that ran past a chunk end lost that state: later chunks of this
-            # request are not saved, since a chunk needs every chunk before it.)
-            return
+        if self.state_chunks:
+            args = (done, state.saved, len(state.tokens), self.block_size, self.chunk_size)
+            end = save_end(*args)  # only where a state is: state_steps
+        else:
+            end = min(done, len(state.tokens)) // self.chunk_size * self.chunk_size
         if end > state.saved:
             meta.saves.append(
                 SaveSpec(
                     rid,
                     state.tokens[:end],
                     state.block_ids[:],
-                    state.saved,
+                    save_start(state.saved, self.chunk_size),
                     end,
                     state.transfer_id,
                     state.salt,
@@ -423,9 +403,10 @@ class SchedulerSide:
     def _send_held(self, meta: KVTierMetadata, rid: str, state: RequestState) -> None:
         """The chunks of a state model's PD prefiller's hit (see the module docstring)."""
         hit = state.hit.tokens if state.hit is not None else 0
-        held = min(hit, len(state.tokens) - 1) // self._unit * self._unit  # chunks, checkpoint
+        held = min(hit, len(state.tokens) - 1) // self.block_size * self.block_size
         if held > state.saved:
-            tokens, start, transfer = state.tokens[:held], state.saved, state.transfer_id
+            start = save_start(state.saved, self.chunk_size)
+            tokens, transfer = state.tokens[:held], state.transfer_id
             meta.saves.append(
                 SaveSpec(rid, tokens, [], start, held, transfer, state.salt, (), True)
             )
