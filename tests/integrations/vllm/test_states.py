@@ -115,16 +115,21 @@ def _step(rid: str, tokens: list[int], computed: int, scheduled: int, new: bool)
     )
 
 
-def test_a_state_model_saves_one_chunk_per_step_only_where_the_step_ended() -> None:
-    tokens = list(range(100, 122))  # 2 whole chunks + 6
-    side = SchedulerSide(
+def saving_side(*, state_chunks: bool) -> SchedulerSide:
+    """A scheduler side that saves and never looks up (no worker behind it)."""
+    return SchedulerSide(
         [LookupClient("kvtier-test-no-worker")],
         block_size=BLOCK,
         chunk_size=CHUNK,
         loads=False,
         saves=True,
-        state_chunks=True,
+        state_chunks=state_chunks,
     )
+
+
+def test_a_state_model_saves_one_chunk_per_step_only_where_the_step_ended() -> None:
+    tokens = list(range(100, 122))  # 2 whole chunks + 6
+    side = saving_side(state_chunks=True)
     meta = side.build_meta(_step("a", tokens, 0, 8, new=True))
     assert [(s.start, s.end) for s in meta.saves] == [(0, 8)]
     meta = side.build_meta(_step("a", tokens, 8, 8, new=False))
@@ -136,13 +141,7 @@ def test_a_state_model_saves_one_chunk_per_step_only_where_the_step_ended() -> N
     assert meta.saves == []
     assert side.build_meta(_step("b", tokens, 12, 4, new=False)).saves == []
     # Without a state group the same steps save both chunks.
-    plain = SchedulerSide(
-        [LookupClient("kvtier-test-no-worker")],
-        block_size=BLOCK,
-        chunk_size=CHUNK,
-        loads=False,
-        saves=True,
-    )
+    plain = saving_side(state_chunks=False)
     meta = plain.build_meta(_step("b", tokens, 0, 12, new=True))
     assert [(s.start, s.end) for s in meta.saves] == [(0, 8)]
     side.close()
@@ -154,14 +153,7 @@ def test_a_prompt_checkpoint_saves_the_tail_up_to_its_last_block_boundary() -> N
     token (20 of 22 here): the tail up to there is saved with that state, after the whole
     chunks, and nothing after it."""
     tokens = list(range(100, 122))  # 2 whole chunks + 6: checkpoint at 20
-    side = SchedulerSide(
-        [LookupClient("kvtier-test-no-worker")],
-        block_size=BLOCK,
-        chunk_size=CHUNK,
-        loads=False,
-        saves=True,
-        state_chunks=True,
-    )
+    side = saving_side(state_chunks=True)
     spans = []
     for computed, scheduled, new in ((0, 8, True), (8, 8, False), (16, 4, False), (20, 2, False)):
         meta = side.build_meta(_step("a", tokens, computed, scheduled, new=new))
