@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvtier.pd",),
     ("kvtier.tiers",),  # builds the lower tiers of both storage and pd
     ("kvtier.observability",),
-    ("kvtier.engine", "kvtier.engine_loads", "kvtier.engine_pages"),
+    ("kvtier.engine", "kvtier.engine_checkpoints", "kvtier.engine_loads", "kvtier.engine_pages"),
     ("kvtier.admin",),
     ("kvtier.service", "kvtier.server"),
     ("kvtier.integrations",),

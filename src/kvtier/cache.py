@@ -102,13 +102,18 @@ class KVCache(Opens):
         *,
         skip_leading_tokens: int = 0,
         cache_salt: RequestSalt | None = None,
+        checkpoint_tokens: int = 0,
     ) -> Hit:
         """Tokens of the longest cached prefix (including ``skip_leading_tokens`` the engine
         already holds), pinned for ``request_id`` until :meth:`end_request`; ``cpu_tokens``
-        of them in the CPU tier."""
+        of them in the CPU tier. ``checkpoint_tokens`` (a state model's: where its partial
+        chunks may end, a divisor of ``chunk_size``): the chunk after the hit is probed for
+        the longest cached partial chunk ending at a multiple of it
+        (:mod:`kvtier.engine_checkpoints`; not through a kvtier server)."""
         with self._call():
             check_request_id(request_id)
-            return self._lookup(request_id, check_prompt(tokens, skip_leading_tokens, cache_salt))
+            prompt = check_prompt(tokens, skip_leading_tokens, cache_salt, checkpoint_tokens)
+            return self._lookup(request_id, prompt)
 
     def retrieve(
         self, tokens: object, request_id: str, *, cache_salt: RequestSalt | None = None

@@ -27,6 +27,7 @@ import torch
 
 from kvtier.cache import KVCache
 from kvtier.config import Config
+from kvtier.engine_checkpoints import check_checkpoints, extend_to_checkpoint
 from kvtier.engine_loads import RequestLoads
 from kvtier.engine_pages import EnginePages
 from kvtier.errors import StateError
@@ -192,6 +193,8 @@ class Engine(KVCache):
         so its loads do not hash it again (nor its stores, for the chunks the lookup hashed)."""
         started = time.perf_counter()
         manager, leases = self._open_parts()
+        if prompt.checkpoints:
+            check_checkpoints(prompt.checkpoints, self.config.chunk_size)
         tokens, salt = prompt.tokens, prompt.salt
         lease = leases.open(request_id)
         keys = self._keys_for(tokens, salt, lease)
@@ -202,6 +205,11 @@ class Engine(KVCache):
             # chunks are a miss for it, whatever the tiers say now (never offered again).
             spans = spans[: lease.limit]
         plan = manager.locate(spans, lease, prompt.skip // self.config.chunk_size)
+        if prompt.checkpoints:
+            keys, plan = extend_to_checkpoint(
+                manager, self.keychain, keys, plan, lease, prompt.checkpoints
+            )
+            lease.keys, spans = keys, keys.spans
         lease.plan = plan
         found = self.observer.on_lookup(lease, tokens, spans, plan, started, keyed_by(salt))
         # lookup_tokens: the whole prompt, partial tail included. The hit is counted when

@@ -27,13 +27,20 @@ class Prompt:
     tokens: np.ndarray
     skip: int = 0
     salt: RequestSalt | None = None
+    checkpoints: int = 0  # a lookup's checkpoint_tokens (kvtier.engine_checkpoints)
 
 
-def check_prompt(tokens: object, skip_leading_tokens: object, cache_salt: object) -> Prompt:
+def check_prompt(
+    tokens: object, skip_leading_tokens: object, cache_salt: object, checkpoints: object = 0
+) -> Prompt:
     check_skip(skip_leading_tokens)
     salt = check_salt(cache_salt)
     assert isinstance(skip_leading_tokens, int)
-    return Prompt(as_token_array(tokens), skip_leading_tokens, salt)
+    if isinstance(checkpoints, bool) or not isinstance(checkpoints, int) or checkpoints < 0:
+        raise InputError(
+            f"checkpoint_tokens must be an int >= 0 (0: no checkpoints), got {checkpoints!r}"
+        )
+    return Prompt(as_token_array(tokens), skip_leading_tokens, salt, checkpoints)
 
 
 def check_keys(keys: object, chain: object, prompt: Prompt) -> None:

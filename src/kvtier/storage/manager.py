@@ -176,11 +176,26 @@ class StorageManager:
                 log.error("tier %s put raised instead of completing: %s", tier.name, exc)
                 ticket(PutResult(span.key, PutOutcome.FAILED, str(exc)))
 
-    def _contains_or_none(self, tier: Tier, keys: list[ChunkKey]) -> list[bool] | None:
+    def held(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Per key, whether some tier holds it now (nothing pinned: a probe before a
+        lookup; a tier that fails counts as not holding)."""
+        found = list(self.cpu.contains(keys)) if self.cpu_visible else [False] * len(keys)
+        for tier in self.lower:
+            missing = [i for i, present in enumerate(found) if not present]
+            if not missing:
+                break
+            answers = self._contains_or_none(tier, [keys[i] for i in missing], "probing")
+            for i, present in zip(missing, answers or (), strict=False):
+                found[i] = present
+        return found
+
+    def _contains_or_none(
+        self, tier: Tier, keys: list[ChunkKey], doing: str = "writing to"
+    ) -> list[bool] | None:
         try:
             return tier.contains(keys)
         except KVTierError as exc:
-            log.warning("tier %s is unavailable, not writing to it: %s", tier.name, exc)
+            log.warning("tier %s is unavailable, not %s it: %s", tier.name, doing, exc)
             return None
 
     def _copy_in(self, kv: torch.Tensor, span: ChunkSpan, page: int) -> None:

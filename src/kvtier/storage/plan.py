@@ -90,6 +90,14 @@ class LookupPlan:
         n = self.hit_chunks
         return self.spans.end(n - 1) if n else 0
 
+    def extended(self, spans: ChunkSpans, tail: LookupPlan) -> LookupPlan:
+        """This plan's hit followed by ``tail``'s, a plan of the chunks right after it (a
+        checkpoint: :mod:`kvtier.engine_checkpoints`), over ``spans``, the keys of both."""
+        shift = self.hit_chunks
+        runs = self.runs + [(tier, first + shift, end + shift) for tier, first, end in tail.runs]
+        pages = self._pages[:shift] + tail._pages
+        return LookupPlan(spans, runs, pages, spare=self.spare + tail.spare)
+
     @property
     def hits(self) -> list[ChunkHit]:
         if self._hits is None:

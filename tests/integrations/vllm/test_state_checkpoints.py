@@ -123,6 +123,9 @@ class Reference:
     own_r: list[int]  # and r
     own_q: list[int]  # and q, after q
     checkpoint: int  # q's last block boundary before its last token: a step end in vLLM
+    turn1: list[int]  # a chat's turn: stored with its checkpoint
+    turn2: list[int]  # the next turn, extending turn1 past its checkpoint's chunk
+    own_turn2: tuple[list[int], int]  # vLLM's own prefix cache: tokens and tokens cached
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +154,28 @@ def ref(held: Instances, tmp_path_factory: pytest.TempPathFactory) -> Reference:
     run(plain, q)
     own_q, own_hit = run(plain, q)
     assert own_hit == checkpoint
+    turn1 = tokens(budget + 2 * block + 44, seed=55)
+    turn2 = turn1 + tokens(300, seed=56)
+    run(plain, turn1)
+    own_turn2 = run(plain, turn2)  # resumes at turn1's checkpoint, inside turn2's chunk 1
     held.close()
-    return Reference(path, dtype, budget, p1, p2, q, r, cold_p1, own_p2, own_r, own_q, checkpoint)
+    return Reference(
+        path,
+        dtype,
+        budget,
+        p1,
+        p2,
+        q,
+        r,
+        cold_p1,
+        own_p2,
+        own_r,
+        own_q,
+        checkpoint,
+        turn1,
+        turn2,
+        own_turn2,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +240,25 @@ def test_a_repeated_4096_token_prefix_hits_through_kvtier_at_vllms_default_step_
     print(f"\ntokens reused, {len(ref.p2)}-token prompt: kvtier {reused}, vLLM's own {hit}")
     assert (tokens_p2, hit) == (ref.own_p2, ref.budget)  # KV and states restored from kvtier
     assert reused == ref.budget and tier_hits(s1, s2, "cpu") == ref.budget
+    kv.assert_clean()
+
+
+def test_a_chats_next_turn_resumes_at_the_last_turns_checkpoint(
+    ref: Reference, writer: Writer
+) -> None:
+    """The next turn misses the chunk the last turn ended in; the last turn's checkpoint
+    inside it is its longest cached prefix (kvtier.engine_checkpoints), as vLLM's own."""
+    kv = writer.instance
+    run(kv, ref.turn1)  # stores its chunk and its checkpoint
+    kv.llm.reset_prefix_cache()
+    s0 = kv.stats()
+    got = run(kv, ref.turn2)
+    reused = kv.stats()["retrieved_tokens"] - s0["retrieved_tokens"]
+    assert len(ref.turn1) == len(ref.q)
+    point = ref.checkpoint  # turn1's last block boundary, as q's: inside turn2's chunk 1
+    print(f"\nnext turn ({len(ref.turn2)} tokens): kvtier {reused}, vLLM's own {ref.own_turn2[1]}")
+    assert ref.own_turn2[1] == point  # vLLM's own prefix cache resumes at the checkpoint
+    assert got == ref.own_turn2 and reused == point
     kv.assert_clean()
 
 

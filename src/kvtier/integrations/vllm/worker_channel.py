@@ -12,6 +12,7 @@ from kvtier.errors import StateError
 from kvtier.hit import Hit
 from kvtier.integrations.vllm.pd import DecoderPulls, PDEndpoint
 from kvtier.integrations.vllm.rpc import Leak, PullFrom
+from kvtier.integrations.vllm.states import PagedState
 from kvtier.request_salt import RequestSalt
 
 
@@ -21,6 +22,7 @@ class ServedWorker(Protocol):
     engine: Engine | None
     server: str | None
     pulls: DecoderPulls | None
+    states: PagedState | None
     _pd: PDEndpoint | None
 
     def _parts(self) -> tuple[KVCache, Any]: ...
@@ -35,7 +37,13 @@ class WorkerChannel:
         self._worker = worker
 
     def lookup(self, request_id: str, tokens: list[int], cache_salt: RequestSalt | None) -> Hit:
-        return self._cache().lookup(tokens, request_id, cache_salt=cache_salt)  # sent as is
+        # A state model's hit may end at an earlier prompt's checkpoint, a block boundary
+        # inside the chunk the lookup misses (kvtier.engine_checkpoints).
+        states = self._worker.states
+        unit = states.block_size if states is not None else 0
+        return self._cache().lookup(  # the Hit is sent as is
+            tokens, request_id, cache_salt=cache_salt, checkpoint_tokens=unit
+        )
 
     def end(self, request_id: str) -> bool:
         if self._worker.pulls is not None:
