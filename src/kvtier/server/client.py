@@ -125,7 +125,9 @@ class ServerClient(KVCache):
         """How many of the hit tokens are in the server's CPU tier; a miss (0 beyond the
         skip) when the server is unreachable."""
         array = prompt.tokens
-        request = wire.Lookup(request_id, array.tobytes(), prompt.skip, prompt.salt)
+        request = wire.Lookup(
+            request_id, array.tobytes(), prompt.skip, prompt.salt, prompt.checkpoints
+        )
         held = self._held(len(array), prompt.skip)
 
         def hit(reply: wire.Reply) -> Hit:

@@ -147,8 +147,11 @@ def _dispatch(
     session: Session, engine: Engine, message: wire.Message, info: Callable[[], dict[str, Any]]
 ) -> wire.Reply:
     match message:
-        case wire.Lookup(request_id=rid, tokens=raw, skip=skip, cache_salt=salt):
-            hit, _ = _lookup(session, engine, session.request_id(rid), raw, skip, salt)
+        case wire.Lookup(
+            request_id=rid, tokens=raw, skip=skip, cache_salt=salt, checkpoints=checkpoints
+        ):
+            rid = session.request_id(rid)
+            hit, _ = _lookup(session, engine, rid, raw, skip, salt, checkpoints)
             return hit  # the engine's answer is the reply
         case wire.Retrieve(request_id=rid, tokens=raw, skip=skip, cache_salt=salt):
             server_rid = session.request_id(rid)
@@ -233,6 +236,7 @@ def _lookup(
     raw: bytes,
     skip: int,
     salt: RequestSalt | None,
+    checkpoints: int = 0,
 ) -> tuple[Hit, np.ndarray]:
     """Look ``raw`` up for ``rid`` within the connection's pin share and bounds; returns the
     hit and the tokens looked up (cut where the share ends). A lookup that pinned nothing
@@ -244,7 +248,9 @@ def _lookup(
         return Hit(held, held), tokens
     opened = session.admit(rid, len(tokens))  # CapacityError past the bounds
     try:
-        hit = engine.lookup(tokens, rid, skip_leading_tokens=skip, cache_salt=salt)
+        hit = engine.lookup(
+            tokens, rid, skip_leading_tokens=skip, cache_salt=salt, checkpoint_tokens=checkpoints
+        )
     except BaseException:
         if opened:
             session.forget(rid)
