@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier import Engine, InputError
+from kvtier.cache import KVCache
 from kvtier.engine_checkpoints import checkpoint_ends
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
 from tests.redis_servers import RedisServer
@@ -42,6 +43,21 @@ def tier_config(tier: str, tmp_path: Path, redis_server: RedisServer | None) -> 
     return {"local_cpu": False, "use_only_staging_buffer": True, **lower}
 
 
+def next_turn_resumes_at_the_checkpoint(
+    cache: KVCache, first: list[int], kv: torch.Tensor, turn: list[int]
+) -> None:
+    """``first`` (a chunk and a checkpoint) is cached; ``turn`` extends it past that chunk:
+    a plain lookup stops at the chunk, one with checkpoints reaches ``first``'s end, and the
+    KV loaded is ``kv``."""
+    with cache.request("plain"):
+        assert cache.lookup(turn, "plain").tokens == SMALL_CHUNK
+    out = torch.zeros(SMALL_LAYOUT.kv_shape(len(turn)))
+    with cache.request("turn"):
+        assert cache.lookup(turn, "turn", checkpoint_tokens=UNIT).tokens == len(first)
+        assert cache.retrieve_into(turn, "turn", out) == len(first)
+    assert torch.equal(out[:, :, : len(first)], kv)
+
+
 @pytest.mark.parametrize("tier", ["cpu", "disk", "redis"])
 def test_a_longer_prompt_resumes_at_the_earlier_prompts_checkpoint(
     tier: str,
@@ -55,15 +71,7 @@ def test_a_longer_prompt_resumes_at_the_earlier_prompts_checkpoint(
     kv = make_kv(len(first))
     assert engine.store(first, kv) == 2
     assert engine.flush(10.0)
-    turn = first + make_tokens(20, seed=1)  # the next turn: chunk 1 is a miss
-
-    with engine.request("plain"):
-        assert engine.lookup(turn, "plain").tokens == SMALL_CHUNK
-    out = torch.zeros(SMALL_LAYOUT.kv_shape(len(turn)))
-    with engine.request("turn"):
-        assert engine.lookup(turn, "turn", checkpoint_tokens=UNIT).tokens == len(first)
-        assert engine.retrieve_into(turn, "turn", out) == len(first)
-    assert torch.equal(out[:, :, : len(first)], kv)
+    next_turn_resumes_at_the_checkpoint(engine, first, kv, first + make_tokens(20, seed=1))
     assert engine.stats()["hit_tokens_by_tier"].get(tier, 0) == len(first)  # all from it
     assert engine.leaks() == [] and engine.check_invariants() == []
 

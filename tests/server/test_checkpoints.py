@@ -4,10 +4,9 @@ does in process (:mod:`kvtier.engine_checkpoints`), with the bytes stored."""
 
 from __future__ import annotations
 
-import torch
-
-from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens
+from tests.conftest import SMALL_CHUNK, make_kv, make_tokens
 from tests.server.server_helpers import ServerProcess, open_client
+from tests.test_engine_checkpoints import next_turn_resumes_at_the_checkpoint
 
 UNIT = 4
 
@@ -22,11 +21,5 @@ def test_a_next_turn_resumes_at_the_last_turns_checkpoint_through_the_server(
     with open_client(server.url, model_name=model, save_unfull_chunk=True) as writer:
         assert writer.store(first, kv) == 2  # a chunk and the partial up to the checkpoint
     with open_client(server.url, model_name=model, save_unfull_chunk=True) as reader:
-        with reader.request("plain"):
-            assert reader.lookup(turn, "plain").tokens == SMALL_CHUNK
-        out = torch.zeros(SMALL_LAYOUT.kv_shape(len(turn)))
-        with reader.request("turn"):
-            assert reader.lookup(turn, "turn", checkpoint_tokens=UNIT).tokens == len(first)
-            assert reader.retrieve_into(turn, "turn", out) == len(first)
+        next_turn_resumes_at_the_checkpoint(reader, first, kv, turn)
         assert reader.stats()["open_requests"] == 0
-    assert torch.equal(out[:, :, : len(first)], kv)
