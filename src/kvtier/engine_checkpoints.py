@@ -40,8 +40,8 @@ def checkpoint_ends(hit: int, num_tokens: int, chunk_size: int, unit: int) -> li
     prompt's end (its own partial chunk was looked up already), longest first."""
     if hit % chunk_size or hit >= num_tokens:
         return []
-    last = min(hit + chunk_size, num_tokens)
-    return [end for end in range(last - 1, hit, -1) if end % unit == 0]
+    last = min(hit + chunk_size, num_tokens) - 1  # the prompt's own end is not one of them
+    return list(range(last // unit * unit, hit, -unit))
 
 
 def extend_to_checkpoint(
