@@ -269,3 +269,43 @@ def replay(trace: Trace, policy: Policy) -> Outcome:
         stored,
         policy.lru.used / held if held else 0.0,
     )
+
+
+class GridCheckpoints(Grid):
+    """``chunk G`` plus a checkpoint at each prompt's end: a partial chunk record of the
+    prompt's tokens up to its last whole block, keyed by that prefix, keeping (as every
+    record does) its sliding layers' last ``keep`` tokens. A hit is the longest held prefix
+    ending at a whole chunk's end or at a checkpoint in the first chunk it misses."""
+
+    def __init__(self, model: SlidingModel, block: int, capacity: float, blocks: int) -> None:
+        super().__init__(model, block, capacity, blocks)
+        self.name = f"chunk {blocks * block}+checkpoints"
+
+    def request(self, ids: Sequence[int], tokens: int) -> int:
+        lru, b = self.lru, self.blocks
+        size = b * self.block
+        last = (tokens - 1) // self.block  # blocks a hit may cover
+        n = 0
+        while (n + 1) * b <= last and ("g", ids[(n + 1) * b - 1]) in lru:
+            lru.touch(("g", ids[(n + 1) * b - 1]))
+            n += 1
+        hit = n * b
+        for k in range(min((n + 1) * b - 1, last), n * b, -1):
+            if ("c", ids[k - 1]) in lru:
+                lru.touch(("c", ids[k - 1]))
+                hit = k
+                break
+        for i in range(n, tokens // size):
+            record = self.model.whole(size)
+            self.covered += size * lru.insert(("g", ids[(i + 1) * b - 1]), record)
+        end = tokens // self.block  # the prompt's last whole block
+        if end % b and end > hit:
+            part = (end % b) * self.block
+            known = end - end % b <= hit  # only the chunk's tail is new
+            fresh = lru.insert(("c", ids[end - 1]), self.model.whole(part))
+            self.covered += part * (fresh and not known)
+        return hit * self.block
+
+    def held_tokens(self) -> int:
+        names = cast("Iterable[tuple[str, int]]", self.lru.sizes)
+        return sum(1 for kind, _ in names if kind == "g") * self.blocks * self.block

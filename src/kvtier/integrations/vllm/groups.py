@@ -59,6 +59,13 @@ log = logging.getLogger(__name__)
 # block on its CPU build): a chat's next turn then reloads as much as vLLM's prefix cache
 # would, where 256-token chunks recompute up to 255 tokens (measured 1.6x vLLM's TTFT).
 REUSE_TOKENS = 128
+# A sliding-window model's default chunk: at least this many times the tokens its sliding
+# groups keep of a chunk (so a record holds a quarter of each sliding layer's tokens), and
+# at most SLIDING_CHUNK_MAX unless that would keep more than half. Replayed on the production
+# trace (``kvtier bench sliding``), a chunk of 4x keep with the prompt's checkpoint hits 2.2x
+# what every-token records hit in the same bytes at 2% capacity, and as much from 10% up.
+SLIDING_CHUNK_KEEPS = 4
+SLIDING_CHUNK_MAX = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,27 +124,61 @@ class ModelGroups:
         vLLM's step budget, where the states are (see the module docstring), if it is a
         multiple of every block size; else the smallest multiple of vLLM's block sizes that
         is at least :data:`REUSE_TOKENS` (128 with vLLM's CPU block of 128 or a GPU's 16)."""
-        unit = math.lcm(*({g.block_size for g in self.groups if g.block_size} or {block_size}))
+        unit = self.block_unit(block_size)
         step = max_num_batched_tokens
         if self.state and step > 0 and step % unit == 0:
             return step
-        return unit * max(1, -(-REUSE_TOKENS // unit))
+        tokens = REUSE_TOKENS
+        keeps = self.sliding_keeps(block_size)
+        if keeps and not self.state:
+            keep = max(keeps)
+            cap = max(SLIDING_CHUNK_MAX, 2 * keep)
+            tokens = max(tokens, min(SLIDING_CHUNK_KEEPS * keep, cap))
+        return unit * max(1, -(-tokens // unit))
+
+    def block_unit(self, block_size: int) -> int:
+        """The least common multiple of every group's block (vLLM's ``block_size`` when the
+        groups name none): a position that is a multiple of it is a block boundary in all."""
+        return math.lcm(*({g.block_size for g in self.groups if g.block_size} or {block_size}))
+
+    def sliding_keeps(self, block_size: int) -> list[int]:
+        """Tokens before a chunk's end each sliding group keeps (:func:`sliding_keep`)."""
+        return [
+            sliding_keep(g.window, g.block_size or block_size)
+            for g in self.groups
+            if g.kind == GroupKind.SLIDING
+        ]
+
+    def checkpoint_unit(self, chunk_size: int, block_size: int) -> int:
+        """The grain of the checkpoints a hit may end at inside a chunk (0: none, hits end at
+        chunk ends). A state model: vLLM's block, where align mode keeps states
+        (:mod:`.state_steps`). A model whose sliding groups keep less than a chunk: the block
+        unit, for the prompt's checkpoint at its last whole block (:mod:`.anchors`), since
+        its large chunks would otherwise hit only in whole chunks."""
+        if self.off:
+            return 0
+        if self.state:
+            return block_size
+        unit = self.block_unit(block_size)
+        trims = any(keep < chunk_size for keep in self.sliding_keeps(block_size))
+        return unit if trims and chunk_size % unit == 0 else 0
 
     def untrimmed_sliding(self, chunk_size: int, block_size: int) -> list[str]:
         """One line per sliding window whose group stores every token of a chunk: its
-        ``keep`` (:func:`~kvtier.layout.sliding_keep`) is at least ``chunk_size``, so the
-        records are as large as full attention's. Each names the ``chunk_size`` from which
-        the group would store half or less (twice ``keep``, a multiple of the block). None
-        for a model kvtier is off for."""
+        ``keep`` (:func:`~kvtier.layout.sliding_keep`) is at least ``chunk_size`` (a config
+        that sets a small one), so the records are as large as full attention's. Each names
+        the ``chunk_size`` from which the group would store half or less (twice ``keep``)
+        and the one kvtier picks when none is set. None for a model kvtier is off for."""
         out: list[str] = []
+        own = self.default_chunk(block_size, 0)
         for g in self.groups:
             if g.kind != GroupKind.SLIDING or self.off:
                 continue
             keep = sliding_keep(g.window, g.block_size or block_size)
             line = (
                 f"sliding/w{g.window} keeps all {chunk_size} tokens of each chunk; "
-                f"chunk_size >= {2 * keep} keeps {keep} of each (smaller records, hits in "
-                "whole chunks)"
+                f"chunk_size >= {2 * keep} keeps {keep} of each (smaller records; kvtier "
+                f"picks {own} when chunk_size is not set)"
             )
             if keep >= chunk_size and line not in out:
                 out.append(line)

@@ -91,7 +91,7 @@ class Loads:
                         spec.start,
                         loaded,
                         self.engine.config.chunk_size,
-                        len(spec.tokens),
+                        hit,  # the last record ends there: a chunk end, or a checkpoint
                     ):
                         # vLLM holds a real block where a trimmed sliding group kept nothing
                         # (never expected): recompute rather than serve zeros.

@@ -21,6 +21,10 @@ A model with a state group (Mamba, gated delta-net: ``state_chunks``) resumes on
 a state was taken: its saves and lookups follow :mod:`.state_steps` (a chunk per step that
 ends on its end, and the prompt's checkpoint at its last block boundary).
 
+A sliding-window model whose chunks are larger than what its sliding groups keep also saves
+its prompt's checkpoint at its last whole block (:mod:`.anchors`), in the step that reaches
+it, so a later prompt that extends it (a chat's next turn) resumes there.
+
 A state model's PD prefiller sends its hit's chunks once, from kvtier's copy (``held``
 saves, at its first step): vLLM's blocks no longer keep the states at their ends.
 
@@ -49,6 +53,7 @@ from typing import Any
 
 from kvtier.errors import KVTierError
 from kvtier.hit import Hit
+from kvtier.integrations.vllm.anchors import anchor_save, prompt_anchor
 from kvtier.integrations.vllm.extra_keys import RequestKeyer
 from kvtier.integrations.vllm.handoff import Handoff
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
@@ -78,13 +83,16 @@ class SchedulerSide:
         pd_sender: str | None = None,
         state_chunks: bool = False,
         save_decode: bool = False,
+        anchor_unit: int = 0,
     ) -> None:
         """``all_async``: every load in the background, also from the CPU tier (a model with
         several KV-cache groups: vLLM takes load failures only per request, from async
         loads). ``pd_sender``: a PD prefiller's engine id (its transfer ids start with it);
         None on a decoder or without PD. ``state_chunks``: the model has a state group (hits
         and saves in whole chunks that end where a prefill step ended). ``save_decode``: store
-        the generated tokens' whole chunks when a request ends (see the module docstring)."""
+        the generated tokens' whole chunks when a request ends (see the module docstring).
+        ``anchor_unit``: a sliding-window model's block unit when it saves its prompts'
+        checkpoints (:mod:`.anchors`; 0: it does not)."""
         self.clients = clients
         self.block_size = block_size
         self.chunk_size = chunk_size
@@ -94,6 +102,7 @@ class SchedulerSide:
         self.all_async = all_async
         self.pd_sender = pd_sender
         self.state_chunks = state_chunks
+        self.anchor_unit = 0 if state_chunks else anchor_unit
         self.save_decode = save_decode and saves and not state_chunks and pd_sender is None
         self._finishing: list[SaveSpec] = []  # decode saves of ended requests, next step
         # Hits are usable in whole blocks (a state model's end at chunk ends or at its
@@ -220,6 +229,7 @@ class SchedulerSide:
             state = self._requests.get(rid)
             if state is not None:
                 state.saved = min(state.saved, loaded // self.chunk_size * self.chunk_size)
+                state.anchored = False  # its checkpoint, if saved in that step, was not
                 if state.hit is not None and loaded < state.hit.tokens:
                     # Never offer again what failed to load (a request whose load failed as
                     # a whole, with several KV-cache groups, is asked again from scratch).
@@ -399,6 +409,31 @@ class SchedulerSide:
                 )
             )
             state.saved = end
+        if self.anchor_unit and not state.anchored:
+            self._add_anchor(meta, rid, state, done)
+
+    def _add_anchor(self, meta: KVTierMetadata, rid: str, state: RequestState, done: int) -> None:
+        """The prompt's checkpoint, in the first step whose prefill reaches it (:mod:`.anchors`):
+        later, vLLM's sliding groups free the blocks it keeps."""
+        n, unit, size = len(state.tokens), self.anchor_unit, self.chunk_size
+        if done < prompt_anchor(n, unit, size):
+            return
+        state.anchored = True
+        hit = state.hit.tokens if state.hit is not None else 0
+        end = anchor_save(done, hit, n, unit, size)
+        if end:
+            meta.saves.append(
+                SaveSpec(
+                    rid,
+                    state.tokens[:end],
+                    state.block_ids[:],
+                    end // size * size,
+                    end,
+                    state.transfer_id,
+                    state.salt,
+                    copy_tables(state),
+                )
+            )
 
     def _send_held(self, meta: KVTierMetadata, rid: str, state: RequestState) -> None:
         """The chunks of a state model's PD prefiller's hit (see the module docstring)."""

@@ -108,6 +108,8 @@ class WorkerSide:
         self.engine: Engine | None = None  # service.local_engine: in-process, else None
         self.paged: PagedKV | None = None
         self.states: PagedState | None = None  # the state groups' blocks, if any
+        # The grain of checkpoints a lookup probes inside a missed chunk (0: none).
+        self.checkpoint_unit = self.groups.checkpoint_unit(config.chunk_size, block_size)
         self._server: LookupServer | None = None
         self._loads: Loads | None = None
         self._scratch: torch.Tensor | None = None

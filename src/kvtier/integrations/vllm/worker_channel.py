@@ -23,6 +23,7 @@ class ServedWorker(Protocol):
     server: str | None
     pulls: DecoderPulls | None
     states: PagedState | None
+    checkpoint_unit: int
     _pd: PDEndpoint | None
 
     def _parts(self) -> tuple[KVCache, Any]: ...
@@ -37,10 +38,11 @@ class WorkerChannel:
         self._worker = worker
 
     def lookup(self, request_id: str, tokens: list[int], cache_salt: RequestSalt | None) -> Hit:
-        # A state model's hit may end at an earlier prompt's checkpoint, a block boundary
-        # inside the chunk the lookup misses (kvtier.engine_checkpoints).
+        # A state model's hit, or a sliding model's with large chunks, may end at an earlier
+        # prompt's checkpoint, a block boundary inside the chunk the lookup misses
+        # (kvtier.engine_checkpoints).
         states = self._worker.states
-        unit = states.block_size if states is not None else 0
+        unit = states.block_size if states is not None else self._worker.checkpoint_unit
         return self._cache().lookup(  # the Hit is sent as is
             tokens, request_id, cache_salt=cache_salt, checkpoint_tokens=unit
         )
