@@ -21,6 +21,7 @@ from kvtier.bench.sliding_sims import (
     ColdGroups,
     Every,
     Grid,
+    GridCheckpoints,
     Groups,
     SlidingModel,
     replay,
@@ -130,6 +131,7 @@ def test_the_command_prints_every_policy_at_every_capacity(tmp_path: Path) -> No
     result = json.loads(out.stdout)
     assert result["keep"] == sliding_keep(1024, 16)
     names = {"every", "anchors", "groups", "groups+anchors", "chunk 512", "chunk 2048"}
+    names |= {"chunk 512+checkpoints", "chunk 4096+checkpoints"}
     assert names <= set(result["stored_per_token"])
     capacities = sliding.CAPACITIES.split(",")
     assert list(result["hit_ratio"]) == capacities
@@ -155,3 +157,25 @@ def test_bad_arguments_are_refused_by_name(tmp_path: Path, flags: list[str], nam
     args = parser.parse_args([str(path), *flags])
     with pytest.raises(InputError, match=named.replace("'", ".")):
         sliding.run(args)
+
+
+def test_checkpoints_resume_a_chats_next_turn_where_its_last_prompt_ended() -> None:
+    """A five-block prompt (and 100 tokens), then its next turn: chunks of four blocks alone
+    resume the turn at block 4; with the prompt's checkpoint (its five whole blocks, one
+    more record of a chunk's bytes) at block 5. A prompt that shares only the system prompt
+    (three blocks, inside the first chunk) is missed by both: no prompt ended there."""
+    ids = [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 6, 7], [0, 1, 2, 8, 9, 10]]
+    tokens = [[BLOCK] * 5 + [100], [BLOCK] * 6 + [100], [BLOCK] * 5 + [100]]
+    trace = Trace(chain(ids), tokens, BLOCK)
+    hits = {}
+    for policy in (Grid(GEMMA, BLOCK, INFINITE, 4), GridCheckpoints(GEMMA, BLOCK, INFINITE, 4)):
+        hits[policy.name] = [
+            policy.request(i, sum(t)) for i, t in zip(trace.requests, tokens, strict=True)
+        ]
+        if isinstance(policy, GridCheckpoints):
+            record = GEMMA.whole(4 * BLOCK)
+            # The first prompt: chunk 0 and its checkpoint (blocks 0-4); the second: its
+            # checkpoint (block 5 is new); the third: its own chunk 0 and checkpoint.
+            assert policy.lru.stored == pytest.approx(5 * record)
+            assert policy.covered == (5 + 1 + 5) * BLOCK
+    assert hits == {"chunk 2048": [0, 4 * BLOCK, 0], "chunk 2048+checkpoints": [0, 5 * BLOCK, 0]}

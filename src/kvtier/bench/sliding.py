@@ -3,8 +3,9 @@
 What kvtier keeps of a sliding-window model's layers decides how many bytes a token costs
 and where a later request can resume (:mod:`kvtier.bench.sliding_sims`): every token
 (``every``, kvtier's records when the window's kept tokens are a chunk or more), a large
-chunk that keeps only its last ``keep`` sliding tokens (``chunk G``, kvtier's records with
-``chunk_size`` G), or lean records with whole ones only before anchors (``anchors``: a
+chunk that keeps only its last ``keep`` sliding tokens (``chunk G``), the same with each
+prompt's checkpoint at its last whole block (``chunk G+checkpoints``: kvtier's records with
+``chunk_size`` G, its default for a sliding model at G = 4 x keep), or lean records with whole ones only before anchors (``anchors``: a
 prompt's end and where a prompt left the cached prefix). Each is replayed on the trace in one
 LRU of the same bytes, at several capacities (fractions of the bytes ``every`` needs to hold
 the whole trace), so the figures read as hits per GB.
@@ -26,6 +27,7 @@ from kvtier.bench.sliding_sims import (
     ColdGroups,
     Every,
     Grid,
+    GridCheckpoints,
     Groups,
     Policy,
     SlidingModel,
@@ -125,6 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ColdGroups(model, block, capacity),
         ]
         policies += [Grid(model, block, capacity, c // block) for c in chunks]
+        policies += [GridCheckpoints(model, block, capacity, c // block) for c in chunks]
         outcomes = [replay(trace, p) for p in policies]
         points[f"{fraction:g}"] = {
             "gb": capacity * args.token_bytes / 1e9,

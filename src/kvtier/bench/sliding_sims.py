@@ -7,10 +7,13 @@ before ``p`` of its full layers but only the last ``keep`` tokens of its sliding
 and where a later request may resume::
 
     policy     a chunk's record holds                      a hit may end at
-    every      every layer, every token (kvtier today      any chunk end
-               when keep >= chunk)
-    chunk G    full layers: G tokens; sliding: the last     a multiple of G (kvtier today
-               min(G, keep) tokens (one chunk of G)         with chunk_size G)
+    every      every layer, every token (kvtier when a      any chunk end
+               config sets a chunk <= keep)
+    chunk G    full layers: G tokens; sliding: the last     a multiple of G
+               min(G, keep) tokens (one chunk of G)
+    chunk G+   as chunk G, and each prompt's tail to its    a multiple of G, or a
+    checkpoints last whole block as one more record         prompt's last whole block
+               (kvtier's default, G = 4 x keep)
     anchors    lean (full layers only), except the          a chunk end whose last keep
                chunks within keep before an anchor:         tokens are whole: the anchors
                whole (every layer)                          (a prompt's end; where a prompt
@@ -272,10 +275,12 @@ def replay(trace: Trace, policy: Policy) -> Outcome:
 
 
 class GridCheckpoints(Grid):
-    """``chunk G`` plus a checkpoint at each prompt's end: a partial chunk record of the
-    prompt's tokens up to its last whole block, keyed by that prefix, keeping (as every
-    record does) its sliding layers' last ``keep`` tokens. A hit is the longest held prefix
-    ending at a whole chunk's end or at a checkpoint in the first chunk it misses."""
+    """``chunk G`` plus a checkpoint at each prompt's end (kvtier's records for a sliding
+    model, :mod:`kvtier.integrations.vllm.anchors`): a partial chunk record of the prompt's
+    tokens up to its last whole block, keyed by that prefix. A hit is the longest held prefix
+    ending at a whole chunk's end or at a checkpoint in the first chunk it misses. A
+    checkpoint costs a whole chunk's record, as a page of kvtier's CPU tier does (disk and
+    Redis store only its bytes: a little more fits there)."""
 
     def __init__(self, model: SlidingModel, block: int, capacity: float, blocks: int) -> None:
         super().__init__(model, block, capacity, blocks)
@@ -284,6 +289,7 @@ class GridCheckpoints(Grid):
     def request(self, ids: Sequence[int], tokens: int) -> int:
         lru, b = self.lru, self.blocks
         size = b * self.block
+        record = self.model.whole(size)
         last = (tokens - 1) // self.block  # blocks a hit may cover
         n = 0
         while (n + 1) * b <= last and ("g", ids[(n + 1) * b - 1]) in lru:
@@ -296,16 +302,14 @@ class GridCheckpoints(Grid):
                 hit = k
                 break
         for i in range(n, tokens // size):
-            record = self.model.whole(size)
             self.covered += size * lru.insert(("g", ids[(i + 1) * b - 1]), record)
         end = tokens // self.block  # the prompt's last whole block
         if end % b and end > hit:
-            part = (end % b) * self.block
-            known = end - end % b <= hit  # only the chunk's tail is new
-            fresh = lru.insert(("c", ids[end - 1]), self.model.whole(part))
-            self.covered += part * (fresh and not known)
+            new = (end - max(hit, end - end % b)) * self.block  # tokens no record held
+            self.covered += new * lru.insert(("c", ids[end - 1]), record)
         return hit * self.block
 
     def held_tokens(self) -> int:
+        """Tokens of the whole chunks held (a checkpoint adds bytes, not chunks)."""
         names = cast("Iterable[tuple[str, int]]", self.lru.sizes)
         return sum(1 for kind, _ in names if kind == "g") * self.blocks * self.block
