@@ -5,8 +5,9 @@ and where a later request can resume (:mod:`kvtier.bench.sliding_sims`): every t
 (``every``, kvtier's records when the window's kept tokens are a chunk or more), a large
 chunk that keeps only its last ``keep`` sliding tokens (``chunk G``), the same with each
 prompt's checkpoint at its last whole block (``chunk G+checkpoints``: kvtier's records with
-``chunk_size`` G, its default for a sliding model at G = 4 x keep), or lean records with whole ones only before anchors (``anchors``: a
-prompt's end and where a prompt left the cached prefix). Each is replayed on the trace in one
+``chunk_size`` G, its default for a sliding model at G = 4 x keep), or lean records with
+whole ones only before anchors (``anchors``: a prompt's end and where a prompt left the
+cached prefix). Each is replayed on the trace in one
 LRU of the same bytes, at several capacities (fractions of the bytes ``every`` needs to hold
 the whole trace), so the figures read as hits per GB.
 
