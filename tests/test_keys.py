@@ -10,10 +10,13 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier import InputError, KVLayout
 from kvtier.fingerprint import Fingerprint
 from kvtier.keys import KeyChain
+from kvtier.request_salt import ExtraKeys
 
 LAYOUT = KVLayout(2, 2, 8, torch.float32)
 
@@ -204,3 +207,35 @@ def test_known_keys_are_reused_and_only_new_chunks_are_hashed() -> None:
     longer = c.keys(tokens, include_partial=True, salt="s", known=first.keys)
     assert c.chunks_hashed - before == 4  # chunks 2..4 and the partial tail, not 0..1
     assert longer.keys == c.keys(tokens, include_partial=True, salt="s").keys
+
+
+SALTS = st.sampled_from(
+    [
+        None,
+        "tenant-a",
+        ExtraKeys(salt="t", adapter=b"lora-digest"),
+        ExtraKeys(items=((5, 9, b"image-digest"),)),
+    ]
+)
+
+
+@given(
+    st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=40),
+    st.data(),
+    SALTS,
+)
+def test_a_probes_partial_keys_are_the_keys_of_the_prefixes_they_end(
+    tokens: list[int], data: st.DataObject, salt: ExtraKeys | str | None
+) -> None:
+    """``partial_keys`` (a checkpoint probe's many ends of one chunk, hashed from one copy of
+    its tokens) gives, for each end, the last key of ``keys(tokens[:end])`` with its partial
+    chunk: the key a store of that prefix wrote, for a plain salt, a string and keyed items."""
+    c = chain()  # chunks of 4 tokens
+    index = data.draw(st.integers(0, (len(tokens) - 1) // 4))
+    start = index * 4
+    ends = data.draw(st.lists(st.integers(start + 1, min(start + 4, len(tokens))), max_size=4))
+    array = np.array(tokens, dtype=np.int64)
+    known = c.keys(array[:start], include_partial=False, salt=salt).keys if start else []
+    got = c.partial_keys(array, index, ends, salt=salt, known=known)
+    expected = [c.keys(array[:end], include_partial=True, salt=salt).keys[index] for end in ends]
+    assert got == expected

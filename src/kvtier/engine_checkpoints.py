@@ -21,7 +21,7 @@ the prompt up to the checkpoint, so the load and the request's stores follow fro
 from __future__ import annotations
 
 from kvtier.errors import InputError
-from kvtier.keys import ChunkKey, ChunkSpans, KeyChain, RequestKeys
+from kvtier.keys import ChunkSpans, KeyChain, RequestKeys
 from kvtier.lease import Lease
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.plan import LookupPlan
@@ -62,10 +62,7 @@ def extend_to_checkpoint(
     if not ends:
         return keys, plan
     known = keys.spans.keys[:index]
-    candidates: list[ChunkKey] = []
-    for end in ends:
-        spans = chain.keys(keys.tokens[:end], include_partial=True, salt=keys.salt, known=known)
-        candidates.append(spans.keys[index])
+    candidates = chain.partial_keys(keys.tokens, index, ends, salt=keys.salt, known=known)
     held = manager.held(candidates)
     best = next((i for i, present in enumerate(held) if present), None)
     if best is None:

@@ -218,6 +218,33 @@ class KeyChain:
         covered = len(array) if len(tail) else n_full * size
         return ChunkSpans(keys, size, covered)
 
+    def partial_keys(
+        self,
+        tokens: np.ndarray,
+        index: int,
+        ends: Sequence[int],
+        *,
+        salt: RequestSalt | None = None,
+        known: Sequence[ChunkKey] = (),
+    ) -> list[ChunkKey]:
+        """The key of chunk ``index`` cut short at each of ``ends`` (token positions inside
+        it): what :meth:`keys` gives as the last key of ``tokens[:end]`` with
+        ``include_partial``, for a checkpoint probe that asks many ends of one chunk.
+        ``known``: the keys of the chunks before it. A request with keyed items (images,
+        embeddings) takes :meth:`keys` itself; a plain one hashes each end's bytes once."""
+        if isinstance(salt, ExtraKeys) and salt.items:
+            return [
+                self.keys(tokens[:end], include_partial=True, salt=salt, known=known).keys[index]
+                for end in ends
+            ]
+        parent = known[index - 1] if index else self.seed(salt)
+        start = index * self.chunk_size
+        array = as_token_array(tokens)
+        data = array[start : max(ends, default=start)].tobytes()
+        width = array.itemsize
+        self.chunks_hashed += len(ends)
+        return [self._hash(parent + data[: (end - start) * width]) for end in ends]
+
     def _mix_items(
         self,
         chunks: list[bytes],

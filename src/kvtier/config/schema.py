@@ -38,7 +38,8 @@ KEYS: tuple[KeySpec, ...] = (
         256,
         "Tokens per KV chunk (the unit of caching). Unset under vLLM: the smallest multiple "
         "of vLLM's block size that is at least 128 (a model with Mamba/GDN states: vLLM's "
-        "step budget).",
+        "step budget; a sliding-window model: 4x the tokens its window keeps, with each "
+        "prompt's checkpoint at its last whole block).",
     ),
     KeySpec("local_cpu", p.boolean, True, "CPU memory is a cache tier (see the tier-role table)."),
     KeySpec(

@@ -20,7 +20,11 @@ so hits do not come in whole chunks only. One vLLM with kvtier per family::
                              and C + 256 tokens (after p3[:C + 1] and after p1: vLLM keeps
                              a sliding group's blocks only where a prefill step ended)
 
-The 16 greedy tokens of each kvtier round equal the reference's.
+The 16 greedy tokens of each kvtier round equal the reference's. Then the checkpoint's other
+paths (gemma3-w1024, the same vLLM as a PD sender): a PD decoder of q = C + 300 tokens pulls
+q's chunk and checkpoint and resumes at C + 256; after that vLLM is gone, a ``kvtier
+server`` opens its disk directory and a fresh vLLM reading through it resumes q's next turn
+at q's checkpoint.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from benchmarks.harness.families import family, write_family
 from kvtier.integrations.vllm.groups import ModelGroups, VllmGroup
 from kvtier.layout import GroupKind, sliding_keep
 from kvtier.storage.records import HEADER_SIZE
+from tests.server.server_helpers import ServerProcess, remove_tempdir, short_tempdir
 
 from .vllm_helpers import Instances, VllmInstance, tokens, unique_engine_id
 
@@ -47,7 +52,8 @@ pytestmark = [
 DECODE = 16
 TAIL, MORE = 300, 200  # p1 past its chunk; p2 past p1
 ARGS: dict[str, Any] = {"max_model_len": 8192}  # max_num_batched_tokens, block: vLLM's
-NAMES = ("gemma3-w1024", "gpt-oss")
+NAMES = ("gpt-oss", "gemma3-w1024")  # the last one stays up for the paths test
+PD: dict[str, Any] = {"pd_buffer_size": "64MiB", "transfer_channel": "tcp"}
 
 
 @pytest.fixture(scope="module")
@@ -57,16 +63,44 @@ def sw_instances() -> Iterator[Instances]:
     holder.close()
 
 
-def run(instance: VllmInstance, prompt: Sequence[int]) -> tuple[list[int], int]:
-    """Greedy tokens of one prompt and vLLM's ``num_cached_tokens`` for it."""
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """Each family's checkpoint directory and the disk tier of its kvtier vLLM."""
+    root = tmp_path_factory.mktemp("sliding")
+    return {name: (write_family(name, root / name), root / f"{name}-disk") for name in NAMES}
+
+
+def run(
+    instance: VllmInstance,
+    prompt: Sequence[int],
+    transfer: dict[str, Any] | None = None,
+    decode: int = DECODE,
+) -> tuple[list[int], int]:
+    """Greedy tokens of one prompt and vLLM's ``num_cached_tokens`` for it; ``transfer``:
+    its ``kv_transfer_params`` (PD)."""
+    out = _generate(instance, prompt, transfer, decode)
+    return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
+
+
+def _generate(
+    instance: VllmInstance, prompt: Sequence[int], transfer: dict[str, Any] | None, decode: int
+) -> Any:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=DECODE, temperature=0.0, ignore_eos=True)
+    extra = {"kv_transfer_params": transfer} if transfer is not None else None
+    params = SamplingParams(max_tokens=decode, temperature=0.0, ignore_eos=True, extra_args=extra)
     (out,) = instance.llm.generate(
         [TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False
     )
-    return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
+    return out
+
+
+def tier_hits(before: dict[str, Any], after: dict[str, Any], tier: str) -> int:
+    """Tokens the lookups found in ``tier`` between two stats."""
+    return int(after["hit_tokens_by_tier"].get(tier, 0)) - int(
+        before["hit_tokens_by_tier"].get(tier, 0)
+    )
 
 
 def record_bytes(vllm_config: Any, tokens: int) -> tuple[int, int, int]:
@@ -112,12 +146,18 @@ def payloads(disk: Path) -> list[int]:
 
 
 def start(name: str, path: Path, disk: Path) -> VllmInstance:
-    """The family's vLLM with kvtier at its own chunk size: a CPU tier and disk."""
+    """The family's vLLM with kvtier at its own chunk size: a CPU tier and disk, and a PD
+    sender any decoder may pull from (a request without the PD hand-off in its params is
+    served as by any kvtier vLLM)."""
     extra = {
         "chunk_size": None,  # kvtier's own choice
         "max_local_cpu_size": "64MiB",
         "local_disk": str(disk),
         "max_local_disk_size": "256MiB",
+        "enable_pd": True,
+        "pd_role": "sender",
+        "pd_serve_host": "127.0.0.1",
+        **PD,
     }
     engine_id = unique_engine_id(f"kvtier-{name}-sliding")
     return VllmInstance(path, engine_id=engine_id, extra=extra, dtype=family(name).dtype, **ARGS)
@@ -135,10 +175,10 @@ def served(kv: VllmInstance, prompt: Sequence[int]) -> tuple[list[int], int]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_large_chunks_keep_only_the_sliding_window_and_hits_end_at_a_prompts_checkpoint(
-    name: str, sw_instances: Instances, tmp_path: Path
+    name: str, sw_instances: Instances, dirs: dict[str, tuple[Path, Path]]
 ) -> None:
     spec = family(name)
-    path, disk = write_family(name, tmp_path / name), tmp_path / "disk"
+    path, disk = dirs[name]
     kv = sw_instances.get(name, lambda: start(name, path, disk))
     config = kv.llm.llm_engine.vllm_config
     block = int(config.cache_config.block_size)
@@ -189,4 +229,82 @@ def test_large_chunks_keep_only_the_sliding_window_and_hits_end_at_a_prompts_che
     assert kv.stats()["retrieved_tokens"] == before  # kvtier served none of the references
     assert got2 == ref2 and got3 == ref3
     kv.assert_clean()
-    sw_instances.close()
+
+
+def test_a_checkpoint_travels_through_pd_and_a_kvtier_server_after_a_restart(
+    sw_instances: Instances, dirs: dict[str, tuple[Path, Path]]
+) -> None:
+    name = "gemma3-w1024"  # fp32: the references are vLLM alone, cold
+    path, disk = dirs[name]
+    kv = sw_instances.get(name, lambda: start(name, path, disk))
+    config = kv.llm.llm_engine.vllm_config
+    chunk, block = kvtier_chunk(config), int(config.cache_config.block_size)
+    q = tokens(chunk + TAIL, seed=71)
+    q2 = q + tokens(MORE, seed=72)  # q's next turn
+    checkpoint = len(q) // block * block
+    assert kv.probe is not None
+    refs = []
+    for prompt in (q, q2):
+        assert kv.probe.clear()
+        kv.llm.reset_prefix_cache()
+        ref, cold = run(kv, prompt)
+        assert cold == 0
+        refs.append(ref)
+    assert kv.probe.clear()
+    kv.llm.reset_prefix_cache()
+
+    # PD: the kvtier vLLM prefills q for a remote decoder, which pulls q's chunk and its
+    # checkpoint (no CPU tier of its own: each hit names its source).
+    s0 = kv.stats()
+    answer = _generate(kv, q, {"do_remote_decode": True}, 1).kv_transfer_params
+    assert answer is not None and answer["kvtier_transfer_id"]
+    assert kv.stats()["stored_chunks"] - s0["stored_chunks"] == 2  # the chunk, the checkpoint
+    assert kv.probe.flush(60.0) is True  # on disk for the restart below
+    extra: dict[str, Any] = {"chunk_size": None, "local_cpu": False}
+    extra |= {"enable_pd": True, "pd_role": "receiver", **PD}
+    decoder = VllmInstance(
+        path,
+        engine_id=unique_engine_id(f"kvtier-{name}-decoder"),
+        extra=extra,
+        transfer={"kv_role": "kv_consumer"},
+        dtype=family(name).dtype,
+        **ARGS,
+    )
+    try:
+        d0 = decoder.stats()
+        assert run(decoder, q, dict(answer))[0] == refs[0]
+        d1 = decoder.stats()
+        # vLLM counts no cached tokens for a request whose lookup waited for its pull.
+        assert tier_hits(d0, d1, "pd") == checkpoint
+        print(f"\nPD decoder: q ({len(q)} tokens) resumed at {checkpoint}, chunk {chunk}")
+        decoder.assert_clean(wait_s=5.0)
+    finally:
+        decoder.close()
+    kv.assert_clean()
+    sw_instances.close()  # the kvtier vLLM is gone; its disk directory stays
+
+    where = short_tempdir()
+    server = ServerProcess(
+        where, max_local_cpu_size="64MiB", local_disk=str(disk), max_local_disk_size="256MiB"
+    ).start()
+    try:
+        reader = sw_instances.get(
+            "server",
+            lambda: VllmInstance(
+                path,
+                engine_id=unique_engine_id(f"kvtier-{name}-server"),
+                extra={"chunk_size": None, "server": server.url},
+                dtype=family(name).dtype,
+                **ARGS,
+            ),
+        )
+        r0 = reader.stats()  # the server's
+        assert run(reader, q2) == (refs[1], checkpoint)  # q's checkpoint, from its disk
+        r1 = reader.stats()
+        assert tier_hits(r0, r1, "disk") == checkpoint
+        assert r1["retrieved_tokens"] - r0["retrieved_tokens"] == checkpoint
+        sw_instances.close()
+        assert "Traceback" not in server.log(), server.log()
+    finally:
+        server.stop()
+        remove_tempdir(where)
