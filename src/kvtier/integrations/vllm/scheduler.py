@@ -344,7 +344,12 @@ class SchedulerSide:
 
     def _lookup_tokens(self, state: RequestState) -> list[int]:
         """The tokens looked up: a state model's prompt only up to its checkpoint (whose
-        partial chunk is the only one with a state at its end: :mod:`.state_steps`)."""
+        partial chunk is the only one with a state at its end: :mod:`.state_steps`); a
+        sliding model's that saves checkpoints, up to its own (:mod:`.anchors`): no hit goes
+        past it, and a PD decoder's pull then names the chunks its prefiller sent."""
+        if self.anchor_unit:
+            end = prompt_anchor(len(state.tokens), self.anchor_unit, self.chunk_size)
+            return state.tokens[:end] if end else state.tokens
         if not self.state_chunks:
             return state.tokens
         return state.tokens[: lookup_end(len(state.tokens), self.block_size, self.chunk_size)]
