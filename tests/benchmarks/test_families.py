@@ -44,3 +44,16 @@ def test_real_gemma3s_window_trims_only_in_chunks_of_more_than_its_kept_tokens()
     row = bytes_per_token("gemma3-w1024", 128, 4096)
     assert row["keep.sliding"] == 1152
     assert row["stored"] == per_layer * (5 * 1152 + 4096) // 4096 == 2464
+
+
+def test_a_sliding_familys_own_chunk_stores_a_quarter_of_its_sliding_layers() -> None:
+    """With no chunk_size kvtier takes 4 x keep for a sliding model: window 1024 keeps 1152
+    at block 128 (chunk 4608) and 1040 at block 16 (chunk 4160); either way a token costs
+    its full layers and a quarter of its sliding ones (what test_sliding_windows.py reads
+    in the record: 2,304 B/token)."""
+    per_layer = 2 * 2 * 64 * 4  # K and V x 2 KV heads x head dim 64 x fp32
+    for block, chunk in ((128, 4608), (16, 4160)):
+        result = run(argparse.Namespace(family=["gemma3-w1024"], block_size=block, chunk_size=256))
+        assert result["gemma3-w1024.own_chunk"] == chunk
+        assert result["gemma3-w1024.stored.own_chunk"] == per_layer * (1 + 5 / 4) == 2304
+    assert "qwen3.own_chunk" not in run(argparse.Namespace(family=["qwen3"], reuse=False))
