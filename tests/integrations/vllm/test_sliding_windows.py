@@ -39,9 +39,14 @@ from benchmarks.harness.families import family, write_family
 from kvtier.integrations.vllm.groups import ModelGroups, VllmGroup
 from kvtier.layout import GroupKind, sliding_keep
 from kvtier.storage.records import HEADER_SIZE
-from tests.server.server_helpers import ServerProcess, remove_tempdir, short_tempdir
 
-from .vllm_helpers import Instances, VllmInstance, tokens, unique_engine_id
+from .vllm_helpers import (
+    Instances,
+    VllmInstance,
+    reader_through_server,
+    tokens,
+    unique_engine_id,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -283,28 +288,9 @@ def test_a_checkpoint_travels_through_pd_and_a_kvtier_server_after_a_restart(
     kv.assert_clean()
     sw_instances.close()  # the kvtier vLLM is gone; its disk directory stays
 
-    where = short_tempdir()
-    server = ServerProcess(
-        where, max_local_cpu_size="64MiB", local_disk=str(disk), max_local_disk_size="256MiB"
-    ).start()
-    try:
-        reader = sw_instances.get(
-            "server",
-            lambda: VllmInstance(
-                path,
-                engine_id=unique_engine_id(f"kvtier-{name}-server"),
-                extra={"chunk_size": None, "server": server.url},
-                dtype=family(name).dtype,
-                **ARGS,
-            ),
-        )
-        r0 = reader.stats()  # the server's
-        assert run(reader, q2) == (refs[1], checkpoint)  # q's checkpoint, from its disk
-        r1 = reader.stats()
+    with reader_through_server(sw_instances, path, disk, dtype=family(name).dtype, **ARGS) as r:
+        r0 = r.stats()  # the server's
+        assert run(r, q2) == (refs[1], checkpoint)  # q's checkpoint, from its disk
+        r1 = r.stats()
         assert tier_hits(r0, r1, "disk") == checkpoint
         assert r1["retrieved_tokens"] - r0["retrieved_tokens"] == checkpoint
-        sw_instances.close()
-        assert "Traceback" not in server.log(), server.log()
-    finally:
-        server.stop()
-        remove_tempdir(where)

@@ -39,9 +39,14 @@ from benchmarks.harness.families import family, write_family
 from benchmarks.harness.state_reuse import MAMBA2, default_step_budget, llm_args, measure
 
 from tests.redis_servers import RedisServer
-from tests.server.server_helpers import ServerProcess, remove_tempdir, short_tempdir
 
-from .vllm_helpers import Instances, VllmInstance, tokens, unique_engine_id
+from .vllm_helpers import (
+    Instances,
+    VllmInstance,
+    reader_through_server,
+    tokens,
+    unique_engine_id,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -318,31 +323,12 @@ def test_states_travel_through_pd_redis_and_the_disk_after_a_restart_through_the
     held.close()  # the kvtier vLLM is gone; its disk directory stays
 
     # A restart: a kvtier server opens that directory, and a fresh vLLM reads through it.
-    where = short_tempdir()
-    server = ServerProcess(
-        where, max_local_cpu_size="256MiB", local_disk=str(disk), max_local_disk_size="1GiB"
-    ).start()
-    try:
-        reader = held.get(
-            "server",
-            lambda: VllmInstance(
-                ref.path,
-                engine_id=unique_engine_id(f"kvtier-{NAME}-server"),
-                extra={"chunk_size": None, "server": server.url},
-                dtype=ref.dtype,
-                **ARGS,
-            ),
-        )
+    with reader_through_server(held, ref.path, disk, dtype=ref.dtype, **ARGS) as reader:
         r0 = reader.stats()
         assert run(reader, ref.p2) == (ref.own_p2, budget)  # from the first vLLM's disk
         r1 = reader.stats()  # the server's
         assert tier_hits(r0, r1, "disk") == r1["retrieved_tokens"] - r0["retrieved_tokens"]
         assert tier_hits(r0, r1, "disk") == budget
-        held.close()
-        assert "Traceback" not in server.log(), server.log()
-    finally:
-        server.stop()
-        remove_tempdir(where)
 
 
 @pytest.mark.parametrize("name", MAMBA2)

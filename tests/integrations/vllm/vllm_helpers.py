@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.integrations.vllm.rpc import LookupClient
+from tests.server.server_helpers import ServerProcess, remove_tempdir, short_tempdir
 
 CONNECTOR = {
     "kv_connector": "KVTierConnector",
@@ -162,3 +163,32 @@ def tokens(n: int, seed: int) -> list[int]:
     """``n`` ids the tiny tokenizer has words for (3..1023), reproducibly."""
     rng = random.Random(seed)
     return [rng.randrange(3, 1024) for _ in range(n)]
+
+
+@contextmanager
+def reader_through_server(
+    holder: Instances, model_dir: Path, disk: Path, *, dtype: str, **llm_args: Any
+) -> Iterator[VllmInstance]:
+    """A restart: a ``kvtier server`` opens ``disk`` (what an earlier vLLM with kvtier wrote
+    there) and a fresh vLLM with kvtier (its own ``chunk_size``) reads through it. The
+    vLLM is closed and the server's log checked for tracebacks on the way out."""
+    where = short_tempdir()
+    server = ServerProcess(
+        where, max_local_cpu_size="256MiB", local_disk=str(disk), max_local_disk_size="1GiB"
+    ).start()
+    try:
+        yield holder.get(
+            "server",
+            lambda: VllmInstance(
+                model_dir,
+                engine_id=unique_engine_id("kvtier-server-reader"),
+                extra={"chunk_size": None, "server": server.url},
+                dtype=dtype,
+                **llm_args,
+            ),
+        )
+        holder.close()
+        assert "Traceback" not in server.log(), server.log()
+    finally:
+        server.stop()
+        remove_tempdir(where)
