@@ -54,7 +54,7 @@ STORED_TOKENS_PER_LAYER = {"qwen3": (256,) * 4, "gemma3": (160, 256, 160, 256)}
 # A sliding group that keeps less than a chunk (gemma3 here) also stores each prompt's
 # checkpoint, its tail to its last whole block (kvtier.integrations.vllm.anchors): the
 # block it ends on, or 0 for a family whose records keep every token.
-CHECKPOINT_BLOCK = {"qwen3": 0, "gemma3": 32}
+CHECKPOINT_BLOCK = {"qwen3": 0, "gemma3": int(FAMILY_ARGS["gemma3"]["block_size"])}
 
 
 def checkpoint_of(name: str, prompt: list[int]) -> int:

@@ -20,8 +20,9 @@ sliding groups free the blocks behind their window, and :meth:`.paged.PagedKV.co
 refuses a save whose kept tokens are gone (a miss, never a wrong record).
 
 Replayed on the production trace in equal bytes (``kvtier bench sliding``), the policy
-``chunk G+checkpoints`` that this is hits within a few points of per-group records whose
-sliding parts are evicted first, with one fixed-size record per chunk in every tier.
+``chunk G+checkpoints`` that this is hits within 6 points of per-group records whose
+sliding parts are evicted first at 2% capacity and within 1 point from 10% up, with one
+fixed-size record per chunk in every tier.
 """
 
 from __future__ import annotations
