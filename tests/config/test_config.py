@@ -246,12 +246,34 @@ def test_an_empty_admin_token_is_refused_not_taken_for_no_auth() -> None:
     assert Config.load(env={}).admin_token is None  # unset: no auth, as documented
 
 
-def test_a_rejected_secret_is_never_echoed() -> None:
-    for bad in ("s3cret" * 1000, ["s3cret-in-a-list"], {"s3cret": 1}, 12345678):
-        with pytest.raises(ConfigError, match="admin_token") as info:
-            Config.load(env={}, overrides={"admin_token": bad})
+SECRET_KEYS = [spec.name for spec in KEYS if spec.secret]
+
+
+def test_the_secret_keys_are_the_ones_we_know() -> None:
+    assert set(SECRET_KEYS) >= {"admin_token", "pd_auth_token"}
+
+
+@pytest.mark.parametrize("key", SECRET_KEYS)
+def test_a_rejected_secret_is_never_echoed(key: str) -> None:
+    bad_values = ("s3cret" * 1000, ["s3cret-in-a-list"], {"s3cret": 1}, 12345678, 12345678.5)
+    for bad in bad_values:
+        with pytest.raises(ConfigError, match=key) as info:
+            Config.load(env={}, overrides={key: bad})
         message = str(info.value) + repr(info.value.value)
         assert "s3cret" not in message and "12345678" not in message, message
+
+
+@pytest.mark.parametrize("key", SECRET_KEYS)
+def test_an_all_digit_secret_in_yaml_is_not_echoed(key: str, tmp_path: Path) -> None:
+    """YAML reads an all-digit token as an int (or a float): the error that refuses it, as
+    check-config and vLLM's start-up show it, still hides it, whatever the key."""
+    for digits in ("98765432109876543210", "98765432109876543210.5"):
+        path = tmp_path / "kvtier.yaml"
+        path.write_text(f"{key}: {digits}\n")
+        with pytest.raises(ConfigError, match=key) as info:
+            Config.load(path, env={})
+        message = str(info.value) + repr(info.value.value)
+        assert "98765" not in message and "hidden" in message, message
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,13 @@ class KeySpec:
     secret: bool = False
     verbatim: bool = False  # an environment value is this text as written (not YAML)
 
+    def __post_init__(self) -> None:
+        # Every secret's parser is wrapped here, by the flag, rather than row by row: a row
+        # that forgot the wrapper printed its value whole in an error whenever YAML read it
+        # as something other than text (an all-digit pd_auth_token is an int).
+        if self.secret:
+            object.__setattr__(self, "parse", p.secret(self.parse))
+
 
 KEYS: tuple[KeySpec, ...] = (
     KeySpec(
@@ -213,7 +220,7 @@ KEYS: tuple[KeySpec, ...] = (
     KeySpec("internal_api_server_port_start", p.integer(0, 65535), 6999, "Admin API port."),
     KeySpec(
         "admin_token",
-        p.secret(p.text()),
+        p.text(),
         None,
         "Bearer token required by every admin endpoint but /health.",
         lmcache=False,
