@@ -6,7 +6,9 @@ Both follow the same rules, written once here:
     directory   owned by this user (or, for an operator's explicit server path, by root),
                 never writable by group or others; created 0700 when missing. A directory
                 someone else made first, or one that others can write, is refused: another
-                user could otherwise bind the path before us and pose as kvtier.
+                user could otherwise bind the path before us and pose as kvtier. A link
+                is judged by who made it (this user, or root for an operator's path),
+                never by where it points: another user chooses that.
     the path    a live socket there is refused (two servers never share one); a stale socket
                 of this user is replaced; anything else (a regular file, a directory, a
                 socket of another user) is refused, never deleted.
@@ -91,15 +93,8 @@ def private_directory(
             raise StateError(f"cannot create {path}: its parent {parent} is not a directory")
         with contextlib.suppress(FileExistsError):  # someone made it meanwhile: checked below
             os.mkdir(path, 0o700)
-    try:
-        info = os.lstat(path)
-    except OSError as exc:
-        raise StateError(f"socket directory {path} is not usable: {exc}") from None
-    if stat.S_ISLNK(info.st_mode):
-        info = os.stat(path)  # /var/run -> /run: judge the target, whose owner wrote the link
-    if not stat.S_ISDIR(info.st_mode):
-        raise StateError(f"socket directory {path} is not a directory")
     owners = (me, 0) if root_owned_ok else (me,)
+    info = _directory_info(path, owners)
     if info.st_uid not in owners:
         raise StateError(
             f"socket directory {path} is owned by {owner_name(info.st_uid)}, not by this user "
@@ -112,6 +107,40 @@ def private_directory(
             f"reach or write to it (and bind our socket's name first); use a directory only "
             f"you can use (chmod 700 {path})"
         )
+
+
+def _directory_info(path: str, owners: tuple[int, ...]) -> os.stat_result:
+    """The status of the directory ``path`` names, read from a descriptor of it.
+
+    A symbolic link is judged by who made it, not by where it points: another user's link
+    ``$TMPDIR/kvtier-<uid>`` -> a directory of ours would pass every check of the target, and
+    re-pointed later would cut every client off. A link of one of ``owners`` is followed
+    (``/var/run`` -> ``/run``, made by root); anything else is opened with ``O_NOFOLLOW``, so
+    a link swapped in after the ``lstat`` is refused rather than followed."""
+    path = path.rstrip("/") or "/"  # "link/" would make lstat and O_NOFOLLOW follow it
+    try:
+        link = os.lstat(path)
+    except OSError as exc:
+        raise StateError(f"socket directory {path} is not usable: {exc}") from None
+    follow = stat.S_ISLNK(link.st_mode)
+    if follow and link.st_uid not in owners:
+        raise StateError(
+            f"socket directory {path} is a symbolic link made by {owner_name(link.st_uid)}, "
+            f"not by this user ({owner_name(os.geteuid())}); another user may have made it "
+            f"to choose where kvtier listens: remove it or choose a directory you own"
+        )
+    # O_PATH: the mode needs no read permission on the directory to be read (a 0300 one).
+    flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except NotADirectoryError:
+        raise StateError(f"socket directory {path} is not a directory") from None
+    except OSError as exc:
+        raise StateError(f"socket directory {path} is not usable: {exc}") from None
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
 
 
 def owner_name(uid: int) -> str:
