@@ -37,6 +37,7 @@ from kvtier.layout import KVLayout
 from kvtier.lease import Lease, LeaseInfo, LeaseTable
 from kvtier.lifecycle import CallGuard, Lifecycle, guarded
 from kvtier.memory.block_pool import BlockPool
+from kvtier.memory.device import CopyEngine, DeviceCopies
 from kvtier.observability.observer import Observer
 from kvtier.observability.stats import engine_stats
 from kvtier.pd.host import EngineReceiverHost
@@ -74,13 +75,17 @@ class Engine(KVCache):
         tp_world_size: int = 1,
         page_memory: Callable[[int], mmap.mmap] | None = None,
         lower_tiers: Sequence[Tier] | None = None,
+        copies: CopyEngine | None = None,
     ) -> None:
         """``page_memory(nbytes)`` makes the memory of the CPU page buffer (the kvtier server
         passes shared memory that its clients map); by default it is anonymous memory.
 
         ``lower_tiers``: ready-made tiers below CPU, unopened, in search order, used instead
         of those the config's tier keys name (tests, embeddings); the engine opens them at
-        :meth:`open` and closes them at :meth:`close`, as it does the tiers it builds."""
+        :meth:`open` and closes them at :meth:`close`, as it does the tiers it builds.
+
+        ``copies``: the owner of every copy between a device tensor and the pages
+        (:class:`kvtier.memory.device.DeviceCopies` by default)."""
         super().__init__(
             config, layout, model_name=model_name, tp_rank=tp_rank, tp_world_size=tp_world_size
         )
@@ -100,6 +105,7 @@ class Engine(KVCache):
         self._leases: LeaseTable[LookupPlan] | None = None
         self._loads: RequestLoads | None = None
         self._page_memory = page_memory
+        self._copies = copies if copies is not None else DeviceCopies()
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> Self:
@@ -116,6 +122,7 @@ class Engine(KVCache):
                 self.counters,
                 self._page_memory,
                 self._lower_tiers,
+                self._copies,
             )
             self._pool = self._manager.pool
             self._leases = LeaseTable[LookupPlan](self._pool)

@@ -62,6 +62,7 @@ is only stored in whole chunks. In a page of groups its layers are one part, eve
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import cast
@@ -69,6 +70,13 @@ from typing import cast
 import torch
 
 from kvtier.errors import InputError
+
+Copy = Callable[[torch.Tensor, torch.Tensor], None]  # copy(dst, src)
+
+
+def _copy_now(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """A copy that has landed when it returns (host memory, or a device copy then waited)."""
+    dst.copy_(src)
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -306,19 +314,23 @@ class KVLayout:
             for g, layers in self._parts()
         )
 
-    def pack(self, kv: torch.Tensor, dst: torch.Tensor) -> None:
+    def pack(self, kv: torch.Tensor, dst: torch.Tensor, copy: Copy = _copy_now) -> None:
         """Copy one chunk ``kv`` (``[planes, layers, n, hidden]``, any strides and device)
-        into ``dst`` (flat uint8 of at least :meth:`payload_bytes` of ``n``)."""
+        into ``dst`` (flat uint8 of at least :meth:`payload_bytes` of ``n``).
+
+        ``copy(dst, src)`` makes each copy; across device and host memory it is a batch of
+        :mod:`kvtier.memory.device` (the copy may land later: its fence says when)."""
         for view, layers, first in self._views(dst, kv.shape[2]):
             for at, (lo, hi) in _runs(layers):
-                view[:, at : at + hi - lo].copy_(kv[:, lo:hi, first:], non_blocking=True)
+                copy(view[:, at : at + hi - lo], kv[:, lo:hi, first:])
 
-    def unpack(self, src: torch.Tensor, out: torch.Tensor) -> None:
+    def unpack(self, src: torch.Tensor, out: torch.Tensor, copy: Copy = _copy_now) -> None:
         """Copy one chunk's page ``src`` (flat uint8) into ``out`` (``[planes, layers, n,
-        hidden]``); the tokens a trimmed group did not keep become zeros."""
+        hidden]``); the tokens a trimmed group did not keep become zeros. ``copy``: as
+        :meth:`pack`'s."""
         for view, layers, first in self._views(src, out.shape[2]):
             for at, (lo, hi) in _runs(layers):
-                out[:, lo:hi, first:].copy_(view[:, at : at + hi - lo], non_blocking=True)
+                copy(out[:, lo:hi, first:], view[:, at : at + hi - lo])
                 if first:
                     out[:, lo:hi, :first].zero_()
 

@@ -24,6 +24,7 @@ from typing import Generic, Protocol, TypeVar
 from kvtier.errors import StateError
 from kvtier.keys import RequestKeys
 from kvtier.memory.block_pool import BlockPool
+from kvtier.memory.device import Landed, LandedSet
 
 PlanT = TypeVar("PlanT")
 
@@ -143,7 +144,19 @@ class Lease(Generic[PlanT]):
     # What the request found, loaded and stored (observability; ends with the lease).
     record: RequestRecord = field(default_factory=RequestRecord)
 
+    # Copies out of this lease's pages into the engine that may still run (a device load):
+    # the pages go back only once they landed.
+    _copies: LandedSet = field(default_factory=LandedSet, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def copying(self, landed: Landed) -> None:
+        """Copies from this lease's pages are in flight until ``landed``: :meth:`release`
+        waits for them before it gives the pages back. A lease already released waits now."""
+        with self._lock:
+            if not self.released:
+                self._copies.add(landed)
+                return
+        landed.wait()
 
     def take_pages(self, pages: list[int]) -> None:
         """Record pages the caller holds one reference to each (ownership moves here).
@@ -187,6 +200,7 @@ class Lease(Generic[PlanT]):
             self.plan = None
             self.keys = None
         try:
+            self._copies.wait()  # nothing is given back while a copy from it runs
             for hold in holds:
                 hold.release()
         finally:

@@ -24,6 +24,7 @@ from kvtier.errors import InputError, TierError
 from kvtier.fingerprint import Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.memory.block_pool import BlockPool, pages_for_capacity
+from kvtier.memory.device import CopyEngine
 from kvtier.storage.base import Tier
 from kvtier.storage.codecs import IDENTITY, PayloadCodec, codec_from_config
 from kvtier.storage.counters import EngineCounters
@@ -76,12 +77,14 @@ def open_storage(
     counters: EngineCounters,
     page_memory: Callable[[int], mmap.mmap] | None = None,
     lower_tiers: Sequence[Tier] | None = None,
+    copies: CopyEngine | None = None,
 ) -> StorageManager:
     """The page pool (``num_pages`` pages of one chunk, in ``page_memory(nbytes)`` when
     given, else anonymous memory), the CPU tier over it and the lower tiers, all open, under
     one manager. ``lower_tiers``: unopened tiers to use, in search order, instead of those the
     config names; the manager owns them from here (opens them now, closes them with itself).
-    If a tier fails to open, what was built or given is closed again and the error raised."""
+    If a tier fails to open, what was built or given is closed again and the error raised.
+    ``copies``: the device-copy owner the manager's stores and loads go through."""
     page_bytes = layout.chunk_bytes(config.chunk_size)
     store = _coded_store(config, layout)  # before any memory: its ConfigError first
     mapping = page_memory(num_pages * page_bytes) if page_memory else None
@@ -107,7 +110,7 @@ def open_storage(
         cpu = CpuTier(pool, layout.payload_bytes, policy)
     else:
         cpu = CodedCpuTier(pool, slots, layout, store[0], fingerprint, policy)
-    return StorageManager(config, layout, pool, cpu, lower, counters)
+    return StorageManager(config, layout, pool, cpu, lower, counters, copies)
 
 
 @dataclass(frozen=True, slots=True)

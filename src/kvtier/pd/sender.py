@@ -30,6 +30,7 @@ from kvtier.config import Config
 from kvtier.errors import ConfigError, ProtocolError, TransferError, TransferTimeout
 from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.layout import KVLayout
+from kvtier.memory.device import CopyEngine, DeviceCopies, Direction
 from kvtier.pd.auth import answer_challenge, new_nonce
 from kvtier.pd.channels import sender_channel
 from kvtier.pd.channels.base import SenderChannel
@@ -88,7 +89,10 @@ class PDSender:
         alloc_timeout: float,
         io_timeout: float = 30.0,
         auth_token: str | None = None,
+        copies: CopyEngine | None = None,
     ) -> None:
+        """``copies``: the owner of copies out of device memory (chunks given as device
+        tensors are copied to the host before they are sent)."""
         self.fingerprint = fingerprint
         self.layout = layout
         self.page_bytes = layout.chunk_bytes(chunk_size)
@@ -102,6 +106,7 @@ class PDSender:
         self._channel: SenderChannel | None = None
         self.buffer_pages = 0
         self._in_step = False
+        self._copies = copies if copies is not None else DeviceCopies()
 
     @classmethod
     def from_config(
@@ -184,12 +189,23 @@ class PDSender:
 
     # -- sending ---------------------------------------------------------------------------
     def _payload(self, chunk: OutChunk) -> torch.Tensor:
-        """What goes on the wire for ``chunk``: its page bytes. A chunk tensor of a layout
-        with a trimmed KV-cache group is packed first (only the tokens the group keeps)."""
-        if not self.layout.trims or chunk.data.dim() != 4:
-            return chunk.data
+        """What goes on the wire for ``chunk``: its page bytes, in host memory. A chunk
+        tensor of a layout with a trimmed KV-cache group is packed first (only the tokens the
+        group keeps); one in device memory is copied to the host, landed before the channel
+        reads and checksums it."""
+        data = chunk.data
+        on_device = self._copies.on_device(data)
+        if data.dim() != 4 or not (self.layout.trims or on_device):
+            return data
         packed = torch.empty(self.layout.payload_bytes(chunk.num_tokens), dtype=torch.uint8)
-        self.layout.pack(chunk.data, packed)
+        batch = self._copies.begin(data, Direction.STORE)
+        try:
+            if self.layout.trims:
+                self.layout.pack(data, packed, batch.copy)
+            else:
+                batch.copy(packed.view(data.dtype).view(data.shape), data)
+        finally:
+            batch.close().wait()
         return packed
 
     def send(

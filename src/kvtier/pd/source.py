@@ -38,6 +38,7 @@ from kvtier.errors import ConfigError, ProtocolError, TransferError
 from kvtier.keys import ChunkSpan
 from kvtier.layout import KVLayout
 from kvtier.memory.block_pool import pages_for_capacity
+from kvtier.memory.device import CopyEngine, DeviceCopies, Direction
 from kvtier.pd.auth import check_listen
 from kvtier.pd.guard import Connection, ConnectionGuard
 from kvtier.pd.protocol import ErrorReply, Pull, recv_message, send_message
@@ -60,9 +61,11 @@ class PDSource:
         io_timeout: float = 30.0,
         idle_timeout: float = 300.0,
         max_connections: int = 64,
+        copies: CopyEngine | None = None,
     ) -> None:
         """``sender()``: a PDSender configured like the prefiller's (fingerprint, layout,
-        transport, token), used on each accepted connection."""
+        transport, token), used on each accepted connection. ``copies``: the owner of the
+        copies out of device memory into the send buffer."""
         self.buffer = buffer
         self.layout = layout
         self.host = host
@@ -71,6 +74,7 @@ class PDSource:
         self.io_timeout = io_timeout
         self.idle_timeout = idle_timeout
         self._make_sender = sender
+        self._copies = copies if copies is not None else DeviceCopies()
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self.guard = ConnectionGuard(
@@ -165,10 +169,15 @@ class PDSource:
             span = spans[i]
             data = kv[:, :, span.start : span.end, :]  # strided: copied once, into the page
             out = page[: layout.payload_bytes(span.num_tokens)]
-            if layout.trims:
-                layout.pack(data, out)
-            else:
-                out.view(data.dtype).view(data.shape).copy_(data)
+            batch = self._copies.begin(kv, Direction.STORE)
+            try:
+                if layout.trims:
+                    layout.pack(data, out, batch.copy)
+                else:
+                    batch.copy(out.view(data.dtype).view(data.shape), data)
+            finally:
+                # Landed before the buffer publishes the key: a pull reads the page next.
+                batch.close().wait()
 
         keys = [s.key for s in spans]
         return self.buffer.hold(transfer_id, keys, [s.num_tokens for s in spans], write)

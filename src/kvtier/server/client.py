@@ -5,7 +5,10 @@ cache lives:
 
 - data never crosses the socket. A store asks the server for pages (``Reserve``), copies the
   KV straight into those pages of the shared buffer, then ``Commit``; a retrieve gets the
-  pages its lease holds (``Retrieve``) and copies out of them. One copy each way.
+  pages its lease holds (``Retrieve``) and copies out of them. One copy each way, made by the
+  device-copy owner (:mod:`kvtier.memory.device`): a store's copies land before its
+  ``Commit`` (the server reads the pages on the host), and a retrieve's land before its
+  ``EndRequest`` lets the server reuse the pages.
 - the cache outlives this process, and a client that dies releases what it held: the server
   ends the connection's leases when its socket closes.
 - a server that is down, dies or restarts never fails a request: lookups hit 0 tokens,
@@ -35,6 +38,7 @@ from kvtier.hit import Hit
 from kvtier.keys import RequestKeys
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.lifecycle import Lifecycle
+from kvtier.memory.device import CopyEngine, DeviceCopies, Direction, LandedSet
 from kvtier.request_salt import RequestSalt
 from kvtier.server import protocol as wire
 from kvtier.server.endpoint import is_default, socket_path
@@ -59,6 +63,7 @@ class ServerClient(KVCache):
         tp_rank: int = 0,
         tp_world_size: int = 1,
         max_backoff: float = 2.0,
+        copies: CopyEngine | None = None,
     ) -> None:
         # The same fingerprint and keys as the server computes (kvtier.cache.fingerprint_for).
         super().__init__(
@@ -94,6 +99,9 @@ class ServerClient(KVCache):
         self._store_ids = itertools.count(1)
         self._state = Lifecycle.NEW
         self.unserved = 0  # calls answered locally as a miss: no server, or it broke
+        self._copies = copies if copies is not None else DeviceCopies()
+        # Per live request: copies out of its server pages that may still run.
+        self._loading: dict[str, LandedSet] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> Self:
@@ -145,7 +153,7 @@ class ServerClient(KVCache):
         def copy(reply: wire.Reply) -> torch.Tensor:
             pages = _expect(reply, wire.Pages)
             out = torch.empty(self.layout.kv_shape(pages.end), dtype=self.layout.dtype)
-            self._copy_out(pages, out)
+            self._copy_out(request_id, pages, out)
             return out
 
         nothing = torch.empty(self.layout.kv_shape(0), dtype=self.layout.dtype)
@@ -159,7 +167,7 @@ class ServerClient(KVCache):
         def copy(reply: wire.Reply) -> int:
             pages = _expect(reply, wire.Pages)
             check_out(out, self.layout, pages.end)
-            self._copy_out(pages, out)
+            self._copy_out(request_id, pages, out)
             return pages.end
 
         return self._exchange(request, copy, self._held(len(array), prompt.skip))
@@ -195,6 +203,9 @@ class ServerClient(KVCache):
         """False if it held nothing (or the server is gone, which released it already)."""
         with self._live_lock:
             self._live.discard(request_id)
+            loading = self._loading.pop(request_id, None)
+        if loading is not None:
+            loading.wait()  # the server reuses the pages once the lease ends
         return self._exchange(
             wire.EndRequest(request_id), lambda r: _expect(r, wire.Ended).ok, False
         )
@@ -269,6 +280,9 @@ class ServerClient(KVCache):
         self._link.drop(str(exc))
         with self._live_lock:
             self._live.clear()  # the server released the connection's leases
+            loading, self._loading = list(self._loading.values()), {}
+        for copies in loading:
+            copies.wait()
 
     def _held(self, num_tokens: int, skip: int) -> int:
         """What a miss reports: the whole chunks the engine already holds (the skip)."""
@@ -287,13 +301,29 @@ class ServerClient(KVCache):
             raise TransferError(f"the server named {num_tokens} tokens for one page")
         return buffer[start : start + nbytes]
 
-    def _copy_out(self, pages: wire.Pages, out: torch.Tensor) -> None:
-        for page, start, count in zip(pages.pages, pages.starts, pages.counts, strict=True):
-            self.layout.unpack(self._page(page, count), out[:, :, start : start + count, :])
+    def _copy_out(self, request_id: str, pages: wire.Pages, out: torch.Tensor) -> None:
+        """Out of the pages ``request_id``'s server lease holds; the copies may land later
+        (a device ``out``): ``end_request`` waits for them."""
+        batch = self._copies.begin(out, Direction.LOAD)
+        try:
+            for page, start, count in zip(pages.pages, pages.starts, pages.counts, strict=True):
+                dst = out[:, :, start : start + count, :]
+                self.layout.unpack(self._page(page, count), dst, batch.copy)
+        finally:
+            landed = batch.close()
+            if not landed.done():
+                with self._live_lock:
+                    self._loading.setdefault(request_id, LandedSet()).add(landed)
 
     def _copy_in(self, slots: wire.Pages, kv: torch.Tensor) -> None:
-        for page, start, count in zip(slots.pages, slots.starts, slots.counts, strict=True):
-            self.layout.pack(kv[:, :, start : start + count, :], self._page(page, count))
+        """Into the reserved pages; landed when this returns (the server reads them next)."""
+        batch = self._copies.begin(kv, Direction.STORE)
+        try:
+            for page, start, count in zip(slots.pages, slots.starts, slots.counts, strict=True):
+                src = kv[:, :, start : start + count, :]
+                self.layout.pack(src, self._page(page, count), batch.copy)
+        finally:
+            batch.close().wait()
 
 
 def _raise_failed(reply: wire.Reply) -> wire.Reply:

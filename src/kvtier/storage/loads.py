@@ -9,6 +9,11 @@ caller's tensor instead, its check fused with that one copy, when the caller giv
 the chunk is not to be copied back to the CPU tier; the page reserved for it stays unused.
 
 A read that fails or misses ends the hit there: the engine recomputes from that token.
+
+The copies out of pages into a device tensor are one batch of the device-copy owner
+(:mod:`kvtier.memory.device`); they may still run when ``load`` returns, so their fence goes to
+the lease, which waits on it before it gives the pages back. A page reused within the load (a
+coded CPU tier's staging page) is reused only after its copy landed.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from kvtier.keys import ChunkSpan
 from kvtier.layout import KVLayout
 from kvtier.lease import Lease
 from kvtier.memory.block_pool import BlockPool
+from kvtier.memory.device import CopyBatch, CopyEngine, Direction
 from kvtier.storage.base import ReadAbandoned, Tier
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
@@ -46,6 +52,7 @@ class PlanLoader:
         cpu: CpuTier,
         counters: EngineCounters,
         writes_in_flight: WritesInFlight,
+        copies: CopyEngine,
         *,
         promote_to_cpu: bool,
     ) -> None:
@@ -54,6 +61,7 @@ class PlanLoader:
         self.cpu = cpu
         self.counters = counters
         self.writes_in_flight = writes_in_flight
+        self.copies = copies
         self.promote_to_cpu = promote_to_cpu
 
     def load(
@@ -67,7 +75,6 @@ class PlanLoader:
         token position). Returns the end of what was loaded: a lower-tier miss or no free page
         ends the hit early, and the engine recomputes from there. ``out=None`` only makes the
         chunks resident in pages the lease holds (``hit.page``), for a reader that maps them."""
-        loaded_end = 0
         # A tier whose chunks are already in memory serves straight into out (one copy, its
         # check fused with it), unless the chunk is to be copied back to the CPU tier anyway
         # or its page is packed by group (a trimmed group's tokens must be unpacked).
@@ -78,6 +85,27 @@ class PlanLoader:
             and not self.layout.trims
         )
         self._prefetch(plan, lease, start_token, direct)
+        batch = self.copies.begin(out, Direction.LOAD) if out is not None else None
+        try:
+            loaded_end = self._copy_hits(plan, lease, out, batch, start_token, direct)
+        finally:
+            if batch is not None:
+                lease.copying(batch.close())  # the pages go back only once it landed
+        # Chunks after a failed fetch are no longer usable: drop them from the plan.
+        plan.hits = [h for h in plan.hits if h.span.end <= loaded_end]
+        return loaded_end
+
+    def _copy_hits(
+        self,
+        plan: LookupPlan,
+        lease: Lease[LookupPlan],
+        out: torch.Tensor | None,
+        batch: CopyBatch | None,
+        start_token: int,
+        direct: bool,
+    ) -> int:
+        """``load``'s walk over the plan: the end of what was copied into ``out``."""
+        loaded_end = 0
         for hit in plan.hits:
             span = hit.span
             if hit.tier is not ENGINE and span.end > start_token:
@@ -91,18 +119,22 @@ class PlanLoader:
                     if hit.page is None and not self._fetch(hit, hit.tier, plan, lease):
                         break
                     assert hit.page is not None
-                    if out is not None:
-                        self._copy_out(hit.page, span, out)
-                        if not self.cpu.resident:
-                            # The page was only this chunk's staging (the coded CPU tier took
-                            # its own copy, if any): the next chunk reuses it (held by the
-                            # lease still), and a later load of this one reads it again.
-                            plan.spare.append(hit.page)
-                            hit.page = None
+                    if out is not None and self.cpu.resident:
+                        assert batch is not None
+                        self._copy_out(hit.page, span, out, batch)
+                    elif out is not None:
+                        # A staging page: the next chunk writes it again, so its copy lands
+                        # first (a batch of its own).
+                        one = self.copies.begin(out, Direction.LOAD)
+                        self._copy_out(hit.page, span, out, one)
+                        one.close().wait()
+                        # The page was only this chunk's staging (the coded CPU tier took its
+                        # own copy, if any): the next chunk reuses it (held by the lease
+                        # still), and a later load of this one reads it again.
+                        plan.spare.append(hit.page)
+                        hit.page = None
                 self.counters.count_hit(hit.tier.name, span.num_tokens)
             loaded_end = span.end
-        # Chunks after a failed fetch are no longer usable: drop them from the plan.
-        plan.hits = [h for h in plan.hits if h.span.end <= loaded_end]
         return loaded_end
 
     def _prefetch(
@@ -224,10 +256,10 @@ class PlanLoader:
         lease.take_pages([page])
         hit.page = page
 
-    def _copy_out(self, page: int, span: ChunkSpan, out: torch.Tensor) -> None:
+    def _copy_out(self, page: int, span: ChunkSpan, out: torch.Tensor, batch: CopyBatch) -> None:
         lay = self.layout
         src = self.pool.page_bytes_view(page, lay.payload_bytes(span.num_tokens))
-        lay.unpack(src, out[:, :, span.start : span.end, :])
+        lay.unpack(src, out[:, :, span.start : span.end, :], batch.copy)
 
     def _load_pages(self, plan: LookupPlan, lease: Lease[LookupPlan], count: int) -> list[int]:
         """Up to ``count`` pages for lower-tier reads, each with one reference for the caller:

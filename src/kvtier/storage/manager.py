@@ -12,8 +12,10 @@ Tier roles (the three modes LMCache users run, see README)::
     false      false                     yes                 no
     false      true                      no (staging only)   no
 
-Store: each new chunk is copied once into a page; the CPU index (when visible) and each lower
-tier write own one reference each. A write's reference comes back through its completion
+Store: each new chunk is copied once into a page (by the device-copy owner,
+:mod:`kvtier.memory.device`: the pages are handed on only once the copy has landed, since every
+owner below reads them on the host); the CPU index (when visible) and each lower tier write own
+one reference each. A write's reference comes back through its completion
 callback, exactly once (``WriteTicket``, :mod:`kvtier.storage.writes`), so staging pages
 return to the free list as soon as the lower tier has the bytes.
 """
@@ -28,9 +30,10 @@ import torch
 from kvtier.config import Config
 from kvtier.errors import KVTierError, StateError
 from kvtier.keys import ChunkKey, ChunkSpan
-from kvtier.layout import KVLayout
+from kvtier.layout import Copy, KVLayout
 from kvtier.lease import Lease
 from kvtier.memory.block_pool import BlockPool
+from kvtier.memory.device import CopyEngine, DeviceCopies, Direction
 from kvtier.storage.base import PutOutcome, PutResult, Tier
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
@@ -51,13 +54,17 @@ class StorageManager:
         cpu: CpuTier,
         lower: Sequence[Tier],
         counters: EngineCounters,
+        copies: CopyEngine | None = None,
     ) -> None:
+        """``copies``: the owner of every copy between a device tensor and the pages
+        (:class:`DeviceCopies` by default; tests inject one whose copies land late)."""
         self.config = config
         self.layout = layout
         self.pool = pool
         self.cpu = cpu
         self.lower = list(lower)
         self.counters = counters
+        self.copies = copies if copies is not None else DeviceCopies()
         self.writes_in_flight = WritesInFlight()
         self.cpu_visible = config.local_cpu or not config.use_only_staging_buffer
         self.promote_to_cpu = config.local_cpu
@@ -68,6 +75,7 @@ class StorageManager:
             cpu,
             counters,
             self.writes_in_flight,
+            self.copies,
             promote_to_cpu=self.promote_to_cpu,
         )
 
@@ -108,8 +116,12 @@ class StorageManager:
             slots, dropped = self.reserve(spans[at : at + step])
             pages = [slot.page for slot in slots]
             try:
+                batch = self.copies.begin(kv, Direction.STORE)
                 for slot in slots:
-                    self._copy_in(kv, slot.span, slot.page)
+                    self._copy_in(kv, slot.span, slot.page, batch.copy)
+                # Landed before the pages reach any owner: the CPU index serves them, writer
+                # threads checksum and write them, a codec reads them, all on the host.
+                batch.close().wait()
                 stored += self.commit(slots)
             finally:
                 self.pool.release(pages)  # the reservation's own references (owners took theirs)
@@ -198,10 +210,10 @@ class StorageManager:
             log.warning("tier %s is unavailable, not %s it: %s", tier.name, doing, exc)
             return None
 
-    def _copy_in(self, kv: torch.Tensor, span: ChunkSpan, page: int) -> None:
+    def _copy_in(self, kv: torch.Tensor, span: ChunkSpan, page: int, copy: Copy) -> None:
         lay = self.layout
         dst = self.pool.page_bytes_view(page, lay.payload_bytes(span.num_tokens))
-        lay.pack(kv[:, :, span.start : span.end, :], dst)
+        lay.pack(kv[:, :, span.start : span.end, :], dst, copy)
 
     # -- lifecycle -------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:

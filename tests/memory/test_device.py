@@ -1,0 +1,221 @@
+"""Copies between device memory and host pages land before any host reader touches a page,
+and no page is given back while a copy from it runs (kvtier.memory.device).
+
+A GPU's copies are asynchronous; these machines have none, so a copy engine whose copies land
+late (tests/memory/late_copies.py) stands in for one. Each scenario stores "device" KV and
+reads it back through a tier whose host side reads the page (a disk writer and its checksum,
+a codec, a Redis writer, the kvtier server, a PD sender), or loads into "device" memory and
+ends the request at once. Each scenario also runs with a fence that lies ("landed" at once),
+the code that does not wait: there it must see wrong bytes, so the scenario can fail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier import Engine
+from kvtier.memory.device import LANDED, DeviceCopies, Direction
+from kvtier.pd.sender import chunks_from_kv
+from kvtier.server.client import ServerClient
+from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
+from tests.memory.late_copies import LateCopies
+from tests.pd.pd_helpers import decoder, fake_prefill, keychain, sender
+from tests.redis_servers import RedisServer
+from tests.server.server_helpers import InProcess, client_config, remove_tempdir, short_tempdir
+
+TOKENS = 4 * SMALL_CHUNK
+PAGE = SMALL_LAYOUT.chunk_bytes(SMALL_CHUNK)
+
+
+def late(lying: bool) -> LateCopies:
+    return LateCopies(delay=0.15, lying=lying)
+
+
+def device_kv(copies: LateCopies, seed: int) -> torch.Tensor:
+    return copies.mark(make_kv(TOKENS, seed))
+
+
+def stored_then_read(
+    make_engine: Callable[[LateCopies | None], Engine], lying: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store device KV through one engine (closed: writes drained), retrieve it through a
+    fresh one over the same tiers. Returns (stored, served)."""
+    copies = late(lying)
+    tokens, kv = make_tokens(TOKENS, seed), device_kv(copies, seed)
+    with make_engine(copies) as engine:
+        assert engine.store(tokens, kv) == TOKENS // SMALL_CHUNK
+        assert engine.flush(10.0)
+    copies.drain()
+    with make_engine(None) as engine, engine.request("r"):
+        hit = engine.lookup(tokens + [1], "r").tokens
+        served = engine.retrieve(tokens + [1], "r")
+    assert served.shape[2] == hit
+    return kv, served
+
+
+def served_right(stored: torch.Tensor, served: torch.Tensor) -> bool:
+    """Every served token equals the stored one (a corrupt chunk is a miss: fewer tokens)."""
+    return torch.equal(served, stored[:, :, : served.shape[2]]) and served.shape[2] == TOKENS
+
+
+# -- stores: a host reader of the page waits for the copy ----------------------------------
+
+
+def disk_engine(path: Path) -> Callable[[LateCopies | None], Engine]:
+    def make(copies: LateCopies | None) -> Engine:
+        # The CPU tier only stages the disk writes: a read after the restart is the file's.
+        cfg = small_config(local_disk=str(path), max_local_disk_size="1MiB", cpu_chunks=8)
+        return Engine(cfg, SMALL_LAYOUT, model_name="fence", copies=copies)
+
+    return make
+
+
+@pytest.mark.parametrize("lying", [False, True], ids=["fenced", "lying-fence"])
+def test_disk_after_a_restart_serves_the_bytes_the_device_held(tmp_path: Path, lying: bool) -> None:
+    stored, served = stored_then_read(disk_engine(tmp_path), lying, seed=1)
+    assert served_right(stored, served) is not lying
+
+
+@pytest.mark.parametrize("lying", [False, True], ids=["fenced", "lying-fence"])
+def test_a_coded_cpu_tier_encodes_the_bytes_the_device_held(lying: bool) -> None:
+    copies = late(lying)
+    tokens, kv = make_tokens(TOKENS, 2), device_kv(copies, 2)
+    cfg = small_config(cpu_chunks=16, cpu_codec="lossless", cpu_codec_staging=f"{PAGE}B")
+    with Engine(cfg, SMALL_LAYOUT, model_name="fence", copies=copies) as engine:
+        engine.store(tokens, kv)
+        copies.drain()
+        with engine.request("r"):
+            engine.lookup(tokens + [1], "r")
+            served = engine.retrieve(tokens + [1], "r")
+    assert served_right(kv, served) is not lying
+
+
+@pytest.mark.parametrize("lying", [False, True], ids=["fenced", "lying-fence"])
+def test_redis_serves_the_bytes_the_device_held(redis_server: RedisServer, lying: bool) -> None:
+    seed = 3 if lying else 4  # each run its own keys in the module's server
+
+    def make(copies: LateCopies | None) -> Engine:
+        cfg = small_config(remote_url=redis_server.url, local_cpu=False, cpu_chunks=8)
+        return Engine(cfg, SMALL_LAYOUT, model_name="fence", copies=copies)
+
+    stored, served = stored_then_read(make, lying, seed)
+    assert served_right(stored, served) is not lying
+
+
+@pytest.mark.parametrize("lying", [False, True], ids=["fenced", "lying-fence"])
+def test_the_server_serves_the_bytes_a_client_copied_from_the_device(lying: bool) -> None:
+    directory = short_tempdir()
+    try:
+        # The server's CPU memory only stages disk writes: what a reader gets is what the
+        # server's disk writer read from the shared page when the client committed.
+        server = InProcess(
+            directory,
+            chunk_size=SMALL_CHUNK,
+            local_disk=str(Path(directory) / "disk"),
+            max_local_disk_size="1MiB",
+            local_cpu=False,
+            use_only_staging_buffer=True,
+        )
+        try:
+            copies = late(lying)
+            tokens, kv = make_tokens(TOKENS, 5), device_kv(copies, 5)
+            writer = ServerClient(
+                server.url, SMALL_LAYOUT, model_name="fence", config=client_config(),
+                copies=copies,
+            ).open()  # fmt: skip
+            with writer:
+                assert writer.store(tokens, kv) == TOKENS // SMALL_CHUNK
+                assert writer.flush(10.0)
+            copies.drain()
+            reader = ServerClient(
+                server.url, SMALL_LAYOUT, model_name="fence", config=client_config()
+            ).open()
+            with reader, reader.request("r"):
+                reader.lookup(tokens + [1], "r")
+                served = reader.retrieve(tokens + [1], "r")
+        finally:
+            server.close()
+    finally:
+        remove_tempdir(directory)
+    assert served_right(kv, served) is not lying
+
+
+@pytest.mark.parametrize("lying", [False, True], ids=["fenced", "lying-fence"])
+def test_a_pd_sender_sends_the_bytes_the_device_held(lying: bool) -> None:
+    engine, receiver = decoder("tcp", pages=8)
+    try:
+        tokens = make_tokens(TOKENS, 6)
+        copies = late(lying)
+        kv = copies.mark(fake_prefill(tokens))
+        spans = keychain().keys(tokens, include_partial=True)
+        tx = sender("tcp", receiver.port)
+        tx._copies = copies  # the seam, as PDSender(copies=...) takes it
+        with tx:
+            tx.send("r", chunks_from_kv(spans, kv))
+        copies.drain()
+        with engine.request("r"):
+            engine.lookup(tokens + [1], "r")
+            served = engine.retrieve(tokens + [1], "r")
+    finally:
+        receiver.close()
+        engine.close()
+    assert served_right(kv, served) is not lying
+
+
+# -- loads: no page is given back while a copy from it runs --------------------------------
+
+
+@pytest.mark.parametrize("lying", [False, True], ids=["fenced", "lying-fence"])
+def test_a_page_is_reused_only_after_the_load_from_it_landed(lying: bool) -> None:
+    """Load A into device memory and end the request at once; B's store then reuses A's
+    pages (the pool holds only A's chunks). The device must still get A."""
+    copies = late(lying)
+    chunks = TOKENS // SMALL_CHUNK
+    cfg = small_config(cpu_chunks=chunks)
+    a_tokens, a_kv = make_tokens(TOKENS, 7), make_kv(TOKENS, 7)
+    b_tokens, b_kv = make_tokens(TOKENS, 8), make_kv(TOKENS, 8)
+    out = copies.mark(torch.zeros_like(a_kv))
+    with Engine(cfg, SMALL_LAYOUT, model_name="fence", copies=copies) as engine:
+        assert engine.store(a_tokens, a_kv) == chunks
+        engine.lookup(a_tokens + [1], "a")
+        assert engine.retrieve_into(a_tokens + [1], "a", out) == TOKENS
+        engine.end_request("a")
+        assert engine.store(b_tokens, b_kv) == chunks  # every page of A, written again
+        copies.drain()
+        assert engine.check_invariants() == []
+    assert torch.equal(out, a_kv) is not lying
+
+
+# -- the default engine -----------------------------------------------------------------
+
+
+def test_host_tensors_are_copied_at_once() -> None:
+    src, dst = torch.arange(8.0), torch.zeros(8)
+    batch = DeviceCopies().begin(src, Direction.STORE)
+    batch.copy(dst, src)
+    assert torch.equal(dst, src)  # before the fence: nothing was left in flight
+    assert batch.close() is LANDED
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_store_behind_a_busy_stream_lands_before_the_disk_writer_reads(tmp_path: Path) -> None:
+    """On a GPU: queue a long kernel, store, restart, compare (the failure it guards)."""
+    tokens, want = make_tokens(TOKENS, 9), make_kv(TOKENS, 9)
+    kv = torch.zeros_like(want, device="cuda")
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        busy = busy @ busy
+        busy /= busy.norm()
+    kv.add_(want.cuda())  # queued behind the busy kernels: the bytes arrive after them
+    cfg = small_config(local_disk=str(tmp_path), max_local_disk_size="1MiB", cpu_chunks=8)
+    with Engine(cfg, SMALL_LAYOUT, model_name="fence") as engine:
+        engine.store(tokens, kv)
+    with Engine(cfg, SMALL_LAYOUT, model_name="fence") as engine, engine.request("r"):
+        engine.lookup(tokens + [1], "r")
+        served = engine.retrieve(tokens + [1], "r")
+    assert served_right(want, served)
