@@ -242,9 +242,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_side().register(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        # Whole chunks hold every layer, so a CPU-tier load is done before the forward starts
-        # and wait_for_layer_load has nothing to wait for; disk and Redis loads start here
-        # and finish in the background (get_finished).
+        # Whole chunks hold every layer, so a CPU-tier load is queued before the forward
+        # starts, and the forward's stream waits for its copies (kvtier.memory.device):
+        # wait_for_layer_load has nothing to wait for. Disk and Redis loads start here and
+        # finish in the background (get_finished).
         self._worker_side().load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -267,8 +268,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return  # a chunk page needs every layer: saved once in wait_for_save
 
     def wait_for_save(self) -> None:
-        # The copy into kvtier's pages is done before this returns, so vLLM may free or
-        # reuse the blocks at once (request_finished never has to delay them).
+        # The copy into kvtier's pages has landed before this returns (a store waits for its
+        # copies' fence, kvtier.memory.device, even on a GPU where the copy is asynchronous),
+        # so vLLM may free or reuse the blocks at once (request_finished never delays them).
         if self.has_connector_metadata():
             self._worker_side().save(self._meta())
 
