@@ -135,15 +135,16 @@ def test_features_kvtier_lacks_are_refused_by_name(tmp_path: Path) -> None:
     ).local_cpu
 
 
-def test_ignored_keys_are_said_once_each_at_info(
+def test_ignored_keys_are_said_once_in_one_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO, logger="kvtier.config"):
-        config = load(tmp_path, ASYNC_LOADING)
+        config = load(tmp_path, ASYNC_LOADING + "pin_timeout_sec: 30\n")
     assert config.chunk_size == 256
     lines = [r.getMessage() for r in caplog.records]
     assert sum("enable_async_loading" in line for line in lines) == 1
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "enable_async_loading" in warning and "pin_timeout_sec" in warning
 
 
 def test_legacy_nixl_keys_are_the_pd_keys(tmp_path: Path) -> None:

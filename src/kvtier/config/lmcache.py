@@ -1,9 +1,10 @@
 """LMCache config keys that kvtier reads under another name, ignores, or refuses.
 
 kvtier's own keys follow LMCache's names (:mod:`kvtier.config.schema`, ``lmcache=True``);
-this module covers the rest of an LMCache config so that LMCache's files load unchanged or
-are refused for a feature kvtier lacks, named. :func:`translate` runs on the raw values of
-every source (file, environment, overrides) before they are parsed:
+every other key of LMCache's schema has a row in :mod:`kvtier.config.lmcache_keys`, so that
+LMCache's files load unchanged or are refused for a feature kvtier lacks, named.
+:func:`translate` runs on the raw values of every source (file, environment, overrides) before
+they are parsed:
 
 ``mapped``
     the value is rewritten into kvtier's key(s): ``local_device: "file://..."`` is the disk
@@ -11,170 +12,54 @@ every source (file, environment, overrides) before they are parsed:
     ``extra_config.username`` / ``password`` are the Redis ACL user (put into the URL,
     masked wherever the config is shown), the legacy ``nixl_*`` keys are PD keys.
 ``ignored``
-    accepted with an INFO line: a tuning knob or a switch left off, with nothing to change
-    in what kvtier stores or serves.
+    accepted; one WARNING per load names them all, each with why it has no effect.
 ``refused``
     a value that turns on a feature kvtier lacks raises :class:`ConfigError` naming the key,
     the value and what kvtier offers instead.
 
-:data:`LMCACHE_KEYS` is the table docs/lmcache.md publishes (a test keeps them equal).
+A key in neither kvtier's schema nor LMCache's is left for the loader to refuse, with
+:func:`nearest_key` as its suggestion.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from difflib import get_close_matches
 from urllib.parse import quote
 
+from kvtier.config.lmcache_keys import (
+    BY_NAME,
+    ENCODER_CACHE_PREFIX,
+    IGNORED,
+    LMCACHE_KEYS,
+    NO_CPU_TIER_STAGING,
+    PD_RENAMES,
+    REFUSED,
+    LMCacheKey,
+)
 from kvtier.config.remote_url import mask_password
 from kvtier.config.schema import KEYS_BY_NAME
 from kvtier.config.sizes import GIB, parse_size
 from kvtier.errors import ConfigError
 
-# CPU staging buffer given to an LMCache config that says "no CPU tier" (max_local_cpu_size:
-# 0): kvtier moves every load and store through CPU pages, so it keeps this much, as staging.
-NO_CPU_TIER_STAGING = "1GiB"
+__all__ = [
+    "LMCACHE_KEYS",
+    "NO_CPU_TIER_STAGING",
+    "Raw",
+    "nearest_key",
+    "secret_extra_key",
+    "translate",
+]
+
+log = logging.getLogger(__name__)
 
 _OFF = (None, False, 0, "", "false", "False")
 
 # LMCache's size (GB) of a local_device read from a config file without max_local_cache_size.
 LEGACY_DEVICE_GB = 20
 
-
-@dataclass(frozen=True, slots=True)
-class LMCacheKey:
-    """One row of the table: an LMCache key kvtier does not read under the same name."""
-
-    name: str
-    status: str  # mapped, ignored or refused (refused: when it turns a feature on)
-    meaning: str
-
-
-LMCACHE_KEYS: tuple[LMCacheKey, ...] = (
-    LMCacheKey(
-        "local_device",
-        "mapped",
-        'legacy tier setting: "cpu" is local_cpu true; "file://DIR" is local_disk DIR; '
-        '"cuda" is refused (a GPU-memory tier: kvtier\'s tiers are CPU, disk, Redis)',
-    ),
-    LMCacheKey(
-        "max_local_cache_size",
-        "mapped",
-        "legacy size (GB) of local_device: max_local_disk_size for a file:// device, "
-        "else max_local_cpu_size",
-    ),
-    LMCacheKey(
-        "remote_url (resp://, resps://)",
-        "mapped",
-        "RESP is the Redis protocol: redis://host:port (rediss:// for resps://)",
-    ),
-    LMCacheKey(
-        "remote_url (lm://)",
-        "refused",
-        "LMCache's own cache server: run `kvtier server` (one cache per host) or give a "
-        "redis:// URL (a store shared by a fleet)",
-    ),
-    LMCacheKey(
-        "remote_url (mooncakestore://, infinistore://, s3://, fs://, ...)",
-        "refused",
-        "remote backends kvtier has no client for: use redis://, rediss://, "
-        "redis-cluster:// or valkey://",
-    ),
-    LMCacheKey(
-        "max_local_cpu_size: 0",
-        "mapped",
-        f"no CPU cache tier: local_cpu false, with a {NO_CPU_TIER_STAGING} CPU staging buffer "
-        "(kvtier moves every load and store through CPU pages)",
-    ),
-    LMCacheKey(
-        "extra_config.username, extra_config.password",
-        "mapped",
-        "Redis ACL user and password: used for remote_url when the URL has none; masked by "
-        "check-config, /config and logs",
-    ),
-    LMCacheKey("enable_nixl", "mapped", "legacy PD switch: enable_pd true, transfer_channel nixl"),
-    LMCacheKey("nixl_role", "mapped", "pd_role (sender / receiver)"),
-    LMCacheKey("nixl_receiver_host", "mapped", "pd_peer_host"),
-    LMCacheKey("nixl_receiver_port", "mapped", "pd_peer_alloc_port"),
-    LMCacheKey("nixl_buffer_size", "mapped", "pd_buffer_size (bytes)"),
-    LMCacheKey("nixl_buffer_device", "mapped", "pd_buffer_device"),
-    LMCacheKey(
-        "remote_serde",
-        "mapped",
-        '"naive" is remote_codec identity, "fp8" is remote_codec fp8 (kvtier\'s e4m3 codec, '
-        'lossy: docs/codecs.md); "cachegen" is refused: kvtier offers remote_codec lossless, '
-        "fp8 or int8",
-    ),
-    LMCacheKey(
-        "use_layerwise",
-        "refused",
-        "when true: layer-by-layer loading is not implemented; kvtier loads whole chunks "
-        "before the forward (disk and Redis hits in the background): set it false",
-    ),
-    LMCacheKey(
-        "enable_async_loading",
-        "ignored",
-        "kvtier always loads disk and Redis hits in "
-        "the background (async_lower_loads in the vLLM connector)",
-    ),
-    LMCacheKey("pipelined_backend", "ignored", "legacy tuning knob"),
-    LMCacheKey("local_cpu_use_hugepages", "ignored", "tuning knob"),
-    LMCacheKey("reserve_local_cpu_size", "ignored", "tuning knob"),
-    LMCacheKey("local_disk_path_sharding", "ignored", "kvtier keeps one directory per tier"),
-    LMCacheKey("nixl_backends", "ignored", "kvtier's NIXL channel uses UCX"),
-    LMCacheKey("nixl_enable_gc", "ignored", "tuning knob"),
-    LMCacheKey("py_enable_gc", "ignored", "tuning knob"),
-    LMCacheKey("numa_mode", "ignored", "tuning knob"),
-    LMCacheKey("lmcache_instance_id", "ignored", "kvtier names instances by vLLM's engine_id"),
-    LMCacheKey("pd_backend_mode", "ignored", "kvtier has one PD mode"),
-    LMCacheKey("pin_timeout_sec", "ignored", "pins end with the request (leases), never by time"),
-    LMCacheKey("pin_check_interval_sec", "ignored", "as pin_timeout_sec"),
-    LMCacheKey(
-        "enable_blending",
-        "refused",
-        "when true: CacheBlend (non-prefix reuse) is not implemented; kvtier reuses prefixes",
-    ),
-    LMCacheKey(
-        "enable_p2p",
-        "refused",
-        "when true: peer-to-peer lookup is not implemented; "
-        "share a cache through Redis or kvtier server",
-    ),
-    LMCacheKey(
-        "enable_controller",
-        "refused",
-        "when true: LMCache's controller is not "
-        "implemented; kvtier's admin API (internal_api_server_enabled) serves stats, "
-        "explain and clear",
-    ),
-    LMCacheKey(
-        "enable_xpyd",
-        "mapped",
-        "enable_pd (LMCache's alias); a prefiller with no pd_peer_alloc_port serves any decoder "
-        "behind the router, which pulls from it (docs/pd.md, xPyD)",
-    ),
-    LMCacheKey("external_backends", "refused", "when set: kvtier has no storage plugins"),
-    LMCacheKey(
-        "gds_path", "refused", "when set: GPUDirect Storage is not implemented; use local_disk"
-    ),
-    LMCacheKey("weka_path", "refused", "when set: use local_disk on the WEKA mount"),
-)
-
-_REFUSED_WHEN_ON = {
-    row.name: row.meaning.removeprefix("when true: ").removeprefix("when set: ")
-    for row in LMCACHE_KEYS
-    if row.status == "refused" and " " not in row.name
-}
-_IGNORED = {row.name for row in LMCACHE_KEYS if row.status == "ignored"}
 _SERDES = {"naive": "identity", "fp8": "fp8"}  # LMCache's remote_serde -> remote_codec
-_NIXL = {
-    "nixl_role": "pd_role",
-    "nixl_receiver_host": "pd_peer_host",
-    "nixl_receiver_port": "pd_peer_alloc_port",
-    "nixl_buffer_size": "pd_buffer_size",
-    "nixl_buffer_device": "pd_buffer_device",
-}
 _REDIS_SCHEMES = (
     "redis://",
     "rediss://",
@@ -187,8 +72,7 @@ _REDIS_SCHEMES = (
 
 def nearest_key(name: str) -> str | None:
     """The kvtier or LMCache key closest to ``name`` (a typo's likely meaning), or None."""
-    known = [*KEYS_BY_NAME, *(row.name for row in LMCACHE_KEYS if " " not in row.name)]
-    matches = get_close_matches(name, known, n=1, cutoff=0.8)
+    matches = get_close_matches(name, [*KEYS_BY_NAME, *BY_NAME], n=1, cutoff=0.8)
     return matches[0] if matches else None
 
 
@@ -197,23 +81,41 @@ Raw = dict[str, tuple[object, str]]
 
 
 def translate(raw: Raw, note: Callable[[str], None]) -> None:
-    """Rewrite LMCache-only keys of ``raw`` into kvtier's, ``note`` each rewrite and each
-    ignored key (one line each), raise :class:`ConfigError` for a refused one."""
+    """Rewrite LMCache-only keys of ``raw`` into kvtier's, ``note`` each rewrite (one line
+    each), drop the ignored ones with one WARNING naming them all and why, raise
+    :class:`ConfigError` for a refused one."""
+    ignored: list[str] = []
     for key in list(raw):
         value, source = raw[key]
-        if key in _REFUSED_WHEN_ON:
+        row = BY_NAME.get(key) or _encoder_cache_override(key)
+        if row is None:
+            continue
+        if row.status == REFUSED:
             if value not in _OFF and value != []:
-                raise ConfigError(key, value, f"{_REFUSED_WHEN_ON[key]} (from {source})")
+                raise ConfigError(key, value, f"{row.refusal} (from {source})")
+            del raw[key]  # switched off: it asks for nothing kvtier lacks
+        elif row.status == IGNORED:
+            ignored.append(f"{key} ({source}: {row.meaning})")
             del raw[key]
-        elif key in _IGNORED:
-            note(f"{key} ({source}) has no effect in kvtier")
-            del raw[key]
+    if ignored:
+        # One line, and a WARNING: a key that does nothing must be seen once, not buried in
+        # one INFO line per key (LMCache's examples carry several at a time).
+        log.warning("LMCache keys with no effect in kvtier: %s", "; ".join(ignored))
     _serde(raw, note)
     _legacy_device(raw, note)
     _xpyd(raw, note)
     _nixl(raw, note)
     _remote(raw, note)
     _no_cpu_tier(raw, note)
+
+
+def _encoder_cache_override(key: str) -> LMCacheKey | None:
+    """``ec_<key>``: LMCache's override of an LMCache key for its encoder-cache engine."""
+    if not key.startswith(ENCODER_CACHE_PREFIX):
+        return None
+    rest = key.removeprefix(ENCODER_CACHE_PREFIX)
+    known = rest in BY_NAME or (rest in KEYS_BY_NAME and KEYS_BY_NAME[rest].lmcache)
+    return BY_NAME["ec"] if known else None
 
 
 def _serde(raw: Raw, note: Callable[[str], None]) -> None:
@@ -283,7 +185,7 @@ def _nixl(raw: Raw, note: Callable[[str], None]) -> None:
             raw.setdefault("enable_pd", (True, source))
             raw.setdefault("transfer_channel", ("nixl", source))
             note(f"enable_nixl ({source}) -> enable_pd true, transfer_channel nixl")
-    for old, new in _NIXL.items():
+    for old, new in PD_RENAMES.items():
         if old in raw:
             raw.setdefault(new, raw[old])
             note(f"{old} ({raw[old][1]}) -> {new}")
