@@ -10,6 +10,7 @@ and restart change it.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -75,15 +76,18 @@ def fleet(
 ) -> Iterator[Fleet]:
     instances.close()  # at most one vLLM of the shared holder; the fleet starts its own
     work = tmp_path_factory.mktemp("fleet")
-    plain = VllmServer("plain", model_dir, work, events=False, core="0").start().wait_ready()
+    # A core each from those this process may run on (a runner may be limited to others).
+    cpus = sorted(os.sched_getaffinity(0))
+    first, second = str(cpus[0]), str(cpus[1 % len(cpus)])
+    plain = VllmServer("plain", model_dir, work, events=False, core=first).start().wait_ready()
     try:
         reference = {p: complete(plain.url, p) for p in PROMPTS}
     finally:
         plain.stop()
     redis = RedisServer().start()
     kvtier = {"max_local_cpu_size": "256MiB", "remote_url": redis.url, "chunk_size": CHUNK}
-    a = VllmServer("a", model_dir, work, kvtier=kvtier, core="0", prefix_cache=False).start()
-    b = VllmServer("b", model_dir, work, kvtier=kvtier, core="1", prefix_cache=False).start()
+    a = VllmServer("a", model_dir, work, kvtier=kvtier, core=first, prefix_cache=False).start()
+    b = VllmServer("b", model_dir, work, kvtier=kvtier, core=second, prefix_cache=False).start()
     router: Router | None = None
     try:
         a.wait_ready()

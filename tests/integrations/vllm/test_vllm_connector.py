@@ -295,8 +295,11 @@ def test_lifecycle_aborts_preemption_chunked_prefill(
                 live.discard(out.request_id)
                 outputs[int(out.request_id)] = list(out.outputs[0].token_ids)
         steps += 1
-        if live and rng.random() < 0.05:  # abort a waiting or running request
-            victim = rng.choice(sorted(live))
+        # Abort a waiting or running request; never 7, the one prefilled in several steps
+        # (chunked prefill), which must finish with the reference tokens.
+        abortable = sorted(live - {"7"})
+        if abortable and rng.random() < 0.05:
+            victim = rng.choice(abortable)
             engine.abort_request([victim])
             live.discard(victim)
             aborted.add(int(victim))
@@ -313,8 +316,9 @@ def test_lifecycle_aborts_preemption_chunked_prefill(
 
     for i, generated in outputs.items():
         assert generated == reference["lifecycle"][i][: max_tokens[i]], f"request {i}"
-    assert len(outputs) + len(aborted) >= len(prompts) and len(aborted) >= 10
-    assert 7 in outputs or 7 in aborted
+    assert not outputs.keys() & aborted, "a request both finished and was aborted"
+    assert len(outputs) + len(aborted) == len(prompts) and len(aborted) >= 10
+    assert 7 in outputs  # chunked prefill ran to the end (its tokens were checked above)
     metrics = {m.name: m for m in small.llm.get_metrics()}
     assert metric_total(metrics["vllm:num_preemptions"]) > 0, "the KV cache never ran out"
     stats = small.stats()
