@@ -14,6 +14,10 @@ Protocol (one :class:`QualityGate` per model; build it once, measure many codecs
                 KL                KL(reference || codec), nats, mean over queries
                 greedy agreement  argmax == the reference's argmax
 
+The gate refuses to measure with a model that does not recall to its spec's ``min_accuracy``
+on the eval set (:class:`~kvtier.quality.model.TrainingFailed`): the pass rule compares a
+codec with the model's own answers, which mean nothing then.
+
 A codec passes when its accuracy is within :data:`ACCURACY_SLACK` (1 point) of the
 reference's and its greedy agreement is at least :data:`MIN_AGREEMENT` (99 %). KL is
 reported, not judged: it sees losses too small to change an answer yet.
@@ -35,7 +39,7 @@ import torch
 from kvtier.errors import KVTierError
 from kvtier.integrations.hf_kv import cache_from_kv, kv_from_cache, layout_from_model
 from kvtier.layout import dtype_name
-from kvtier.quality.model import RecallModel, recall_model
+from kvtier.quality.model import RecallModel, TrainingFailed, recall_model
 from kvtier.quality.roundtrip import through_codec
 from kvtier.storage.codecs import PayloadCodec, verdicts
 from kvtier.storage.codecs.verdicts import ACCURACY_SLACK, MIN_AGREEMENT, Verdict
@@ -132,6 +136,16 @@ class QualityGate:
         hits = sum(int((s.reference.argmax(-1) == s.answers).sum()) for s in self._sequences)
         self.queries = sequences * task.queries
         self.recompute_accuracy = hits / self.queries
+        if self.recompute_accuracy < model.spec.min_accuracy:
+            # The pass rule compares a codec with this model's own answers: a model that does
+            # not recall (say, one that ignores its context) answers the same with any KV,
+            # zeroed KV too, and would pass every codec.
+            raise TrainingFailed(
+                f"the recall model {model.name} answers {self.recompute_accuracy:.1%} of the "
+                f"gate's {self.queries} queries with its own KV, below the "
+                f"{model.spec.min_accuracy:.0%} the gate needs to mean anything; its weights "
+                f"do not recall (remove {model.path} to train it again)"
+            )
 
     def measure(self, codec: PayloadCodec) -> GateResult:
         """Run the eval set with every context's KV loaded through ``codec``."""

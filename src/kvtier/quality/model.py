@@ -18,6 +18,12 @@ so a machine trains the same weights every time. A model below ``min_accuracy`` 
 recomputed KV is refused (:class:`TrainingFailed`), never cached: a gate on a model that
 cannot recall would pass every codec.
 
+A cached file is never taken at its word: loading it measures its accuracy again, as after
+training (one batch of 256 sequences: seconds), and a file that cannot be read or no longer
+recalls to ``min_accuracy`` (stale, damaged or replaced: a model that ignores its context
+passes every codec, a zeroing one too) is trained again and replaced. The accuracy written in
+the file is not read at all.
+
 The cache directory is ``$KVTIER_QUALITY_CACHE``, else ``$XDG_CACHE_HOME/kvtier/quality``,
 else ``~/.cache/kvtier/quality``. One process trains a spec at a time (a lock beside its
 file: the others wait, then load it), and the file is written under a temporary name and
@@ -30,7 +36,9 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
+import pickle
 import tempfile
 import time
 from collections.abc import Iterator
@@ -42,6 +50,8 @@ import torch
 
 from kvtier.errors import KVTierError
 from kvtier.quality.task import RecallTask
+
+log = logging.getLogger(__name__)
 
 
 class TrainingFailed(KVTierError):
@@ -92,7 +102,7 @@ class RecallModel:
     spec: RecallModelSpec
     path: Path
     train_s: float  # 0.0 when loaded from the cache
-    accuracy: float  # on fresh sequences with recomputed KV, measured after training
+    accuracy: float  # on fresh sequences with recomputed KV, measured after training or load
 
     @property
     def name(self) -> str:
@@ -135,16 +145,16 @@ def _training_lock(path: Path) -> Iterator[None]:
 
 
 def _load_or_train(spec: RecallModelSpec, path: Path) -> RecallModel:
-    model = _build(spec)
     if path.exists():
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        model.load_state_dict(saved["weights"])
-        return RecallModel(model.eval(), spec, path, 0.0, float(saved["accuracy"]))
+        loaded = _load_verified(spec, path)
+        if loaded is not None:
+            return loaded
+    model = _build(spec)
     start = time.perf_counter()
     _train(model, spec)
     train_s = time.perf_counter() - start
     model.eval()
-    accuracy = answer_accuracy(model, spec.task, torch.Generator().manual_seed(spec.seed + 1))
+    accuracy = _accuracy(model, spec)
     if accuracy < spec.min_accuracy:
         raise TrainingFailed(
             f"the recall model reached {accuracy:.1%} with recomputed KV after "
@@ -156,6 +166,37 @@ def _load_or_train(spec: RecallModelSpec, path: Path) -> RecallModel:
     torch.save({"weights": model.state_dict(), "accuracy": accuracy}, tmp)
     os.replace(tmp, path)
     return RecallModel(model, spec, path, train_s, accuracy)
+
+
+def _load_verified(spec: RecallModelSpec, path: Path) -> RecallModel | None:
+    """The model cached at ``path`` if it still recalls to ``spec.min_accuracy``, else None
+    (said in a WARNING; the caller trains again and replaces the file)."""
+    model = _build(spec)
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        model.load_state_dict(saved["weights"])
+    # What a damaged or foreign file raises: an unreadable or truncated archive, a pickle
+    # weights_only refuses, no "weights" in it, tensors of another shape.
+    except (OSError, EOFError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError) as exc:
+        log.warning("recall model %s cannot be read (%s): training it again", path, exc)
+        return None
+    model.eval()
+    accuracy = _accuracy(model, spec)
+    if accuracy < spec.min_accuracy:
+        log.warning(
+            "recall model %s answers %.1f%% with recomputed KV, below the %.0f%% the quality "
+            "gate needs (a stale, damaged or replaced file): training it again",
+            path,
+            100 * accuracy,
+            100 * spec.min_accuracy,
+        )
+        return None
+    return RecallModel(model, spec, path, 0.0, accuracy)
+
+
+def _accuracy(model: Any, spec: RecallModelSpec) -> float:
+    """The accuracy a model of ``spec`` must reach: after training, and again at every load."""
+    return answer_accuracy(model, spec.task, torch.Generator().manual_seed(spec.seed + 1))
 
 
 def answer_accuracy(
