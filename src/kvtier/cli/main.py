@@ -31,6 +31,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("kvtier.cli.explain", "why a request hit or missed, from a running engine"),
     "serve-admin": ("kvtier.cli.serve_admin", "run an engine with the admin API and dashboard"),
     "server": ("kvtier.cli.server", "one cache per host: the kvtier server on a Unix socket"),
+    "tiny-model": (
+        "kvtier.cli.tiny_model",
+        "write a small random-weight checkpoint for vLLM and print the command to serve it",
+    ),
 }
 
 

@@ -1,7 +1,9 @@
 """A tiny Llama-style checkpoint written by code: seeded random weights, no download.
 
-vLLM loads models from files, so tests, ``python -m benchmarks vllm`` and ``kvtier demo --engine
-vllm`` need a real checkpoint on disk. :func:`write_tiny_llama` writes one into a directory:
+vLLM loads models from files, so tests, ``python -m benchmarks vllm``, ``kvtier demo --engine
+vllm`` and the docs' vLLM commands (``kvtier tiny-model DIR``) need a real checkpoint on disk.
+:func:`write_tiny_llama` writes one into a directory (:func:`write_tiny_model` the same for
+another of :data:`FAMILIES`, and :data:`SIZES` names the shapes a user can pick):
 
     config.json              LlamaConfig (4 layers, hidden 256, 4 heads / 2 KV heads)
     model.safetensors        random weights from ``torch.manual_seed(seed)``
@@ -26,6 +28,14 @@ from kvtier.errors import InputError
 
 SPECIALS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2
 
+# Decoder-only families vLLM and transformers both run with the same weights' names: the
+# config class and the model class in transformers.
+FAMILIES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
 
 @dataclass(frozen=True, slots=True)
 class TinyLlama:
@@ -44,10 +54,30 @@ class TinyLlama:
         return self.hidden // self.heads
 
 
+# The shapes ``kvtier tiny-model --size`` offers. ``tiny`` is the vLLM tests' model; ``small``
+# and ``medium`` are the shapes of ``kvtier demo --model-size`` (kvtier.demo.tiny_models), where
+# a prefill costs enough on a CPU for a cache hit to show in TTFT.
+SIZES: dict[str, TinyLlama] = {
+    "tiny": TinyLlama(),
+    "small": TinyLlama(hidden=512, heads=8, kv_heads=2, intermediate=1408, vocab=4096),
+    "medium": TinyLlama(hidden=1024, heads=16, kv_heads=2, intermediate=2816, vocab=8192),
+}
+
+
 def write_tiny_llama(path: str | Path, shape: TinyLlama | None = None, *, seed: int = 0) -> Path:
     """Write config, safetensors weights and tokenizer into ``path`` (created if missing)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return write_tiny_model(path, "llama", shape, seed=seed)
 
+
+def write_tiny_model(
+    path: str | Path, family: str = "llama", shape: TinyLlama | None = None, *, seed: int = 0
+) -> Path:
+    """:func:`write_tiny_llama` for any of :data:`FAMILIES` (the same shape and tokenizer)."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise InputError(f"model family {family!r} is unknown; use one of {', '.join(FAMILIES)}")
+    config_class, model_class = (getattr(transformers, name) for name in FAMILIES[family])
     shape = shape or TinyLlama()
     if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
         raise InputError(
@@ -76,13 +106,16 @@ def write_tiny_llama(path: str | Path, shape: TinyLlama | None = None, *, seed: 
         eos_token_id=2,
         dtype="float32",
     )
-    config = LlamaConfig(**settings)
+    if family == "mistral":
+        # No sliding window: every family then caches every token, as the tests expect.
+        settings["sliding_window"] = None
+    config = config_class(**settings)
     # Initialization draws from torch's global generator: restore it afterwards so writing a
     # checkpoint does not change the caller's later random draws.
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
+        model = model_class(config)
     finally:
         torch.random.set_rng_state(state)
     model.save_pretrained(out)

@@ -1,7 +1,8 @@
 """docs/vllm.md's CPU command block, run as written, and its "Verify that it works" steps.
 
-The block is taken from the doc and run with bash; only ``MODEL`` (the tiny checkpoint), the
-port and the disk directory are replaced; the block itself sets ``VLLM_SERVER_DEV_MODE=1``
+The block is taken from the doc and run with bash; only the model's directory (the block
+writes the tiny checkpoint there itself, with ``kvtier tiny-model``), the port and the disk
+directory are replaced; the block itself sets ``VLLM_SERVER_DEV_MODE=1``
 for step 3 (``POST /reset_prefix_cache``) and turns kvtier's admin API on for step 4
 (``kvtier explain``). One vLLM start serves all checks (and, while it runs, the client of
 ``python -m benchmarks serve``'s conversation workload):
@@ -35,6 +36,7 @@ from benchmarks import conversation, serve
 from kvtier.demo.checkpoint import words_for
 from kvtier.integrations.vllm.groups import REUSE_TOKENS
 from tests.docs.doc_blocks import block_after
+from tests.docs.test_vllm_doc import TINY
 from tests.redis_servers import free_port
 
 from .serve_helpers import Server, post
@@ -53,18 +55,18 @@ class Running:
 
 
 @pytest.fixture(scope="module")
-def doc_server(
-    model_dir: Path, instances: Instances, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Running]:
+def doc_server(instances: Instances, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     instances.close()  # one vLLM at a time
     work = tmp_path_factory.mktemp("doc-command")
     block = block_after("docs/vllm.md", "### CPU build", "bash")
     port = free_port()
-    assert "MODEL" in block and "--port 8000" in block and "/var/cache/kvtier" in block
+    assert f"kvtier tiny-model {TINY}" in block and f"--model {TINY} " in block
+    assert "--port 8000" in block and "/var/cache/kvtier" in block
+    model = work / "model"  # what the model_dir fixture writes: seed 0, the default shape
     script = work / "run.sh"
     script.write_text(
         "set -e\n"
-        + block.replace("MODEL", str(model_dir))
+        + block.replace(TINY, str(model))
         .replace("--port 8000", f"--port {port}")
         .replace("/var/cache/kvtier", str(work / "kvtier-disk"))
     )
@@ -77,7 +79,7 @@ def doc_server(
     )
     try:
         server.wait_ready()
-        yield Running(server.url, str(model_dir), server.log)
+        yield Running(server.url, str(model), server.log)
     finally:
         server.stop()
 
