@@ -1,4 +1,4 @@
-"""``kvtier bench sliding TRACE``: a sliding-window model's hits per byte, three ways.
+"""``kvtier bench sliding [TRACE]``: a sliding-window model's hits per byte, three ways.
 
 What kvtier keeps of a sliding-window model's layers decides how many bytes a token costs
 and where a later request can resume (:mod:`kvtier.bench.sliding_sims`): every token
@@ -34,7 +34,7 @@ from kvtier.bench.sliding_sims import (
     SlidingModel,
     replay,
 )
-from kvtier.bench.trace_file import Trace, load
+from kvtier.bench.trace_file import Trace, add_path_argument, load
 from kvtier.errors import InputError
 from kvtier.layout import sliding_keep
 
@@ -43,7 +43,7 @@ CAPACITIES = "0.02,0.05,0.1,0.25,1"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", help="JSONL trace: hash_ids and input_length per request")
+    add_path_argument(parser)
     parser.add_argument("--block-tokens", type=int, default=512, help="tokens per hash id")
     parser.add_argument("--rechain", action="store_true", help="chain ids that name contents")
     parser.add_argument("--window", type=int, default=1024, help="sliding window in tokens")

@@ -1,5 +1,6 @@
-"""``kvtier bench trace PATH``: kvtier's real CPU tier replaying a production trace, against
-the offline optimum, plain LRU, ARC and an infinite cache, in the same run.
+"""``kvtier bench trace [PATH]``: kvtier's real CPU tier replaying a production trace (by default
+the one shipped with kvtier, Mooncake's conversation trace), against the offline optimum, plain
+LRU, ARC and an infinite cache, in the same run.
 
 The replay (``kvtier.bench.trace_sims.replay``): one request at a time in arrival order; a
 lookup pins the longest cached prefix (``CpuTier.pin_prefix``, a miss ends it); then every
@@ -60,7 +61,7 @@ from typing import Any
 
 from kvtier.bench import codec as codec_bench
 from kvtier.bench import trace_codec, trace_engine, trace_sims
-from kvtier.bench.trace_file import Trace, load
+from kvtier.bench.trace_file import Trace, add_path_argument, load
 from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout, dtype_from_name
 from kvtier.memory.block_pool import BlockPool
@@ -76,7 +77,7 @@ REFERENCE = (32, 8, 128)  # layers, KV heads, head dim: the layout --codec count
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", help="JSONL trace: hash_ids and input_length per request")
+    add_path_argument(parser)
     parser.add_argument("--capacity", type=float, default=0.1, help="fraction of unique blocks")
     parser.add_argument("--block-tokens", type=int, default=512, help="tokens per hash id")
     parser.add_argument("--rechain", action="store_true", help="chain ids that name contents")

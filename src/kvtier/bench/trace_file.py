@@ -9,17 +9,58 @@ what is left (``input_length - block_tokens * (n - 1)`` tokens, usually fewer). 
 mean equal prefixes up to that block, as kvtier's chained chunk keys do; a trace whose ids
 name block *contents* only is chained with ``rechain``: a block's id becomes the pair
 (chained id of its parent, its own id), numbered in order of first appearance.
+
+A trace is named by a path or by the name of one shipped with kvtier (:data:`SHIPPED`, in
+``kvtier/bench/traces/`` with its license and source), so the docs' bench commands run on an
+installed kvtier, not only beside the repository's checkout of the data.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.errors import InputError
 
-class TraceFormatError(ValueError):
-    """A trace line lacks ``hash_ids`` / ``input_length`` or they disagree."""
+TRACES_DIR = Path(__file__).parent / "traces"
+# name -> file in TRACES_DIR. Mooncake's conversation trace, Apache-2.0 (traces/README.md).
+SHIPPED: dict[str, str] = {"conversation": "conversation_trace.jsonl"}
+DEFAULT = "conversation"
+
+
+class TraceFormatError(InputError):
+    """A trace line lacks ``hash_ids`` / ``input_length`` or they disagree, or is no JSON.
+
+    An :class:`InputError`, so ``kvtier bench`` prints it as one ``kvtier: error:`` line."""
+
+
+def add_path_argument(parser: argparse.ArgumentParser) -> None:
+    """The positional trace argument every trace bench takes: a path or a shipped name."""
+    parser.add_argument(
+        "path",
+        nargs="?",
+        default=DEFAULT,
+        help="JSONL trace (hash_ids and input_length per request), or the name of one "
+        f"shipped with kvtier: {', '.join(SHIPPED)} (default: %(default)s)",
+    )
+
+
+def resolve(path: str | Path) -> Path:
+    """The file ``path`` names: a shipped trace by name, else the path itself, which must be
+    a file (a missing one is an :class:`InputError` naming the shipped choices, not an
+    ``OSError`` traceback)."""
+    if isinstance(path, str) and path in SHIPPED:
+        return TRACES_DIR / SHIPPED[path]
+    found = Path(path).expanduser()
+    if not found.is_file():
+        why = "is not a file" if found.exists() else "does not exist"
+        raise InputError(
+            f"trace {str(path)!r} {why}; give a JSONL trace file or the name of a trace "
+            f"shipped with kvtier: {', '.join(SHIPPED)}"
+        )
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,13 +84,18 @@ class Trace:
 
 
 def load(path: str | Path, *, block_tokens: int = 512, rechain: bool = False) -> Trace:
+    """Read the trace ``path`` names (a file or a :data:`SHIPPED` name)."""
+    path = resolve(path)
     requests: list[list[int]] = []
     tokens: list[list[int]] = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except ValueError as exc:  # json.JSONDecodeError
+                raise TraceFormatError(f"{path}:{number}: not a JSON object: {exc}") from exc
             try:
                 ids = [int(i) for i in row["hash_ids"]]
                 length = int(row["input_length"])
