@@ -117,7 +117,8 @@ class CodecContract:
     def _record(
         codec: PayloadCodec, layout: KVLayout, chunk: int, num_tokens: int, seed: int = 1
     ) -> tuple[Fingerprint, bytes, bytes, torch.Tensor]:
-        fp = Fingerprint("codec-contract", layout, chunk)
+        # The fingerprint a tier writing with the codec runs under (a lossy codec's names it).
+        fp = tier_fingerprint(Fingerprint("codec-contract", layout, chunk), codec)
         key = os.urandom(16)
         data = kv_payload(layout, num_tokens, seed)
         return fp, key, records.encode_record(key, fp, num_tokens, data, codec), data

@@ -50,6 +50,14 @@ Zero copy for identity: a writer hands the page itself to the file or the socket
 into the page (:func:`stored_target` is the page for identity, a scratch buffer for another
 codec, which :func:`finish_read` then decodes into the page).
 
+The codec id is bound to the fingerprint: a lossy codec's records live under a fingerprint
+that names it (``Fingerprint.lossy_codec``, :func:`~kvtier.storage.codecs.tier_fingerprint`),
+exact ones (identity, lossless) under one that names none. A record whose codec is not its
+fingerprint's (an fp8 record under an exact reader's fingerprint, an int8 one under an fp8
+reader's) is no record an honest writer makes, so it is a :class:`~kvtier.errors.CorruptRecord`:
+a miss, logged and dropped like any corrupt one, never lossy bytes served to a reader of
+another codec. :func:`encode_parts` refuses to write one.
+
 Records of another format version (the files of a kvtier before this format, after an
 upgrade) and records of a codec id not registered in this process raise
 :class:`~kvtier.errors.UnknownRecordFormat`, a :class:`~kvtier.errors.CorruptRecord`: a miss.
@@ -158,6 +166,8 @@ def encode_parts(
         )
     if codec_by_id(codec.codec_id) is not codec:
         raise ValueError(f"{codec!r} is not registered: nothing could read its records")
+    if _bound_codec(codec) != fingerprint.lossy_codec:
+        raise ValueError(_codec_mismatch(codec, fingerprint) + ": use tier_fingerprint()")
     stored = memoryview(codec.encode(view, lay)).cast("B")
     fields = _FIELDS.pack(
         RECORD_MAGIC,
@@ -225,8 +235,9 @@ def decode_header(
 
     Raises :class:`CorruptRecord` naming the first problem: short buffer, magic, version,
     header checksum, fingerprint, layout, chunk size, key, token count, payload length,
-    codec or stored length. Another format version or a codec id not registered here raise
-    its subclass :class:`UnknownRecordFormat` (module docstring).
+    codec (or a codec its fingerprint does not name) or stored length. Another format version
+    or a codec id not registered here raise its subclass :class:`UnknownRecordFormat` (module
+    docstring).
     """
     view = memoryview(buf).cast("B")
     if view.nbytes >= _COUNT.size + len(RECORD_MAGIC):
@@ -268,9 +279,22 @@ def decode_header(
         raise UnknownRecordFormat(
             f"record payload codec id {codec_id} is not registered in this kvtier"
         )
+    if _bound_codec(codec) != fingerprint.lossy_codec:
+        raise CorruptRecord(_codec_mismatch(codec, fingerprint))
     if codec.is_identity and slen != plen:
         raise CorruptRecord(f"identity record stores {slen} bytes of a {plen}-byte payload")
     return RecordHeader(bytes(key), tokens, plen, slen, bytes(csum), codec, _decode_parts(view))
+
+
+def _bound_codec(codec: PayloadCodec) -> str:
+    """What a fingerprint says of the records of ``codec``: its name for a lossy codec, ""
+    for identity and lossless (any reader decodes those to the model's own bytes)."""
+    return "" if codec.lossless else codec.name
+
+
+def _codec_mismatch(codec: PayloadCodec, fingerprint: Fingerprint) -> str:
+    want = fingerprint.lossy_codec or "an exact one (identity or lossless)"
+    return f"record payload codec {codec.name!r} is not its fingerprint's codec ({want})"
 
 
 def verify_stored(
