@@ -37,20 +37,25 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     add(
         "--model-dir", help="a local Hugging Face checkpoint (Llama/Mistral/Qwen2); never downloads"
     )
-    add("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    add("--users", type=int, default=d.users)
-    add("--rounds", type=int, default=d.rounds)
+    add(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="the model's and the KV's dtype (default: %(default)s)",
+    )
+    add("--users", type=int, default=d.users, help="conversations, each with its own context")
+    add("--rounds", type=int, default=d.rounds, help="question-and-answer turns per user")
     add("--system-tokens", type=int, default=d.system_tokens, help="shared system prompt")
     add("--context-tokens", type=int, default=d.context_tokens, help="each user's own context")
-    add("--question-tokens", type=int, default=d.question_tokens)
+    add("--question-tokens", type=int, default=d.question_tokens, help="each new question")
     add("--answer-tokens", type=int, default=d.answer_tokens, help="tokens generated per round")
-    add("--chunk-size", type=int, default=256)
-    add("--seed", type=int, default=0)
+    add("--chunk-size", type=int, default=256, help="kvtier's tokens per KV chunk")
+    add("--seed", type=int, default=0, help="seed of the prompts and the model's weights")
     add("--disk-dir", help="disk tier directory (default: a temporary one, removed afterwards)")
     add("--plot", default="kvtier-demo.png", help="where to write the PNG (default: %(default)s)")
     add("--no-progress", action="store_true", help="no progress bar")
     add("--dashboard", action="store_true", help="serve the admin dashboard while it runs")
-    add("--dashboard-port", type=int, default=8089)
+    add("--dashboard-port", type=int, default=8089, help="the dashboard's port on 127.0.0.1")
 
 
 def run(args: argparse.Namespace) -> int:

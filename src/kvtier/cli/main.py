@@ -100,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvtier: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        # 130 alone read as a crash or a hang ended by the shell: say what happened.
+        print(f"kvtier {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
 
 

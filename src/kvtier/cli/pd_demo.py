@@ -64,14 +64,25 @@ class EndState:
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--requests", type=int, default=40)
+    add(
+        "--requests",
+        type=int,
+        default=40,
+        help="requests to send; every 20th is larger than the decoder's whole buffer "
+        "(default: %(default)s)",
+    )
     add("--channel", choices=("tcp", "shm", "nixl"), default="tcp", help="transfer_channel")
     add("--model-size", default="tiny", help="model built in code (tiny, small, medium)")
     add("--chunk-size", type=int, default=32, help="tokens per chunk")
     add("--buffer-chunks", type=float, default=8.5, help="pd_buffer_size, in chunks")
     add("--system-tokens", type=int, default=96, help="shared system prompt length")
     add("--new-tokens", type=int, default=8, help="tokens generated per request")
-    add("--seed", type=int, default=0)
+    add(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the prompts and of the model's random weights (default: %(default)s)",
+    )
 
 
 def _config(args: argparse.Namespace, role: str, chunk_bytes: int, port: int) -> Config:

@@ -80,8 +80,13 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         type=base_url,
         help="a decoder's base URL, e.g. http://127.0.0.1:8200 (repeat for several)",
     )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=_checked(integer(1, 65535), "--port"), default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="the router's listening address")
+    parser.add_argument(
+        "--port",
+        type=_checked(integer(1, 65535), "--port"),
+        default=8000,
+        help="the router's port, where clients send requests (default: %(default)s)",
+    )
     parser.add_argument(
         "--timeout",
         type=_checked(positive_float(86400.0), "--timeout"),

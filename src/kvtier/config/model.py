@@ -291,9 +291,17 @@ def _check_unknown(unknown: Mapping[str, str]) -> None:
         key, source, nearest = refused[0]
         hint = f"did you mean {nearest!r}?" if nearest else "no kvtier or LMCache key is near it."
         others = "".join(f"; also {k!r} ({src})" for k, src, _ in refused[1:])
-        raise ConfigError(
+        raise UnknownKeyError(
             key,
-            "(not shown)",
             f"no such key (from {source}): {hint} kvtier's keys: `kvtier check-config --table`; "
             f"LMCache keys kvtier maps or ignores: docs/lmcache.md{others}",
         )
+
+
+class UnknownKeyError(ConfigError):
+    """A key kvtier does not know. Its value is not the problem (and may be a secret), so the
+    message names the key alone: ConfigError's "has invalid value '(not shown)'" misled."""
+
+    def __init__(self, key: str, allowed: str) -> None:
+        super().__init__(key, None, allowed)
+        self.args = (f"config key {key!r}: {allowed}",)
