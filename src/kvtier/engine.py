@@ -27,6 +27,7 @@ import torch
 
 from kvtier.cache import KVCache
 from kvtier.config import Config
+from kvtier.config.sizes import size_notes
 from kvtier.engine_checkpoints import check_checkpoints, extend_to_checkpoint
 from kvtier.engine_loads import RequestLoads
 from kvtier.engine_pages import EnginePages
@@ -132,11 +133,13 @@ class Engine(KVCache):
             self.observer.attach(self._manager)
             self._guard.open()
             log.info(
-                "kvtier engine open: %s, %d CPU pages of %d bytes, tiers %s",
+                "kvtier engine open: %s, %d CPU pages of %d bytes, tiers %s; sizes: %s",
                 self.layout.describe(),
                 self.num_pages,
                 self.chunk_bytes,
                 [t.name for t in self._manager.tiers],
+                # A bare 5 is GiB and "5GB" decimal (7 % less): say which one each size got.
+                size_notes(self.config),
             )
             return self
 

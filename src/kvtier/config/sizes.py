@@ -4,11 +4,17 @@ LMCache gives CPU and disk sizes as GB floats that it multiplies by 1024**3, and
 sizes in bytes. kvtier keeps both for numbers, and also takes strings: SI units are
 decimal (``"2GB"`` is 2_000_000_000 bytes), IEC units are binary (``"512MiB"`` is
 536_870_912 bytes).
+
+So ``max_local_cpu_size: 5`` is 5.00 GiB and ``max_local_cpu_size: "5GB"`` 4.66 GiB: the same
+intent, 7 % apart, depending on quotes. Both readings are kept (LMCache configs must mean what
+they meant), and :func:`size_notes` says at engine start which one a size got.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Protocol
 
 from kvtier.errors import ConfigError
 
@@ -65,3 +71,53 @@ def format_size(nbytes: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+# The sizes LMCache gives as GB numbers: where a bare number and a "GB" string differ by 7 %.
+GIB_NUMBER_KEYS = ("max_local_cpu_size", "max_local_disk_size")
+
+
+class SizedConfig(Protocol):
+    """What :func:`size_notes` reads of a :class:`~kvtier.config.Config`."""
+
+    @property
+    def max_local_cpu_size(self) -> int: ...
+    @property
+    def local_disk(self) -> str | None: ...
+    @property
+    def max_local_disk_size(self) -> int: ...
+    @property
+    def origin(self) -> Mapping[str, str]: ...
+
+
+def size_notes(config: SizedConfig) -> str:
+    """The resolved GB-number sizes in one phrase for the engine's open line, e.g.
+    ``max_local_cpu_size 5.00 GiB (default: 5 as a bare number or '5GiB'; '5GB' would be
+    4.66 GiB)``; the disk size only where a disk tier is configured."""
+    notes = [size_note("max_local_cpu_size", config.max_local_cpu_size, config.origin)]
+    if config.local_disk:
+        notes.append(size_note("max_local_disk_size", config.max_local_disk_size, config.origin))
+    return "; ".join(notes)
+
+
+def size_note(key: str, nbytes: int, origin: Mapping[str, str]) -> str:
+    """``key``'s bytes, where they came from, and the other reading of the same number. The
+    bytes alone tell the readings apart: a whole (to 3 decimals) number of GiB came from a bare
+    number (or a GiB string), a whole number of GB from a "GB" string."""
+    where = origin.get(key, "default")
+    in_gib, in_gb = _short(nbytes / GIB), _short(nbytes / 10**9)
+    if nbytes and in_gib is not None:
+        other = format_size(int(float(in_gib) * 10**9))
+        why = f"{in_gib} as a bare number or '{in_gib}GiB'; '{in_gib}GB' would be {other}"
+    elif nbytes and in_gb is not None:
+        other = format_size(int(float(in_gb) * GIB))
+        why = f"'{in_gb}GB' is decimal; a bare {in_gb} would be {other}"
+    else:
+        return f"{key} {format_size(nbytes)} ({where})"
+    return f"{key} {format_size(nbytes)} ({where}: {why})"
+
+
+def _short(value: float) -> str | None:
+    """``value`` written with at most 3 decimals if that is exact (to a byte), else None."""
+    text = f"{value:.3f}".rstrip("0").rstrip(".")
+    return text if abs(float(text) - value) * GIB < 1 else None

@@ -136,6 +136,8 @@ def test_the_documented_cpu_command_starts_and_kvtier_says_so(doc_server: Runnin
     for line in scheduler + worker:
         assert re.search(r"pid=\d+\) INFO ", line), line
     assert "kvtier engine open:" in text and "tiers ['cpu', 'disk']" in text
+    # the block's "1GiB", and which reading it got (a bare 1 the same, "1GB" 7 % less)
+    assert "sizes: max_local_cpu_size 1.00 GiB (vLLM kv_connector_extra_config: 1 as" in text
 
 
 def test_a_repeat_served_by_vllms_prefix_cache_is_no_kvtier_hit(doc_server: Running) -> None:
