@@ -7,6 +7,13 @@ Which entries go, and which chunks are kept at all, is the eviction policy's cho
 (``kvtier.storage.policy``, ``cache_policy``); the tier tells it which entries are evictable:
 those whose page has no reference besides the cache's own (not pinned by a request, not
 being written to a lower tier). Reference counts never reach the policy.
+
+An entry the policy finds held leaves its order until it is evictable again
+(``kvtier.storage.policy.base``: "Held keys"), so pinned entries cost an eviction nothing.
+The tier cannot say when that is for most references: a lease and a lower-tier write give
+theirs back to the pool directly, and the pool stays the one owner of the counts. So the
+policy looks at a few held entries again at each eviction; only a pin by key (``pin`` /
+``unpin``), which goes through the tier, brings its entry back at once.
 """
 
 from __future__ import annotations
@@ -211,8 +218,12 @@ class CpuTier(Tier):
     def unpin(self, key: ChunkKey) -> None:
         with self._lock:
             page = self._key_pins.take(key)
-        if page is not None:  # None: nothing pinned under this key, never a second release
+            if page is None:  # nothing pinned under this key: never a second release
+                return
             self.pool.release([page])
+            entry = self._index.get(key)
+            if entry is not None and entry.page == page and not self.pool.is_shared(page):
+                self.policy.restore(key)  # its last holder gone: back in the order now
 
     def remove(self, key: ChunkKey) -> bool:
         with self._lock:

@@ -16,7 +16,9 @@ fingerprint's tier: :mod:`kvtier.storage.disk.budget` evicts with :meth:`DiskInd
 
 The order is an eviction policy's (:mod:`kvtier.storage.policy`, ``cache_policy``), the same
 seam the CPU tier uses: the index tells it what was added, used and removed, and asks it for
-victims among the unpinned. Pins stay here and never reach the policy. A saved index keeps
+victims among the unpinned. Pin counts stay here and never reach the policy: a key's first
+pin takes it out of the policy's order (``policy.hold``) and its last unpin puts it back
+(``policy.restore``), so an eviction never steps over pinned files. A saved index keeps
 the policy's order (next victim first), so a restart resumes it; what else a policy knows
 (REUSE's reused/new split) starts afresh.
 
@@ -124,6 +126,7 @@ class DiskIndex:
         count = self._pins.get(key, 0)
         if count == 0:
             self.pinned_bytes += entry.file_bytes
+            self.policy.hold(key)
         self._pins[key] = count + 1
         return True
 
@@ -135,6 +138,7 @@ class DiskIndex:
         if count == 1:
             del self._pins[key]
             self.pinned_bytes -= self._entries[key].file_bytes
+            self.policy.restore(key)
         else:
             self._pins[key] = count - 1
         return True

@@ -35,6 +35,13 @@ a chunk only from its second store wins below 5 % capacity on the trace but reac
 the optimum at 10 % (docs/policies.md). A prompt's partial last chunk, the one chunk rarely
 reused, is stored only with ``save_unfull_chunk``, when the operator asked for it.
 Ghost lists are keys only, each at most as long as the chunks cached.
+
+A held key (:mod:`.base`) keeps its segment and rejoins it as the most recent, idle from
+then on. Its segment is what it was, or protected if a lookup hit it while held: a hit is a
+reuse, a hold is not (a write in flight holds a new chunk without anyone reusing it). Its
+idle time starts when it rejoins because a held chunk is in use until its last holder lets
+go (as LRU says, :mod:`.lru`); both segments stay ordered by last use, as the merge in
+:meth:`ReusePolicy._victims` needs.
 """
 
 from __future__ import annotations
@@ -88,6 +95,7 @@ class ReusePolicy(EvictionPolicy):
 
     def __init__(self, *, ratio: float = 2.0) -> None:
         """``ratio``: where the idle-time ratio starts (it adapts; see the module docstring)."""
+        super().__init__()
         self._log_ratio = math.log(ratio)
         self._probation: OrderedDict[ChunkKey, int] = OrderedDict()  # key -> last use (clock)
         self._protected: OrderedDict[ChunkKey, int] = OrderedDict()
@@ -96,6 +104,7 @@ class ReusePolicy(EvictionPolicy):
         self._new_evictions = 1.0  # decayed counts; 1.0 each so neither weight starts infinite
         self._reused_evictions = 1.0
         self._clock = 0  # one tick per touched batch (a lookup)
+        self._held_reused: set[ChunkKey] = set()  # the held keys that rejoin protected
 
     @property
     def ratio(self) -> float:
@@ -122,6 +131,10 @@ class ReusePolicy(EvictionPolicy):
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         self._clock += 1
+        held = self._held
+        if held and not held.keys().isdisjoint(keys):  # a hit on a held key: reused, held
+            self._held_reused.update(k for k in keys if k in held)
+            keys = [k for k in keys if k not in held]
         deepest_first = keys[::-1]  # the parent ends most recent: it goes after its children
         # Three C-level passes, no Python per key: out of either segment, into protected's end.
         deque(map(self._probation.pop, deepest_first, repeat(0)), maxlen=0)
@@ -133,9 +146,22 @@ class ReusePolicy(EvictionPolicy):
         self._protected.pop(key, None)
         self._new_ghosts.take(key)
         self._reused_ghosts.take(key)
+        self._held.pop(key, None)
+        self._held_reused.discard(key)
 
-    def evict(self, count: int, evictable: Evictable) -> list[ChunkKey]:
-        victims = self._victims(count, evictable)
+    def _leave(self, keys: Sequence[ChunkKey]) -> None:
+        protected = self._protected
+        self._held_reused.update(filter(protected.__contains__, keys))
+        deque(map(self._probation.pop, keys, repeat(0)), maxlen=0)  # C-level, as in touch
+        deque(map(protected.pop, keys, repeat(0)), maxlen=0)
+
+    def _rejoin(self, key: ChunkKey) -> None:
+        reused = key in self._held_reused
+        self._held_reused.discard(key)
+        (self._protected if reused else self._probation)[key] = self._clock  # see the module
+
+    def _select(self, count: int, evictable: Evictable, refused: list[ChunkKey]) -> list[ChunkKey]:
+        victims = self._victims(count, evictable, refused)
         bound = max(len(self) - len(victims), 1)
         for key in victims:
             self._new_evictions *= DECAY
@@ -149,11 +175,12 @@ class ReusePolicy(EvictionPolicy):
                 self._reused_ghosts.add(key, bound)
         return victims
 
-    def _victims(self, count: int, evictable: Evictable) -> list[ChunkKey]:
-        """The next ``count`` victims, merged from the two segments' oldest ends."""
+    def _victims(self, count: int, evictable: Evictable, refused: list[ChunkKey]) -> list[ChunkKey]:
+        """The next ``count`` victims, merged from the two segments' oldest ends; the keys
+        ``evictable`` refused on the way are appended to ``refused``."""
         victims: list[ChunkKey] = []
-        new = ((k, t) for k, t in self._probation.items() if evictable(k))
-        old = ((k, t) for k, t in self._protected.items() if evictable(k))
+        new = _candidates(self._probation, evictable, refused)
+        old = _candidates(self._protected, evictable, refused)
         a, b = next(new, None), next(old, None)
         now, ratio = self._clock, self.ratio
         while len(victims) < count and (a is not None or b is not None):
@@ -166,19 +193,34 @@ class ReusePolicy(EvictionPolicy):
         return victims
 
     def order(self) -> Iterator[ChunkKey]:
-        return iter(self._victims(len(self), _any))
+        in_order = len(self._probation) + len(self._protected)
+        return iter([*self._victims(in_order, _any, []), *self._held])
 
     def __len__(self) -> int:
-        return len(self._probation) + len(self._protected)
+        return len(self._probation) + len(self._protected) + len(self._held)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._probation or key in self._protected
+        return key in self._probation or key in self._protected or key in self._held
 
     def clear(self) -> None:
         self._probation.clear()
         self._protected.clear()
+        self._held.clear()
+        self._held_reused.clear()
         self._new_ghosts.clear()
         self._reused_ghosts.clear()
+
+
+def _candidates(
+    segment: OrderedDict[ChunkKey, int], evictable: Evictable, refused: list[ChunkKey]
+) -> Iterator[tuple[ChunkKey, int]]:
+    """(key, last use) of the evictable keys of ``segment``, oldest first, lazily; each
+    refused key on the way is appended to ``refused``."""
+    for key, stamp in segment.items():
+        if evictable(key):
+            yield key, stamp
+        else:
+            refused.append(key)
 
 
 def _any(_: ChunkKey) -> bool:
