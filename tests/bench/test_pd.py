@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 
 import pytest
@@ -13,11 +14,33 @@ import torch
 from kvtier.bench import pd
 from kvtier.config.channels import nixl_installed
 from kvtier.pd.channels.shm import ShmSender
+from kvtier.pd.channels.shm_segments import PREFIX
 from kvtier.pd.channels.tcp import TcpSender
 from tests.pd.test_pd_demo import kvtier
 
 
+def pd_segments() -> set[str]:
+    """kvtier's PD receive segments in /dev/shm whose owner process is gone (leaked): those
+    of live processes are other tests' at work."""
+    return {
+        name
+        for name in os.listdir("/dev/shm")
+        if name.startswith(PREFIX) and not _alive(int(name[len(PREFIX) :].split("-")[0]))
+    }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def test_bench_pd_reports_every_field() -> None:
+    shm_before = pd_segments()
     # Two-chunk requests: the checked request is served through one staging page per chunk.
     done = kvtier(
         "bench", "pd", "--json", "--chunks", "2", "--repeats", "1", "--pages", "2",
@@ -40,6 +63,8 @@ def test_bench_pd_reports_every_field() -> None:
     ):
         assert result[key] > 0, key
     assert result["bytes_checked"] is True
+    # Its decoders closed (never killed): their receive segments left /dev/shm with them.
+    assert pd_segments() - shm_before == set()
     assert result["shm_with_serve_gbps"] < result["shm_gbps"]
     assert result["streaming_copy_built"] is True
     assert result["copy_hash_built"] is True and result["hash_isa"]

@@ -1,6 +1,6 @@
 """One transport timed by ``kvtier bench pd``: its decoder process (and, for tcp, the raw
 socket's sink) started, the transfer interleaved with the baselines, then the byte check, and
-every process it started killed, so each transport runs with only its own decoder alive. See
+every process it started ended, so each transport runs with only its own decoder alive. See
 :mod:`kvtier.bench.pd`."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from kvtier.bench.timing import best_interleaved
 from kvtier.pd.sender import OutChunk, PDSender
 
 SPAWN = multiprocessing.get_context("spawn")
+STOP_GRACE_S = 30.0
 
 
 def measure_channel(
@@ -38,9 +39,10 @@ def measure_channel(
     for tcp, the raw-socket sink) alive."""
     chunks: int = args.chunks
     procs: list[BaseProcess] = []
+    stop = SPAWN.Event()  # the decoder closes (and removes its shm segment) once it is set
     try:
         ports = SPAWN.Queue()
-        control, fingerprint, sender = _start_decoder(channel, args.pages, ports, procs)
+        control, fingerprint, sender = _start_decoder(channel, args.pages, ports, procs, stop)
         request_ids = iter(range(1 << 40))  # the decoder counts its request ids from b0
 
         def transfer() -> None:
@@ -73,17 +75,18 @@ def measure_channel(
             if raw is not None:
                 raw.close()
     finally:
-        _kill(procs)
+        stop.set()
+        _end(procs)
 
 
 def _start_decoder(
-    channel: str, pages: int, ports: Any, procs: list[BaseProcess]
+    channel: str, pages: int, ports: Any, procs: list[BaseProcess], stop: Any
 ) -> tuple[Connection, str, PDSender]:
     """Start the decoder process (into ``procs`` before it starts, so it is killed whatever
     fails next) and open a sender to it: (the control pipe, its fingerprint, the sender)."""
     control, decoder_end = SPAWN.Pipe()
     decoder = SPAWN.Process(
-        target=decoder_process, args=(channel, pages, ports, decoder_end), daemon=True
+        target=decoder_process, args=(channel, pages, ports, decoder_end, stop), daemon=True
     )
     procs.append(decoder)
     decoder.start()
@@ -108,8 +111,11 @@ def _start_sink(chunk_bytes: int, ports: Any, procs: list[BaseProcess]) -> socke
     return socket.create_connection(("127.0.0.1", ports.get(timeout=120.0)[1]))
 
 
-def _kill(procs: list[BaseProcess]) -> None:
+def _end(procs: list[BaseProcess]) -> None:
+    """Let each process end by itself (the decoder closes its receiver, which removes its
+    receive segment from /dev/shm), and kill only one that does not within its grace."""
     for proc in procs:
+        proc.join(STOP_GRACE_S)
         if proc.is_alive() and proc.pid is not None:
             os.kill(proc.pid, signal.SIGKILL)
         proc.join(10.0)

@@ -24,6 +24,8 @@ from kvtier.service import Service
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.float16)
 CHUNK_TOKENS = 256
 MODEL = "bench-pd"
+POLL_S = 0.2  # how often the decoder looks at its stop event between transfers
+IDLE_S = 600.0  # no transfer for this long: the parent is gone, so the decoder ends
 
 
 def _config(channel: str, pages: int) -> Config:
@@ -45,8 +47,11 @@ def _config(channel: str, pages: int) -> Config:
     )
 
 
-def decoder_process(channel: str, pages: int, ports: Any, control: Connection) -> None:
-    """Child: a decoder that ends every request once its transfer is done. When the sender
+def decoder_process(
+    channel: str, pages: int, ports: Any, control: Connection, stop: Any = None
+) -> None:
+    """Child: a decoder that ends every request once its transfer is done, until ``stop`` (a
+    multiprocessing Event) is set; it then closes, removing its receive segment. When the sender
     has announced a check on ``control`` (before sending that request: a pipe's send is
     written by the time it returns), the decoder first serves the request as a real one
     would be: lookup, then ``retrieve_into`` a zeroed buffer, timed, ``repeats`` times; it
@@ -59,7 +64,15 @@ def decoder_process(channel: str, pages: int, ports: Any, control: Connection) -
         assert receiver is not None  # pd_role receiver
         ports.put((engine.fingerprint.hex(), receiver.port))
         i = 0
-        while (outcome := receiver.wait_outcome(f"b{i}", 600.0)) is not None:
+        waited = 0.0
+        # Until told to stop (then the Service closes: the receive segment goes too) or idle
+        # for 600 s (the parent is gone).
+        while (stop is None or not stop.is_set()) and waited < IDLE_S:
+            outcome = receiver.wait_outcome(f"b{i}", POLL_S)
+            if outcome is None:
+                waited += POLL_S
+                continue
+            waited = 0.0
             if control.poll():
                 tokens, repeats = control.recv()
                 control.send(_serve_check(engine, f"b{i}", tokens, repeats, outcome.ok))
