@@ -144,6 +144,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "all_outputs_equal": all(r["outputs_equal"] for r in pd_rows),
         "all_counters_match": all(r["counters_match"] for r in pd_rows),
         "all_buffers_free": all(r["buffers_free"] for r in pd_rows),
+        # Any of these makes `python -m benchmarks pd-fleet` exit non-zero (kvtier.cli.bench).
+        "problems": [
+            f"{row['config']}: {what}"
+            for row in pd_rows
+            for what, ok in (
+                ("outputs differ from one vLLM's", row["outputs_equal"]),
+                ("kvtier's counters do not match vLLM's", row["counters_match"]),
+                ("PD buffers not free after the run", row["buffers_free"]),
+            )
+            if not ok
+        ],
         "rows": rows,
     }
 

@@ -78,6 +78,7 @@ def _copy_now(dst: torch.Tensor, src: torch.Tensor) -> None:
     """A copy that has landed when it returns (host memory, or a device copy then waited)."""
     dst.copy_(src)
 
+
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,

@@ -11,6 +11,7 @@ import torch
 
 from kvtier.bench import cpu
 from kvtier.keys import ChunkSpan
+from kvtier.memory.device import CopyBatch
 from kvtier.storage.loads import PlanLoader
 from tests.cli.test_main import run_cli
 
@@ -49,8 +50,10 @@ def test_bench_cpu_fails_when_the_timed_retrieve_flips_a_byte(
     wrong there must end the bench with an error, not a GB/s figure."""
     copy_out = PlanLoader._copy_out
 
-    def flipping(self: PlanLoader, page: int, span: ChunkSpan, out: torch.Tensor) -> None:
-        copy_out(self, page, span, out)
+    def flipping(
+        self: PlanLoader, page: int, span: ChunkSpan, out: torch.Tensor, batch: CopyBatch
+    ) -> None:
+        copy_out(self, page, span, out, batch)  # a host out: copied at once
         out[1, 0, span.start].view(torch.uint8)[1] ^= 0x10  # one byte of the chunk
 
     monkeypatch.setattr(PlanLoader, "_copy_out", flipping)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from kvtier import quality
+from kvtier.bench.checks import require
 from kvtier.bench.codec_data import synthetic_kv
 from kvtier.layout import KVLayout
 from kvtier.storage import codecs
@@ -115,7 +116,7 @@ def measure_codec(
         "decode_of_memcpy": decode / memcpy,
     }
     if codec.lossless:
-        assert torch.equal(out, page), f"{codec.name} did not round trip"
+        require(torch.equal(out, page), f"{codec.name} did not round trip")
     else:
         back = out.view(layout.dtype).view(kv.shape).float()
         for plane, label in enumerate(("key", "value")[: layout.planes]):

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.bench.checks import require
 from kvtier.bench.timing import best_interleaved, best_seconds, gbps
 from kvtier.config import Config
 from kvtier.engine import Engine
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             tokens[0] = next(counter)
             stored = engine.store(tokens, kv)
             sync()
-            assert stored == chunks, f"stored {stored} of {chunks} chunks"
+            require(stored == chunks, f"stored {stored} of {chunks} chunks")
 
         tokens = rng.integers(0, 32000, num_tokens, dtype=np.int32)
         out = torch.empty_like(kv)
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             loaded = engine.retrieve_into(tokens, rid, out)
             sync()
             engine.end_request(rid)
-            assert loaded == num_tokens
+            require(loaded == num_tokens, f"loaded {loaded} of {num_tokens} tokens")
 
         def memcpy_on(threads: int) -> Callable[[], None]:
             def memcpy() -> None:
@@ -229,7 +230,7 @@ def _lookup_cost(chunk_size: int, repeats: int) -> tuple[float, float]:
             hit = engine.lookup(tokens_tensor, rid).tokens
             timings.append(time.perf_counter() - start)
             engine.end_request(rid)
-            assert hit == num_tokens, f"lookup hit {hit} of {num_tokens}"
+            require(hit == num_tokens, f"lookup hit {hit} of {num_tokens}")
     chain = KeyChain(Fingerprint("bench-hash", layout, chunk_size))
     hash_s = best_seconds(lambda: chain.keys(tokens, include_partial=False), max(repeats, 20))
     return float(np.median(timings)) * 1e3, num_tokens / hash_s

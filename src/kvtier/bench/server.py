@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.bench.checks import require
 from kvtier.bench.timing import best_interleaved, gbps
 from kvtier.config import Config
 from kvtier.engine import Engine
@@ -178,7 +179,7 @@ def _transfer(
             tokens = rng.integers(0, 32000, num_tokens, dtype=np.int32)
             tokens[0] = next(counter)  # new tokens: every chunk is really stored
             stored = cache.store(tokens, kv)
-            assert stored == chunks, f"stored {stored} of {chunks} chunks"
+            require(stored == chunks, f"stored {stored} of {chunks} chunks")
 
         tokens = rng.integers(0, 32000, num_tokens, dtype=np.int32)
         out = torch.empty_like(kv)
@@ -189,7 +190,7 @@ def _transfer(
             cache.lookup(tokens, rid)
             loaded = cache.retrieve_into(tokens, rid, out)
             cache.end_request(rid)
-            assert loaded == num_tokens, f"loaded {loaded} of {num_tokens} tokens"
+            require(loaded == num_tokens, f"loaded {loaded} of {num_tokens} tokens")
 
         cpu = _CpuMeter(server_pid)
         stores = best_interleaved(
@@ -244,7 +245,7 @@ def _lookup(url: str, config: Config) -> dict[str, Any]:
                 hit = cache.lookup(tokens, rid).tokens
                 timings.append(time.perf_counter() - start)
                 cache.end_request(rid)
-                assert hit == LOOKUP_TOKENS, f"lookup hit {hit} of {LOOKUP_TOKENS}"
+                require(hit == LOOKUP_TOKENS, f"lookup hit {hit} of {LOOKUP_TOKENS}")
             medians[name] = float(np.median(timings[50:])) * 1e6
     return {
         "lookup_rtt_us": round(medians["server"], 1),
@@ -293,7 +294,7 @@ def _retrieve_loop(
     with connect(url, BIG_LAYOUT, model_name="bench-server", config=config) as client:
         prompt = _stored_prompt(chunks, config.chunk_size)
         client.lookup(prompt, "warm")
-        assert client.retrieve_into(prompt, "warm", out) == num_tokens, "prompt not cached"
+        require(client.retrieve_into(prompt, "warm", out) == num_tokens, "prompt not cached")
         client.end_request("warm")
         ready.put(1)
         go.wait()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import sys
 from typing import Any
 
 BENCHMARKS: dict[str, str] = {
@@ -57,7 +58,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, sort_keys=False))
     else:
         print(format_table(result))
-    return 0
+    # A bench that found wrong outputs or leaked state says so and fails, after its figures.
+    problems = result.get("problems") or []
+    for problem in problems:
+        print(f"kvtier: error: {problem}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def format_table(result: dict[str, Any]) -> str:
