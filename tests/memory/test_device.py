@@ -201,21 +201,55 @@ def test_host_tensors_are_copied_at_once() -> None:
     assert batch.close() is LANDED
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_store_behind_a_busy_stream_lands_before_the_disk_writer_reads(tmp_path: Path) -> None:
-    """On a GPU: queue a long kernel, store, restart, compare (the failure it guards)."""
-    tokens, want = make_tokens(TOKENS, 9), make_kv(TOKENS, 9)
+def busy_device_kv(want: torch.Tensor) -> torch.Tensor:
+    """``want`` on the GPU, its bytes arriving only after a long queue of kernels on the
+    current stream: a copy that does not wait for that stream reads zeros."""
     kv = torch.zeros_like(want, device="cuda")
     busy = torch.randn(4096, 4096, device="cuda")
     for _ in range(20):
         busy = busy @ busy
         busy /= busy.norm()
-    kv.add_(want.cuda())  # queued behind the busy kernels: the bytes arrive after them
-    cfg = small_config(local_disk=str(tmp_path), max_local_disk_size="1MiB", cpu_chunks=8)
+    kv.add_(want.cuda())
+    return kv
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tier", ["disk", "cpu_codec"])
+def test_a_store_behind_a_busy_stream_reads_back_exact(tmp_path: Path, tier: str) -> None:
+    """On a GPU: queue a long kernel, store, read back through a host reader of the page."""
+    tokens, want = make_tokens(TOKENS, 9), make_kv(TOKENS, 9)
+    if tier == "disk":
+        cfg = small_config(local_disk=str(tmp_path), max_local_disk_size="1MiB", cpu_chunks=8)
+    else:
+        cfg = small_config(cpu_chunks=16, cpu_codec="lossless", cpu_codec_staging=f"{PAGE}B")
     with Engine(cfg, SMALL_LAYOUT, model_name="fence") as engine:
-        engine.store(tokens, kv)
+        engine.store(tokens, busy_device_kv(want))
+        if tier == "cpu_codec":
+            with engine.request("r"):
+                engine.lookup(tokens + [1], "r")
+                served = engine.retrieve(tokens + [1], "r")
+            assert served_right(want, served)
+            return
     with Engine(cfg, SMALL_LAYOUT, model_name="fence") as engine, engine.request("r"):
         engine.lookup(tokens + [1], "r")
         served = engine.retrieve(tokens + [1], "r")
     assert served_right(want, served)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_load_into_the_gpu_is_exact_when_its_request_ends_at_once() -> None:
+    chunks = TOKENS // SMALL_CHUNK
+    cfg = small_config(cpu_chunks=chunks)
+    a_tokens, a_kv = make_tokens(TOKENS, 10), make_kv(TOKENS, 10)
+    b_tokens, b_kv = make_tokens(TOKENS, 11), make_kv(TOKENS, 11)
+    out = torch.zeros_like(a_kv, device="cuda")
+    with Engine(cfg, SMALL_LAYOUT, model_name="fence") as engine:
+        engine.store(a_tokens, a_kv)
+        engine.lookup(a_tokens + [1], "a")
+        busy_device_kv(a_kv)  # the load queues behind this
+        assert engine.retrieve_into(a_tokens + [1], "a", out) == TOKENS
+        engine.end_request("a")
+        engine.store(b_tokens, b_kv)  # A's pages, written again
+        assert torch.equal(out.cpu(), a_kv)
