@@ -1,5 +1,6 @@
 """The shm receive buffer cannot outlive its process: a segment left by a decoder that died
-(SIGKILL here) is removed by the next receiver; a living one's never is."""
+(SIGKILL here) is removed by the next receiver; a living one's never is. A sender opens only
+a segment's name in its own directory (the hostile receivers are in test_shm_channel.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
+from kvtier.errors import TransferError
 from kvtier.pd.channels.shm import SHM_DIR, ShmReceiver
-from kvtier.pd.channels.shm_segments import HIDDEN_GRACE_S, create_segment, sweep_orphans
+from kvtier.pd.channels.shm_segments import (
+    HIDDEN_GRACE_S,
+    create_segment,
+    open_segment,
+    sweep_orphans,
+)
 
 PAGE = 4096
 
@@ -106,3 +115,48 @@ def test_only_this_channels_regular_files_are_considered(tmp_path: Path) -> None
 
 def test_a_missing_directory_sweeps_nothing(tmp_path: Path) -> None:
     assert sweep_orphans(str(tmp_path / "absent")) == 0
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        "../kvtier-pd-1-0123456789ab",
+        "/dev/shm/kvtier-pd-1-0123456789ab",
+        "kvtier-pd-1-0123456789ab/../..",
+        "kvtier-pd-1-0123456789ab/",
+        ".kvtier-pd-1-0123456789ab",  # hidden: still being made
+        "kvtier-pd-1-0123456789AB",
+        "kvtier-pd-1-0123456789ab\n",
+        "kvtier-pd--0123456789ab",
+        "psm_0123",
+    ],
+)
+def test_a_sender_opens_only_a_segment_name(tmp_path: Path, name: str) -> None:
+    with pytest.raises(TransferError, match="no shared-memory segment kvtier makes"):
+        open_segment(str(tmp_path), name, PAGE)
+
+
+def test_a_sender_maps_a_segment_by_its_name(tmp_path: Path) -> None:
+    made = create_segment(str(tmp_path), 2 * PAGE)
+    opened = open_segment(str(tmp_path), made.name, 2 * PAGE)
+    try:
+        opened.mapping[PAGE : PAGE + 3] = b"abc"
+        assert made.mapping[PAGE : PAGE + 3] == b"abc"
+        opened.check()
+        os.truncate(made.path, PAGE)
+        with pytest.raises(TransferError, match="shrank"):
+            opened.check()
+    finally:
+        opened.close()
+        opened.close()  # idempotent
+        made.remove()
+
+
+def test_a_segment_is_allocated_when_made_not_on_first_touch(tmp_path: Path) -> None:
+    """Sparse, a /dev/shm too small for it would be a SIGBUS in whoever touched a page."""
+    made = create_segment(str(tmp_path), 64 * PAGE)
+    try:
+        assert os.stat(made.path).st_blocks * 512 >= 64 * PAGE
+    finally:
+        made.remove()

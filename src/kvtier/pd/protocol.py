@@ -21,7 +21,7 @@ One connection carries one sender's requests, one at a time::
                                          <-  ErrorReply("unauthorized")  } kvtier.pd.auth
                                                  when it fails
                                          <-  HelloReply(num_pages, page_bytes, how to reach
-                                                 the buffer: shm path / nixl metadata)
+                                                 the buffer: shm segment name / nixl metadata)
     AllocRequest(rid, keys, num_tokens) ->   reserve every missing chunk at once, or wait
                                          <-  AllocReply(held, pages) | ErrorReply(kind)
     ChunkSent(rid, index, nbytes, csum) ->   tcp: the next nbytes on the socket are the chunk,
@@ -83,7 +83,9 @@ class Proof(msgspec.Struct, tag=True):
 class HelloReply(msgspec.Struct, tag=True):
     num_pages: int
     page_bytes: int
-    shm_path: str = ""  # shm: the segment to map
+    # shm: the segment's name, which the sender resolves in its own /dev/shm (never a path:
+    # a peer that could name one could make the sender write into any file it can open)
+    shm_segment: str = ""
     nixl_metadata: bytes = b""  # nixl: the receiver's agent metadata
     base_address: int = 0  # nixl: address of page 0 in the receiver's registered buffer
 

@@ -4,9 +4,9 @@ The control messages (:mod:`kvtier.pd.protocol`) are the same on every transport
 channel only decides
 
 * on the receiver: what memory the receive buffer is (``make_pool``), what a sender needs to
-  reach it (``shm_path`` in the HelloReply) and how a chunk's bytes land in its page
-  (``receive_chunk``: read straight from the socket into the page, or nothing to do because
-  the sender already wrote into shared memory);
+  reach it (``greet``: extra HelloReply fields, such as the shm segment's name) and how a
+  chunk's bytes land in its page (``receive_chunk``: read straight from the socket into the
+  page, or nothing to do because the sender already wrote into shared memory);
 * on the sender: how to reach that memory (``attach``) and how one chunk travels
   (``send_chunk``, which also computes the checksum the receiver verifies).
 
@@ -39,13 +39,9 @@ class ReceiverChannel(ABC):
     def make_pool(self, num_pages: int, page_bytes: int) -> BlockPool:
         """The receive buffer's pool (called once, at the tier's open)."""
 
-    @property
-    def shm_path(self) -> str:
-        return ""
-
     def greet(self, hello: Hello) -> dict[str, Any]:
         """Take a sender's Hello; return the extra HelloReply fields it needs."""
-        return {"shm_path": self.shm_path}
+        return {}
 
     @abstractmethod
     def receive_chunk(
