@@ -4,6 +4,7 @@ a segment's name in its own directory (the hostile receivers are in test_shm_cha
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -160,3 +161,21 @@ def test_a_segment_is_allocated_when_made_not_on_first_touch(tmp_path: Path) -> 
         assert os.stat(made.path).st_blocks * 512 >= 64 * PAGE
     finally:
         made.remove()
+
+
+def test_a_full_shm_directory_names_the_size_needed_and_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A container's /dev/shm is 64 MiB by default: a buffer that does not fit fails at
+    creation with the sizes and the ways out, never a SIGBUS later."""
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(TransferError) as caught:
+        create_segment(str(tmp_path), 256 * 2**20)
+    message = str(caught.value)
+    assert f"needs {256 * 2**20}" in message and "bytes free of" in message
+    assert "pd_buffer_size" in message and "transfer_channel: tcp" in message
+    assert [p.name for p in tmp_path.iterdir()] == []  # nothing left behind

@@ -40,6 +40,7 @@ writes to one file serialise on its inode lock, so two threads do not help).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import mmap
@@ -104,8 +105,25 @@ def create_segment(directory: str, nbytes: int) -> Segment:
             os.close(fd)
         raise TransferError(
             f"cannot create the shared-memory receive buffer {public} ({nbytes} bytes): {exc}"
+            + _space_hint(directory, nbytes, exc)
         ) from None
     return Segment(public, mapping, fd)
+
+
+def _space_hint(directory: str, nbytes: int, exc: OSError) -> str:
+    """What to do when ``directory`` (a tmpfs: a container's /dev/shm is 64 MiB by default)
+    cannot hold the buffer; empty for other errors."""
+    if exc.errno != errno.ENOSPC:
+        return ""
+    try:
+        info = os.statvfs(directory)
+        free = f"{info.f_bavail * info.f_frsize} bytes free of {info.f_blocks * info.f_frsize}"
+    except OSError:
+        free = "its free space unknown"
+    return (
+        f"; {directory} has {free} and this buffer needs {nbytes}: enlarge it (a container's "
+        "--shm-size), lower pd_buffer_size, or use transfer_channel: tcp"
+    )
 
 
 @dataclass
