@@ -24,13 +24,7 @@ MARKER = ".kvtier-tiny-model"
 # What the printed command adds to vLLM's defaults, each for a reason: the weights are fp32
 # (the CPU build has no bf16 kernels on most CPUs); eager mode skips minutes of torch.compile
 # for a model this small; 4096 tokens keep vLLM's own KV space (VLLM_CPU_KVCACHE_SPACE, GiB)
-# small; the connector config is the smallest that turns kvtier on.
-CONNECTOR = {
-    "kv_connector": "KVTierConnector",
-    "kv_connector_module_path": "kvtier.integrations.vllm",
-    "kv_role": "kv_both",
-    "kv_load_failure_policy": "recompute",
-}
+# small; the connector config is the demo's, the smallest that turns kvtier on.
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
 def serve_command(model: Path) -> str:
     """One line that starts vLLM on ``model`` with kvtier's connector, on both vLLM builds
     (``VLLM_CPU_KVCACHE_SPACE`` only matters to the CPU build; docs/vllm.md says why)."""
+    from kvtier.demo.vllm_runner import CONNECTOR
+
     return (
         "VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server "
         f"--model {shlex.quote(str(model))} --dtype float32 --enforce-eager "
