@@ -76,14 +76,14 @@ def disk_engine(path: Path) -> Callable[[LateCopies | None], Engine]:
 
 @pytest.mark.parametrize("lying", [False, True], ids=["fenced", "lying-fence"])
 def test_disk_after_a_restart_serves_the_bytes_the_device_held(tmp_path: Path, lying: bool) -> None:
-    stored, served = stored_then_read(disk_engine(tmp_path), lying, seed=1)
+    stored, served = stored_then_read(disk_engine(tmp_path), lying, seed=45001)
     assert served_right(stored, served) is not lying
 
 
 @pytest.mark.parametrize("lying", [False, True], ids=["fenced", "lying-fence"])
 def test_a_coded_cpu_tier_encodes_the_bytes_the_device_held(lying: bool) -> None:
     copies = late(lying)
-    tokens, kv = make_tokens(TOKENS, 2), device_kv(copies, 2)
+    tokens, kv = make_tokens(TOKENS, 45002), device_kv(copies, 2)
     cfg = small_config(cpu_chunks=16, cpu_codec="lossless", cpu_codec_staging=f"{PAGE}B")
     with Engine(cfg, SMALL_LAYOUT, model_name="fence", copies=copies) as engine:
         engine.store(tokens, kv)
@@ -96,7 +96,7 @@ def test_a_coded_cpu_tier_encodes_the_bytes_the_device_held(lying: bool) -> None
 
 @pytest.mark.parametrize("lying", [False, True], ids=["fenced", "lying-fence"])
 def test_redis_serves_the_bytes_the_device_held(redis_server: RedisServer, lying: bool) -> None:
-    seed = 3 if lying else 4  # each run its own keys in the module's server
+    seed = 45003 if lying else 45004  # each run its own keys in the module's server
 
     def make(copies: LateCopies | None) -> Engine:
         cfg = small_config(remote_url=redis_server.url, local_cpu=False, cpu_chunks=8)
@@ -122,7 +122,7 @@ def test_the_server_serves_the_bytes_a_client_copied_from_the_device(lying: bool
         )
         try:
             copies = late(lying)
-            tokens, kv = make_tokens(TOKENS, 5), device_kv(copies, 5)
+            tokens, kv = make_tokens(TOKENS, 45005), device_kv(copies, 5)
             writer = ServerClient(
                 server.url, SMALL_LAYOUT, model_name="fence", config=client_config(),
                 copies=copies,
@@ -148,7 +148,7 @@ def test_the_server_serves_the_bytes_a_client_copied_from_the_device(lying: bool
 def test_a_pd_sender_sends_the_bytes_the_device_held(lying: bool) -> None:
     engine, receiver = decoder("tcp", pages=8)
     try:
-        tokens = make_tokens(TOKENS, 6)
+        tokens = make_tokens(TOKENS, 45006)
         copies = late(lying)
         kv = copies.mark(fake_prefill(tokens))
         spans = keychain().keys(tokens, include_partial=True)
@@ -176,8 +176,8 @@ def test_a_page_is_reused_only_after_the_load_from_it_landed(lying: bool) -> Non
     copies = late(lying)
     chunks = TOKENS // SMALL_CHUNK
     cfg = small_config(cpu_chunks=chunks)
-    a_tokens, a_kv = make_tokens(TOKENS, 7), make_kv(TOKENS, 7)
-    b_tokens, b_kv = make_tokens(TOKENS, 8), make_kv(TOKENS, 8)
+    a_tokens, a_kv = make_tokens(TOKENS, 45007), make_kv(TOKENS, 7)
+    b_tokens, b_kv = make_tokens(TOKENS, 45008), make_kv(TOKENS, 8)
     out = copies.mark(torch.zeros_like(a_kv))
     with Engine(cfg, SMALL_LAYOUT, model_name="fence", copies=copies) as engine:
         assert engine.store(a_tokens, a_kv) == chunks
@@ -218,7 +218,7 @@ def busy_device_kv(want: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("tier", ["disk", "cpu_codec"])
 def test_a_store_behind_a_busy_stream_reads_back_exact(tmp_path: Path, tier: str) -> None:
     """On a GPU: queue a long kernel, store, read back through a host reader of the page."""
-    tokens, want = make_tokens(TOKENS, 9), make_kv(TOKENS, 9)
+    tokens, want = make_tokens(TOKENS, 45009), make_kv(TOKENS, 9)
     if tier == "disk":
         cfg = small_config(local_disk=str(tmp_path), max_local_disk_size="1MiB", cpu_chunks=8)
     else:
@@ -242,8 +242,8 @@ def test_a_store_behind_a_busy_stream_reads_back_exact(tmp_path: Path, tier: str
 def test_a_load_into_the_gpu_is_exact_when_its_request_ends_at_once() -> None:
     chunks = TOKENS // SMALL_CHUNK
     cfg = small_config(cpu_chunks=chunks)
-    a_tokens, a_kv = make_tokens(TOKENS, 10), make_kv(TOKENS, 10)
-    b_tokens, b_kv = make_tokens(TOKENS, 11), make_kv(TOKENS, 11)
+    a_tokens, a_kv = make_tokens(TOKENS, 45010), make_kv(TOKENS, 10)
+    b_tokens, b_kv = make_tokens(TOKENS, 45011), make_kv(TOKENS, 11)
     out = torch.zeros_like(a_kv, device="cuda")
     with Engine(cfg, SMALL_LAYOUT, model_name="fence") as engine:
         engine.store(a_tokens, a_kv)
