@@ -139,6 +139,9 @@ def test_two_cache_salts_never_share_a_chunk(
     s2 = llm.stats()
     assert delta(s2, s1, "hit_tokens") == 0 and delta(s2, s1, "retrieved_tokens") == 0
     assert delta(s2, s1, "stored_chunks") == 6  # each salt stored its own copy
+    # The CPU tier (3 pages) has evicted tenant-A's chunks for the others': A's hit comes from
+    # disk, so its writes must have landed first (on a loaded machine they can still queue).
+    assert llm.probe is not None and llm.probe.flush(30.0) is True
 
     run = generate(llm, {"a2": prompt}, salt="tenant-A")
     assert run.outputs["a2"] == reference["salted"][0]
