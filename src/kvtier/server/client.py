@@ -118,6 +118,7 @@ class ServerClient(KVCache):
         """Disconnect (the server releases everything this client held). Idempotent."""
         with self._lock:
             self._state = Lifecycle.CLOSED
+            self._land_loads()  # the server reuses the pages once the connection goes
             self._link.close()
 
     @property
@@ -277,9 +278,14 @@ class ServerClient(KVCache):
 
     def _lost(self, exc: Exception) -> None:
         self.unserved += 1
+        self._land_loads()  # before the drop: the server then reuses the pages at once
         self._link.drop(str(exc))
         with self._live_lock:
             self._live.clear()  # the server released the connection's leases
+
+    def _land_loads(self) -> None:
+        """Wait for every copy still running out of this connection's server pages."""
+        with self._live_lock:
             loading, self._loading = list(self._loading.values()), {}
         for copies in loading:
             copies.wait()

@@ -117,11 +117,14 @@ class StorageManager:
             pages = [slot.page for slot in slots]
             try:
                 batch = self.copies.begin(kv, Direction.STORE)
-                for slot in slots:
-                    self._copy_in(kv, slot.span, slot.page, batch.copy)
-                # Landed before the pages reach any owner: the CPU index serves them, writer
-                # threads checksum and write them, a codec reads them, all on the host.
-                batch.close().wait()
+                try:
+                    for slot in slots:
+                        self._copy_in(kv, slot.span, slot.page, batch.copy)
+                finally:
+                    # Landed before the pages reach any owner (the CPU index serves them,
+                    # writer threads checksum and write them, a codec reads them, all on the
+                    # host), and before a failed store gives them back to the pool.
+                    batch.close().wait()
                 stored += self.commit(slots)
             finally:
                 self.pool.release(pages)  # the reservation's own references (owners took theirs)
