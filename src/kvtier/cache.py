@@ -109,7 +109,7 @@ class KVCache(Opens):
         of them in the CPU tier. ``checkpoint_tokens`` (a state model's: where its partial
         chunks may end, a divisor of ``chunk_size``): the chunk after the hit is probed for
         the longest cached partial chunk ending at a multiple of it
-        (:mod:`kvtier.engine_checkpoints`)."""
+        (:mod:`kvtier.engine._checkpoints`)."""
         with self._call():
             check_request_id(request_id)
             prompt = check_prompt(tokens, skip_leading_tokens, cache_salt, checkpoint_tokens)

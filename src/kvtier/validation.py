@@ -27,7 +27,7 @@ class Prompt:
     tokens: np.ndarray
     skip: int = 0
     salt: RequestSalt | None = None
-    checkpoints: int = 0  # a lookup's checkpoint_tokens (kvtier.engine_checkpoints)
+    checkpoints: int = 0  # a lookup's checkpoint_tokens (kvtier.engine._checkpoints)
 
 
 def check_prompt(

@@ -1,12 +1,12 @@
 """A state model's checkpoint lookup through a real ``kvtier server``: the Lookup carries
 ``checkpoint_tokens``, so a chat's next turn resumes at the last turn's checkpoint as it
-does in process (:mod:`kvtier.engine_checkpoints`), with the bytes stored."""
+does in process (:mod:`kvtier.engine._checkpoints`), with the bytes stored."""
 
 from __future__ import annotations
 
 from tests.conftest import SMALL_CHUNK, make_kv, make_tokens
+from tests.engine.test_checkpoints import next_turn_resumes_at_the_checkpoint
 from tests.server.server_helpers import ServerProcess, open_client
-from tests.test_engine_checkpoints import next_turn_resumes_at_the_checkpoint
 
 UNIT = 4
 

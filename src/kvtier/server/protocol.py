@@ -78,7 +78,7 @@ class Lookup(msgspec.Struct, tag=True):
     tokens: bytes  # int32 little-endian
     skip: int = 0
     cache_salt: RequestSalt | None = None  # the request's own salt (vLLM's cache_salt): its keys
-    checkpoints: int = 0  # a state model's checkpoint_tokens (kvtier.engine_checkpoints)
+    checkpoints: int = 0  # a state model's checkpoint_tokens (kvtier.engine._checkpoints)
 
 
 class Retrieve(msgspec.Struct, tag=True):

@@ -92,7 +92,7 @@ class LookupPlan:
 
     def extended(self, spans: ChunkSpans, tail: LookupPlan) -> LookupPlan:
         """This plan's hit followed by ``tail``'s, a plan of the chunks right after it (a
-        checkpoint: :mod:`kvtier.engine_checkpoints`), over ``spans``, the keys of both."""
+        checkpoint: :mod:`kvtier.engine._checkpoints`), over ``spans``, the keys of both."""
         shift = self.hit_chunks
         runs = self.runs + [(tier, first + shift, end + shift) for tier, first, end in tail.runs]
         pages = self._pages[:shift] + tail._pages

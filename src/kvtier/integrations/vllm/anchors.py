@@ -14,7 +14,7 @@ key), keeping its sliding layers' last ``keep`` tokens before that end::
     stored     c0 (whole chunk)     c1                   the tail to n // block * block
 
 A later lookup probes the block boundaries of the chunk it misses
-(:mod:`kvtier.engine_checkpoints`), so a chat's next turn resumes at the last turn's
+(:mod:`kvtier.engine._checkpoints`), so a chat's next turn resumes at the last turn's
 checkpoint. The checkpoint is saved in the step whose prefill reaches it: after that vLLM's
 sliding groups free the blocks behind their window, and :meth:`.paged.PagedKV.complete`
 refuses a save whose kept tokens are gone (a miss, never a wrong record).

@@ -40,7 +40,7 @@ class WorkerChannel:
     def lookup(self, request_id: str, tokens: list[int], cache_salt: RequestSalt | None) -> Hit:
         # A state model's hit, or a sliding model's with large chunks, may end at an earlier
         # prompt's checkpoint, a block boundary inside the chunk the lookup misses
-        # (kvtier.engine_checkpoints).
+        # (kvtier.engine._checkpoints).
         states = self._worker.states
         unit = states.block_size if states is not None else self._worker.checkpoint_unit
         return self._cache().lookup(  # the Hit is sent as is

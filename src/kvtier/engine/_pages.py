@@ -17,50 +17,20 @@ engine's call guard, like the engine's own public calls.
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager
-from typing import Protocol
 
-import numpy as np
-
-from kvtier.config import Config
-from kvtier.engine_loads import RequestLoads
+from kvtier.engine._core import EngineCore
 from kvtier.errors import StateError
-from kvtier.keys import RequestKeys
-from kvtier.lease import Lease, LeaseTable
-from kvtier.observability.observer import Observer
 from kvtier.request_salt import RequestSalt
-from kvtier.storage.counters import EngineCounters
-from kvtier.storage.manager import StorageManager
-from kvtier.storage.plan import ENGINE, LookupPlan
+from kvtier.storage.plan import ENGINE
 from kvtier.storage.writes import StoreSlot
 from kvtier.validation import check_prompt, check_request_id
-
-
-class PageHost(Protocol):
-    """The engine's parts this view uses (``kvtier.engine.Engine`` is the one host)."""
-
-    config: Config
-    counters: EngineCounters
-    observer: Observer
-
-    def end_request(self, request_id: str) -> bool: ...
-
-    def _call(self) -> AbstractContextManager[None]: ...
-
-    def _open_parts(self) -> tuple[StorageManager, LeaseTable[LookupPlan]]: ...
-
-    def _keys_for(
-        self, tokens: np.ndarray, salt: RequestSalt | None, lease: Lease[LookupPlan] | None
-    ) -> RequestKeys: ...
-
-    def _loads_part(self) -> RequestLoads: ...
 
 
 class EnginePages:
     """See the module docstring."""
 
-    def __init__(self, engine: PageHost) -> None:
-        self._engine = engine
+    def __init__(self, core: EngineCore) -> None:
+        self._core = core
 
     def lease_pages(
         self,
@@ -73,14 +43,15 @@ class EnginePages:
         """``Engine.retrieve_into`` without the copy: the chunks of the cached prefix from the
         skip on, each resident in a page that ``request_id``'s lease holds until
         ``end_request``. Returns (end of the loaded prefix, [(page, start, tokens)])."""
-        engine = self._engine
-        with engine._call():
+        core = self._core
+        with core.call():
             started = time.perf_counter()
             check_request_id(request_id)
             prompt = check_prompt(tokens, skip_leading_tokens, cache_salt)
-            loads = engine._loads_part()
+            parts = core.parts()
+            loads = parts.loads
             plan = loads.plan(request_id, prompt)
-            chunk = engine.config.chunk_size
+            chunk = core.config.chunk_size
             start = (prompt.skip // chunk) * chunk
             loaded_end = loads.load(plan, request_id, None, start, started)
             pages = [
@@ -101,30 +72,32 @@ class EnginePages:
         """``Engine.store`` without the copy: a page for each chunk of ``tokens`` not yet held
         (from the skip on), held by ``request_id``'s lease. Fill them, then
         :meth:`commit_pages`; ending the request first gives them back unstored."""
-        engine = self._engine
-        with engine._call():
+        core = self._core
+        with core.call():
             started = time.perf_counter()
-            manager, leases = engine._open_parts()
+            parts = core.parts()
+            manager, leases = parts.manager, parts.leases
             check_request_id(request_id)
             prompt = check_prompt(tokens, skip_leading_tokens, cache_salt)
             array = prompt.tokens
-            spans = engine._keys_for(array, prompt.salt, None).spans
-            engine.counters.add(stores=1)
-            offered = spans[prompt.skip // engine.config.chunk_size :]
+            spans = core.keys_for(array, prompt.salt, None).spans
+            core.counters.add(stores=1)
+            offered = spans[prompt.skip // core.config.chunk_size :]
             slots, dropped = manager.reserve(offered)
             leases.open(request_id).take_pages([slot.page for slot in slots])
-            engine.observer.on_store(array, offered, dropped, started)
+            core.observer.on_store(array, offered, dropped, started)
             return slots
 
     def commit_pages(self, request_id: str, slots: list[StoreSlot]) -> int:
         """Publish pages :meth:`reserve_pages` gave ``request_id`` and filled since, then end
         the request. Returns chunks newly stored."""
-        engine = self._engine
-        with engine._call():
-            manager, leases = engine._open_parts()
+        core = self._core
+        with core.call():
+            parts = core.parts()
+            manager, leases = parts.manager, parts.leases
             lease = leases.get(request_id)
             if lease is None or not set(s.page for s in slots) <= set(lease.pages):
                 raise StateError(f"request {request_id!r} holds no reservation for these pages")
             stored = manager.commit(slots)
-            engine.end_request(request_id)
+            core.end_request(request_id)
             return stored

@@ -5,8 +5,8 @@ Every reference a request takes lives in its lease (:mod:`kvtier.lease`) until
 ``end_request``. Call it on every path that ends a request (finished, aborted, failed, timed
 out): a ``try/finally`` in the caller, or ``with engine.request(rid):`` that does it for you.
 
-How a looked-up request's hit is planned and loaded is :mod:`kvtier.engine_loads`. Two
-narrower faces are views in their own modules: ``engine.pages()`` (:mod:`kvtier.engine_pages`,
+How a looked-up request's hit is planned and loaded is :mod:`kvtier.engine._loads`. Two
+narrower faces are views in their own modules: ``engine.pages()`` (:mod:`kvtier.engine._pages`,
 for a process that maps the page buffer) and ``engine.receiver_host()`` (:mod:`kvtier.pd.host`,
 for a decoder's PD receiver). Which tiers
 exist is the config's business (:mod:`kvtier.tiers`); the engine opens what it is given.
@@ -28,16 +28,16 @@ import torch
 from kvtier.cache import KVCache
 from kvtier.config import Config
 from kvtier.config.sizes import size_notes
-from kvtier.engine_checkpoints import check_checkpoints, extend_to_checkpoint
-from kvtier.engine_loads import RequestLoads
-from kvtier.engine_pages import EnginePages
+from kvtier.engine._checkpoints import check_checkpoints, extend_to_checkpoint
+from kvtier.engine._core import EngineCore, OpenParts
+from kvtier.engine._loads import RequestLoads
+from kvtier.engine._pages import EnginePages
 from kvtier.errors import StateError
 from kvtier.hit import Hit
 from kvtier.keys import RequestKeys
 from kvtier.layout import KVLayout
 from kvtier.lease import Lease, LeaseInfo, LeaseTable
-from kvtier.lifecycle import CallGuard, Lifecycle, guarded
-from kvtier.memory.block_pool import BlockPool
+from kvtier.lifecycle import Lifecycle, guarded
 from kvtier.memory.device import CopyEngine, DeviceCopies
 from kvtier.observability.observer import Observer
 from kvtier.observability.stats import engine_stats
@@ -99,12 +99,11 @@ class Engine(KVCache):
         check_fits_in_memory("max_local_cpu_size", self.config.max_local_cpu_size)
         self.counters = EngineCounters()
         self.observer = Observer(self.fingerprint, self.config)  # metrics, explain (no I/O)
-        self._guard = CallGuard("Engine")  # the state, and the public calls in flight
+        # What this engine and its page view share (kvtier.engine._core): the call guard,
+        # the parts that exist while open, a request's keys and its end.
+        self._core = EngineCore(self.config, self.keychain, self.counters, self.observer)
+        self._guard = self._core.guard  # the state, and the public calls in flight
         self._state_lock = threading.Lock()  # one open() or close() at a time
-        self._pool: BlockPool | None = None
-        self._manager: StorageManager | None = None
-        self._leases: LeaseTable[LookupPlan] | None = None
-        self._loads: RequestLoads | None = None
         self._page_memory = page_memory
         self._copies = copies if copies is not None else DeviceCopies()
 
@@ -115,7 +114,7 @@ class Engine(KVCache):
                 return self
             if self._guard.state is EngineState.CLOSED:
                 raise StateError("this Engine is closed; create a new one")
-            self._manager = open_storage(
+            manager = open_storage(
                 self.config,
                 self.layout,
                 self.fingerprint,
@@ -125,19 +124,17 @@ class Engine(KVCache):
                 self._lower_tiers,
                 self._copies,
             )
-            self._pool = self._manager.pool
-            self._leases = LeaseTable[LookupPlan](self._pool)
-            self._loads = RequestLoads(
-                self._manager, self._leases, self.observer, self.counters, self._lookup
-            )
-            self.observer.attach(self._manager)
+            leases = LeaseTable[LookupPlan](manager.pool)
+            loads = RequestLoads(manager, leases, self.observer, self.counters, self._lookup)
+            self._core.attach(OpenParts(manager, leases, loads, manager.pool))
+            self.observer.attach(manager)
             self._guard.open()
             log.info(
                 "kvtier engine open: %s, %d CPU pages of %d bytes, tiers %s; sizes: %s",
                 self.layout.describe(),
                 self.num_pages,
                 self.chunk_bytes,
-                [t.name for t in self._manager.tiers],
+                [t.name for t in manager.tiers],
                 # A bare 5 is GiB and "5GB" decimal (7 % less): say which one each size got.
                 size_notes(self.config),
             )
@@ -156,46 +153,32 @@ class Engine(KVCache):
                     self._guard.running,
                     bound,
                 )
-            if not was_open:
+            parts = self._core.detach()
+            if not was_open or parts is None:
                 return
-        assert self._leases is not None and self._manager is not None and self._pool is not None
-        still_open = self._leases.end_all()
+        still_open = parts.leases.end_all()
         if still_open:
             log.warning(
                 "closing with %d requests still open; their leases were released", still_open
             )
         try:
-            self._manager.flush(self.config.blocking_timeout_secs)
-            self._manager.close()
+            parts.manager.flush(self.config.blocking_timeout_secs)
+            parts.manager.close()
         finally:
-            self._pool.close()
+            parts.pool.close()
 
     @property
     def state(self) -> EngineState:
         return self._guard.state
 
     def _open_parts(self) -> tuple[StorageManager, LeaseTable[LookupPlan]]:
-        state = self._guard.state
-        if state is not EngineState.OPEN:
-            hint = (
-                "call open() or use `with Engine(...)`"
-                if state is EngineState.NEW
-                else "it was closed"
-            )
-            raise StateError(f"Engine is {state.value}: {hint}")
-        assert self._manager is not None and self._leases is not None
-        return self._manager, self._leases
-
-    def _loads_part(self) -> RequestLoads:
-        """How a request's hit reaches the engine (:mod:`kvtier.engine_loads`)."""
-        self._open_parts()
-        assert self._loads is not None
-        return self._loads
+        parts = self._core.parts()
+        return parts.manager, parts.leases
 
     def _call(self) -> AbstractContextManager[None]:
         """A call counted in flight (see ``_guarded``): every public call of the cache
-        surface, and the views in other modules."""
-        return self._guard.call()
+        surface."""
+        return self._core.call()
 
     # -- the request API (KVCache's hooks: the arguments are checked) ----------------------
     def _lookup(self, request_id: str, prompt: Prompt) -> Hit:
@@ -232,7 +215,7 @@ class Engine(KVCache):
         looked up; they are looked up and loaded now, and when the cache does not hold them
         all this raises :class:`InputError`: use :meth:`retrieve_into` with the same skip."""
         started = time.perf_counter()
-        loads = self._loads_part()
+        loads = self._core.parts().loads
         plan = loads.plan(request_id, prompt)
         if plan.hits and plan.hits[0].tier is ENGINE:
             loads.locate_skipped(plan, request_id)
@@ -242,7 +225,7 @@ class Engine(KVCache):
 
     def _retrieve_into(self, request_id: str, prompt: Prompt, out: torch.Tensor) -> int:
         started = time.perf_counter()
-        loads = self._loads_part()
+        loads = self._core.parts().loads
         plan = loads.plan(request_id, prompt)
         check_out(out, self.layout, plan.hit_tokens)
         start = (prompt.skip // self.config.chunk_size) * self.config.chunk_size
@@ -260,13 +243,7 @@ class Engine(KVCache):
         return stored
 
     def _end_request(self, request_id: str) -> bool:
-        _, leases = self._open_parts()
-        lease = leases.get(request_id)
-        ended = leases.end(request_id)
-        if ended and lease is not None:
-            unused = self.observer.on_request_end(lease)
-            self.counters.add(requests=1, unused_tokens=unused)
-        return ended
+        return self._core.end_request(request_id)
 
     def record_stored(self, request_id: str, tokens: int, prompt_tokens: int) -> None:
         """``tokens`` of ``request_id``'s prompt were newly stored (for its log line): a
@@ -343,8 +320,8 @@ class Engine(KVCache):
 
     # -- views ---------------------------------------------------------------------------------
     def pages(self) -> EnginePages:
-        """The page API, for a process that maps the page buffer (:mod:`kvtier.engine_pages`)."""
-        return EnginePages(self)
+        """The page API, for a process that maps the page buffer (:mod:`kvtier.engine._pages`)."""
+        return EnginePages(self._core)
 
     def receiver_host(self) -> EngineReceiverHost:
         """This engine as a PD receiver sees it (:mod:`kvtier.pd.host`); needs an open engine."""
@@ -364,21 +341,7 @@ class Engine(KVCache):
     def _keys_for(
         self, tokens: np.ndarray, salt: RequestSalt | None, lease: Lease[LookupPlan] | None
     ) -> RequestKeys:
-        """The keys of ``tokens``: reused from the lease where it knows them (only chunks it
-        does not know are hashed); the lease keeps them when they extend its tokens."""
-        known = lease.keys if lease is not None else None
-        if known is None:
-            return RequestKeys(self.keychain, tokens, salt, self.config.save_unfull_chunk)
-        made = known.for_tokens(tokens, salt)
-        if (
-            lease is not None
-            and made is not known
-            and salt == known.salt
-            and len(tokens) > len(known.tokens)
-            and np.array_equal(tokens[: len(known.tokens)], known.tokens)
-        ):
-            lease.keys = made  # the same prompt, longer: what a later store hashed
-        return made
+        return self._core.keys_for(tokens, salt, lease)
 
     @contextmanager
     def loading(self, request_id: str) -> Iterator[bool]:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvtier import Engine, InputError
 from kvtier.cache import KVCache
-from kvtier.engine_checkpoints import checkpoint_ends
+from kvtier.engine._checkpoints import checkpoint_ends
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
 from tests.redis_servers import RedisServer
 
