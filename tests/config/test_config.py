@@ -96,7 +96,7 @@ def test_pd_buffer_size_numbers_are_bytes() -> None:
         ("cache_policy", "LFU", "'LRU'"),
         ("pd_role", "both", "'sender', 'receiver'"),
         ("blocking_timeout_secs", float("inf"), "finite"),
-        ("pd_peer_init_port", 70000, "TCP port"),
+        ("pd_peer_alloc_port", 70000, "TCP port"),
         ("extra_config", [1, 2], "mapping"),
     ],
 )
@@ -209,10 +209,10 @@ def test_secrets_are_masked() -> None:
 
 def test_ports_take_one_or_a_list() -> None:
     cfg = Config.load(
-        env={"LMCACHE_PD_PEER_INIT_PORT": "[8100, 8101]"}, overrides={"pd_peer_alloc_port": 8200}
+        env={"LMCACHE_PD_PEER_ALLOC_PORT": "[8100, 8101]"}, overrides={"pd_serve_port": 8200}
     )
-    assert cfg.pd_peer_init_port == (8100, 8101)
-    assert cfg.pd_peer_alloc_port == (8200,)
+    assert cfg.pd_peer_alloc_port == (8100, 8101)
+    assert cfg.pd_serve_port == (8200,)
 
 
 def test_remote_url_is_checked_at_load_and_its_password_masked() -> None:

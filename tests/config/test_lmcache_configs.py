@@ -99,11 +99,18 @@ def test_decoder_with_no_cpu_tier_loads(tmp_path: Path) -> None:
     assert config.pd_peer_alloc_port == (7400,)
 
 
-def test_the_1p1d_prefiller_loads_as_a_prefiller_decoders_pull_from(tmp_path: Path) -> None:
+def test_the_1p1d_prefiller_loads_as_a_prefiller_decoders_pull_from(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """No decoder in it (LMCache's proxy names one per request): kvtier's prefiller then holds
     each request's chunks in a send buffer of pd_buffer_size and the decoder the router picks
-    pulls them (docs/pd.md, xPyD)."""
-    config = load(tmp_path, PREFILLER)
+    pulls them (docs/pd.md, xPyD). Its proxy keys are said to do nothing, once."""
+    with caplog.at_level(logging.WARNING):
+        config = load(tmp_path, PREFILLER)
+    no_effect = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
+    assert len(no_effect) == 1
+    assert "pd_proxy_host" in no_effect[0] and "pd_proxy_port" in no_effect[0]
+    assert not hasattr(config, "pd_proxy_host")
     assert config.pd_role == "sender" and not config.local_cpu
     assert config.pd_peer_alloc_port is None and config.pd_buffer_size == 1073741824
     assert config.pd_serve_host == "127.0.0.1" and config.pd_serve_port is None

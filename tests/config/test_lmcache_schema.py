@@ -83,10 +83,7 @@ MAPPED_SAMPLES: dict[str, tuple[dict[str, object], dict[str, object]]] = {
     "nixl_buffer_size": ({"nixl_buffer_size": 1 << 20}, {"pd_buffer_size": 1 << 20}),
     "nixl_buffer_device": ({"nixl_buffer_device": "cpu"}, {"pd_buffer_device": "cpu"}),
     "nixl_peer_host": ({"nixl_peer_host": "h"}, {"pd_peer_host": "h"}),
-    "nixl_peer_init_port": ({"nixl_peer_init_port": [7300]}, {"pd_peer_init_port": (7300,)}),
     "nixl_peer_alloc_port": ({"nixl_peer_alloc_port": 7400}, {"pd_peer_alloc_port": (7400,)}),
-    "nixl_proxy_host": ({"nixl_proxy_host": "p"}, {"pd_proxy_host": "p"}),
-    "nixl_proxy_port": ({"nixl_proxy_port": 7500}, {"pd_proxy_port": (7500,)}),
 }
 
 

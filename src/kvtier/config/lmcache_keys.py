@@ -69,10 +69,7 @@ PD_RENAMES = {
     "nixl_buffer_size": "pd_buffer_size",
     "nixl_buffer_device": "pd_buffer_device",
     "nixl_peer_host": "pd_peer_host",
-    "nixl_peer_init_port": "pd_peer_init_port",
     "nixl_peer_alloc_port": "pd_peer_alloc_port",
-    "nixl_proxy_host": "pd_proxy_host",
-    "nixl_proxy_port": "pd_proxy_port",
 }
 
 _TUNING = "a tuning knob of LMCache's own machinery, with no counterpart in kvtier"
@@ -238,7 +235,20 @@ LMCACHE_KEYS: tuple[LMCacheKey, ...] = (
         "kvtier notifies no proxy: the proxy reads kv_transfer_params from the prefiller",
         "pd_skip_proxy_notification",
     ),
-    *_ignored("kvtier's PD receiver answers on pd_peer_alloc_port alone", "pd_peer_query_port"),
+    *_ignored(
+        "kvtier's PD receiver answers on pd_peer_alloc_port alone",
+        "pd_peer_query_port",
+        "pd_peer_init_port",
+        "nixl_peer_init_port",
+    ),
+    *_ignored(
+        "kvtier notifies no proxy: vllm-router (`kvtier pd-proxy`) reads kv_transfer_params "
+        "from the prefiller's answer",
+        "pd_proxy_host",
+        "pd_proxy_port",
+        "nixl_proxy_host",
+        "nixl_proxy_port",
+    ),
     *_ignored(
         "kvtier's PD waits on events, with pd_message_timeout_sec and pd_idle_timeout_sec",
         "pd_shutdown_timeout_sec",

@@ -47,12 +47,9 @@ class Config:
     pd_buffer_size: int | None = None
     pd_buffer_device: str | None = None
     pd_peer_host: str | None = None
-    pd_peer_init_port: tuple[int, ...] | None = None
     pd_peer_alloc_port: tuple[int, ...] | None = None
     pd_serve_host: str = "127.0.0.1"
     pd_serve_port: tuple[int, ...] | None = None
-    pd_proxy_host: str | None = None
-    pd_proxy_port: tuple[int, ...] | None = None
     pd_allocation_timeout_sec: float = 10.0
     pd_auth_token: str | None = field(default=None, repr=False)  # a secret: never shown
     pd_reservation_ttl_sec: float = 120.0

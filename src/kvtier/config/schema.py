@@ -139,7 +139,6 @@ KEYS: tuple[KeySpec, ...] = (
     ),
     KeySpec("pd_buffer_device", p.choice(("cpu", "cuda"), optional=True), None, "cpu or cuda."),
     KeySpec("pd_peer_host", p.text(), None, "Receiver host the sender connects to."),
-    KeySpec("pd_peer_init_port", p.ports, None, "Receiver handshake port (or one per rank)."),
     KeySpec("pd_peer_alloc_port", p.ports, None, "Receiver allocation port (or one per rank)."),
     KeySpec(
         "pd_serve_host",
@@ -156,8 +155,6 @@ KEYS: tuple[KeySpec, ...] = (
         "That sender's port (or one per TP rank); unset: a free port, named per request.",
         lmcache=False,
     ),
-    KeySpec("pd_proxy_host", p.text(), None, "Proxy host notified when a transfer is done."),
-    KeySpec("pd_proxy_port", p.ports, None, "Proxy port."),
     KeySpec(
         "pd_allocation_timeout_sec",
         p.positive_float(3600.0),
