@@ -60,7 +60,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.bench import codec as codec_bench
-from kvtier.bench import trace_codec, trace_engine, trace_sims
+from kvtier.bench import trace_codec, trace_engine, trace_sims, trace_synthetic
 from kvtier.bench.trace_file import Trace, add_path_argument, load
 from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout, dtype_from_name
@@ -78,6 +78,16 @@ REFERENCE = (32, 8, 128)  # layers, KV heads, head dim: the layout --codec count
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_path_argument(parser)
+    parser.add_argument(
+        "--synthetic",
+        metavar="NAME",
+        choices=list(trace_synthetic.SHAPES),
+        help="replay a synthetic trace of this shape instead of PATH (docs/policies.md): "
+        + ", ".join(trace_synthetic.SHAPES),
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None, help="with --synthetic: its seed (default: fixed)"
+    )
     parser.add_argument("--capacity", type=float, default=0.1, help="fraction of unique blocks")
     parser.add_argument("--block-tokens", type=int, default=512, help="tokens per hash id")
     parser.add_argument("--rechain", action="store_true", help="chain ids that name contents")
@@ -200,9 +210,16 @@ def capacity_for(
     return round(hi, 4)
 
 
+def load_trace(args: argparse.Namespace) -> Trace:
+    """The trace ``args`` name: ``--synthetic NAME`` (its 512-token blocks), else PATH."""
+    if args.synthetic:
+        return trace_synthetic.generate(args.synthetic, args.seed)
+    return load(args.path, block_tokens=args.block_tokens, rechain=args.rechain)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
-    trace = load(args.path, block_tokens=args.block_tokens, rechain=args.rechain)
+    trace = load_trace(args)
     unique = trace.unique_blocks()
     unfull = args.save_unfull_chunk
     main = point(trace, unique, args.capacity, args.policy, unfull)
@@ -216,6 +233,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tiers = _with_disk(trace, unique, args, main["opt"]) if args.disk_capacity > 0 else {}
     coded = _with_codec(trace, unique, args, main["opt"]) if args.codec else {}
     return {
+        "trace": args.synthetic or args.path,
         "policy": args.policy,
         "save_unfull_chunk": unfull,
         "capacity": args.capacity,

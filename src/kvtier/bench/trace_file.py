@@ -1,8 +1,11 @@
 """A request trace of prefix-chained block ids (the Mooncake FAST'25 format), read for replay.
 
-One JSON object a line; only two fields are read::
+One JSON object a line; two fields are read, and a third where present::
 
-    {"input_length": 6758, "hash_ids": [0, 1, 2, ..., 13], ...}
+    {"input_length": 6758, "hash_ids": [0, 1, 2, ..., 13], "tenant": "t0", ...}
+
+``tenant`` (a string; the synthetic traces of :mod:`kvtier.bench.trace_synthetic` name one
+per request) goes to ``Trace.tenants``; a trace without it has none.
 
 ``hash_ids`` holds one id per ``block_tokens``-token block of the prompt; the last block holds
 what is left (``input_length - block_tokens * (n - 1)`` tokens, usually fewer). Equal ids must
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.errors import InputError
@@ -70,6 +73,8 @@ class Trace:
     requests: list[list[int]]
     tokens: list[list[int]]
     block_tokens: int = 512  # a whole block's tokens
+    # Each request's tenant (its cache_salt, say), or empty when the trace names none.
+    tenants: list[str] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -88,6 +93,7 @@ def load(path: str | Path, *, block_tokens: int = 512, rechain: bool = False) ->
     path = resolve(path)
     requests: list[list[int]] = []
     tokens: list[list[int]] = []
+    tenants: list[str] = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -111,9 +117,10 @@ def load(path: str | Path, *, block_tokens: int = 512, rechain: bool = False) ->
                 )
             requests.append(ids)
             tokens.append([block_tokens] * (len(ids) - 1) + [last])
+            tenants.append(str(row.get("tenant", "")))
     if rechain:
         requests = chain(requests)
-    return Trace(requests, tokens, block_tokens)
+    return Trace(requests, tokens, block_tokens, tenants if any(tenants) else [])
 
 
 def chain(requests: list[list[int]]) -> list[list[int]]:
