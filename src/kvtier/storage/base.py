@@ -151,6 +151,8 @@ class Tier(ABC):
     medium: str | None = None
     counters: TierCounters
     serves_views: bool = False  # get_into also takes a view of the caller's KV (see above)
+    # False: stores never write to it (the p2p tier: peers' chunks are read, never put)
+    accepts_puts: bool = True
 
     def __init__(self) -> None:
         self.counters = TierCounters()

@@ -144,7 +144,10 @@ class StorageManager:
             return [], 0
         keys = [s.key for s in spans]
         cpu_has = self.cpu.contains(keys) if self.cpu_visible else [True] * len(keys)
-        lower_has = [self._contains_or_none(tier, keys) for tier in self.lower]
+        lower_has = [
+            self._contains_or_none(tier, keys) if tier.accepts_puts else None
+            for tier in self.lower
+        ]
         slots: list[StoreSlot] = []
         dropped = 0
         for i, span in enumerate(spans):
