@@ -10,6 +10,12 @@ import pytest
 import torch
 
 from kvtier import Config, Engine, KVLayout, Service
+from tests import hosts
+from tests.hosts import (  # noqa: F401 (hooks: the one rule for skips under KVTIER_CI and root)
+    pytest_make_collect_report,
+    pytest_runtest_makereport,
+    pytest_runtest_setup,
+)
 from tests.recall_training import start_recall_training, stop_recall_training
 from tests.redis_servers import RedisServer
 
@@ -62,7 +68,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 def pytest_configure(config: pytest.Config) -> None:
     """In an xdist worker: its vLLMs compute on its own share of this process's CPUs (the
     last share for the first worker, as vLLM's own binding picks the last CPUs), unless the
-    environment already says where (``VLLM_CPU_OMP_THREADS_BIND``)."""
+    environment already says where (``VLLM_CPU_OMP_THREADS_BIND``). Everywhere: the markers
+    of tests/hosts.py."""
+    hosts.pytest_configure(config)
     worker = getattr(config, "workerinput", None)
     if worker is None or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return

@@ -11,12 +11,9 @@ import pytest
 
 from kvtier import local_sockets
 from kvtier.errors import StateError
+from tests.hosts import needs_root
 
 NOBODY = 65534  # another local user
-
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0, reason="a link owned by another user can only be made by root (lchown)"
-)
 
 
 def private_dir(path: Path) -> Path:

@@ -25,14 +25,11 @@ from kvtier.errors import TransferError
 from kvtier.pd.channels.shm import SHM_DIR, ShmReceiver, ShmSender
 from kvtier.pd.channels.shm_segments import NAME, PREFIX
 from kvtier.pd.protocol import Hello, HelloReply
+from tests.hosts import needs_root
 
 PAGE = 4096
 NOBODY = 65534  # another local user
 CONTENT = b"precious" * (PAGE // 8)
-
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0, reason="a file of another user (or root-only) needs root to make"
-)
 
 
 def hostile_reply(target: str, pages: int = 1) -> HelloReply:

@@ -22,6 +22,7 @@ from kvtier.server import endpoint
 from kvtier.server.client import ServerClient
 from kvtier.server.daemon import KVTierServer
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_tokens
+from tests.hosts import needs_root
 from tests.server.conftest import SPAWN
 from tests.server.server_helpers import (
     CHUNK_BYTES,
@@ -46,6 +47,7 @@ def shared_dir() -> Iterator[str]:
     remove_tempdir(path)
 
 
+@needs_root
 def test_a_server_of_another_uid_is_never_trusted(shared_dir: str) -> None:
     """Another user bound the path first and answers like a server (a Welcome with its own
     memfd, a hit for every lookup): the client refuses it on SO_PEERCRED, maps nothing and
@@ -125,6 +127,7 @@ def test_a_squatted_default_directory_is_stepped_around_and_clients_find_the_ser
     assert local_sockets.fallbacks(squatted) == [moved]
 
 
+@needs_root
 def test_a_client_started_first_finds_a_server_that_stepped_aside_later(
     private_tmp: str,
 ) -> None:
@@ -144,6 +147,7 @@ def test_a_client_started_first_finds_a_server_that_stepped_aside_later(
             server.stop()
 
 
+@needs_root
 def test_a_squatted_directory_with_no_way_on_names_it_its_owner_and_the_setting(
     private_tmp: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -168,6 +172,7 @@ def test_a_squatted_directory_with_no_way_on_names_it_its_owner_and_the_setting(
         assert part in str(nowhere.value)
 
 
+@needs_root
 def test_socket_path_never_deletes_what_is_not_our_stale_socket(tempdir: str) -> None:
     cfg = Config.load(env={})
     path = os.path.join(tempdir, "kvtier.sock")

@@ -15,6 +15,7 @@ from kvtier.fingerprint import Fingerprint
 from kvtier.layout import dtype_name
 from kvtier.server import protocol as wire
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens
+from tests.hosts import needs_root
 from tests.server.conftest import SPAWN
 from tests.server.server_helpers import (
     IDLE,
@@ -237,15 +238,11 @@ def test_many_clients_at_once_are_bounded() -> None:
         remove_tempdir(directory)
 
 
+@needs_root
 def test_another_user_is_refused_even_with_an_open_socket_mode(server: ServerProcess) -> None:
-    """Needs root: the peer is a child that becomes uid 65534 (``setgid``/``setuid`` need
-    CAP_SETGID/CAP_SETUID), the only way one machine has a peer of another uid. CI runs the
-    suite as root and says so (``KVTIER_CI=1`` in ``.ci/run``): there, not being root fails
-    this test instead of skipping it, so the refusal of other uids cannot go untested."""
-    if os.getuid() != 0:
-        if os.environ.get("KVTIER_CI") == "1":
-            pytest.fail("CI must run the suite as root: this test acts as another uid")
-        pytest.skip("needs root to act as another user (setuid)")
+    """The peer is a child that becomes uid 65534 (``setgid``/``setuid`` need root), the only
+    way one machine has a peer of another uid (tests/hosts.py: fails under ``KVTIER_CI``
+    without root, so the refusal of other uids cannot go untested)."""
     os.chmod(server.directory, 0o755)
     os.chmod(server.path, 0o666)  # a loosened mode: the uid check still keeps others out
     try:

@@ -26,6 +26,7 @@ from kvtier.errors import AuthError, InputError, StateError, TransferError, Tran
 from kvtier.integrations.vllm import rpc
 from kvtier.integrations.vllm.rpc import Hit, LookupClient, LookupServer
 from kvtier.integrations.vllm.scheduler import SchedulerSide
+from tests.hosts import needs_root
 from tests.integrations.vllm.rpc_peers import MemoryHandler, connect_as, impostor, serve_worker
 from tests.server.conftest import SPAWN
 from tests.server.server_helpers import SQUATS, identity, squat
@@ -127,6 +128,7 @@ def test_a_foreign_socket_at_the_path_is_a_miss_logged_once(
     listener.close()
 
 
+@needs_root
 def test_a_directory_of_another_user_or_writable_by_others_is_refused(
     directory: str,
 ) -> None:
@@ -196,6 +198,7 @@ def test_a_squatted_default_directory_is_stepped_around_by_both_ends(
     assert identity(os.lstat(squatted)) == identity(before)  # the squatter's, untouched
 
 
+@needs_root
 def test_the_channel_prefers_xdg_runtime_dir(
     default_tmp: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -223,6 +226,7 @@ def test_with_no_directory_to_be_had_the_error_names_it_its_owner_and_the_settin
         assert part in str(refused.value)
 
 
+@needs_root
 def test_a_worker_of_another_uid_is_never_trusted(directory: str) -> None:
     """An impostor that answers perfectly (Welcome, then a 1M-token hit) but runs as
     another uid: the client refuses it on SO_PEERCRED before reading a byte from it."""
@@ -244,6 +248,7 @@ def test_a_worker_of_another_uid_is_never_trusted(directory: str) -> None:
         child.join(10)
 
 
+@needs_root
 def test_a_client_of_another_uid_is_refused(
     served: tuple[LookupServer, str], directory: str
 ) -> None:
