@@ -6,10 +6,9 @@ underscore are the package's own, imported by nothing outside it::
     engine.py          Engine: open/close, lookup, retrieve, store, end_request, stats
       ├── _pages.py        engine.pages(): the same calls without the copy, for a process
       │                    that maps the page buffer (the kvtier server)
-      ├── _loads.py        how a looked-up request's hit is planned and copied out
       ├── _checkpoints.py  a state model's lookup that may end inside a chunk
       └── _core.py         what engine.py and _pages.py share: the call guard, the parts that
-                           exist while open, a request's keys, the end of a request
+                           exist while open, a request's keys, lookup, load and end
 """
 
 from kvtier.engine.engine import Engine, EngineState

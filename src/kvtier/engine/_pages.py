@@ -20,7 +20,7 @@ import time
 
 from kvtier.engine._core import EngineCore
 from kvtier.errors import StateError
-from kvtier.request_salt import RequestSalt
+from kvtier.request_salt import RequestSalt, salt_of
 from kvtier.storage.plan import ENGINE
 from kvtier.storage.writes import StoreSlot
 from kvtier.validation import check_prompt, check_request_id
@@ -48,12 +48,10 @@ class EnginePages:
             started = time.perf_counter()
             check_request_id(request_id)
             prompt = check_prompt(tokens, skip_leading_tokens, cache_salt)
-            parts = core.parts()
-            loads = parts.loads
-            plan = loads.plan(request_id, prompt)
+            plan = core.plan(request_id, prompt)
             chunk = core.config.chunk_size
             start = (prompt.skip // chunk) * chunk
-            loaded_end = loads.load(plan, request_id, None, start, started)
+            loaded_end = core.load(plan, request_id, None, start, started)
             pages = [
                 (h.page, h.span.start, h.span.num_tokens)
                 for h in plan.hits
@@ -83,7 +81,7 @@ class EnginePages:
             spans = core.keys_for(array, prompt.salt, None).spans
             core.counters.add(stores=1)
             offered = spans[prompt.skip // core.config.chunk_size :]
-            slots, dropped = manager.reserve(offered)
+            slots, dropped = manager.reserve(offered, salt_of(prompt.salt))
             leases.open(request_id).take_pages([slot.page for slot in slots])
             core.observer.on_store(array, offered, dropped, started)
             return slots

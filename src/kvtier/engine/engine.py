@@ -5,10 +5,10 @@ Every reference a request takes lives in its lease (:mod:`kvtier.lease`) until
 ``end_request``. Call it on every path that ends a request (finished, aborted, failed, timed
 out): a ``try/finally`` in the caller, or ``with engine.request(rid):`` that does it for you.
 
-How a looked-up request's hit is planned and loaded is :mod:`kvtier.engine._loads`. Two
-narrower faces are views in their own modules: ``engine.pages()`` (:mod:`kvtier.engine._pages`,
-for a process that maps the page buffer) and ``engine.receiver_host()`` (:mod:`kvtier.pd.host`,
-for a decoder's PD receiver). Which tiers
+A request's steps (its keys, lookup, plan, load and end) are :mod:`kvtier.engine._core`'s,
+shared with the page view. Two narrower faces are views in their own modules:
+``engine.pages()`` (:mod:`kvtier.engine._pages`, for a process that maps the page buffer) and
+``engine.receiver_host()`` (:mod:`kvtier.pd.host`, for a decoder's PD receiver). Which tiers
 exist is the config's business (:mod:`kvtier.tiers`); the engine opens what it is given.
 """
 
@@ -28,9 +28,7 @@ import torch
 from kvtier.cache import KVCache
 from kvtier.config import Config
 from kvtier.config.sizes import size_notes
-from kvtier.engine._checkpoints import check_checkpoints, extend_to_checkpoint
 from kvtier.engine._core import EngineCore, OpenParts
-from kvtier.engine._loads import RequestLoads
 from kvtier.engine._pages import EnginePages
 from kvtier.errors import StateError
 from kvtier.hit import Hit
@@ -42,7 +40,7 @@ from kvtier.memory.device import CopyEngine, DeviceCopies
 from kvtier.observability.observer import Observer
 from kvtier.observability.stats import engine_stats
 from kvtier.pd.host import EngineReceiverHost
-from kvtier.request_salt import RequestSalt, keyed_by
+from kvtier.request_salt import RequestSalt, salt_of
 from kvtier.storage.audit import audit_references
 from kvtier.storage.base import Tier
 from kvtier.storage.counters import EngineCounters
@@ -125,8 +123,7 @@ class Engine(KVCache):
                 self._copies,
             )
             leases = LeaseTable[LookupPlan](manager.pool)
-            loads = RequestLoads(manager, leases, self.observer, self.counters, self._lookup)
-            self._core.attach(OpenParts(manager, leases, loads, manager.pool))
+            self._core.attach(OpenParts(manager, leases, manager.pool))
             self.observer.attach(manager)
             self._guard.open()
             log.info(
@@ -182,54 +179,28 @@ class Engine(KVCache):
 
     # -- the request API (KVCache's hooks: the arguments are checked) ----------------------
     def _lookup(self, request_id: str, prompt: Prompt) -> Hit:
-        """Pins the hit for ``request_id``. The prompt's keys stay with the request's lease,
-        so its loads do not hash it again (nor its stores, for the chunks the lookup hashed)."""
-        started = time.perf_counter()
-        manager, leases = self._open_parts()
-        if prompt.checkpoints:
-            check_checkpoints(prompt.checkpoints, self.config.chunk_size)
-        tokens, salt = prompt.tokens, prompt.salt
-        lease = leases.open(request_id)
-        keys = self._keys_for(tokens, salt, lease)
-        lease.keys = keys  # what the plan below is made of
-        spans = keys.spans
-        if lease.limit is not None:
-            # A load of this request came up short at chunk ``limit``: from there on the
-            # chunks are a miss for it, whatever the tiers say now (never offered again).
-            spans = spans[: lease.limit]
-        plan = manager.locate(spans, lease, prompt.skip // self.config.chunk_size)
-        if prompt.checkpoints:
-            keys, plan = extend_to_checkpoint(
-                manager, self.keychain, keys, plan, lease, prompt.checkpoints
-            )
-            lease.keys, spans = keys, keys.spans
-        lease.plan = plan
-        found = self.observer.on_lookup(lease, tokens, spans, plan, started, keyed_by(salt))
-        # lookup_tokens: the whole prompt, partial tail included. The hit is counted when
-        # loaded (_load): a lookup only finds.
-        self.counters.add(lookups=1, lookup_tokens=len(tokens), found_tokens=found)
-        return Hit(plan.hit_tokens, plan.cpu_tokens)
+        return self._core.lookup(request_id, prompt)
 
     def _retrieve(self, request_id: str, prompt: Prompt) -> torch.Tensor:
         """After ``lookup(..., skip_leading_tokens=N)`` the first N tokens' chunks were never
         looked up; they are looked up and loaded now, and when the cache does not hold them
         all this raises :class:`InputError`: use :meth:`retrieve_into` with the same skip."""
         started = time.perf_counter()
-        loads = self._core.parts().loads
-        plan = loads.plan(request_id, prompt)
+        core = self._core
+        plan = core.plan(request_id, prompt)
         if plan.hits and plan.hits[0].tier is ENGINE:
-            loads.locate_skipped(plan, request_id)
+            core.locate_skipped(plan, request_id)
         out = torch.empty(self.layout.kv_shape(plan.hit_tokens), dtype=self.layout.dtype)
-        loaded = loads.load(plan, request_id, out, 0, started)
+        loaded = core.load(plan, request_id, out, 0, started)
         return out[:, :, :loaded, :]
 
     def _retrieve_into(self, request_id: str, prompt: Prompt, out: torch.Tensor) -> int:
         started = time.perf_counter()
-        loads = self._core.parts().loads
-        plan = loads.plan(request_id, prompt)
+        core = self._core
+        plan = core.plan(request_id, prompt)
         check_out(out, self.layout, plan.hit_tokens)
         start = (prompt.skip // self.config.chunk_size) * self.config.chunk_size
-        return loads.load(plan, request_id, out, start, started)
+        return core.load(plan, request_id, out, start, started)
 
     def _store(self, prompt: Prompt, kv: torch.Tensor, keys: RequestKeys | None) -> int:
         started = time.perf_counter()
@@ -238,7 +209,7 @@ class Engine(KVCache):
         spans = (keys if keys is not None else self._keys_for(array, prompt.salt, None)).spans
         self.counters.add(stores=1)
         offered = spans[prompt.skip // self.config.chunk_size :]
-        stored, dropped = manager.store(offered, kv)
+        stored, dropped = manager.store(offered, kv, salt_of(prompt.salt))
         self.observer.on_store(array, offered, dropped, started)
         return stored
 
