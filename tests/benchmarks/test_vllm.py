@@ -15,7 +15,7 @@ from benchmarks.vllm import _drop_page_cache, _reset_prefix_cache, _served
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.worker import WorkerSide
-from tests.integrations.vllm.test_worker_side import fill, make_worker
+from tests.integrations.vllm.worker_helpers import fill, make_worker
 
 TOKENS = list(range(300, 370))  # 70 tokens: two whole 32-token chunks
 

@@ -24,7 +24,7 @@ from kvtier.storage.disk import files
 from kvtier.storage.disk.tier import DiskTier
 from kvtier.storage.records import HEADER_SIZE
 from kvtier.storage.redis.tier import RedisTier
-from tests.integrations.vllm.test_worker_side import BLOCK, CHUNK, CHUNK_BYTES, fill, make_worker
+from tests.integrations.vllm.worker_helpers import BLOCK, CHUNK, CHUNK_BYTES, fill, make_worker
 from tests.redis_servers import RedisServer
 
 RECORD_BYTES = HEADER_SIZE + CHUNK_BYTES

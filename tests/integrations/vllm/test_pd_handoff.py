@@ -23,7 +23,7 @@ from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
 
-from .test_worker_side import BLOCK, CHUNK, CHUNK_BYTES, fill, make_worker
+from .worker_helpers import BLOCK, CHUNK, CHUNK_BYTES, fill, make_worker
 
 # What vllm-router 0.1.17 puts in the prefill request (observed on the wire).
 ROUTER_PREFILL = {

@@ -18,7 +18,7 @@ from kvtier.integrations.vllm.handoff import PULL_TIMEOUT_S, Handoff
 from kvtier.integrations.vllm.worker import WorkerSide
 
 from .test_pd_handoff import ROUTER_PREFILL, TOKENS, pd_used, request, scheduler, step
-from .test_worker_side import CHUNK, CHUNK_BYTES, fill, make_worker
+from .worker_helpers import CHUNK, CHUNK_BYTES, fill, make_worker
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.worker import WorkerSide
 
-from .test_worker_side import BLOCK, CHUNK, CHUNK_BYTES, fill, make_worker
+from .worker_helpers import BLOCK, CHUNK, CHUNK_BYTES, fill, make_worker
 
 TOKENS = list(range(700, 800))  # 100 tokens: three whole chunks (96) and four more
 SRC = [3, 4, 5, 6, 7, 8]  # the six blocks of the three chunks, in the first worker

@@ -27,7 +27,7 @@ from tests.server.server_helpers import (
     wait_until,
 )
 
-from .test_worker_side import BLOCK, CHUNK, CHUNK_BYTES, DIM, HEADS, LAYERS, fill, kv_caches
+from .worker_helpers import BLOCK, CHUNK, CHUNK_BYTES, DIM, HEADS, LAYERS, fill, kv_caches
 
 LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=torch.float32)
 
