@@ -29,7 +29,12 @@ from pathlib import Path
 import redis
 
 START_TIMEOUT_S = 15.0
+PORT_RETRIES = 5
 INSTALL_HINT = "run `make system-deps` (installs Debian's redis-server and redis-tools)"
+
+
+class PortTaken(RuntimeError):
+    """redis-server exited because its port was bound by someone else first."""
 
 
 def require_binary(name: str) -> str:
@@ -80,6 +85,7 @@ class RedisServer:
         self.port = free_port(cluster_bus=cluster)
         self.dir = Path(tempfile.mkdtemp(prefix="kvtier-redis-"))
         self.proc: subprocess.Popen[bytes] | None = None
+        self.started_once = False
 
     @property
     def url(self) -> str:
@@ -119,20 +125,35 @@ class RedisServer:
         return args + list(self.extra_args)
 
     def start(self) -> RedisServer:
+        """Start and wait for PING. The port was only free when picked: if another process
+        (another xdist worker's server) took it since, start again on a newly picked one, the
+        first start only (a restart keeps its port: its clients know it)."""
         assert self.proc is None, "server already running"
-        self.proc = subprocess.Popen(
-            self._command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        try:
-            wait_until(self.answers_ping, START_TIMEOUT_S, f"redis-server on port {self.port}")
-        except TimeoutError:
-            self.stop()
-            raise
-        return self
+        for _ in range(PORT_RETRIES):
+            (self.dir / "redis.log").unlink(missing_ok=True)
+            self.proc = subprocess.Popen(
+                self._command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            try:
+                wait_until(self.answers_ping, START_TIMEOUT_S, f"redis-server on port {self.port}")
+            except PortTaken:
+                self.proc = None
+                if self.started_once:
+                    raise
+                self.port = free_port(cluster_bus=self.cluster)
+                continue
+            except TimeoutError:
+                self.stop()
+                raise
+            self.started_once = True
+            return self
+        raise RuntimeError(f"redis-server found its port taken {PORT_RETRIES} times in a row")
 
     def answers_ping(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
             log = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
+            if "Address already in use" in log:
+                raise PortTaken(f"port {self.port} was taken before redis-server bound it")
             raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {log}")
         try:
             with self.client(timeout=0.5) as client:
