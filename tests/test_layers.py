@@ -39,6 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvtier.lease",),
     ("kvtier.storage",),
     ("kvtier.pd",),
+    ("kvtier.p2p",),  # peers' kvtier servers: pd's handshake and checksum, a storage tier
     ("kvtier.tiers",),  # builds the lower tiers of both storage and pd
     ("kvtier.observability",),
     ("kvtier.engine",),

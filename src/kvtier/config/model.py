@@ -71,6 +71,10 @@ class Config:
     server_client_pin_share: float = 0.5
     server_client_max_requests: int = 4096
     server_client_max_tokens: int = 1 << 23
+    p2p_listen: str | None = None
+    p2p_peers: tuple[str, ...] | None = None
+    p2p_auth_token: str | None = field(default=None, repr=False)  # a secret: never shown
+    p2p_lease_secs: float = 3.0
     extra_config: dict[str, Any] = field(default_factory=dict)
     # Where each non-default value came from ("file /x.yaml", "env KVTIER_CHUNK_SIZE", ...).
     origin: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -251,6 +255,20 @@ def _check_combinations(cfg: Config) -> None:
             f"<{len(cfg.pd_auth_token)} characters>",
             f"at least {MIN_TOKEN_CHARS} characters other than whitespace, e.g. the output of "
             "python -c 'import secrets; print(secrets.token_urlsafe(32))'",
+        )
+    if cfg.p2p_auth_token is not None and len(cfg.p2p_auth_token.strip()) < MIN_TOKEN_CHARS:
+        raise ConfigError(
+            "p2p_auth_token",
+            f"<{len(cfg.p2p_auth_token)} characters>",
+            f"at least {MIN_TOKEN_CHARS} characters other than whitespace, the same on every "
+            "peer (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')",
+        )
+    if cfg.p2p_peers and cfg.p2p_listen is None:
+        raise ConfigError(
+            "p2p_listen",
+            None,
+            "host:port this server's peers reach it at, when p2p_peers is set (a peer that "
+            "reads others' chunks announces its own)",
         )
     if cfg.server_socket is not None and not cfg.server_socket.strip():
         # An empty KVTIER_SERVER_SOCKET is a mistake (an unset variable expanded), never

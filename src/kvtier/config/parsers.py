@@ -143,6 +143,22 @@ def ports(key: str, raw: object) -> tuple[int, ...] | None:
     return parsed
 
 
+def addresses(key: str, raw: object) -> tuple[str, ...] | None:
+    """``host:port`` addresses: a list, or one string of them separated by commas."""
+    if raw is None:
+        return None
+    items = raw.split(",") if isinstance(raw, str) else raw
+    if not isinstance(items, list | tuple):
+        raise ConfigError(key, raw, "a list of host:port addresses (or one comma-separated)")
+    parsed = []
+    for item in items:
+        host, sep, port = str(item).strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ConfigError(key, raw, f"host:port addresses; {item!r} is not one")
+        parsed.append(str(item).strip())
+    return tuple(parsed)
+
+
 def mapping(key: str, raw: object) -> dict[str, Any]:
     if raw is None:
         return {}

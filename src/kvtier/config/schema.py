@@ -295,6 +295,38 @@ KEYS: tuple[KeySpec, ...] = (
         "together; a lookup past it is refused with an error naming this key.",
         lmcache=False,
     ),
+    KeySpec(
+        "p2p_listen",
+        p.text(),
+        None,
+        "kvtier server: host:port of its P2P port (announces its CPU chunks, serves pulls; "
+        "port 0: a free one); unset: no peer-to-peer sharing (docs/fleet.md).",
+        lmcache=False,
+    ),
+    KeySpec(
+        "p2p_peers",
+        p.addresses,
+        None,
+        "kvtier server: the fleet's P2P addresses (host:port list; its own is skipped): a "
+        "local miss that one of them announced is pulled from it.",
+        lmcache=False,
+    ),
+    KeySpec(
+        "p2p_auth_token",
+        p.text(),
+        None,
+        "Shared secret of a fleet's P2P peers (16+ characters); required beyond loopback.",
+        lmcache=False,
+        secret=True,
+    ),
+    KeySpec(
+        "p2p_lease_secs",
+        p.positive_float(3600.0),
+        3.0,
+        "A P2P peer silent this long (heartbeats every third of it) is dropped from the "
+        "directory: its chunks are misses until it is back.",
+        lmcache=False,
+    ),
     KeySpec("extra_config", p.mapping, None, "Free-form mapping of tier options (see README)."),
 )
 

@@ -30,6 +30,7 @@ from typing import Any, Self
 from kvtier.config import Config
 from kvtier.errors import KVTierError, StateError
 from kvtier.lifecycle import Lifecycle, Opens
+from kvtier.p2p.node import P2PNode
 from kvtier.server import endpoint
 from kvtier.server import protocol as wire
 from kvtier.server.handler import serve_connection
@@ -59,7 +60,8 @@ class KVTierServer(Opens):
         self.config = config if config is not None else Config.load()
         self.path = endpoint.socket_path(self.config, socket_path)
         self._default_path = endpoint.is_default(self.config, socket_path)
-        self.models = ModelTable(self.config)
+        self.p2p = P2PNode.from_config(self.config)  # p2p_listen: share with peers
+        self.models = ModelTable(self.config, self.p2p)
         self.sessions = SessionTable(self.config.server_max_clients)
         self._listener: socket.socket | None = None
         self._threads: dict[int, threading.Thread] = {}
@@ -75,7 +77,14 @@ class KVTierServer(Opens):
                 return self
             if self._state is Lifecycle.CLOSED:
                 raise StateError("this KVTierServer is closed; create a new one")
-            self.path, self._listener = endpoint.listen(self.path, default=self._default_path)
+            if self.p2p is not None:
+                self.p2p.open()  # refused beyond loopback without p2p_auth_token
+            try:
+                self.path, self._listener = endpoint.listen(self.path, default=self._default_path)
+            except BaseException:
+                if self.p2p is not None:
+                    self.p2p.close()
+                raise
             self._listener.settimeout(_ACCEPT_POLL_S)
             self._state = Lifecycle.OPEN
         log.info(
@@ -129,6 +138,8 @@ class KVTierServer(Opens):
         for thread in list(self._threads.values()):
             thread.join(max(0.0, deadline - time.monotonic()))
         self.models.close()
+        if self.p2p is not None:
+            self.p2p.close()
         log.info("kvtier server stopped: %d connections drained", len(sessions))
 
     # -- connections -----------------------------------------------------------------------
@@ -172,4 +183,5 @@ class KVTierServer(Opens):
             "max_clients": self.sessions.max_clients,
             "refused": self.refused,
             "models": len(self.models.slots()),
+            **({"p2p": self.p2p.stats()} if self.p2p is not None else {}),
         }

@@ -37,9 +37,12 @@ from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import CapacityError, ConfigError, ProtocolError, StateError
 from kvtier.layout import KVLayout, dtype_from_name, parse_groups
+from kvtier.p2p.node import P2PNode
 from kvtier.server.protocol import Hello
 from kvtier.server.shared_memory import SharedPages
 from kvtier.service import Service
+from kvtier.storage.base import Tier
+from kvtier.tiers import build_lower_tiers
 from kvtier.validation import check_fits_in_memory
 
 log = logging.getLogger(__name__)
@@ -118,8 +121,11 @@ class ModelSlot:
 
 
 class ModelTable:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, p2p: P2PNode | None = None) -> None:
+        """``p2p``: the server's P2P node (``p2p_listen``): each engine reads its peers'
+        chunks through a p2p tier, last in its search order, and announces its CPU tier's."""
         self.config = config
+        self.p2p = p2p
         self.cpu_bytes_per_model = model_cpu_bytes(config)
         self._slots: dict[str, ModelSlot] = {}
         self._lock = threading.Lock()
@@ -188,6 +194,13 @@ class ModelTable:
         config = replace(config, max_local_cpu_size=self._cpu_budget(hello, layout))
         self._make_room(config.max_local_cpu_size, layout.chunk_bytes(hello.chunk_size))
         memory = SharedPages(f"kvtier-{hello.fingerprint[:16]}")
+        lower: list[Tier] | None = None
+        if self.p2p is not None:
+            # The config's own lower tiers, then the peers: a local disk read is cheaper.
+            fp = fingerprint_for(
+                config, layout, hello.model_name, hello.tp_rank, hello.tp_world_size
+            )
+            lower = [*build_lower_tiers(config, layout, fp), self.p2p.tier(fp.hex(), layout)]
         try:
             # The Service opens the engine, then its admin API, dashboard and /metrics
             # (internal_api_server_enabled): one port per model, the first free from
@@ -199,6 +212,7 @@ class ModelTable:
                 tp_rank=hello.tp_rank,
                 tp_world_size=hello.tp_world_size,
                 page_memory=memory.make,
+                lower_tiers=lower,
             )
             engine = service.engine
             total = sum(s.cpu_bytes for s in self._slots.values())
@@ -206,6 +220,10 @@ class ModelTable:
                 "max_local_cpu_size", total + engine.num_pages * engine.chunk_bytes
             )
             service.open()
+            if self.p2p is not None:
+                cpu = engine.tier("cpu")
+                assert cpu is not None
+                self.p2p.attach(hello.fingerprint, cpu, layout, engine.chunk_bytes)
         except BaseException:
             memory.close()
             raise
@@ -290,6 +308,8 @@ class ModelTable:
 
     def _close_slot(self, slot: ModelSlot, why: str) -> None:
         self.released += 1
+        if self.p2p is not None:
+            self.p2p.detach(slot.fingerprint)  # announced gone before its pages are
         log.info(
             "releasing model %s (%d bytes of CPU tier; its disk tier stays): %s",
             slot.fingerprint[:16],

@@ -1,0 +1,173 @@
+"""The puller's end of a P2P pull: dial a peer, fetch chunks straight into our own pages.
+
+One :meth:`Fetcher.fetch` is one transfer (a fresh single-use id) of one peer's run of a
+prompt's chunks. Each chunk's payload is received into the page the engine gave for it
+(``out``, no staging copy) and checked against the peer's checksum there; a mismatch, a
+``Missing``, a dead or silent peer, or the deadline (``blocking_timeout_secs`` from the
+start of the engine's read) ends the transfer, and every chunk not yet verified is a miss.
+The caller's pages stay the caller's: whatever ends the pull, they go back through the
+engine's own load path, so a killed peer leaks nothing.
+
+Connections are kept per peer and reused (one transfer at a time each); one that failed is
+closed, never reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.errors import KVTierError, ProtocolError, TransferError
+from kvtier.keys import ChunkKey
+from kvtier.layout import KVLayout
+from kvtier.p2p import protocol as wire
+from kvtier.p2p.address import parse_address
+from kvtier.pd.checksum import checksum
+from kvtier.pd.protocol import recv_exact
+
+log = logging.getLogger(__name__)
+
+MAX_IDLE_PER_PEER = 4
+
+
+@dataclass
+class FetchCounters:
+    transfers: int = 0
+    chunks: int = 0
+    bytes: int = 0
+    missing: int = 0  # announced, gone by the time it was pulled
+    corrupt: int = 0
+    failed: int = 0  # transfers cut short by a dead, silent or refusing peer
+
+
+class Fetcher:
+    def __init__(self, node: str, token: str | None) -> None:
+        self.node = node
+        self.token = token
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._lock = threading.Lock()
+        self.counters = FetchCounters()
+
+    def fetch(
+        self,
+        peer: str,
+        fingerprint: str,
+        layout: KVLayout,
+        items: Sequence[tuple[ChunkKey, torch.Tensor]],
+        deadline: float,
+    ) -> list[int | None]:
+        """Pull ``items`` (key, page view) from ``peer``; per item its token count, or None
+        for a miss. Never raises for the peer's faults: they are misses."""
+        results: list[int | None] = [None] * len(items)
+        transfer_id = uuid.uuid4().hex
+        self.counters.transfers += 1
+        sock: socket.socket | None = None
+        try:
+            sock = self._connection(peer, deadline)
+            self._set_deadline(sock, deadline)
+            keys = [key for key, _ in items]
+            wire.send(sock, wire.Fetch(fingerprint, transfer_id, keys))
+            while True:
+                self._set_deadline(sock, deadline)
+                msg = wire.recv(sock)
+                if isinstance(msg, wire.Done) and msg.transfer_id == transfer_id:
+                    break
+                if isinstance(msg, wire.Missing):
+                    self.counters.missing += 1
+                    log.debug("P2P %s: chunk %d gone: %s", peer, msg.index, msg.why)
+                    continue
+                if not isinstance(msg, wire.Chunk) or not 0 <= msg.index < len(items):
+                    raise ProtocolError(f"P2P peer {peer} sent {type(msg).__name__} mid-pull")
+                out = items[msg.index][1]
+                expected = layout.payload_bytes(msg.num_tokens)
+                if msg.nbytes != expected or msg.nbytes > out.numel():
+                    raise ProtocolError(
+                        f"P2P peer {peer}: chunk of {msg.num_tokens} tokens in {msg.nbytes} "
+                        f"bytes (this layout: {expected}, page {out.numel()})"
+                    )
+                payload = out[: msg.nbytes]
+                recv_exact(sock, memoryview(payload.numpy()))  # type: ignore[arg-type]
+                if checksum(payload) != msg.checksum:
+                    self.counters.corrupt += 1
+                    log.warning("P2P %s: chunk %d failed its checksum: a miss", peer, msg.index)
+                    continue
+                results[msg.index] = msg.num_tokens
+                self.counters.chunks += 1
+                self.counters.bytes += msg.nbytes
+        except (KVTierError, OSError) as exc:
+            self.counters.failed += 1
+            log.warning("P2P pull %s from %s: %s (the rest are misses)", transfer_id, peer, exc)
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
+            return results
+        assert sock is not None
+        self._keep(peer, sock)
+        return results
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for socks in idle.values():
+            for sock in socks:
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+    # -- connections -----------------------------------------------------------------------
+    def _connection(self, peer: str, deadline: float) -> socket.socket:
+        with self._lock:
+            idle = self._idle.get(peer, [])
+            while idle:
+                sock = idle.pop()
+                if _alive(sock):
+                    return sock
+                sock.close()
+        host, port = parse_address("p2p_peers", peer)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TransferError("no time left (blocking_timeout_secs) to reach the peer")
+        try:
+            sock = socket.create_connection((host, port), timeout=remaining)
+        except OSError as exc:
+            raise TransferError(f"cannot reach P2P peer {peer}: {exc}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            self._set_deadline(sock, deadline)
+            wire.dial_handshake(sock, self.node, self.token, f"P2P peer {peer}")
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _keep(self, peer: str, sock: socket.socket) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(peer, [])
+            if len(idle) < MAX_IDLE_PER_PEER:
+                idle.append(sock)
+                return
+        sock.close()
+
+    @staticmethod
+    def _set_deadline(sock: socket.socket, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TransferError("the pull ran past blocking_timeout_secs")
+        sock.settimeout(remaining)
+
+
+def _alive(sock: socket.socket) -> bool:
+    """An idle connection with something to read was closed by the peer (or is out of step)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return not readable
+    except (OSError, ValueError):
+        return False

@@ -1,0 +1,380 @@
+"""One ``kvtier server``'s P2P node: its port, what it announces, and whom it follows.
+
+Membership, not a coordinator: every server listens on ``p2p_listen`` and follows each
+address in ``p2p_peers`` (itself skipped, so one list serves the whole fleet)::
+
+    server A (node)                                  server B (node)
+    CPU tier ── membership ──▶ holdings[fp] ──┐      follower of A ── Subscribe ──┐
+                                              └──▶ Holdings(reset) snapshot, then ┘
+                                                   every add/remove, heartbeats ──▶ B's Directory
+    serves Fetch(fp, id, keys) from CPU  ◀──────── B's P2P tier (a lookup miss on B's own tiers)
+
+A follower's stream that ends, fails or stays silent past ``p2p_lease_secs`` (heartbeats come
+every third of it) drops that peer from the directory at once, and it is dialed again every
+second: a dead peer costs misses for at most the lease, a peer restarted empty announces an
+empty snapshot. A subscriber that cannot keep up (its queue of changes full) is disconnected
+rather than told a partial story; it reconnects to a fresh snapshot.
+
+Who may connect: the handshake proves ``p2p_auth_token`` both ways (PD's HMAC); a node
+listening beyond loopback without one is refused at start. Every wait is bounded: the
+handshake and each message of a pull by ``blocking_timeout_secs``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import socket
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtier.config import Config
+from kvtier.errors import (
+    ConfigError,
+    KVTierError,
+    ProtocolError,
+    StateError,
+    TransferError,
+)
+from kvtier.keys import ChunkKey
+from kvtier.layout import KVLayout
+from kvtier.p2p import protocol as wire
+from kvtier.p2p.address import parse_address
+from kvtier.p2p.directory import Directory
+from kvtier.p2p.fetch import Fetcher
+from kvtier.p2p.tier import P2PTier
+from kvtier.pd.auth import is_loopback
+from kvtier.pd.checksum import checksum
+from kvtier.storage.base import Membership, Tier
+
+log = logging.getLogger(__name__)
+
+RECONNECT_S = 1.0  # a follower dials a lost peer again this often
+SUBSCRIBER_QUEUE = 4096  # changes a slow subscriber may lag before it is cut off
+IDLE_S = 300.0  # a pulling connection idle this long is closed (the puller redials)
+SERVED_IDS_KEPT = 65536  # transfer ids remembered as used (single use)
+_Change = tuple[str, Membership, list[ChunkKey]]
+
+
+@dataclass(eq=False)
+class _Subscriber:
+    changes: queue.Queue[_Change | None] = field(
+        default_factory=lambda: queue.Queue(SUBSCRIBER_QUEUE)
+    )
+    lost: bool = False  # a change did not fit: its stream must end, never go on partial
+
+
+@dataclass
+class _Model:
+    cpu: Tier
+    layout: KVLayout
+    page_bytes: int
+    held: set[ChunkKey] = field(default_factory=set)
+
+
+class P2PNode:
+    def __init__(
+        self,
+        listen: str,
+        peers: Sequence[str],
+        *,
+        token: str | None,
+        lease_secs: float,
+        timeout: float,
+    ) -> None:
+        self.host, self.port = parse_address("p2p_listen", listen)
+        self.peers = [p.strip() for p in peers if p.strip()]
+        for peer in self.peers:
+            parse_address("p2p_peers", peer)
+        self.token = token
+        self.lease_secs = lease_secs
+        self.timeout = timeout
+        self.directory = Directory()
+        self.fetcher = Fetcher(listen, token)
+        self._models: dict[str, _Model] = {}
+        self._subscribers: list[_Subscriber] = []
+        self._served: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._listener: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self._open_socks: set[socket.socket] = set()
+        self.served_chunks = 0
+        self.refused = 0
+
+    @classmethod
+    def from_config(cls, config: Config) -> P2PNode | None:
+        """The node ``config`` asks for (``p2p_listen`` set), or None."""
+        if config.p2p_listen is None:
+            return None
+        return cls(
+            config.p2p_listen,
+            config.p2p_peers or (),
+            token=config.p2p_auth_token,
+            lease_secs=config.p2p_lease_secs,
+            timeout=config.blocking_timeout_secs,
+        )
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def open(self) -> P2PNode:
+        if self.token is None and not is_loopback(self.host):
+            raise ConfigError(
+                "p2p_auth_token",
+                None,
+                f"a shared secret (or KVTIER_P2P_AUTH_TOKEN) when p2p_listen is {self.host!r}, "
+                "beyond loopback: without one anyone who can reach the port reads the cache "
+                "and can claim chunks in every peer's directory",
+            )
+        listener = socket.create_server((self.host, self.port))
+        self.port = listener.getsockname()[1]
+        listener.settimeout(0.2)
+        self._listener = listener
+        self.fetcher.node = self.address
+        self._start(self._accept_loop, "kvtier-p2p-accept")
+        for peer in self.peers:
+            if peer != self.address:
+                self._start(lambda p=peer: self._follow(p), f"kvtier-p2p-follow-{peer}")
+        log.info(
+            "kvtier P2P listening on %s, following %d peers (lease %gs)",
+            self.address,
+            len([p for p in self.peers if p != self.address]),
+            self.lease_secs,
+        )
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        with self._lock:
+            for sub in self._subscribers:
+                with contextlib.suppress(queue.Full):
+                    sub.changes.put_nowait(None)
+            socks = list(self._open_socks)
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        for thread in self._threads:
+            thread.join(timeout=self.timeout)
+        self.fetcher.close()
+
+    # -- the models this server runs ---------------------------------------------------------
+    def tier(self, fingerprint: str, layout: KVLayout) -> P2PTier:
+        """The lower tier an engine of ``fingerprint`` reads its peers' chunks through."""
+        return P2PTier(self.directory, self.fetcher, fingerprint, layout, self.timeout)
+
+    def attach(self, fingerprint: str, cpu: Tier, layout: KVLayout, page_bytes: int) -> None:
+        """Announce what ``cpu`` (that engine's CPU tier of ``page_bytes`` pages, before any
+        client uses it) holds from now on, and serve pulls from it."""
+        with self._lock:
+            self._models[fingerprint] = _Model(cpu, layout, page_bytes)
+
+        def report(change: Membership, keys: Sequence[ChunkKey]) -> None:
+            self._changed(fingerprint, cpu, change, list(keys))
+
+        cpu.add_membership_listener(report)
+
+    def detach(self, fingerprint: str) -> None:
+        """The engine closes: its chunks are announced gone."""
+        with self._lock:
+            model = self._models.pop(fingerprint, None)
+            if model is not None and model.held:
+                self._broadcast((fingerprint, Membership.REMOVED, list(model.held)))
+
+    def _changed(self, fp: str, cpu: Tier, change: Membership, keys: list[ChunkKey]) -> None:
+        with self._lock:
+            model = self._models.get(fp)
+            if model is None or model.cpu is not cpu:
+                return
+            if change is Membership.ADDED:
+                model.held.update(keys)
+            else:
+                model.held.difference_update(keys)
+            self._broadcast((fp, change, keys))
+
+    def _broadcast(self, item: _Change) -> None:
+        """Under the lock: every subscriber hears every change in order, or is cut off."""
+        for sub in self._subscribers:
+            try:
+                sub.changes.put_nowait(item)
+            except queue.Full:
+                sub.lost = True  # its stream ends (see _announce)
+
+    # -- serving -----------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            listener = self._listener
+            if listener is None:
+                return
+            try:
+                conn, peer = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self._start(lambda c=conn, p=peer: self._serve(c, p), f"kvtier-p2p-serve-{peer[1]}")
+
+    def _serve(self, sock: socket.socket, addr: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._open_socks.add(sock)
+        where = f"{addr[0]}:{addr[1]}"
+        authenticated = False
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self.timeout)
+            where = wire.accept_handshake(sock, self.address, self.token)
+            authenticated = True
+            scratch: dict[str, torch.Tensor] = {}
+            while not self._stop.is_set():
+                sock.settimeout(IDLE_S)  # between pulls; close() shuts it sooner
+                msg = wire.recv(sock)
+                if msg is None:
+                    return
+                sock.settimeout(self.timeout)
+                if isinstance(msg, wire.Subscribe):
+                    self._announce(sock)
+                    return
+                if not isinstance(msg, wire.Fetch):
+                    raise ProtocolError(f"expected Subscribe or Fetch, got {type(msg).__name__}")
+                self._serve_fetch(sock, msg, scratch)
+        except (KVTierError, OSError) as exc:
+            if not self._stop.is_set():
+                self.refused += not authenticated  # a wrong secret, or none
+                log.warning("P2P connection from %s closed: %s", where, exc)
+        finally:
+            with self._lock:
+                self._open_socks.discard(sock)
+            sock.close()
+
+    def _announce(self, sock: socket.socket) -> None:
+        """Stream this node's holdings to a follower: a snapshot, then each change."""
+        sub = _Subscriber()
+        changes = sub.changes
+        with self._lock:
+            snapshot = {fp: list(m.held) for fp, m in self._models.items()}
+            self._subscribers.append(sub)
+        try:
+            for fp, keys in snapshot.items():
+                for start in range(0, max(len(keys), 1), wire.KEYS_PER_MESSAGE):
+                    batch = keys[start : start + wire.KEYS_PER_MESSAGE]
+                    wire.send(sock, wire.Holdings(fp, batch, [], reset=start == 0))
+            wire.send(sock, wire.Holdings("", [], [], reset=False))  # caught up
+            while not self._stop.is_set():
+                if sub.lost:
+                    log.warning("P2P follower lagged %d changes: cut off", SUBSCRIBER_QUEUE)
+                    return
+                try:
+                    item = changes.get(timeout=self.lease_secs / 3)
+                except queue.Empty:
+                    wire.send(sock, wire.Holdings("", [], []))  # heartbeat
+                    continue
+                if item is None:
+                    return
+                fp, change, keys = item
+                for start in range(0, len(keys), wire.KEYS_PER_MESSAGE):
+                    batch = keys[start : start + wire.KEYS_PER_MESSAGE]
+                    added = batch if change is Membership.ADDED else []
+                    removed = batch if change is Membership.REMOVED else []
+                    wire.send(sock, wire.Holdings(fp, added, removed))
+        finally:
+            with self._lock:
+                self._subscribers.remove(sub)
+
+    def _serve_fetch(
+        self, sock: socket.socket, fetch: wire.Fetch, scratch: dict[str, torch.Tensor]
+    ) -> None:
+        with self._lock:
+            used = fetch.transfer_id in self._served
+            self._served[fetch.transfer_id] = None
+            while len(self._served) > SERVED_IDS_KEPT:
+                self._served.popitem(last=False)
+            model = self._models.get(fetch.fingerprint)
+        if used:
+            raise ProtocolError(f"transfer {fetch.transfer_id!r} was used already (single use)")
+        if model is None:
+            for i in range(len(fetch.keys)):
+                wire.send(sock, wire.Missing(i, "this server runs no such model now"))
+            wire.send(sock, wire.Done(fetch.transfer_id))
+            return
+        page = scratch.get(fetch.fingerprint)
+        if page is None:
+            page = scratch[fetch.fingerprint] = torch.empty(model.page_bytes, dtype=torch.uint8)
+        for i, key in enumerate(fetch.keys):
+            tokens = model.cpu.get_into(key, page)
+            if tokens is None:
+                wire.send(sock, wire.Missing(i, "evicted since it was announced"))
+                continue
+            nbytes = model.layout.payload_bytes(tokens)
+            payload = page[:nbytes]
+            wire.send(sock, wire.Chunk(i, tokens, nbytes, checksum(payload)))
+            try:
+                sock.sendall(memoryview(payload.numpy()))  # type: ignore[arg-type]
+            except OSError as exc:
+                raise TransferError(f"sending chunk {i}: {exc}") from None
+            self.served_chunks += 1
+        wire.send(sock, wire.Done(fetch.transfer_id))
+
+    # -- following a peer ------------------------------------------------------------------
+    def _follow(self, peer: str) -> None:
+        host, port = parse_address("p2p_peers", peer)
+        while not self._stop.is_set():
+            sock: socket.socket | None = None
+            try:
+                sock = socket.create_connection((host, port), timeout=self.timeout)
+                with self._lock:
+                    self._open_socks.add(sock)
+                if self._stop.is_set():
+                    return
+                wire.dial_handshake(sock, self.address, self.token, f"P2P peer {peer}")
+                wire.send(sock, wire.Subscribe())
+                sock.settimeout(self.lease_secs)
+                while not self._stop.is_set():
+                    msg = wire.recv(sock)
+                    if msg is None:
+                        raise TransferError("the peer closed its announcements")
+                    if not isinstance(msg, wire.Holdings):
+                        raise ProtocolError(f"expected Holdings, got {type(msg).__name__}")
+                    if msg.fingerprint:
+                        self.directory.apply(
+                            peer, msg.fingerprint, msg.added, msg.removed, reset=msg.reset
+                        )
+            except (KVTierError, OSError) as exc:
+                if not self._stop.is_set():
+                    log.info("P2P peer %s: %s (its chunks are misses until it is back)", peer, exc)
+            finally:
+                dropped = self.directory.drop_peer(peer)
+                if dropped:
+                    log.info("P2P peer %s dropped: %d chunks no longer claimed", peer, dropped)
+                if sock is not None:
+                    with self._lock:
+                        self._open_socks.discard(sock)
+                    sock.close()
+            self._stop.wait(RECONNECT_S)
+
+    def _start(self, target: Any, name: str) -> None:
+        if self._stop.is_set():
+            raise StateError("this P2P node is closed")
+        self._threads = [t for t in self._threads if t.is_alive()]
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "address": self.address,
+            "peers": self.directory.peers(),
+            "served_chunks": self.served_chunks,
+            "refused": self.refused,
+            **{f"pull_{k}": v for k, v in vars(self.fetcher.counters).items()},
+        }
