@@ -5,10 +5,13 @@ instances, too slow for the suite; ``python -m benchmarks vllm --json`` exercise
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from benchmarks.vllm import _drop_page_cache, _reset_prefix_cache, _served
 
@@ -17,6 +20,7 @@ from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.worker import WorkerSide
 from tests.integrations.vllm.worker_helpers import fill, make_worker
 
+LIBC = ctypes.CDLL(None, use_errno=True)
 TOKENS = list(range(300, 370))  # 70 tokens: two whole 32-token chunks
 
 
@@ -89,9 +93,34 @@ def test_a_refused_prefix_cache_reset_fails(worker: WorkerSide) -> None:
         _reset_prefix_cache(handle(worker, reset=False))
 
 
-def test_page_cache_drop_runs_over_the_disk_directory(tmp_path: Path) -> None:
+def resident_pages(path: Path) -> int:
+    """How many of ``path``'s pages are in the page cache (mincore(2) over a read-only map)."""
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    resident = (ctypes.c_ubyte * pages)()
+    with path.open("rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapped:
+        view = np.frombuffer(mapped, dtype=np.uint8)
+        try:
+            address = ctypes.c_void_p(view.ctypes.data)
+            if LIBC.mincore(address, ctypes.c_size_t(size), resident) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore on {path}")
+        finally:
+            del view  # the map closes only once no array looks into it
+    return sum(byte & 1 for byte in resident)
+
+
+def test_page_cache_drop_evicts_every_file_of_the_disk_directory(tmp_path: Path) -> None:
+    """The bench's cold runs read the disk tier from the disk: every page of every file (in
+    subdirectories too, as the tier's) leaves the page cache, and the bytes stay the same.
+    (On a host whose temporary directory is a tmpfs, where nothing can be evicted, run pytest
+    with ``--basetemp`` on a disk: the bench's own disk directory must be on one too.)"""
     (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "a.kvc").write_bytes(b"x" * 8192)
-    (tmp_path / "b.kvc").write_bytes(b"y" * 100)
-    _drop_page_cache(tmp_path)  # no error; the files are still there, unchanged
-    assert (tmp_path / "sub" / "a.kvc").read_bytes() == b"x" * 8192
+    files = {tmp_path / "sub" / "a.kvc": b"x" * 5 * mmap.PAGESIZE, tmp_path / "b.kvc": b"y" * 100}
+    for path, data in files.items():
+        path.write_bytes(data)
+        assert path.read_bytes() == data
+        assert resident_pages(path) > 0  # just written and read: cached
+    _drop_page_cache(tmp_path)
+    assert {path: resident_pages(path) for path in files} == dict.fromkeys(files, 0)
+    for path, data in files.items():
+        assert path.read_bytes() == data

@@ -50,16 +50,20 @@ def tiers(disk: Path) -> dict[str, Any]:
     return {"max_local_cpu_size": "64MiB", "local_disk": str(disk), "max_local_disk_size": "1GiB"}
 
 
-EVENTS_PORT = free_port()
+@pytest.fixture(scope="module")
+def events_port() -> int:
+    """Picked when the test that starts the main vLLM asks, not at collection: a port picked
+    then would wait minutes (other xdist workers bind ports meanwhile) before vLLM binds it."""
+    return free_port()
 
 
-def start_main(model_dir: Path, disk: Path, redis_url: str) -> VllmInstance:
+def start_main(model_dir: Path, disk: Path, redis_url: str, events_port: int) -> VllmInstance:
     extra = {**tiers(disk), "remote_url": redis_url}
     events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
         # "*" makes vLLM bind (a host name would make it connect, to a subscriber's bind).
-        "endpoint": f"tcp://*:{EVENTS_PORT}",
+        "endpoint": f"tcp://*:{events_port}",
     }
     return VllmInstance(
         model_dir,
@@ -116,8 +120,9 @@ def test_cpu_tier_hits_give_the_same_tokens(
     instances: Instances,
     disk_dir: Path,
     redis_url: str,
+    events_port: int,
 ) -> None:
-    main = instances.get("main", lambda: start_main(model_dir, disk_dir, redis_url))
+    main = instances.get("main", lambda: start_main(model_dir, disk_dir, redis_url, events_port))
 
     s0 = main.stats()
     assert main.generate([PROMPTS["a"]]) == reference["a"]
@@ -160,7 +165,7 @@ def test_cpu_tier_hits_give_the_same_tokens(
 
 
 def test_stores_reach_vllms_kv_event_publisher(
-    model_dir: Path, instances: Instances, disk_dir: Path, redis_url: str
+    model_dir: Path, instances: Instances, disk_dir: Path, redis_url: str, events_port: int
 ) -> None:
     """kvtier's stores come out of vLLM's own ZMQ KV-event stream in vLLM-sized blocks, one
     chain per tier (medium CPU, DISK, REMOTE with the shared-pool ownership), each store
@@ -171,10 +176,10 @@ def test_stores_reach_vllms_kv_event_publisher(
 
     from kvtier.integrations.vllm.events import SHARED_POOL
 
-    main = instances.get("main", lambda: start_main(model_dir, disk_dir, redis_url))
+    main = instances.get("main", lambda: start_main(model_dir, disk_dir, redis_url, events_port))
     context = zmq.Context()
     sub = context.socket(zmq.SUB)
-    sub.connect(f"tcp://127.0.0.1:{EVENTS_PORT}")
+    sub.connect(f"tcp://127.0.0.1:{events_port}")
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
     media = ("CPU", "DISK", "REMOTE")
