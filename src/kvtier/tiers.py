@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.config import Config
-from kvtier.errors import InputError, TierError
+from kvtier.errors import ConfigError, InputError, TierError
 from kvtier.fingerprint import Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.memory.block_pool import BlockPool, pages_for_capacity
@@ -31,7 +31,9 @@ from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.cpu_coded import CodedCpuTier, slot_shape, split_capacity
 from kvtier.storage.manager import StorageManager
-from kvtier.storage.policy import make_policy
+from kvtier.storage.policy import EvictionPolicy, make_policy
+from kvtier.storage.policy.quotas import TenantQuotas
+from kvtier.storage.policy.tenants import TenantPolicy
 from kvtier.storage.registry import TIER_KEYS, TIERS, TierRegistry
 
 
@@ -87,6 +89,7 @@ def open_storage(
     ``copies``: the device-copy owner the manager's stores and loads go through."""
     page_bytes = layout.chunk_bytes(config.chunk_size)
     store = _coded_store(config, layout)  # before any memory: its ConfigError first
+    quotas = _quotas(config, coded=store is not None)
     mapping = page_memory(num_pages * page_bytes) if page_memory else None
     pool = BlockPool(num_pages, page_bytes, mapping=mapping)
     lower: list[Tier] = list(lower_tiers) if lower_tiers is not None else []
@@ -105,12 +108,36 @@ def open_storage(
         if slots is not None:
             slots.close()
         raise
-    policy = make_policy(config.cache_policy)
+    policy = _cpu_policy(config, num_pages, page_bytes, quotas)
     if store is None or slots is None:
         cpu = CpuTier(pool, layout.payload_bytes, policy)
     else:
         cpu = CodedCpuTier(pool, slots, layout, store[0], fingerprint, policy)
     return StorageManager(config, layout, pool, cpu, lower, counters, copies)
+
+
+def _quotas(config: Config, *, coded: bool) -> TenantQuotas | None:
+    """The engine's quota table (one, for all its tiers), None without ``tenant_quotas``."""
+    if not config.tenant_quotas:
+        return None
+    if coded:  # a coded tier's slots are not pages: its quota accounting is not written yet
+        raise ConfigError(
+            "tenant_quotas",
+            {t: str(q) for t, q in config.tenant_quotas.items()},
+            f"no quotas with cpu_codec {config.cpu_codec!r} (only with identity, for now)",
+        )
+    return TenantQuotas(config.tenant_quotas)
+
+
+def _cpu_policy(
+    config: Config, num_pages: int, page_bytes: int, quotas: TenantQuotas | None
+) -> EvictionPolicy:
+    """``cache_policy``'s policy, per tenant under ``quotas`` (``tenant_quotas`` set)."""
+    if quotas is None:
+        return make_policy(config.cache_policy)
+    return TenantPolicy(
+        lambda: make_policy(config.cache_policy), quotas, page_bytes, num_pages * page_bytes
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,8 +26,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvtier.admin.bounded import MAX_HANDLERS, REQUEST_TIMEOUT, BoundedHTTPServer
 from kvtier.admin.dashboard import dashboard_html
+from kvtier.config.tenant_quotas import check_tenant, parse_limit
 from kvtier.engine import Engine
-from kvtier.errors import KVTierError, StateError
+from kvtier.errors import ConfigError, KVTierError, StateError
+from kvtier.storage.policy.quotas import TenantQuotas
+from kvtier.storage.policy.tenants import TenantPolicy
 
 log = logging.getLogger("kvtier.admin.server")  # one logger for the whole admin API
 
@@ -254,6 +257,42 @@ class Handler(BaseHTTPRequestHandler):
         dropped = self.server.admin.engine.clear()
         self._send_json(HTTPStatus.OK, {"dropped": dropped})
 
+    def quotas(self, params: dict[str, str]) -> None:
+        quotas = self._quotas()
+        rows = {tenant: str(limit) for tenant, limit in quotas.rows().items()}
+        usage = {tier.name: tier.tenant_report() for tier in self.server.admin.engine.tiers()}
+        self._send_json(HTTPStatus.OK, {"quotas": rows, "tiers": usage})
+
+    def set_quota(self, params: dict[str, str]) -> None:
+        """``PUT /quota?tenant=SALT&limit=2GiB`` (or ``25%``; ``none`` removes the row): what
+        LMCache's ``PUT /api/quota/{cache_salt}`` does, for every tier of this engine."""
+        if "tenant" not in params or "limit" not in params:
+            raise BadRequest(
+                HTTPStatus.BAD_REQUEST,
+                "tenant and limit are required: /quota?tenant=SALT&limit=2GiB (or 25%, or "
+                "none to remove the row; tenant '*' is every tenant without a row)",
+            )
+        tenant, raw = params["tenant"], params["limit"]
+        try:
+            check_tenant("tenant", tenant)
+            limit = None if raw.strip().lower() == "none" else parse_limit("limit", raw)
+        except ConfigError as exc:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, str(exc)) from None
+        self._quotas().set(tenant, limit)
+        log.info("admin API: tenant %r quota set to %s", tenant, limit or "none")
+        self._send_json(HTTPStatus.OK, {"tenant": tenant, "limit": str(limit or "none")})
+
+    def _quotas(self) -> TenantQuotas:
+        for tier in self.server.admin.engine.tiers():
+            policy = getattr(tier, "policy", None)
+            if isinstance(policy, TenantPolicy):
+                return policy.quotas
+        raise BadRequest(
+            HTTPStatus.CONFLICT,
+            "tenant quotas are off: set tenant_quotas in the config (e.g. {'*': '100%'} "
+            "to start with no limit) to change them at run time",
+        )
+
     def dashboard(self, params: dict[str, str]) -> None:
         self._send(HTTPStatus.OK, dashboard_html(), "text/html; charset=utf-8")
 
@@ -268,6 +307,8 @@ ROUTES: dict[str, Route] = {
     "/requests": ("GET", frozenset({"limit"}), Handler.requests),
     "/explain": ("GET", frozenset({"request_id"}), Handler.explain),
     "/clear": ("POST", frozenset(), Handler.clear),
+    "/quotas": ("GET", frozenset(), Handler.quotas),
+    "/quota": ("PUT", frozenset({"tenant", "limit"}), Handler.set_quota),
     "/": ("GET", frozenset(), Handler.dashboard),
 }
 

@@ -14,6 +14,7 @@ import yaml
 from kvtier.config import lmcache
 from kvtier.config.channels import check_channel
 from kvtier.config.schema import KEYS, KEYS_BY_NAME
+from kvtier.config.tenant_quotas import TenantLimit
 from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class Config:
     save_decode_cache: bool = True
     pre_caching_hash_algorithm: str = "xxh3_128"
     cache_policy: str = "REUSE"
+    tenant_quotas: dict[str, TenantLimit] = field(default_factory=dict)
     use_only_staging_buffer: bool = False
     enable_pd: bool = False
     pd_role: str | None = None

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from kvtier.config import parsers as p
 from kvtier.config.channels import TRANSFER_CHANNELS
 from kvtier.config.sizes import GIB
+from kvtier.config.tenant_quotas import parse_tenant_quotas
 
 HASH_ALGORITHMS = ("xxh3_128", "blake3", "sha256")
 CACHE_POLICIES = ("LRU", "REUSE")  # the names kvtier.storage.policy.POLICIES implements
@@ -120,6 +121,15 @@ KEYS: tuple[KeySpec, ...] = (
         p.choice(CACHE_POLICIES),
         "REUSE",
         "CPU and disk tier eviction: REUSE (reused chunks outlive new ones, leaf-first) or LRU.",
+    ),
+    KeySpec(
+        "tenant_quotas",
+        parse_tenant_quotas,
+        None,
+        "Per-tenant (cache_salt) limit in each CPU and disk tier: {salt: '2GiB', '*': '25%'} "
+        "('*': unnamed tenants; '': no salt); set at run time with PUT /quota "
+        "(docs/tenants.md).",
+        lmcache=False,
     ),
     KeySpec(
         "use_only_staging_buffer",

@@ -98,4 +98,5 @@ class EnginePages:
                 raise StateError(f"request {request_id!r} holds no reservation for these pages")
             stored = manager.commit(slots)
             core.end_request(request_id)
+            manager.cpu.enforce_quota(slots[0].tenant if slots else None)  # pages let go
             return stored

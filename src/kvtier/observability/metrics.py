@@ -151,6 +151,7 @@ class EngineCollector(Collector):
             return  # not open (yet, or any more): nothing to report
         yield from _engine_counters(stats)
         yield from _tier_metrics(stats["tiers"], self.engine.layout.token_bytes(), stats)
+        yield from _tenant_metrics(stats["tiers"])
         yield from _lease_metrics(stats, ages)
         yield from self._histograms()
         pd = pd_view(stats)
@@ -187,6 +188,39 @@ class EngineCollector(Collector):
             "Hit tokens of reported requests x measured prefill seconds per computed token.",
             value=snap["ttft"]["saved_seconds_estimate"],
         )
+
+
+# stats["tiers"][tier]["tenants"][tenant] field -> (metric, kind, help); labelled tier, tenant
+TENANT_FIELDS: tuple[tuple[str, str, str, str], ...] = (
+    ("held_bytes", "kvtier_tenant_held_bytes", "gauge", "Bytes a tenant's chunks hold."),
+    ("limit_bytes", "kvtier_tenant_limit_bytes", "gauge", "A tenant's quota (tenant_quotas)."),
+    ("hits", "kvtier_tenant_hit_chunks", "counter", "Chunks of a tenant hit by lookups."),
+    ("evictions", "kvtier_tenant_evictions", "counter", "A tenant's chunks evicted."),
+    (
+        "quota_evictions",
+        "kvtier_tenant_quota_evictions",
+        "counter",
+        "A tenant's chunks evicted because it was over its own quota.",
+    ),
+)
+
+
+def _tenant_metrics(tiers: Mapping[str, Any]) -> Iterator[Metric]:
+    """Per tenant and tier, with ``tenant_quotas`` set (no series otherwise); a tenant with
+    no limit has no ``kvtier_tenant_limit_bytes`` series."""
+    if not any("tenants" in t for t in tiers.values()):
+        return
+    for field, name, kind, doc in TENANT_FIELDS:
+        family: GaugeMetricFamily | CounterMetricFamily
+        if kind == "gauge":
+            family = GaugeMetricFamily(name, doc, labels=["tier", "tenant"])
+        else:
+            family = CounterMetricFamily(name, doc, labels=["tier", "tenant"])
+        for tier, values in sorted(tiers.items()):
+            for tenant, row in sorted(values.get("tenants", {}).items()):
+                if row.get(field) is not None:
+                    family.add_metric([tier, tenant], row[field])
+        yield family
 
 
 def _engine_counters(stats: Mapping[str, Any]) -> Iterator[Metric]:

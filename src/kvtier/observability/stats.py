@@ -2,9 +2,11 @@
 
 Keys: ``open_requests``, ``pinned_pages``, ``pinned_bytes``, ``pinned_by_request``
 (request -> pages, bytes), ``allocator`` (page_bytes, pages_total/free/used), ``tiers`` (name
--> used_bytes, capacity_bytes, entries and the tier's counters), then the engine's counters
-(:class:`~kvtier.storage.counters.EngineCounters`) and ``miss_tokens``. The admin API, the
-Prometheus metrics (:mod:`.metrics`) and the demo report read these names.
+-> used_bytes, capacity_bytes, entries and the tier's counters; with ``tenant_quotas`` also
+``tenants``: tenant -> held_bytes, limit_bytes, chunks, hits, evictions, quota_evictions),
+then the engine's counters (:class:`~kvtier.storage.counters.EngineCounters`) and
+``miss_tokens``. The admin API, the Prometheus metrics (:mod:`.metrics`) and the demo report
+read these names.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ def engine_stats(
             "entries": usage.entries,
             **tier.counters.as_dict(),
         }
+        tenants = tier.tenant_report()  # tenant_quotas: per tenant, what it holds here
+        if tenants:
+            tiers[tier.name]["tenants"] = tenants
     counts = counters.as_dict()
     counts["miss_tokens"] = max(0, counts["lookup_tokens"] - counts["found_tokens"])
     return {

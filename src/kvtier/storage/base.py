@@ -261,6 +261,16 @@ class Tier(ABC):
         for key in keys:
             self.unpin(key)
 
+    def assign_tenant(self, key: ChunkKey, tenant: str | None) -> None:
+        """The next :meth:`put` of ``key`` stores a chunk of ``tenant`` (a request's
+        ``cache_salt``; None: none), whose quota it counts against. Called just before that
+        put; a tier that keeps no per-tenant quota ignores it."""
+        return None
+
+    def tenant_report(self) -> dict[str, dict[str, int | None]]:
+        """Per tenant, what it holds here (``TenantPolicy.report``); empty without quotas."""
+        return {}
+
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         """A hint: ``keys`` were just used from a tier above (a CPU hit). A tier that keeps
         copies of what is above it refreshes them in its eviction order, so what is hit most

@@ -30,6 +30,7 @@ from kvtier.memory.block_pool import BlockPool
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
 from kvtier.storage.key_pins import KeyPins
 from kvtier.storage.policy import EvictionPolicy, LruPolicy
+from kvtier.storage.policy.tenants import TenantPolicy
 
 
 @dataclass(slots=True, eq=False)  # identity: pin_prefix finds None among entries in C
@@ -72,6 +73,8 @@ class CpuTier(Tier):
         # requests pin through pin_keys and their leases instead.
         self._key_pins = KeyPins()
         # Eviction and membership listeners (Tier) are called under the lock.
+        if isinstance(self.policy, TenantPolicy):  # tenant_quotas: a changed row applies now
+            self.policy.quotas.subscribe(self.apply_quotas)
 
     # -- page-level API used by the storage manager ----------------------------------------
     def allocate(self, count: int) -> list[int] | None:
@@ -85,17 +88,23 @@ class CpuTier(Tier):
                 pages = self.pool.allocate(count)
             return pages
 
-    def insert(self, key: ChunkKey, page: int, num_tokens: int) -> bool:
+    def insert(self, key: ChunkKey, page: int, num_tokens: int, tenant: str | None = None) -> bool:
         """Cache ``page`` under ``key``, taking over the caller's reference to it.
 
         Returns False (and takes nothing) when ``key`` is already cached or the policy declines
         it (``EvictionPolicy.admit``): the caller keeps its reference and must release it.
         First writer wins; a duplicate never takes a reference nobody would give back.
+        ``tenant``: the storing request's ``cache_salt``; with ``tenant_quotas`` a tenant
+        over its limit then drops its own victims (maybe this chunk: it stays inserted, its
+        reference taken over, and is evicted as any other).
         """
         with self._lock:
             if key in self._index:
                 self.policy.touch([key])
                 return False
+            tenants = self.policy if isinstance(self.policy, TenantPolicy) else None
+            if tenants is not None:
+                tenants.assign(key, tenant)
             if not self.policy.admit(key, num_tokens):
                 self.counters.dropped += 1
                 return False
@@ -105,7 +114,29 @@ class CpuTier(Tier):
             self.counters.stored += 1
             self.counters.bytes_written += nbytes
             self.report_added((key,))
+            if tenants is not None and tenants.over_quota(tenant or ""):
+                self._drop(tenants.evict_over_quota(tenant or "", self._evictable))
             return True
+
+    def enforce_quota(self, tenant: str | None) -> None:
+        """Bring ``tenant`` back within its limit now (after a store has let go of its new
+        chunks' pages, which no eviction could take while it held them). Without quotas,
+        or within its limit, nothing."""
+        tenants = self.policy
+        if isinstance(tenants, TenantPolicy) and tenants.over_quota(tenant or ""):
+            with self._lock:
+                self._drop(tenants.evict_over_quota(tenant or "", self._evictable))
+
+    def apply_quotas(self) -> None:
+        """The quota table changed: tenants move between orders, and each one now over its
+        limit drops its own victims."""
+        tenants = self.policy
+        assert isinstance(tenants, TenantPolicy)
+        with self._lock:
+            tenants.regroup()
+            for tenant in list(tenants.usage):
+                if tenants.over_quota(tenant):
+                    self._drop(tenants.evict_over_quota(tenant, self._evictable))
 
     def pin_keys(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, CpuEntry]:
         """The cached entries among ``keys``, each with one new page reference for the caller
@@ -149,8 +180,15 @@ class CpuTier(Tier):
     def _evict(self, needed: int) -> int:
         if needed <= 0:
             return 0
-        index, is_shared = self._index, self.pool.is_shared
-        victims = self.policy.evict(needed, lambda key: not is_shared(index[key].page))
+        return self._drop(self.policy.evict(needed, self._evictable))
+
+    def _evictable(self, key: ChunkKey) -> bool:
+        return not self.pool.is_shared(self._index[key].page)
+
+    def _drop(self, victims: list[ChunkKey]) -> int:
+        """Drop the policy's ``victims`` (forgotten there already) and free their pages."""
+        if not victims:
+            return 0
         pages = [self._index.pop(key).page for key in victims]
         self.pool.release(pages)
         self.counters.evicted += len(pages)
@@ -169,6 +207,8 @@ class CpuTier(Tier):
         return None
 
     def close(self) -> None:
+        if isinstance(self.policy, TenantPolicy):
+            self.policy.quotas.unsubscribe(self.apply_quotas)
         self.clear(force=True)
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -234,6 +274,12 @@ class CpuTier(Tier):
             self.pool.release([entry.page])
             self.report_removed((key,))
             return True
+
+    def tenant_report(self) -> dict[str, dict[str, int | None]]:
+        with self._lock:
+            if isinstance(self.policy, TenantPolicy):
+                return self.policy.report()
+            return {}
 
     def usage(self) -> TierUsage:
         with self._lock:

@@ -142,7 +142,7 @@ class CodedCpuTier(CpuTier):
         """``count`` staging pages (no entry lives in one, so none is evicted for them)."""
         return self.pool.allocate(count)
 
-    def insert(self, key: ChunkKey, page: int, num_tokens: int) -> bool:
+    def insert(self, key: ChunkKey, page: int, num_tokens: int, tenant: str | None = None) -> bool:
         """Encode ``page`` into the store under ``key``; the caller's page reference is taken
         over and given back at once (True), or left with the caller (False: already cached,
         declined by the policy, or no room even after eviction)."""

@@ -102,10 +102,13 @@ class StorageManager:
         return self._loader.load(plan, lease, out, start_token)
 
     # -- store -----------------------------------------------------------------------------
-    def store(self, spans: Sequence[ChunkSpan], kv: torch.Tensor) -> tuple[int, int]:
+    def store(
+        self, spans: Sequence[ChunkSpan], kv: torch.Tensor, tenant: str | None = None
+    ) -> tuple[int, int]:
         """Copy each chunk not yet held into a page and hand it to the tiers that lack it.
         Returns (chunks newly stored somewhere, chunks dropped). When no page can be freed,
-        the rest is dropped (counted): a store never waits. A coded CPU tier's pages are only
+        the rest is dropped (counted): a store never waits. ``tenant``: the request's
+        ``cache_salt``, whose quota the chunks count against. A coded CPU tier's pages are only
         staging (``CpuTier.resident`` false): there the chunks go through in batches of what
         the pool holds, each batch's pages back in the pool before the next is reserved."""
         step = len(spans) if self.cpu.resident else max(1, self.pool.num_pages // 2)
@@ -113,7 +116,7 @@ class StorageManager:
             self.cpu.make_room(self.cpu.contains([s.key for s in spans]).count(False))
         stored = dropped = 0
         for at in range(0, len(spans), max(step, 1)):
-            slots, dropped = self.reserve(spans[at : at + step])
+            slots, dropped = self.reserve(spans[at : at + step], tenant)
             pages = [slot.page for slot in slots]
             try:
                 batch = self.copies.begin(kv, Direction.STORE)
@@ -133,9 +136,12 @@ class StorageManager:
                 self.counters.add(dropped_chunks=rest)
                 dropped += rest
                 break
+        self.cpu.enforce_quota(tenant)  # the new chunks' own pages are evictable only now
         return stored, dropped
 
-    def reserve(self, spans: Sequence[ChunkSpan]) -> tuple[list[StoreSlot], int]:
+    def reserve(
+        self, spans: Sequence[ChunkSpan], tenant: str | None = None
+    ) -> tuple[list[StoreSlot], int]:
         """A page for each chunk some tier lacks, each with one reference for the caller.
         Returns (slots, chunks dropped): when no page can be freed, the rest is dropped and
         counted. Fill the pages, :meth:`commit` them, then release the caller's references;
@@ -164,7 +170,7 @@ class StorageManager:
                 dropped = len(spans) - i
                 log.debug("store dropped %d chunks: every CPU page is in use", dropped)
                 break
-            slots.append(StoreSlot(span, pages[0], writers, to_cpu))
+            slots.append(StoreSlot(span, pages[0], writers, to_cpu, tenant))
         self.counters.add(dropped_chunks=dropped)
         return slots, dropped
 
@@ -173,21 +179,24 @@ class StorageManager:
         taking a reference of its own; the caller keeps (and later releases) its reservation's.
         Returns the chunks newly stored."""
         for slot in slots:
-            self._hand_out(slot.span, slot.page, slot.to_cpu, slot.writers)
+            self._hand_out(slot.span, slot.page, slot.to_cpu, slot.writers, slot.tenant)
         self.counters.add(stored_chunks=len(slots))
         return len(slots)
 
-    def _hand_out(self, span: ChunkSpan, page: int, to_cpu: bool, writers: list[Tier]) -> None:
+    def _hand_out(
+        self, span: ChunkSpan, page: int, to_cpu: bool, writers: list[Tier], tenant: str | None
+    ) -> None:
         """Give the CPU index and each lower-tier write a reference to ``page`` of its own."""
         if to_cpu:
             self.pool.retain([page])
-            if not self.cpu.insert(span.key, page, span.num_tokens):
+            if not self.cpu.insert(span.key, page, span.num_tokens, tenant):
                 self.pool.release([page])  # raced with another store of the same key
         payload = self.pool.page_bytes_view(page, self.layout.payload_bytes(span.num_tokens))
         for tier in writers:
             self.pool.retain([page])
             ticket = WriteTicket(self.writes_in_flight, self.pool, self.counters, tier, page)
             try:
+                tier.assign_tenant(span.key, tenant)
                 tier.put(span.key, payload, span.num_tokens, ticket)
             except Exception as exc:  # put must report through on_done; if it raised
                 # instead, complete the ticket here so its page reference comes back.

@@ -29,6 +29,7 @@ class StoreSlot:
     page: int
     writers: list[Tier]  # lower tiers that lack the chunk
     to_cpu: bool  # the CPU index lacks it (and is visible)
+    tenant: str | None = None  # the storing request's cache_salt (tenant_quotas)
 
 
 class WriteTicket:

@@ -1,0 +1,89 @@
+"""The ``tenant_quotas`` key: how much of each tier a tenant (a ``cache_salt``) may hold.
+
+Written as LMCache users write its per-``cache_salt`` quotas, one limit per tenant, with
+``"*"`` for every tenant the table does not name::
+
+    tenant_quotas:
+      alice: "2GiB"     bytes, in every tier (the CPU tier, the disk tier, a server's model)
+      bob: "25%"        a share of each tier's capacity
+      "*": "10%"        any other tenant; without "*", unnamed tenants have no limit
+      "": "50%"         the requests with no cache_salt
+
+A number is GB, as every size key reads it. The limit is a ceiling and, while the limits
+of the tenants a tier holds add up to at most its capacity, a guarantee
+(:mod:`kvtier.storage.policy.tenants` has the rules). The admin API changes the table at
+run time (``PUT /quota``); this module parses both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.config.sizes import GIB, format_size, parse_size
+from kvtier.errors import ConfigError
+
+DEFAULT_TENANT = "*"  # the row that applies to every tenant the table does not name
+MAX_TENANTS = 4096
+MAX_TENANT_CHARS = 1024  # a cache_salt's own limit (kvtier.request_salt.MAX_SALT_CHARS)
+
+_ALLOWED = "a size ('2GiB', a number of GB) or a share of each tier ('25%', above 0 up to 100)"
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimit:
+    """One tenant's limit: ``nbytes`` in every tier, or ``share`` (0 < share <= 1) of each."""
+
+    nbytes: int | None = None
+    share: float | None = None
+
+    def bytes_of(self, capacity: int) -> int:
+        """The limit in a tier of ``capacity`` bytes."""
+        if self.share is not None:
+            return int(capacity * self.share)
+        assert self.nbytes is not None
+        return self.nbytes
+
+    def __str__(self) -> str:
+        if self.share is not None:
+            return f"{self.share * 100:g}%"
+        assert self.nbytes is not None
+        return format_size(self.nbytes)
+
+
+def parse_limit(key: str, raw: object) -> TenantLimit:
+    """One limit (``"25%"``, ``"2GiB"``, ``2``); :class:`ConfigError` naming ``key``."""
+    if isinstance(raw, str) and raw.strip().endswith("%"):
+        try:
+            percent = float(raw.strip()[:-1])
+        except ValueError:
+            raise ConfigError(key, raw, _ALLOWED) from None
+        if not 0 < percent <= 100:  # also refuses NaN
+            raise ConfigError(key, raw, _ALLOWED)
+        return TenantLimit(share=percent / 100)
+    try:
+        return TenantLimit(nbytes=parse_size(key, raw, GIB))
+    except ConfigError:
+        raise ConfigError(key, raw, _ALLOWED) from None
+
+
+def check_tenant(key: str, tenant: object) -> str:
+    """A tenant name as a table row names it: a ``cache_salt`` ("" for none) or ``"*"``."""
+    if not isinstance(tenant, str) or len(tenant) > MAX_TENANT_CHARS:
+        raise ConfigError(
+            key, tenant, f"a cache_salt (a string of at most {MAX_TENANT_CHARS} characters)"
+        )
+    return tenant
+
+
+def parse_tenant_quotas(key: str, raw: object) -> dict[str, TenantLimit]:
+    """The whole table: tenant -> limit (empty: no quotas, the tiers run as without them)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(key, raw, "a mapping of cache_salt (or '*') to " + _ALLOWED)
+    if len(raw) > MAX_TENANTS:
+        raise ConfigError(key, f"{len(raw)} tenants", f"at most {MAX_TENANTS} tenants")
+    return {
+        check_tenant(key, tenant): parse_limit(f"{key}[{tenant!r}]", limit)
+        for tenant, limit in raw.items()
+    }

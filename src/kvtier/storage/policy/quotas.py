@@ -1,0 +1,66 @@
+"""The quota table every tier of one cache reads: tenant -> limit, changed at run time.
+
+One object per engine, shared by its CPU tier and its disk tier: the admin API's
+``PUT /quota`` changes it once and every tier sees the new limit at its next store (each
+tier's :class:`~kvtier.storage.policy.tenants.TenantPolicy` subscribes, so a lowered limit
+evicts at once). The rows come from ``tenant_quotas`` (:mod:`kvtier.config.tenant_quotas`);
+``"*"`` is the row of every tenant the table does not name.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+
+from kvtier.config.tenant_quotas import DEFAULT_TENANT, TenantLimit
+
+Listener = Callable[[], None]
+
+
+class TenantQuotas:
+    def __init__(self, rows: Mapping[str, TenantLimit] | None = None) -> None:
+        self._rows: dict[str, TenantLimit] = dict(rows or {})
+        self._lock = threading.Lock()
+        self._listeners: list[Listener] = []
+
+    def limit(self, tenant: str) -> TenantLimit | None:
+        """``tenant``'s row, else the ``"*"`` row, else None (no limit)."""
+        rows = self._rows  # replaced whole on a change: a read needs no lock
+        found = rows.get(tenant)
+        return found if found is not None else rows.get(DEFAULT_TENANT)
+
+    def rows(self) -> dict[str, TenantLimit]:
+        return dict(self._rows)
+
+    def __bool__(self) -> bool:
+        return bool(self._rows)
+
+    def set(self, tenant: str, limit: TenantLimit | None) -> None:
+        """Set (None: remove) ``tenant``'s row; every subscribed tier applies it now."""
+        with self._lock:
+            rows = dict(self._rows)
+            if limit is None:
+                rows.pop(tenant, None)
+            else:
+                rows[tenant] = limit
+            self._rows = rows
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
+
+    def replace(self, rows: Mapping[str, TenantLimit]) -> None:
+        """Every row at once (a disk tier restoring the table it saved)."""
+        with self._lock:
+            self._rows = dict(rows)
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
+
+    def subscribe(self, listener: Listener) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+    def unsubscribe(self, listener: Listener) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)

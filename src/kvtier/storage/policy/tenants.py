@@ -1,0 +1,278 @@
+"""Per-tenant quotas as an eviction policy: one order per tenant, victims by who is most over.
+
+With ``tenant_quotas`` set (:mod:`kvtier.config.tenant_quotas`), a tier's policy is a
+:class:`TenantPolicy`: it keeps, for each tenant with a limit, an eviction policy of its own
+(``cache_policy``'s, as LMCache isolates each ``cache_salt`` in an LRU of its own), one
+shared policy for the tenants with none, and what each tenant holds. A tenant is a request's
+``cache_salt`` ("" for none); the tier names a key's tenant with :meth:`assign` just before it
+inserts the key (the store path carries it there; every other call is the plain
+:class:`~kvtier.storage.policy.base.EvictionPolicy` seam, so the tier's code is unchanged).
+
+Accounting is in whole chunks of the tier's ``unit_bytes`` (a CPU page; a disk file of a
+whole chunk), so a tenant's bytes held are its chunks times the unit, never negative, and
+exact for every full chunk (a partial chunk counts as a whole one: a tenant is charged at
+most a chunk's rounding per partial chunk, never less than it holds)::
+
+    limit(t)      its row's bytes, or its share of the tier's capacity_bytes (None: no row)
+    guarantee(t)  limit(t) x min(1, capacity / sum of the limits of the tenants held)
+    excess(t)     held(t) - guarantee(t)           (a tenant with no limit: guarantee 0)
+
+Rules, in the order the tier applies them:
+
+1. After it inserts a chunk of tenant t, while held(t) > limit(t) the tier evicts t's own
+   victims (:meth:`evict_over_quota`, counted as quota evictions: ``kvtier explain`` names
+   a later miss on one). Pinned chunks are never victims, so a tenant may stay above its
+   limit by what it has pinned, no further.
+2. When the tier is short of room (:meth:`evict`), each victim comes from the tenant with
+   the largest excess that has an evictable chunk. A tenant at or under its guarantee is
+   evicted by others only when no tenant is over its own (the tier's room then went to pages
+   that are not cached chunks: pins, writes in flight), so under its guarantee it keeps its
+   chunks whatever another tenant stores.
+
+Limits are read from the shared :class:`~kvtier.storage.policy.quotas.TenantQuotas` on every
+decision; when a row changes, the tier calls :meth:`regroup` (a tenant that gained or lost
+its row moves between its own order and the shared one, in order) and then rule 1 per tenant.
+Costs: one dict lookup per key inserted, touched or removed, and O(tenants) per victim.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import chain, groupby
+
+from kvtier.keys import ChunkKey
+from kvtier.storage.policy.base import Evictable, EvictionPolicy
+from kvtier.storage.policy.quotas import TenantQuotas
+
+NO_SALT = ""  # the tenant of requests without a cache_salt
+_SHARED = None  # the group of every tenant with no limit: one order among them
+QUOTA_EVICTIONS_KEPT = 65536  # keys remembered as evicted by their tenant's quota (explain)
+
+
+@dataclass(slots=True)
+class TenantUsage:
+    """One tenant in one tier: chunks held (bytes = chunks x unit), hits, evictions."""
+
+    chunks: int = 0
+    hits: int = 0
+    evictions: int = 0  # every eviction of its chunks, quota evictions included
+    quota_evictions: int = 0  # by rule 1: it was over its own limit
+
+
+class TenantPolicy(EvictionPolicy):
+    name = "tenants"
+
+    def __init__(
+        self,
+        make_policy: Callable[[], EvictionPolicy],
+        quotas: TenantQuotas,
+        unit_bytes: int,
+        capacity_bytes: int,
+    ) -> None:
+        super().__init__()
+        self._make = make_policy
+        self.quotas = quotas
+        self.unit_bytes = unit_bytes
+        self.capacity_bytes = capacity_bytes
+        self._tenant_of: dict[ChunkKey, str] = {}
+        self._groups: dict[str | None, EvictionPolicy] = {}
+        self._group_of_tenant: dict[str, str | None] = {}
+        self._next: dict[ChunkKey, str] = {}  # assigned, not yet inserted
+        self.usage: dict[str, TenantUsage] = {}
+        self.quota_evicted: OrderedDict[ChunkKey, str] = OrderedDict()
+
+    # -- tenants ---------------------------------------------------------------------------
+    def assign(self, key: ChunkKey, tenant: str | None) -> None:
+        """The next :meth:`insert` (or :meth:`admit`) of ``key`` is ``tenant``'s."""
+        self._next[key] = tenant or NO_SALT
+
+    def unassign(self, key: ChunkKey) -> None:
+        """``key`` was assigned but will not be inserted (its write failed)."""
+        self._next.pop(key, None)
+
+    def tenant_of(self, key: ChunkKey) -> str | None:
+        return self._tenant_of.get(key)
+
+    def held_bytes(self, tenant: str) -> int:
+        usage = self.usage.get(tenant)
+        return usage.chunks * self.unit_bytes if usage is not None else 0
+
+    def limit_bytes(self, tenant: str) -> int | None:
+        limit = self.quotas.limit(tenant)
+        return None if limit is None else limit.bytes_of(self.capacity_bytes)
+
+    def guarantee_bytes(self, tenant: str) -> float:
+        limit = self.limit_bytes(tenant)
+        if limit is None:
+            return 0.0
+        limits = [self.limit_bytes(t) for t, u in self.usage.items() if u.chunks or t == tenant]
+        total = sum(x for x in limits if x is not None)
+        return limit * min(1.0, self.capacity_bytes / total) if total else float(limit)
+
+    def over_quota(self, tenant: str) -> bool:
+        limit = self.limit_bytes(tenant)
+        return limit is not None and self.held_bytes(tenant) > limit
+
+    def _group(self, tenant: str) -> EvictionPolicy:
+        name = self._group_of_tenant.get(tenant, 0)
+        if name == 0:
+            name = self._group_of_tenant[tenant] = (
+                tenant if self.quotas.limit(tenant) is not None else _SHARED
+            )
+        group = self._groups.get(name)  # type: ignore[arg-type]
+        if group is None:
+            group = self._groups[name] = self._make()  # type: ignore[index]
+        return group
+
+    # -- the EvictionPolicy seam -----------------------------------------------------------
+    def admit(self, key: ChunkKey, num_tokens: int) -> bool:
+        return self._group(self._next.get(key, NO_SALT)).admit(key, num_tokens)
+
+    def insert(self, key: ChunkKey) -> None:
+        tenant = self._next.pop(key, NO_SALT)
+        self._group(tenant).insert(key)
+        self._tenant_of[key] = tenant
+        usage = self.usage.get(tenant)
+        if usage is None:
+            usage = self.usage[tenant] = TenantUsage()
+        usage.chunks += 1
+        self.quota_evicted.pop(key, None)
+
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        tenant_of = self._tenant_of.get
+        for tenant, run in groupby(keys, tenant_of):  # a prompt's keys are one tenant's
+            if tenant is None:
+                continue
+            batch = list(run)
+            self._group(tenant).touch(batch)
+            self.usage[tenant].hits += len(batch)
+
+    def remove(self, key: ChunkKey) -> None:
+        tenant = self._tenant_of.pop(key, None)
+        if tenant is not None:
+            self._group(tenant).remove(key)
+            self.usage[tenant].chunks -= 1
+
+    def hold(self, key: ChunkKey) -> None:
+        tenant = self._tenant_of.get(key)
+        if tenant is not None:
+            self._group(tenant).hold(key)
+
+    def restore(self, key: ChunkKey) -> None:
+        tenant = self._tenant_of.get(key)
+        if tenant is not None:
+            self._group(tenant).restore(key)
+
+    def evict(self, count: int, evictable: Evictable) -> list[ChunkKey]:
+        """Rule 2: each victim from the group most over its guarantee (module docstring):
+        a tenant with a limit is a group; the shared group's excess is all it holds."""
+        victims: list[ChunkKey] = []
+        while len(victims) < count:
+            excess: dict[str | None, float] = {}
+            for tenant, usage in self.usage.items():
+                if usage.chunks:
+                    name = self._group_of_tenant.get(tenant)
+                    guarantee = 0.0 if name is _SHARED else self.guarantee_bytes(tenant)
+                    held = usage.chunks * self.unit_bytes
+                    excess[name] = excess.get(name, -guarantee) + held
+            for name in sorted(excess, key=excess.__getitem__, reverse=True):
+                found = self._groups[name].evict(1, evictable)
+                if found:
+                    self._forget(found[0], quota=False)
+                    victims.append(found[0])
+                    break
+            else:
+                break  # nothing evictable in any group
+        return victims
+
+    def evict_over_quota(self, tenant: str, evictable: Evictable) -> list[ChunkKey]:
+        """Rule 1: ``tenant``'s own victims until it is within its limit (or only pinned
+        chunks are left); the tier drops them. A tenant with a limit has an order of its own."""
+        victims: list[ChunkKey] = []
+        while self.over_quota(tenant):
+            found = self._group(tenant).evict(1, evictable)
+            if not found:
+                break
+            self._forget(found[0], quota=True)
+            victims.append(found[0])
+        return victims
+
+    def _forget(self, key: ChunkKey, *, quota: bool) -> None:
+        tenant = self._tenant_of.pop(key)
+        usage = self.usage[tenant]
+        usage.chunks -= 1
+        usage.evictions += 1
+        if quota:
+            usage.quota_evictions += 1
+            self.quota_evicted[key] = tenant
+            if len(self.quota_evicted) > QUOTA_EVICTIONS_KEPT:
+                self.quota_evicted.popitem(last=False)
+
+    def regroup(self) -> None:
+        """The quota table changed: each tenant whose group changed (it gained or lost its
+        row) moves there, its keys in their order, held keys held again."""
+        moved = [t for t in self.usage if t in self._group_of_tenant]
+        for tenant in moved:
+            old = self._groups.get(self._group_of_tenant[tenant])
+            new_name = tenant if self.quotas.limit(tenant) is not None else _SHARED
+            if new_name == self._group_of_tenant[tenant]:
+                continue
+            self._group_of_tenant[tenant] = new_name
+            if old is None:
+                continue
+            keys = [k for k in old.order() if self._tenant_of.get(k) == tenant]
+            new = self._group(tenant)
+            for key in keys:
+                was_held = key in old._held
+                old.remove(key)
+                new.insert(key)
+                if was_held:
+                    new.hold(key)
+
+    def report(self) -> dict[str, dict[str, int | None]]:
+        """Per tenant: bytes held, its limit (None: none), chunks, hits, evictions and quota
+        evictions (``stats()`` and the Prometheus metrics read these names)."""
+        return {
+            tenant: {
+                "held_bytes": usage.chunks * self.unit_bytes,
+                "limit_bytes": self.limit_bytes(tenant),
+                "chunks": usage.chunks,
+                "hits": usage.hits,
+                "evictions": usage.evictions,
+                "quota_evictions": usage.quota_evictions,
+            }
+            for tenant, usage in self.usage.items()
+        }
+
+    def order(self) -> Iterator[ChunkKey]:
+        """Each group's order in turn (victims come by excess, not by one order)."""
+        return chain.from_iterable(group.order() for group in list(self._groups.values()))
+
+    def __len__(self) -> int:
+        return len(self._tenant_of)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._tenant_of
+
+    @property
+    def held(self) -> int:
+        return sum(group.held for group in self._groups.values())
+
+    def clear(self) -> None:
+        for group in self._groups.values():
+            group.clear()
+        self._tenant_of.clear()
+        for usage in self.usage.values():
+            usage.chunks = 0
+
+    # The base class's order machinery is each group's; this policy never walks one itself.
+    def _select(self, count: int, evictable: Evictable, refused: list[ChunkKey]) -> list[ChunkKey]:
+        raise AssertionError("TenantPolicy selects through its groups")
+
+    def _leave(self, keys: Sequence[ChunkKey]) -> None:
+        raise AssertionError("TenantPolicy's groups hold their own keys")
+
+    def _rejoin(self, key: ChunkKey) -> None:
+        raise AssertionError("TenantPolicy's groups hold their own keys")

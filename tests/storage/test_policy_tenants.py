@@ -1,0 +1,243 @@
+"""Per-tenant quotas in the CPU tier (``kvtier.storage.policy.tenants``): a flooding tenant
+stays within its limit, pins still hold (and count against their tenant), a tenant under
+its guarantee keeps its chunks, a limit changed at run time applies at once; and a
+hypothesis state machine over stores, pins, lookups and quota changes checks the accounting."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvtier.config.tenant_quotas import TenantLimit, parse_tenant_quotas
+from kvtier.errors import ConfigError
+from kvtier.keys import ChunkKey
+from kvtier.memory.block_pool import BlockPool
+from kvtier.storage.cpu import CpuTier
+from kvtier.storage.policy import POLICIES, make_policy
+from kvtier.storage.policy.quotas import TenantQuotas
+from kvtier.storage.policy.tenants import TenantPolicy
+from tests.storage.tier_contract import CONTRACT_CHUNK, PAGE_BYTES, TOKEN_BYTES, random_key
+
+PAGES = 12
+
+
+def quota_tier(
+    pool: BlockPool, rows: dict[str, object], policy: str = "LRU"
+) -> tuple[CpuTier, TenantPolicy]:
+    quotas = TenantQuotas(parse_tenant_quotas("tenant_quotas", rows))
+    tenants = TenantPolicy(
+        lambda: make_policy(policy), quotas, PAGE_BYTES, pool.num_pages * PAGE_BYTES
+    )
+    return CpuTier(pool, TOKEN_BYTES, tenants), tenants
+
+
+def store(tier: CpuTier, tenant: str, count: int = 1) -> list[ChunkKey]:
+    """``count`` new chunks of ``tenant``, as the manager stores them; the keys stored."""
+    keys = []
+    for _ in range(count):
+        pages = tier.allocate(1)
+        if pages is None:
+            break
+        key = random_key()
+        if not tier.insert(key, pages[0], CONTRACT_CHUNK, tenant):
+            tier.pool.release(pages)
+        keys.append(key)
+    return keys
+
+
+@pytest.fixture(params=sorted(POLICIES))
+def policy_name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def pool() -> Iterator[BlockPool]:
+    pool = BlockPool(PAGES, PAGE_BYTES)
+    yield pool
+    pool.close()
+
+
+def test_a_flooding_tenant_stays_within_its_quota(pool: BlockPool, policy_name: str) -> None:
+    tier, tenants = quota_tier(pool, {"flood": "25%", "*": "75%"}, policy_name)
+    quiet = store(tier, "quiet", 4)
+    flood = store(tier, "flood", 40)
+    assert tenants.held_bytes("flood") == 3 * PAGE_BYTES  # 25 % of 12 pages
+    assert tier.contains(quiet) == [True] * 4  # the other tenant lost nothing
+    assert tier.contains(flood[-3:]) == [True] * 3 and not any(tier.contains(flood[:-3]))
+    usage = tenants.usage["flood"]
+    assert usage.quota_evictions == usage.evictions == 37
+    assert tenants.usage["quiet"].evictions == 0
+    assert set(tenants.quota_evicted.values()) == {"flood"}
+
+
+def test_pinned_chunks_are_never_evicted_and_count_against_their_tenant(
+    pool: BlockPool,
+) -> None:
+    tier, tenants = quota_tier(pool, {"t": "25%"})
+    first = store(tier, "t", 3)
+    pins = tier.pin_keys(first)  # a request's lease holds all three
+    later = store(tier, "t", 2)
+    assert tier.contains(first) == [True] * 3  # pinned: kept, although t is over now
+    assert tier.contains(later) == [False, False]  # t's own unpinned chunks went instead
+    assert tenants.held_bytes("t") == 3 * PAGE_BYTES
+    pool.release([e.page for e in pins.values()])
+    store(tier, "t", 1)  # unpinned now: t's next store brings it back within its limit
+    assert tenants.held_bytes("t") == 3 * PAGE_BYTES
+
+
+def test_a_tenant_under_its_guarantee_is_not_evicted_by_others(pool: BlockPool) -> None:
+    tier, tenants = quota_tier(pool, {"a": "50%", "b": "50%"})
+    a_keys = store(tier, "a", 5)  # under its 6 pages
+    b_keys = store(tier, "b", 30)  # fills the tier: every victim is b's own
+    assert tier.contains(a_keys) == [True] * 5
+    assert tenants.usage["a"].evictions == 0
+    assert tenants.held_bytes("b") <= 6 * PAGE_BYTES
+    assert tier.contains(b_keys[-6:]) == [True] * 6
+
+
+def test_unnamed_tenants_share_one_order_and_are_evicted_before_a_guarantee(
+    pool: BlockPool,
+) -> None:
+    tier, tenants = quota_tier(pool, {"vip": "50%"})  # no "*": others have no limit
+    vip = store(tier, "vip", 6)
+    for n in range(10):
+        store(tier, f"guest{n}", 2)  # 20 chunks into the 6 pages the vip leaves
+    assert tier.contains(vip) == [True] * 6
+    assert sum(tenants.held_bytes(f"guest{n}") for n in range(10)) == 6 * PAGE_BYTES
+    assert tenants.limit_bytes("guest0") is None
+
+
+def test_a_quota_changed_at_run_time_applies_at_once(pool: BlockPool) -> None:
+    tier, tenants = quota_tier(pool, {"*": "100%"})
+    keys = store(tier, "t", 8)
+    tenants.quotas.set("t", TenantLimit(nbytes=2 * PAGE_BYTES))
+    assert tenants.held_bytes("t") == 2 * PAGE_BYTES
+    assert tier.contains(keys) == [False] * 6 + [True] * 2  # its oldest went
+    assert tenants.usage["t"].quota_evictions == 6
+    tenants.quotas.set("t", None)  # back to the "*" row
+    assert tenants.limit_bytes("t") == PAGES * PAGE_BYTES
+    tier.close()
+
+
+def test_a_tenant_that_gains_a_row_moves_out_of_the_shared_order(pool: BlockPool) -> None:
+    tier, tenants = quota_tier(pool, {"other": "10%"})
+    keys = store(tier, "t", 4)  # no row: in the shared order
+    pins = tier.pin_keys(keys[:3])
+    tenants.quotas.set("t", TenantLimit(nbytes=2 * PAGE_BYTES))
+    assert tier.contains(keys) == [True, True, True, False]  # the pins held; the rest went
+    assert tenants.held_bytes("t") == 3 * PAGE_BYTES  # over by what it has pinned
+    pool.release([e.page for e in pins.values()])  # the lease gives the pages back
+    store(tier, "t", 1)
+    assert tenants.held_bytes("t") == 2 * PAGE_BYTES
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ({"a": "25%"}, {"a": TenantLimit(share=0.25)}),
+        ({"*": "1KiB", "": 2}, {"*": TenantLimit(nbytes=1024), "": TenantLimit(nbytes=2 << 30)}),
+        (None, {}),
+    ],
+)
+def test_the_config_key_reads_sizes_and_shares(raw: object, expected: object) -> None:
+    assert parse_tenant_quotas("tenant_quotas", raw) == expected
+
+
+@pytest.mark.parametrize(
+    "raw", [{"a": "0%"}, {"a": "101%"}, {"a": "lots"}, {"a": -1}, ["a"], {1: "1GiB"}]
+)
+def test_a_bad_quota_names_the_key_and_what_is_valid(raw: object) -> None:
+    with pytest.raises(ConfigError, match="tenant_quotas") as caught:
+        parse_tenant_quotas("tenant_quotas", raw)
+    assert "share" in str(caught.value) or "cache_salt" in str(caught.value)
+
+
+# -- the accounting, as a state machine ----------------------------------------------------
+TENANTS = ("a", "b", "c", "")
+
+
+class TenantAccounting(RuleBasedStateMachine):
+    """Stores of several tenants, pins and their release, lookups, run-time quota changes,
+    against a tier of a few pages. After every step: each tenant's bytes are never negative
+    and equal the chunks the tier holds for it; and right after a tenant stores (or its
+    limit changes), it is within its limit unless every chunk it holds is pinned."""
+
+    @initialize(policy=st.sampled_from(sorted(POLICIES)))
+    def open(self, policy: str) -> None:
+        self.pool = BlockPool(8, PAGE_BYTES)
+        self.tier, self.tenants = quota_tier(self.pool, {"a": "25%", "*": "50%"}, policy)
+        self.owner: dict[ChunkKey, str] = {}
+        self.pins: list[tuple[ChunkKey, int]] = []
+
+    def teardown(self) -> None:
+        if hasattr(self, "tier"):
+            self.pool.release([page for _, page in self.pins])
+            self.tier.close()
+            assert self.pool.free_pages == self.pool.num_pages
+            self.pool.close()
+
+    @rule(tenant=st.sampled_from(TENANTS), count=st.integers(1, 4))
+    def store(self, tenant: str, count: int) -> None:
+        for key in store(self.tier, tenant, count):
+            self.owner[key] = tenant
+        self.check_within_limit([tenant])
+
+    @rule(tenant=st.sampled_from(TENANTS), data=st.data())
+    def pin(self, tenant: str, data: st.DataObject) -> None:
+        held = [k for k, t in self.owner.items() if t == tenant and self.tier.contains([k])[0]]
+        if held:
+            key = data.draw(st.sampled_from(held))
+            self.pins += [(k, e.page) for k, e in self.tier.pin_keys([key]).items()]
+
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        if self.pins:
+            index = data.draw(st.integers(0, len(self.pins) - 1))
+            _, page = self.pins.pop(index)
+            self.pool.release([page])
+
+    @rule(data=st.data())
+    def lookup(self, data: st.DataObject) -> None:
+        keys = [k for k in self.owner if self.tier.contains([k])[0]]
+        if keys:
+            key = data.draw(st.sampled_from(keys))
+            self.pool.release([e.page for e in self.tier.pin_keys([key]).values()])
+
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        limit=st.one_of(st.none(), st.integers(1, 8).map(lambda n: TenantLimit(share=n / 8))),
+    )
+    def set_quota(self, tenant: str, limit: TenantLimit | None) -> None:
+        self.tenants.quotas.set(tenant, limit)
+        self.check_within_limit(TENANTS)
+
+    def check_within_limit(self, tenants: tuple[str, ...] | list[str]) -> None:
+        pinned = {key for key, _ in self.pins}
+        for tenant in tenants:
+            limit = self.tenants.limit_bytes(tenant)
+            if limit is not None and self.tenants.held_bytes(tenant) > limit:
+                its = [
+                    k for k, t in self.owner.items() if t == tenant and self.tier.contains([k])[0]
+                ]
+                assert set(its) <= pinned, f"{tenant!r} over its limit with unpinned chunks"
+
+    @invariant()
+    def bytes_held_equal_the_chunks_held(self) -> None:
+        if not hasattr(self, "tier"):
+            return
+        for tenant in TENANTS:
+            held = self.tenants.held_bytes(tenant)
+            chunks = sum(
+                1 for k, t in self.owner.items() if t == tenant and self.tier.contains([k])[0]
+            )
+            assert held >= 0
+            assert held == chunks * PAGE_BYTES
+        assert len(self.tenants) == len(self.tier)
+
+
+TestTenantAccounting = TenantAccounting.TestCase
+TestTenantAccounting.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
