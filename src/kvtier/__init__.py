@@ -13,8 +13,9 @@ Quick start::
             kv = engine.retrieve(tokens + [7, 8], "r1")     # [2, 2, 64, 128]
 """
 
+from typing import TYPE_CHECKING, Any
+
 from kvtier.config import Config
-from kvtier.engine import Engine, EngineState
 from kvtier.errors import (
     CapacityError,
     ConfigError,
@@ -28,12 +29,41 @@ from kvtier.errors import (
     TransferError,
     TransferTimeout,
 )
-from kvtier.fingerprint import Fingerprint
-from kvtier.hit import Hit
-from kvtier.keys import KeyChain
-from kvtier.layout import KVLayout
-from kvtier.server.client import ServerClient, connect
-from kvtier.service import Service
+
+if TYPE_CHECKING:
+    from kvtier.engine import Engine, EngineState
+    from kvtier.fingerprint import Fingerprint
+    from kvtier.hit import Hit
+    from kvtier.keys import KeyChain
+    from kvtier.layout import KVLayout
+    from kvtier.server.client import ServerClient, connect
+    from kvtier.service import Service
+
+# Imported on first use (PEP 562): these import torch, and `import kvtier` must not, so
+# that `kvtier check-config` or `kvtier --help` answers in a fraction of a second.
+_LAZY = {
+    "Engine": "kvtier.engine",
+    "EngineState": "kvtier.engine",
+    "Fingerprint": "kvtier.fingerprint",
+    "Hit": "kvtier.hit",
+    "KeyChain": "kvtier.keys",
+    "KVLayout": "kvtier.layout",
+    "ServerClient": "kvtier.server.client",
+    "connect": "kvtier.server.client",
+    "Service": "kvtier.service",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
+
 
 __all__ = [
     "CapacityError",

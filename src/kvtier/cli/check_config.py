@@ -1,20 +1,39 @@
-"""``kvtier check-config [FILE]``: the resolved config, where each value came from, and the
-sizes that follow from it for a given layout."""
+"""``kvtier check-config [FILE]``: the resolved config, where each value came from, the sizes
+that follow from it for a given layout, every key that loads but does nothing, and every
+problem at once: each bad value, each broken rule between keys, and what the probes of
+:mod:`kvtier.cli.config_probes` found (a Redis that does not answer, a disk directory that
+cannot be written, a PD buffer device this build has not). Exit 2 when there is a problem.
+
+It answers in about a second: torch is imported only for what needs it (a ``cpu_codec``'s
+slot sizes, a tier URL scheme outside Redis's grammar); the plain sizes are arithmetic on
+the layout's numbers, the same as :meth:`KVLayout.chunk_bytes` (a test keeps them equal).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from typing import Any
 
-import torch
-
+from kvtier.cli.config_probes import is_redis_url, probe_all
 from kvtier.config import Config
+from kvtier.config.effects import keys_with_no_effect
 from kvtier.config.schema import KEYS
 from kvtier.config.sizes import format_size
-from kvtier.layout import KVLayout
-from kvtier.memory.block_pool import pages_for_capacity
-from kvtier.storage.disk.options import check_directory, options_from_config
-from kvtier.tiers import check_tier_urls, cpu_capacity
+from kvtier.errors import ConfigError
+
+# torch dtype name -> bytes per element, for the sizes computed without importing torch.
+DTYPE_BYTES = {
+    "float32": 4,
+    "float": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "half": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+KV_PLANES = 2  # K and V
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -37,9 +56,67 @@ def run(args: argparse.Namespace) -> int:
     if args.table:
         print(key_table())
         return 0
-    config = Config.load(args.file)
-    check_tier_urls(config)  # a URL scheme no tier is registered for (s3:// unregistered)
-    layout = KVLayout(args.layers, args.kv_heads, args.head_dim, getattr(torch, args.dtype))
+    config, errors = Config.diagnose(args.file)
+    if config is None:  # no config to show: the file unreadable, not YAML, not a mapping
+        raise errors[-1]
+    checked: list[str] = []
+    for what, error in probe_all(config):
+        if error is None:
+            checked.append(f"{what}: ok")
+        else:
+            errors.append(error)
+    derived: dict[str, object] = {}
+    try:
+        derived = derived_sizes(config, args)
+        _check_tier_urls(config)
+    except ConfigError as exc:
+        errors.append(exc)
+    errors = _unique(errors)
+    no_effect = keys_with_no_effect(config)
+    values = config.as_dict()
+    if args.json:
+        out: dict[str, Any] = {"config": values, "origin": dict(config.origin)}
+        out |= {"derived": derived, "checked": checked, "no_effect": no_effect}
+        out["errors"] = [str(e) for e in errors]
+        print(json.dumps(out, default=str))
+    else:
+        _print_text(config, values, derived, checked, no_effect)
+    for error in errors:
+        print(f"kvtier: error: {error}", file=sys.stderr)
+    if errors:
+        print(f"kvtier check-config: {len(errors)} problem(s)", file=sys.stderr)
+    return 2 if errors else 0
+
+
+def derived_sizes(config: Config, args: argparse.Namespace) -> dict[str, object]:
+    """The sizes that follow from the config for the layout the arguments give."""
+    dtype_bytes = DTYPE_BYTES.get(args.dtype)
+    if config.cpu_codec != "identity" or dtype_bytes is None:
+        return _derived_with_torch(config, args)
+    token_bytes = KV_PLANES * args.layers * args.kv_heads * args.head_dim * dtype_bytes
+    chunk_bytes = token_bytes * config.chunk_size
+    derived: dict[str, object] = {
+        "layout": f"{args.layers} layers x {args.kv_heads} KV heads x {args.head_dim} head "
+        f"dim, {args.dtype}",
+        "chunk_bytes": chunk_bytes,
+    }
+    cpu = _whole_chunks("max_local_cpu_size", config.max_local_cpu_size, chunk_bytes)
+    derived["cpu_chunks"] = cpu
+    derived["cpu_bytes_used"] = cpu * chunk_bytes
+    _lower_tier_sizes(config, chunk_bytes, derived)
+    return derived
+
+
+def _derived_with_torch(config: Config, args: argparse.Namespace) -> dict[str, object]:
+    import torch
+
+    from kvtier.layout import KVLayout
+    from kvtier.tiers import cpu_capacity
+
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError("--dtype", args.dtype, f"a torch dtype: {', '.join(DTYPE_BYTES)}")
+    layout = KVLayout(args.layers, args.kv_heads, args.head_dim, dtype)
     chunk_bytes = layout.chunk_bytes(config.chunk_size)
     derived: dict[str, object] = {"layout": layout.describe(), "chunk_bytes": chunk_bytes}
     cpu = cpu_capacity(config, layout)
@@ -49,33 +126,71 @@ def run(args: argparse.Namespace) -> int:
         derived["cpu_codec"] = cpu.codec
         derived["cpu_staging_chunks"] = cpu.staging_pages
         derived["cpu_coded_slots"] = f"{cpu.slots} x {cpu.slot_bytes} bytes"
+    _lower_tier_sizes(config, chunk_bytes, derived)
+    return derived
+
+
+def _lower_tier_sizes(config: Config, chunk_bytes: int, derived: dict[str, object]) -> None:
     if config.local_disk:
-        # What the engine's disk tier will check at construction and open (nothing created)
-        disk = options_from_config(config, layout, config.chunk_size)
-        check_directory(disk.path)
-        derived["disk_directory"] = disk.path
-        derived["disk_chunks"] = config.max_local_disk_size // chunk_bytes
-    if config.enable_pd and config.pd_buffer_size is not None:
-        pd_pages = pages_for_capacity("pd_buffer_size", config.pd_buffer_size, chunk_bytes)
-        derived["pd_buffer_chunks"] = pd_pages
-        derived["pd_buffer_bytes_used"] = pd_pages * chunk_bytes
-    values = config.as_dict()
-    if args.json:
-        print(
-            json.dumps(
-                {"config": values, "origin": dict(config.origin), "derived": derived}, default=str
-            )
+        from kvtier.config.local_disk import parse_local_disk
+
+        derived["disk_directory"] = parse_local_disk(config.local_disk)
+        derived["disk_chunks"] = _whole_chunks(
+            "max_local_disk_size", config.max_local_disk_size, chunk_bytes
         )
-        return 0
+    if config.enable_pd and config.pd_buffer_size is not None:
+        pages = _whole_chunks("pd_buffer_size", config.pd_buffer_size, chunk_bytes)
+        derived["pd_buffer_chunks"] = pages
+        derived["pd_buffer_bytes_used"] = pages * chunk_bytes
+
+
+def _whole_chunks(key: str, capacity: int, chunk_bytes: int) -> int:
+    """As the engine counts a capacity (``pages_for_capacity``): whole chunks, at least one."""
+    if capacity < chunk_bytes:
+        raise ConfigError(
+            key,
+            capacity,
+            f"at least one chunk ({chunk_bytes} bytes = {format_size(chunk_bytes)}) for this "
+            "model layout and chunk_size",
+        )
+    return capacity // chunk_bytes
+
+
+def _check_tier_urls(config: Config) -> None:
+    """A URL scheme no tier is registered for (``s3://`` unregistered). Redis's grammar was
+    checked at load and local_disk's by :func:`parse_local_disk`; any other remote_url scheme
+    asks the registry (which imports the tiers, and torch)."""
+    if not config.remote_url or is_redis_url(config.remote_url):
+        return
+    from kvtier.tiers import check_tier_urls
+
+    check_tier_urls(config)
+
+
+def _unique(errors: list[ConfigError]) -> list[ConfigError]:
+    """Each problem once (a refused LMCache value is met again when its key is parsed)."""
+    by_text = {str(error): error for error in reversed(errors)}
+    return list(reversed(by_text.values()))
+
+
+def _print_text(
+    config: Config,
+    values: dict[str, Any],
+    derived: dict[str, object],
+    checked: list[str],
+    no_effect: dict[str, str],
+) -> None:
     width = max(len(k) for k in values)
     for key, value in values.items():
         source = config.origin.get(key, "default")
         shown = f"{value} ({format_size(value)})" if key.startswith("max_") else repr(value)
-        print(f"{key:<{width}}  {shown:<32} {source}")
+        mark = f"  NO EFFECT: {no_effect[key]}" if key in no_effect else ""
+        print(f"{key:<{width}}  {shown:<32} {source}{mark}")
     print()
     for key, value in derived.items():
         print(f"{key:<{width}}  {value}")
-    return 0
+    for line in checked:
+        print(f"checked: {line}")
 
 
 def key_table() -> str:

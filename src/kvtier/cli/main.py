@@ -64,7 +64,10 @@ def _log_level_option(parser: argparse.ArgumentParser, default: str | None) -> N
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command; with ``only``, that command's module alone is imported
+    (the others are listed by name and help): `kvtier check-config` must not pay for the
+    torch that `kvtier demo` imports."""
     parser = argparse.ArgumentParser(
         prog="kvtier", description="A tiered KV-cache layer for LLM inference."
     )
@@ -72,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     _log_level_option(parser, os.environ.get("KVTIER_LOG_LEVEL", "WARNING").upper())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_text, description=help_text)
+            continue
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -86,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(_command_named(sys.argv[1:] if argv is None else argv)).parse_args(argv)
     # Progress and results reach a pipe or a file as they happen, not in 8 KiB blocks.
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
@@ -103,6 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # 130 alone read as a crash or a hang ended by the shell: say what happened.
         print(f"kvtier {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
+
+
+def _command_named(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` runs (the first word that is one), or None (``--help``)."""
+    return next((word for word in argv if word in COMMANDS), None)
 
 
 if __name__ == "__main__":

@@ -80,10 +80,12 @@ def nearest_key(name: str) -> str | None:
 Raw = dict[str, tuple[object, str]]
 
 
-def translate(raw: Raw, note: Callable[[str], None]) -> None:
+def translate(
+    raw: Raw, note: Callable[[str], None], errors: list[ConfigError] | None = None
+) -> None:
     """Rewrite LMCache-only keys of ``raw`` into kvtier's, ``note`` each rewrite (one line
     each), drop the ignored ones with one WARNING naming them all and why, raise
-    :class:`ConfigError` for a refused one."""
+    :class:`ConfigError` for a refused one (with ``errors``: append each and go on)."""
     ignored: list[str] = []
     for key in list(raw):
         value, source = raw[key]
@@ -92,7 +94,10 @@ def translate(raw: Raw, note: Callable[[str], None]) -> None:
             continue
         if row.status == REFUSED:
             if value not in _OFF and value != []:
-                raise ConfigError(key, value, f"{row.refusal} (from {source})")
+                refusal = ConfigError(key, value, f"{row.refusal} (from {source})")
+                if errors is None:
+                    raise refusal
+                errors.append(refusal)
             del raw[key]  # switched off: it asks for nothing kvtier lacks
         elif row.status == IGNORED:
             ignored.append(f"{key} ({source}: {row.meaning})")
@@ -101,12 +106,13 @@ def translate(raw: Raw, note: Callable[[str], None]) -> None:
         # One line, and a WARNING: a key that does nothing must be seen once, not buried in
         # one INFO line per key (LMCache's examples carry several at a time).
         log.warning("LMCache keys with no effect in kvtier: %s", "; ".join(ignored))
-    _serde(raw, note)
-    _legacy_device(raw, note)
-    _xpyd(raw, note)
-    _nixl(raw, note)
-    _remote(raw, note)
-    _no_cpu_tier(raw, note)
+    for step in (_serde, _legacy_device, _xpyd, _nixl, _remote, _no_cpu_tier):
+        try:
+            step(raw, note)
+        except ConfigError as exc:
+            if errors is None:
+                raise
+            errors.append(exc)
 
 
 def _encoder_cache_override(key: str) -> LMCacheKey | None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,10 @@ log = logging.getLogger(__name__)
 # KVTIER_* variables that are not config keys (the CLI's, the test suite's).
 _NOT_KEYS = {"CONFIG_FILE", "LOG_LEVEL", "CI", "ADMIN_URL", "QUALITY_CACHE"}
 MIN_TOKEN_CHARS = 16
+
+# Set while Config.diagnose builds a config: the combination rules append every problem
+# here instead of raising the first (check-config lists them all in one run).
+_COLLECTING: ContextVar[list[ConfigError] | None] = ContextVar("_COLLECTING", default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +87,12 @@ class Config:
     origin: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check_combinations(self)
+        errors = combination_errors(self)
+        collecting = _COLLECTING.get()
+        if collecting is not None:
+            collecting.extend(errors)
+        elif errors:
+            raise errors[0]
 
     # -- loading ---------------------------------------------------------------------------
     @classmethod
@@ -96,6 +106,35 @@ class Config:
     ) -> Config:
         """Resolve a config from defaults, a YAML file, the environment and ``overrides``
         (named ``overrides_from`` wherever a value's source is shown)."""
+        return cls._resolve(path, overrides, env, overrides_from, None)
+
+    @classmethod
+    def diagnose(
+        cls, path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None
+    ) -> tuple[Config | None, list[ConfigError]]:
+        """Every problem of a config at once (``kvtier check-config``), where :meth:`load`
+        raises the first: the config with each bad key at its default, and the errors. None
+        for the config when there is none to show (the file unreadable or not YAML)."""
+        errors: list[ConfigError] = []
+        token = _COLLECTING.set(errors)
+        try:
+            return cls._resolve(path, None, env, "override", errors), errors
+        except ConfigError as exc:
+            return None, [*errors, exc]
+        finally:
+            _COLLECTING.reset(token)
+
+    @classmethod
+    def _resolve(
+        cls,
+        path: str | os.PathLike[str] | None,
+        overrides: Mapping[str, object] | None,
+        env: Mapping[str, str] | None,
+        overrides_from: str,
+        errors: list[ConfigError] | None,
+    ) -> Config:
+        """:meth:`load`; with ``errors``, each problem is appended there and loading goes on
+        (a bad value gives way to its key's default)."""
         env = os.environ if env is None else env
         given: lmcache.Raw = {}  # key -> (value, source), every source, later wins
 
@@ -122,13 +161,24 @@ class Config:
             given[key] = (value, overrides_from)
 
         # LMCache's own names for what kvtier has (or refusals naming what kvtier offers).
-        lmcache.translate(given, lambda line: log.info("LMCache config: %s", line))
+        lmcache.translate(given, lambda line: log.info("LMCache config: %s", line), errors)
         raw = {key: value for key, (value, _) in given.items() if key in KEYS_BY_NAME}
         origin = {key: source for key, (_, source) in given.items() if key in KEYS_BY_NAME}
-        _check_unknown({k: src for k, (_, src) in given.items() if k not in KEYS_BY_NAME})
-        values = {
-            spec.name: spec.parse(spec.name, raw.get(spec.name, spec.default)) for spec in KEYS
-        }
+        unknown = {k: src for k, (_, src) in given.items() if k not in KEYS_BY_NAME}
+        if errors is None:
+            _check_unknown(unknown)
+        else:
+            errors.extend(_unknown_key_errors(unknown))
+        values: dict[str, Any] = {}
+        for spec in KEYS:
+            try:
+                values[spec.name] = spec.parse(spec.name, raw.get(spec.name, spec.default))
+            except ConfigError as exc:
+                if errors is None:
+                    raise
+                errors.append(exc)
+                values[spec.name] = spec.parse(spec.name, spec.default)
+                origin.pop(spec.name, None)
         return cls(**values, origin=origin)
 
     @classmethod
@@ -209,54 +259,76 @@ def _env_value(text: str) -> object:
         return text
 
 
-def _check_combinations(cfg: Config) -> None:
-    """Rules that involve more than one key."""
+def combination_errors(cfg: Config) -> list[ConfigError]:
+    """Every broken rule that involves more than one key (none: an empty list)."""
+    errors: list[ConfigError] = []
+    try:
+        _check_combinations(cfg, errors.append)
+    except ConfigError as exc:  # check_channel's (nixl unavailable) raises
+        errors.append(exc)
+    return errors
+
+
+def _check_combinations(cfg: Config, fail: Callable[[ConfigError], None]) -> None:
+    """Rules that involve more than one key; ``fail`` gets each broken one."""
     if cfg.max_local_cpu_size <= 0:
-        raise ConfigError(
-            "max_local_cpu_size",
-            cfg.max_local_cpu_size,
-            "above 0: CPU memory is the cache or, with local_cpu false, the staging buffer",
+        fail(
+            ConfigError(
+                "max_local_cpu_size",
+                cfg.max_local_cpu_size,
+                "above 0: CPU memory is the cache or, with local_cpu false, the staging buffer",
+            )
         )
     if cfg.cpu_codec != "identity" and not cfg.local_cpu and cfg.use_only_staging_buffer:
-        raise ConfigError(
-            "cpu_codec",
-            cfg.cpu_codec,
-            "'identity' when the CPU memory is staging only (local_cpu false, "
-            "use_only_staging_buffer true): it caches nothing to encode",
+        fail(
+            ConfigError(
+                "cpu_codec",
+                cfg.cpu_codec,
+                "'identity' when the CPU memory is staging only (local_cpu false, "
+                "use_only_staging_buffer true): it caches nothing to encode",
+            )
         )
     if cfg.local_disk and cfg.max_local_disk_size <= 0:
-        raise ConfigError(
-            "max_local_disk_size", cfg.max_local_disk_size, "above 0 when local_disk is set"
+        fail(
+            ConfigError(
+                "max_local_disk_size", cfg.max_local_disk_size, "above 0 when local_disk is set"
+            )
         )
     if cfg.use_only_staging_buffer and not cfg.local_cpu and not cfg.lower_tiers_configured:
-        raise ConfigError(
-            "use_only_staging_buffer",
-            True,
-            "false unless local_disk or remote_url is set (staging needs a tier to stage for)",
+        fail(
+            ConfigError(
+                "use_only_staging_buffer",
+                True,
+                "false unless local_disk or remote_url is set (staging needs a tier to stage for)",
+            )
         )
     if cfg.enable_pd and cfg.pd_role is None:
-        raise ConfigError("pd_role", None, "'sender' or 'receiver' when enable_pd is true")
+        fail(ConfigError("pd_role", None, "'sender' or 'receiver' when enable_pd is true"))
     if cfg.enable_pd and cfg.pd_role == "receiver" and cfg.pd_buffer_size is None:
-        raise ConfigError("pd_buffer_size", None, "a size in bytes for a PD receiver")
+        fail(ConfigError("pd_buffer_size", None, "a size in bytes for a PD receiver"))
     # A sender naming no decoder: decoders pull from it (xPyD, kvtier.pd.source), out of a
     # send buffer that holds each request's chunks until its decoder comes.
     pulled = cfg.enable_pd and cfg.pd_role == "sender" and not cfg.pd_peer_alloc_port
     if pulled and cfg.pd_buffer_size is None:
-        raise ConfigError(
-            "pd_buffer_size",
-            None,
-            "a size in bytes for a PD sender with no pd_peer_alloc_port (decoders pull "
-            "from its send buffer); or name the one decoder it pushes to with "
-            "pd_peer_host and pd_peer_alloc_port",
+        fail(
+            ConfigError(
+                "pd_buffer_size",
+                None,
+                "a size in bytes for a PD sender with no pd_peer_alloc_port (decoders pull "
+                "from its send buffer); or name the one decoder it pushes to with "
+                "pd_peer_host and pd_peer_alloc_port",
+            )
         )
     if cfg.pd_auth_token is not None and len(cfg.pd_auth_token.strip()) < MIN_TOKEN_CHARS:
         # Set but empty or short: refused, never taken as "auth off" or as a guessable key
         # (the handshake's proofs let an eavesdropper try tokens offline). Never echoed.
-        raise ConfigError(
-            "pd_auth_token",
-            f"<{len(cfg.pd_auth_token)} characters>",
-            f"at least {MIN_TOKEN_CHARS} characters other than whitespace, e.g. the output of "
-            "python -c 'import secrets; print(secrets.token_urlsafe(32))'",
+        fail(
+            ConfigError(
+                "pd_auth_token",
+                f"<{len(cfg.pd_auth_token)} characters>",
+                f"at least {MIN_TOKEN_CHARS} characters other than whitespace, e.g. the output of "
+                "python -c 'import secrets; print(secrets.token_urlsafe(32))'",
+            )
         )
     if cfg.p2p_auth_token is not None and len(cfg.p2p_auth_token.strip()) < MIN_TOKEN_CHARS:
         raise ConfigError(
@@ -275,12 +347,14 @@ def _check_combinations(cfg: Config) -> None:
     if cfg.server_socket is not None and not cfg.server_socket.strip():
         # An empty KVTIER_SERVER_SOCKET is a mistake (an unset variable expanded), never
         # a quiet "use the default".
-        raise ConfigError(
-            "server_socket", cfg.server_socket, "an absolute path or unix:///absolute/path URL"
+        fail(
+            ConfigError(
+                "server_socket", cfg.server_socket, "an absolute path or unix:///absolute/path URL"
+            )
         )
     for key in ("server_tenant_quota", "server_max_memory"):
         if getattr(cfg, key) == 0:
-            raise ConfigError(key, 0, "a size above 0 (every model would be refused), or null")
+            fail(ConfigError(key, 0, "a size above 0 (every model would be refused), or null"))
     if cfg.enable_pd and cfg.transfer_channel == "nixl":
         check_channel(cfg.transfer_channel)  # raises, naming why nixl is unavailable
 
@@ -292,8 +366,24 @@ def _check_unknown(unknown: Mapping[str, str]) -> None:
     (:mod:`~kvtier.config.lmcache` takes them first). An ``LMCACHE_*`` environment variable
     that is near no key is only warned about: LMCache itself reads variables that are not
     config keys (``LMCACHE_TRACK_USAGE``, ``LMCACHE_USE_EXPERIMENTAL``...)."""
-    if not unknown:
-        return
+    refused = _refused_unknown(unknown)
+    if refused:
+        key, source, nearest = refused[0]
+        others = "".join(f"; also {k!r} ({src})" for k, src, _ in refused[1:])
+        raise UnknownKeyError(key, _unknown_message(source, nearest) + others)
+
+
+def _unknown_key_errors(unknown: Mapping[str, str]) -> list[ConfigError]:
+    """:func:`_check_unknown`'s refusal as one error per key (``Config.diagnose``)."""
+    return [
+        UnknownKeyError(key, _unknown_message(source, nearest))
+        for key, source, nearest in _refused_unknown(unknown)
+    ]
+
+
+def _refused_unknown(unknown: Mapping[str, str]) -> list[tuple[str, str, str | None]]:
+    """(key, source, nearest key) of each unknown key refused; the ambient ``LMCACHE_*``
+    variables are warned about instead."""
     refused: list[tuple[str, str, str | None]] = []
     ambient: list[str] = []
     for key, source in sorted(unknown.items()):
@@ -304,15 +394,15 @@ def _check_unknown(unknown: Mapping[str, str]) -> None:
             refused.append((key, source, nearest))
     if ambient:
         log.warning("ignoring LMCache variables kvtier does not use: %s", ", ".join(ambient))
-    if refused:
-        key, source, nearest = refused[0]
-        hint = f"did you mean {nearest!r}?" if nearest else "no kvtier or LMCache key is near it."
-        others = "".join(f"; also {k!r} ({src})" for k, src, _ in refused[1:])
-        raise UnknownKeyError(
-            key,
-            f"no such key (from {source}): {hint} kvtier's keys: `kvtier check-config --table`; "
-            f"LMCache keys kvtier maps or ignores: docs/lmcache.md{others}",
-        )
+    return refused
+
+
+def _unknown_message(source: str, nearest: str | None) -> str:
+    hint = f"did you mean {nearest!r}?" if nearest else "no kvtier or LMCache key is near it."
+    return (
+        f"no such key (from {source}): {hint} kvtier's keys: `kvtier check-config --table`; "
+        "LMCache keys kvtier maps or ignores: docs/lmcache.md"
+    )
 
 
 class UnknownKeyError(ConfigError):

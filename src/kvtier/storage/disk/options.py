@@ -12,14 +12,13 @@ Keys (every bad value is a :class:`~kvtier.errors.ConfigError` naming the key)::
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 from dataclasses import dataclass
-from urllib.parse import unquote, urlparse
 
 from kvtier.config import Config
 from kvtier.config import parsers as p
+from kvtier.config.local_disk import parse_local_disk
 from kvtier.config.sizes import format_size, parse_size
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
@@ -40,24 +39,6 @@ class DiskOptions:
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
     timeout_s: float = 10.0  # blocking_timeout_secs: the longest a read (or close) waits
     cache_policy: str = "LRU"  # the index's eviction order (kvtier.storage.policy)
-
-
-def parse_local_disk(raw: str) -> str:
-    """``local_disk`` as a filesystem path: a plain path or a ``file://`` URL.
-
-    ``file:///abs/dir`` and ``file://localhost/abs/dir`` are absolute. ``file://rel/dir`` is
-    the relative path ``rel/dir`` (from the working directory), as LMCache reads it (it strips
-    ``file://``; its own examples say ``file://local/disk_test/local_disk/``), not a host."""
-    if "://" not in raw:
-        return os.path.abspath(os.path.expanduser(raw))
-    url = urlparse(raw)
-    if url.scheme != "file" or not (url.netloc or url.path.strip("/")):
-        raise ConfigError(
-            "local_disk", raw, "a directory path or a file:// URL (file:///abs/dir, file://rel/dir)"
-        )
-    if url.netloc in ("", "localhost"):
-        return os.path.abspath(unquote(url.path))
-    return os.path.abspath(unquote(url.netloc + url.path))
 
 
 def options_from_config(config: Config, layout: KVLayout, chunk_size: int) -> DiskOptions:
@@ -119,8 +100,7 @@ def open_directory(path: str, fp_hex: str) -> int:
             log.info("disk tier created directory %s", path)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        reason = "its parent does not exist" if exc.errno == errno.ENOENT else exc.strerror
-        raise ConfigError("local_disk", path, f"a writable directory ({reason})") from None
+        raise ConfigError("local_disk", path, f"a writable directory ({_why(path, exc)})") from None
     probe = f".{fp_hex}-probe.{os.getpid()}{TMP_SUFFIX}"
     try:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600, dir_fd=fd))
@@ -129,3 +109,16 @@ def open_directory(path: str, fp_hex: str) -> int:
         os.close(fd)
         raise ConfigError("local_disk", path, f"a writable directory ({exc.strerror})") from None
     return fd
+
+
+def _why(path: str, exc: OSError) -> str:
+    """Why ``path`` could not be created or opened, naming the nearest part that exists:
+    mkdir's ENOENT also comes from filesystems that refuse new entries (/proc, /sys), where
+    "its parent does not exist" was false."""
+    existing = path
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if existing == path:
+        return f"{exc.strerror} opening it"
+    what = "a directory" if os.path.isdir(existing) else "not a directory"
+    return f"{exc.strerror} creating it; {existing} exists, {what}"
