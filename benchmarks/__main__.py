@@ -16,6 +16,8 @@ BENCHMARKS: dict[str, str] = {
     "families": "bytes stored per token per KV-cache group kind vs naive full KV, per family; "
     "state families: tokens reused through kvtier vs vLLM's prefix cache",
     "fleet": "2 vLLM behind vllm-router: prefill computed vs ideal per policy, with/without kvtier",
+    "fleet-share": "N kvtier servers, one engine each: prefill computed vs ideal with no "
+    "sharing, Redis, S3 and P2P",
     "pd-fleet": "xPyD behind vllm-router (PD), concurrent: TTFT, tokens/s vs 1P1D and one vLLM",
 }
 
