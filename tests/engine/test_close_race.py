@@ -13,15 +13,30 @@ import torch
 from kvtier import Engine
 from kvtier.errors import StateError
 from tests.conftest import SMALL_LAYOUT, make_kv, make_tokens, small_config
-from tests.redis_servers import RedisServer
+from tests.redis_servers import RedisServer, wait_until
 
 PROMPTS = [(make_tokens(64, seed=70 + i), make_kv(64, seed=70 + i)) for i in range(4)]
 
 
-def _hammer(engine: Engine, worker: int, stop: threading.Event, errors: list[str]) -> None:
-    """Lookups, retrieves, stores and ends in a loop until the engine refuses."""
+class Tally:
+    """What the hammering threads did: calls that worked, calls refused after close."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.done = 0
+        self.refused = 0
+
+    def add(self, *, done: int = 0, refused: int = 0) -> None:
+        with self.lock:
+            self.done += done
+            self.refused += refused
+
+
+def _hammer(engine: Engine, worker: int, errors: list[str], tally: Tally) -> None:
+    """Lookups, retrieves, stores and ends in a loop until the engine refuses (a closed engine
+    refuses every call, so each worker ends on a refusal, or a hang the test reports)."""
     n = 0
-    while not stop.is_set():
+    while True:
         n += 1
         tokens, kv = PROMPTS[(worker + n) % len(PROMPTS)]
         rid = f"w{worker}-{n}"
@@ -38,10 +53,12 @@ def _hammer(engine: Engine, worker: int, stop: threading.Event, errors: list[str
             try:
                 call(*args)
             except StateError:
+                tally.add(refused=1)
                 return  # closed: the only acceptable refusal
             except BaseException as exc:  # anything else is the bug
                 errors.append(f"{type(exc).__module__}.{type(exc).__name__}: {exc}")
                 return
+            tally.add(done=1)
 
 
 @pytest.fixture(scope="module")
@@ -69,18 +86,26 @@ def test_calls_racing_close_get_state_error_and_nothing_else(
             SMALL_LAYOUT,
             model_name="race",
         ).open()
-        stop = threading.Event()
+        tally = Tally()
         workers = [
-            threading.Thread(target=_hammer, args=(engine, i, stop, errors)) for i in range(6)
+            threading.Thread(target=_hammer, args=(engine, i, errors, tally), daemon=True)
+            for i in range(6)
         ]
         for worker in workers:
             worker.start()
-        # Let them get going, then close in the middle of their calls (a different moment
-        # each round).
-        threading.Event().wait(0.01 * (round_ % 4 + 1))
+        # Close in the middle of their calls, at a different point each round: once 6 to 24
+        # calls have worked (a close before any call would test only a closed engine).
+        calls_before_close = 6 * (round_ % 4 + 1)
+        wait_until(
+            lambda tally=tally, at=calls_before_close: tally.done >= at or bool(errors),
+            30,
+            f"{calls_before_close} calls to work before close (round {round_})",
+        )
         engine.close()
-        stop.set()
         for worker in workers:
             worker.join(30)
             assert not worker.is_alive(), "a call hung after close"
         assert errors == [], errors[:5]
+        assert tally.done >= calls_before_close
+        # Every worker was still calling when close came and ended on a refusal.
+        assert tally.refused == len(workers), (round_, tally.refused)

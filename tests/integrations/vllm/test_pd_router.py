@@ -354,8 +354,12 @@ def test_a_prefiller_and_a_decoder_killed_mid_run_leave_nothing_held_and_no_requ
     assert wait_until(lambda: len(results) >= 1, 300), "no request came back"
     servers.prefillers[0].kill()
     assert len(results) < len(threads)  # the kill landed mid-run
-    wait_until(lambda: len(results) >= 3, 120)
+    assert wait_until(lambda: len(results) >= 3, 120), f"{len(results)} of 12 came back"
     servers.decoders[0].kill()
+    back_at_decoder_kill = len(results)
+    # ... and so did the decoder's: requests were still out when it died (else this test
+    # would only show that a dead decoder is skipped afterwards).
+    assert back_at_decoder_kill < len(threads), "every request was back before decoder 0 died"
     for thread in threads:
         thread.join(timeout=max(1.0, 600 - (time.monotonic() - started)))
     assert not any(t.is_alive() for t in threads), "a request hung"
