@@ -13,6 +13,7 @@ from kvtier.bench import cpu
 from kvtier.keys import ChunkSpan
 from kvtier.memory.device import CopyBatch
 from kvtier.storage.loads import PlanLoader
+from tests.bench.bench_checks import assert_ratio
 from tests.cli.test_main import run_cli
 
 
@@ -34,7 +35,12 @@ def test_bench_cpu_prints_every_field() -> None:
     ):
         assert field in data
     assert data["chunk_bytes"] == 2 * 32 * 16 * 1024 * 2
-    assert data["store_ratio"] > 0 and data["retrieve_ratio"] > 0 and data["lookup_128k_ms"] > 0
+    assert data["bytes"] == data["chunks"] * data["chunk_bytes"] and data["chunks"] == 2
+    assert data["retrieve_rel_error"] == 0.0  # lossless: the timed path's bytes, exact
+    # On the CPU both ratios are over one memcpy (its best run of either phase).
+    assert_ratio(data, "store_ratio", "store_gbps", "memcpy_gbps")
+    assert_ratio(data, "retrieve_ratio", "retrieve_gbps", "memcpy_gbps")
+    assert data["lookup_128k_ms"] > 0 and data["hash_tokens_per_s"] > 0
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -74,7 +80,8 @@ def test_bench_cpu_fails_when_the_timed_retrieve_writes_nothing(
 def test_bench_cpu_runs_the_tier_through_a_codec() -> None:
     codec = "int8"  # lossless runs the same path (test_cpu_codec_engine.py checks it)
     data = cpu.run(_args("--codec", codec))
-    assert data["codec"] == codec and data["retrieve_gbps"] > 0 and data["store_gbps"] > 0
+    assert data["codec"] == codec
+    assert_ratio(data, "retrieve_ratio", "retrieve_gbps", "memcpy_gbps")
     assert 0 < data["retrieve_rel_error"] < 0.05
 
 
@@ -91,5 +98,6 @@ def test_bench_cpu_moves_kv_between_the_tier_and_the_gpu() -> None:
         pytest.skip("needs CUDA")  # the gpu marker's skip: runs only where a GPU exists
     data = cpu.run(_args("--device", "cuda"))
     assert data["device"] == "cuda" and data["retrieve_rel_error"] == 0.0
-    assert data["h2d_gbps"] > 0 and data["d2h_gbps"] > 0
-    assert data["store_ratio"] > 0 and data["retrieve_ratio"] > 0
+    # On a GPU each ratio is over its own direction's pinned copy.
+    assert_ratio(data, "store_ratio", "store_gbps", "d2h_gbps")
+    assert_ratio(data, "retrieve_ratio", "retrieve_gbps", "h2d_gbps")
