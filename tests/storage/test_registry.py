@@ -79,7 +79,7 @@ def test_resp_is_accepted_by_the_config_as_plain_redis() -> None:
 
 
 def test_every_accepted_scheme_is_registered() -> None:
-    assert TIERS.schemes("remote_url") == sorted(REDIS_SCHEMES)
+    assert TIERS.schemes("remote_url") == sorted([*REDIS_SCHEMES, "s3"])
     assert TIERS.schemes("local_disk") == ["file"]
 
 
@@ -93,7 +93,7 @@ def test_file_url_and_plain_path_are_the_same_directory(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("key", "value", "listed"),
     [
-        ("remote_url", "s3://bucket/kv", "redis://"),
+        ("remote_url", "gs://bucket/kv", "redis://"),
         ("remote_url", "http://h:80", "resp://"),
         ("local_disk", "s3://bucket/kv", "file://"),
     ],
@@ -183,3 +183,16 @@ def test_config_load_still_parses_a_redis_url_in_full() -> None:
     # only other schemes wait for the registry: a bad Redis URL fails at load, as before
     with pytest.raises(ConfigError, match="remote_url"):
         Config.load(env={}, overrides={"remote_url": "redis://h"})
+
+
+def test_an_s3_url_builds_the_s3_tier_without_a_request() -> None:
+    from kvtier.storage.s3.tier import S3Tier
+
+    config = small_config(
+        remote_url="s3://kv-bucket/team/kv",
+        extra_config={"s3_endpoint_url": "http://127.0.0.1:1", "s3_region": "eu-west-1"},
+    )
+    tier = TIERS.build("remote_url", config, SMALL_LAYOUT, FINGERPRINT)
+    assert isinstance(tier, S3Tier) and tier.medium == "REMOTE"
+    assert tier.options.location.bucket == "kv-bucket"
+    assert tier.prefix.startswith("team/kv/")

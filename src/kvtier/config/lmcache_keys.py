@@ -110,10 +110,24 @@ LMCACHE_KEYS: tuple[LMCacheKey, ...] = (
         "redis:// URL (a store shared by a fleet)",
     ),
     LMCacheKey(
-        "remote_url (mooncakestore://, infinistore://, s3://, fs://, ...)",
+        "remote_url (mooncakestore://, infinistore://, fs://, ...)",
         REFUSED,
         "remote backends kvtier has no client for: use redis://, rediss://, "
-        "redis-cluster:// or valkey://",
+        "redis-cluster://, valkey:// or s3://",
+    ),
+    LMCacheKey(
+        "remote_url (s3://)",
+        MAPPED,
+        "the s3 tier: s3://BUCKET.s3.REGION.amazonaws.com and s3://HOST:PORT/BUCKET as LMCache "
+        "writes them, or kvtier's s3://BUCKET/PREFIX (docs/s3.md)",
+    ),
+    LMCacheKey(
+        "extra_config.s3_region, extra_config.s3_num_io_threads, extra_config.disable_tls, "
+        "extra_config.aws_access_key_id, extra_config.aws_secret_access_key",
+        MAPPED,
+        "the s3 tier's signing region, its GET and PUT threads, http:// for a HOST:PORT URL, "
+        "and its credentials (the secret masked by check-config, /config and logs); "
+        "s3_prefer_http2, s3_enable_s3express and save_chunk_meta have no effect",
     ),
     LMCacheKey(
         "max_local_cpu_size: 0",

@@ -7,6 +7,7 @@ Two config keys name a lower tier, each by a URL; the scheme picks the tier clas
     local_disk   file://PATH, or a plain PATH                      DiskTier    DISK
     remote_url   redis, rediss, unix, redis-cluster,               RedisTier   REMOTE
                  valkey, valkeys, valkey-cluster, resp, resps
+    remote_url   s3 (s3://bucket/prefix: AWS, MinIO, SeaweedFS)    S3Tier      REMOTE
 
 A factory is a tier's ``from_config(config, layout, fingerprint)``: it reads its key's URL
 and its own options (``extra_config``) from the config, validates them and returns the
@@ -15,7 +16,7 @@ tier unopened (the engine opens it). The tier class says how KV events publish i
 lower tiers is the order of the keys (:data:`TIER_KEYS`), below the PD buffer
 (:mod:`kvtier.tiers`).
 
-Registering a scheme is one call. An ``s3://`` tier (not implemented) would plug in as::
+Registering a scheme is one call. The ``s3://`` tier (:mod:`kvtier.storage.s3`) plugs in as::
 
     from kvtier.storage.base import Tier
     from kvtier.storage.registry import register_tier
@@ -32,8 +33,9 @@ Registering a scheme is one call. An ``s3://`` tier (not implemented) would plug
     register_tier("remote_url", "s3", S3Tier.from_config)
 
 after which ``remote_url: s3://bucket/kv`` builds an ``S3Tier`` where the Redis tier would
-have been. A scheme nobody registered is a :class:`~kvtier.errors.ConfigError` naming the
-key, the value (any password masked) and the schemes registered for that key.
+have been (registered below; obstore is imported only when one is built). A scheme nobody
+registered is a :class:`~kvtier.errors.ConfigError` naming the key, the value (any password
+masked) and the schemes registered for that key.
 """
 
 from __future__ import annotations
@@ -137,9 +139,16 @@ def _redis(config: Config, layout: KVLayout, fingerprint: Fingerprint) -> Tier:
     return RedisTier.from_config(config, layout, fingerprint)
 
 
+def _s3(config: Config, layout: KVLayout, fingerprint: Fingerprint) -> Tier:
+    from kvtier.storage.s3.tier import S3Tier  # lazy: obstore only when it is used
+
+    return S3Tier.from_config(config, layout, fingerprint)
+
+
 TIERS = TierRegistry()
 TIERS.register("local_disk", "file", _disk, bare_paths=True)
 for _scheme in REDIS_SCHEMES:  # every form config.remote_url parses, resp:// included
     TIERS.register("remote_url", _scheme, _redis)
+TIERS.register("remote_url", "s3", _s3)
 
 register_tier = TIERS.register

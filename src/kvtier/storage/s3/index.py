@@ -1,0 +1,81 @@
+"""What an s3 tier's prefix holds, in memory: chunk key -> object size.
+
+Two sources keep it current (:mod:`kvtier.storage.s3.tier` says when): the tier's own writes
+(:meth:`add`, once the PUT returned) and listings of the prefix (:meth:`replace`). A listing
+takes time; a write that lands while it runs may be missing from it, so each entry carries
+the generation it was added at and :meth:`replace` keeps the entries added since the listing
+began::
+
+    g = index.generation()        # before the listing's first request
+    listed = list(prefix)         # ... writes land meanwhile: added at generation > g
+    index.replace(listed, since=g)  -> listed, plus every entry added after g
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+
+from kvtier.keys import ChunkKey
+
+
+class ChunkIndex:
+    """Thread-safe; every method holds one lock briefly (a 512-key lookup: dict lookups)."""
+
+    def __init__(self) -> None:
+        self._sizes: dict[ChunkKey, int] = {}
+        self._added_at: dict[ChunkKey, int] = {}
+        self._generation = 0
+        self._lock = threading.Lock()
+
+    def generation(self) -> int:
+        with self._lock:
+            self._generation += 1
+            return self._generation
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        with self._lock:
+            sizes = self._sizes
+            return [key in sizes for key in keys]
+
+    def add(
+        self, key: ChunkKey, size: int, then: Callable[[Sequence[ChunkKey]], None] | None = None
+    ) -> None:
+        """Hold ``key``; ``then((key,))`` runs under the lock (a report of the addition that
+        no removal of the same key can overtake)."""
+        with self._lock:
+            self._generation += 1
+            self._sizes[key] = size
+            self._added_at[key] = self._generation
+            if then is not None:
+                then((key,))
+
+    def discard(self, key: ChunkKey) -> bool:
+        """Forget ``key``; True when it was held."""
+        with self._lock:
+            self._added_at.pop(key, None)
+            return self._sizes.pop(key, None) is not None
+
+    def discard_many(self, keys: Sequence[ChunkKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._sizes.pop(key, None)
+                self._added_at.pop(key, None)
+
+    def replace(self, listed: Mapping[ChunkKey, int], *, since: int) -> None:
+        """Hold what a listing begun at generation ``since`` found, and what was added
+        after it began."""
+        with self._lock:
+            sizes = dict(listed)
+            added_at = {}
+            for key, at in self._added_at.items():
+                if at > since:
+                    sizes[key] = self._sizes[key]
+                    added_at[key] = at
+            self._sizes = sizes
+            self._added_at = added_at
+
+    def totals(self) -> tuple[int, int]:
+        """(bytes, entries) of what the index holds."""
+        with self._lock:
+            return sum(self._sizes.values()), len(self._sizes)

@@ -1,0 +1,407 @@
+"""The object-store tier: chunks as objects in an S3 bucket (AWS, MinIO, Ceph, SeaweedFS),
+shared by a fleet of engines and outliving all of them.
+
+Names and values::
+
+    object  <prefix>/<fingerprint hex>/<chunk key hex>      (remote_url: s3://bucket/prefix)
+    value   one record of kvtier.storage.records: 4 KiB checksummed header, then the payload
+            as the tier's codec stores it (``remote_codec``, identity by default)
+
+Why an index: an object store answers in milliseconds to tens of them, and a 128k-token
+prompt is 512 chunks of 256 tokens, so a HEAD per chunk would block vLLM's scheduler for
+seconds. The tier keeps the set of chunk keys under its fingerprint's prefix in memory::
+
+    open()       one listing of the prefix (waited for up to blocking_timeout_secs; a
+                 listing still running after that finishes in the background)
+    own writes   added once the PUT returned, removed on remove/clear/corrupt/404
+    refresh      a listing every s3_list_interval_secs (another engine's chunks appear;
+                 keys gone from the listing that this tier did not write since it began
+                 leave the index)
+
+``contains`` answers from the index and sends nothing: a lookup of any length costs zero
+requests. Another engine's chunk is found by this one at the next refresh; a chunk deleted
+behind the tier's back is a GET that answers 404: a miss, and it leaves the index.
+
+Protocol (see :mod:`kvtier.storage.base`), and how each call behaves here:
+
+* ``get_into`` / ``get_many_into``: one GET per chunk, ``s3_get_threads`` in flight; the
+  record's header and stored checksum are verified before a byte reaches the page
+  (:func:`kvtier.storage.records.decode_record_into`). A corrupt record is a miss, deleted,
+  counted; one of another format version or codec is a miss, kept. The whole batch waits at
+  most ``blocking_timeout_secs``; GETs still running then raise :class:`ReadAbandoned`
+  naming their pages (each GET is itself bounded by the same timeout, so they end).
+* ``put``: a key in the index completes EXISTS at once (same key, same bytes); otherwise
+  queued to ``s3_put_threads`` writers, at most ``s3_inflight_bytes`` queued or being sent
+  (beyond that DROPPED at once). ``on_done`` runs exactly once per put.
+* ``pin`` / ``unpin``: a shared store cannot pin (other engines, lifecycle rules delete at
+  will): True, and only this tier's :meth:`clear` keeps the pinned objects.
+* Faults: a request that cannot reach the store or runs past ``blocking_timeout_secs`` marks
+  the store down for :data:`RETRY_AFTER_S`; while down, reads miss and puts complete DROPPED
+  at once (no call waits on a store known to be away); the next call after that tries again.
+  ``remove`` and ``clear`` raise :class:`TierUnavailable`. ``usage`` counts the index: the
+  bytes of the objects it knows; capacity is the same figure (an object store has no
+  ceiling kvtier can see, so the tier reports itself exactly full, never over).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtier.config import Config
+from kvtier.errors import CorruptRecord, StateError, TierError, TierUnavailable, UnknownRecordFormat
+from kvtier.fingerprint import Fingerprint
+from kvtier.keys import ChunkKey
+from kvtier.layout import KVLayout
+from kvtier.lifecycle import CallGuard, Lifecycle
+from kvtier.repeated_log import RepeatedLog
+from kvtier.storage import records
+from kvtier.storage.base import (
+    OnDone,
+    PutOutcome,
+    PutResult,
+    ReadAbandoned,
+    Tier,
+    TierCounters,
+    TierUsage,
+)
+from kvtier.storage.codecs import IDENTITY, PayloadCodec, codec_from_config, tier_fingerprint
+from kvtier.storage.s3.client import S3Client
+from kvtier.storage.s3.index import ChunkIndex
+from kvtier.storage.s3.options import S3Options
+from kvtier.storage.write_queue import Write, WriteQueue, complete
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1.0  # how long a store that failed to answer is left alone
+
+
+@dataclass
+class S3Counters(TierCounters):
+    """The s3 tier's own counts, beside every tier's."""
+
+    outages: int = 0  # the store stopped answering
+    listings: int = 0  # listings of the prefix completed (open and refreshes)
+    available: int = 1  # gauge: 0 while the store is marked down
+
+
+class S3Tier(Tier):
+    """See the module docstring."""
+
+    name = "s3"
+    medium = "REMOTE"  # shared by the fleet: events carry the shared-pool ownership
+    counters: S3Counters
+
+    def __init__(
+        self,
+        options: S3Options,
+        layout: KVLayout,
+        fingerprint: Fingerprint,
+        codec: PayloadCodec = IDENTITY,
+    ) -> None:
+        super().__init__()
+        self.counters = S3Counters()
+        self.options = options
+        self.layout = layout
+        self.fingerprint = tier_fingerprint(fingerprint, codec)  # a lossy codec: its own cache
+        self.codec = codec
+        prefix = options.location.prefix
+        self.prefix = (
+            f"{prefix}/{self.fingerprint.hex()}/" if prefix else f"{self.fingerprint.hex()}/"
+        )
+        self.client = S3Client(
+            options.endpoint,
+            options.location.bucket,
+            options.credentials,
+            timeout_s=options.timeout_s,
+            region=options.region,
+        )
+        self.index = ChunkIndex()
+        self.writes = WriteQueue(
+            options.put_threads, options.inflight_bytes, self._write, "kvtier-s3-writer"
+        )
+        self._readers: ThreadPoolExecutor | None = None
+        self._guard = CallGuard("s3 tier")
+        self._lock = threading.Lock()
+        self._repeated = RepeatedLog(log)
+        self._pins: dict[ChunkKey, int] = {}
+        self._down_until = 0.0
+        self._stop = threading.Event()
+        self._lister: threading.Thread | None = None
+        self._listed = threading.Event()
+
+    @classmethod
+    def from_config(cls, config: Config, layout: KVLayout, fingerprint: Fingerprint) -> S3Tier:
+        codec = codec_from_config("remote_codec", config.remote_codec, layout.dtype)
+        return cls(S3Options.from_config(config), layout, fingerprint, codec)
+
+    def object_name(self, key: ChunkKey) -> str:
+        """The object under which chunk ``key`` is stored."""
+        return self.prefix + key.hex()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def open(self) -> None:
+        """Start the writers, the readers and the lister; wait for the first listing up to
+        ``blocking_timeout_secs`` (a store that is down leaves an empty index, refilled by
+        the next listing that succeeds)."""
+        if self._guard.state is not Lifecycle.NEW:
+            raise StateError(f"s3 tier is {self._guard.state.value}; open it once")
+        self.writes.open()
+        self._readers = ThreadPoolExecutor(self.options.get_threads, "kvtier-s3-reader")
+        self._lister = threading.Thread(
+            target=self._list_loop, name="kvtier-s3-lister", daemon=True
+        )
+        self._lister.start()
+        if not self._listed.wait(self.options.timeout_s):
+            log.warning(
+                "s3 tier: listing s3://%s/%s took over %.1fs; lookups see it when it ends",
+                self.options.location.bucket,
+                self.prefix,
+                self.options.timeout_s,
+            )
+        self._guard.open()
+
+    def close(self) -> None:
+        """Refuse new calls, wait for running ones, drain queued writes (each bounded by the
+        timeout), stop the threads. Idempotent."""
+        was_open = self._guard.state is Lifecycle.OPEN
+        if not self._guard.close(self.options.timeout_s + 1.0):
+            log.warning("s3 tier closing with calls still running past the timeout")
+        if was_open:
+            self._stop.set()
+            self.writes.close(self.options.timeout_s * 2 + 1.0)
+            if self._readers is not None:
+                self._readers.shutdown(wait=False, cancel_futures=True)
+            if self._lister is not None:
+                self._lister.join(self.options.timeout_s + 1.0)
+
+    # -- the index -------------------------------------------------------------------------
+    def _list_loop(self) -> None:
+        interval = self.options.list_interval_s
+        while not self._stop.is_set():
+            self.refresh()
+            self._listed.set()
+            if interval <= 0 or self._stop.wait(interval):
+                return
+
+    def refresh(self) -> bool:
+        """List the prefix once and make the index what it holds (keeping this tier's writes
+        that landed since the listing began). False when the store did not answer."""
+        started = self.index.generation()
+        try:
+            listed: dict[ChunkKey, int] = {}
+            for name, size in self.client.list(self.prefix):
+                key = self._chunk_key(name)
+                if key is not None:
+                    listed[key] = size
+        except TierError as exc:
+            self._failed("list", exc)
+            return False
+        self.index.replace(listed, since=started)
+        self._bump(listings=1)
+        return True
+
+    def _chunk_key(self, name: str) -> ChunkKey | None:
+        tail = name[len(self.prefix) :] if name.startswith(self.prefix) else ""
+        try:
+            key = bytes.fromhex(tail)
+        except ValueError:
+            return None
+        return key if len(key) == 16 else None
+
+    # -- reads -----------------------------------------------------------------------------
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """From the index: no request (see the module docstring)."""
+        with self._guard.call():
+            return self.index.contains(keys)
+
+    def get_into(self, key: ChunkKey, out: torch.Tensor) -> int | None:
+        return self.get_many_into([(key, out)])[0]
+
+    def get_many_into(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[int | None]:
+        with self._guard.call():
+            return self._get_many(items)
+
+    def _get_many(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[int | None]:
+        if not items:
+            return []
+        if self._is_down() or self._readers is None:
+            self._bump(misses=len(items))
+            return [None] * len(items)
+        deadline = time.monotonic() + self.options.timeout_s
+        futures = [self._readers.submit(self._read, key, out) for key, out in items]
+        wait_futures(futures, timeout=max(0.0, deadline - time.monotonic()))
+        results: list[int | None] = []
+        busy: dict[int, Future[Any]] = {}
+        for i, future in enumerate(futures):
+            if future.done() and not future.cancelled():
+                results.append(future.result())
+            else:
+                if not future.cancel():
+                    busy[i] = future  # still writing into its page: the caller keeps it
+                results.append(None)
+                self._bump(misses=1)
+        if busy:
+            self._mark_down(TierUnavailable("s3 reads ran past blocking_timeout_secs"))
+            raise ReadAbandoned(
+                f"{len(busy)} s3 reads ran past {self.options.timeout_s:g}s", busy, results
+            )
+        return results
+
+    def _read(self, key: ChunkKey, out: torch.Tensor) -> int | None:
+        name = self.object_name(key)
+        try:
+            value = self.client.get(name)
+            if value is None:
+                self._bump(misses=1)
+                if self.index.discard(key):
+                    self.report_removed((key,))  # deleted behind our back (another engine)
+                return None
+            tokens = records.decode_record_into(value, self.fingerprint, key, out)
+        except UnknownRecordFormat as exc:
+            # Kept: another engine of the fleet may read it; a store of ours replaces it.
+            self._repeated.warning(
+                "format", "s3 object %s is in a format this kvtier does not read (%s)", name, exc
+            )
+            self._bump(misses=1)
+            return None
+        except CorruptRecord as exc:
+            log.warning("s3 object %s is corrupt, deleting it: %s", name, exc)
+            self.note_corrupt(key, str(exc))
+            self._bump(corrupt=1, misses=1)
+            self.index.discard(key)
+            self._delete_quietly(name)
+            self.report_removed((key,))
+            return None
+        except TierError as exc:
+            self._failed("read", exc)
+            self._bump(misses=1)
+            return None
+        self._bump(hits=1, bytes_read=self.layout.payload_bytes(tokens))
+        return tokens
+
+    # -- writes ----------------------------------------------------------------------------
+    def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
+        nbytes = records.header_size() + payload.numel()
+        with self._guard.call():
+            if self.index.contains((key,))[0] or self.writes.holds(key):
+                complete(on_done, PutResult(key, PutOutcome.EXISTS))
+                return
+            if self._is_down():
+                reason = "the object store is not answering"
+            else:
+                reason = self.writes.submit(Write(key, payload, num_tokens, nbytes, on_done))
+        if reason:
+            self._bump(dropped=1)
+            complete(on_done, PutResult(key, PutOutcome.DROPPED, reason))
+
+    def _write(self, job: Write) -> PutResult:
+        try:
+            header, stored = records.encode_parts(
+                job.key, self.fingerprint, job.num_tokens, job.payload, self.codec
+            )
+            self.client.put(self.object_name(job.key), header, stored)
+        except (TierError, ValueError, TypeError) as exc:
+            self._failed("write", exc)
+            self._bump(failed=1)
+            return PutResult(job.key, PutOutcome.FAILED, str(exc))
+        self._bump(stored=1, bytes_written=stored.nbytes)
+        # Readable now (not when queued): into the index and published under one lock.
+        self.index.add(job.key, len(header) + stored.nbytes, then=self.report_added)
+        return PutResult(job.key, PutOutcome.STORED)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self.writes.flush(timeout)
+
+    # -- management ------------------------------------------------------------------------
+    def remove(self, key: ChunkKey) -> bool:
+        with self._guard.call():
+            name = self.object_name(key)
+            held = self.index.discard(key) or self.client.exists(name)
+            if held:
+                self.client.delete([name])
+                self.report_removed((key,))
+            return held
+
+    def pin(self, key: ChunkKey) -> bool:
+        """Always True: see the module docstring (a shared store cannot hold an entry)."""
+        return self.pin_many((key,)) == 1
+
+    def pin_many(self, keys: Sequence[ChunkKey]) -> int:
+        with self._lock:
+            for key in keys:
+                self._pins[key] = self._pins.get(key, 0) + 1
+        return len(keys)
+
+    def unpin(self, key: ChunkKey) -> None:
+        self.unpin_many((key,))
+
+    def unpin_many(self, keys: Sequence[ChunkKey]) -> None:
+        with self._lock:
+            for key in keys:
+                count = self._pins.get(key, 0)
+                if count <= 1:
+                    self._pins.pop(key, None)  # never below zero, even on a stray unpin
+                else:
+                    self._pins[key] = count - 1
+
+    def clear(self) -> int:
+        """Delete this fingerprint's objects (a fresh listing: other engines' too) except
+        those pinned through this tier. Raises :class:`TierUnavailable` when the store is
+        unreachable."""
+        with self._guard.call():
+            with self._lock:
+                keep = set(self._pins)
+            gone = []
+            for name, _ in self.client.list(self.prefix):
+                key = self._chunk_key(name)
+                if key is not None and key not in keep:
+                    gone.append(key)
+            for start in range(0, len(gone), 1000):  # DeleteObjects takes 1000 at most
+                batch = gone[start : start + 1000]
+                self.client.delete([self.object_name(k) for k in batch])
+                self.index.discard_many(batch)
+            self.report_removed(gone)
+            return len(gone)
+
+    def usage(self) -> TierUsage:
+        with self._guard.call():
+            self.counters.available = int(not self._is_down())
+            used, entries = self.index.totals()
+            return TierUsage(used, used, entries)  # no ceiling kvtier can see: full = held
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _is_down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def _mark_down(self, exc: BaseException) -> None:
+        with self._lock:
+            if time.monotonic() >= self._down_until:
+                self.counters.outages += 1
+                log.warning("s3 tier: the store is not answering (%s); misses for now", exc)
+            self._down_until = time.monotonic() + RETRY_AFTER_S
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        if isinstance(exc, TierUnavailable):
+            self._mark_down(exc)
+        else:
+            self._repeated.warning((what, type(exc).__name__), "s3 %s failed: %s", what, exc)
+
+    def _delete_quietly(self, name: str) -> None:
+        try:
+            self.client.delete([name])
+        except TierError as exc:
+            log.warning("could not delete corrupt s3 object %s: %s", name, exc)
+
+    def _bump(self, **deltas: int) -> None:
+        with self._lock:
+            for field_name, delta in deltas.items():
+                setattr(self.counters, field_name, getattr(self.counters, field_name) + delta)
