@@ -16,6 +16,7 @@ from kvtier.config.channels import nixl_installed
 from kvtier.pd.channels.shm import ShmSender
 from kvtier.pd.channels.shm_segments import PREFIX
 from kvtier.pd.channels.tcp import TcpSender
+from tests.bench.bench_checks import assert_ratio
 from tests.pd.test_pd_demo import kvtier
 
 
@@ -48,20 +49,19 @@ def test_bench_pd_reports_every_field() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    for key in (
-        "shm_gbps",
-        "tcp_gbps",
-        "memcpy_gbps",
-        "streaming_copy_gbps",
-        "raw_socket_gbps",
-        "shm_ratio",
-        "shm_ratio_streaming",
-        "tcp_ratio",
-        "shm_serve_gbps",
-        "tcp_serve_gbps",
-        "shm_with_serve_gbps",
-    ):
-        assert result[key] > 0, key
+    # Each ratio is its two figures' quotient (printed unrounded).
+    exact = {"places": 12}
+    assert_ratio(result, "shm_ratio", "shm_gbps", "memcpy_gbps", **exact)
+    assert_ratio(result, "shm_ratio_streaming", "shm_gbps", "streaming_copy_gbps", **exact)
+    assert_ratio(result, "tcp_ratio", "tcp_gbps", "raw_socket_gbps", **exact)
+    assert_ratio(result, "shm_serve_ratio", "shm_serve_gbps", "shm_serve_memcpy_gbps", **exact)
+    assert result["tcp_serve_gbps"] > 0
+    # The transfer and the serve one after the other: 1 / (1/shm + 1/serve).
+    together = 1 / (1 / result["shm_gbps"] + 1 / result["shm_serve_gbps"])
+    assert result["shm_with_serve_gbps"] == pytest.approx(together, rel=1e-9)
+    assert result["shm_with_serve_ratio"] == pytest.approx(
+        2 * together / result["memcpy_gbps"], rel=1e-9
+    )
     assert result["bytes_checked"] is True
     # Its decoders closed (never killed): their receive segments left /dev/shm with them.
     assert pd_segments() - shm_before == set()
@@ -69,7 +69,7 @@ def test_bench_pd_reports_every_field() -> None:
     assert result["streaming_copy_built"] is True
     assert result["copy_hash_built"] is True and result["hash_isa"]
     if nixl_installed():
-        assert result["nixl_gbps"] > 0 and result["nixl_ratio"] > 0
+        assert_ratio(result, "nixl_ratio", "nixl_gbps", "memcpy_gbps", places=12)
     else:
         assert result["nixl_gbps"] is None and "nixl" in result["nixl_reason"]
 
