@@ -187,8 +187,9 @@ def test_a_wrong_secret_is_refused_and_claims_nothing() -> None:
         ok.close()
 
 
-def test_a_node_beyond_loopback_without_a_secret_does_not_start() -> None:
-    node = P2PNode("0.0.0.0:0", [], token=None, lease_secs=LEASE, timeout=TIMEOUT)
+@pytest.mark.parametrize("host", ["0.0.0.0", "127.0.0.1"])
+def test_a_node_without_a_secret_does_not_start(host: str) -> None:
+    node = P2PNode(f"{host}:0", [], token=None, lease_secs=LEASE, timeout=TIMEOUT)
     with pytest.raises(kvtier.ConfigError, match="p2p_auth_token"):
         node.open()
 

@@ -325,7 +325,7 @@ KEYS: tuple[KeySpec, ...] = (
         "p2p_auth_token",
         p.text(),
         None,
-        "Shared secret of a fleet's P2P peers (16+ characters); required beyond loopback.",
+        "Shared secret of a fleet's P2P peers (16+ characters); required with p2p_listen.",
         lmcache=False,
         secret=True,
     ),

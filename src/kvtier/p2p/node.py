@@ -16,8 +16,8 @@ empty snapshot. A subscriber that cannot keep up (its queue of changes full) is 
 rather than told a partial story; it reconnects to a fresh snapshot.
 
 Who may connect: the handshake proves ``p2p_auth_token`` both ways (PD's HMAC); a node
-listening beyond loopback without one is refused at start. Every wait is bounded: the
-handshake and each message of a pull by ``blocking_timeout_secs``.
+without one does not start, on loopback either (the port serves every model's CPU tier).
+Every wait is bounded: the handshake and each message of a pull by ``blocking_timeout_secs``.
 """
 
 from __future__ import annotations
@@ -127,13 +127,16 @@ class P2PNode:
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> P2PNode:
-        if self.token is None and not is_loopback(self.host):
+        if self.token is None:
+            # Always, loopback too (unlike PD's receiver): the port serves the whole CPU tier
+            # of every model, and another local user must not read it or feed the directory.
+            where = "every interface" if not is_loopback(self.host) else "loopback"
             raise ConfigError(
                 "p2p_auth_token",
                 None,
-                f"a shared secret (or KVTIER_P2P_AUTH_TOKEN) when p2p_listen is {self.host!r}, "
-                "beyond loopback: without one anyone who can reach the port reads the cache "
-                "and can claim chunks in every peer's directory",
+                f"a shared secret of 16+ characters (or KVTIER_P2P_AUTH_TOKEN), the same on "
+                f"every peer, for p2p_listen {self.address} ({where}): without one anyone who "
+                "can reach the port reads the cache and claims chunks in every directory",
             )
         listener = socket.create_server((self.host, self.port))
         self.port = listener.getsockname()[1]
@@ -251,7 +254,9 @@ class P2PNode:
         except (KVTierError, OSError) as exc:
             if not self._stop.is_set():
                 self.refused += not authenticated  # a wrong secret, or none
-                log.warning("P2P connection from %s closed: %s", where, exc)
+                # A follower or puller that went away (its server stopped) is routine.
+                gone = authenticated and type(exc) is TransferError
+                log.log(logging.INFO if gone else logging.WARNING, "P2P %s: %s", where, exc)
         finally:
             with self._lock:
                 self._open_socks.discard(sock)
