@@ -20,6 +20,7 @@ from kvtier.bench.server import (
 )
 from kvtier.config import Config
 from kvtier.server.client import connect
+from tests.bench.bench_checks import assert_ratio
 from tests.cli.test_main import run_cli
 
 
@@ -30,21 +31,14 @@ def test_bench_server_prints_every_field() -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    for field in (
-        "store_inproc_gbps",
-        "store_server_gbps",
-        "store_ratio",
-        "retrieve_inproc_gbps",
-        "retrieve_server_gbps",
-        "retrieve_ratio",
-        "store_cpu_ratio",
-        "retrieve_cpu_ratio",
-        "lookup_rtt_us",
-        "lookup_inproc_us",
-        "retrieve_gbps_1_clients",
-        "retrieve_gbps_2_clients",
-    ):
+    # Client over in-process, the same prompts: each ratio is the quotient printed beside it.
+    assert_ratio(data, "store_ratio", "store_server_gbps", "store_inproc_gbps")
+    assert_ratio(data, "retrieve_ratio", "retrieve_server_gbps", "retrieve_inproc_gbps")
+    for field in ("store_cpu_ratio", "retrieve_cpu_ratio", "lookup_rtt_us", "lookup_inproc_us"):
         assert data[field] > 0, field
+    # One figure per client count asked for, no other.
+    per_clients = {key for key in data if key.startswith("retrieve_gbps_")}
+    assert per_clients == {"retrieve_gbps_1_clients", "retrieve_gbps_2_clients"}
     assert data["chunk_bytes"] == 2 * 32 * 16 * 1024 * 2
 
 
