@@ -100,6 +100,8 @@ def open_storage(
         if lower_tiers is None:
             lower.extend(build_lower_tiers(config, layout, fingerprint))
         for tier in lower:
+            if quotas is not None:  # the disk tier keeps them too (and saves them)
+                tier.attach_quotas(quotas)
             tier.open()
     except BaseException:
         for tier in lower:

@@ -43,6 +43,10 @@ class TenantLimit:
         assert self.nbytes is not None
         return self.nbytes
 
+    def spec(self) -> str:
+        """The limit exactly, as :func:`parse_limit` reads it back (a saved table)."""
+        return f"{self.share * 100!r}%" if self.share is not None else f"{self.nbytes}B"
+
     def __str__(self) -> str:
         if self.share is not None:
             return f"{self.share * 100:g}%"

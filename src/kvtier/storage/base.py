@@ -64,6 +64,7 @@ import torch
 from kvtier.errors import TierUnavailable
 from kvtier.keys import ChunkKey
 from kvtier.lease import LeaseTable
+from kvtier.storage.policy.quotas import TenantQuotas
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +266,11 @@ class Tier(ABC):
         """The next :meth:`put` of ``key`` stores a chunk of ``tenant`` (a request's
         ``cache_salt``; None: none), whose quota it counts against. Called just before that
         put; a tier that keeps no per-tenant quota ignores it."""
+        return None
+
+    def attach_quotas(self, quotas: TenantQuotas) -> None:
+        """Keep per-tenant quotas from ``quotas`` (the engine's table, ``tenant_quotas``);
+        called once, before :meth:`open`. A tier that keeps none ignores it."""
         return None
 
     def tenant_report(self) -> dict[str, dict[str, int | None]]:

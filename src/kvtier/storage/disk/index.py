@@ -184,6 +184,12 @@ class DiskIndex:
         self.used_bytes -= file_bytes
         return key, file_bytes
 
+    def forget(self, keys: Sequence[ChunkKey]) -> None:
+        """Drop ``keys`` (unpinned), which the policy chose and forgot already (a tenant's
+        quota victims, :mod:`~kvtier.storage.disk.quotas`); the caller deletes their files."""
+        for key in keys:
+            self.used_bytes -= self._entries.pop(key).file_bytes
+
     def commit(self, key: ChunkKey, entry: DiskEntry) -> None:
         self.reserved_bytes -= entry.file_bytes
         self.add(key, entry)

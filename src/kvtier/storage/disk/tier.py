@@ -73,10 +73,13 @@ from kvtier.storage.disk.budget import Evicted
 from kvtier.storage.disk.counters import DiskCounters
 from kvtier.storage.disk.index import DiskIndex
 from kvtier.storage.disk.options import DiskOptions, options_from_config
+from kvtier.storage.disk.quotas import DiskQuotas
 from kvtier.storage.disk.reads import DiskReads
 from kvtier.storage.disk.reconcile import SavedIndexCheck
 from kvtier.storage.disk.state import DiskState
 from kvtier.storage.disk.writes import DiskWrites
+from kvtier.storage.policy.quotas import TenantQuotas
+from kvtier.storage.records import HEADER_SIZE
 from kvtier.storage.write_queue import complete
 
 log = logging.getLogger(__name__)
@@ -108,6 +111,7 @@ class DiskTier(Tier):
         self._writes = DiskWrites(self._state)
         self._reads = DiskReads(self._state)
         self._reader: BoundedReads | None = None
+        self._quotas: DiskQuotas | None = None
 
     @classmethod
     def from_config(cls, config: Config, layout: KVLayout, fingerprint: Fingerprint) -> DiskTier:
@@ -131,10 +135,14 @@ class DiskTier(Tier):
             dir_fd = state.dir.open()
             try:
                 shared = budget.of_directory(dir_fd, self.options.path)
+                if self._quotas is not None:  # before the index: its files' tenants
+                    self._quotas.load(dir_fd)
                 rows = snapshot.load_rows(dir_fd, self.fingerprint)
                 found = state.scan(dir_fd) if rows is None else None
                 if rows is not None:
                     state.index.add_rows(rows)
+                if self._quotas is not None:
+                    self._quotas.loaded()
             except OSError as exc:
                 state.dir.close()
                 raise ConfigError(
@@ -205,6 +213,9 @@ class DiskTier(Tier):
                 state.budget.leave(self)
         if clean:
             state.save_index()
+            if self._quotas is not None:
+                with state.lock:
+                    self._quotas.close()
         else:
             log.warning(
                 "disk tier %s closed with %d calls, %d reads, %s writes and %s index check "
@@ -268,6 +279,25 @@ class DiskTier(Tier):
         self._state.unlink(keys)
         self.counters.evicted += len(keys)
         self.counters.pinned_keys = self._state.index.pinned_keys
+
+    # -- tenant_quotas (kvtier.storage.disk.quotas) ------------------------------------------
+    def attach_quotas(self, quotas: TenantQuotas) -> None:
+        """Keep ``quotas`` (the engine's table) per tenant; before :meth:`open` only."""
+        if self._guard.state is not Lifecycle.NEW:
+            raise StateError("disk tier quotas are attached before it opens")
+        unit = HEADER_SIZE + self.layout.payload_bytes(self.fingerprint.chunk_size)
+        self._quotas = DiskQuotas(self._state, quotas, unit)
+
+    def assign_tenant(self, key: ChunkKey, tenant: str | None) -> None:
+        if self._quotas is not None:
+            with self._state.lock:
+                self._quotas.policy.assign(key, tenant)
+
+    def tenant_report(self) -> dict[str, dict[str, int | None]]:
+        if self._quotas is None:
+            return {}
+        with self._state.lock:
+            return self._quotas.policy.report()
 
     # -- writes and reads (kvtier.storage.disk.writes, kvtier.storage.disk.reads) ----------
     def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:

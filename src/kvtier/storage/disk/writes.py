@@ -31,7 +31,7 @@ import torch
 from kvtier.keys import ChunkKey
 from kvtier.repeated_log import RepeatedLog
 from kvtier.storage.base import OnDone, PutOutcome, PutResult
-from kvtier.storage.disk import files
+from kvtier.storage.disk import files, quotas
 from kvtier.storage.disk.index import DiskEntry
 from kvtier.storage.disk.state import DiskState
 from kvtier.storage.records import HEADER_SIZE, encode_parts
@@ -133,6 +133,13 @@ class DiskWrites:
             state.counters.stored += 1
             state.counters.bytes_written += nbytes
             state.owner.report_added((key,))  # landed: under the lock, before any removal of it
+            # tenant_quotas: a tenant over its limit now drops its own oldest files
+            over = quotas.enforce(state.index, quotas.tenant_of(state.index, key))
+            if over:
+                state.unlink(over)
+                state.counters.evicted += len(over)
+        if over:
+            state.owner.report_evicted(over)
         return PutResult(key, PutOutcome.STORED)
 
     def _failed(self, key: ChunkKey, nbytes: int, exc: OSError) -> PutResult:

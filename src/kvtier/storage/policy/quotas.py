@@ -20,6 +20,7 @@ Listener = Callable[[], None]
 class TenantQuotas:
     def __init__(self, rows: Mapping[str, TenantLimit] | None = None) -> None:
         self._rows: dict[str, TenantLimit] = dict(rows or {})
+        self._overrides: dict[str, TenantLimit | None] = {}  # set at run time (None: removed)
         self._lock = threading.Lock()
         self._listeners: list[Listener] = []
 
@@ -44,17 +45,16 @@ class TenantQuotas:
             else:
                 rows[tenant] = limit
             self._rows = rows
+            self._overrides[tenant] = limit
             listeners = list(self._listeners)
         for listener in listeners:
             listener()
 
-    def replace(self, rows: Mapping[str, TenantLimit]) -> None:
-        """Every row at once (a disk tier restoring the table it saved)."""
+    def overrides(self) -> dict[str, TenantLimit | None]:
+        """The rows :meth:`set` changed since the config's (None: removed): what a disk
+        tier saves, so that they outlive a restart."""
         with self._lock:
-            self._rows = dict(rows)
-            listeners = list(self._listeners)
-        for listener in listeners:
-            listener()
+            return dict(self._overrides)
 
     def subscribe(self, listener: Listener) -> None:
         with self._lock:

@@ -49,6 +49,7 @@ from kvtier.storage.policy.quotas import TenantQuotas
 NO_SALT = ""  # the tenant of requests without a cache_salt
 _SHARED = None  # the group of every tenant with no limit: one order among them
 QUOTA_EVICTIONS_KEPT = 65536  # keys remembered as evicted by their tenant's quota (explain)
+ASSIGNED_KEPT = 65536  # assigned keys not inserted yet (a write that failed never is)
 
 
 @dataclass(slots=True)
@@ -85,8 +86,20 @@ class TenantPolicy(EvictionPolicy):
 
     # -- tenants ---------------------------------------------------------------------------
     def assign(self, key: ChunkKey, tenant: str | None) -> None:
-        """The next :meth:`insert` (or :meth:`admit`) of ``key`` is ``tenant``'s."""
-        self._next[key] = tenant or NO_SALT
+        """The next :meth:`insert` (or :meth:`admit`) of ``key`` is ``tenant``'s. The oldest
+        of more than :data:`ASSIGNED_KEPT` pending go (their writes failed or were refused)."""
+        pending = self._next
+        pending[key] = tenant or NO_SALT
+        if len(pending) > ASSIGNED_KEPT:
+            del pending[next(iter(pending))]
+
+    def expect(self, tenants: dict[ChunkKey, str]) -> None:
+        """Assign many keys at once (a restart naming its files' tenants), unbounded until
+        :meth:`forget_expected` after the index is built."""
+        self._next.update(tenants)
+
+    def forget_expected(self) -> None:
+        self._next.clear()
 
     def unassign(self, key: ChunkKey) -> None:
         """``key`` was assigned but will not be inserted (its write failed)."""

@@ -1,0 +1,182 @@
+"""The disk tier under ``tenant_quotas``: its index's policy per tenant, and what survives.
+
+With quotas the index's policy is a :class:`~kvtier.storage.policy.tenants.TenantPolicy`
+over the engine's one quota table (the CPU tier reads the same table). Its unit is the file
+of one whole chunk (header + payload as the identity codec writes it: with another codec a
+chunk is still charged as one unit), its capacity the directory's ``max_local_disk_size``.
+A write names its tenant just before it is queued (``Tier.assign_tenant``); when it lands
+and its tenant is over its limit, the tenant's own unpinned files go (:func:`enforce`).
+
+What a restart keeps, in ``.<fp16hex>.tenants`` beside the saved index (JSON, written to a
+temporary name, fsynced and renamed, like the index)::
+
+    {"quotas": {tenant: "25%" | "2.00 GiB" | null}, "chunks": {tenant: [key hex, ...]}}
+
+``quotas`` holds the rows set at run time (``PUT /quota``; null: removed), saved at each
+change and applied over the config's ``tenant_quotas`` at the next open, so a limit set
+through the admin API outlives the process while a row only the config names follows the
+config. ``chunks`` (saved at a clean close) gives the files their tenants back; a file it
+does not name (written after a crash) counts as the unsalted tenant's. A file that is
+missing, unreadable or not this format is ignored with one warning: quotas start from the
+config, as on a first open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Sequence
+
+from kvtier.config.tenant_quotas import TenantLimit, check_tenant, parse_limit
+from kvtier.errors import ConfigError
+from kvtier.keys import ChunkKey
+from kvtier.storage.disk.index import DiskIndex
+from kvtier.storage.disk.state import DiskState
+from kvtier.storage.policy import make_policy
+from kvtier.storage.policy.quotas import TenantQuotas
+from kvtier.storage.policy.tenants import TenantPolicy
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".tenants"
+
+
+def tenants_name(fp_hex: str) -> str:
+    return f".{fp_hex}{SUFFIX}"
+
+
+class DiskQuotas:
+    """A disk tier's side of the quota table: its index's policy, the saved file, and a
+    row changed at run time applied (and saved) at once. Made before the tier opens."""
+
+    def __init__(self, state: DiskState, quotas: TenantQuotas, unit_bytes: int) -> None:
+        self._state = state
+        cache_policy = state.options.cache_policy
+        self.policy = TenantPolicy(
+            lambda: make_policy(cache_policy), quotas, unit_bytes, state.options.capacity_bytes
+        )
+        state.index.policy = self.policy  # the index is empty until the open builds it
+
+    def load(self, dir_fd: int) -> None:
+        """At open, before the index is built: the saved rows and chunks' tenants."""
+        load(dir_fd, self._state.fp_hex, self.policy)
+
+    def loaded(self) -> None:
+        """At open, once the index is built: the open listens for changes from now on."""
+        self.policy.forget_expected()
+        self.policy.quotas.subscribe(self.changed)
+
+    def changed(self) -> None:
+        """A row changed (``PUT /quota``): tenants move between orders, those now over their
+        limit drop their own files, and the rows are saved for the next open."""
+        state = self._state
+        victims: list[ChunkKey] = []
+        with state.lock:
+            if state.dir.lost or state.dir.fd < 0:
+                return
+            self.policy.regroup()
+            for tenant in list(self.policy.usage):
+                victims += enforce(state.index, tenant)
+            if victims:
+                state.unlink(victims)
+                state.counters.evicted += len(victims)
+            self._save_quietly()
+        if victims:
+            state.owner.report_evicted(victims)
+
+    def close(self) -> None:
+        """At a clean close, under the lock: the rows and every file's tenant saved."""
+        self.policy.quotas.unsubscribe(self.changed)
+        self._save_quietly()
+
+    def _save_quietly(self) -> None:
+        state = self._state
+        try:
+            save(state.dir.fd, state.fp_hex, self.policy, list(state.index.key_set()))
+        except OSError as exc:
+            log.warning("disk tier %s: quotas not saved (%s)", state.options.path, exc)
+
+
+def tenant_of(index: DiskIndex, key: ChunkKey) -> str | None:
+    """``key``'s tenant; None without quotas."""
+    policy = index.policy
+    return policy.tenant_of(key) if isinstance(policy, TenantPolicy) else None
+
+
+def enforce(index: DiskIndex, tenant: str | None) -> list[ChunkKey]:
+    """``tenant``'s own unpinned victims until it is within its limit, taken out of the
+    index (the caller unlinks their files and reports them). Under the tier's lock."""
+    policy = index.policy
+    if not isinstance(policy, TenantPolicy) or not policy.over_quota(tenant or ""):
+        return []
+    victims = policy.evict_over_quota(tenant or "", lambda k: not index.is_pinned(k))
+    index.forget(victims)
+    return victims
+
+
+def load(dir_fd: int, fp_hex: str, policy: TenantPolicy) -> None:
+    """Apply a saved file (module docstring): its run-time rows over the table, its chunks'
+    tenants to the index rows added next. Before the index is built; never raises."""
+    name = tenants_name(fp_hex)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        log.warning("disk tier quotas %s unreadable (%s): quotas from the config", name, exc)
+        return
+    try:
+        with os.fdopen(fd, "rb") as f:
+            saved = json.loads(f.read())
+        rows = _rows(saved.get("quotas", {}))
+        chunks = {
+            bytes.fromhex(key): check_tenant("tenant", tenant)
+            for tenant, keys in saved.get("chunks", {}).items()
+            for key in keys
+        }
+    except (OSError, ValueError, AttributeError, TypeError, ConfigError) as exc:
+        log.warning("disk tier quotas %s ignored (%s): quotas from the config", name, exc)
+        return
+    for tenant, limit in rows.items():
+        policy.quotas.set(tenant, limit)
+    policy.expect(chunks)
+
+
+def save(dir_fd: int, fp_hex: str, policy: TenantPolicy, keys: Sequence[ChunkKey]) -> None:
+    """Write the run-time rows and the tenants of ``keys`` (the index's); raises OSError."""
+    chunks: dict[str, list[str]] = {}
+    for key in keys:
+        tenant = policy.tenant_of(key)
+        if tenant is not None:
+            chunks.setdefault(tenant, []).append(key.hex())
+    overrides = policy.quotas.overrides()
+    rows = {t: None if q is None else q.spec() for t, q in overrides.items()}
+    data = json.dumps({"quotas": rows, "chunks": chunks}).encode()
+    name = tenants_name(fp_hex)
+    tmp = f"{name}.{os.getpid()}.part"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    os.fsync(dir_fd)
+
+
+def _rows(raw: object) -> dict[str, TenantLimit | None]:
+    if not isinstance(raw, dict):
+        raise ValueError("quotas is not a mapping")
+    return {
+        check_tenant("tenant", tenant): None if value is None else parse_limit("limit", value)
+        for tenant, value in raw.items()
+    }

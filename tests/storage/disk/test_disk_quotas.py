@@ -1,0 +1,81 @@
+"""tenant_quotas in the disk tier (``kvtier.storage.disk.quotas``): a flooding tenant stays
+within its share of the directory, another keeps its files, and both the files' tenants and a
+quota set at run time survive a restart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvtier import Engine
+from kvtier.config.tenant_quotas import TenantLimit
+from kvtier.storage.cpu import CpuTier
+from kvtier.storage.policy.tenants import TenantPolicy
+from kvtier.storage.records import HEADER_SIZE
+from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
+
+FILE_BYTES = HEADER_SIZE + SMALL_LAYOUT.chunk_bytes(SMALL_CHUNK)
+PROMPT = 4 * SMALL_CHUNK
+
+
+def open_engine(directory: Path, **overrides: object) -> Engine:
+    config = small_config(
+        cpu_chunks=8,
+        local_disk=str(directory),
+        max_local_disk_size=f"{16 * FILE_BYTES}B",
+        tenant_quotas={"flood": "25%", "*": "50%"},
+        **overrides,
+    )
+    return Engine(config, SMALL_LAYOUT, model_name="disk-quotas").open()
+
+
+def disk_tenants(engine: Engine) -> dict[str, dict[str, int | None]]:
+    engine.flush()
+    tenants: dict[str, dict[str, int | None]] = engine.stats()["tiers"]["disk"]["tenants"]
+    return tenants
+
+
+def test_a_flooding_tenant_stays_within_its_disk_quota_and_it_survives_a_restart(
+    tmp_path: Path,
+) -> None:
+    quiet = make_tokens(PROMPT, 1)
+    with open_engine(tmp_path) as engine:
+        engine.store(quiet, make_kv(PROMPT, 1), cache_salt="quiet")
+        for seed in range(10, 30):  # 80 chunks into a directory of 16
+            engine.store(make_tokens(PROMPT, seed), make_kv(PROMPT, seed), cache_salt="flood")
+            engine.flush()
+        tenants = disk_tenants(engine)
+        assert tenants["flood"]["held_bytes"] == 4 * FILE_BYTES  # 25 % of 16 files
+        assert tenants["flood"]["quota_evictions"] == 76
+        assert tenants["quiet"]["held_bytes"] == 4 * FILE_BYTES
+        assert tenants["quiet"]["evictions"] == 0
+        cpu = engine.tier("cpu")
+        assert isinstance(cpu, CpuTier) and isinstance(cpu.policy, TenantPolicy)
+        # a run-time change (what PUT /quota does): saved at once, beside the index
+        cpu.policy.quotas.set("flood", TenantLimit(nbytes=2 * FILE_BYTES))
+        assert disk_tenants(engine)["flood"]["held_bytes"] == 2 * FILE_BYTES
+    with open_engine(tmp_path) as engine:  # the config still says 25 %
+        tenants = disk_tenants(engine)
+        assert tenants["flood"]["limit_bytes"] == 2 * FILE_BYTES  # the run-time row came back
+        assert tenants["flood"]["held_bytes"] == 2 * FILE_BYTES  # and each file's tenant
+        assert tenants["quiet"]["held_bytes"] == 4 * FILE_BYTES
+        cpu = engine.tier("cpu")
+        assert cpu is not None
+        cpu.clear()  # only the disk has it now
+        with engine.request("r"):
+            assert engine.lookup(quiet, "r", cache_salt="quiet").tokens == PROMPT
+            assert engine.retrieve(quiet, "r", cache_salt="quiet").equal(make_kv(PROMPT, 1))
+        assert engine.check_invariants() == []
+
+
+def test_a_torn_quota_file_is_ignored_and_quotas_come_from_the_config(tmp_path: Path) -> None:
+    with open_engine(tmp_path) as engine:
+        engine.store(make_tokens(PROMPT, 1), make_kv(PROMPT, 1), cache_salt="flood")
+    (saved,) = tmp_path.glob(".*.tenants")
+    saved.write_bytes(saved.read_bytes()[:-7])
+    with open_engine(tmp_path) as engine:
+        tenants = disk_tenants(engine)
+        # the files are all there (the index is its own file); unnamed, they are the
+        # unsalted tenant's until rewritten
+        assert tenants[""]["held_bytes"] == 4 * FILE_BYTES
+        disk = engine.tier("disk")
+        assert disk is not None and disk.tenant_report()[""]["limit_bytes"] == 8 * FILE_BYTES
