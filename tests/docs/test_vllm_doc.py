@@ -75,3 +75,18 @@ def test_kvtier_explain_named_in_the_docs_is_a_command() -> None:
     named = [doc for doc in DOCS if "`kvtier explain" in (ROOT / doc).read_text()]
     assert {"README.md", "docs/models.md", "docs/vllm.md"} <= set(named)
     assert "explain" in COMMANDS
+
+
+def test_every_vllm_start_in_the_docs_gives_kvtier_time_to_flush() -> None:
+    """vLLM's default --shutdown-timeout 0 tears the worker down with kvtier's queued disk and
+    Redis writes unwritten (docs/vllm.md, Stopping vLLM): each command that starts vLLM with
+    kvtier (PD, xPyD, fleet and server blocks too) carries the flag."""
+    missing = []
+    for doc in DOCS:
+        for block in blocks(doc):
+            commands = re.split(r"(?<!\\)\n", block)  # a command continues past a backslash
+            for command in commands:
+                if "vllm.entrypoints.openai.api_server" in command:
+                    if "--shutdown-timeout" not in command:
+                        missing.append(f"{doc}: {command.splitlines()[0]}")
+    assert not missing, missing
