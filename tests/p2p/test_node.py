@@ -187,6 +187,16 @@ def test_a_wrong_secret_is_refused_and_claims_nothing() -> None:
         ok.close()
 
 
+def test_a_port_in_use_is_a_config_error_naming_p2p_listen() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        node = P2PNode(f"127.0.0.1:{port}", [], token=TOKEN, lease_secs=LEASE, timeout=TIMEOUT)
+        with pytest.raises(kvtier.ConfigError, match=f"p2p_listen.*127.0.0.1:{port}"):
+            node.open()
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "127.0.0.1"])
 def test_a_node_without_a_secret_does_not_start(host: str) -> None:
     node = P2PNode(f"{host}:0", [], token=None, lease_secs=LEASE, timeout=TIMEOUT)

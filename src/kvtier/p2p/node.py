@@ -138,7 +138,12 @@ class P2PNode:
                 f"every peer, for p2p_listen {self.address} ({where}): without one anyone who "
                 "can reach the port reads the cache and claims chunks in every directory",
             )
-        listener = socket.create_server((self.host, self.port))
+        try:
+            listener = socket.create_server((self.host, self.port))
+        except OSError as exc:
+            raise ConfigError(
+                "p2p_listen", self.address, f"an address this host can listen on ({exc})"
+            ) from None
         self.port = listener.getsockname()[1]
         listener.settimeout(0.2)
         self._listener = listener
