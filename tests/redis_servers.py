@@ -22,11 +22,11 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import redis
+
+from tests.waiting import wait_until
 
 START_TIMEOUT_S = 15.0
 PORT_RETRIES = 5
@@ -62,17 +62,6 @@ def free_port(*, cluster_bus: bool = False) -> int:
         if _port_is_free(port) and (not cluster_bus or _port_is_free(port + 10000)):
             return port
     raise RuntimeError("no free loopback port found")
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll ``predicate`` until it is true; raise naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    delay = 0.01
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.2)
 
 
 class RedisServer:

@@ -14,6 +14,7 @@ import pytest
 from kvtier import Engine
 from kvtier.admin.server import AdminServer
 from tests.admin.client import call
+from tests.waiting import wait_until
 
 SLACK_S = 1.5  # scheduling margin on a busy 2-core machine
 
@@ -29,6 +30,11 @@ def make_server(engine: Engine) -> Iterator[Callable[..., AdminServer]]:
     yield make
     for server in made:
         server.close()
+
+
+def handler_threads() -> int:
+    """Admin request handlers running in this process (each holds one connection)."""
+    return sum(t.name == "kvtier-admin-request" for t in threading.enumerate())
 
 
 def slow_client(server: AdminServer) -> socket.socket:
@@ -75,8 +81,9 @@ def test_handlers_are_capped_and_the_rest_get_503_at_once(
     # up instead of getting its 503 at once could not pass the bound.
     timeout = 2 * SLACK_S
     server = make_server(request_timeout=timeout, max_handlers=2)
+    before = handler_threads()
     held = [slow_client(server) for _ in range(2)]
-    time.sleep(0.3)  # both accepted and holding a handler
+    wait_until(lambda: handler_threads() == before + 2, 10, "both clients to hold a handler")
     start = time.monotonic()
     reply = call(server.url, "/health")
     assert reply.status == 503 and "too many" in reply.json()["error"]
@@ -84,18 +91,16 @@ def test_handlers_are_capped_and_the_rest_get_503_at_once(
     for sock in held:  # the holders are dropped at their deadline, freeing the handlers
         assert dropped_within(sock, timeout + 3 * SLACK_S)
         sock.close()
-    deadline = time.monotonic() + 5.0
-    while call(server.url, "/health").status != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: call(server.url, "/health").status == 200, 5, "a handler to be free")
 
 
 def test_close_returns_at_once_whatever_clients_hold(
     make_server: Callable[..., AdminServer], capfd: pytest.CaptureFixture[str]
 ) -> None:
     server = make_server(request_timeout=60.0)
+    before = handler_threads()
     held = [slow_client(server) for _ in range(3)]
-    time.sleep(0.3)
+    wait_until(lambda: handler_threads() == before + 3, 10, "3 clients to hold a handler")
     closer = threading.Thread(target=server.close)
     start = time.monotonic()
     closer.start()
@@ -111,12 +116,13 @@ def test_a_client_resetting_mid_request_prints_no_traceback(
     make_server: Callable[..., AdminServer], capfd: pytest.CaptureFixture[str]
 ) -> None:
     server = make_server()
+    before = handler_threads()
     for _ in range(3):
         sock = slow_client(server)
-        time.sleep(0.1)  # the handler is reading the headers
+        wait_until(lambda: handler_threads() == before + 1, 10, "a handler reading the headers")
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         sock.close()  # an RST, not a FIN: the handler's read fails
-    time.sleep(0.3)
+        wait_until(lambda: handler_threads() == before, 10, "the handler to end on the reset")
     assert call(server.url, "/health").status == 200
     server.close()
     assert "Traceback" not in capfd.readouterr().err
