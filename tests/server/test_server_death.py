@@ -4,7 +4,6 @@ after is a miss, and hits come back by themselves once a server listens again.""
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 
@@ -52,7 +51,9 @@ def test_clients_survive_a_server_killed_mid_call() -> None:
             t.start()
         wait_until(lambda: min(hits) > 20, what="hits before the kill")
         proc.kill()  # in the middle of whatever call each client is making
-        time.sleep(0.5)
+        at_kill = list(rounds)  # the calls in flight at the kill: each client finishes one
+        wait_until(lambda: all(r > k for r, k in zip(rounds, at_kill, strict=True)),
+                   what="each client's round in flight at the kill to end")  # fmt: skip
         before = list(rounds)
         wait_until(lambda: min(r - b for r, b in zip(rounds, before, strict=True)) > 50,
                    what="clients still serving with no server")  # fmt: skip
