@@ -33,6 +33,7 @@ from kvtier.lifecycle import Lifecycle, Opens
 from kvtier.p2p.node import P2PNode
 from kvtier.server import endpoint
 from kvtier.server import protocol as wire
+from kvtier.server.admin_ports import MODEL_PORT_SPAN
 from kvtier.server.handler import serve_connection
 from kvtier.server.models import ModelTable
 from kvtier.server.sessions import Session, SessionTable
@@ -48,10 +49,15 @@ def admin_plan(config: Config) -> str:
     if not config.internal_api_server_enabled:
         return "admin API off (internal_api_server_enabled: false)"
     host, port = config.internal_api_server_host, config.internal_api_server_port_start
-    first = f"http://{host}:{port}" if port else f"http://{host}:<a free port>"
+    if not port:
+        return (
+            f"admin API, dashboard and /metrics per model at http://{host}:<a free port>, "
+            "each URL logged when the model's first client connects"
+        )
     return (
-        f"admin API, dashboard and /metrics per model at {first} (the first model; the next "
-        "free port for each other), each URL logged when the model's first client connects"
+        f"admin API, dashboard and /metrics per model at http://{host}:{port}+ (each model "
+        f"on a port its fingerprint gives, the same after a restart, in {port}.."
+        f"{port + MODEL_PORT_SPAN - 1}), each URL logged when the model's first client connects"
     )
 
 

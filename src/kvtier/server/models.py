@@ -9,7 +9,8 @@ the clients that filled it by ``server_model_idle_secs`` (300 s): when its last 
 been gone that long, its CPU tier and shared memory are released (its disk tier stays, and
 the next client of that model finds it warm). With
 ``internal_api_server_enabled`` each engine has its admin API, dashboard and Prometheus
-``/metrics`` (token as everywhere: ``admin_token``), one port per model.
+``/metrics`` (token as everywhere: ``admin_token``), one port per model, derived from its
+fingerprint so that it survives a server restart (:mod:`~kvtier.server.admin_ports`).
 
 Sizing: each engine gets ``max_local_cpu_size``; unset, a tenth of the machine's memory (the
 smaller of physical memory and the cgroup's ``memory.max``), at most the 5 GiB default, so a
@@ -38,6 +39,7 @@ from kvtier.engine import Engine
 from kvtier.errors import CapacityError, ConfigError, ProtocolError, StateError
 from kvtier.layout import KVLayout, dtype_from_name, parse_groups
 from kvtier.p2p.node import P2PNode
+from kvtier.server.admin_ports import model_admin_port
 from kvtier.server.protocol import Hello
 from kvtier.server.shared_memory import SharedPages
 from kvtier.service import Service
@@ -191,7 +193,13 @@ class ModelTable:
         self._wake.set()
 
     def _make(self, hello: Hello, layout: KVLayout, config: Config) -> ModelSlot:
-        config = replace(config, max_local_cpu_size=self._cpu_budget(hello, layout))
+        config = replace(
+            config,
+            max_local_cpu_size=self._cpu_budget(hello, layout),
+            internal_api_server_port_start=model_admin_port(
+                config.internal_api_server_port_start, hello.fingerprint
+            ),
+        )
         self._make_room(config.max_local_cpu_size, layout.chunk_bytes(hello.chunk_size))
         memory = SharedPages(f"kvtier-{hello.fingerprint[:16]}")
         lower: list[Tier] | None = None
@@ -203,8 +211,8 @@ class ModelTable:
             lower = [*build_lower_tiers(config, layout, fp), self.p2p.tier(fp.hex(), layout)]
         try:
             # The Service opens the engine, then its admin API, dashboard and /metrics
-            # (internal_api_server_enabled): one port per model, the first free from
-            # internal_api_server_port_start. No PD receiver: enable_pd is off here.
+            # (internal_api_server_enabled): one port per model, derived from its
+            # fingerprint (admin_ports.py). No PD receiver: enable_pd is off here.
             service = Service(
                 config,
                 layout,
