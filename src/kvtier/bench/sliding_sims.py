@@ -276,7 +276,7 @@ def replay(trace: Trace, policy: Policy) -> Outcome:
 
 class GridCheckpoints(Grid):
     """``chunk G`` plus a checkpoint at each prompt's end (kvtier's records for a sliding
-    model, :mod:`kvtier.integrations.vllm.anchors`): a partial chunk record of the prompt's
+    model, :mod:`kvtier.integrations.vllm.checkpoints`): a partial chunk record of the prompt's
     tokens up to its last whole block, keyed by that prefix. A hit is the longest held prefix
     ending at a whole chunk's end or at a checkpoint in the first chunk it misses. A
     checkpoint costs a whole chunk's record, as a page of kvtier's CPU tier does (disk and

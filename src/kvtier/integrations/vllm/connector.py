@@ -164,8 +164,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         checkpoints = groups.checkpoint_unit(self.config.chunk_size, block_size)
         if checkpoints and not self.config.save_unfull_chunk:
             # A prompt's checkpoint (a state model's, or a sliding one's with large chunks:
-            # .state_steps, .anchors) is a partial chunk: it needs the key of the prompt's
-            # partial tail, as both roles and a server agree.
+            # .checkpoints) is a partial chunk: it needs the key of the prompt's partial
+            # tail, as both roles and a server agree.
             self.config = self.config.with_overrides(save_unfull_chunk=True)
         speculative = speculative_refusal(vllm_config.speculative_config)
         refusal = speculative or groups.state_refusal(self.config.chunk_size, int(budget or 0))
@@ -200,7 +200,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 all_async=len(groups.groups) > 1,
                 pd_sender=engine_id if saves and pd_sender(self.config) else None,
                 state_chunks=bool(groups.state),
-                anchor_unit=checkpoints,
+                checkpoint_unit=checkpoints,
                 save_decode=self.config.save_decode_cache,
             )
             log.info(

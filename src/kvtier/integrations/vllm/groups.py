@@ -152,10 +152,10 @@ class ModelGroups:
 
     def checkpoint_unit(self, chunk_size: int, block_size: int) -> int:
         """The grain of the checkpoints a hit may end at inside a chunk (0: none, hits end at
-        chunk ends). A state model: vLLM's block, where align mode keeps states
-        (:mod:`.state_steps`). A model whose sliding groups keep less than a chunk: the block
-        unit, for the prompt's checkpoint at its last whole block (:mod:`.anchors`), since
-        its large chunks would otherwise hit only in whole chunks."""
+        chunk ends; :mod:`.checkpoints`). A state model: vLLM's block, where align mode keeps
+        states. A model whose sliding groups keep less than a chunk: the block unit, for the
+        prompt's checkpoint at its last whole block, since its large chunks would otherwise
+        hit only in whole chunks."""
         if self.off:
             return 0
         if self.state:

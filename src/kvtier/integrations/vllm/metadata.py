@@ -11,7 +11,7 @@ vLLM's first KV cache group (a position ``p`` lives in ``block_ids[p // block_si
     SaveSpec   tokens [start, end) go from the blocks into kvtier: whole chunks of the
                prompt that this step finished computing and kvtier does not hold; or, for
                a request that ended (``finishing``), whole chunks of prompt + output.
-               held: a state model's PD prefiller's hit [start, end), which kvtier holds
+               from_cache: a state model's PD prefiller's hit [start, end), which kvtier holds
                and vLLM's blocks keep no state for: sent from kvtier's copy, not stored.
 
 Both carry the prompt's tokens (a load: the whole prompt, which is what the lookup hashed, so
@@ -68,7 +68,7 @@ class SaveSpec:
     transfer_id: str | None = None  # a prefiller's request: also send [start, end) (.pd)
     cache_salt: RequestSalt | None = None
     group_block_ids: tuple[list[int], ...] = ()  # as in LoadSpec
-    held: bool = False  # send [start, end) from kvtier's copy (see the module docstring)
+    from_cache: bool = False  # send [start, end) from kvtier's copy (the module docstring)
 
     @property
     def tables(self) -> tuple[list[int], ...] | list[int]:

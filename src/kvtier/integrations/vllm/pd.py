@@ -86,7 +86,7 @@ class PDEndpoint:
             log.warning("kvtier PD: sending %s failed, the decoder prefills: %s", transfer_id, exc)
             return False
 
-    def send_held(
+    def send_from_cache(
         self,
         cache: KVCache,
         transfer_id: str,

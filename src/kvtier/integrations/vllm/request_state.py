@@ -18,7 +18,8 @@ end. Per request::
                group's block table (``block_ids`` is ``tables[0]``); empty otherwise
     load       a load waiting for the next metadata: [local, local + accepted)
     saved      prompt tokens kvtier holds or is being given (whole chunks)
-    anchored   a sliding model's prompt checkpoint was saved, or needs no save (:mod:`.anchors`)
+    checkpoint_saved  a sliding model's prompt checkpoint was saved, or needs no save
+               (:mod:`.checkpoints`)
     transfer_id  PD: the prefiller's id for the request's transfer (:mod:`.handoff`)
     source     PD decoder (xPyD): the prefiller to pull from, until pulled
 """
@@ -47,7 +48,7 @@ class RequestState:
     tables: list[list[int]] = field(default_factory=list)  # every group's, when several
     load: tuple[int, int] | None = None
     saved: int = 0
-    anchored: bool = False
+    checkpoint_saved: bool = False
     transfer_id: str | None = None  # PD: named by the prefiller, passed on by the proxy
     source: Source | None = None  # PD decoder, xPyD: the prefiller to pull from, until pulled
     pull_since: float = 0.0

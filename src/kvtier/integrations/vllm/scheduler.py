@@ -17,16 +17,9 @@ PD (a prefiller's transfer id and a decoder's pull, through the proxy's
 ``kv_transfer_params``): :mod:`.handoff`. A decoder told where to pull from answers
 ``None`` (vLLM asks again next step) until its workers' pulls have ended, then looks up.
 
-A model with a state group (Mamba, gated delta-net: ``state_chunks``) resumes only where
-a state was taken: its saves and lookups follow :mod:`.state_steps` (a chunk per step that
-ends on its end, and the prompt's checkpoint at its last block boundary).
-
-A sliding-window model whose chunks are larger than what its sliding groups keep also saves
-its prompt's checkpoint at its last whole block (:mod:`.anchors`), in the step that reaches
-it, so a later prompt that extends it (a chat's next turn) resumes there.
-
-A state model's PD prefiller sends its hit's chunks once, from kvtier's copy (``held``
-saves, at its first step): vLLM's blocks no longer keep the states at their ends.
+Which saves a step carries (plain chunks; a hybrid model's checkpoints, :mod:`.checkpoints`;
+a state model's PD prefiller's hit sent from kvtier's copy; an ended request's answer) and
+how far a request is looked up are :mod:`.step_saves`'s rules.
 
 The answer a request generated (``save_decode_cache``): a chat's next turn sends it back as
 part of its prompt, so when a request ends, the whole chunks of prompt + output that hold KV
@@ -53,15 +46,14 @@ from typing import Any
 
 from kvtier.errors import KVTierError
 from kvtier.hit import Hit
-from kvtier.integrations.vllm.anchors import anchor_save, prompt_anchor
 from kvtier.integrations.vllm.extra_keys import RequestKeyer
 from kvtier.integrations.vllm.handoff import Handoff
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.request_state import RequestState, copy_tables, set_tables
 from kvtier.integrations.vllm.rpc import LookupClient
-from kvtier.integrations.vllm.state_steps import lookup_end, save_end, save_start
+from kvtier.integrations.vllm.step_saves import StepSaves
 from kvtier.repeated_log import RepeatedLog
-from kvtier.request_salt import ExtraKeys, RequestSalt
+from kvtier.request_salt import RequestSalt
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +75,7 @@ class SchedulerSide:
         pd_sender: str | None = None,
         state_chunks: bool = False,
         save_decode: bool = False,
-        anchor_unit: int = 0,
+        checkpoint_unit: int = 0,
     ) -> None:
         """``all_async``: every load in the background, also from the CPU tier (a model with
         several KV-cache groups: vLLM takes load failures only per request, from async
@@ -91,8 +83,9 @@ class SchedulerSide:
         None on a decoder or without PD. ``state_chunks``: the model has a state group (hits
         and saves in whole chunks that end where a prefill step ended). ``save_decode``: store
         the generated tokens' whole chunks when a request ends (see the module docstring).
-        ``anchor_unit``: a sliding-window model's block unit when it saves its prompts'
-        checkpoints (:mod:`.anchors`; 0: it does not)."""
+        ``checkpoint_unit``: a sliding-window model's block unit when it saves its prompts'
+        checkpoints (:mod:`.checkpoints`; 0: it does not). Which saves a step carries is
+        :mod:`.step_saves`'s."""
         self.clients = clients
         self.block_size = block_size
         self.chunk_size = chunk_size
@@ -102,8 +95,15 @@ class SchedulerSide:
         self.all_async = all_async
         self.pd_sender = pd_sender
         self.state_chunks = state_chunks
-        self.anchor_unit = 0 if state_chunks else anchor_unit
-        self.save_decode = save_decode and saves and not state_chunks and pd_sender is None
+        self._saves = StepSaves(
+            block_size=block_size,
+            chunk_size=chunk_size,
+            saves=saves,
+            pd_sender=pd_sender,
+            state_chunks=state_chunks,
+            save_decode=save_decode,
+            checkpoint_unit=checkpoint_unit,
+        )
         self._finishing: list[SaveSpec] = []  # decode saves of ended requests, next step
         # Hits are usable in whole blocks (a state model's end at chunk ends or at its
         # prompt's checkpoint, block boundaries where its states are).
@@ -133,7 +133,7 @@ class SchedulerSide:
         state.local = num_computed_tokens
         if not self.loads or len(state.tokens) < 2 or state.uncached is not None:
             return 0, False
-        looked_up = self._lookup_tokens(state)
+        looked_up = self._saves.lookup_tokens(state)
         if state.hit is None and state.source is not None and state.transfer_id is not None:
             args = (looked_up, state.salt, state.source, state.pull_since)
             if not self._handoff.pulled(state.transfer_id, *args):
@@ -229,7 +229,7 @@ class SchedulerSide:
             state = self._requests.get(rid)
             if state is not None:
                 state.saved = min(state.saved, loaded // self.chunk_size * self.chunk_size)
-                state.anchored = False  # its checkpoint, if saved in that step, was not
+                state.checkpoint_saved = False  # if saved in that step, it was not
                 if state.hit is not None and loaded < state.hit.tokens:
                     # Never offer again what failed to load (a request whose load failed as
                     # a whole, with several KV-cache groups, is asked again from scratch).
@@ -261,25 +261,11 @@ class SchedulerSide:
         prompt + output for the next step (``tables``: every KV-cache group's blocks of its
         computed tokens). True if one was queued: vLLM must then keep the blocks until the
         workers report the save done (see the module docstring)."""
-        rid = request.request_id
-        state = self._requests.get(rid)
-        if not self.save_decode or state is None or not tables or state.uncached is not None:
-            return False
-        if isinstance(state.salt, ExtraKeys) and state.salt.items:
-            return False  # content-keyed ranges (images, embeddings) cover the prompt only
-        tokens = state.tokens + list(getattr(request, "output_token_ids", ()) or ())
-        # Tokens whose KV is in the blocks: the last sampled token (and any in flight) has none.
-        in_flight = int(getattr(request, "num_in_flight_tokens", 0))
-        computed = int(request.num_computed_tokens) - in_flight
-        end = min(computed, len(tokens)) // self.chunk_size * self.chunk_size
-        if end <= max(state.saved, len(state.tokens) // self.chunk_size * self.chunk_size):
-            return False  # nothing past the prompt's own chunks
-        groups = tuple(list(t) for t in tables) if len(tables) > 1 else ()
-        blocks = list(tables[0])
-        self._finishing.append(
-            SaveSpec(rid, tokens[:end], blocks, state.saved, end, None, state.salt, groups)
-        )
-        return True
+        state = self._requests.get(request.request_id)
+        spec = self._saves.output(request, state, tables) if state is not None else None
+        if spec is not None:
+            self._finishing.append(spec)
+        return spec is not None
 
     def _end(self, ending: list[str]) -> None:
         for rid in ending:
@@ -342,18 +328,6 @@ class SchedulerSide:
             self._requests[new.req_id] = state
         return state
 
-    def _lookup_tokens(self, state: RequestState) -> list[int]:
-        """The tokens looked up: a state model's prompt only up to its checkpoint (whose
-        partial chunk is the only one with a state at its end: :mod:`.state_steps`); a
-        sliding model's that saves checkpoints, up to its own (:mod:`.anchors`): no hit goes
-        past it, and a PD decoder's pull then names the chunks its prefiller sent."""
-        if self.anchor_unit:
-            end = prompt_anchor(len(state.tokens), self.anchor_unit, self.chunk_size)
-            return state.tokens[:end] if end else state.tokens
-        if not self.state_chunks:
-            return state.tokens
-        return state.tokens[: lookup_end(len(state.tokens), self.block_size, self.chunk_size)]
-
     def _lookup(self, rid: str, tokens: list[int], salt: RequestSalt | None) -> Hit:
         """The hit (and of it, in CPU) that every worker holds (the smallest); a worker that
         fails means no hit."""
@@ -391,63 +365,4 @@ class SchedulerSide:
                 )
             )
             state.load = None
-        if not self.saves or state.uncached is not None:
-            return
-        if self.state_chunks and self.pd_sender is not None and state.transfer_id is not None:
-            self._send_held(meta, rid, state)
-        if self.state_chunks:
-            args = (done, state.saved, len(state.tokens), self.block_size, self.chunk_size)
-            end = save_end(*args)  # only where a state is: state_steps
-        else:
-            end = min(done, len(state.tokens)) // self.chunk_size * self.chunk_size
-        if end > state.saved:
-            meta.saves.append(
-                SaveSpec(
-                    rid,
-                    state.tokens[:end],
-                    state.block_ids[:],
-                    save_start(state.saved, self.chunk_size),
-                    end,
-                    state.transfer_id,
-                    state.salt,
-                    copy_tables(state),
-                )
-            )
-            state.saved = end
-        if self.anchor_unit and not state.anchored:
-            self._add_anchor(meta, rid, state, done)
-
-    def _add_anchor(self, meta: KVTierMetadata, rid: str, state: RequestState, done: int) -> None:
-        """The prompt's checkpoint, in the first step whose prefill reaches it (:mod:`.anchors`):
-        later, vLLM's sliding groups free the blocks it keeps."""
-        n, unit, size = len(state.tokens), self.anchor_unit, self.chunk_size
-        if done < prompt_anchor(n, unit, size):
-            return
-        state.anchored = True
-        hit = state.hit.tokens if state.hit is not None else 0
-        end = anchor_save(done, hit, n, unit, size)
-        if end:
-            meta.saves.append(
-                SaveSpec(
-                    rid,
-                    state.tokens[:end],
-                    state.block_ids[:],
-                    end // size * size,
-                    end,
-                    state.transfer_id,
-                    state.salt,
-                    copy_tables(state),
-                )
-            )
-
-    def _send_held(self, meta: KVTierMetadata, rid: str, state: RequestState) -> None:
-        """The chunks of a state model's PD prefiller's hit (see the module docstring)."""
-        hit = state.hit.tokens if state.hit is not None else 0
-        held = min(hit, len(state.tokens) - 1) // self.block_size * self.block_size
-        if held > state.saved:
-            start = save_start(state.saved, self.chunk_size)
-            tokens, transfer = state.tokens[:held], state.transfer_id
-            meta.saves.append(
-                SaveSpec(rid, tokens, [], start, held, transfer, state.salt, (), True)
-            )
-            state.saved = held
+        self._saves.add(meta, rid, state, done)

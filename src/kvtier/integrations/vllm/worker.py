@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -59,6 +60,7 @@ from kvtier.integrations.vllm.metrics import CounterDeltas
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.pd import DecoderPulls, PDEndpoint
 from kvtier.integrations.vllm.rpc import LookupServer
+from kvtier.integrations.vllm.shutdown import ShutdownTally, server_line
 from kvtier.integrations.vllm.states import PagedState
 from kvtier.integrations.vllm.worker_channel import WorkerChannel
 from kvtier.keys import ChunkKey, ChunkSpan
@@ -67,6 +69,7 @@ from kvtier.request_salt import ExtraKeys
 from kvtier.server.client import ServerClient
 from kvtier.service import Service
 from kvtier.storage.cpu import CpuTier
+from kvtier.tokens import as_token_array
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +211,14 @@ class WorkerSide:
         if self._loads is not None:
             self._loads.close()
         if self.service is not None:
+            # One line says what the close flushed, dropped and saved (shutdown.py).
+            tally = ShutdownTally.of(self.engine) if self.engine is not None else None
+            started = time.monotonic()
             self.service.close()  # its receiver and admin API, then its cache
+            if tally is not None:
+                log.info("%s", tally.line(self.tp_rank, time.monotonic() - started))
+            elif self.server:
+                log.info("%s", server_line(self.tp_rank, self.server))
 
     # -- the step --------------------------------------------------------------------------
     def load(self, meta: KVTierMetadata) -> None:
@@ -230,10 +240,12 @@ class WorkerSide:
         engine, paged = self._parts()
         loads = self._loads_part()
         for spec in meta.saves:
-            if spec.held:  # a state model's PD prefiller's hit: its states are in kvtier
+            if spec.from_cache:  # a state model's PD prefiller's hit: its states are in kvtier
                 if self._pd is not None and spec.transfer_id is not None:
                     out = self._scratch_for(spec.end)
-                    self._pd.send_held(engine, spec.transfer_id, spec.tokens, spec.cache_salt, out)
+                    self._pd.send_from_cache(
+                        engine, spec.transfer_id, spec.tokens, spec.cache_salt, out
+                    )
                 continue
             if loads.is_short(spec.request_id):
                 # This step computed the request on top of blocks its load could not fill:
@@ -259,8 +271,10 @@ class WorkerSide:
                 # The scheduler sends one chunk per save (or a prompt's checkpoint), ending
                 # where this step ended.
                 states.gather(spec.group_block_ids, spec.end, chunk, out)
+            # One token array for the keys and the store (each would convert the list).
+            tokens = as_token_array(spec.tokens)
             # The keys its lookup hashed, extended by the new chunks only.
-            keys = engine.request_keys(spec.tokens, spec.request_id, cache_salt=spec.cache_salt)
+            keys = engine.request_keys(tokens, spec.request_id, cache_salt=spec.cache_salt)
             first = spec.start // engine.config.chunk_size
             events = self.events
             published = self._published(spec, keys.spans, first) if events else None
@@ -268,7 +282,7 @@ class WorkerSide:
                 # In-process: each tier publishes what it then really holds (events.py).
                 events.expect(*published, spec.tokens)
             stored = engine.store(
-                spec.tokens,
+                tokens,
                 out[:, :, : spec.end],
                 skip_leading_tokens=spec.start,
                 cache_salt=spec.cache_salt,
