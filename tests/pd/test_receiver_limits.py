@@ -38,6 +38,7 @@ from tests.pd.pd_helpers import (
     send_one,
     sender,
 )
+from tests.waiting import wait_until
 
 TOKEN = "pd-secret-for-tests-0123456789"
 Decoder = tuple[Engine, PDReceiver]
@@ -55,14 +56,6 @@ def make_decoder() -> Iterator[Callable[..., Decoder]]:
     for engine, receiver in made:
         receiver.close()
         engine.close()
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.01)
 
 
 def hung_up(sock: socket.socket) -> bool:
@@ -109,13 +102,18 @@ def test_reservations_nobody_looks_up_expire_and_the_real_prefiller_gets_room(
 def test_a_request_the_decoder_looked_up_never_expires(
     make_decoder: Callable[..., Decoder], channel: str
 ) -> None:
-    engine, receiver = make_decoder(channel, pd_reservation_ttl_sec=1.0)
+    engine, receiver = make_decoder(channel, pages=8, pd_reservation_ttl_sec=1.0)
     tokens = request_tokens(2)
+    unclaimed = request_tokens(1, seed=5)  # another system prompt: no chunk in common
     with sender(channel, receiver.port, token=TOKEN) as tx:
         send_one(tx, "kept", tokens)
+        send_one(tx, "unclaimed", unclaimed)  # the control: nobody looks it up
     assert engine.lookup(tokens, "kept").tokens == len(tokens)  # claimed by the request itself
-    time.sleep(2.5)  # several sweeps, well past the TTL
-    assert receiver.expired_reservations == 0
+    # The sweep that expires the control, sent with it, has passed over the kept one too.
+    wait_until(lambda: receiver.expired_reservations > 0, 10, "the unclaimed one to expire")
+    assert receiver.expired_reservations == 1
+    assert engine.lookup(unclaimed, "late").tokens == 0  # gone with its pages
+    engine.end_request("late")
     assert loads_exactly(engine, "kept", tokens)
     assert_all_free(engine)
 
@@ -145,7 +143,7 @@ def test_a_transfer_slower_than_the_ttl_completes_and_its_ttl_starts_after(
         done = recv_message(sock)
     assert isinstance(done, DoneReply) and done.ok, done
     assert receiver.expired_reservations == 0
-    wait_until(lambda: receiver.expired_reservations == 1)  # unclaimed after the transfer
+    wait_until(lambda: receiver.expired_reservations == 1, 10, "its expiry, once unclaimed")
     assert engine.lookup(tokens, "slow").tokens == 0
     engine.end_request("slow")
     assert_all_free(engine)
@@ -164,7 +162,7 @@ def test_half_sent_frames_are_dropped_and_connections_are_capped(
         sock = socket.create_connection(("127.0.0.1", receiver.port), timeout=5.0)
         sock.sendall(b"KVP")
         stalled.append(sock)
-    wait_until(lambda: len(receiver.guard) == 4)
+    wait_until(lambda: len(receiver.guard) == 4, 10, "4 connections held by the guard")
     extra = socket.create_connection(("127.0.0.1", receiver.port), timeout=5.0)
     assert hung_up(extra)  # over the cap: closed at once
     extra.close()
@@ -174,7 +172,7 @@ def test_half_sent_frames_are_dropped_and_connections_are_capped(
         assert hung_up(sock)
         sock.close()
     assert time.monotonic() - start < 3.0
-    wait_until(lambda: receiver.guard.timeouts == 4 and not len(receiver.guard))
+    wait_until(lambda: receiver.guard.timeouts == 4 and not len(receiver.guard), 10, "4 timeouts")
     tokens = request_tokens(4)
     with sender(channel, receiver.port, token=TOKEN) as tx:
         send_one(tx, "real", tokens)
@@ -205,7 +203,7 @@ def test_a_byte_at_a_time_is_still_one_message_deadline(
     assert closed.is_set() or hung_up(sock)
     assert time.monotonic() - start < 2.5
     sock.close()
-    wait_until(lambda: receiver.guard.timeouts == 1)
+    wait_until(lambda: receiver.guard.timeouts == 1, 10, "one timeout")
     assert_all_free(engine)
 
 
@@ -217,7 +215,8 @@ def test_an_idle_connection_is_closed_and_the_sender_reconnects(
     with sender("tcp", receiver.port, token=TOKEN) as tx:
         send_one(tx, "a", tokens)
         assert loads_exactly(engine, "a", tokens)
-        wait_until(lambda: receiver.guard.timeouts == 1 and not len(receiver.guard))
+        timed_out = lambda: receiver.guard.timeouts == 1 and not len(receiver.guard)  # noqa: E731
+        wait_until(timed_out, 10, "the idle connection's timeout")
         send_one(tx, "b", tokens)  # a fresh connection, transparently
     assert loads_exactly(engine, "b", tokens)
     assert_all_free(engine)
@@ -227,7 +226,7 @@ def test_a_stalled_handshake_does_not_block_close(make_decoder: Callable[..., De
     _, receiver = make_decoder("tcp")
     sock = socket.create_connection(("127.0.0.1", receiver.port), timeout=5.0)
     sock.sendall(b"K")
-    wait_until(lambda: len(receiver.guard) == 1)
+    wait_until(lambda: len(receiver.guard) == 1, 10, "one connection held by the guard")
     start = time.monotonic()
     receiver.close()
     assert time.monotonic() - start < 2.0
