@@ -44,7 +44,7 @@ Scratch = Callable[[int], torch.Tensor]
 class Loads:
     def __init__(
         self,
-        engine: KVCache,
+        cache: KVCache,
         paged: PagedKV,
         block_size: int,
         states: PagedState | None = None,
@@ -52,7 +52,7 @@ class Loads:
     ) -> None:
         """``states``: the model's state layers (the state at the load's end is restored
         with it); ``attention_tables``: a spec's tables without the state groups'."""
-        self.engine = engine
+        self.cache = cache
         self.paged = paged
         self.block_size = block_size
         self.states = states
@@ -74,10 +74,10 @@ class Loads:
     def run(self, spec: LoadSpec, out: torch.Tensor) -> None:
         """Load ``spec`` now (``out``: a ``[2, layers, >=len(tokens), hidden]`` scratch)."""
         loaded = spec.start
-        with self.engine.loading(spec.request_id) as live:
+        with self.cache.loading(spec.request_id) as live:
             if live:
                 try:
-                    hit = self.engine.retrieve_into(
+                    hit = self.cache.retrieve_into(
                         spec.tokens,
                         spec.request_id,
                         out,
@@ -90,7 +90,7 @@ class Loads:
                         tables,
                         spec.start,
                         loaded,
-                        self.engine.config.chunk_size,
+                        self.cache.config.chunk_size,
                         hit,  # the last record ends there: a chunk end, or a checkpoint
                     ):
                         # vLLM holds a real block where a trimmed sliding group kept nothing
@@ -101,7 +101,7 @@ class Loads:
                             spec.request_id,
                         )
                         loaded = spec.start
-                    chunk = self.engine.config.chunk_size
+                    chunk = self.cache.config.chunk_size
                     if self.states is not None and (
                         loaded < spec.end or (loaded % chunk and loaded != hit)
                     ):
@@ -199,7 +199,7 @@ class Loads:
 
     def _scratch_async(self, tokens: int) -> torch.Tensor:
         # The loader thread's own buffer: the model thread's scratch may be in use.
-        layout, chunk = self.engine.layout, self.engine.config.chunk_size
+        layout, chunk = self.cache.layout, self.cache.config.chunk_size
         if self._thread_scratch is None or self._thread_scratch.shape[2] < tokens:
             capacity = -(-tokens // chunk) * chunk
             self._thread_scratch = torch.zeros(

@@ -237,14 +237,14 @@ class WorkerSide:
         self._finished_saves.update(meta.finishing)
         if not meta.saves or self.off:
             return
-        engine, paged = self._parts()
+        cache, paged = self._parts()
         loads = self._loads_part()
         for spec in meta.saves:
             if spec.from_cache:  # a state model's PD prefiller's hit: its states are in kvtier
                 if self._pd is not None and spec.transfer_id is not None:
                     out = self._scratch_for(spec.end)
                     self._pd.send_from_cache(
-                        engine, spec.transfer_id, spec.tokens, spec.cache_salt, out
+                        cache, spec.transfer_id, spec.tokens, spec.cache_salt, out
                     )
                 continue
             if loads.is_short(spec.request_id):
@@ -253,7 +253,7 @@ class WorkerSide:
                 # that attended to garbage). The scheduler re-offers the chunks later.
                 continue
             tables = self._attention_tables(spec.tables)
-            if not paged.complete(tables, spec.start, spec.end, engine.config.chunk_size):
+            if not paged.complete(tables, spec.start, spec.end, cache.config.chunk_size):
                 # A sliding-window group already dropped blocks it stores of this range (its
                 # chunk began in an earlier step): nothing whole to store, so store nothing.
                 continue
@@ -263,7 +263,7 @@ class WorkerSide:
             # Sized for the whole prompt, not this save's end: the load of its repeat then
             # finds the buffer big enough (growing it costs ~30 ms of page faults for 96 MiB).
             out = self._scratch_for(max(spec.end, len(spec.tokens)))
-            chunk = engine.config.chunk_size
+            chunk = cache.config.chunk_size
             if states is not None and not states.fits(out, spec.end, chunk):
                 continue  # a checkpoint too short to hold the state: its chunks still hit
             paged.gather(tables, spec.start, spec.end, out)
@@ -274,14 +274,14 @@ class WorkerSide:
             # One token array for the keys and the store (each would convert the list).
             tokens = as_token_array(spec.tokens)
             # The keys its lookup hashed, extended by the new chunks only.
-            keys = engine.request_keys(tokens, spec.request_id, cache_salt=spec.cache_salt)
-            first = spec.start // engine.config.chunk_size
+            keys = cache.request_keys(tokens, spec.request_id, cache_salt=spec.cache_salt)
+            first = spec.start // cache.config.chunk_size
             events = self.events
             published = self._published(spec, keys.spans, first) if events else None
             if events is not None and published is not None and self.engine is not None:
                 # In-process: each tier publishes what it then really holds (events.py).
                 events.expect(*published, spec.tokens)
-            stored = engine.store(
+            stored = cache.store(
                 tokens,
                 out[:, :, : spec.end],
                 skip_leading_tokens=spec.start,
@@ -395,10 +395,10 @@ class WorkerSide:
     def _scratch_for(self, tokens: int) -> torch.Tensor:
         """A reusable ``[2, layers, >=tokens, hidden]`` buffer: fresh memory is slow to touch,
         so it grows in whole chunks and is kept."""
-        engine, paged = self._parts()
-        layout = engine.layout
+        cache, paged = self._parts()
+        layout = cache.layout
         if self._scratch is None or self._scratch.shape[2] < tokens:
-            chunk = engine.config.chunk_size
+            chunk = cache.config.chunk_size
             capacity = -(-tokens // chunk) * chunk
             self._scratch = torch.zeros(
                 layout.kv_shape(capacity), dtype=layout.dtype, device=paged.layers[0].device
