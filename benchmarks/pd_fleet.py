@@ -2,11 +2,11 @@
 
 Configurations, one after the other, each on fresh vLLM processes (the tiny Llama, float32,
 one compute core each through ``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``
-as docs/vllm.md says):
+as docs/fleet.md says):
 
     decode-only   one vLLM doing prefill and decode, no connector; requests go to it directly
-    xPyD, e.g.    --fleets 2P2D,1P1D: x prefillers and y decoders with docs/vllm.md's xPyD
-                  --kv-transfer-config blocks (sizes scaled down), behind docs/vllm.md's
+    xPyD, e.g.    --fleets 2P2D,1P1D: x prefillers and y decoders with docs/fleet.md's xPyD
+                  --kv-transfer-config blocks (sizes scaled down), behind docs/fleet.md's
                   vllm-router --vllm-pd-disaggregation command (round robin on the prefillers,
                   random on the decoders); each decoder pulls the request's KV from the
                   prefiller the router chose

@@ -1,5 +1,5 @@
 """Code blocks of README.md and docs/*.md, for the benchmarks and tests that run them as
-written (docs/vllm.md's PD configs and router command, among others)."""
+written (docs/fleet.md's PD configs and router command, among others)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation behind vllm-router, as docs/vllm.md documents it: each side's
+"""Prefill/decode disaggregation behind vllm-router, as docs/fleet.md documents it: each side's
 ``--kv-transfer-config`` and the router's PD command read from the doc's own blocks (so the
 benchmark runs what an operator copies), and what kvtier's workers say about their transfers.
 
@@ -27,11 +27,11 @@ from benchmarks.harness.docs import block_after
 from benchmarks.harness.router import free_port, router_binary
 from kvtier.integrations.vllm.rpc import LookupClient
 
-DOC = "docs/vllm.md"
+DOC = "docs/fleet.md"
 
 
 def documented_transfer(side: str, engine_id: str, **extra: Any) -> dict[str, Any]:
-    """docs/vllm.md's ``--kv-transfer-config`` for ``side`` ("xPyD prefiller", "xPyD
+    """docs/fleet.md's ``--kv-transfer-config`` for ``side`` ("xPyD prefiller", "xPyD
     decoder"), with ``engine_id`` and ``extra`` (sizes scaled to the model) replacing the
     doc's values; the rest as written."""
     config = json.loads(block_after(DOC, f"The {side}'s", "json"))
@@ -42,7 +42,7 @@ def documented_transfer(side: str, engine_id: str, **extra: Any) -> dict[str, An
 def documented_router(
     prefill_urls: Sequence[str], decode_urls: Sequence[str], port: int
 ) -> list[str]:
-    """docs/vllm.md's xPyD vllm-router command with this fleet's workers (any number of each,
+    """docs/fleet.md's xPyD vllm-router command with this fleet's workers (any number of each,
     where the doc names two) and port, plus metrics on a free port and a starting worker
     noticed within a second."""
     script = block_after(DOC, "### Any prefiller to any decoder", "bash")

@@ -40,7 +40,7 @@ def test_requests_share_prefixes_and_end_in_their_own_tails() -> None:
 
 def test_the_fleet_runs_the_documented_configs_and_router_command() -> None:
     transfer = documented_transfer("xPyD decoder", "d-7", pd_buffer_size="64MiB")
-    doc = json.loads(block_after("docs/vllm.md", "The xPyD decoder's", "json"))
+    doc = json.loads(block_after("docs/fleet.md", "The xPyD decoder's", "json"))
     assert transfer["engine_id"] == "d-7" and transfer["kv_role"] == doc["kv_role"]
     assert transfer["kv_connector_extra_config"] == {
         **doc["kv_connector_extra_config"],

@@ -2,9 +2,9 @@
 
 One fleet serves every test (start-up is the slow part): two prefillers and two decoders, any
 prefiller to any decoder (xPyD) behind one vllm-router in PD mode, unmodified (the command
-docs/vllm.md gives), with vLLM's standard kv_transfer_params hand-off; the decoders pull each
+docs/fleet.md gives), with vLLM's standard kv_transfer_params hand-off; the decoders pull each
 request's KV from the prefiller the router chose over kvtier's PD transport (tcp). Prefiller 0
-and decoder 0 run docs/vllm.md's xPyD configs; prefiller 1 and decoder 1 run LMCache's own 1p1d
+and decoder 0 run docs/fleet.md's xPyD configs; prefiller 1 and decoder 1 run LMCache's own 1p1d
 example YAMLs (LMCACHE_CONFIG_FILE), sizes scaled down. The first test talks to prefiller 0
 alone (a prefix cache in its own right); the last kills a prefiller and a decoder mid-run.
 (The one-decoder push of 1P1D runs with vLLM's connector in test_pd_handoff.py.)
@@ -113,15 +113,15 @@ def servers(
 
 
 def documented(side: str, engine_id: str) -> dict[str, Any]:
-    """The --kv-transfer-config JSON docs/vllm.md gives for one side, with this test's
+    """The --kv-transfer-config JSON docs/fleet.md gives for one side, with this test's
     engine id, TTL and sizes (scaled down for the tiny model); the rest as written."""
-    config = json.loads(block_after("docs/vllm.md", f"The {side}'s", "json"))
+    config = json.loads(block_after("docs/fleet.md", f"The {side}'s", "json"))
     assert {k: v for k, v in config.items() if k in CONNECTOR} == CONNECTOR | {
         "kv_role": config["kv_role"]
     }
     extra = config["kv_connector_extra_config"]
     for key in ("max_local_cpu_size", "pd_buffer_size"):
-        assert key in extra, f"docs/vllm.md's {side} config has no {key}"
+        assert key in extra, f"docs/fleet.md's {side} config has no {key}"
     assert "pd_peer_alloc_port" not in extra  # nothing names a peer in xPyD
     # The counts below are in 256-token chunks; the documented config leaves the chunk to
     # the connector (vLLM's block, 128 here), which tests/pd and test_groups.py cover.
@@ -157,15 +157,15 @@ def lmcache_server(
 
 
 def test_the_documented_pd_roles() -> None:
-    decoder = json.loads(block_after("docs/vllm.md", "The decoder's", "json"))
-    prefiller = json.loads(block_after("docs/vllm.md", "The prefiller's", "json"))
+    decoder = json.loads(block_after("docs/fleet.md", "The decoder's", "json"))
+    prefiller = json.loads(block_after("docs/fleet.md", "The prefiller's", "json"))
     assert decoder["kv_role"] == "kv_consumer" and prefiller["kv_role"] == "kv_both"
     assert decoder["kv_connector_extra_config"]["pd_role"] == "receiver"
     assert prefiller["kv_connector_extra_config"]["pd_role"] == "sender"
     # 1P1D: the prefiller names its decoder's port; xPyD: nobody names a peer.
     assert prefiller["kv_connector_extra_config"]["pd_peer_alloc_port"] == [5555]
     for side in ("xPyD decoder", "xPyD prefiller"):
-        config = json.loads(block_after("docs/vllm.md", f"The {side}'s", "json"))
+        config = json.loads(block_after("docs/fleet.md", f"The {side}'s", "json"))
         assert "pd_peer_alloc_port" not in config["kv_connector_extra_config"]
 
 
