@@ -10,15 +10,17 @@ looks up its prompt, loads the hit (checked equal to recomputing it: ``mismatche
 
     none    each server's CPU tier alone
     redis   + one Redis every server shares (remote_url)
-    s3      + one S3 bucket (when the S3 tier is installed: kvtier.storage.s3; else skipped)
+    s3      + one S3 bucket every server shares (SeaweedFS on loopback, started here)
     p2p     each server follows the others (p2p_listen, p2p_peers): a miss here is a pull
 
 ``prefill_tokens`` is what the fleet computed; ``ideal_tokens`` every distinct prefix once
 (the trace's token trie); kvtier caches whole chunks, so its floor is ``chunk_floor_tokens``
 (each prompt computed past the longest whole-chunk prefix an earlier prompt had). P2P
-announcements travel in the background: before the next request the driver waits (at most
-2 s) until every peer has heard of the last store, as a fleet's next turn, seconds later,
-would find it (``settle_timeouts`` counts waits that ran out).
+announcements and S3 listings travel in the background: before the next request the driver
+waits (at most 5 s) until every other server knows the last store's chunks (its directory, or
+its S3 tier's index, re-listed every second here), as a fleet's next turn, seconds later,
+would find them (``settle_timeouts`` counts waits that ran out). Redis needs no wait: its
+lookups ask the server.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
+import secrets
 import socket
 import tempfile
 import threading
@@ -43,7 +46,7 @@ from kvtier.storage.registry import TIERS
 
 SETTINGS = ("none", "redis", "s3", "p2p")
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32)
-SETTLE_S = 2.0
+SETTLE_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,6 +111,7 @@ def free_port() -> int:
 def fleet(args: argparse.Namespace, extra: dict[str, object], p2p: bool) -> Iterator[list[Any]]:
     """``args.hosts`` in-process servers (threads) with ``extra`` config each."""
     ports = [free_port() for _ in range(args.hosts)]
+    token = secrets.token_urlsafe(32)  # the fleet's p2p_auth_token
     servers: list[tuple[KVTierServer, threading.Thread]] = []
     dirs = [tempfile.TemporaryDirectory(prefix="kvfs-", dir="/tmp") for _ in ports]
     try:
@@ -116,6 +120,7 @@ def fleet(args: argparse.Namespace, extra: dict[str, object], p2p: bool) -> Iter
             if p2p:
                 values["p2p_listen"] = f"127.0.0.1:{port}"
                 values["p2p_peers"] = ",".join(f"127.0.0.1:{p}" for p in ports)
+                values["p2p_auth_token"] = token
             config = Config.load(overrides=values, env={})
             server = KVTierServer(config, f"{d.name}/kvtier.sock").open()
             thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -131,8 +136,32 @@ def fleet(args: argparse.Namespace, extra: dict[str, object], p2p: bool) -> Iter
             d.cleanup()
 
 
+def _settle(servers: list[KVTierServer], fp: str, keys: list[bytes], tier: str | None) -> bool:
+    """Wait (at most SETTLE_S) until every server in ``servers`` knows ``keys``: through its
+    P2P directory (``tier`` None), or its own ``tier`` (a shared store it learns by listing)."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        known = True
+        for server in servers:
+            if tier is None and server.p2p is not None:
+                known &= None not in server.p2p.directory.holders(fp, keys)
+            elif tier is not None:
+                for slot in server.models.slots():
+                    found = slot.engine.tier(tier)
+                    known &= found is not None and all(found.contains(keys))
+        if known:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002 if tier is None else 0.05)
+
+
 def _one_setting(
-    args: argparse.Namespace, prompts: list[list[int]], extra: dict[str, object], p2p: bool
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    extra: dict[str, object],
+    p2p: bool,
+    settle_tier: str | None = None,
 ) -> dict[str, Any]:
     computed = hits = mismatches = settle_timeouts = 0
     started = time.monotonic()
@@ -159,18 +188,12 @@ def _one_setting(
             hits += hit
             computed += len(prompt) - hit
             client.store(prompt, kv_of(prompt))
-            if p2p:
-                fp = client.fingerprint.hex()
+            if p2p or settle_tier:
                 keys = [s.key for s in client.request_keys(prompt).spans]
-                others = [s.p2p for k, s in enumerate(servers) if k != host]
-                deadline = time.monotonic() + SETTLE_S
-                while not all(
-                    None not in n.directory.holders(fp, keys) for n in others if n is not None
-                ):
-                    if time.monotonic() > deadline:
-                        settle_timeouts += 1
-                        break
-                    time.sleep(0.002)
+                client.flush(SETTLE_S)  # the writes to a shared store have landed
+                others = [s for k, s in enumerate(servers) if k != host]
+                if not _settle(others, client.fingerprint.hex(), keys, settle_tier):
+                    settle_timeouts += 1
         p2p_stats = [s.p2p.stats() for s in servers if s.p2p is not None]
     ideal = trie_tokens(prompts)
     row: dict[str, Any] = {
@@ -181,11 +204,41 @@ def _one_setting(
         "mismatches": mismatches,
         "wall_s": round(time.monotonic() - started, 2),
     }
+    if p2p or settle_tier:
+        row["settle_timeouts"] = settle_timeouts
     if p2p:
         row["pulled_chunks"] = sum(s["pull_chunks"] for s in p2p_stats)
         row["pull_failures"] = sum(s["pull_failed"] + s["pull_missing"] for s in p2p_stats)
-        row["settle_timeouts"] = settle_timeouts
     return row
+
+
+def _s3_setting(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    """One SeaweedFS bucket every server shares; each server's S3 tier learns the others'
+    chunks by re-listing the prefix (``s3_list_interval_secs``: 1 s here, 30 by default)."""
+    if "s3" not in TIERS.schemes("remote_url"):
+        return {"skipped": "no S3 tier registered (kvtier.storage.s3 not installed here)"}
+    from kvtier.bench.seaweedfs import SeaweedFS
+
+    try:
+        server = SeaweedFS().start()
+    except RuntimeError as exc:
+        return {"skipped": f"no S3 server: {exc}"}
+    try:
+        server.create_bucket("fleet-share")
+        creds = server.credentials_dict()
+        extra: dict[str, object] = {
+            "remote_url": server.url("fleet-share", "kv"),
+            "extra_config": {
+                "s3_endpoint_url": server.endpoint,
+                "s3_region": creds.get("region", "us-east-1"),
+                "aws_access_key_id": creds["access_key_id"],
+                "aws_secret_access_key": creds["secret_access_key"],
+                "s3_list_interval_secs": 1,
+            },
+        }
+        return _one_setting(args, prompts, extra, p2p=False, settle_tier="s3")
+    finally:
+        server.cleanup()
 
 
 def chunk_floor(prompts: list[list[int]], chunk: int) -> int:
@@ -221,12 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with redis_server(None) as url:
                 row |= _one_setting(args, prompts, {"remote_url": url}, p2p=False)
         elif setting == "s3":
-            if "s3" not in TIERS.schemes("remote_url"):
-                row["skipped"] = "no S3 tier registered (kvtier.storage.s3 not installed here)"
-            else:
-                row["skipped"] = (
-                    "not wired: needs a SeaweedFS server per run and the S3 tier committed"
-                )
+            row |= _s3_setting(args, prompts)
         if "prefill_tokens" in row:
             row["computed_over_chunk_floor"] = round(row["prefill_tokens"] / floor, 3)
         rows.append(row)

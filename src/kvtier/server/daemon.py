@@ -84,7 +84,7 @@ class KVTierServer(Opens):
             if self._state is Lifecycle.CLOSED:
                 raise StateError("this KVTierServer is closed; create a new one")
             if self.p2p is not None:
-                self.p2p.open()  # refused beyond loopback without p2p_auth_token
+                self.p2p.open()  # refused without p2p_auth_token
             try:
                 self.path, self._listener = endpoint.listen(self.path, default=self._default_path)
             except BaseException:
