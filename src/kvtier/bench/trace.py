@@ -60,7 +60,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.bench import codec as codec_bench
-from kvtier.bench import trace_codec, trace_engine, trace_sims, trace_synthetic
+from kvtier.bench import trace_codec, trace_engine, trace_sims, trace_synthetic, trace_tenants
 from kvtier.bench.trace_file import Trace, add_path_argument, load
 from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout, dtype_from_name
@@ -119,6 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also store each prompt's partial last block (kvtier's save_unfull_chunk)",
     )
+    trace_tenants.add_arguments(parser)
 
 
 class CpuReplay:
@@ -232,6 +233,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     need = capacity_for(trace, unique, 0.9 * main["opt"], args.policy, unfull, cpu_curve)
     tiers = _with_disk(trace, unique, args, main["opt"]) if args.disk_capacity > 0 else {}
     coded = _with_codec(trace, unique, args, main["opt"]) if args.codec else {}
+    tenants = trace_tenants.section(trace, args) if args.tenants else {}
     return {
         "trace": args.synthetic or args.path,
         "policy": args.policy,
@@ -251,6 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_of_opt": main["cpu"] / main["opt"] if main["opt"] else 0.0,
         "capacity_for_0_9_opt": need,
         **coded,
+        **tenants,
         "curve": {f"{f:g}": p for f, p in points.items()},
         "seconds": time.perf_counter() - started,
     }
