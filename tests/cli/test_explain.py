@@ -74,3 +74,26 @@ def test_explain_says_what_went_wrong(admin: Service, capsys: pytest.CaptureFixt
         port = free.getsockname()[1]
     code, _, err = _explain(capsys, "req-7", "--admin", f"http://127.0.0.1:{port}")
     assert code == 1 and "internal_api_server_enabled: true" in err
+
+
+def test_explain_says_a_miss_came_from_the_tenants_quota(
+    service_factory: Callable[..., Service], capsys: pytest.CaptureFixture[str]
+) -> None:
+    service = service_factory(
+        cpu_chunks=8,
+        internal_api_server_enabled=True,
+        internal_api_server_port_start=0,
+        admin_token=TOKEN,
+        tenant_quotas={"t": "50%"},
+    )
+    engine, first = service.engine, make_tokens(64, seed=1)
+    engine.store(first, make_kv(64, seed=1), cache_salt="t")
+    engine.store(make_tokens(64, seed=2), make_kv(64, seed=2), cache_salt="t")  # t's own 4
+    engine.store(make_tokens(32, seed=3), make_kv(32, seed=3), cache_salt="u")  # no quota
+    engine.lookup(first, "req-q", cache_salt="t")
+    engine.end_request("req-q")
+    assert service.admin_url is not None
+    code, out, _ = _explain(capsys, "req-q", "--admin", service.admin_url, "--token", TOKEN)
+    assert code == 0
+    assert "chunks 0-3 (tokens 0-64): miss: quota" in out
+    assert "tenant 't' was over its quota" in out

@@ -16,6 +16,10 @@ chunk missed, and what each one means exactly:
     it evicts (the CPU and disk tiers do, through ``Tier.add_evict_listener``) the detail
     names the tier and when; otherwise the chunk was evicted by a lower tier that does not
     report keys, or cleared.
+``quota``
+    No tier holds it now: it was evicted because its tenant (the request's ``cache_salt``)
+    was over its ``tenant_quotas`` limit in that tier; the detail names the tier, the tenant
+    and when. (Evictions to make room for others say ``evicted``.)
 ``store dropped``
     The last store of this chunk was dropped because every CPU page was pinned (it never
     reached a tier).
@@ -72,6 +76,7 @@ from kvtier.tokens import as_token_array
 
 NOT_STORED = "not stored"
 EVICTED = "evicted"
+QUOTA = "quota"
 STORE_DROPPED = "store dropped"
 FINGERPRINT_MISMATCH = "fingerprint mismatch"
 CHECKSUM_FAILURE = "checksum failure"
@@ -82,6 +87,7 @@ PARTIAL = "partial chunk"
 REASONS = (
     NOT_STORED,
     EVICTED,
+    QUOTA,
     STORE_DROPPED,
     FINGERPRINT_MISMATCH,
     CHECKSUM_FAILURE,
@@ -95,6 +101,7 @@ GROUP_MARK = " in KV-cache group "  # how a tier's corruption reason names the g
 
 # What the log remembers about a key: the last thing that happened to it.
 _STORED, _EVICTED, _DROPPED, _CORRUPT = "stored", "evicted", "dropped", "corrupt"
+_QUOTA = "quota"
 
 Probe = Callable[[Sequence[ChunkKey]], list[str | None]]
 
@@ -139,6 +146,17 @@ class ExplainLog:
 
     def note_evicted(self, tier: str, keys: Sequence[ChunkKey]) -> None:
         self._note(keys, _EVICTED, tier)
+
+    def note_quota_evicted(self, tier: str, tenants: dict[ChunkKey, str]) -> None:
+        """``tenants``' keys were evicted from ``tier`` because each one's tenant was over
+        its quota there."""
+        now = time.time()
+        with self._lock:
+            for key, tenant in tenants.items():
+                self._fate[key] = (_QUOTA, f"{tier}\x1f{tenant}", now)
+                self._fate.move_to_end(key)
+            while len(self._fate) > self.key_memory:
+                self._fate.popitem(last=False)
 
     def note_corrupt(self, tier: str, keys: Sequence[ChunkKey]) -> None:
         self._note(keys, _CORRUPT, tier)
@@ -336,6 +354,9 @@ def _fate_reason(event: str, tier: str, when: float) -> tuple[str, str]:
     stamp = time.strftime("%H:%M:%S", time.localtime(when))
     if event == _EVICTED:
         return EVICTED, f"evicted from {tier} at {stamp}"
+    if event == _QUOTA:
+        where, _, tenant = tier.partition("\x1f")
+        return QUOTA, f"evicted from {where} at {stamp}: tenant {tenant!r} was over its quota"
     if event == _CORRUPT:
         return CHECKSUM_FAILURE, f"failed its checksum in {tier} at {stamp} and was removed"
     if event == _DROPPED:

@@ -46,6 +46,7 @@ from kvtier.storage.plan import ENGINE
 if TYPE_CHECKING:
     from kvtier.config import Config
     from kvtier.lease import Lease, RequestRecord
+    from kvtier.storage.base import Tier
     from kvtier.storage.manager import StorageManager
     from kvtier.storage.plan import LookupPlan
 
@@ -106,7 +107,7 @@ class Observer:
         """Called by ``Engine.open`` once the tiers exist: subscribe to eviction reports."""
         self._manager = manager
         for tier in manager.tiers:
-            tier.add_evict_listener(_evict_reporter(self.explain, tier.name))
+            tier.add_evict_listener(_evict_reporter(self.explain, tier))
 
     # -- hooks -----------------------------------------------------------------------------
     def on_lookup(
@@ -278,9 +279,15 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _evict_reporter(log: ExplainLog, tier: str) -> Any:
+def _evict_reporter(log: ExplainLog, tier: Tier) -> Any:
+    name = tier.name
+
     def report(keys: Sequence[ChunkKey]) -> None:
-        log.note_evicted(tier, keys)
+        by_quota = tier.evicted_by_quota(keys)  # tenant_quotas: key -> its tenant
+        if by_quota:
+            log.note_quota_evicted(name, by_quota)
+            keys = [k for k in keys if k not in by_quota]
+        log.note_evicted(name, keys)
 
     return report
 

@@ -273,6 +273,11 @@ class Tier(ABC):
         called once, before :meth:`open`. A tier that keeps none ignores it."""
         return None
 
+    def evicted_by_quota(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, str]:
+        """Of ``keys`` (just reported evicted), those evicted because their tenant was over
+        its quota, with the tenant (``kvtier explain`` says so). Empty without quotas."""
+        return {}
+
     def tenant_report(self) -> dict[str, dict[str, int | None]]:
         """Per tenant, what it holds here (``TenantPolicy.report``); empty without quotas."""
         return {}

@@ -275,6 +275,10 @@ class CpuTier(Tier):
             self.report_removed((key,))
             return True
 
+    def evicted_by_quota(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, str]:
+        policy = self.policy
+        return policy.evicted_by_quota(keys) if isinstance(policy, TenantPolicy) else {}
+
     def tenant_report(self) -> dict[str, dict[str, int | None]]:
         with self._lock:
             if isinstance(self.policy, TenantPolicy):

@@ -293,6 +293,9 @@ class DiskTier(Tier):
             with self._state.lock:
                 self._quotas.policy.assign(key, tenant)
 
+    def evicted_by_quota(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, str]:
+        return {} if self._quotas is None else self._quotas.policy.evicted_by_quota(keys)
+
     def tenant_report(self) -> dict[str, dict[str, int | None]]:
         if self._quotas is None:
             return {}

@@ -244,6 +244,12 @@ class TenantPolicy(EvictionPolicy):
                 if was_held:
                     new.hold(key)
 
+    def evicted_by_quota(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, str]:
+        """Of ``keys``, those rule 1 evicted (the last :data:`QUOTA_EVICTIONS_KEPT`), with
+        their tenant. C-level lookups: a plain ``dict.get`` per key, no lock needed."""
+        found = map(self.quota_evicted.get, keys)
+        return {k: t for k, t in zip(keys, found, strict=True) if t is not None}
+
     def report(self) -> dict[str, dict[str, int | None]]:
         """Per tenant: bytes held, its limit (None: none), chunks, hits, evictions and quota
         evictions (``stats()`` and the Prometheus metrics read these names)."""
