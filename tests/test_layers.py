@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),
     (
         "kvtier.config",
+        "kvtier.kv_groups",
         "kvtier.layout",
         "kvtier.tokens",
         "kvtier.fingerprint",
