@@ -148,6 +148,7 @@ class SeaweedFS:
             f"-volume.port={self.volume_port}",
             f"-volume.port.grpc={self.volume_grpc}",
             f"-filer.port={self.filer_port}",
+            "-filer.maxMB=64",  # a KV chunk's object in one piece (the default splits at 4 MB)
             f"-filer.port.grpc={self.filer_grpc}",
             "-s3",
             f"-s3.port={self.s3_port}",

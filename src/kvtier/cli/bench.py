@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "cpu": "CPU tier store/retrieve vs memcpy, lookup cost of a 128k-token prompt",
     "disk": "disk tier write/read vs raw file I/O with fsync",
     "redis": "redis tier put/get vs raw redis-py SET/GET",
+    "s3": "s3 tier put/get vs the raw S3 client on the same objects (starts SeaweedFS)",
     "pd": "prefill-to-decode transfer per transport vs memcpy and a raw socket",
     "server": "store/retrieve through a kvtier server vs in-process, lookup RTT, 1-4 clients",
     "scale": "how costs grow: lookup vs prompt length, disk restart vs files, RSS, threads",
