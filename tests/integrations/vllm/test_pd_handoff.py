@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -229,6 +230,54 @@ def test_a_decoder_never_takes_a_transfer_made_under_another_image(
     assert d_side.finished("d2", answer) is None
     assert pd_used(decoder) == 0  # the transfer's lease ended with the decode request
     assert decoder.engine is not None and decoder.engine.leaks() == []
+
+
+def test_a_decoder_takes_a_transfer_only_under_the_adapter_it_was_made_with(
+    pair: tuple[WorkerSide, WorkerSide], tmp_path: Path
+) -> None:
+    """LoRA through PD: the prefiller computed the prompt under adapter A (kvtier keys it by
+    a digest of A's files). A decode request with the same tokens and transfer id under
+    adapter B finds nothing (an adapter keys every chunk: B's KV differs from the first
+    token), nor does one with no adapter; under A it loads the whole transfer."""
+    prefiller, decoder = pair
+    p_side = scheduler(prefiller, loads=True, saves=True, pd_sender="prefiller-9")
+    d_side = scheduler(decoder, loads=True, saves=False)
+    src = [3, 4, 5, 6, 7]
+    fill(prefiller, src, seed=3)
+    adapters = {name: tmp_path / name for name in ("A", "B")}
+    for seed, path in enumerate(adapters.values()):
+        path.mkdir()
+        (path / "adapter_model.safetensors").write_bytes(bytes([seed + 1]) * 256)
+
+    def adapted(rid: str, params: dict[str, Any] | None, name: str | None) -> SimpleNamespace:
+        lora = None
+        if name is not None:
+            path = str(adapters[name])
+            lora = SimpleNamespace(lora_name=name, lora_int_id=ord(name), lora_path=path)
+        return SimpleNamespace(
+            **vars(request(rid, params)),
+            cache_salt=None,
+            lora_request=lora,
+            mm_features=[],
+            prompt_embeds=None,
+        )
+
+    assert p_side.num_new_matched_tokens(adapted("p", dict(ROUTER_PREFILL), "A"), 0) == (0, False)
+    p_side.after_alloc(adapted("p", None, "A"), src, 0)
+    prefiller.save(step(p_side, "p", src, 0, len(TOKENS)))
+    assert pd_used(decoder) == 2 * CHUNK_BYTES
+    answer = p_side.finished("p", ROUTER_PREFILL)
+    assert answer is not None
+    for wrong in ("B", None):
+        got = d_side.num_new_matched_tokens(adapted(f"d-{wrong}", answer, wrong), 0)
+        assert got == (0, False), wrong
+    assert d_side.num_new_matched_tokens(adapted("d-A", answer, "A"), 0) == (2 * CHUNK, True)
+    for name in ("B", None, "A"):
+        d_side.finished(f"d-{name}", answer)
+    assert pd_used(decoder) == 0  # the transfer went with the requests that named it
+    assert decoder.engine is not None and decoder.engine.leaks() == []
+    p_side.close()
+    d_side.close()
 
 
 def test_a_state_models_prefiller_sends_its_hit_from_kvtiers_copy(
