@@ -185,9 +185,23 @@ def test_stores_reach_vllms_kv_event_publisher(
     media = ("CPU", "DISK", "REMOTE")
     whole = 2 * CHUNK // BLOCK  # 600 tokens: two whole chunks are stored
     ours: dict[str, list[Any]] = {medium: [] for medium in media}
+    prompt = tokens(600, seed=77)
+    runs = {tuple(prompt[i : i + BLOCK]) for i in range(0, len(prompt), BLOCK)}
+
+    def of_prompt(event: Any) -> bool:  # a run of the prompt's blocks, from a block start
+        ids = getattr(event, "token_ids", None)
+        return ids is not None and tuple(ids[:BLOCK]) in runs and event.medium in media
+
     try:
-        time.sleep(0.5)  # a SUB socket sees only what is published after it joined
-        main.generate([tokens(600, seed=77)])
+        # A SUB socket sees only what is published after it joined, and nothing says when
+        # that is: publish (other prompts') events until one arrives.
+        for seed in range(1000, 1030):
+            main.generate([tokens(300, seed=seed)])
+            if sub.poll(500):
+                break
+        else:
+            raise AssertionError("no KV event reached the subscriber in 30 prompts")
+        main.generate([prompt])
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             if all(sum(len(e.block_hashes) for e in ours[m]) >= whole for m in media):
@@ -195,9 +209,9 @@ def test_stores_reach_vllms_kv_event_publisher(
             if not sub.poll(200):
                 continue
             _topic, _seq, payload = sub.recv_multipart()
-            for event in decoder.decode(payload).events:
-                if getattr(event, "token_ids", None) is not None and event.medium in media:
-                    ours[event.medium].append(event)
+            ours_now = [e for e in decoder.decode(payload).events if of_prompt(e)]
+            for event in ours_now:
+                ours[event.medium].append(event)
     finally:
         sub.close(linger=0)
         context.term()
