@@ -46,3 +46,42 @@ def test_a_tenant_holds_at_most_its_quota(quota_server: ServerProcess) -> None:
     finally:
         for client in (first, second, third, other):
             client.close()
+
+
+@pytest.fixture
+def salted_server() -> Iterator[ServerProcess]:
+    directory = short_tempdir()
+    proc = ServerProcess(
+        directory,
+        max_local_cpu_size=f"{16 * CHUNK_BYTES}B",
+        tenant_quotas={"flood": "25%", "*": "50%"},
+        server_client_pin_share=1.0,
+    ).start()
+    yield proc
+    proc.stop()
+    remove_tempdir(directory)
+
+
+def test_tenant_quotas_hold_per_request_salt_on_a_shared_model(
+    salted_server: ServerProcess,
+) -> None:
+    """tenant_quotas (docs/tenants.md) on a server: one model, its requests' cache_salts the
+    tenants, every store through the shared pages; a flood stays in its 25 %."""
+    flooder = open_client(salted_server.url)
+    quiet = open_client(salted_server.url)
+    try:
+        prompt = 4 * SMALL_CHUNK
+        kept = make_tokens(prompt, 1)
+        assert quiet.store(kept, make_kv(prompt, 1), cache_salt="quiet") == 4
+        for seed in range(10, 22):  # 48 chunks into a tier of 16
+            flooder.store(make_tokens(prompt, seed), make_kv(prompt, seed), cache_salt="flood")
+        tenants = quiet.stats()["tiers"]["cpu"]["tenants"]
+        assert tenants["flood"]["held_bytes"] == 4 * CHUNK_BYTES
+        assert tenants["flood"]["quota_evictions"] == 44
+        assert tenants["quiet"]["held_bytes"] == 4 * CHUNK_BYTES
+        assert quiet.lookup(kept, "r", cache_salt="quiet").tokens == prompt
+        quiet.end_request("r")
+        assert quiet.check_invariants() == []
+    finally:
+        flooder.close()
+        quiet.close()

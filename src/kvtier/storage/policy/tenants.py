@@ -118,11 +118,13 @@ class TenantPolicy(EvictionPolicy):
 
     def guarantee_bytes(self, tenant: str) -> float:
         limit = self.limit_bytes(tenant)
-        if limit is None:
-            return 0.0
-        limits = [self.limit_bytes(t) for t, u in self.usage.items() if u.chunks or t == tenant]
+        return 0.0 if limit is None else limit * self._guarantee_scale(tenant)
+
+    def _guarantee_scale(self, also: str | None = None) -> float:
+        """min(1, capacity / the limits of the tenants held, and ``also``): O(tenants)."""
+        limits = [self.limit_bytes(t) for t, u in self.usage.items() if u.chunks or t == also]
         total = sum(x for x in limits if x is not None)
-        return limit * min(1.0, self.capacity_bytes / total) if total else float(limit)
+        return min(1.0, self.capacity_bytes / total) if total else 1.0
 
     def over_quota(self, tenant: str) -> bool:
         limit = self.limit_bytes(tenant)
@@ -180,24 +182,26 @@ class TenantPolicy(EvictionPolicy):
 
     def evict(self, count: int, evictable: Evictable) -> list[ChunkKey]:
         """Rule 2: each victim from the group most over its guarantee (module docstring):
-        a tenant with a limit is a group; the shared group's excess is all it holds."""
+        a tenant with a limit is a group; the shared group's excess is all it holds.
+        O(tenants) per call, and O(groups) more per victim."""
+        scale = self._guarantee_scale()
+        excess: dict[str | None, float] = {}
+        for tenant, usage in self.usage.items():
+            if usage.chunks:
+                name = self._group_of_tenant.get(tenant)
+                limit = None if name is _SHARED else self.limit_bytes(tenant)
+                guarantee = 0.0 if limit is None else limit * scale
+                excess[name] = excess.get(name, -guarantee) + usage.chunks * self.unit_bytes
         victims: list[ChunkKey] = []
-        while len(victims) < count:
-            excess: dict[str | None, float] = {}
-            for tenant, usage in self.usage.items():
-                if usage.chunks:
-                    name = self._group_of_tenant.get(tenant)
-                    guarantee = 0.0 if name is _SHARED else self.guarantee_bytes(tenant)
-                    held = usage.chunks * self.unit_bytes
-                    excess[name] = excess.get(name, -guarantee) + held
-            for name in sorted(excess, key=excess.__getitem__, reverse=True):
-                found = self._groups[name].evict(1, evictable)
-                if found:
-                    self._forget(found[0], quota=False)
-                    victims.append(found[0])
-                    break
-            else:
-                break  # nothing evictable in any group
+        while len(victims) < count and excess:
+            name = max(excess, key=excess.__getitem__)
+            found = self._groups[name].evict(1, evictable)
+            if not found:
+                del excess[name]  # nothing evictable there: the next most over
+                continue
+            self._forget(found[0], quota=False)
+            victims.append(found[0])
+            excess[name] -= self.unit_bytes
         return victims
 
     def evict_over_quota(self, tenant: str, evictable: Evictable) -> list[ChunkKey]:
