@@ -19,8 +19,8 @@ looks up its prompt, loads the hit (checked equal to recomputing it: ``mismatche
 announcements and S3 listings travel in the background: before the next request the driver
 waits (at most 5 s) until every other server knows the last store's chunks (its directory, or
 its S3 tier's index, re-listed every second here), as a fleet's next turn, seconds later,
-would find them (``settle_timeouts`` counts waits that ran out). Redis needs no wait: its
-lookups ask the server.
+would find them, and every store's writes to a shared store (Redis, S3) land first
+(``settle_timeouts`` counts waits that ran out).
 """
 
 from __future__ import annotations
@@ -188,9 +188,12 @@ def _one_setting(
             hits += hit
             computed += len(prompt) - hit
             client.store(prompt, kv_of(prompt))
+            # The writes to a shared store land (asynchronous: without this wait a Redis
+            # fleet's next request, 0.1 s later here, missed what was still in flight).
+            if not client.flush(SETTLE_S):
+                settle_timeouts += 1
             if p2p or settle_tier:
                 keys = [s.key for s in client.request_keys(prompt).spans]
-                client.flush(SETTLE_S)  # the writes to a shared store have landed
                 others = [s for k, s in enumerate(servers) if k != host]
                 if not _settle(others, client.fingerprint.hex(), keys, settle_tier):
                     settle_timeouts += 1
@@ -204,8 +207,7 @@ def _one_setting(
         "mismatches": mismatches,
         "wall_s": round(time.monotonic() - started, 2),
     }
-    if p2p or settle_tier:
-        row["settle_timeouts"] = settle_timeouts
+    row["settle_timeouts"] = settle_timeouts
     if p2p:
         row["pulled_chunks"] = sum(s["pull_chunks"] for s in p2p_stats)
         row["pull_failures"] = sum(s["pull_failed"] + s["pull_missing"] for s in p2p_stats)
