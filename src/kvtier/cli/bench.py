@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "s3": "s3 tier put/get vs the raw S3 client on the same objects (starts SeaweedFS)",
     "pd": "prefill-to-decode transfer per transport vs memcpy and a raw socket",
     "server": "store/retrieve through a kvtier server vs in-process, lookup RTT, 1-4 clients",
+    "p2p": "a P2P pull of a peer server's chunks vs a raw loopback socket, same bytes",
     "scale": "how costs grow: lookup vs prompt length, disk restart vs files, RSS, threads",
     "codec": "payload codecs: ratio, encode/decode GB/s on one thread vs memcpy, bf16 and fp32",
     "trace": "a production trace replayed through the CPU tier vs the optimum, LRU, ARC",
