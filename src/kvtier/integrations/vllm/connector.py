@@ -43,6 +43,7 @@ from kvtier.integrations.vllm.metrics import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.speculative import speculative_refusal
+from kvtier.integrations.vllm.state_chunk import workable_chunk
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.observability.logs import join_host_logging
 
@@ -89,7 +90,13 @@ def load_config(extra: dict[str, Any] | None) -> Config:
     overrides = {
         k.removeprefix("kvtier."): v for k, v in (extra or {}).items() if k not in CONNECTOR_KEYS
     }
-    return Config.load(overrides=overrides, overrides_from="vLLM kv_connector_extra_config")
+    try:
+        return Config.load(overrides=overrides, overrides_from="vLLM kv_connector_extra_config")
+    except ConfigError as exc:
+        # vLLM reports a connector that fails to start as a traceback of some 250 lines,
+        # with this message in its middle: it comes first, as one line of vLLM's log.
+        log.error("kvtier: vLLM cannot start with this config: %s", exc)
+        raise
 
 
 def async_lower_loads(extra: dict[str, Any] | None) -> bool:
@@ -161,6 +168,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if "chunk_size" not in self.config.origin:  # both roles choose alike, from vLLM's
             chunk = groups.default_chunk(block_size, int(budget or 0))
             self.config = self.config.with_overrides(chunk_size=chunk)
+        else:  # a chunk a state model cannot use gives way to one it can (state_chunk.py)
+            chunk, why = workable_chunk(
+                groups, self.config.chunk_size, block_size, int(budget or 0)
+            )
+            if why:
+                if role == KVConnectorRole.SCHEDULER:
+                    log.warning("%s", why)
+                self.config = self.config.with_overrides(chunk_size=chunk)
         checkpoints = groups.checkpoint_unit(self.config.chunk_size, block_size)
         if checkpoints and not self.config.save_unfull_chunk:
             # A prompt's checkpoint (a state model's, or a sliding one's with large chunks:
