@@ -55,12 +55,20 @@ Fields:
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from kvtier.bench import codec as codec_bench
-from kvtier.bench import trace_codec, trace_engine, trace_sims, trace_synthetic, trace_tenants
+from kvtier.bench import (
+    trace_codec,
+    trace_engine,
+    trace_plot,
+    trace_sims,
+    trace_synthetic,
+    trace_tenants,
+)
 from kvtier.bench.trace_file import Trace, add_path_argument, load
 from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout, dtype_from_name
@@ -118,6 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--save-unfull-chunk",
         action="store_true",
         help="also store each prompt's partial last block (kvtier's save_unfull_chunk)",
+    )
+    parser.add_argument(
+        "--plot", metavar="FILE", help="also draw the hit ratio by capacity as a PNG (matplotlib)"
     )
     trace_tenants.add_arguments(parser)
 
@@ -218,23 +229,34 @@ def load_trace(args: argparse.Namespace) -> Trace:
     return load(args.path, block_tokens=args.block_tokens, rechain=args.rechain)
 
 
+def progress(started: float, what: str) -> None:
+    """One line on stderr per step of a replay that takes a minute or two: the result is
+    printed at the end (stdout stays the result alone, for --json)."""
+    print(f"bench trace: {what} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     trace = load_trace(args)
     unique = trace.unique_blocks()
     unfull = args.save_unfull_chunk
+    steps = len(CURVE) + (args.capacity not in CURVE)
+    progress(started, f"{len(trace.requests)} requests, {unique} unique blocks; {steps} capacities")
     main = point(trace, unique, args.capacity, args.policy, unfull)
-    points = {
-        f: main if f == args.capacity else point(trace, unique, f, args.policy, unfull)
-        for f in CURVE
-    }
+    progress(started, f"capacity {args.capacity:g}: cpu {main['cpu']:.3f}, opt {main['opt']:.3f}")
+    points: dict[float, dict[str, float]] = {}
+    for f in CURVE:
+        points[f] = main if f == args.capacity else point(trace, unique, f, args.policy, unfull)
+        if f != args.capacity:
+            progress(started, f"capacity {f:g}: cpu {points[f]['cpu']:.3f}")
     inf = trace_sims.replay(trace, trace_sims.Infinite())
     cpu_curve = {f: p["cpu"] for f, p in points.items()} | {args.capacity: main["cpu"]}
+    progress(started, "the capacity for 0.9 of the optimum")
     need = capacity_for(trace, unique, 0.9 * main["opt"], args.policy, unfull, cpu_curve)
     tiers = _with_disk(trace, unique, args, main["opt"]) if args.disk_capacity > 0 else {}
     coded = _with_codec(trace, unique, args, main["opt"]) if args.codec else {}
     tenants = trace_tenants.section(trace, args) if args.tenants else {}
-    return {
+    result = {
         "trace": args.synthetic or args.path,
         "policy": args.policy,
         "save_unfull_chunk": unfull,
@@ -257,6 +279,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "curve": {f"{f:g}": p for f, p in points.items()},
         "seconds": time.perf_counter() - started,
     }
+    if args.plot:
+        trace_plot.write_plot(result, args.plot)
+        result["plot"] = args.plot
+    return result
 
 
 def _with_disk(
