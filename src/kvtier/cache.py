@@ -42,6 +42,7 @@ from kvtier.request_salt import RequestSalt, check_salt
 from kvtier.tokens import as_token_array
 from kvtier.validation import (
     Prompt,
+    check_buffer_start,
     check_keys,
     check_kv,
     check_out,
@@ -134,14 +135,19 @@ class KVCache(Opens):
         *,
         skip_leading_tokens: int = 0,
         cache_salt: RequestSalt | None = None,
+        out_start: int = 0,
     ) -> int:
-        """Write the cached prefix into ``out`` (``[planes, layers, >=hit, hidden]``, indexed
-        by token position; any device). Chunks wholly inside ``skip_leading_tokens`` are not
-        written. Returns the end of the loaded prefix; rows past it may have been written (a
-        chunk that failed its check as it was copied in)."""
+        """Write the cached prefix into ``out`` (``[planes, layers, >=hit - out_start,
+        hidden]``, row ``i`` holding token ``out_start + i``; any device). Chunks wholly inside
+        ``skip_leading_tokens`` are not written; ``out_start`` (a chunk start at or before the
+        skip) lets ``out`` hold only the tokens after it. Returns the end of the loaded prefix;
+        rows past it may have been written (a chunk that failed its check as it was copied
+        in)."""
         with self._call():
             check_request_id(request_id)
             prompt = check_prompt(tokens, skip_leading_tokens, cache_salt)
+            chunk = self.config.chunk_size
+            prompt = check_buffer_start("out_start", out_start, prompt, chunk)
             check_out(out, self.layout, 0)  # the hit's length: checked once it is known
             return self._retrieve_into(request_id, prompt, out)
 
@@ -153,17 +159,22 @@ class KVCache(Opens):
         skip_leading_tokens: int = 0,
         cache_salt: RequestSalt | None = None,
         keys: RequestKeys | None = None,
+        kv_start: int = 0,
     ) -> int:
-        """Store the KV of ``tokens`` (``[planes, layers, len(tokens), kv_heads*head_dim]``).
+        """Store the KV of ``tokens`` (``[planes, layers, len(tokens) - kv_start,
+        kv_heads*head_dim]``, row ``i`` holding token ``kv_start + i``).
 
         Chunks already held are skipped; chunks wholly inside ``skip_leading_tokens`` are
-        hashed but not stored. Returns chunks newly stored; what finds no room is dropped and
-        counted (never waits). ``keys``: the tokens' keys from :meth:`request_keys`."""
+        hashed but not stored, and ``kv_start`` (a chunk start at or before the skip) lets
+        ``kv`` hold only the tokens after it. Returns chunks newly stored; what finds no room
+        is dropped and counted (never waits). ``keys``: the tokens' keys from
+        :meth:`request_keys`."""
         with self._call():
             prompt = check_prompt(tokens, skip_leading_tokens, cache_salt)
+            prompt = check_buffer_start("kv_start", kv_start, prompt, self.config.chunk_size)
             if keys is not None:
                 check_keys(keys, self.keychain, prompt)
-            check_kv(kv, self.layout, len(prompt.tokens))
+            check_kv(kv, self.layout, len(prompt.tokens) - prompt.base)
             return self._store(prompt, kv, keys)
 
     def request_keys(

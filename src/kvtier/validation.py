@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -22,12 +22,33 @@ from kvtier.tokens import as_token_array
 @dataclass(frozen=True, slots=True)
 class Prompt:
     """A call's tokens, checked: a contiguous int32 array, the leading tokens the caller
-    holds already (``skip_leading_tokens``) and the request's salt."""
+    holds already (``skip_leading_tokens``) and the request's salt. ``base``: the token a
+    store's ``kv`` or a retrieve's ``out`` holds in its row 0 (``kv_start``, ``out_start``)."""
 
     tokens: np.ndarray
     skip: int = 0
     salt: RequestSalt | None = None
     checkpoints: int = 0  # a lookup's checkpoint_tokens (kvtier.engine._checkpoints)
+    base: int = 0
+
+
+def check_buffer_start(name: str, value: object, prompt: Prompt, chunk_size: int) -> Prompt:
+    """``name`` (``kv_start`` or ``out_start``): the token a buffer's row 0 holds, so a
+    caller that stores or loads the chunks after ``skip_leading_tokens`` needs a buffer of
+    only those tokens. It must be a chunk start at or before the skip (0: the buffer covers
+    the prompt from its start)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < 0
+        or value % chunk_size
+        or value > prompt.skip
+    ):
+        raise InputError(
+            f"{name} is {value!r}; it must be a multiple of chunk_size ({chunk_size}) from 0 "
+            f"to skip_leading_tokens ({prompt.skip}): the token the buffer's first row holds"
+        )
+    return replace(prompt, base=value)
 
 
 def check_prompt(

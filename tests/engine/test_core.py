@@ -304,3 +304,48 @@ def test_a_lookup_says_how_much_of_its_hit_is_in_the_cpu_tier(
     assert torch.equal(engine.retrieve(tokens, "d"), make_kv(48))
     engine.end_request("d")
     assert engine.check_invariants() == []
+
+
+def test_a_buffer_of_only_the_tokens_after_the_skip_stores_and_loads_the_same_bytes(
+    engine: Engine,
+) -> None:
+    """kv_start / out_start: a caller that saves or loads the chunks after its skip needs a
+    buffer of those tokens only (the vLLM worker's per-step scratch), and the bytes that land
+    are the ones a whole-prompt buffer would give."""
+    chunk = engine.config.chunk_size
+    tokens, kv = make_tokens(5 * chunk, 4101), make_kv(5 * chunk, 4101)
+    assert engine.store(tokens[: 2 * chunk], kv[:, :, : 2 * chunk]) == 2
+    tail = kv[:, :, 2 * chunk :].clone()  # only the tokens after the first two chunks
+    stored = engine.store(tokens, tail, skip_leading_tokens=2 * chunk, kv_start=2 * chunk)
+    assert stored == 3
+    with engine.request("r"):
+        assert engine.lookup(tokens, "r").tokens == 5 * chunk
+        out = torch.full(engine.layout.kv_shape(4 * chunk), float("nan"))
+        end = engine.retrieve_into(tokens, "r", out, skip_leading_tokens=chunk + 3, out_start=chunk)
+        assert end == 5 * chunk
+        assert torch.equal(out, kv[:, :, chunk:])  # every row written, none of the skip's
+    assert engine.leaks() == [] and engine.check_invariants() == []
+
+
+@pytest.mark.parametrize(
+    ("name", "start_of"),
+    [
+        ("kv_start", lambda chunk: chunk // 2),  # not a chunk start
+        ("kv_start", lambda chunk: 2 * chunk),  # after the skip
+        ("out_start", lambda chunk: -chunk),
+        ("out_start", lambda chunk: True),
+    ],
+)
+def test_a_buffer_start_that_is_not_a_chunk_start_before_the_skip_is_refused(
+    engine: Engine, name: str, start_of: Callable[[int], object]
+) -> None:
+    chunk = engine.config.chunk_size
+    start, skip = start_of(chunk), chunk
+    tokens, kv = make_tokens(4 * chunk, 4102), make_kv(4 * chunk, 4102)
+    with pytest.raises(InputError, match=rf"{name} is .*multiple of chunk_size"):
+        if name == "kv_start":
+            engine.store(tokens, kv, skip_leading_tokens=skip, kv_start=start)  # type: ignore[arg-type]
+        else:
+            out = torch.zeros(engine.layout.kv_shape(4 * chunk))
+            engine.retrieve_into(tokens, "r", out, skip_leading_tokens=skip, out_start=start)  # type: ignore[arg-type]
+    assert engine.stats()["stored_chunks"] == 0  # nothing stored by a refused call

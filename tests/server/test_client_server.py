@@ -217,3 +217,24 @@ def test_a_service_holds_the_server_client_it_is_given(server: ServerProcess) ->
     client = kvtier.ServerClient(server.url, SMALL_LAYOUT, model_name="either")
     with pytest.raises(StateError, match="holds a ServerClient: no engine runs here"):
         _ = Service(small_config(), SMALL_LAYOUT, model_name="either", cache=client).engine
+
+
+def test_a_buffer_of_only_the_tokens_after_the_skip_goes_through_the_server(
+    server: ServerProcess,
+) -> None:
+    """kv_start / out_start through the shared pages: the client copies in from and out to
+    a buffer whose row 0 is a later token, the bytes the engine's own surface gives."""
+    with open_client(server.url, model_name="buffer-start") as client:
+        chunk = client.config.chunk_size
+        tokens, kv = make_tokens(4 * chunk, 4103), make_kv(4 * chunk, 4103)
+        assert client.store(tokens, kv[:, :, chunk:].clone(), kv_start=chunk,
+                            skip_leading_tokens=chunk) == 3  # fmt: skip
+        assert client.store(tokens[:chunk], kv[:, :, :chunk]) == 1
+        with client.request("r"):
+            assert client.lookup(tokens, "r").tokens == 4 * chunk
+            out = torch.full(SMALL_LAYOUT.kv_shape(2 * chunk), float("nan"))
+            end = client.retrieve_into(
+                tokens, "r", out, skip_leading_tokens=2 * chunk, out_start=2 * chunk
+            )
+            assert end == 4 * chunk and torch.equal(out, kv[:, :, 2 * chunk :])
+        assert idle_server_state(client) == IDLE

@@ -203,13 +203,15 @@ class EngineCore:
         out: torch.Tensor | None,
         start: int,
         started: float,
+        base: int = 0,
     ) -> int:
-        """Copy the plan's hit from ``start`` into ``out`` (None: leave it in its pages);
-        the end of the loaded prefix. ``started``: when the retrieve began (its latency)."""
+        """Copy the plan's hit from ``start`` into ``out`` (None: leave it in its pages; row 0
+        of ``out`` is token ``base``); the end of the loaded prefix. ``started``: when the
+        retrieve began (its latency)."""
         lease = self._lease(request_id)
         planned = plan.hit_tokens
         with self.observer.load(lease, plan, start, started) as load:
-            load.end = self.parts().manager.load(plan, lease, out, start)
+            load.end = self.parts().manager.load(plan, lease, out, start, base)
         if load.end < planned:
             lease.limit = plan.hit_chunks  # the rest is a miss for this request from now on
         self.counters.add(retrieved_tokens=load.copied, hit_tokens=load.copied)

@@ -198,9 +198,9 @@ class Engine(KVCache):
         started = time.perf_counter()
         core = self._core
         plan = core.plan(request_id, prompt)
-        check_out(out, self.layout, plan.hit_tokens)
+        check_out(out, self.layout, plan.hit_tokens - prompt.base)
         start = (prompt.skip // self.config.chunk_size) * self.config.chunk_size
-        return core.load(plan, request_id, out, start, started)
+        return core.load(plan, request_id, out, start, started, prompt.base)
 
     def _store(self, prompt: Prompt, kv: torch.Tensor, keys: RequestKeys | None) -> int:
         started = time.perf_counter()
@@ -209,7 +209,7 @@ class Engine(KVCache):
         spans = (keys if keys is not None else self._keys_for(array, prompt.salt, None)).spans
         self.counters.add(stores=1)
         offered = spans[prompt.skip // self.config.chunk_size :]
-        stored, dropped = manager.store(offered, kv, salt_of(prompt.salt))
+        stored, dropped = manager.store(offered, kv, salt_of(prompt.salt), prompt.base)
         self.observer.on_store(array, offered, dropped, started)
         return stored
 

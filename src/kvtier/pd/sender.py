@@ -71,9 +71,12 @@ class SendReport:
     alloc_s: float  # of which waiting for the AllocReply (room in the decoder's buffer)
 
 
-def chunks_from_kv(spans: Sequence[ChunkSpan], kv: torch.Tensor) -> list[OutChunk]:
-    """Chunks of a ``[2, layers, tokens, hidden]`` KV tensor (strided views, no copy)."""
-    return [OutChunk(s.key, s.num_tokens, kv[:, :, s.start : s.end, :]) for s in spans]
+def chunks_from_kv(spans: Sequence[ChunkSpan], kv: torch.Tensor, base: int = 0) -> list[OutChunk]:
+    """Chunks of a ``[2, layers, tokens, hidden]`` KV tensor whose row 0 is token ``base``
+    (strided views, no copy)."""
+    return [
+        OutChunk(s.key, s.num_tokens, kv[:, :, s.start - base : s.end - base, :]) for s in spans
+    ]
 
 
 class PDSender:

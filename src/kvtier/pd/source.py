@@ -160,14 +160,17 @@ class PDSource:
         return self.host, self.port
 
     # -- the prefiller's side --------------------------------------------------------------
-    def hold(self, transfer_id: str, spans: Sequence[ChunkSpan], kv: torch.Tensor) -> int:
-        """Copy ``spans`` of ``kv`` (``[2, layers, >=end, hidden]``) into the send buffer for
-        ``transfer_id``; returns how many it holds now of them (fewer when it is full)."""
+    def hold(
+        self, transfer_id: str, spans: Sequence[ChunkSpan], kv: torch.Tensor, base: int = 0
+    ) -> int:
+        """Copy ``spans`` of ``kv`` (``[2, layers, >=end - base, hidden]``, row 0: token
+        ``base``) into the send buffer for ``transfer_id``; returns how many it holds now of
+        them (fewer when it is full)."""
         layout = self.layout
 
         def write(i: int, page: torch.Tensor) -> None:
             span = spans[i]
-            data = kv[:, :, span.start : span.end, :]  # strided: copied once, into the page
+            data = kv[:, :, span.start - base : span.end - base, :]  # strided: copied once
             out = page[: layout.payload_bytes(span.num_tokens)]
             batch = self._copies.begin(kv, Direction.STORE)
             try:

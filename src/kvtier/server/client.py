@@ -154,7 +154,7 @@ class ServerClient(KVCache):
         def copy(reply: wire.Reply) -> torch.Tensor:
             pages = _expect(reply, wire.Pages)
             out = torch.empty(self.layout.kv_shape(pages.end), dtype=self.layout.dtype)
-            self._copy_out(request_id, pages, out)
+            self._copy_out(request_id, pages, out, 0)
             return out
 
         nothing = torch.empty(self.layout.kv_shape(0), dtype=self.layout.dtype)
@@ -167,8 +167,8 @@ class ServerClient(KVCache):
 
         def copy(reply: wire.Reply) -> int:
             pages = _expect(reply, wire.Pages)
-            check_out(out, self.layout, pages.end)
-            self._copy_out(request_id, pages, out)
+            check_out(out, self.layout, pages.end - prompt.base)
+            self._copy_out(request_id, pages, out, prompt.base)
             return pages.end
 
         return self._exchange(request, copy, self._held(len(array), prompt.skip))
@@ -185,7 +185,7 @@ class ServerClient(KVCache):
                 reserve = wire.Reserve(store_id, tokens, prompt.skip, prompt.salt)
                 slots = _expect(_raise_failed(self._link.call(reserve)), wire.Pages)
                 try:
-                    self._copy_in(slots, kv)
+                    self._copy_in(slots, kv, prompt.base)
                 except BaseException:
                     try:
                         self._link.call(wire.Commit(store_id, ok=False))  # pages go back
@@ -307,13 +307,13 @@ class ServerClient(KVCache):
             raise TransferError(f"the server named {num_tokens} tokens for one page")
         return buffer[start : start + nbytes]
 
-    def _copy_out(self, request_id: str, pages: wire.Pages, out: torch.Tensor) -> None:
-        """Out of the pages ``request_id``'s server lease holds; the copies may land later
-        (a device ``out``): ``end_request`` waits for them."""
+    def _copy_out(self, request_id: str, pages: wire.Pages, out: torch.Tensor, base: int) -> None:
+        """Out of the pages ``request_id``'s server lease holds (``out``'s row 0: token
+        ``base``); the copies may land later (a device ``out``): ``end_request`` waits."""
         batch = self._copies.begin(out, Direction.LOAD)
         try:
             for page, start, count in zip(pages.pages, pages.starts, pages.counts, strict=True):
-                dst = out[:, :, start : start + count, :]
+                dst = out[:, :, start - base : start - base + count, :]
                 self.layout.unpack(self._page(page, count), dst, batch.copy)
         finally:
             landed = batch.close()
@@ -321,12 +321,13 @@ class ServerClient(KVCache):
                 with self._live_lock:
                     self._loading.setdefault(request_id, LandedSet()).add(landed)
 
-    def _copy_in(self, slots: wire.Pages, kv: torch.Tensor) -> None:
-        """Into the reserved pages; landed when this returns (the server reads them next)."""
+    def _copy_in(self, slots: wire.Pages, kv: torch.Tensor, base: int) -> None:
+        """Into the reserved pages (``kv``'s row 0: token ``base``); landed when this returns
+        (the server reads them next)."""
         batch = self._copies.begin(kv, Direction.STORE)
         try:
             for page, start, count in zip(slots.pages, slots.starts, slots.counts, strict=True):
-                src = kv[:, :, start : start + count, :]
+                src = kv[:, :, start - base : start - base + count, :]
                 self.layout.pack(src, self._page(page, count), batch.copy)
         finally:
             batch.close().wait()

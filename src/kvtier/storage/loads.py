@@ -70,9 +70,11 @@ class PlanLoader:
         lease: Lease[LookupPlan],
         out: torch.Tensor | None,
         start_token: int,
+        base: int = 0,
     ) -> int:
-        """Copy the plan's chunks from ``start_token`` on into ``out`` (indexed by absolute
-        token position). Returns the end of what was loaded: a lower-tier miss or no free page
+        """Copy the plan's chunks from ``start_token`` on into ``out``, whose row 0 is token
+        ``base`` (a chunk start at or before ``start_token``: a buffer as long as the load, not
+        the prompt). Returns the end of what was loaded: a lower-tier miss or no free page
         ends the hit early, and the engine recomputes from there. ``out=None`` only makes the
         chunks resident in pages the lease holds (``hit.page``), for a reader that maps them."""
         # A tier whose chunks are already in memory serves straight into out (one copy, its
@@ -87,7 +89,7 @@ class PlanLoader:
         self._prefetch(plan, lease, start_token, direct)
         batch = self.copies.begin(out, Direction.LOAD) if out is not None else None
         try:
-            loaded_end = self._copy_hits(plan, lease, out, batch, start_token, direct)
+            loaded_end = self._copy_hits(plan, lease, out, batch, start_token, base, direct)
         finally:
             if batch is not None:
                 lease.copying(batch.close())  # the pages go back only once it landed
@@ -102,6 +104,7 @@ class PlanLoader:
         out: torch.Tensor | None,
         batch: CopyBatch | None,
         start_token: int,
+        base: int,
         direct: bool,
     ) -> int:
         """``load``'s walk over the plan: the end of what was copied into ``out``."""
@@ -113,7 +116,7 @@ class PlanLoader:
                     break
                 if direct and hit.page is None and hit.tier.serves_views:
                     assert out is not None
-                    if not self._read_into(hit, hit.tier, out):
+                    if not self._read_into(hit, hit.tier, out, base):
                         break
                 else:
                     if hit.page is None and not self._fetch(hit, hit.tier, plan, lease):
@@ -121,12 +124,12 @@ class PlanLoader:
                     assert hit.page is not None
                     if out is not None and self.cpu.resident:
                         assert batch is not None
-                        self._copy_out(hit.page, span, out, batch)
+                        self._copy_out(hit.page, span, out, batch, base)
                     elif out is not None:
                         # A staging page: the next chunk writes it again, so its copy lands
                         # first (a batch of its own).
                         one = self.copies.begin(out, Direction.LOAD)
-                        self._copy_out(hit.page, span, out, one)
+                        self._copy_out(hit.page, span, out, one, base)
                         one.close().wait()
                         # The page was only this chunk's staging (the coded CPU tier took its
                         # own copy, if any): the next chunk reuses it (held by the lease
@@ -220,12 +223,12 @@ class PlanLoader:
         self._adopt(hit, page, lease)
         return True
 
-    def _read_into(self, hit: ChunkHit, tier: Tier, out: torch.Tensor) -> bool:
+    def _read_into(self, hit: ChunkHit, tier: Tier, out: torch.Tensor, base: int) -> bool:
         """Read ``hit``'s chunk from ``tier`` (one that ``serves_views``) straight into its
         rows of ``out``; False on a miss (those rows may then hold garbage)."""
         span = hit.span
         try:
-            tokens = tier.get_into(span.key, out[:, :, span.start : span.end, :])
+            tokens = tier.get_into(span.key, out[:, :, span.start - base : span.end - base, :])
         except KVTierError as exc:
             log.warning("tier %s read failed, counting it as a miss: %s", tier.name, exc)
             tokens = None
@@ -256,10 +259,12 @@ class PlanLoader:
         lease.take_pages([page])
         hit.page = page
 
-    def _copy_out(self, page: int, span: ChunkSpan, out: torch.Tensor, batch: CopyBatch) -> None:
+    def _copy_out(
+        self, page: int, span: ChunkSpan, out: torch.Tensor, batch: CopyBatch, base: int
+    ) -> None:
         lay = self.layout
         src = self.pool.page_bytes_view(page, lay.payload_bytes(span.num_tokens))
-        lay.unpack(src, out[:, :, span.start : span.end, :], batch.copy)
+        lay.unpack(src, out[:, :, span.start - base : span.end - base, :], batch.copy)
 
     def _load_pages(self, plan: LookupPlan, lease: Lease[LookupPlan], count: int) -> list[int]:
         """Up to ``count`` pages for lower-tier reads, each with one reference for the caller:

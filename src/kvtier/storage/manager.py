@@ -96,19 +96,26 @@ class StorageManager:
         lease: Lease[LookupPlan],
         out: torch.Tensor | None,
         start_token: int,
+        base: int = 0,
     ) -> int:
-        """Copy the plan's chunks from ``start_token`` on into ``out``; returns the end of what
-        was loaded (:meth:`PlanLoader.load <kvtier.storage.loads.PlanLoader.load>`)."""
-        return self._loader.load(plan, lease, out, start_token)
+        """Copy the plan's chunks from ``start_token`` on into ``out`` (row 0: token ``base``);
+        returns the end of what was loaded
+        (:meth:`PlanLoader.load <kvtier.storage.loads.PlanLoader.load>`)."""
+        return self._loader.load(plan, lease, out, start_token, base)
 
     # -- store -----------------------------------------------------------------------------
     def store(
-        self, spans: Sequence[ChunkSpan], kv: torch.Tensor, tenant: str | None = None
+        self,
+        spans: Sequence[ChunkSpan],
+        kv: torch.Tensor,
+        tenant: str | None = None,
+        base: int = 0,
     ) -> tuple[int, int]:
         """Copy each chunk not yet held into a page and hand it to the tiers that lack it.
         Returns (chunks newly stored somewhere, chunks dropped). When no page can be freed,
         the rest is dropped (counted): a store never waits. ``tenant``: the request's
-        ``cache_salt``, whose quota the chunks count against. A coded CPU tier's pages are only
+        ``cache_salt``, whose quota the chunks count against. ``base``: the token ``kv``'s row 0
+        holds (a chunk start at or before the first span). A coded CPU tier's pages are only
         staging (``CpuTier.resident`` false): there the chunks go through in batches of what
         the pool holds, each batch's pages back in the pool before the next is reserved."""
         step = len(spans) if self.cpu.resident else max(1, self.pool.num_pages // 2)
@@ -122,7 +129,7 @@ class StorageManager:
                 batch = self.copies.begin(kv, Direction.STORE)
                 try:
                     for slot in slots:
-                        self._copy_in(kv, slot.span, slot.page, batch.copy)
+                        self._copy_in(kv, slot.span, slot.page, batch.copy, base)
                 finally:
                     # Landed before the pages reach any owner (the CPU index serves them,
                     # writer threads checksum and write them, a codec reads them, all on the
@@ -151,8 +158,7 @@ class StorageManager:
         keys = [s.key for s in spans]
         cpu_has = self.cpu.contains(keys) if self.cpu_visible else [True] * len(keys)
         lower_has = [
-            self._contains_or_none(tier, keys) if tier.accepts_puts else None
-            for tier in self.lower
+            self._contains_or_none(tier, keys) if tier.accepts_puts else None for tier in self.lower
         ]
         slots: list[StoreSlot] = []
         dropped = 0
@@ -225,10 +231,10 @@ class StorageManager:
             log.warning("tier %s is unavailable, not %s it: %s", tier.name, doing, exc)
             return None
 
-    def _copy_in(self, kv: torch.Tensor, span: ChunkSpan, page: int, copy: Copy) -> None:
+    def _copy_in(self, kv: torch.Tensor, span: ChunkSpan, page: int, copy: Copy, base: int) -> None:
         lay = self.layout
         dst = self.pool.page_bytes_view(page, lay.payload_bytes(span.num_tokens))
-        lay.pack(kv[:, :, span.start : span.end, :], dst, copy)
+        lay.pack(kv[:, :, span.start - base : span.end - base, :], dst, copy)
 
     # -- lifecycle -------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvtier.integrations.vllm.groups import ModelGroups, VllmGroup
-from kvtier.integrations.vllm.metadata import KVTierMetadata, SaveSpec
+from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
@@ -222,3 +222,37 @@ def test_no_answer_is_saved_where_its_keys_or_blocks_cannot_be_trusted(worker: W
         assert scheduler.save_output(ended, ([1, 2, 3, 4, 5, 6, 7],)) is False, kind
         assert scheduler.build_meta(IDLE_STEP).finishing == []
         scheduler.close()
+
+
+def test_the_copy_buffer_holds_a_steps_chunks_not_the_prompt(worker: WorkerSide) -> None:
+    """A prompt saved over several steps, then loaded by a request whose first chunks vLLM
+    holds itself: the worker's buffer (GPU memory outside vLLM's budget on a GPU host) is
+    sized by a step's chunks and by the load's own range, and the bytes still round trip."""
+    assert worker.paged is not None and worker.engine is not None
+    chunk, step = worker.engine.config.chunk_size, 2 * CHUNK
+    prompt = 3 * step
+    tokens = [7000 + t for t in range(prompt)]
+    src = list(range(1, 1 + prompt // BLOCK))
+    fill(worker, src, seed=4104)
+    for start in range(0, prompt, step):
+        worker.save(
+            KVTierMetadata(saves=[SaveSpec("s", tokens[: start + step], src, start, start + step)])
+        )
+    assert worker.engine.stats()["stored_chunks"] == prompt // chunk
+    assert worker.scratch_tokens == step  # the whole prompt's KV was never gathered at once
+
+    local = 2 * step  # what vLLM's own prefix cache holds: not loaded, not given room
+    client = LookupClient(worker.engine_id)
+    assert client.lookup("l", tokens).tokens == prompt
+    end = (prompt - 1) // BLOCK * BLOCK  # vLLM never takes the last token from a cache
+    dst = list(range(40, 40 + prompt // BLOCK))
+    worker.load(KVTierMetadata(loads=[LoadSpec("l", tokens, dst, local, end)]))
+    assert worker.failed_blocks() == set() and worker.short_loads() == {}
+    assert worker.scratch_tokens == prompt - local
+    first, last = local // BLOCK, end // BLOCK
+    for layer in worker.paged.layers:
+        assert torch.equal(layer[dst[first:last]], layer[src[first:last]])
+        assert not layer[dst[:first]].any()  # vLLM's own blocks are never written
+    assert client.end("l") is True
+    assert worker.engine.leaks() == [] and worker.engine.check_invariants() == []
+    client.close()

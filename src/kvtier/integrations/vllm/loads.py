@@ -72,8 +72,12 @@ class Loads:
         )
 
     def run(self, spec: LoadSpec, out: torch.Tensor) -> None:
-        """Load ``spec`` now (``out``: a ``[2, layers, >=len(tokens), hidden]`` scratch)."""
+        """Load ``spec`` now (``out``: a ``[2, layers, >=len(tokens) - base, hidden]``
+        scratch whose row 0 is token ``base``, the chunk start of ``spec.start``: vLLM's own
+        prefix is neither loaded nor given room, see :func:`scratch_tokens`)."""
         loaded = spec.start
+        chunk = self.cache.config.chunk_size
+        base = spec.start // chunk * chunk
         with self.cache.loading(spec.request_id) as live:
             if live:
                 try:
@@ -83,6 +87,7 @@ class Loads:
                         out,
                         skip_leading_tokens=spec.start,
                         cache_salt=spec.cache_salt,
+                        out_start=base,
                     )
                     loaded = max(spec.start, min(hit, spec.end))
                     tables = self._attention_tables(spec.tables)
@@ -90,7 +95,7 @@ class Loads:
                         tables,
                         spec.start,
                         loaded,
-                        self.cache.config.chunk_size,
+                        chunk,
                         hit,  # the last record ends there: a chunk end, or a checkpoint
                     ):
                         # vLLM holds a real block where a trimmed sliding group kept nothing
@@ -101,7 +106,6 @@ class Loads:
                             spec.request_id,
                         )
                         loaded = spec.start
-                    chunk = self.cache.config.chunk_size
                     if self.states is not None and (
                         loaded < spec.end or (loaded % chunk and loaded != hit)
                     ):
@@ -109,9 +113,9 @@ class Loads:
                         # ends (a chunk end, or the checkpoint the hit ends at).
                         loaded = spec.start
                     if loaded > spec.start:
-                        self.paged.scatter(tables, spec.start, loaded, out)
+                        self.paged.scatter(tables, spec.start, loaded, out, base)
                     if self.states is not None and loaded > spec.start:
-                        self.states.scatter(spec.group_block_ids, loaded, chunk, out)
+                        self.states.scatter(spec.group_block_ids, loaded, chunk, out, base)
                 except KVTierError as exc:  # a tier failed outright: recompute all of it
                     log.warning("kvtier: load for %s failed: %s", spec.request_id, exc)
                     loaded = spec.start
@@ -140,7 +144,7 @@ class Loads:
 
     def _run_async(self, spec: LoadSpec) -> None:
         try:
-            self.run(spec, self._scratch_async(len(spec.tokens)))
+            self.run(spec, self._scratch_async(scratch_tokens(spec, self.cache.config.chunk_size)))
         except Exception:  # never leave vLLM waiting: report every block as failed
             log.exception("kvtier: async load for %s crashed", spec.request_id)
             with self._lock:
@@ -206,6 +210,13 @@ class Loads:
                 layout.kv_shape(capacity), dtype=layout.dtype, device=self.paged.layers[0].device
             )
         return self._thread_scratch
+
+
+def scratch_tokens(spec: LoadSpec, chunk: int) -> int:
+    """Rows a load's scratch needs: from the chunk start of ``spec.start`` (what vLLM holds
+    already is not loaded) to the prompt's end (a hit may end past the tokens vLLM accepted,
+    by less than a block, and the load lands whole records)."""
+    return len(spec.tokens) - spec.start // chunk * chunk
 
 
 def _blocks(spec: LoadSpec, first: int, last: int | None) -> set[int]:

@@ -245,10 +245,13 @@ class PagedKV:
         return [self._slots(table, start, end) for table in tables]
 
     # -- copies ----------------------------------------------------------------------------
-    def gather(self, block_ids: BlockIds, start: int, end: int, out: torch.Tensor) -> None:
-        """Copy tokens ``start..end-1`` of a request into ``out[:, :, start:end]``
-        (``out``: ``[planes, layers, >=end, kv_heads*head_dim]``, any device). The caller
-        checks :meth:`complete` first where groups may hold the null block."""
+    def gather(
+        self, block_ids: BlockIds, start: int, end: int, out: torch.Tensor, base: int = 0
+    ) -> None:
+        """Copy tokens ``start..end-1`` of a request into ``out[:, :, start-base:end-base]``
+        (``out``: ``[planes, layers, >=end-base, kv_heads*head_dim]``, row 0 token ``base``,
+        any device). The caller checks :meth:`complete` first where groups may hold the null
+        block."""
         slots = self._group_slots(block_ids, start, end)
         n = end - start
         hidden = self.num_kv_heads * self.head_dim
@@ -262,17 +265,21 @@ class PagedKV:
                 # [n, H, 2D] -> [n, H, 2, D] -> [2, n, H, D]
                 kv = layer[blk, :, off].view(n, self.num_kv_heads, 2, self.head_dim)
                 kv = kv.permute(2, 0, 1, 3)
-            out[:, index, start:end].copy_(kv.reshape(self.planes, n, hidden), non_blocking=True)
+            rows = out[:, index, start - base : end - base]
+            rows.copy_(kv.reshape(self.planes, n, hidden), non_blocking=True)
 
-    def scatter(self, block_ids: BlockIds, start: int, end: int, src: torch.Tensor) -> None:
-        """Write ``src[:, :, start:end]`` (a chunk-layout tensor) into the request's blocks;
-        positions a group maps to the null block are skipped."""
+    def scatter(
+        self, block_ids: BlockIds, start: int, end: int, src: torch.Tensor, base: int = 0
+    ) -> None:
+        """Write tokens ``start..end-1`` of ``src`` (a chunk-layout tensor whose row 0 is
+        token ``base``) into the request's blocks; positions a group maps to the null block
+        are skipped."""
         slots = self._group_slots(block_ids, start, end)
         n = end - start
         device = self.layers[0].device
         for index, layer in enumerate(self.layers):
             blk, off, real = slots[self.layer_groups[index] if self.layer_groups else 0]
-            kv = src[:, index, start:end].to(device, non_blocking=True)
+            kv = src[:, index, start - base : end - base].to(device, non_blocking=True)
             if not bool(real.all()):
                 blk, off, kv, m = blk[real], off[real], kv[:, real], int(real.sum())
             else:

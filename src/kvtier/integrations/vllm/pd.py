@@ -70,17 +70,19 @@ class PDEndpoint:
                 cfg, engine.layout, fingerprint, tp_rank=tp_rank
             ).open()
 
-    def send(self, transfer_id: str, spans: Sequence[ChunkSpan], kv: torch.Tensor) -> bool:
+    def send(
+        self, transfer_id: str, spans: Sequence[ChunkSpan], kv: torch.Tensor, base: int = 0
+    ) -> bool:
         """Send (or hold, for a decoder to pull) ``spans`` of ``kv``
-        (``[2, layers, >=end, hidden]``). False when it failed: the decoder then prefills
-        those tokens itself."""
+        (``[2, layers, >=end - base, hidden]``, row 0: token ``base``). False when it failed:
+        the decoder then prefills those tokens itself."""
         if not spans:
             return False
         if self.source is not None:
-            return self.source.hold(transfer_id, spans, kv) == len(spans)
+            return self.source.hold(transfer_id, spans, kv, base) == len(spans)
         assert self.sender is not None
         try:
-            self.sender.send(transfer_id, chunks_from_kv(spans, kv))
+            self.sender.send(transfer_id, chunks_from_kv(spans, kv, base))
             return True
         except KVTierError as exc:
             log.warning("kvtier PD: sending %s failed, the decoder prefills: %s", transfer_id, exc)

@@ -104,24 +104,29 @@ class PagedState:
         except InputError:
             return False
 
-    def _region(self, out: torch.Tensor, end: int, chunk: int) -> torch.Tensor:
+    def _region(self, out: torch.Tensor, end: int, chunk: int, base: int) -> torch.Tensor:
         """The state layers over the chunk (of ``chunk`` tokens, or a partial one) that
-        ends at ``end``."""
+        ends at ``end``, in ``out`` whose row 0 is token ``base``."""
         start = (end - 1) // chunk * chunk
-        return out[:, self.first : self.first + self.count, start:end]
+        return out[:, self.first : self.first + self.count, start - base : end - base]
 
-    def fits(self, out: torch.Tensor, end: int, chunk: int) -> bool:
+    def fits(self, out: torch.Tensor, end: int, chunk: int, base: int = 0) -> bool:
         """Whether the chunk ending at ``end`` has room for the state (a partial chunk of a
         few blocks may not: its state layers span only its own tokens)."""
-        region = self._region(out, end, chunk)
+        region = self._region(out, end, chunk, base)
         return region.numel() * region.element_size() >= self.state_bytes
 
     def gather(
-        self, tables: Sequence[Sequence[int]], end: int, chunk: int, out: torch.Tensor
+        self,
+        tables: Sequence[Sequence[int]],
+        end: int,
+        chunk: int,
+        out: torch.Tensor,
+        base: int = 0,
     ) -> None:
         """Pack the state at ``end`` (a chunk end, or a checkpoint) into the state layers of
-        ``out``."""
-        region = self._region(out, end, chunk)
+        ``out`` (row 0: token ``base``)."""
+        region = self._region(out, end, chunk, base)
         packed = torch.zeros(region.numel() * region.element_size(), dtype=torch.uint8)
         offset = 0
         for i, layer in enumerate(self.layers):
@@ -131,10 +136,16 @@ class PagedState:
         region.copy_(packed.view(region.dtype).view(region.shape))
 
     def scatter(
-        self, tables: Sequence[Sequence[int]], end: int, chunk: int, src: torch.Tensor
+        self,
+        tables: Sequence[Sequence[int]],
+        end: int,
+        chunk: int,
+        src: torch.Tensor,
+        base: int = 0,
     ) -> None:
-        """Write the state packed in ``src``'s chunk ending at ``end`` into vLLM's blocks."""
-        packed = self._region(src, end, chunk).contiguous().view(torch.uint8).reshape(-1)
+        """Write the state packed in ``src``'s chunk ending at ``end`` (row 0 of ``src``:
+        token ``base``) into vLLM's blocks."""
+        packed = self._region(src, end, chunk, base).contiguous().view(torch.uint8).reshape(-1)
         offset = 0
         for i, layer in enumerate(self.layers):
             for part in _block_bytes(layer, self._block(tables, i, end)):

@@ -54,7 +54,7 @@ from kvtier.engine import Engine
 from kvtier.errors import ConfigError, StateError
 from kvtier.integrations.vllm.events import EventLog
 from kvtier.integrations.vllm.groups import ModelGroups
-from kvtier.integrations.vllm.loads import Loads
+from kvtier.integrations.vllm.loads import Loads, scratch_tokens
 from kvtier.integrations.vllm.metadata import KVTierMetadata, SaveSpec
 from kvtier.integrations.vllm.metrics import CounterDeltas
 from kvtier.integrations.vllm.paged import PagedKV
@@ -229,7 +229,7 @@ class WorkerSide:
             if spec.async_load:
                 loads.submit(spec)
             else:
-                loads.run(spec, self._scratch_for(len(spec.tokens)))
+                loads.run(spec, self._scratch_for(scratch_tokens(spec, self.config.chunk_size)))
 
     def save(self, meta: KVTierMetadata) -> None:
         # Reported after this step's saves whatever becomes of them: vLLM holds the blocks
@@ -260,17 +260,19 @@ class WorkerSide:
             states = self.states
             if states is not None and not states.present(spec.group_block_ids, spec.end):
                 continue  # no state kept at this chunk's end: the chunk cannot be whole
-            # Sized for the whole prompt, not this save's end: the load of its repeat then
-            # finds the buffer big enough (growing it costs ~30 ms of page faults for 96 MiB).
-            out = self._scratch_for(max(spec.end, len(spec.tokens)))
+            # The scratch holds this save's chunks only (row 0: the chunk start of its first
+            # token), so it is as large as a step's saves, never a whole prompt's KV: on a GPU
+            # it is memory outside vLLM's budget.
             chunk = cache.config.chunk_size
-            if states is not None and not states.fits(out, spec.end, chunk):
+            base = spec.start // chunk * chunk
+            out = self._scratch_for(spec.end - base)
+            if states is not None and not states.fits(out, spec.end, chunk, base):
                 continue  # a checkpoint too short to hold the state: its chunks still hit
-            paged.gather(tables, spec.start, spec.end, out)
+            paged.gather(tables, spec.start, spec.end, out, base)
             if states is not None:
                 # The scheduler sends one chunk per save (or a prompt's checkpoint), ending
                 # where this step ended.
-                states.gather(spec.group_block_ids, spec.end, chunk, out)
+                states.gather(spec.group_block_ids, spec.end, chunk, out, base)
             # One token array for the keys and the store (each would convert the list).
             tokens = as_token_array(spec.tokens)
             # The keys its lookup hashed, extended by the new chunks only.
@@ -283,15 +285,16 @@ class WorkerSide:
                 events.expect(*published, spec.tokens)
             stored = cache.store(
                 tokens,
-                out[:, :, : spec.end],
+                out[:, :, : spec.end - base],
                 skip_leading_tokens=spec.start,
                 cache_salt=spec.cache_salt,
                 keys=keys,
+                kv_start=base,
             )
             if self.engine is not None:  # in-process: for the request's line (on its lease)
                 self.engine.record_stored(spec.request_id, stored * chunk, len(spec.tokens))
             if spec.transfer_id is not None and self._pd is not None:
-                self._pd.send(spec.transfer_id, keys.spans[first:], out)
+                self._pd.send(spec.transfer_id, keys.spans[first:], out, base)
             if events is not None and published is not None and self.engine is None:
                 # Through a server, whose tiers this process cannot see: as submitted.
                 events.stored(*published, spec.tokens, self._media)
@@ -391,6 +394,14 @@ class WorkerSide:
         if self.cache is None or self.paged is None:
             raise StateError("kvtier worker: vLLM has not registered its KV caches yet")
         return self.cache, self.paged
+
+    @property
+    def scratch_tokens(self) -> int:
+        """Token rows of the model thread's copy buffer (0 before the first save or load):
+        on a GPU, memory this worker holds outside vLLM's budget. A save needs its own
+        chunks' rows, a load the prompt's rows past vLLM's own prefix, never a whole prompt
+        that vLLM holds already."""
+        return 0 if self._scratch is None else int(self._scratch.shape[2])
 
     def _scratch_for(self, tokens: int) -> torch.Tensor:
         """A reusable ``[2, layers, >=tokens, hidden]`` buffer: fresh memory is slow to touch,
