@@ -216,10 +216,13 @@ class LossyLink:
         self._sub = self._context.socket(zmq.SUB)
         self._sub.connect(upstream)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._pub = self._context.socket(zmq.PUB)
+        # XPUB: a subscriber's join reaches us as a message, so a test can wait for the
+        # router to be listening instead of guessing how long ZMQ's slow joiner takes.
+        self._pub = self._context.socket(zmq.XPUB)
         self._pub.bind(f"tcp://127.0.0.1:{self.port}")
         self._drop = threading.Event()
         self._stop = threading.Event()
+        self.subscribed = threading.Event()  # the router's SUB has joined
         self.dropped: list[int] = []  # sequence numbers of the batches dropped
         self._thread = threading.Thread(target=self._run, name="lossy-link", daemon=True)
         self._thread.start()
@@ -232,8 +235,16 @@ class LossyLink:
         self._drop.set()
 
     def _run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._sub, zmq.POLLIN)
+        poller.register(self._pub, zmq.POLLIN)
         while not self._stop.is_set():
-            if not self._sub.poll(100):
+            ready = dict(poller.poll(100))
+            if self._pub in ready and self._pub.recv()[:1] == b"\x01":  # a subscription
+                self.subscribed.set()
+            if self._sub not in ready:
                 continue
             frames = self._sub.recv_multipart()
             if self._drop.is_set():
@@ -370,6 +381,11 @@ class Router:
 
     def log_text(self) -> str:
         return re.sub(r"\x1b\[[0-9;]*m", "", self.log.read_text(errors="replace"))
+
+    def healthy(self, worker_url: str) -> bool:
+        """Whether the router's health checks count ``worker_url`` as up (its /workers)."""
+        listed = json.loads(_get(f"{self.url}/workers"))["workers"]
+        return any(w["url"] == worker_url and w["is_healthy"] for w in listed)
 
     def decisions(self) -> list[tuple[str, int]]:
         """kv_aware's choices so far: (worker URL, prompt tokens it was credited with)."""

@@ -21,6 +21,7 @@ from benchmarks.harness.router import LossyLink, Router, VllmServer, post
 
 from kvtier.demo.checkpoint import words_for
 from tests.redis_servers import RedisServer
+from tests.waiting import wait_until
 
 from .vllm_helpers import Instances, tokens
 
@@ -122,11 +123,10 @@ def test_a_lost_event_batch_is_replayed(fleet: Fleet, tmp_path: Path) -> None:
     router = Router([fleet.a], "kv_aware", tmp_path, sources={fleet.a.url: link.endpoint})
     try:
         router.start()
-        time.sleep(1.0)  # the router's SUB joins the relay
+        assert link.subscribed.wait(30), "the router's SUB never joined the relay"
         link.drop_next()
         assert complete(router.url, Z1) == fleet.reference[Z1]
-        time.sleep(1.0)
-        assert link.dropped, "the relay saw no batch to drop"
+        wait_until(lambda: bool(link.dropped), 10, "the relay to drop Z1's event batch")
         complete(fleet.a.url, WARM1)  # a later batch: the gap shows
         time.sleep(1.5)
         assert complete(router.url, Z2) == fleet.reference[Z2]
@@ -141,7 +141,8 @@ def test_a_killed_instance_gets_nothing_and_its_users_hit_redis(fleet: Fleet) ->
     holder, _, _ = fleet.served(X2)  # X's KV is where X1 went
     other = fleet.b if holder is fleet.a else fleet.a
     holder.kill()
-    time.sleep(4)  # the router's health check (every second) marks it down
+    down = lambda: not fleet.router.healthy(holder.url)  # noqa: E731
+    wait_until(down, 30, "the router's health check to mark the killed instance down")
     server, loaded, text = fleet.served(X3)
     assert server is other and text == fleet.reference[X3]
     assert loaded["external_kv_transfer"] >= 3 * CHUNK  # from the shared Redis tier
@@ -154,11 +155,10 @@ def test_a_restarted_instance_is_not_credited_with_its_old_blocks(fleet: Fleet) 
     dead = fleet.a if fleet.a.proc is not None and fleet.a.proc.poll() is not None else fleet.b
     dead.start().wait_ready()  # the same ports: the router still lists it
     complete(dead.url, WARM2)  # its first batch (sequence 0) tells the router it restarted
-    deadline = time.monotonic() + 30
-    while "incarnation" not in fleet.router.log_text():
-        assert time.monotonic() < deadline, "the router never saw the sequence restart"
-        time.sleep(0.5)
-    time.sleep(3)  # healthy again in the router's checks
+    restarted = lambda: "incarnation" in fleet.router.log_text()  # noqa: E731
+    wait_until(restarted, 30, "the router to see the sequence restart")
+    up = lambda: fleet.router.healthy(dead.url)  # noqa: E731
+    wait_until(up, 30, "the router's health check to count the restarted instance up")
     _, _, text = fleet.served(X2)
     assert text == fleet.reference[X2]
     url, credit = fleet.router.decisions()[-1]
