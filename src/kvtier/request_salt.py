@@ -26,7 +26,9 @@ class ExtraKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``salt``: the request's ``cache_salt``. ``adapter``: a digest of its LoRA adapter's
     weights (empty: the base model). ``items``: ``(start, end, digest)`` token ranges keyed
     by content, sorted by start. ``labels``: what :mod:`kvtier.observability.explain` says
-    about them ("lora adapter 'B'", "2 images"); not part of any key.
+    about them ("lora adapter 'B'", "2 images"); not part of any key. ``tenant``: the
+    ``tenant_quotas`` tenant of a request with no salt (vLLM's connector names a LoRA
+    adapter's requests ``lora:NAME``, docs/tenants.md); not part of any key either.
 
     Passed wherever a request's ``cache_salt`` goes (lookup, retrieve, store, the server's
     wire, vLLM's lookup channel): it is the request's salt, widened."""
@@ -35,6 +37,7 @@ class ExtraKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     adapter: bytes = b""
     items: tuple[tuple[int, int, bytes], ...] = ()
     labels: tuple[str, ...] = ()
+    tenant: str = ""  # tenant_quotas: whose share a request with no salt counts against
 
     def plain_chunks(self, chunk_size: int) -> int | None:
         """How many leading chunks are keyed as plain text of this salt is (None: all of
@@ -101,6 +104,10 @@ def _check_extra_keys(extra: ExtraKeys) -> RequestSalt | None:
                 f"digest of 1 to {MAX_DIGEST_BYTES} bytes"
             )
         previous = start
+    if not isinstance(extra.tenant, str) or len(extra.tenant) > MAX_SALT_CHARS:
+        raise InputError(
+            f"ExtraKeys.tenant must be a string of at most {MAX_SALT_CHARS} characters"
+        )
     if len(extra.labels) > MAX_LABELS or not all(
         isinstance(label, str) and len(label) <= 200 for label in extra.labels
     ):
@@ -117,6 +124,14 @@ def keyed_by(salt: RequestSalt | None) -> str:
     if isinstance(salt, ExtraKeys):
         return ", ".join((["cache salt"] if salt.salt else []) + [salt.describe()])
     return "cache salt" if salt else ""
+
+
+def tenant_of(salt: RequestSalt | None) -> str | None:
+    """The request's tenant under ``tenant_quotas``: its ``cache_salt``, else the tenant
+    its :class:`ExtraKeys` name (a LoRA adapter's), else None (the unsalted tenant)."""
+    if isinstance(salt, ExtraKeys):
+        return salt.salt or salt.tenant or None
+    return salt
 
 
 def salt_of(salt: RequestSalt | None) -> str | None:

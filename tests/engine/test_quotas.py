@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
 import pytest
 
 from kvtier import Engine
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, InputError
 from kvtier.observability.metrics import engine_registry
+from kvtier.request_salt import ExtraKeys
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
 
 CHUNK_BYTES = SMALL_LAYOUT.chunk_bytes(SMALL_CHUNK)
@@ -72,3 +74,24 @@ def test_quotas_with_a_coded_cpu_tier_are_refused_by_name() -> None:
     config = small_config(cpu_chunks=16, tenant_quotas={"*": "50%"}, cpu_codec="lossless")
     with pytest.raises(ConfigError, match=r"tenant_quotas.*cpu_codec"):
         Engine(config, SMALL_LAYOUT, model_name="m").open()
+
+
+def test_a_lora_adapters_requests_without_a_salt_are_its_own_tenant(
+    engine_factory: Callable[..., Engine],
+) -> None:
+    engine = engine_factory(cpu_chunks=16, tenant_quotas={"lora:sql": "25%"})
+    adapter = ExtraKeys(adapter=b"\x01" * 32, labels=("lora adapter 'sql'",), tenant="lora:sql")
+    for seed in range(4):
+        engine.store(make_tokens(PROMPT, seed), make_kv(PROMPT, seed), cache_salt=adapter)
+    salted = msgspec.structs.replace(adapter, salt="acme")  # a salt wins: acme's share
+    engine.store(make_tokens(PROMPT, 9), make_kv(PROMPT, 9), cache_salt=salted)
+    tenants = engine.stats()["tiers"]["cpu"]["tenants"]
+    assert tenants["lora:sql"]["held_bytes"] == 4 * CHUNK_BYTES  # its 25 %, of 16 stored
+    assert tenants["lora:sql"]["quota_evictions"] == 12
+    assert tenants["acme"]["chunks"] == 4
+    with pytest.raises(InputError, match=r"ExtraKeys\.tenant"):
+        engine.store(
+            make_tokens(PROMPT),
+            make_kv(PROMPT),
+            cache_salt=ExtraKeys(adapter=b"\x01" * 32, tenant="x" * 2000),
+        )

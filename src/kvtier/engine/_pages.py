@@ -20,7 +20,7 @@ import time
 
 from kvtier.engine._core import EngineCore
 from kvtier.errors import StateError
-from kvtier.request_salt import RequestSalt, salt_of
+from kvtier.request_salt import RequestSalt, tenant_of
 from kvtier.storage.plan import ENGINE
 from kvtier.storage.writes import StoreSlot
 from kvtier.validation import check_prompt, check_request_id
@@ -81,7 +81,7 @@ class EnginePages:
             spans = core.keys_for(array, prompt.salt, None).spans
             core.counters.add(stores=1)
             offered = spans[prompt.skip // core.config.chunk_size :]
-            slots, dropped = manager.reserve(offered, salt_of(prompt.salt))
+            slots, dropped = manager.reserve(offered, tenant_of(prompt.salt))
             leases.open(request_id).take_pages([slot.page for slot in slots])
             core.observer.on_store(array, offered, dropped, started)
             return slots

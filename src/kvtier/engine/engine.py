@@ -40,7 +40,7 @@ from kvtier.memory.device import CopyEngine, DeviceCopies
 from kvtier.observability.observer import Observer
 from kvtier.observability.stats import engine_stats
 from kvtier.pd.host import EngineReceiverHost
-from kvtier.request_salt import RequestSalt, salt_of
+from kvtier.request_salt import RequestSalt, tenant_of
 from kvtier.storage.audit import audit_references
 from kvtier.storage.base import Tier
 from kvtier.storage.counters import EngineCounters
@@ -209,7 +209,7 @@ class Engine(KVCache):
         spans = (keys if keys is not None else self._keys_for(array, prompt.salt, None)).spans
         self.counters.add(stores=1)
         offered = spans[prompt.skip // self.config.chunk_size :]
-        stored, dropped = manager.store(offered, kv, salt_of(prompt.salt), prompt.base)
+        stored, dropped = manager.store(offered, kv, tenant_of(prompt.salt), prompt.base)
         self.observer.on_store(array, offered, dropped, started)
         return stored
 

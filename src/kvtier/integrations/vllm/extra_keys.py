@@ -153,7 +153,8 @@ class RequestKeyer:
                 parts.append(list(key))
             if parts:
                 items.append((start, end, xxhash.xxh3_128_digest(msgspec.msgpack.encode(parts))))
-        keyed = check_salt(ExtraKeys(salt, adapter, tuple(items), labels))
+        tenant = f"lora:{lora.lora_name}" if lora is not None else ""  # docs/tenants.md
+        keyed = check_salt(ExtraKeys(salt, adapter, tuple(items), labels, tenant))
         return Keyed(list(tokens), keyed)
 
 
