@@ -79,3 +79,29 @@ def test_a_torn_quota_file_is_ignored_and_quotas_come_from_the_config(tmp_path: 
         assert tenants[""]["held_bytes"] == 4 * FILE_BYTES
         disk = engine.tier("disk")
         assert disk is not None and disk.tenant_report()[""]["limit_bytes"] == 8 * FILE_BYTES
+
+
+def test_pinned_disk_files_stay_and_count_against_their_tenant(tmp_path: Path) -> None:
+    first = make_tokens(PROMPT, 1)
+    with open_engine(tmp_path) as engine:
+        engine.store(first, make_kv(PROMPT, 1), cache_salt="flood")
+        engine.flush()
+        cpu = engine.tier("cpu")
+        assert cpu is not None
+        cpu.clear()  # the disk holds the only copy: a lookup pins its files
+        with engine.request("reader"):
+            assert engine.lookup(first, "reader", cache_salt="flood").tokens == PROMPT
+            for seed in range(10, 14):
+                tokens = make_tokens(PROMPT, seed)
+                engine.store(tokens, make_kv(PROMPT, seed), cache_salt="flood")
+                engine.flush()
+            tenants = disk_tenants(engine)
+            assert tenants["flood"]["held_bytes"] == 4 * FILE_BYTES  # the pinned four
+            kv = engine.retrieve(first, "reader", cache_salt="flood")
+            assert kv.equal(make_kv(PROMPT, 1))  # served from disk, byte for byte
+        engine.store(make_tokens(PROMPT, 20), make_kv(PROMPT, 20), cache_salt="flood")
+        engine.flush()
+        # unpinned now: the tenant's next store brings it back within its four files
+        assert disk_tenants(engine)["flood"]["held_bytes"] == 4 * FILE_BYTES
+        assert disk_tenants(engine)["flood"]["quota_evictions"] == 20
+        assert engine.check_invariants() == []
