@@ -32,8 +32,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from kvtier.config import Config
 from kvtier.errors import (
     ConfigError,
@@ -48,9 +46,9 @@ from kvtier.p2p import protocol as wire
 from kvtier.p2p.address import parse_address
 from kvtier.p2p.directory import Directory
 from kvtier.p2p.fetch import Fetcher
+from kvtier.p2p.serve import FetchServer
 from kvtier.p2p.tier import P2PTier
 from kvtier.pd.auth import is_loopback
-from kvtier.pd.checksum import checksum
 from kvtier.storage.base import Membership, Tier
 
 log = logging.getLogger(__name__)
@@ -238,12 +236,12 @@ class P2PNode:
             self._open_socks.add(sock)
         where = f"{addr[0]}:{addr[1]}"
         authenticated = False
+        server: FetchServer | None = None  # made at the first Fetch (a follower needs none)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.timeout)
             where = wire.accept_handshake(sock, self.address, self.token)
             authenticated = True
-            scratch: dict[str, torch.Tensor] = {}
             while not self._stop.is_set():
                 sock.settimeout(IDLE_S)  # between pulls; close() shuts it sooner
                 msg = wire.recv(sock)
@@ -255,7 +253,8 @@ class P2PNode:
                     return
                 if not isinstance(msg, wire.Fetch):
                     raise ProtocolError(f"expected Subscribe or Fetch, got {type(msg).__name__}")
-                self._serve_fetch(sock, msg, scratch)
+                server = server if server is not None else FetchServer()
+                self._serve_fetch(sock, msg, server)
         except (KVTierError, OSError) as exc:
             if not self._stop.is_set():
                 self.refused += not authenticated  # a wrong secret, or none
@@ -263,6 +262,8 @@ class P2PNode:
                 gone = authenticated and type(exc) is TransferError
                 log.log(logging.INFO if gone else logging.WARNING, "P2P %s: %s", where, exc)
         finally:
+            if server is not None:
+                server.close()
             with self._lock:
                 self._open_socks.discard(sock)
             sock.close()
@@ -301,9 +302,7 @@ class P2PNode:
             with self._lock:
                 self._subscribers.remove(sub)
 
-    def _serve_fetch(
-        self, sock: socket.socket, fetch: wire.Fetch, scratch: dict[str, torch.Tensor]
-    ) -> None:
+    def _serve_fetch(self, sock: socket.socket, fetch: wire.Fetch, server: FetchServer) -> None:
         with self._lock:
             used = fetch.transfer_id in self._served
             self._served[fetch.transfer_id] = None
@@ -317,23 +316,9 @@ class P2PNode:
                 wire.send(sock, wire.Missing(i, "this server runs no such model now"))
             wire.send(sock, wire.Done(fetch.transfer_id))
             return
-        page = scratch.get(fetch.fingerprint)
-        if page is None:
-            page = scratch[fetch.fingerprint] = torch.empty(model.page_bytes, dtype=torch.uint8)
-        for i, key in enumerate(fetch.keys):
-            tokens = model.cpu.get_into(key, page)
-            if tokens is None:
-                wire.send(sock, wire.Missing(i, "evicted since it was announced"))
-                continue
-            nbytes = model.layout.payload_bytes(tokens)
-            payload = page[:nbytes]
-            wire.send(sock, wire.Chunk(i, tokens, nbytes, checksum(payload)))
-            try:
-                sock.sendall(memoryview(payload.numpy()))  # type: ignore[arg-type]
-            except OSError as exc:
-                raise TransferError(f"sending chunk {i}: {exc}") from None
-            self.served_chunks += 1
-        wire.send(sock, wire.Done(fetch.transfer_id))
+        self.served_chunks += server.serve(
+            sock, fetch.transfer_id, fetch.keys, model.cpu, model.layout, model.page_bytes
+        )
 
     # -- following a peer ------------------------------------------------------------------
     def _follow(self, peer: str) -> None:
