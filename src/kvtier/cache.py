@@ -26,7 +26,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 import numpy as np
 import torch
@@ -52,17 +52,28 @@ from kvtier.validation import (
 )
 
 
+class CacheIdentity(TypedDict, total=False):
+    """Whose KV a cache holds: the model and this rank's tensor-parallel slice of it. With
+    the config and the layout, what every cache surface is built from (``Engine``,
+    ``ServerClient``, ``Service``, ``connect``: each takes ``**identity``), declared here
+    once; the server recomputes a client's from the fields its hello sent."""
+
+    model_name: Required[str]  # part of every key
+    tp_rank: int  # 0 by default
+    tp_world_size: int  # 1 by default
+
+
 def fingerprint_for(
-    config: Config, layout: KVLayout, model_name: str, tp_rank: int, tp_world_size: int
+    config: Config, layout: KVLayout, **identity: Unpack[CacheIdentity]
 ) -> Fingerprint:
     """Everything that makes KV incompatible, from the config's keys that take part."""
     return Fingerprint(
-        model_name=model_name,
+        model_name=identity["model_name"],
         layout=layout,
         chunk_size=config.chunk_size,
         hash_algorithm=config.pre_caching_hash_algorithm,
-        tp_rank=tp_rank,
-        tp_world_size=tp_world_size,
+        tp_rank=identity.get("tp_rank", 0),
+        tp_world_size=identity.get("tp_world_size", 1),
         cache_salt=config.cache_salt,
     )
 
@@ -74,19 +85,14 @@ class KVCache(Opens):
     idempotent. A subclass implements the hooks below the public calls."""
 
     def __init__(
-        self,
-        config: Config | None,
-        layout: KVLayout,
-        *,
-        model_name: str,
-        tp_rank: int = 0,
-        tp_world_size: int = 1,
+        self, config: Config | None, layout: KVLayout, **identity: Unpack[CacheIdentity]
     ) -> None:
+        """``identity``: ``model_name`` (required), ``tp_rank`` (0), ``tp_world_size`` (1)."""
         if not isinstance(layout, KVLayout):
             raise InputError(f"layout must be a KVLayout, got {type(layout).__name__}")
         self.config = config if config is not None else Config.load()
         self.layout = layout
-        self.fingerprint = fingerprint_for(self.config, layout, model_name, tp_rank, tp_world_size)
+        self.fingerprint = fingerprint_for(self.config, layout, **identity)
         self.keychain = KeyChain(self.fingerprint)
         self.chunk_bytes = layout.chunk_bytes(self.config.chunk_size)
 

@@ -27,10 +27,10 @@ import logging
 import mmap
 import threading
 from collections.abc import Callable, Sequence
-from typing import Self
+from typing import Self, Unpack
 
 from kvtier.admin.server import AdminServer
-from kvtier.cache import KVCache
+from kvtier.cache import CacheIdentity, KVCache
 from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import StateError
@@ -51,15 +51,14 @@ class Service(Opens):
         config: Config | None,
         layout: KVLayout,
         *,
-        model_name: str,
-        tp_rank: int = 0,
-        tp_world_size: int = 1,
         page_memory: Callable[[int], mmap.mmap] | None = None,
         lower_tiers: Sequence[Tier] | None = None,
         cache: KVCache | None = None,
+        **identity: Unpack[CacheIdentity],
     ) -> None:
-        """``page_memory``, ``lower_tiers``: as :class:`Engine`'s (the kvtier server passes
-        shared memory; a test passes ready-made tiers). ``cache``: an unopened cache to hold
+        """``identity``: the engine's (:class:`kvtier.cache.CacheIdentity`). ``page_memory``,
+        ``lower_tiers``: as :class:`Engine`'s (the kvtier server passes shared memory; a test
+        passes ready-made tiers). ``cache``: an unopened cache to hold
         instead of an engine built here (a client of the kvtier server); the Service opens
         and closes it."""
         self.cache: KVCache
@@ -69,13 +68,7 @@ class Service(Opens):
             self.local_engine = cache if isinstance(cache, Engine) else None
         else:
             self.cache = self.local_engine = Engine(
-                config,
-                layout,
-                model_name=model_name,
-                tp_rank=tp_rank,
-                tp_world_size=tp_world_size,
-                page_memory=page_memory,
-                lower_tiers=lower_tiers,
+                config, layout, page_memory=page_memory, lower_tiers=lower_tiers, **identity
             )
         self.config = self.cache.config
         self.admin: AdminServer | None = None

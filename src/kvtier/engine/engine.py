@@ -20,12 +20,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Self
+from typing import Any, Self, Unpack
 
 import numpy as np
 import torch
 
-from kvtier.cache import KVCache
+from kvtier.cache import CacheIdentity, KVCache
 from kvtier.config import Config
 from kvtier.config.sizes import size_notes
 from kvtier.engine._core import EngineCore, OpenParts
@@ -69,14 +69,15 @@ class Engine(KVCache):
         config: Config | None,
         layout: KVLayout,
         *,
-        model_name: str,
-        tp_rank: int = 0,
-        tp_world_size: int = 1,
         page_memory: Callable[[int], mmap.mmap] | None = None,
         lower_tiers: Sequence[Tier] | None = None,
         copies: CopyEngine | None = None,
+        **identity: Unpack[CacheIdentity],
     ) -> None:
-        """``page_memory(nbytes)`` makes the memory of the CPU page buffer (the kvtier server
+        """``identity``: ``model_name`` (required), ``tp_rank``, ``tp_world_size``
+        (:class:`kvtier.cache.CacheIdentity`).
+
+        ``page_memory(nbytes)`` makes the memory of the CPU page buffer (the kvtier server
         passes shared memory that its clients map); by default it is anonymous memory.
 
         ``lower_tiers``: ready-made tiers below CPU, unopened, in search order, used instead
@@ -85,9 +86,7 @@ class Engine(KVCache):
 
         ``copies``: the owner of every copy between a device tensor and the pages
         (:class:`kvtier.memory.device.DeviceCopies` by default)."""
-        super().__init__(
-            config, layout, model_name=model_name, tp_rank=tp_rank, tp_world_size=tp_world_size
-        )
+        super().__init__(config, layout, **identity)
         if lower_tiers is None:
             check_tier_urls(self.config)  # a scheme no tier is registered for: ConfigError
         else:

@@ -26,12 +26,12 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypeVar, Unpack
 
 import numpy as np
 import torch
 
-from kvtier.cache import KVCache
+from kvtier.cache import CacheIdentity, KVCache
 from kvtier.config import Config
 from kvtier.errors import InputError, StateError, TransferError
 from kvtier.hit import Hit
@@ -58,30 +58,29 @@ class ServerClient(KVCache):
         url: str | None,
         layout: KVLayout,
         *,
-        model_name: str,
         config: Config | None = None,
-        tp_rank: int = 0,
-        tp_world_size: int = 1,
         max_backoff: float = 2.0,
         copies: CopyEngine | None = None,
+        **identity: Unpack[CacheIdentity],
     ) -> None:
+        """``identity``: ``model_name`` (required), ``tp_rank``, ``tp_world_size``
+        (:class:`kvtier.cache.CacheIdentity`)."""
         # The same fingerprint and keys as the server computes (kvtier.cache.fingerprint_for).
-        super().__init__(
-            config, layout, model_name=model_name, tp_rank=tp_rank, tp_world_size=tp_world_size
-        )
+        super().__init__(config, layout, **identity)
+        fp = self.fingerprint
         self.url = url
         hello = wire.Hello(
             version=wire.VERSION,
             fingerprint=self.fingerprint.hex(),
-            model_name=model_name,
+            model_name=fp.model_name,
             num_layers=layout.num_layers,
             num_kv_heads=layout.num_kv_heads,
             head_dim=layout.head_dim,
             dtype=dtype_name(layout.dtype),
             chunk_size=self.config.chunk_size,
             hash_algorithm=self.config.pre_caching_hash_algorithm,
-            tp_rank=tp_rank,
-            tp_world_size=tp_world_size,
+            tp_rank=fp.tp_rank,
+            tp_world_size=fp.tp_world_size,
             cache_salt=self.config.cache_salt,
             save_unfull_chunk=self.config.save_unfull_chunk,
             planes=layout.planes,
@@ -360,19 +359,9 @@ def connect(
     url: str | None,
     layout: KVLayout,
     *,
-    model_name: str,
     config: Config | None = None,
-    tp_rank: int = 0,
-    tp_world_size: int = 1,
+    **identity: Unpack[CacheIdentity],
 ) -> ServerClient:
     """An open :class:`ServerClient` for the ``kvtier server`` at ``url`` (``unix:///path``;
     None: the config's ``server_socket`` or the default path)."""
-    client = ServerClient(
-        url,
-        layout,
-        model_name=model_name,
-        config=config,
-        tp_rank=tp_rank,
-        tp_world_size=tp_world_size,
-    )
-    return client.open()
+    return ServerClient(url, layout, config=config, **identity).open()

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, replace
 
 from kvtier.admin.server import AdminServer
-from kvtier.cache import fingerprint_for
+from kvtier.cache import CacheIdentity, fingerprint_for
 from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import CapacityError, ConfigError, ProtocolError, StateError
@@ -88,6 +88,13 @@ def model_cpu_bytes(config: Config) -> int:
         config.max_local_cpu_size,
     )
     return share
+
+
+def identity_of(hello: Hello) -> CacheIdentity:
+    """The cache identity a client's hello names (its fingerprint is recomputed from it)."""
+    return CacheIdentity(
+        model_name=hello.model_name, tp_rank=hello.tp_rank, tp_world_size=hello.tp_world_size
+    )
 
 
 @dataclass
@@ -157,9 +164,7 @@ class ModelTable:
             save_unfull_chunk=hello.save_unfull_chunk,
             enable_pd=False,  # a PD decoder runs its own engine; the server is a cache
         )
-        fingerprint = fingerprint_for(
-            config, layout, hello.model_name, hello.tp_rank, hello.tp_world_size
-        ).hex()
+        fingerprint = fingerprint_for(config, layout, **identity_of(hello)).hex()
         if fingerprint != hello.fingerprint:
             raise ProtocolError(
                 f"fingerprint mismatch: the client computed {hello.fingerprint}, the server "
@@ -205,9 +210,7 @@ class ModelTable:
         lower: list[Tier] | None = None
         if self.p2p is not None:
             # The config's own lower tiers, then the peers: a local disk read is cheaper.
-            fp = fingerprint_for(
-                config, layout, hello.model_name, hello.tp_rank, hello.tp_world_size
-            )
+            fp = fingerprint_for(config, layout, **identity_of(hello))
             lower = [*build_lower_tiers(config, layout, fp), self.p2p.tier(fp.hex(), layout)]
         try:
             # The Service opens the engine, then its admin API, dashboard and /metrics
@@ -216,9 +219,7 @@ class ModelTable:
             service = Service(
                 config,
                 layout,
-                model_name=hello.model_name,
-                tp_rank=hello.tp_rank,
-                tp_world_size=hello.tp_world_size,
+                **identity_of(hello),
                 page_memory=memory.make,
                 lower_tiers=lower,
             )

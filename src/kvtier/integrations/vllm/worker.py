@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from kvtier.admin.server import AdminServer
-from kvtier.cache import KVCache
+from kvtier.cache import CacheIdentity, KVCache
 from kvtier.config import Config
 from kvtier.cpu_affinity import engine_cpus, unpinned, use_cpus
 from kvtier.engine import Engine
@@ -153,15 +153,14 @@ class WorkerSide:
     def _open(self, paged: PagedKV, layout: KVLayout) -> None:
         """Open the cache (this worker's own, or its client of the host's server), the loads,
         the PD roles and the scheduler's channel."""
-        cfg, model, rank, size = self.config, self.model_name, self.tp_rank, self.tp_world_size
+        cfg = self.config
+        identity = CacheIdentity(
+            model_name=self.model_name, tp_rank=self.tp_rank, tp_world_size=self.tp_world_size
+        )
         client = None
         if self.server:  # the host's kvtier server holds the cache; this is its client
-            client = ServerClient(
-                self.server, layout, model_name=model, config=cfg, tp_rank=rank, tp_world_size=size
-            )
-        service = Service(
-            cfg, layout, model_name=model, tp_rank=rank, tp_world_size=size, cache=client
-        ).open()
+            client = ServerClient(self.server, layout, config=cfg, **identity)
+        service = Service(cfg, layout, cache=client, **identity).open()
         self.service, self.paged, self.cache = service, paged, service.cache
         cache = service.cache
         self._loads = Loads(cache, paged, self.block_size, self.states, self._attention_tables)
