@@ -7,7 +7,7 @@ CPU tier no longer holds is a ``Missing`` (evicted since it was announced): the 
 
 Tried and left out: reading chunk ``i + 1`` on a helper thread while chunk ``i`` is sent. On
 these 2 cores at load average 9-12 (other sessions' tests) ``kvtier bench p2p`` showed no gain
-(pull / raw socket 0.36-0.65 with it, 0.25-0.90 without, run to run): not worth a thread per
+(pull / raw socket 0.36-0.90 with it, 0.25-0.90 without, run to run): not worth a thread per
 connection until a quiet host with cores to spare says otherwise.
 """
 
