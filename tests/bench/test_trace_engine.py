@@ -54,4 +54,9 @@ def test_bench_trace_with_a_disk_reports_the_pair(tmp_path: Path) -> None:
     result = trace.run(parser.parse_args([str(path), *args]))
     assert result["cpu_hit_ratio"] <= result["hit_ratio"] <= result["inf_hit_ratio"]
     assert result["hit_of_opt"] == pytest.approx(result["hit_ratio"] / result["opt_hit_ratio"])
-    assert result["disk_files_written"] > 0 and result["disk_writes_per_hit_chunk"] > 0
+    assert result["disk_files_written"] > 0
+    assert result["disk_bytes_written"] == result["disk_files_written"] * trace_engine.FILE_BYTES
+    # Both per-hit figures over the same whole-block hits: their quotient is a file's bytes
+    # over a block's tokens.
+    per_token, per_chunk = result["disk_bytes_per_hit_token"], result["disk_writes_per_hit_chunk"]
+    assert per_chunk > 0 and per_token / per_chunk == pytest.approx(trace_engine.FILE_BYTES / 4)
