@@ -6,12 +6,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
 from kvtier import Engine
 from kvtier.config.tenant_quotas import TenantLimit
+from kvtier.keys import ChunkKey
 from kvtier.storage.cpu import CpuTier
+from kvtier.storage.disk import quotas
+from kvtier.storage.disk.index import DiskEntry, DiskIndex
+from kvtier.storage.policy import make_policy
+from kvtier.storage.policy.quotas import TenantQuotas
 from kvtier.storage.policy.tenants import TenantPolicy
 from kvtier.storage.records import HEADER_SIZE
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
+from tests.storage.tier_contract import random_key
 
 FILE_BYTES = HEADER_SIZE + SMALL_LAYOUT.chunk_bytes(SMALL_CHUNK)
 PROMPT = 4 * SMALL_CHUNK
@@ -105,3 +115,89 @@ def test_pinned_disk_files_stay_and_count_against_their_tenant(tmp_path: Path) -
         assert disk_tenants(engine)["flood"]["held_bytes"] == 4 * FILE_BYTES
         assert disk_tenants(engine)["flood"]["quota_evictions"] == 20
         assert engine.check_invariants() == []
+
+
+# -- the disk index's accounting, as a state machine ----------------------------------------
+UNIT = 100  # bytes of one whole chunk's file
+TENANTS = ("a", "b", "")
+
+
+class DiskIndexAccounting(RuleBasedStateMachine):
+    """Writes of several tenants into a DiskIndex under quotas (reserve, which evicts by rule
+    2 when the directory is full, then commit and the quota's own evictions), pins and their
+    release, reads, quota changes. After every step each tenant's bytes equal its indexed
+    files times the unit, never negative; after its write lands, a tenant is within its limit
+    unless every file it holds is pinned; used bytes are the indexed files."""
+
+    @initialize()
+    def open(self) -> None:
+        self.quotas = TenantQuotas({"a": TenantLimit(share=0.25), "*": TenantLimit(share=0.5)})
+        self.index = DiskIndex(8 * UNIT)
+        self.policy = TenantPolicy(lambda: make_policy("REUSE"), self.quotas, UNIT, 8 * UNIT)
+        self.index.policy = self.policy
+        self.owner: dict[ChunkKey, str] = {}
+        self.pins: list[ChunkKey] = []
+
+    @rule(tenant=st.sampled_from(TENANTS))
+    def write(self, tenant: str) -> None:
+        key = random_key()
+        self.policy.assign(key, tenant)
+        if self.index.reserve(UNIT) is None:
+            self.policy.unassign(key)
+            return  # full of pinned files: dropped
+        self.index.commit(key, DiskEntry(16, UNIT))
+        self.owner[key] = tenant
+        quotas.enforce(self.index, tenant)
+        self.check_within_limit(tenant)
+
+    @rule(data=st.data())
+    def pin(self, data: st.DataObject) -> None:
+        held = sorted(k for k in self.owner if k in self.index)
+        if held:
+            key = data.draw(st.sampled_from(held))
+            assert self.index.pin(key)
+            self.pins.append(key)
+
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        if self.pins:
+            key = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
+            self.index.unpin(key)
+
+    @rule(data=st.data())
+    def read(self, data: st.DataObject) -> None:
+        held = sorted(k for k in self.owner if k in self.index)
+        if held:
+            self.index.touch([data.draw(st.sampled_from(held))])
+
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        limit=st.one_of(st.none(), st.integers(1, 8).map(lambda n: TenantLimit(share=n / 8))),
+    )
+    def set_quota(self, tenant: str, limit: TenantLimit | None) -> None:
+        self.quotas.set(tenant, limit)
+        self.policy.regroup()
+        for each in TENANTS:
+            quotas.enforce(self.index, each)
+            self.check_within_limit(each)
+
+    def check_within_limit(self, tenant: str) -> None:
+        limit = self.policy.limit_bytes(tenant)
+        if limit is not None and self.policy.held_bytes(tenant) > limit:
+            held = {k for k, t in self.owner.items() if t == tenant and k in self.index}
+            assert held <= set(self.pins), f"{tenant!r} over its limit with unpinned files"
+
+    @invariant()
+    def bytes_held_equal_the_files_indexed(self) -> None:
+        if not hasattr(self, "index"):
+            return
+        for tenant in TENANTS:
+            files_held = sum(1 for k, t in self.owner.items() if t == tenant and k in self.index)
+            assert self.policy.held_bytes(tenant) == files_held * UNIT >= 0
+        assert self.index.used_bytes == len(self.index) * UNIT
+        assert len(self.policy) == len(self.index)
+        assert self.index.used_bytes + self.index.reserved_bytes <= 8 * UNIT
+
+
+TestDiskIndexAccounting = DiskIndexAccounting.TestCase
+TestDiskIndexAccounting.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
