@@ -18,7 +18,7 @@ import torch
 from kvtier.config import Config
 from kvtier.demo.checkpoint import TinyLlama
 from kvtier.errors import ConfigError, TransferError
-from kvtier.integrations.vllm.connector import server_url
+from kvtier.integrations.vllm.sides import server_url
 from kvtier.layout import KVLayout
 from kvtier.server.client import ServerClient
 from tests.server.server_helpers import (

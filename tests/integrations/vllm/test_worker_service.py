@@ -49,7 +49,7 @@ def test_a_decoder_worker_receives_through_its_service_and_closes_the_receiver_w
 
 def test_a_misspelt_key_in_vllms_extra_config_is_refused_naming_where_it_came_from() -> None:
     from kvtier.errors import ConfigError
-    from kvtier.integrations.vllm.connector import load_config
+    from kvtier.integrations.vllm.sides import load_config
 
     with pytest.raises(ConfigError, match=r"kv_connector_extra_config.*max_local_cpu_size"):
         load_config({"kvtier.max_local_cpu_sise": "2GiB"})

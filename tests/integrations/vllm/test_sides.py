@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.connector import load_config
+from kvtier.integrations.vllm.sides import load_config
 
 
 def test_a_bad_extra_config_value_is_one_error_line_naming_key_and_value(
