@@ -8,9 +8,12 @@ meets a host without root.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -100,15 +103,19 @@ def run_inner(directory: Path, ci: bool) -> dict[str, tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def inner(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, dict[str, tuple[str, str]]]:
-    directory = tmp_path_factory.mktemp("hosts")
-    (directory / "test_skipping.py").write_text(SKIPPING)
-    (directory / "test_whole_module.py").write_text(WHOLE_MODULE)
-    (directory / "drop_root.py").write_text(DROP_ROOT)
-    (directory / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs CUDA\n")
-    for path in (directory, *directory.parents[:2]):  # uid 65534 writes its report here
-        path.chmod(0o777 if path == directory else path.stat().st_mode | 0o011)
-    return {ci: run_inner(directory, ci) for ci in (False, True)}
+def inner() -> Iterator[dict[bool, dict[str, tuple[str, str]]]]:
+    # Straight under the temporary directory, open to uid 65534: pytest's own temporary
+    # directories sit under a 0700 pytest-of-<user> (and, under xdist, a level deeper).
+    directory = Path(tempfile.mkdtemp(prefix="kvtier-hosts-"))
+    try:
+        directory.chmod(0o777)
+        (directory / "test_skipping.py").write_text(SKIPPING)
+        (directory / "test_whole_module.py").write_text(WHOLE_MODULE)
+        (directory / "drop_root.py").write_text(DROP_ROOT)
+        (directory / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs CUDA\n")
+        yield {ci: run_inner(directory, ci) for ci in (False, True)}
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_without_ci_every_skip_stays_a_skip(inner: dict[bool, dict[str, tuple[str, str]]]) -> None:
