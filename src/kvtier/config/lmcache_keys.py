@@ -298,8 +298,9 @@ LMCACHE_KEYS: tuple[LMCacheKey, ...] = (
     LMCacheKey(
         "enable_p2p",
         REFUSED,
-        f"{WHEN_TRUE}peer-to-peer lookup is not implemented; "
-        "share a cache through Redis or kvtier server",
+        f"{WHEN_TRUE}LMCache's peer-to-peer (a controller, lookup ports per instance) is not "
+        "kvtier's: kvtier servers share their CPU tiers with p2p_listen and p2p_peers "
+        "(docs/fleet.md), or share a cache through Redis or S3",
     ),
     *_ignored(
         _P2P, "p2p_host", "p2p_init_ports", "p2p_lookup_ports", "lookup_url", "distributed_url"
