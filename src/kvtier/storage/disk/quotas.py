@@ -86,10 +86,12 @@ class DiskQuotas:
         if victims:
             state.owner.report_evicted(victims)
 
-    def close(self) -> None:
-        """At a clean close, under the lock: the rows and every file's tenant saved."""
+    def close(self, *, save: bool) -> None:
+        """At close, under the lock: no more changes heard; when ``save`` (a clean close),
+        the rows and every file's tenant saved."""
         self.policy.quotas.unsubscribe(self.changed)
-        self._save_quietly()
+        if save and not self._state.dir.lost:
+            self._save_quietly()
 
     def _save_quietly(self) -> None:
         state = self._state

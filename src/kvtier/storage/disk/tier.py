@@ -211,11 +211,10 @@ class DiskTier(Tier):
         with state.lock:
             if state.budget is not None:  # its files are released: others may evict them
                 state.budget.leave(self)
+            if self._quotas is not None:  # saved only when clean, as the index is
+                self._quotas.close(save=clean)
         if clean:
             state.save_index()
-            if self._quotas is not None:
-                with state.lock:
-                    self._quotas.close()
         else:
             log.warning(
                 "disk tier %s closed with %d calls, %d reads, %s writes and %s index check "
