@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chunk-size", type=int, default=32, help="tokens per chunk (32 = 4 MiB objects)"
     )
     parser.add_argument("--chunks", type=int, default=16, help="objects per round")
-    parser.add_argument("--repeats", type=int, default=5, help="rounds; best is reported")
+    parser.add_argument("--repeats", type=int, default=10, help="rounds; best is reported")
     parser.add_argument(
         "--put-threads", type=int, default=4, help="tier writers, raw PUTs in flight"
     )

@@ -68,7 +68,8 @@ KEYS: tuple[KeySpec, ...] = (
         p.remote_url,
         None,
         "redis://, rediss://, unix://, redis-cluster://, valkey:// or resp:// URL of a shared "
-        "store (or a scheme registered in kvtier.storage.registry).",
+        "store, or s3://bucket/prefix for an object store (docs/s3.md; or a scheme registered "
+        "in kvtier.storage.registry).",
     ),
     KeySpec(
         "cpu_codec",
