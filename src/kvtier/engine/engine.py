@@ -34,7 +34,7 @@ from kvtier.errors import StateError
 from kvtier.hit import Hit
 from kvtier.keys import RequestKeys
 from kvtier.layout import KVLayout
-from kvtier.lease import Lease, LeaseInfo, LeaseTable
+from kvtier.lease import Lease, LeaseInfo, LeaseTable, RequestRecord
 from kvtier.lifecycle import Lifecycle, guarded
 from kvtier.memory.device import CopyEngine, DeviceCopies
 from kvtier.observability.observer import Observer
@@ -214,6 +214,14 @@ class Engine(KVCache):
 
     def _end_request(self, request_id: str) -> bool:
         return self._core.end_request(request_id)
+
+    def request_record(self, request_id: str) -> RequestRecord | None:
+        """What ``request_id``'s lease recorded so far (its lookup, loads and stores), or None
+        when it holds none: the kvtier server sends it with the end, so that the engine
+        process logs the request's line as an in-process engine does."""
+        _, leases = self._open_parts()
+        lease = leases.get(request_id)
+        return lease.record if lease is not None else None
 
     def record_stored(self, request_id: str, tokens: int, prompt_tokens: int) -> None:
         """``tokens`` of ``request_id``'s prompt were newly stored (for its log line): a

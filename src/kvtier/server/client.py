@@ -39,6 +39,7 @@ from kvtier.keys import RequestKeys
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.lifecycle import Lifecycle
 from kvtier.memory.device import CopyEngine, DeviceCopies, Direction, LandedSet
+from kvtier.observability.logs import request_log
 from kvtier.request_salt import RequestSalt
 from kvtier.server import protocol as wire
 from kvtier.server.endpoint import is_default, socket_path
@@ -206,9 +207,7 @@ class ServerClient(KVCache):
             loading = self._loading.pop(request_id, None)
         if loading is not None:
             loading.wait()  # the server reuses the pages once the lease ends
-        return self._exchange(
-            wire.EndRequest(request_id), lambda r: _expect(r, wire.Ended).ok, False
-        )
+        return self._exchange(wire.EndRequest(request_id), _log_request_line, False)
 
     def _request_keys(
         self, tokens: np.ndarray, salt: RequestSalt | None, request_id: str | None
@@ -365,3 +364,13 @@ def connect(
     """An open :class:`ServerClient` for the ``kvtier server`` at ``url`` (``unix:///path``;
     None: the config's ``server_socket`` or the default path)."""
     return ServerClient(url, layout, config=config, **identity).open()
+
+
+def _log_request_line(reply: wire.Reply) -> bool:
+    """EndRequest's answer: whether the request held anything; its line (what the server's
+    engine recorded of it) goes to this process's ``kvtier.requests`` log, as an in-process
+    engine writes it, so a vLLM worker on a server keeps its per-request lines."""
+    ended = _expect(reply, wire.Ended)
+    if ended.line is not None:
+        request_log.info("%s", ended.line)
+    return ended.ok

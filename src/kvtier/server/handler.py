@@ -52,6 +52,7 @@ from kvtier.errors import (
     TransferTimeout,
 )
 from kvtier.hit import Hit
+from kvtier.observability.logs import describe
 from kvtier.request_salt import RequestSalt
 from kvtier.server import protocol as wire
 from kvtier.server.models import ModelTable
@@ -208,7 +209,10 @@ def _dispatch(
         case wire.EndRequest(request_id=rid):
             server_rid = session.request_id(rid)
             session.forget(server_rid)
-            return wire.Ended(engine.end_request(server_rid))
+            record = engine.request_record(server_rid)
+            ended = engine.end_request(server_rid)
+            noted = ended and record is not None and record.noted
+            return wire.Ended(ended, describe(rid, record) if noted and record else None)
         case wire.GetStats():
             server = {**info(), "admin_url": session.slot.admin_url if session.slot else None}
             return wire.StatsReply({**engine.stats(), "server": server})

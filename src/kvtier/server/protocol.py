@@ -146,6 +146,9 @@ class Stored(msgspec.Struct, tag=True):
 
 class Ended(msgspec.Struct, tag=True):
     ok: bool
+    # EndRequest's answer: the request's line (kvtier.observability.logs), for the client's
+    # log: a vLLM worker on a server logs it as an in-process one does. None: nothing noted.
+    line: str | None = None
 
 
 class StatsReply(msgspec.Struct, tag=True):
