@@ -11,6 +11,7 @@ and restart change it.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -128,7 +129,14 @@ def test_a_lost_event_batch_is_replayed(fleet: Fleet, tmp_path: Path) -> None:
         assert complete(router.url, Z1) == fleet.reference[Z1]
         wait_until(lambda: bool(link.dropped), 10, "the relay to drop Z1's event batch")
         complete(fleet.a.url, WARM1)  # a later batch: the gap shows
-        time.sleep(1.5)
+        # The router's debug log has a line for each batch it takes from the replay socket.
+        replayed = re.compile(
+            rf"replay sequence advanced source={re.escape(fleet.a.url)} rank=0 "
+            rf"seq={link.dropped[0]}\b"
+        )
+        wait_until(
+            lambda: bool(replayed.search(router.log_text())), 30, "the router to replay the batch"
+        )
         assert complete(router.url, Z2) == fleet.reference[Z2]
         url, credit = router.decisions()[-1]
         assert url == fleet.a.url and credit >= int(HOST_CREDIT * 2 * CHUNK)
