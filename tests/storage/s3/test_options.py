@@ -141,3 +141,30 @@ def test_a_config_never_shows_the_secret() -> None:
         },
     )
     assert SECRET not in repr(config) and SECRET not in str(config.as_dict())
+
+
+def test_lmcaches_s3_example_file_builds_the_s3_tier(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """LMCache's S3 recipe as its users write it: the file loads unchanged and the engine's
+    registry builds the s3 tier from it (nothing is sent: the tier is not opened)."""
+    from kvtier.fingerprint import Fingerprint
+    from kvtier.storage.registry import TIERS
+    from kvtier.storage.s3.tier import S3Tier
+    from tests.conftest import SMALL_LAYOUT
+
+    path = tmp_path / "s3.yaml"
+    path.write_text(
+        "chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 1\n"
+        'remote_url: "s3://lmcache-bucket.s3.us-east-1.amazonaws.com"\n'
+        "save_unfull_chunk: true\nextra_config:\n"
+        '  s3_region: "us-east-1"\n  s3_num_io_threads: 64\n  s3_prefer_http2: true\n'
+        "  s3_enable_s3express: false\n  disable_tls: false\n  save_chunk_meta: false\n"
+        f'  aws_access_key_id: "AKIDEXAMPLE"\n  aws_secret_access_key: "{SECRET}"\n'
+    )
+    config = Config.load(env={"LMCACHE_CONFIG_FILE": str(path)})
+    tier = TIERS.build("remote_url", config, SMALL_LAYOUT, Fingerprint("m", SMALL_LAYOUT, 256))
+    assert isinstance(tier, S3Tier)
+    assert tier.options.location.bucket == "lmcache-bucket" and tier.options.endpoint is None
+    assert tier.options.put_threads == tier.options.get_threads == 64
+    assert SECRET not in repr(config) and SECRET not in caplog.text
