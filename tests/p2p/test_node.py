@@ -19,13 +19,13 @@ import pytest
 import torch
 
 import kvtier
-from kvtier import Config
+from kvtier import Config, Engine
 from kvtier.errors import AuthError
 from kvtier.p2p import protocol as wire
 from kvtier.p2p.node import P2PNode
 from kvtier.request_salt import ExtraKeys, RequestSalt
 from kvtier.server.client import ServerClient
-from tests.conftest import SMALL_LAYOUT, make_kv, make_tokens
+from tests.conftest import SMALL_LAYOUT, make_kv, make_tokens, small_config
 from tests.server.server_helpers import (
     CHUNK_BYTES,
     InProcess,
@@ -185,6 +185,27 @@ def test_a_wrong_secret_is_refused_and_claims_nothing() -> None:
             wrong.close()
     finally:
         ok.close()
+
+
+def test_a_node_listed_under_another_address_does_not_follow_itself() -> None:
+    """It listens on every interface and the fleet's list names it by loopback: without the
+    handshake's node id it would follow itself and claim its own chunks as a peer's."""
+    port = free_port()
+    config = small_config()
+    node = P2PNode(f"0.0.0.0:{port}", [f"127.0.0.1:{port}"], token=TOKEN, lease_secs=LEASE,
+                   timeout=TIMEOUT)  # fmt: skip
+    with Engine(config, SMALL_LAYOUT, model_name="self") as engine:
+        cpu = engine.tier("cpu")
+        assert cpu is not None
+        node.attach(engine.fingerprint.hex(), cpu, SMALL_LAYOUT, engine.chunk_bytes)
+        node.open()
+        try:
+            tokens = make_tokens(32, 76)
+            assert engine.store(tokens, make_kv(32, 76)) == 2
+            time.sleep(3 * LEASE)  # a follower of itself would have had its snapshot by now
+            assert node.directory.peers() == {}
+        finally:
+            node.close()
 
 
 def test_a_port_in_use_is_a_config_error_naming_p2p_listen() -> None:

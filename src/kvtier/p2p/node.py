@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import secrets
 import socket
 import threading
 from collections import OrderedDict
@@ -103,6 +104,7 @@ class P2PNode:
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._open_socks: set[socket.socket] = set()
+        self._id = secrets.token_hex(4)
         self.served_chunks = 0
         self.refused = 0
 
@@ -122,6 +124,12 @@ class P2PNode:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        """How this node introduces itself: its address and a random id of this process, so
+        it knows itself under any address (0.0.0.0, a DNS name) that p2p_peers gives it."""
+        return f"{self.address}/{self._id}"
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> P2PNode:
@@ -145,7 +153,7 @@ class P2PNode:
         self.port = listener.getsockname()[1]
         listener.settimeout(0.2)
         self._listener = listener
-        self.fetcher.node = self.address
+        self.fetcher.node = self.name
         self._start(self._accept_loop, "kvtier-p2p-accept")
         for peer in self.peers:
             if peer != self.address:
@@ -240,7 +248,7 @@ class P2PNode:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.timeout)
-            where = wire.accept_handshake(sock, self.address, self.token)
+            where = wire.accept_handshake(sock, self.name, self.token)
             authenticated = True
             while not self._stop.is_set():
                 sock.settimeout(IDLE_S)  # between pulls; close() shuts it sooner
@@ -331,7 +339,10 @@ class P2PNode:
                     self._open_socks.add(sock)
                 if self._stop.is_set():
                     return
-                wire.dial_handshake(sock, self.address, self.token, f"P2P peer {peer}")
+                name = wire.dial_handshake(sock, self.name, self.token, f"P2P peer {peer}")
+                if name == self.name:  # p2p_peers names this node by another address
+                    log.info("P2P peer %s is this server itself: not followed", peer)
+                    return
                 wire.send(sock, wire.Subscribe())
                 sock.settimeout(self.lease_secs)
                 while not self._stop.is_set():
