@@ -17,9 +17,7 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32
 
 
 def _engine(tmp_path: Path, **keys: object) -> Engine:
-    config = Config.load(
-        env={}, overrides={"chunk_size": 16, "max_local_cpu_size": "8MiB", **keys}
-    )
+    config = Config.load(env={}, overrides={"chunk_size": 16, "max_local_cpu_size": "8MiB", **keys})
     return Engine(config, LAYOUT, model_name="shutdown").open()
 
 
