@@ -158,6 +158,7 @@ def test_a_bad_quota_names_the_key_and_what_is_valid(raw: object) -> None:
 
 # -- the accounting, as a state machine ----------------------------------------------------
 TENANTS = ("a", "b", "c", "")
+PAGES_IN_MACHINE = 8
 
 
 class TenantAccounting(RuleBasedStateMachine):
@@ -168,7 +169,7 @@ class TenantAccounting(RuleBasedStateMachine):
 
     @initialize(policy=st.sampled_from(sorted(POLICIES)))
     def open(self, policy: str) -> None:
-        self.pool = BlockPool(8, PAGE_BYTES)
+        self.pool = BlockPool(PAGES_IN_MACHINE, PAGE_BYTES)
         self.tier, self.tenants = quota_tier(self.pool, {"a": "25%", "*": "50%"}, policy)
         self.owner: dict[ChunkKey, str] = {}
         self.pins: list[tuple[ChunkKey, int]] = []
@@ -237,6 +238,15 @@ class TenantAccounting(RuleBasedStateMachine):
             assert held >= 0
             assert held == chunks * PAGE_BYTES
         assert len(self.tenants) == len(self.tier)
+        # the guarantees' scale, kept as chunks come and go, is what a fresh sum gives
+        limits = [self.tenants.limit_bytes(t) for t, u in self.tenants.usage.items() if u.chunks]
+        total = sum(x for x in limits if x is not None)
+        for tenant in TENANTS:
+            limit = self.tenants.limit_bytes(tenant)
+            usage = self.tenants.usage.get(tenant)
+            if limit is not None and usage is not None and usage.chunks:
+                expected = limit * min(1.0, PAGES_IN_MACHINE * PAGE_BYTES / total)
+                assert self.tenants.guarantee_bytes(tenant) == pytest.approx(expected)
 
 
 TestTenantAccounting = TenantAccounting.TestCase
