@@ -275,6 +275,38 @@ def test_a_peer_killed_mid_pull_costs_only_a_miss(new_dir: Callable[[], str]) ->
         a.stop()
 
 
+def test_a_silent_peer_expires_with_its_lease_and_comes_back(
+    new_dir: Callable[[], str],
+) -> None:
+    """Frozen (SIGSTOP: its connections stay open, nothing arrives), A is forgotten once its
+    heartbeats are a lease late; thawed, it is followed again, its chunks claimed again."""
+    a_port, b_port = free_port(), free_port()
+    peers = [a_port, b_port]
+    b = InProcess(new_dir(), **p2p(b_port, peers))
+    a = _server_process(new_dir(), a_port, peers)
+    assert a.proc is not None
+    try:
+        tokens, kv = make_tokens(32, 77), make_kv(32, 77)
+        with client(a.url) as ca, client(b.url) as cb:
+            assert ca.store(tokens, kv) == 2
+            fp, keys = cb.fingerprint.hex(), keys_of(cb, tokens)
+            wait_until(lambda: None not in holders(b, fp, keys), what="B hears A")
+            os.kill(a.proc.pid, signal.SIGSTOP)
+            frozen = time.monotonic()
+            wait_until(lambda: holders(b, fp, keys) == [None, None], what="A expired")
+            assert time.monotonic() - frozen < LEASE + 2
+            with cb.request("r"):
+                assert cb.lookup(tokens, "r").tokens == 0  # no claim of a silent peer
+            os.kill(a.proc.pid, signal.SIGCONT)
+            wait_until(lambda: None not in holders(b, fp, keys), what="A followed again")
+            with cb.request("r2"):
+                assert cb.lookup(tokens, "r2").tokens == 32
+                assert torch.equal(cb.retrieve(tokens, "r2"), kv)
+    finally:
+        b.close()
+        a.stop()
+
+
 def test_a_peer_restarted_empty_is_dropped_from_the_directory(new_dir: Callable[[], str]) -> None:
     a_port, b_port = free_port(), free_port()
     peers = [a_port, b_port]
