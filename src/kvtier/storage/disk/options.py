@@ -75,22 +75,6 @@ def options_from_config(config: Config, layout: KVLayout, chunk_size: int) -> Di
     )
 
 
-def check_directory(path: str) -> None:
-    """What :func:`open_directory` will find, without creating anything (``kvtier
-    check-config``): ``path`` is a writable directory, or the nearest part of it that exists
-    is one (the rest is created at open). ConfigError naming the path otherwise."""
-    existing = path
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        reason = f"{existing} is not a directory"
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        reason = f"{existing} is not writable by this user"
-    else:
-        return
-    raise ConfigError("local_disk", path, f"a writable directory ({reason})")
-
-
 def open_directory(path: str, fp_hex: str) -> int:
     """An fd of the directory, created with its missing parents (as LMCache does), proven
     writable by creating and deleting a probe file. ConfigError naming the path otherwise."""
