@@ -251,3 +251,15 @@ class TenantAccounting(RuleBasedStateMachine):
 
 TestTenantAccounting = TenantAccounting.TestCase
 TestTenantAccounting.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_tenants_that_hold_nothing_are_forgotten_past_a_bound(
+    pool: BlockPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("kvtier.storage.policy.tenants.TENANTS_KEPT", 5)
+    tier, tenants = quota_tier(pool, {"*": "25%"})
+    for n in range(40):  # a salt per user: 40 tenants through a tier of 12 pages
+        store(tier, f"user{n}", 1)
+    assert len(tenants.usage) == PAGES  # the twelve holding a chunk; the others forgotten
+    assert len(tenants) == len(tier) == PAGES
+    assert sum(u.chunks for u in tenants.usage.values()) == PAGES

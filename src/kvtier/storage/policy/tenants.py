@@ -50,6 +50,9 @@ NO_SALT = ""  # the tenant of requests without a cache_salt
 _SHARED = None  # the group of every tenant with no limit: one order among them
 QUOTA_EVICTIONS_KEPT = 65536  # keys remembered as evicted by their tenant's quota (explain)
 ASSIGNED_KEPT = 65536  # assigned keys not inserted yet (a write that failed never is)
+# Tenants remembered (their counters: stats and metrics): past this many, a tenant that
+# holds nothing more is forgotten (a salt per user must not grow the tier without bound).
+TENANTS_KEPT = 4096
 
 
 @dataclass(slots=True)
@@ -139,6 +142,15 @@ class TenantPolicy(EvictionPolicy):
             limit = self.limit_bytes(tenant) or 0
             self._limited[tenant] = limit
             self._limits_total += limit
+        if usage.chunks == 0 and len(self.usage) > TENANTS_KEPT:
+            self._forget_tenant(tenant)
+
+    def _forget_tenant(self, tenant: str) -> None:
+        """``tenant`` holds nothing: drop its counters and its (empty) order."""
+        del self.usage[tenant]
+        name = self._group_of_tenant.pop(tenant, _SHARED)
+        if name is not _SHARED and not len(self._groups[name]):
+            del self._groups[name]
 
     def _recount(self) -> None:
         """The kept sums afresh (the quota table changed)."""
@@ -221,7 +233,8 @@ class TenantPolicy(EvictionPolicy):
         victims: list[ChunkKey] = []
         while len(victims) < count and excess:
             name = max(excess, key=excess.__getitem__)
-            found = self._groups[name].evict(1, evictable)
+            group = self._groups.get(name)
+            found = group.evict(1, evictable) if group is not None else []
             if not found:
                 del excess[name]  # nothing evictable there: the next most over
                 continue
