@@ -29,7 +29,7 @@ MAX_TENANT_CHARS = 1024  # a cache_salt's own limit (kvtier.request_salt.MAX_SAL
 _ALLOWED = "a size ('2GiB', a number of GB) or a share of each tier ('25%', above 0 up to 100)"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class TenantLimit:
     """One tenant's limit: ``nbytes`` in every tier, or ``share`` (0 < share <= 1) of each."""
 
@@ -46,6 +46,9 @@ class TenantLimit:
     def spec(self) -> str:
         """The limit exactly, as :func:`parse_limit` reads it back (a saved table)."""
         return f"{self.share * 100!r}%" if self.share is not None else f"{self.nbytes}B"
+
+    def __repr__(self) -> str:  # as a config shows it (check-config, GET /config)
+        return repr(str(self))
 
     def __str__(self) -> str:
         if self.share is not None:
