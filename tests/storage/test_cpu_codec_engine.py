@@ -72,7 +72,7 @@ def test_a_reader_of_pages_gets_what_the_staging_pages_hold(
     engine.store(tokens, kv)
     end, pages = engine.pages().lease_pages(tokens, "r")
     assert end == 3 * SMALL_CHUNK and len(pages) == 3  # one chunk per staging page
-    pool = engine._pool  # the pages a server client maps
+    pool = engine._open_parts()[0].pool  # the pages a server client maps
     assert pool is not None
     for page, start, n in pages:
         got = torch.empty(SMALL_LAYOUT.kv_shape(n), dtype=SMALL_LAYOUT.dtype)

@@ -14,51 +14,56 @@ The tier cannot say when that is for most references: a lease and a lower-tier w
 theirs back to the pool directly, and the pool stays the one owner of the counts. So the
 policy looks at a few held entries again at each eviction; only a pin by key (``pin`` /
 ``unpin``), which goes through the tier, brings its entry back at once.
+
+Where an entry's bytes live is the tier's one seam, its :class:`Entries`: by default
+:class:`PageEntries` (an entry is a page of the pool, served from it with no copy); a
+``cpu_codec`` puts a codec in front of a store of its own (:mod:`kvtier.storage.cpu_coded`).
+The index, the policy, tenants and their quotas, pins and eviction are this class's for
+both::
+
+    CpuTier ── index: key -> entry ── policy (LRU, REUSE; per tenant)
+       └── Entries: which pool an entry's references are in (``holder``), the one
+           reference a pin and eviction look at (``anchor``), how a page becomes an entry
+           (``prepare`` / ``admit``), how an entry is read (``read_into``)
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from operator import attrgetter
+from typing import Any
 
 import torch
 
+from kvtier.errors import CorruptRecord
 from kvtier.keys import ChunkKey
 from kvtier.memory.block_pool import BlockPool
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
+from kvtier.storage.cpu_entries import PAGE_OF, CpuEntry, Entries, PageEntries
 from kvtier.storage.key_pins import KeyPins
 from kvtier.storage.policy import EvictionPolicy, LruPolicy
 from kvtier.storage.policy.tenants import TenantPolicy
 
-
-@dataclass(slots=True, eq=False)  # identity: pin_prefix finds None among entries in C
-class CpuEntry:
-    page: int
-    num_tokens: int
-    nbytes: int
-
-
-_PAGE_OF = attrgetter("page")
+log = logging.getLogger(__name__)
 
 
 class CpuTier(Tier):
     name = "cpu"
     medium = "CPU"
-    # An entry is a page of the pool, served from it with no copy. False for a CPU tier
-    # through a codec (kvtier.storage.cpu_coded): the manager loads it like a lower tier.
-    resident = True
 
     def __init__(
         self,
         pool: BlockPool,
         token_bytes: int | Callable[[int], int],
         policy: EvictionPolicy | None = None,
+        entries: Entries | None = None,
     ) -> None:
         """``token_bytes``: bytes per token, or a chunk's payload bytes by its token count
         (``KVLayout.payload_bytes``, when a KV-cache group stores fewer tokens).
-        ``policy``: the eviction policy (a fresh one per tier; default plain LRU)."""
+        ``policy``: the eviction policy (a fresh one per tier; default plain LRU).
+        ``entries``: where entries keep their bytes (default: pages of ``pool``)."""
         super().__init__()
         self.pool = pool
         if callable(token_bytes):
@@ -66,24 +71,34 @@ class CpuTier(Tier):
         else:
             per_token = token_bytes
             self._payload = lambda n: n * per_token
-        self._index: dict[ChunkKey, CpuEntry] = {}
+        self.entries_store: Entries = (
+            entries if entries is not None else PageEntries(pool, self._payload)
+        )
+        self._index: dict[ChunkKey, Any] = {}
         self.policy = policy if policy is not None else LruPolicy()
         self._lock = threading.RLock()
-        # Key-level pins (the Tier interface); each holds one page reference. The engine's own
-        # requests pin through pin_keys and their leases instead.
+        # Key-level pins (the Tier interface); each holds one reference to its entry's
+        # anchor. The engine's own requests pin through pin_keys and their leases instead.
         self._key_pins = KeyPins()
         # Eviction and membership listeners (Tier) are called under the lock.
         if isinstance(self.policy, TenantPolicy):  # tenant_quotas: a changed row applies now
             self.policy.quotas.subscribe(self.apply_quotas)
 
+    @property
+    def resident(self) -> bool:
+        """An entry is a page of the pool, served from it with no copy. False for a CPU tier
+        through a codec (:mod:`kvtier.storage.cpu_coded`): its pages are staging only, and
+        the manager loads it like a lower tier."""
+        return self.entries_store.resident
+
     # -- page-level API used by the storage manager ----------------------------------------
     def allocate(self, count: int) -> list[int] | None:
-        """``count`` pages with one reference each for the caller, evicting entries that
-        nobody else holds (the policy's victims) when the pool is short. None when even
-        that cannot make room."""
+        """``count`` pages with one reference each for the caller. Where entries are pages,
+        entries nobody else holds are evicted (the policy's victims) when the pool is short;
+        staging pages evict nothing. None when there is no room."""
         with self._lock:
             pages = self.pool.allocate(count)
-            if pages is None:
+            if pages is None and self.resident:
                 self._evict(count - self.pool.free_pages)
                 pages = self.pool.allocate(count)
             return pages
@@ -91,32 +106,41 @@ class CpuTier(Tier):
     def insert(self, key: ChunkKey, page: int, num_tokens: int, tenant: str | None = None) -> bool:
         """Cache ``page`` under ``key``, taking over the caller's reference to it.
 
-        Returns False (and takes nothing) when ``key`` is already cached or the policy declines
-        it (``EvictionPolicy.admit``): the caller keeps its reference and must release it.
-        First writer wins; a duplicate never takes a reference nobody would give back.
-        ``tenant``: the storing request's ``cache_salt``; with ``tenant_quotas`` a tenant
-        over its limit then drops its own victims (maybe this chunk: it stays inserted, its
-        reference taken over, and is evicted as any other).
+        Returns False (and takes nothing) when ``key`` is already cached, the policy declines
+        it (``EvictionPolicy.admit``) or there is no room for it: the caller keeps its
+        reference and must release it. First writer wins; a duplicate never takes a
+        reference nobody would give back. ``tenant``: the storing request's ``cache_salt``;
+        with ``tenant_quotas`` a tenant over its limit then drops its own victims (maybe this
+        chunk: it stays inserted, its reference taken over, and is evicted as any other).
         """
+        tenants = self.policy if isinstance(self.policy, TenantPolicy) else None
         with self._lock:
             if key in self._index:
                 self.policy.touch([key])
                 return False
-            tenants = self.policy if isinstance(self.policy, TenantPolicy) else None
             if tenants is not None:
                 tenants.assign(key, tenant)
             if not self.policy.admit(key, num_tokens):
                 self.counters.dropped += 1
                 return False
-            nbytes = self._payload(num_tokens)
-            self._index[key] = CpuEntry(page, num_tokens, nbytes)
+        store = self.entries_store
+        prepared = store.prepare(page, num_tokens)  # a codec encodes outside the lock
+        with self._lock:
+            if key in self._index:  # another store of the same chunk got here first
+                return False
+            entry = store.admit(page, num_tokens, prepared, self._evict)
+            if entry is None:
+                self.counters.dropped += 1
+                return False
+            self._index[key] = entry
             self.policy.insert(key)
             self.counters.stored += 1
-            self.counters.bytes_written += nbytes
+            self.counters.bytes_written += store.stored_bytes(entry)
             self.report_added((key,))
             if tenants is not None and tenants.over_quota(tenant or ""):
                 self._drop(tenants.evict_over_quota(tenant or "", self._evictable))
-            return True
+        store.settle(page)
+        return True
 
     def enforce_quota(self, tenant: str | None) -> None:
         """Bring ``tenant`` back within its limit now (after a store has let go of its new
@@ -140,8 +164,11 @@ class CpuTier(Tier):
 
     def pin_keys(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, CpuEntry]:
         """The cached entries among ``keys``, each with one new page reference for the caller
-        (its lease to hold), marked most recently used. Atomic with respect to eviction."""
+        (its lease to hold), marked most recently used. Atomic with respect to eviction.
+        Nothing where entries are not pages (the manager pins those by key)."""
         found: dict[ChunkKey, CpuEntry] = {}
+        if not self.resident:
+            return found
         with self._lock:
             index = self._index
             for key in keys:
@@ -156,7 +183,9 @@ class CpuTier(Tier):
         """Pages of the longest prefix of ``keys`` that is cached, each with one new reference
         for the caller (its lease to hold), marked most recently used. Atomic with respect to
         eviction. Every step is a C-level loop (``map``): no Python per chunk, as a lookup of
-        a long cached prompt pins hundreds of chunks."""
+        a long cached prompt pins hundreds of chunks. Nothing where entries are not pages."""
+        if not self.resident:
+            return []
         with self._lock:
             index = self._index
             found = list(map(index.get, keys))
@@ -165,40 +194,66 @@ class CpuTier(Tier):
             if not found:
                 return []
             self.policy.touch(keys[: len(found)])
-            pages: list[int] = list(map(_PAGE_OF, found))
+            pages: list[int] = list(map(PAGE_OF, found))
             self.pool.retain(pages)
         return pages
 
     def make_room(self, chunks: int) -> None:
-        """Nothing: ``allocate`` evicts for a page (a coded tier evicts here for its slots)."""
-        return None
+        """Evict now what ``chunks`` whole chunks need where entries are not pages (pages:
+        ``allocate`` evicts), so a store's own chunks do not push each other out: a chunk is
+        counted at the mean references an entry holds."""
+        if self.resident:
+            return
+        with self._lock:
+            store, index = self.entries_store, self._index
+            held = store.holder.used_pages
+            per_chunk = held / len(index) if index else 1
+            self._evict(math.ceil(chunks * per_chunk) - store.holder.free_pages)
 
-    def entries(self, keys: Sequence[ChunkKey]) -> list[CpuEntry | None]:
+    def entries(self, keys: Sequence[ChunkKey]) -> list[Any]:
         with self._lock:
             return [self._index.get(k) for k in keys]
 
     def _evict(self, needed: int) -> int:
-        if needed <= 0:
-            return 0
-        return self._drop(self.policy.evict(needed, self._evictable))
+        """Evict entries nobody else holds (the policy's victims) until ``needed`` references
+        of the entries' pool are freed; how many were freed."""
+        freed = 0
+        refs = self.entries_store.refs
+        while freed < needed:
+            # An entry of one reference each (pages, a fixed-size codec) takes the victims
+            # at once; entries of several (a byte codec) one at a time.
+            step = needed - freed if self.resident else 1
+            victims = self.policy.evict(step, self._evictable)
+            if not victims:
+                break
+            freed += sum(len(refs(self._index[key])) for key in victims)
+            self._drop(victims)
+        return freed
 
     def _evictable(self, key: ChunkKey) -> bool:
-        return not self.pool.is_shared(self._index[key].page)
+        store = self.entries_store
+        return not store.holder.is_shared(store.anchor(self._index[key]))
 
     def _drop(self, victims: list[ChunkKey]) -> int:
-        """Drop the policy's ``victims`` (forgotten there already) and free their pages."""
+        """Drop the policy's ``victims`` (forgotten there already) and free what they hold."""
         if not victims:
             return 0
-        pages = [self._index.pop(key).page for key in victims]
-        self.pool.release(pages)
-        self.counters.evicted += len(pages)
+        self._release([self._index.pop(key) for key in victims])
+        self.counters.evicted += len(victims)
         self.report_evicted(victims)
-        return len(pages)
+        return len(victims)
+
+    def _release(self, entries: list[Any]) -> None:
+        refs = self.entries_store.refs
+        self.entries_store.holder.release([r for entry in entries for r in refs(entry)])
 
     def page_tensor(self, entry: CpuEntry) -> torch.Tensor:
         return self.pool.page_bytes_view(entry.page, entry.nbytes)
 
     def owned_pages(self) -> set[int]:
+        """Pages of the pool the entries own (none where entries are not pages)."""
+        if not self.resident:
+            return set()
         with self._lock:
             return {e.page for e in self._index.values()}
 
@@ -216,19 +271,37 @@ class CpuTier(Tier):
             return [k in self._index for k in keys]
 
     def get_into(self, key: ChunkKey, out: torch.Tensor) -> int | None:
+        """The entry's payload into ``out`` (a page view). One that is not what was stored (a
+        codec's checksum) is a miss, and the entry is dropped."""
+        store = self.entries_store
         with self._lock:
             entry = self._index.get(key)
             if entry is None:
                 self.counters.misses += 1
                 return None
-            self.pool.retain([entry.page])
+            store.holder.retain(store.refs(entry))  # a read holds what it reads
         try:
-            out[: entry.nbytes].copy_(self.page_tensor(entry))
+            store.read_into(entry, out)
+        except CorruptRecord as exc:
+            self._drop_corrupt(key, entry, str(exc))
+            return None
         finally:
-            self.pool.release([entry.page])
+            store.holder.release(store.refs(entry))
         self.counters.hits += 1
-        self.counters.bytes_read += entry.nbytes
-        return entry.num_tokens
+        self.counters.bytes_read += store.stored_bytes(entry)
+        return store.num_tokens(entry)
+
+    def _drop_corrupt(self, key: ChunkKey, entry: Any, reason: str) -> None:
+        log.warning("cpu tier: chunk %s is corrupt (%s): dropped, a miss", key.hex(), reason)
+        self.note_corrupt(key, reason)
+        with self._lock:
+            self.counters.corrupt += 1
+            self.counters.misses += 1
+            if self._index.get(key) is entry:
+                del self._index[key]
+                self.policy.remove(key)
+                self._release([entry])
+                self.report_removed((key,))
 
     def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
         if self.contains([key])[0]:
@@ -237,12 +310,13 @@ class CpuTier(Tier):
         pages = self.allocate(1)
         if pages is None:
             self.counters.dropped += 1
-            on_done(PutResult(key, PutOutcome.DROPPED, "no evictable page"))
+            on_done(PutResult(key, PutOutcome.DROPPED, "no free page"))
             return
         self.pool.page_bytes_view(pages[0], payload.numel()).copy_(payload)
         if not self.insert(key, pages[0], num_tokens):
             self.pool.release(pages)
-            on_done(PutResult(key, PutOutcome.EXISTS))
+            stored = self.contains([key])[0]
+            on_done(PutResult(key, PutOutcome.EXISTS if stored else PutOutcome.DROPPED))
             return
         on_done(PutResult(key, PutOutcome.STORED))
 
@@ -251,18 +325,40 @@ class CpuTier(Tier):
             entry = self._index.get(key)
             if entry is None:
                 return False
-            self.pool.retain([entry.page])
-            self._key_pins.record(key, entry.page)
+            store = self.entries_store
+            anchor = store.anchor(entry)
+            store.holder.retain([anchor])
+            self._key_pins.record(key, anchor)
             return True
 
-    def unpin(self, key: ChunkKey) -> None:
+    def pin_many(self, keys: Sequence[ChunkKey]) -> int:
+        """Pin the leading run of ``keys`` that is cached and mark it used (the policy's
+        touch, as a CPU lookup does), under one lock; how many were pinned. A pin is one
+        reference to the entry's anchor, what eviction looks at: a reader retains every
+        reference for itself (``get_into``), so nothing more is needed to keep the bytes."""
         with self._lock:
-            page = self._key_pins.take(key)
-            if page is None:  # nothing pinned under this key: never a second release
+            pinned = 0
+            for key in keys:
+                if not self.pin(key):
+                    break
+                pinned += 1
+            if pinned:
+                self.policy.touch(keys[:pinned])
+        return pinned
+
+    def unpin(self, key: ChunkKey) -> None:
+        store = self.entries_store
+        with self._lock:
+            anchor = self._key_pins.take(key)
+            if anchor is None:  # nothing pinned under this key: never a second release
                 return
-            self.pool.release([page])
+            store.holder.release([anchor])
             entry = self._index.get(key)
-            if entry is not None and entry.page == page and not self.pool.is_shared(page):
+            if (
+                entry is not None
+                and store.anchor(entry) == anchor
+                and not store.holder.is_shared(anchor)
+            ):
                 self.policy.restore(key)  # its last holder gone: back in the order now
 
     def remove(self, key: ChunkKey) -> bool:
@@ -271,7 +367,7 @@ class CpuTier(Tier):
             if entry is None:
                 return False
             self.policy.remove(key)
-            self.pool.release([entry.page])
+            self._release([entry])
             self.report_removed((key,))
             return True
 
@@ -286,28 +382,27 @@ class CpuTier(Tier):
             return {}
 
     def usage(self) -> TierUsage:
+        store = self.entries_store
         with self._lock:
+            used = sum(len(store.refs(e)) for e in self._index.values())
             entries = len(self._index)
-        return TierUsage(
-            entries * self.pool.page_bytes, self.pool.num_pages * self.pool.page_bytes, entries
-        )
+        size = store.holder.page_bytes
+        return TierUsage(used * size, store.holder.num_pages * size, entries)
 
     def clear(self, *, force: bool = False) -> int:
-        """Drop unpinned entries (all entries with ``force``; pinned pages stay alive until
-        their leases end, because the leases hold their own references)."""
+        """Drop unpinned entries (all entries with ``force``; pinned ones stay alive until
+        their pins end, because the pins hold their own references)."""
         with self._lock:
-            victims = [
-                k for k, e in self._index.items() if force or not self.pool.is_shared(e.page)
-            ]
-            pages = [self._index.pop(k).page for k in victims]
+            victims = [k for k in self._index if force or self._evictable(k)]
+            dropped = [self._index.pop(k) for k in victims]
             if force:
                 self.policy.clear()
             else:
                 for key in victims:
                     self.policy.remove(key)
-            self.pool.release(pages)
+            self._release(dropped)
             self.report_removed(victims)
-        return len(pages)
+        return len(victims)
 
     def __len__(self) -> int:
         return len(self._index)

@@ -44,9 +44,8 @@ the layout's dtype is refused before the tier is built (``tiers.cpu_pages``).
 from __future__ import annotations
 
 import logging
-import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,11 +53,9 @@ import torch
 
 from kvtier.errors import ConfigError, CorruptRecord
 from kvtier.fingerprint import Fingerprint
-from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.lease import LeaseTable
 from kvtier.memory.block_pool import BlockPool
-from kvtier.storage.base import OnDone, PutOutcome, PutResult, TierUsage
 from kvtier.storage.codecs import PayloadCodec, QuantizedCodec, tier_fingerprint
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.policy import EvictionPolicy
@@ -115,10 +112,109 @@ class CodedEntry:
     nbytes: int  # the decoded payload
 
 
-class CodedCpuTier(CpuTier):
-    """The CPU tier storing each chunk through ``codec`` into ``store`` (module docstring)."""
+class CodedEntries:
+    """Entries as a codec's stored bytes in slots of ``store`` (the module docstring): the
+    :class:`~kvtier.storage.cpu.Entries` of a CPU tier through a codec."""
 
     resident = False  # a hit is decoded into a staging page at load (PlanLoader)
+
+    def __init__(
+        self, pages: BlockPool, store: BlockPool, layout: KVLayout, codec: PayloadCodec
+    ) -> None:
+        """``pages``: the staging pool a stored page comes from; ``store``: the slots."""
+        self.pages = pages
+        self.holder = store
+        self.layout = layout
+        self.codec = codec
+
+    def anchor(self, entry: CodedEntry) -> int:
+        return entry.slots[0]
+
+    def refs(self, entry: CodedEntry) -> list[int]:
+        return entry.slots
+
+    def num_tokens(self, entry: CodedEntry) -> int:
+        return entry.num_tokens
+
+    def stored_bytes(self, entry: CodedEntry) -> int:
+        return entry.stored
+
+    def prepare(self, page: int, num_tokens: int) -> tuple[memoryview, bytes, int]:
+        """Encode the staging page (outside the tier's lock): its stored bytes, their
+        checksum, and the payload's size."""
+        nbytes = self.layout.payload_bytes(num_tokens)
+        source = self.pages.page_bytes_view(page, nbytes).numpy().data
+        stored = memoryview(self.codec.encode(source, self.layout)).cast("B")
+        return stored, payload_checksum(stored), nbytes
+
+    def admit(
+        self,
+        page: int,
+        num_tokens: int,
+        prepared: tuple[memoryview, bytes, int],
+        room: Callable[[int], int],
+    ) -> CodedEntry | None:
+        stored, checksum, nbytes = prepared
+        slots = self._slots_for(-(-stored.nbytes // self.holder.page_bytes), room)
+        if slots is None:
+            return None
+        self._write(slots, stored)
+        return CodedEntry(slots, stored.nbytes, checksum, num_tokens, nbytes)
+
+    def settle(self, page: int) -> None:
+        self.pages.release([page])  # the entry is its slots: the staging page goes back
+
+    def read_into(self, entry: CodedEntry, out: torch.Tensor) -> None:
+        """Check the stored bytes' checksum, then decode them into ``out``."""
+        stored = self._stored(entry)
+        target = out[: entry.nbytes]
+        if payload_checksum(stored) != entry.checksum:
+            raise CorruptRecord("stored bytes fail their checksum")
+        if self.codec.decode(stored, target.numpy().data, self.layout) != entry.nbytes:
+            raise CorruptRecord("decoded a short payload")
+
+    def _slots_for(self, count: int, room: Callable[[int], int]) -> list[int] | None:
+        store = self.holder
+        if count > store.num_pages:
+            return None
+        slots = store.allocate(count)
+        while slots is None:
+            if not room(count - store.free_pages):
+                return None
+            slots = store.allocate(count)
+        return slots
+
+    def _write(self, slots: list[int], stored: memoryview) -> None:
+        src = torch.frombuffer(stored, dtype=torch.uint8) if stored.nbytes else None
+        at = 0
+        for slot, n in self._pieces(slots, stored.nbytes):
+            assert src is not None
+            self.holder.page_bytes_view(slot, n).copy_(src[at : at + n])
+            at += n
+
+    def _pieces(self, slots: list[int], nbytes: int) -> list[tuple[int, int]]:
+        size = self.holder.page_bytes
+        return [(s, min(size, nbytes - i * size)) for i, s in enumerate(slots)]
+
+    def _stored(self, entry: CodedEntry) -> memoryview:
+        """The entry's stored bytes: a view of its slots when they are contiguous (always, for
+        a fixed-size codec), else gathered into a new buffer."""
+        first, n = entry.slots[0], len(entry.slots)
+        if entry.slots == list(range(first, first + n)):
+            start = first * self.holder.page_bytes
+            return self.holder.buffer[start : start + entry.stored].numpy().data
+        gathered = torch.empty(entry.stored, dtype=torch.uint8)
+        at = 0
+        for slot, size in self._pieces(entry.slots, entry.stored):
+            gathered[at : at + size].copy_(self.holder.page_bytes_view(slot, size))
+            at += size
+        return gathered.numpy().data
+
+
+class CodedCpuTier(CpuTier):
+    """The CPU tier storing each chunk through ``codec`` into ``store``: a
+    :class:`~kvtier.storage.cpu.CpuTier` whose entries are :class:`CodedEntries` (the index,
+    policy, tenants, pins and eviction are the plain tier's)."""
 
     def __init__(
         self,
@@ -129,91 +225,12 @@ class CodedCpuTier(CpuTier):
         fingerprint: Fingerprint,
         policy: EvictionPolicy | None = None,
     ) -> None:
-        super().__init__(pool, layout.payload_bytes, policy)
+        entries = CodedEntries(pool, store, layout, codec)
+        super().__init__(pool, layout.payload_bytes, policy, entries)
         self.store = store
         self.layout = layout
         self.codec = codec
         self.fingerprint = tier_fingerprint(fingerprint, codec)
-        self._coded: dict[ChunkKey, CodedEntry] = {}
-        self._fixed = isinstance(codec, QuantizedCodec)  # one slot a chunk
-
-    # -- pages: staging only ---------------------------------------------------------------
-    def allocate(self, count: int) -> list[int] | None:
-        """``count`` staging pages (no entry lives in one, so none is evicted for them)."""
-        return self.pool.allocate(count)
-
-    def insert(self, key: ChunkKey, page: int, num_tokens: int, tenant: str | None = None) -> bool:
-        """Encode ``page`` into the store under ``key``; the caller's page reference is taken
-        over and given back at once (True), or left with the caller (False: already cached,
-        declined by the policy, or no room even after eviction)."""
-        with self._lock:
-            if key in self._coded:
-                self.policy.touch([key])
-                return False
-            if not self.policy.admit(key, num_tokens):
-                self.counters.dropped += 1
-                return False
-        nbytes = self._payload(num_tokens)
-        source = self.pool.page_bytes_view(page, nbytes).numpy().data
-        stored = memoryview(self.codec.encode(source, self.layout)).cast("B")
-        checksum = payload_checksum(stored)
-        count = -(-stored.nbytes // self.store.page_bytes)
-        with self._lock:
-            if key in self._coded:  # another store of the same chunk got here first
-                return False
-            slots = self._slots_for(count)
-            if slots is None:
-                self.counters.dropped += 1
-                return False
-            self._write(slots, stored)
-            self._coded[key] = CodedEntry(slots, stored.nbytes, checksum, num_tokens, nbytes)
-            self.policy.insert(key)
-            self.counters.stored += 1
-            self.counters.bytes_written += stored.nbytes
-            self.report_added((key,))
-        self.pool.release([page])
-        return True
-
-    def _slots_for(self, count: int) -> list[int] | None:
-        if count > self.store.num_pages:
-            return None
-        slots = self.store.allocate(count)
-        while slots is None:
-            if not self._evict(count - self.store.free_pages):
-                return None
-            slots = self.store.allocate(count)
-        return slots
-
-    def _write(self, slots: list[int], stored: memoryview) -> None:
-        src = torch.frombuffer(stored, dtype=torch.uint8) if stored.nbytes else None
-        at = 0
-        for slot, n in self._pieces(slots, stored.nbytes):
-            assert src is not None
-            self.store.page_bytes_view(slot, n).copy_(src[at : at + n])
-            at += n
-
-    def _pieces(self, slots: list[int], nbytes: int) -> list[tuple[int, int]]:
-        size = self.store.page_bytes
-        return [(s, min(size, nbytes - i * size)) for i, s in enumerate(slots)]
-
-    def _evict(self, needed: int) -> int:
-        """Drop entries nobody holds (the policy's victims) until ``needed`` slots are freed;
-        how many were freed."""
-        if needed <= 0:
-            return 0
-        freed, victims = 0, []
-        coded, is_shared = self._coded, self.store.is_shared
-        while freed < needed:
-            got = self.policy.evict(1, lambda key: not is_shared(coded[key].slots[0]))
-            if not got:
-                break
-            entry = coded.pop(got[0])
-            self.store.release(entry.slots)
-            freed += len(entry.slots)
-            victims += got
-        self.counters.evicted += len(victims)
-        self.report_evicted(victims)
-        return freed
 
     def audit_slots(self, *, quiet: bool = True) -> list[str]:
         """Every slot reference has an owner (an entry, one per slot; a pin, one on the first
@@ -222,7 +239,7 @@ class CodedCpuTier(CpuTier):
         with self._lock:
             refs, free = self.store.snapshot()
             owners = [0] * len(refs)
-            for entry in self._coded.values():
+            for entry in self._index.values():
                 for slot in entry.slots:
                     owners[slot] += 1
             pinned = [self._key_pins.references_to(s) for s in range(len(refs))]
@@ -238,165 +255,6 @@ class CodedCpuTier(CpuTier):
     def audit(self, leases: LeaseTable[Any]) -> list[str]:
         return self.audit_slots(quiet=not len(leases))
 
-    def owned_pages(self) -> set[int]:
-        return set()  # entries hold slots of the store, never a pool page
-
-    def entries(self, keys: Sequence[ChunkKey]) -> list[CodedEntry | None]:  # type: ignore[override]
-        with self._lock:
-            return [self._coded.get(k) for k in keys]
-
-    def pin_prefix(self, keys: Sequence[ChunkKey]) -> list[int]:
-        """Never resident: the manager pins by key (``pin_many``) and loads through pages."""
-        return []
-
-    def pin_keys(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, object]:  # type: ignore[override]
-        return {}
-
-    # -- the common tier interface -----------------------------------------------------------
-    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        with self._lock:
-            return [k in self._coded for k in keys]
-
-    def get_into(self, key: ChunkKey, out: torch.Tensor) -> int | None:
-        """Check the stored bytes' checksum, then decode them into ``out`` (a page view). A
-        mismatch or a stream the codec refuses is a miss, and the entry is dropped."""
-        with self._lock:
-            entry = self._coded.get(key)
-            if entry is None:
-                self.counters.misses += 1
-                return None
-            self.store.retain(entry.slots)
-        try:
-            stored = self._stored(entry)
-            target = out[: entry.nbytes]
-            if payload_checksum(stored) != entry.checksum:
-                raise CorruptRecord("stored bytes fail their checksum")
-            if self.codec.decode(stored, target.numpy().data, self.layout) != entry.nbytes:
-                raise CorruptRecord("decoded a short payload")
-        except CorruptRecord as exc:
-            self._drop_corrupt(key, entry, str(exc))
-            return None
-        finally:
-            self.store.release(entry.slots)
-        self.counters.hits += 1
-        self.counters.bytes_read += entry.stored
-        return entry.num_tokens
-
-    def _stored(self, entry: CodedEntry) -> memoryview:
-        """The entry's stored bytes: a view of its slots when they are contiguous (always, for
-        a fixed-size codec), else gathered into a new buffer."""
-        first, n = entry.slots[0], len(entry.slots)
-        if entry.slots == list(range(first, first + n)):
-            start = first * self.store.page_bytes
-            return self.store.buffer[start : start + entry.stored].numpy().data
-        gathered = torch.empty(entry.stored, dtype=torch.uint8)
-        at = 0
-        for slot, size in self._pieces(entry.slots, entry.stored):
-            gathered[at : at + size].copy_(self.store.page_bytes_view(slot, size))
-            at += size
-        return gathered.numpy().data
-
-    def _drop_corrupt(self, key: ChunkKey, entry: CodedEntry, reason: str) -> None:
-        log.warning("cpu tier: chunk %s is corrupt (%s): dropped, a miss", key.hex(), reason)
-        self.note_corrupt(key, reason)
-        with self._lock:
-            self.counters.corrupt += 1
-            self.counters.misses += 1
-            if self._coded.get(key) is entry:
-                del self._coded[key]
-                self.policy.remove(key)
-                self.store.release(entry.slots)
-                self.report_removed((key,))
-
-    def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
-        if self.contains([key])[0]:
-            on_done(PutResult(key, PutOutcome.EXISTS))
-            return
-        pages = self.pool.allocate(1)
-        if pages is None:
-            self.counters.dropped += 1
-            on_done(PutResult(key, PutOutcome.DROPPED, "no free staging page"))
-            return
-        self.pool.page_bytes_view(pages[0], payload.numel()).copy_(payload)
-        if not self.insert(key, pages[0], num_tokens):
-            self.pool.release(pages)
-            stored = self.contains([key])[0]
-            on_done(PutResult(key, PutOutcome.EXISTS if stored else PutOutcome.DROPPED))
-            return
-        on_done(PutResult(key, PutOutcome.STORED))
-
-    def pin(self, key: ChunkKey) -> bool:
-        return self.pin_many([key]) == 1
-
-    def pin_many(self, keys: Sequence[ChunkKey]) -> int:
-        """Pin the leading run of ``keys`` that is cached and mark it used (the policy's
-        touch, as a CPU lookup does), under one lock; how many were pinned. A pin is one
-        reference to the entry's first slot, what eviction looks at: a reader retains every
-        slot for itself (get_into), so nothing more is needed to keep the bytes."""
-        with self._lock:
-            pinned = 0
-            for key in keys:
-                entry = self._coded.get(key)
-                if entry is None:
-                    break
-                self.store.retain(entry.slots[:1])
-                self._key_pins.record(key, entry.slots[0])
-                pinned += 1
-            if pinned:
-                self.policy.touch(keys[:pinned])
-        return pinned
-
-    def make_room(self, chunks: int) -> None:
-        """Evict now what ``chunks`` whole chunks need, as the identity tier's page
-        allocation does before a store's inserts (so a store's own chunks do not push each
-        other out): a lossless chunk is counted at the store's mean slots per entry."""
-        with self._lock:
-            per_chunk = (
-                self.store.used_pages / len(self._coded) if self._coded and not self._fixed else 1
-            )
-            self._evict(math.ceil(chunks * per_chunk) - self.store.free_pages)
-
-    def unpin(self, key: ChunkKey) -> None:
-        with self._lock:
-            slot = self._key_pins.take(key)
-        if slot is not None:  # None: nothing pinned under this key, never a second release
-            self.store.release([slot])
-
-    def remove(self, key: ChunkKey) -> bool:
-        with self._lock:
-            entry = self._coded.pop(key, None)
-            if entry is None:
-                return False
-            self.policy.remove(key)
-            self.store.release(entry.slots)
-            self.report_removed((key,))
-            return True
-
-    def usage(self) -> TierUsage:
-        with self._lock:
-            used = sum(len(e.slots) for e in self._coded.values())
-            entries = len(self._coded)
-        size = self.store.page_bytes
-        return TierUsage(used * size, self.store.num_pages * size, entries)
-
-    def clear(self, *, force: bool = False) -> int:
-        """Drop unpinned entries (all with ``force``; a pinned entry's slots stay alive until
-        its pins end, as they hold their own references)."""
-        with self._lock:
-            shared = self.store.is_shared
-            victims = [k for k, e in self._coded.items() if force or not shared(e.slots[0])]
-            for key in victims:
-                self.store.release(self._coded.pop(key).slots)
-                if not force:
-                    self.policy.remove(key)
-            if force:
-                self.policy.clear()
-            self.report_removed(victims)
-        return len(victims)
-
     def close(self) -> None:
         super().close()
         self.store.close()
-
-    def __len__(self) -> int:
-        return len(self._coded)

@@ -151,7 +151,7 @@ def test_enospc_fails_that_chunk_only_and_the_engine_keeps_going(
     for i in range(12):  # 24 chunk files of 8 KiB on a 64 KiB filesystem
         engine.store(make_tokens(SEQ_TOKENS, 100 + i), make_kv(SEQ_TOKENS, 100 + i))
         assert engine.flush(10)
-    manager = engine._manager  # tests look inside on purpose
+    manager = engine._open_parts()[0]  # tests look inside on purpose
     assert manager is not None
     disk = manager.lower[0]
     assert isinstance(disk, DiskTier)
@@ -187,7 +187,7 @@ LIMITED_WRITER = textwrap.dedent(
     with Engine(cfg, SMALL_LAYOUT, model_name="test-model") as engine:
         engine.store(make_tokens(32, 7), make_kv(32, 7))
         assert engine.flush(10)
-        disk = engine._manager.lower[0]
+        disk = engine._open_parts()[0].lower[0]
         assert engine.check_invariants() == []
         with engine.request("r"):
             assert engine.lookup(make_tokens(32, 7), "r").tokens == 32  # still served from CPU

@@ -90,7 +90,7 @@ class DiskLifecycle(RuleBasedStateMachine):
 
     @rule()
     def evict_cpu(self) -> None:
-        manager = self.e._manager  # the state machine looks inside on purpose
+        manager = self.e._open_parts()[0]  # the state machine looks inside on purpose
         assert manager is not None
         manager.cpu.clear()
 
@@ -109,7 +109,7 @@ class DiskLifecycle(RuleBasedStateMachine):
                     engine.end_request(rid)
                 assert engine.flush(10)
                 assert engine.check_invariants() == []
-                manager = engine._manager
+                manager = engine._open_parts()[0]
                 assert manager is not None
                 pool = manager.pool
                 assert pool.free_pages + len(manager.cpu.owned_pages()) == pool.num_pages

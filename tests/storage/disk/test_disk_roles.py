@@ -25,7 +25,7 @@ def disk_engine(factory: Factory, path: Path, **overrides: Any) -> Engine:
 
 
 def tiers(engine: Engine) -> tuple[CpuTier, DiskTier]:
-    manager = engine._manager  # tests look inside on purpose
+    manager = engine._open_parts()[0]  # tests look inside on purpose
     assert manager is not None
     (disk,) = manager.lower
     assert isinstance(disk, DiskTier)

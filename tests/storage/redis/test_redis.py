@@ -232,8 +232,7 @@ def test_remote_hit_is_copied_to_cpu_as_the_tier_roles_say(
 
 
 def _clear_redis(engine: Engine) -> None:
-    assert engine._manager is not None
-    for tier in engine._manager.lower:
+    for tier in engine.tiers()[1:]:  # below the CPU tier
         tier.clear()
 
 
@@ -399,7 +398,7 @@ def test_32_threads_at_once_all_hit_and_the_tier_stays_up(server: RedisServer) -
             thread.join(120)
         assert failures == []
         assert hits == [64] * (threads * 4)
-        tier = reader._manager.lower[0] if reader._manager else None
+        tier = reader.tiers()[1]  # the first below the CPU tier
         assert isinstance(tier, RedisTier)
         assert tier.link.outages == 0 and tier.link.is_up
         assert reader.check_invariants() == [] and reader.leaks() == []

@@ -90,6 +90,5 @@ def test_engines_share_a_cache_through_the_cluster(cluster: RedisClusterServers)
         assert torch.equal(reader.retrieve(tokens, "r"), kv)
         reader.end_request("r")
         assert reader.check_invariants() == [] and reader.leaks() == []
-        assert reader._manager is not None
-        for lower in reader._manager.lower:
+        for lower in reader.tiers()[1:]:  # below the CPU tier
             lower.clear()

@@ -215,7 +215,7 @@ def test_engine_survives_a_server_killed_mid_request(server: RedisServer) -> Non
         assert reader.check_invariants() == [] and reader.leaks() == []
 
         server.start()
-        tier = reader._manager.lower[0] if reader._manager else None
+        tier = reader.tiers()[1]  # the first below the CPU tier
         assert isinstance(tier, RedisTier)
         assert tier.link.wait_up(15.0)
         reader.store(tokens, kv)
