@@ -15,16 +15,9 @@ theirs back to the pool directly, and the pool stays the one owner of the counts
 policy looks at a few held entries again at each eviction; only a pin by key (``pin`` /
 ``unpin``), which goes through the tier, brings its entry back at once.
 
-Where an entry's bytes live is the tier's one seam, its :class:`Entries`: by default
-:class:`PageEntries` (an entry is a page of the pool, served from it with no copy); a
-``cpu_codec`` puts a codec in front of a store of its own (:mod:`kvtier.storage.cpu_coded`).
-The index, the policy, tenants and their quotas, pins and eviction are this class's for
-both::
-
-    CpuTier ── index: key -> entry ── policy (LRU, REUSE; per tenant)
-       └── Entries: which pool an entry's references are in (``holder``), the one
-           reference a pin and eviction look at (``anchor``), how a page becomes an entry
-           (``prepare`` / ``admit``), how an entry is read (``read_into``)
+Where an entry's bytes live is the tier's one seam (:mod:`kvtier.storage.cpu_entries`): a
+page of the pool by default, or a codec's stored bytes (:mod:`kvtier.storage.cpu_coded`);
+the index, the policy, tenants, pins and eviction here serve both.
 """
 
 from __future__ import annotations

@@ -4,7 +4,12 @@ The tier keeps the index, the policy, tenants, pins and eviction; an :class:`Ent
 what an entry is. :class:`PageEntries` (the default): an entry is a page of the block pool,
 taking over the reference the storing caller had, served from it with no copy. A codec's
 entries (:class:`~kvtier.storage.cpu_coded.CodedEntries`) are its stored bytes in a store of
-their own, decoded at each read.
+their own, decoded at each read::
+
+    CpuTier ── index: key -> entry ── policy (LRU, REUSE; per tenant)
+       └── Entries: the pool an entry's references are in (``holder``), the one reference
+           a pin and eviction look at (``anchor``), how a page becomes an entry
+           (``prepare`` / ``admit`` / ``settle``), how an entry is read (``read_into``)
 """
 
 from __future__ import annotations
