@@ -32,6 +32,7 @@ import torch
 from kvtier.cache import KVCache
 from kvtier.cpu_affinity import unpin_current_thread
 from kvtier.errors import KVTierError
+from kvtier.integrations.vllm.copy_buffer import CopyBuffer
 from kvtier.integrations.vllm.metadata import LoadSpec
 from kvtier.integrations.vllm.paged import NULL_BLOCK, PagedKV
 from kvtier.integrations.vllm.states import PagedState
@@ -65,7 +66,8 @@ class Loads:
         self._failed_requests: set[str] = set()
         self._short: dict[str, int] = {}
         self._done: set[str] = set()
-        self._thread_scratch: torch.Tensor | None = None
+        # The loader thread's own copy buffer: the model thread's may be in use.
+        self._buffer = CopyBuffer(cache.layout, cache.config.chunk_size, paged.layers[0].device)
         # One loader thread, started by the first submit: loads queue behind each other.
         self._pool = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="kvtier-load", initializer=unpin_current_thread
@@ -144,7 +146,7 @@ class Loads:
 
     def _run_async(self, spec: LoadSpec) -> None:
         try:
-            self.run(spec, self._scratch_async(scratch_tokens(spec, self.cache.config.chunk_size)))
+            self.run(spec, self._buffer.rows(scratch_tokens(spec, self.cache.config.chunk_size)))
         except Exception:  # never leave vLLM waiting: report every block as failed
             log.exception("kvtier: async load for %s crashed", spec.request_id)
             with self._lock:
@@ -200,16 +202,6 @@ class Loads:
     def close(self) -> None:
         """Wait for running loads (they hold pins), then stop the loader thread."""
         self._pool.shutdown(wait=True)
-
-    def _scratch_async(self, tokens: int) -> torch.Tensor:
-        # The loader thread's own buffer: the model thread's scratch may be in use.
-        layout, chunk = self.cache.layout, self.cache.config.chunk_size
-        if self._thread_scratch is None or self._thread_scratch.shape[2] < tokens:
-            capacity = -(-tokens // chunk) * chunk
-            self._thread_scratch = torch.zeros(
-                layout.kv_shape(capacity), dtype=layout.dtype, device=self.paged.layers[0].device
-            )
-        return self._thread_scratch
 
 
 def scratch_tokens(spec: LoadSpec, chunk: int) -> int:

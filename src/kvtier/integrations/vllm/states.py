@@ -24,11 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvtier.errors import InputError
+from kvtier.integrations.vllm.groups import ModelGroups
 from kvtier.integrations.vllm.paged import NULL_BLOCK
+from kvtier.layout import GroupKind, KVGroup, KVLayout
 
 StateTensors = torch.Tensor | Sequence[torch.Tensor]
 
@@ -157,3 +160,40 @@ class PagedState:
             f"{len(self.layers)} state layers, {self.state_bytes} bytes per position, in "
             f"{self.count} chunk layer(s) from layer {self.first}"
         )
+
+
+def with_states(
+    kv_caches: Mapping[str, Any],
+    layout: KVLayout,
+    groups: ModelGroups,
+    chunk: int,
+    block_size: int,
+) -> tuple[KVLayout, PagedState]:
+    """A state model's layout: the attention layout with the state layers after its layers,
+    and the copier of the states between vLLM's blocks and those layers."""
+    layer_bytes = layout.planes * layout.hidden * layout.dtype_bytes * chunk
+    index = {g.layer_names: i for i, g in enumerate(groups.groups)}
+    states = PagedState.from_vllm(
+        kv_caches,
+        [(index[g.layer_names], g.layer_names) for g in groups.state],
+        block_size=groups.state[0].block_size or block_size,  # its own
+        first=layout.num_layers,
+        layer_bytes=layer_bytes,
+    )
+    attention = layout.groups
+    if len(attention) == 1 and attention[0].kind in (GroupKind.FULL, GroupKind.MLA):
+        attention = (KVGroup(attention[0].kind, tuple(range(layout.num_layers))),)
+    state_group = KVGroup(
+        GroupKind.STATE,
+        tuple(range(layout.num_layers, layout.num_layers + states.count)),
+        detail=groups.state_detail(),
+    )
+    full = KVLayout(
+        num_layers=layout.num_layers + states.count,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        dtype=layout.dtype,
+        planes=layout.planes,
+        groups=(*attention, state_group),
+    )
+    return full, states

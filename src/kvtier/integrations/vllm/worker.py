@@ -52,6 +52,7 @@ from kvtier.config import Config
 from kvtier.cpu_affinity import engine_cpus, unpinned, use_cpus
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError, StateError
+from kvtier.integrations.vllm.copy_buffer import CopyBuffer
 from kvtier.integrations.vllm.events import EventLog
 from kvtier.integrations.vllm.groups import ModelGroups
 from kvtier.integrations.vllm.loads import Loads, scratch_tokens
@@ -61,10 +62,10 @@ from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.pd import DecoderPulls, PDEndpoint
 from kvtier.integrations.vllm.rpc import LookupServer
 from kvtier.integrations.vllm.shutdown import ShutdownTally, server_line
-from kvtier.integrations.vllm.states import PagedState
+from kvtier.integrations.vllm.states import PagedState, with_states
 from kvtier.integrations.vllm.worker_channel import WorkerChannel
 from kvtier.keys import ChunkKey, ChunkSpan
-from kvtier.layout import GroupKind, KVGroup, KVLayout
+from kvtier.layout import KVLayout
 from kvtier.request_salt import ExtraKeys
 from kvtier.server.client import ServerClient
 from kvtier.service import Service
@@ -115,7 +116,7 @@ class WorkerSide:
         self.checkpoint_unit = self.groups.checkpoint_unit(config.chunk_size, block_size)
         self._server: LookupServer | None = None
         self._loads: Loads | None = None
-        self._scratch: torch.Tensor | None = None
+        self._buffer: CopyBuffer | None = None  # the model thread's (copy_buffer.py)
         self._finished_saves: set[str] = set()  # see finished_saves
         # Only rank 0 reports events: every rank stores the same chunks (its own slice).
         self.events = EventLog(block_size, config.chunk_size) if events and tp_rank == 0 else None
@@ -143,7 +144,9 @@ class WorkerSide:
         )
         layout = paged.layout()
         if self.groups.state:
-            layout, self.states = self._with_states(kv_caches, layout)
+            layout, self.states = with_states(
+                kv_caches, layout, self.groups, self.config.chunk_size, self.block_size
+            )
         # Every thread kvtier starts here (PD, lookups, loads, writes) runs on the CPUs vLLM
         # was given, not only the compute cores it pinned this thread to (kvtier.cpu_affinity).
         use_cpus(engine_cpus())
@@ -352,38 +355,6 @@ class WorkerSide:
         picked = [tables[i] for i in self.groups.attention_indexes]
         return picked[0] if len(picked) == 1 else tuple(picked)
 
-    def _with_states(
-        self, kv_caches: Mapping[str, Any], layout: KVLayout
-    ) -> tuple[KVLayout, PagedState]:
-        """The layout with the state layers after the attention layers, and their copier."""
-        chunk = self.config.chunk_size
-        layer_bytes = layout.planes * layout.hidden * layout.dtype_bytes * chunk
-        index = {g.layer_names: i for i, g in enumerate(self.groups.groups)}
-        states = PagedState.from_vllm(
-            kv_caches,
-            [(index[g.layer_names], g.layer_names) for g in self.groups.state],
-            block_size=self.groups.state[0].block_size or self.block_size,  # its own
-            first=layout.num_layers,
-            layer_bytes=layer_bytes,
-        )
-        attention = layout.groups
-        if len(attention) == 1 and attention[0].kind in (GroupKind.FULL, GroupKind.MLA):
-            attention = (KVGroup(attention[0].kind, tuple(range(layout.num_layers))),)
-        state_group = KVGroup(
-            GroupKind.STATE,
-            tuple(range(layout.num_layers, layout.num_layers + states.count)),
-            detail=self.groups.state_detail(),
-        )
-        full = KVLayout(
-            num_layers=layout.num_layers + states.count,
-            num_kv_heads=layout.num_kv_heads,
-            head_dim=layout.head_dim,
-            dtype=layout.dtype,
-            planes=layout.planes,
-            groups=(*attention, state_group),
-        )
-        return full, states
-
     def _loads_part(self) -> Loads:
         if self._loads is None:
             raise StateError("kvtier worker: vLLM has not registered its KV caches yet")
@@ -397,20 +368,12 @@ class WorkerSide:
     @property
     def scratch_tokens(self) -> int:
         """Token rows of the model thread's copy buffer (0 before the first save or load):
-        on a GPU, memory this worker holds outside vLLM's budget. A save needs its own
-        chunks' rows, a load the prompt's rows past vLLM's own prefix, never a whole prompt
-        that vLLM holds already."""
-        return 0 if self._scratch is None else int(self._scratch.shape[2])
+        on a GPU, memory this worker holds outside vLLM's budget (:mod:`.copy_buffer`)."""
+        return 0 if self._buffer is None else self._buffer.tokens
 
     def _scratch_for(self, tokens: int) -> torch.Tensor:
-        """A reusable ``[2, layers, >=tokens, hidden]`` buffer: fresh memory is slow to touch,
-        so it grows in whole chunks and is kept."""
+        """The model thread's copy buffer, with at least ``tokens`` rows."""
         cache, paged = self._parts()
-        layout = cache.layout
-        if self._scratch is None or self._scratch.shape[2] < tokens:
-            chunk = cache.config.chunk_size
-            capacity = -(-tokens // chunk) * chunk
-            self._scratch = torch.zeros(
-                layout.kv_shape(capacity), dtype=layout.dtype, device=paged.layers[0].device
-            )
-        return self._scratch
+        if self._buffer is None:
+            self._buffer = CopyBuffer(cache.layout, cache.config.chunk_size, paged.layers[0].device)
+        return self._buffer.rows(tokens)
