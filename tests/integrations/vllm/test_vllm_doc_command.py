@@ -52,6 +52,7 @@ class Running:
     url: str
     model: str
     log: Path
+    server: Server
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def doc_server(instances: Instances, tmp_path_factory: pytest.TempPathFactory) -
     )
     try:
         server.wait_ready()
-        yield Running(server.url, str(model), server.log)
+        yield Running(server.url, str(model), server.log, server)
     finally:
         server.stop()
 
@@ -221,3 +222,18 @@ def prompt_tokens(url: str) -> float:
         text = response.read().decode()
     found = re.findall(r"^vllm:prompt_tokens_total(?:\{[^}]*\})? (\S+)$", text, re.M)
     return sum(float(x) for x in found)
+
+
+def test_stopping_it_as_the_doc_says_logs_what_kvtier_flushed_and_saved(
+    doc_server: Running,
+) -> None:
+    """docs/vllm.md, Stopping vLLM: SIGINT with the block's --shutdown-timeout 30 gives
+    kvtier's close its turn, and the worker says in one line what it flushed, dropped and
+    saved (its disk tier's chunks outlive vLLM). Last in this module: it stops the server."""
+    doc_server.server.stop()  # SIGINT, as the doc says (then SIGKILL after 60 s)
+    text = doc_server.log.read_text(errors="replace")
+    lines = [line for line in text.splitlines() if "kvtier worker 0 shut down in" in line]
+    assert len(lines) == 1, text[-3000:]
+    saved = re.search(r"saved over this run \(disk ([\d,]+) chunks\)", lines[0])
+    assert saved and int(saved[1].replace(",", "")) > 0, lines[0]
+    assert "dropped (disk 0)" in lines[0]
