@@ -118,3 +118,19 @@ def test_a_kv_that_cannot_be_copied_gives_the_page_back(setup) -> None:  # type:
     with pytest.raises((NotImplementedError, RuntimeError)):
         manager.store(spans, unreadable)
     assert manager.pool.free_pages == 4
+
+
+def test_a_tier_that_takes_no_puts_costs_a_store_nothing(setup) -> None:  # type: ignore[no-untyped-def]
+    """``accepts_puts = False`` (the p2p tier): a store of chunks only it lacks reserves no
+    page, copies nothing and calls no put; its chunks are still found by lookups."""
+    manager, lower, leases, chain = setup
+    lower.accepts_puts = False  # an instance attribute shadows the class's default
+    tokens, kv = make_tokens(32, 5), make_kv(32, 5)
+    spans = chain.keys(tokens, include_partial=False)
+    assert manager.store(spans, kv) == (0, 0)  # CPU only stages here: nothing to write
+    assert lower.data == {} and manager.pool.free_pages == 4
+    for span in spans:  # what a peer announced: readable, never written by this engine
+        lower.data[span.key] = (SMALL_CHUNK, b"\0" * SMALL_LAYOUT.payload_bytes(SMALL_CHUNK))
+    lease = leases.open("r")
+    assert [h.tier for h in manager.locate(spans, lease, 0).hits] == [lower, lower]
+    leases.end("r")
