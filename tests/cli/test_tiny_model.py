@@ -31,6 +31,7 @@ def test_writes_a_checkpoint_autoconfig_loads_and_prints_how_to_serve_it(
     command = shlex.split(printed.splitlines()[1].split(": ", 1)[1])
     assert command[command.index("--model") + 1] == str(out.resolve())
     assert "vllm.entrypoints.openai.api_server" in command
+    assert command[command.index("--shutdown-timeout") + 1] == "30"  # kvtier's writes land
     connector = json.loads(command[command.index("--kv-transfer-config") + 1])
     assert connector["kv_connector"] == "KVTierConnector"
 

@@ -65,13 +65,14 @@ def run(args: argparse.Namespace) -> int:
 
 def serve_command(model: Path) -> str:
     """One line that starts vLLM on ``model`` with kvtier's connector, on both vLLM builds
-    (``VLLM_CPU_KVCACHE_SPACE`` only matters to the CPU build; docs/vllm.md says why)."""
+    (``VLLM_CPU_KVCACHE_SPACE`` only matters to the CPU build; docs/vllm.md says why, and
+    why ``--shutdown-timeout``: kvtier's queued writes land before the worker goes)."""
     from kvtier.demo.vllm_runner import CONNECTOR
 
     return (
         "VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server "
         f"--model {shlex.quote(str(model))} --dtype float32 --enforce-eager "
-        f"--max-model-len 4096 --kv-transfer-config "
+        f"--max-model-len 4096 --shutdown-timeout 30 --kv-transfer-config "
         + shlex.quote(json.dumps(CONNECTOR, separators=(",", ":")))
     )
 
