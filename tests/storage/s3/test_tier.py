@@ -265,3 +265,31 @@ def test_wrong_credentials_are_failures_that_never_show_the_secret(
         assert secret not in result.detail
     finally:
         tier.close()
+
+
+def test_a_store_that_dies_costs_misses_and_is_used_again_when_it_is_back() -> None:
+    """SeaweedFS stopped mid-run (connections refused: misses and drops at once, no wait),
+    then started again on the same ports and data: the chunk written before is a hit."""
+    server = SeaweedFS().start()
+    try:
+        server.create_bucket("kvtier-restart")
+        tier = S3Tier(options(server, "kvtier-restart"), CONTRACT_LAYOUT, FINGERPRINT)
+        tier.open()
+        try:
+            key, data = random_key(), payload(CONTRACT_CHUNK, 60)
+            assert put_and_wait(tier, key, data, CONTRACT_CHUNK).outcome is PutOutcome.STORED
+            server.stop()
+            start = time.monotonic()
+            out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+            assert tier.get_into(key, out) is None
+            result = put_and_wait(tier, random_key(), payload(CONTRACT_CHUNK, 61), CONTRACT_CHUNK)
+            assert result.outcome is PutOutcome.DROPPED
+            assert time.monotonic() - start < 1.0 and tier.counters.outages == 1
+            server.start()
+            time.sleep(RETRY_AFTER_S)
+            assert tier.get_into(key, out) == CONTRACT_CHUNK
+            assert torch.equal(out, data)
+        finally:
+            tier.close()
+    finally:
+        server.cleanup()
