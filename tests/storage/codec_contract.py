@@ -32,7 +32,7 @@ import xxhash
 from kvtier.errors import CorruptRecord, UnknownRecordFormat
 from kvtier.fingerprint import Fingerprint
 from kvtier.layout import GroupKind, KVGroup, KVLayout
-from kvtier.storage import codecs, records
+from kvtier.storage import codecs, record_reads, records
 from kvtier.storage.codecs import PayloadCodec, tier_fingerprint
 
 # (name, layout, chunk size): fp32 and bf16 pages, a page made of group parts (a trimmed
@@ -146,7 +146,7 @@ class CodecContract:
         tokens = {"full": chunk, "partial": chunk // 2 + 1, "one token": 1}[part]
         fp, key, record, data = self._record(codec, layout, chunk, tokens)
         page = page_for(layout, chunk)
-        assert records.decode_record_into(record, fp, key, page) == tokens
+        assert record_reads.decode_record_into(record, fp, key, page) == tokens
         self._assert_round_trip(codec, data, page, layout, tokens)
 
     def test_stored_bytes_decode_directly_to_the_payload(
@@ -195,14 +195,14 @@ class CodecContract:
         bad[at] ^= 0x10
         page = page_for(layout, chunk)
         with pytest.raises(CorruptRecord, match="checksum"):
-            records.decode_record_into(bad, fp, key, page)
+            record_reads.decode_record_into(bad, fp, key, page)
         assert bool((page == SENTINEL).all())  # nothing decoded, nothing written
         # The streamed path (the tiers'): land the stored bytes, hash them, finish.
         header = records.decode_header(bad, fp, key)
-        target = records.stored_target(header, page)
+        target = record_reads.stored_target(header, page)
         target[:] = memoryview(bad)[records.HEADER_SIZE :]
         with pytest.raises(CorruptRecord, match="checksum"):
-            records.finish_read(header, records.payload_checksum(target), target, page, layout)
+            record_reads.finish_read(header, records.payload_checksum(target), target, page, layout)
 
     def test_a_reader_that_does_not_know_the_codec_id_misses(
         self, codec: PayloadCodec, shape: tuple[KVLayout, int]
@@ -212,7 +212,7 @@ class CodecContract:
         unknown = free_codec_id()
         page = page_for(layout, chunk)
         with pytest.raises(UnknownRecordFormat, match=f"codec id {unknown} is not registered"):
-            records.decode_record_into(rewrite_codec_id(record, unknown), fp, key, page)
+            record_reads.decode_record_into(rewrite_codec_id(record, unknown), fp, key, page)
         assert bool((page == SENTINEL).all())
         if codec.is_identity:
             return  # identity is part of the format: every reader knows it
@@ -222,7 +222,7 @@ class CodecContract:
                 records.decode_header(record, fp, key)
         finally:
             codecs.register(codec)
-        assert records.decode_record_into(record, fp, key, page) == chunk
+        assert record_reads.decode_record_into(record, fp, key, page) == chunk
 
     def test_a_cut_stored_stream_never_decodes_to_the_whole_payload(
         self, codec: PayloadCodec, shape: tuple[KVLayout, int]
@@ -244,12 +244,12 @@ class CodecContract:
         fp, key, record, data = self._record(codec, layout, chunk, chunk)
         header = records.decode_header(record, fp, key)
         page = page_for(layout, chunk)
-        target = records.stored_target(header, page)
+        target = record_reads.stored_target(header, page)
         assert target.nbytes == header.stored_len
         lands_in_page = page.data_ptr() <= address(target) < page.data_ptr() + page.numel()
         assert lands_in_page == codec.is_identity
         target[:] = memoryview(record)[records.HEADER_SIZE :]
-        records.finish_read(header, records.payload_checksum(target), target, page, layout)
+        record_reads.finish_read(header, records.payload_checksum(target), target, page, layout)
         self._assert_round_trip(codec, data, page, layout, chunk)
 
     def test_a_record_of_another_fingerprint_is_refused_before_its_codec(

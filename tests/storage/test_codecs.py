@@ -23,7 +23,7 @@ from kvtier.config.remote_url import parse_remote_url
 from kvtier.errors import CorruptRecord
 from kvtier.fingerprint import Fingerprint
 from kvtier.layout import KVLayout
-from kvtier.storage import codecs, records
+from kvtier.storage import codecs, record_reads, records
 from kvtier.storage.base import PutOutcome
 from kvtier.storage.codecs import IDENTITY, PayloadCodec
 from kvtier.storage.disk import files
@@ -159,7 +159,9 @@ def test_a_decoded_length_other_than_the_payload_length_is_a_miss() -> None:
         key = random_key()
         record = records.encode_record(key, fp, CONTRACT_CHUNK, payload(CONTRACT_CHUNK, 2), short)
         with pytest.raises(CorruptRecord, match="decoded"):
-            records.decode_record_into(record, fp, key, torch.zeros(PAGE_BYTES, dtype=torch.uint8))
+            record_reads.decode_record_into(
+                record, fp, key, torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+            )
     finally:
         codecs.unregister(short.codec_id)
 

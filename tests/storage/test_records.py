@@ -12,17 +12,15 @@ from kvtier.errors import CorruptRecord, UnknownRecordFormat
 from kvtier.fingerprint import Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.storage import records
+from kvtier.storage.record_reads import decode_record_into, payload_hasher, verify_stored
 from kvtier.storage.records import (
     HEADER_SIZE,
     RECORD_MAGIC,
     decode_header,
-    decode_record_into,
     encode_header,
     encode_record,
     header_size,
     payload_checksum,
-    payload_hasher,
-    verify_stored,
 )
 from tests.storage.tier_contract import CONTRACT_CHUNK, CONTRACT_LAYOUT, PAGE_BYTES, payload
 

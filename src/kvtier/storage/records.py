@@ -47,8 +47,8 @@ identity record can be read with O_DIRECT straight into a page-aligned allocator
 
 Zero copy for identity: a writer hands the page itself to the file or the socket
 (:func:`encode_parts` returns a view of it), and a reader reads the stored bytes straight
-into the page (:func:`stored_target` is the page for identity, a scratch buffer for another
-codec, which :func:`finish_read` then decodes into the page).
+into the page (:mod:`kvtier.storage.record_reads`: ``stored_target`` is the page for
+identity, a scratch buffer for another codec, which ``finish_read`` then decodes into it).
 
 The codec id is bound to the fingerprint: a lossy codec's records live under a fingerprint
 that names it (``Fingerprint.lossy_codec``, :func:`~kvtier.storage.codecs.tier_fingerprint`),
@@ -75,7 +75,6 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import xxhash
 
@@ -100,7 +99,8 @@ _HASH64 = struct.Struct("<Q")
 
 @dataclass(frozen=True, slots=True)
 class RecordHeader:
-    """A decoded header; ``stored_checksum`` is what :func:`verify_stored` checks against,
+    """A decoded header; ``stored_checksum`` is what a read checks
+    (:func:`kvtier.storage.record_reads.verify_stored`),
     ``codec`` the registered codec its id names."""
 
     key: ChunkKey
@@ -121,7 +121,7 @@ def header_size() -> int:
     return HEADER_SIZE
 
 
-def _payload_view(payload: torch.Tensor | memoryview | bytes) -> memoryview:
+def payload_view(payload: torch.Tensor | memoryview | bytes) -> memoryview:
     """The payload's bytes without copying them."""
     if isinstance(payload, torch.Tensor):
         if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
@@ -136,7 +136,7 @@ def _payload_view(payload: torch.Tensor | memoryview | bytes) -> memoryview:
 def payload_checksum(payload: torch.Tensor | memoryview | bytes) -> bytes:
     """xxh3-128 of the bytes (16 bytes): a record's stored checksum is this of its stored
     bytes."""
-    return bytes(xxhash.xxh3_128_digest(_payload_view(payload)))
+    return bytes(xxhash.xxh3_128_digest(payload_view(payload)))
 
 
 def _fingerprint_digest(fingerprint: Fingerprint) -> bytes:
@@ -154,7 +154,7 @@ def encode_parts(
     uint8, ``num_tokens`` tokens' bytes), encoded by ``codec``. For identity the stored
     bytes are a view of ``payload`` itself: write both buffers, nothing is joined."""
     lay = fingerprint.layout
-    view = _payload_view(payload)
+    view = payload_view(payload)
     if len(key) != KEY_BYTES:
         raise ValueError(f"chunk key must be {KEY_BYTES} bytes, got {len(key)}")
     if not 0 < num_tokens <= fingerprint.chunk_size:
@@ -297,104 +297,6 @@ def _codec_mismatch(codec: PayloadCodec, fingerprint: Fingerprint) -> str:
     return f"record payload codec {codec.name!r} is not its fingerprint's codec ({want})"
 
 
-def verify_stored(
-    header: RecordHeader,
-    stored: torch.Tensor | memoryview | bytes,
-    layout: KVLayout | None = None,
-) -> None:
-    """Raise :class:`CorruptRecord` unless ``stored`` is exactly the bytes ``header`` names
-    (with ``layout``, the message names the KV-cache group whose part differs)."""
-    view = _payload_view(stored)
-    if view.nbytes != header.stored_len:
-        raise CorruptRecord(f"record stores {view.nbytes} bytes, header says {header.stored_len}")
-    check_stored_digest(header, payload_checksum(view), view, layout)
-
-
-def payload_hasher() -> xxhash.xxh3_128:
-    """A streaming stored checksum: ``update`` it with the stored bytes in order, in pieces
-    of any size, while they are still in the CPU cache (as they land from a socket or a
-    file); its ``digest()`` equals :func:`payload_checksum` of the whole."""
-    return xxhash.xxh3_128()
-
-
-def check_stored_digest(
-    header: RecordHeader,
-    digest: bytes,
-    stored: torch.Tensor | memoryview | bytes | None = None,
-    layout: KVLayout | None = None,
-) -> None:
-    """Raise :class:`CorruptRecord` unless ``digest`` (of all the stored bytes) is the
-    header's. On a mismatch, given the ``stored`` bytes and the ``layout``, the message names
-    the KV-cache group whose part differs (the record's part checksums, identity only)."""
-    if digest != header.stored_checksum:
-        where = ""
-        if stored is not None and layout is not None:
-            where = _failed_parts(header, _payload_view(stored), layout)
-        raise CorruptRecord(f"payload checksum mismatch for key {header.key.hex()}{where}")
-
-
-def _failed_parts(header: RecordHeader, view: memoryview, layout: KVLayout) -> str:
-    parts = layout.page_parts(header.num_tokens)
-    if len(parts) != len(header.part_checksums) or view.nbytes < header.payload_len:
-        return ""
-    bad = [
-        name
-        for (name, at, n), want in zip(parts, header.part_checksums, strict=True)
-        if xxhash.xxh3_64_intdigest(view[at : at + n]) != want
-    ]
-    return f" in KV-cache group {', '.join(bad)}" if bad else ""
-
-
-def stored_target(header: RecordHeader, out: torch.Tensor) -> memoryview:
-    """Where a reader lands the stored bytes of ``header``'s record, for a page ``out``
-    (flat uint8, at least the payload's size): the page itself for identity (no copy), a
-    new scratch buffer of the stored length for any other codec (:func:`finish_read` then
-    decodes it into the page)."""
-    _check_out(header, out)
-    if header.codec.is_identity:
-        return memoryview(out[: header.payload_len].numpy())  # type: ignore[arg-type]
-    return memoryview(bytearray(header.stored_len))
-
-
-def finish_read(
-    header: RecordHeader,
-    digest: bytes,
-    stored: memoryview,
-    out: torch.Tensor,
-    layout: KVLayout,
-) -> None:
-    """After the stored bytes landed in ``stored`` (from :func:`stored_target`) and were
-    hashed to ``digest``: check the digest, then decode into ``out`` unless they already are
-    the payload there (identity). Raises :class:`CorruptRecord` (out may hold bytes of the
-    failed read)."""
-    check_stored_digest(header, digest, stored, layout)
-    if header.codec.is_identity and _address(stored) == out.data_ptr():
-        return  # read in place: the page holds the payload
-    _decode_into(header, stored, out, layout)
-
-
-def _decode_into(
-    header: RecordHeader, stored: memoryview, out: torch.Tensor, layout: KVLayout
-) -> None:
-    """The codec's decode into the page, its length checked against the payload's."""
-    _check_out(header, out)
-    target = memoryview(out[: header.payload_len].numpy())  # type: ignore[arg-type]
-    written = header.codec.decode(stored, target, layout)
-    if written != header.payload_len:
-        raise CorruptRecord(
-            f"{header.codec.name} decoded {written} bytes, the payload is {header.payload_len}"
-        )
-
-
-def _check_out(header: RecordHeader, out: torch.Tensor) -> None:
-    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < header.payload_len:
-        raise ValueError(f"out must be a flat uint8 tensor of >= {header.payload_len} bytes")
-
-
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
-
-
 def encode_record(
     key: ChunkKey,
     fingerprint: Fingerprint,
@@ -406,22 +308,3 @@ def encode_record(
     SET)."""
     header, stored = encode_parts(key, fingerprint, num_tokens, payload, codec)
     return header + stored.tobytes()
-
-
-def decode_record_into(
-    buf: bytes | bytearray | memoryview,
-    fingerprint: Fingerprint,
-    expected_key: ChunkKey | None,
-    out: torch.Tensor,
-) -> int:
-    """Check a whole record held in memory and decode its payload into ``out`` (flat uint8,
-    at least the payload's size). Returns the token count; raises :class:`CorruptRecord` and
-    leaves ``out`` untouched when the header or the stored bytes are wrong."""
-    view = memoryview(buf).cast("B")
-    header = decode_header(view, fingerprint, expected_key)
-    if view.nbytes != header.record_len:
-        raise CorruptRecord(f"record is {view.nbytes} bytes, header says {header.record_len}")
-    stored = view[HEADER_SIZE:]
-    verify_stored(header, stored, fingerprint.layout)
-    _decode_into(header, stored, out, fingerprint.layout)
-    return header.num_tokens

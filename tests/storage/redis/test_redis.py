@@ -17,7 +17,7 @@ from kvtier import Engine
 from kvtier.config.remote_url import parse_remote_url
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.fingerprint import Fingerprint
-from kvtier.storage import records
+from kvtier.storage import record_reads, records
 from kvtier.storage.base import PutOutcome
 from kvtier.storage.redis.options import RedisOptions
 from kvtier.storage.redis.tier import RedisTier
@@ -83,7 +83,7 @@ def test_value_is_a_checksummed_record_under_a_fingerprinted_name(
     assert value is not None
     assert len(value) == records.header_size() + data.numel()
     out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
-    assert records.decode_record_into(value, FINGERPRINT, key, out) == CONTRACT_CHUNK
+    assert record_reads.decode_record_into(value, FINGERPRINT, key, out) == CONTRACT_CHUNK
     assert torch.equal(out[: data.numel()], data)
 
 

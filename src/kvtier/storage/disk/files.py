@@ -27,7 +27,8 @@ import torch
 from kvtier.errors import CorruptRecord
 from kvtier.fingerprint import KEY_BYTES, Fingerprint
 from kvtier.keys import ChunkKey
-from kvtier.storage.records import HEADER_SIZE, RecordHeader, decode_header, stored_target
+from kvtier.storage.record_reads import stored_target
+from kvtier.storage.records import HEADER_SIZE, RecordHeader, decode_header
 
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
@@ -93,10 +94,10 @@ def read_record_into(
     """Read the key's record: the header into a small buffer and check it, then the stored
     bytes in ``READ_BLOCK`` pieces, handing each to ``on_piece`` right after it lands, while
     it is still in the CPU cache (the tier hashes it there: one pass over memory instead of
-    two). The stored bytes land where :func:`~kvtier.storage.records.stored_target` says:
+    two). The stored bytes land where :func:`~kvtier.storage.record_reads.stored_target` says:
     straight into ``out`` (flat uint8, exactly the payload's size) for the identity codec, a
     scratch buffer for another. Returns the checked header and the stored bytes (the caller
-    checks their checksum and decodes: :func:`~kvtier.storage.records.finish_read`), None
+    checks their checksum and decodes: :func:`~kvtier.storage.record_reads.finish_read`), None
     when the file is gone, or raises CorruptRecord (a bad header or file size stops before
     the stored bytes are read)."""
     try:

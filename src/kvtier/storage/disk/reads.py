@@ -25,7 +25,7 @@ from kvtier.repeated_log import RepeatedLog
 from kvtier.storage.disk import files
 from kvtier.storage.disk.bounded_reads import BoundedReads
 from kvtier.storage.disk.state import DiskState
-from kvtier.storage.records import finish_read, payload_hasher
+from kvtier.storage.record_reads import finish_read, payload_hasher
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from redis.exceptions import AskError, MovedError
 from kvtier.errors import CorruptRecord
 from kvtier.fingerprint import Fingerprint
 from kvtier.keys import ChunkKey
-from kvtier.storage import records
+from kvtier.storage import record_reads, records
 from kvtier.storage.base import TierUsage
 from kvtier.storage.redis.wire import get_into, set_parts
 
@@ -70,11 +70,11 @@ def read_record(
         header = records.decode_header(head_view, fingerprint, key)
         if header.stored_len != rest:
             raise CorruptRecord(f"record has {rest} stored bytes, header says {header.stored_len}")
-        stored = records.stored_target(header, out)  # identity: the page itself
+        stored = record_reads.stored_target(header, out)  # identity: the page itself
         found.append((header, stored))
         return stored
 
-    hasher = records.payload_hasher()  # fed as the stored bytes land: no second pass
+    hasher = record_reads.payload_hasher()  # fed as the stored bytes land: no second pass
     pool = _pool_for(client, name)
     conn = pool.get_connection()
     try:
@@ -89,7 +89,7 @@ def read_record(
     if length is None:
         return None
     header, stored = found[0]
-    records.finish_read(header, hasher.digest(), stored, out, fingerprint.layout)
+    record_reads.finish_read(header, hasher.digest(), stored, out, fingerprint.layout)
     return header.num_tokens
 
 
@@ -99,7 +99,7 @@ def _read_via_client(
     value = client.get(name)
     if value is None:
         return None
-    return records.decode_record_into(value, fingerprint, key, out)
+    return record_reads.decode_record_into(value, fingerprint, key, out)
 
 
 def send_record(

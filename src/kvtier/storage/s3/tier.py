@@ -26,7 +26,7 @@ Protocol (see :mod:`kvtier.storage.base`), and how each call behaves here:
 
 * ``get_into`` / ``get_many_into``: one GET per chunk, ``s3_get_threads`` in flight; the
   record's header and stored checksum are verified before a byte reaches the page
-  (:func:`kvtier.storage.records.decode_record_into`). A corrupt record is a miss, deleted,
+  (:func:`kvtier.storage.record_reads.decode_record_into`). A corrupt record is a miss, deleted,
   counted; one of another format version or codec is a miss, kept. The whole batch waits at
   most ``blocking_timeout_secs``; GETs still running then raise :class:`ReadAbandoned`
   naming their pages (each GET is itself bounded by the same timeout, so they end).
@@ -63,7 +63,7 @@ from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import CallGuard, Lifecycle
 from kvtier.repeated_log import RepeatedLog
-from kvtier.storage import records
+from kvtier.storage import record_reads, records
 from kvtier.storage.base import (
     OnDone,
     PutOutcome,
@@ -265,7 +265,7 @@ class S3Tier(Tier):
                 if self.index.discard(key):
                     self.report_removed((key,))  # deleted behind our back (another engine)
                 return None
-            tokens = records.decode_record_into(value, self.fingerprint, key, out)
+            tokens = record_reads.decode_record_into(value, self.fingerprint, key, out)
         except UnknownRecordFormat as exc:
             # Kept: another engine of the fleet may read it; a store of ours replaces it.
             self._repeated.warning(
