@@ -15,8 +15,9 @@ the best of ``--repeats`` rounds, tier and baseline taking turns in every round.
 
 ``lookup_ms`` is ``Engine.lookup`` of a 131072-token prompt (512 chunks of 256 tokens) whose
 chunks are all in the bucket and not in CPU memory, by a fresh engine (its index from the
-listing at open): hashing, the index and the pins; no request. ``open_ms`` is that engine's
-open, the listing of the 512 objects included.
+listing at open): hashing, the index and the pins; ``lookup_requests`` counts the S3 requests
+each lookup sent (0: the index answers). ``open_ms`` is that engine's open, the listing of the
+512 objects included.
 
 ``put_ratio`` / ``get_ratio`` below :data:`TARGET` are reported as ``problems`` (the command
 exits non-zero after printing the figures); bytes that do not read back are an error.
@@ -243,6 +244,10 @@ def _lookup(endpoint: str, bucket: str, credentials: dict[str, str]) -> dict[str
     start = time.perf_counter()
     engine = Engine(config, layout, model_name="bench-s3-lookup").open()
     open_s = time.perf_counter() - start
+    tier = engine.tier("s3")
+    if not isinstance(tier, S3Tier):  # kept under python -O, as require()
+        raise AssertionError(f"the lookup engine has no s3 tier: {tier!r}")
+    requests = _count_requests(tier.client)
     try:
         timings = []
         for i in range(20):
@@ -251,14 +256,30 @@ def _lookup(endpoint: str, bucket: str, credentials: dict[str, str]) -> dict[str
             timings.append(time.perf_counter() - start)
             engine.end_request(f"l{i}")
             require(hit == LOOKUP_TOKENS, f"lookup hit {hit} of {LOOKUP_TOKENS} tokens")
+        sent = requests[0]
         engine.clear()
     finally:
         engine.close()
     return {
         "lookup_chunks": chunks,
         "lookup_ms": round(float(np.median(timings)) * 1e3, 3),
+        "lookup_requests": sent / 20,  # S3 requests per lookup (the index answers them)
         "open_ms": round(open_s * 1e3, 1),
     }
+
+
+def _count_requests(client: S3Client) -> list[int]:
+    """Count every request ``client`` sends from now on (one cell, read at the end)."""
+    count = [0]
+    for name in ("put", "put_new", "get", "exists", "delete", "list"):
+        method = getattr(client, name)
+
+        def counted(*args: Any, _method: Any = method) -> Any:
+            count[0] += 1
+            return _method(*args)
+
+        setattr(client, name, counted)
+    return count
 
 
 @contextmanager
