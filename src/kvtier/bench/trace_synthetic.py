@@ -57,6 +57,7 @@ class _Rows:
     """The trace under construction: block contents (chained at the end) and tenants."""
 
     rng: random.Random
+    requests: int = REQUESTS
     contents: list[list[int]] = field(default_factory=list)
     tails: list[int] = field(default_factory=list)  # tokens of each prompt's last block
     tenants: list[str] = field(default_factory=list)
@@ -100,7 +101,7 @@ def _rag(rows: _Rows, s: float, shift_every: int = 0) -> None:
     docs = _corpus(rows, 20_000, 4, 24)
     zipf = _Zipf(len(docs), s)
     rank_to_doc = list(range(len(docs)))
-    for n in range(REQUESTS):
+    for n in range(rows.requests):
         if shift_every and n % shift_every == 0:
             rng.shuffle(rank_to_doc)  # a new set of popular documents
         rows.emit(system + docs[rank_to_doc[zipf.draw(rng)]], "rag")
@@ -115,7 +116,7 @@ def _agentic(rows: _Rows) -> None:
         return agents[agent_pick.draw(rng)] + rows.fresh(rng.randint(1, 3)), rng.randint(3, 20)
 
     active = [session() for _ in range(24)]
-    for _ in range(REQUESTS):
+    for _ in range(rows.requests):
         i = rng.randrange(len(active))
         context, steps = active[i]
         rows.emit(context, "agent")
@@ -138,7 +139,7 @@ def _multi_tenant_scan(rows: _Rows) -> None:
         return systems[tenant] + rows.fresh(rng.randint(1, 3)), rng.randint(1, 10)
 
     active = {t: [conversation(t) for _ in range(16)] for t in tenants}
-    for _ in range(REQUESTS):
+    for _ in range(rows.requests):
         if rng.random() < 0.3:
             rows.emit(scan_system + rows.fresh(rng.randint(8, 32)), "scan")
             continue
@@ -155,7 +156,7 @@ def _few_shot(rows: _Rows) -> None:
     rng = rows.rng
     templates = _corpus(rows, 300, 4, 16)
     pick = _Zipf(len(templates), 1.0)
-    for _ in range(REQUESTS):
+    for _ in range(rows.requests):
         if rng.random() < 0.3:
             rows.emit(rows.fresh(rng.randint(4, 30)), "one-off")
         else:
@@ -173,7 +174,7 @@ def _long_chat(rows: _Rows) -> None:
 
     active = [conversation() for _ in range(64)]
     dormant: list[tuple[int, int, list[int]]] = []  # (wakes at request, tie-break, context)
-    for n in range(REQUESTS):
+    for n in range(rows.requests):
         if dormant and dormant[0][0] <= n:  # a quiet conversation comes back
             _, _, context = heapq.heappop(dormant)
             active.append((context, rng.randint(3, 24)))
@@ -207,16 +208,16 @@ SHAPES: dict[str, Callable[[_Rows], None]] = {
 SEEDS: dict[str, int] = {name: 49 + i for i, name in enumerate(SHAPES)}
 
 
-def generate(name: str, seed: int | None = None) -> Trace:
+def generate(name: str, seed: int | None = None, requests: int = REQUESTS) -> Trace:
     """The trace of shape ``name`` (a :data:`SHAPES` key) drawn with ``seed`` (default: the
-    shape's :data:`SEEDS` entry)."""
+    shape's :data:`SEEDS` entry); ``requests`` shortens it (for tests)."""
     try:
         shape = SHAPES[name]
     except KeyError:
         raise InputError(
             f"--synthetic {name!r} is not a shape; valid: {', '.join(SHAPES)}"
         ) from None
-    rows = _Rows(random.Random(SEEDS[name] if seed is None else seed))
+    rows = _Rows(random.Random(SEEDS[name] if seed is None else seed), requests)
     shape(rows)
     return rows.trace()
 
