@@ -57,10 +57,15 @@ def test_bench_cpu_fails_when_the_timed_retrieve_flips_a_byte(
     copy_out = PlanLoader._copy_out
 
     def flipping(
-        self: PlanLoader, page: int, span: ChunkSpan, out: torch.Tensor, batch: CopyBatch
+        self: PlanLoader,
+        page: int,
+        span: ChunkSpan,
+        out: torch.Tensor,
+        batch: CopyBatch,
+        base: int,
     ) -> None:
-        copy_out(self, page, span, out, batch)  # a host out: copied at once
-        out[1, 0, span.start].view(torch.uint8)[1] ^= 0x10  # one byte of the chunk
+        copy_out(self, page, span, out, batch, base)  # a host out: copied at once
+        out[1, 0, span.start - base].view(torch.uint8)[1] ^= 0x10  # one byte of the chunk
 
     monkeypatch.setattr(PlanLoader, "_copy_out", flipping)
     with pytest.raises(AssertionError, match="retrieved bytes differ"):
