@@ -132,3 +132,19 @@ def test_check_config_does_not_import_torch(tmp_path: Path) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
     )
     assert result.stderr.strip().splitlines()[-1] == "0 False", result.stderr
+
+
+def test_lmcache_keys_kvtier_ignores_are_marked_too(tmp_path: Path) -> None:
+    """LMCache's 1p1d prefiller: its proxy keys load (one WARNING) and do nothing in kvtier."""
+    path = tmp_path / "prefiller.yaml"
+    path.write_text(
+        "enable_pd: True\npd_role: sender\npd_proxy_host: localhost\npd_proxy_port: 7500\n"
+        "pd_buffer_size: 1073741824\ntransfer_channel: tcp\n"
+    )
+    result = check(path, *TINY, "--json")
+    assert result.returncode == 0, result.stderr
+    no_effect = json.loads(result.stdout)["no_effect"]
+    assert {"pd_proxy_host", "pd_proxy_port"} <= set(no_effect)
+    assert "kvtier notifies no proxy" in no_effect["pd_proxy_host"]
+    text = check(path, *TINY).stdout
+    assert any(ln.startswith("pd_proxy_port") and "NO EFFECT" in ln for ln in text.splitlines())

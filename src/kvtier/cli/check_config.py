@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     if args.table:
         print(key_table())
         return 0
-    config, errors = Config.diagnose(args.file)
+    ignored: dict[str, str] = {}  # LMCache keys given that kvtier drops at load
+    config, errors = Config.diagnose(args.file, ignored=ignored)
     if config is None:  # no config to show: the file unreadable, not YAML, not a mapping
         raise errors[-1]
     checked: list[str] = []
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         errors.append(exc)
     errors = _unique(errors)
-    no_effect = keys_with_no_effect(config)
+    no_effect = {**keys_with_no_effect(config), **ignored}
     values = config.as_dict()
     if args.json:
         out: dict[str, Any] = {"config": values, "origin": dict(config.origin)}
@@ -191,6 +192,9 @@ def _print_text(
         print(f"{key:<{width}}  {value}")
     for line in checked:
         print(f"checked: {line}")
+    for key, why in no_effect.items():
+        if key not in values:  # an LMCache key kvtier dropped: no row above to mark
+            print(f"{key:<{width}}  NO EFFECT: {why}")
 
 
 def key_table() -> str:

@@ -81,11 +81,15 @@ Raw = dict[str, tuple[object, str]]
 
 
 def translate(
-    raw: Raw, note: Callable[[str], None], errors: list[ConfigError] | None = None
+    raw: Raw,
+    note: Callable[[str], None],
+    errors: list[ConfigError] | None = None,
+    ignored_keys: dict[str, str] | None = None,
 ) -> None:
     """Rewrite LMCache-only keys of ``raw`` into kvtier's, ``note`` each rewrite (one line
-    each), drop the ignored ones with one WARNING naming them all and why, raise
-    :class:`ConfigError` for a refused one (with ``errors``: append each and go on)."""
+    each), drop the ignored ones with one WARNING naming them all and why (and into
+    ``ignored_keys``, key -> why, if given), raise :class:`ConfigError` for a refused one
+    (with ``errors``: append each and go on)."""
     ignored: list[str] = []
     for key in list(raw):
         value, source = raw[key]
@@ -101,6 +105,8 @@ def translate(
             del raw[key]  # switched off: it asks for nothing kvtier lacks
         elif row.status == IGNORED:
             ignored.append(f"{key} ({source}: {row.meaning})")
+            if ignored_keys is not None:
+                ignored_keys[key] = f"LMCache's key, ignored by kvtier: {row.meaning}"
             del raw[key]
     if ignored:
         # One line, and a WARNING: a key that does nothing must be seen once, not buried in

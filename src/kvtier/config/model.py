@@ -110,15 +110,20 @@ class Config:
 
     @classmethod
     def diagnose(
-        cls, path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        ignored: dict[str, str] | None = None,
     ) -> tuple[Config | None, list[ConfigError]]:
         """Every problem of a config at once (``kvtier check-config``), where :meth:`load`
         raises the first: the config with each bad key at its default, and the errors. None
-        for the config when there is none to show (the file unreadable or not YAML)."""
+        for the config when there is none to show (the file unreadable or not YAML).
+        ``ignored`` gets each LMCache key given that kvtier drops (key -> why)."""
         errors: list[ConfigError] = []
         token = _COLLECTING.set(errors)
         try:
-            return cls._resolve(path, None, env, "override", errors), errors
+            return cls._resolve(path, None, env, "override", errors, ignored), errors
         except ConfigError as exc:
             return None, [*errors, exc]
         finally:
@@ -132,6 +137,7 @@ class Config:
         env: Mapping[str, str] | None,
         overrides_from: str,
         errors: list[ConfigError] | None,
+        ignored: dict[str, str] | None = None,
     ) -> Config:
         """:meth:`load`; with ``errors``, each problem is appended there and loading goes on
         (a bad value gives way to its key's default)."""
@@ -161,7 +167,7 @@ class Config:
             given[key] = (value, overrides_from)
 
         # LMCache's own names for what kvtier has (or refusals naming what kvtier offers).
-        lmcache.translate(given, lambda line: log.info("LMCache config: %s", line), errors)
+        lmcache.translate(given, lambda line: log.info("LMCache config: %s", line), errors, ignored)
         raw = {key: value for key, (value, _) in given.items() if key in KEYS_BY_NAME}
         origin = {key: source for key, (_, source) in given.items() if key in KEYS_BY_NAME}
         unknown = {k: src for k, (_, src) in given.items() if k not in KEYS_BY_NAME}
