@@ -23,8 +23,8 @@ from __future__ import annotations
 from kvtier.errors import InputError
 from kvtier.keys import ChunkSpans, KeyChain, RequestKeys
 from kvtier.lease import Lease
+from kvtier.storage.lookup import LookupPlan
 from kvtier.storage.manager import StorageManager
-from kvtier.storage.plan import LookupPlan
 
 
 def check_checkpoints(unit: int, chunk_size: int) -> None:

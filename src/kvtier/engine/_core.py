@@ -46,8 +46,8 @@ from kvtier.memory.block_pool import BlockPool
 from kvtier.observability.observer import Observer
 from kvtier.request_salt import RequestSalt, keyed_by
 from kvtier.storage.counters import EngineCounters
+from kvtier.storage.lookup import ENGINE, LookupPlan
 from kvtier.storage.manager import StorageManager
-from kvtier.storage.plan import ENGINE, LookupPlan
 from kvtier.validation import Prompt
 
 

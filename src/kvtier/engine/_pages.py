@@ -21,7 +21,7 @@ import time
 from kvtier.engine._core import EngineCore
 from kvtier.errors import StateError
 from kvtier.request_salt import RequestSalt, tenant_of
-from kvtier.storage.plan import ENGINE
+from kvtier.storage.lookup import ENGINE
 from kvtier.storage.writes import StoreSlot
 from kvtier.validation import check_prompt, check_request_id
 

@@ -44,8 +44,8 @@ from kvtier.request_salt import RequestSalt, tenant_of
 from kvtier.storage.audit import audit_references
 from kvtier.storage.base import Tier
 from kvtier.storage.counters import EngineCounters
+from kvtier.storage.lookup import ENGINE, LookupPlan
 from kvtier.storage.manager import StorageManager
-from kvtier.storage.plan import ENGINE, LookupPlan
 from kvtier.tiers import check_tier_urls, clear_tiers, cpu_pages, given_lower_tiers, open_storage
 from kvtier.validation import Prompt, check_fits_in_memory, check_out
 

@@ -41,14 +41,14 @@ from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.observability.explain import ExplainLog
 from kvtier.observability.histogram import LATENCY_BUCKETS, LEASE_BUCKETS, Histogram
 from kvtier.observability.logs import log_request_end
-from kvtier.storage.plan import ENGINE
+from kvtier.storage.lookup import ENGINE
 
 if TYPE_CHECKING:
     from kvtier.config import Config
     from kvtier.lease import Lease, RequestRecord
     from kvtier.storage.base import Tier
+    from kvtier.storage.lookup import LookupPlan
     from kvtier.storage.manager import StorageManager
-    from kvtier.storage.plan import LookupPlan
 
 log = logging.getLogger(__name__)
 

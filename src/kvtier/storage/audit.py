@@ -14,8 +14,8 @@ and, invariant 3, that no chunk a request pinned in the CPU tier was evicted mea
 from __future__ import annotations
 
 from kvtier.lease import LeaseTable
+from kvtier.storage.lookup import LookupPlan
 from kvtier.storage.manager import StorageManager
-from kvtier.storage.plan import LookupPlan
 
 
 def audit_references(manager: StorageManager, leases: LeaseTable[LookupPlan]) -> list[str]:

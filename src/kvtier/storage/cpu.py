@@ -1,12 +1,10 @@
 """The CPU tier: an index of chunk keys to pages of the block pool, evicted by a policy.
 
-Each cached entry owns exactly one reference to its page. Requests that hit an entry take
-their own reference (held by their lease), so an entry can be dropped from the index while a
-request still reads its page: the page is freed only when the last reference goes.
-Which entries go, and which chunks are kept at all, is the eviction policy's choice
-(``kvtier.storage.policy``, ``cache_policy``); the tier tells it which entries are evictable:
-those whose page has no reference besides the cache's own (not pinned by a request, not
-being written to a lower tier). Reference counts never reach the policy.
+Each cached entry owns one reference to its page; a request that hits it takes its own (held
+by its lease), so an entry can leave the index while a request still reads its page. Which
+entries go, and which chunks are kept at all, is the eviction policy's choice
+(``cache_policy``); the tier tells it which are evictable: those whose page nobody else holds
+(no pin, no lower-tier write). Reference counts never reach the policy.
 
 An entry the policy finds held leaves its order until it is evictable again
 (``kvtier.storage.policy.base``: "Held keys"), so pinned entries cost an eviction nothing.
@@ -79,16 +77,13 @@ class CpuTier(Tier):
 
     @property
     def resident(self) -> bool:
-        """An entry is a page of the pool, served from it with no copy. False for a CPU tier
-        through a codec (:mod:`kvtier.storage.cpu_coded`): its pages are staging only, and
-        the manager loads it like a lower tier."""
+        """False through a codec: the pages are staging only, loaded like a lower tier's."""
         return self.entries_store.resident
 
     # -- page-level API used by the storage manager ----------------------------------------
     def allocate(self, count: int) -> list[int] | None:
-        """``count`` pages with one reference each for the caller. Where entries are pages,
-        entries nobody else holds are evicted (the policy's victims) when the pool is short;
-        staging pages evict nothing. None when there is no room."""
+        """``count`` pages with one reference each for the caller (None: no room). Where
+        entries are pages, the policy's victims go when the pool is short."""
         with self._lock:
             pages = self.pool.allocate(count)
             if pages is None and self.resident:
@@ -157,8 +152,8 @@ class CpuTier(Tier):
 
     def pin_keys(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, CpuEntry]:
         """The cached entries among ``keys``, each with one new page reference for the caller
-        (its lease to hold), marked most recently used. Atomic with respect to eviction.
-        Nothing where entries are not pages (the manager pins those by key)."""
+        (its lease to hold), marked used; atomic with respect to eviction. Nothing where
+        entries are not pages (the manager pins those by key)."""
         found: dict[ChunkKey, CpuEntry] = {}
         if not self.resident:
             return found
@@ -192,9 +187,8 @@ class CpuTier(Tier):
         return pages
 
     def make_room(self, chunks: int) -> None:
-        """Evict now what ``chunks`` whole chunks need where entries are not pages (pages:
-        ``allocate`` evicts), so a store's own chunks do not push each other out: a chunk is
-        counted at the mean references an entry holds."""
+        """Where entries are not pages, evict now what ``chunks`` chunks need (at the mean
+        references of an entry), so a store's own chunks do not push each other out."""
         if self.resident:
             return
         with self._lock:
@@ -208,8 +202,7 @@ class CpuTier(Tier):
             return [self._index.get(k) for k in keys]
 
     def _evict(self, needed: int) -> int:
-        """Evict entries nobody else holds (the policy's victims) until ``needed`` references
-        of the entries' pool are freed; how many were freed."""
+        """Evict the policy's victims until ``needed`` references are freed; how many were."""
         freed = 0
         refs = self.entries_store.refs
         while freed < needed:
@@ -244,7 +237,6 @@ class CpuTier(Tier):
         return self.pool.page_bytes_view(entry.page, entry.nbytes)
 
     def owned_pages(self) -> set[int]:
-        """Pages of the pool the entries own (none where entries are not pages)."""
         if not self.resident:
             return set()
         with self._lock:

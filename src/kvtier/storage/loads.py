@@ -34,7 +34,7 @@ from kvtier.memory.device import CopyBatch, CopyEngine, Direction
 from kvtier.storage.base import ReadAbandoned, Tier
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
-from kvtier.storage.plan import ENGINE, ChunkHit, LookupPlan
+from kvtier.storage.lookup import ENGINE, ChunkHit, LookupPlan
 from kvtier.storage.writes import WritesInFlight
 
 log = logging.getLogger(__name__)

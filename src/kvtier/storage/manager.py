@@ -38,8 +38,7 @@ from kvtier.storage.base import PutOutcome, PutResult, Tier
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.loads import PlanLoader
-from kvtier.storage.lookup import PrefixLookup
-from kvtier.storage.plan import LookupPlan
+from kvtier.storage.lookup import LookupPlan, PrefixLookup
 from kvtier.storage.writes import StoreSlot, WritesInFlight, WriteTicket
 
 log = logging.getLogger(__name__)
