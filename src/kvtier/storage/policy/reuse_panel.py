@@ -49,6 +49,16 @@ class Shadow(Segments):
     def access(self, keys: Sequence[ChunkKey]) -> None:
         """One lookup's keys (or one stored key): hits where held, stored where not."""
         probation, protected = self._probation, self._protected
+        if len(keys) == 1:  # a store: the common call, without the batch's lists
+            key = keys[0]
+            if key in probation or key in protected:
+                self.hits += 1
+                self._use(keys)
+                return
+            self._add(key)
+            if self._segment_size() > self.capacity:
+                self._forget([self._first_victim()], self.capacity)
+            return
         held = [k for k in keys if k in probation or k in protected]
         self.hits += len(held)
         if held:
@@ -61,8 +71,25 @@ class Shadow(Segments):
 
     def trim(self) -> None:
         over = self._segment_size() - self.capacity
-        if over > 0:
+        if over == 1:
+            self._forget([self._first_victim()], self.capacity)
+        elif over > 0:
             self._forget(self._pick(over, any_key, []), self.capacity)
+
+    def _first_victim(self) -> ChunkKey:
+        """``_pick(1, ...)`` without its generators: a shadow refuses no key."""
+        probation, protected = self._probation, self._protected
+        if not protected:
+            return next(iter(probation))
+        if not probation:
+            return next(iter(protected))
+        new_key, new_used = next(iter(probation.items()))
+        old_key, old_used = next(iter(protected.items()))
+        if self.rule == "arc":
+            return new_key if len(probation) > self._target else old_key
+        ratio = 1.0 if self.rule == "lru" else self.ratio
+        now = self._clock
+        return old_key if now - old_used > ratio * (now - new_used) else new_key
 
 
 class Panel:

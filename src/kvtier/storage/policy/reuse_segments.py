@@ -117,6 +117,9 @@ class Segments:
     def _add(self, key: ChunkKey) -> None:
         """``key`` (not here) is stored: into probation, or protected if its ghost came back
         (under rule ``arc`` only a ghost ARC would still hold: see :meth:`_arc_ghosts`)."""
+        if key not in self._new_ghosts and key not in self._reused_ghosts:
+            self._probation[key] = self._clock  # the common case: a chunk never seen
+            return
         arc_new, arc_reused = self._arc_ghosts()
         total = self._new_evictions + self._reused_evictions
         age = self._new_ghosts.take(key)
@@ -128,10 +131,7 @@ class Segments:
                     self._target + max(1.0, arc_reused / arc_new), float(self._segment_size())
                 )
         else:
-            age = self._reused_ghosts.take(key)
-            if age is None:
-                self._probation[key] = self._clock
-                return
+            age = self._reused_ghosts.take(key) or 0
             self._step_ratio(STEP * total / self._reused_evictions)  # keep reused ones longer
             in_arc = age < arc_reused
             if in_arc:
