@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -7,7 +9,10 @@ import pytest
 import torch
 
 from kvtier import ConfigError, Engine, Hit, InputError, KVLayout, StateError
+from kvtier.keys import ChunkKey
+from kvtier.storage.base import OnDone
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
+from tests.storage.dict_tier import DictTier
 
 EngineFactory = Callable[..., Engine]
 
@@ -349,3 +354,37 @@ def test_a_buffer_start_that_is_not_a_chunk_start_before_the_skip_is_refused(
             out = torch.zeros(engine.layout.kv_shape(4 * chunk))
             engine.retrieve_into(tokens, "r", out, skip_leading_tokens=skip, out_start=start)  # type: ignore[arg-type]
     assert engine.stats()["stored_chunks"] == 0  # nothing stored by a refused call
+
+
+class _LateWrites(DictTier):
+    """A lower tier whose writes land a while after the store that queued them (as a disk
+    or Redis write does on its writer thread); ``flush`` waits for them, as theirs does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queued: list[threading.Timer] = []
+
+    def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
+        land = threading.Timer(0.2, super().put, (key, payload.clone(), num_tokens, on_done))
+        self.queued.append(land)
+        land.start()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        for land in self.queued:
+            land.join(timeout)
+        return not any(land.is_alive() for land in self.queued)
+
+
+def test_a_clear_takes_the_writes_queued_before_it_too() -> None:
+    """vLLM's reset_prefix_cache clears kvtier's tiers: a write still queued then must not
+    bring a chunk back after the clear."""
+    tier = _LateWrites()
+    chunk = SMALL_CHUNK
+    with Engine(small_config(), SMALL_LAYOUT, model_name="m", lower_tiers=[tier]) as engine:
+        tokens, kv = make_tokens(3 * chunk, 4105), make_kv(3 * chunk, 4105)
+        assert engine.store(tokens, kv) == 3
+        assert engine.clear()["dict"] == 3  # the queued writes landed first, then went
+        time.sleep(0.3)  # past when a write queued before the clear would have landed
+        assert tier.store == {}
+        with engine.request("r"):
+            assert engine.lookup(tokens, "r").tokens == 0

@@ -274,8 +274,11 @@ class Engine(KVCache):
     @_guarded
     def clear(self) -> dict[str, int]:
         """Drop every unpinned entry of every tier (pinned ones stay); tier -> entries dropped.
-        A tier that fails is skipped, the others are cleared, then :class:`TierError` names it."""
+        Lower-tier writes already queued land first (up to ``blocking_timeout_secs``), so
+        none of them brings back a chunk stored before the clear. A tier that fails is
+        skipped, the others are cleared, then :class:`TierError` names it."""
         manager, _ = self._open_parts()
+        manager.flush(self.config.blocking_timeout_secs)
         return clear_tiers(manager.tiers)
 
     @_guarded
