@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from kvtier import quality
+from kvtier.bench import codec_table
 from kvtier.bench.checks import require
 from kvtier.bench.codec_data import synthetic_kv
 from kvtier.layout import KVLayout
@@ -39,6 +40,8 @@ from kvtier.storage import codecs
 from kvtier.storage.codecs import PayloadCodec
 
 TOKENS = 256
+# The text output (`kvtier bench codec` without --json): the table docs/codecs.md shows.
+format_text = codec_table.format_text
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 # The quality gate's figures of a lossy codec at a KV dtype (a test may swap it).
