@@ -97,7 +97,7 @@ class Clients(RuleBasedStateMachine):
         """The copy into the reserved pages fails: they go back unstored, nothing leaks."""
         client = self.clients[self._pick(data)]
 
-        def fail(slots: object, kv: torch.Tensor) -> None:
+        def fail(slots: object, kv: torch.Tensor, base: int) -> None:
             raise RuntimeError("device copy failed")
 
         client._copy_in = fail  # type: ignore[method-assign]

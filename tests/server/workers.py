@@ -45,7 +45,7 @@ def hold_store(url: str, num_tokens: int, seed: int, out: Queue[Any]) -> None:
     into them is done (the client's real path up to the copy); report the pages reserved."""
     client = open_client(url)
 
-    def stall(slots: Any, kv: torch.Tensor) -> None:
+    def stall(slots: Any, kv: torch.Tensor, base: int) -> None:
         out.put(len(slots.pages))
         time.sleep(3600)
 

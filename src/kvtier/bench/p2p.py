@@ -37,7 +37,9 @@ LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloa
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", type=int, default=16, help="chunks per pull")
     parser.add_argument("--chunk-size", type=int, default=64, help="tokens (64: 8 MiB chunks)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="pulls timed against the raw socket (best of)"
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
