@@ -237,8 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", choices=sorted(SHAPES))
     parser.add_argument("--seed", type=int, default=None, help="default: the shape's own")
     args = parser.parse_args(argv)
-    for line in jsonl(generate(args.name, args.seed)):
-        sys.stdout.write(line + "\n")
+    try:
+        for line in jsonl(generate(args.name, args.seed)):
+            sys.stdout.write(line + "\n")
+    except BrokenPipeError:  # the reader had enough (``| head``): not an error
+        sys.stderr.close()
     return 0
 
 
