@@ -252,7 +252,7 @@ def test_a_chats_next_turn_resumes_at_the_last_turns_checkpoint(
     ref: Reference, writer: Writer
 ) -> None:
     """The next turn misses the chunk the last turn ended in; the last turn's checkpoint
-    inside it is its longest cached prefix (kvtier.engine_checkpoints), as vLLM's own."""
+    inside it is its longest cached prefix (kvtier.engine._checkpoints), as vLLM's own."""
     kv = writer.instance
     run(kv, ref.turn1)  # stores its chunk and its checkpoint
     kv.llm.reset_prefix_cache()
