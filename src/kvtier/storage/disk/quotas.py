@@ -23,7 +23,6 @@ config, as on a first open.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -33,6 +32,7 @@ from kvtier.config.tenant_quotas import TenantLimit, check_tenant, parse_limit
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.storage.disk.index import DiskIndex
+from kvtier.storage.disk.snapshot import replace_file
 from kvtier.storage.disk.state import DiskState
 from kvtier.storage.policy import make_policy
 from kvtier.storage.policy.quotas import TenantQuotas
@@ -156,23 +156,7 @@ def save(dir_fd: int, fp_hex: str, policy: TenantPolicy, keys: Sequence[ChunkKey
     overrides = policy.quotas.overrides()
     rows = {t: None if q is None else q.spec() for t, q in overrides.items()}
     data = json.dumps({"quotas": rows, "chunks": chunks}).encode()
-    name = tenants_name(fp_hex)
-    tmp = f"{name}.{os.getpid()}.part"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dir_fd)
-        raise
-    os.fsync(dir_fd)
+    replace_file(dir_fd, tenants_name(fp_hex), data, 0o600)
 
 
 def _rows(raw: object) -> dict[str, TenantLimit | None]:

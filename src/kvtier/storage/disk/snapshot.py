@@ -93,9 +93,16 @@ def save_rows(
         raise ValueError(f"{written} rows, {count} announced")
     _HEAD.pack_into(data, 0, MAGIC, fingerprint.digest()[:8], count)
     data += xxhash.xxh3_128(bytes(data)).digest()
-    final = snapshot_name(fp_hex)
-    tmp = f"{final}.{os.getpid()}.part"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+    replace_file(dir_fd, snapshot_name(fp_hex), data, 0o644)
+    return count
+
+
+def replace_file(dir_fd: int, name: str, data: bytes | bytearray, mode: int) -> None:
+    """Write ``data`` as ``name`` in the directory atomically: a ``.part`` file written and
+    fsynced, renamed over ``name``, then the directory fsynced (a crash leaves the old file
+    or the new one, never half of one). Raises OSError; no ``.part`` file is left."""
+    tmp = f"{name}.{os.getpid()}.part"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode, dir_fd=dir_fd)
     try:
         try:
             view = memoryview(data)
@@ -104,13 +111,12 @@ def save_rows(
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.rename(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dir_fd)
         raise
     os.fsync(dir_fd)
-    return count
 
 
 def load(dir_fd: int, fingerprint: Fingerprint) -> dict[ChunkKey, SavedEntry] | None:
