@@ -43,6 +43,7 @@ import torch
 
 from kvtier.bench.codec_data import kv_page, reads_back
 from kvtier.bench.raw_resp import RawResp
+from kvtier.bench.tier_puts import put_all
 from kvtier.bench.timing import best_interleaved, gbps
 from kvtier.config import Config
 from kvtier.config.remote_url import mask_password, parse_remote_url
@@ -52,7 +53,6 @@ from kvtier.fingerprint import Fingerprint
 from kvtier.keys import KeyChain
 from kvtier.layout import KVLayout
 from kvtier.storage import codecs, records
-from kvtier.storage.base import PutResult
 from kvtier.storage.codecs import PayloadCodec
 from kvtier.storage.redis.options import RedisOptions
 from kvtier.storage.redis.tier import RedisTier
@@ -130,20 +130,7 @@ def _throughput(
         raw_view = memoryview(raw_out)
 
         def tier_put() -> None:
-            done = threading.Semaphore(0)
-            failures: list[PutResult] = []
-
-            def on_done(result: PutResult) -> None:
-                if result.outcome.value != "stored":
-                    failures.append(result)
-                done.release()
-
-            for i, key in enumerate(keys):
-                tier.put(key, pages[i], chunk_size, on_done)
-            for _ in keys:
-                done.acquire()
-            if failures:
-                raise RuntimeError(f"bench put failed: {failures[0]}")
+            put_all(tier, keys, pages, chunk_size)
 
         def tier_get() -> None:
             for key in keys:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -41,13 +40,13 @@ import torch
 
 from kvtier.bench.checks import require
 from kvtier.bench.seaweedfs import SeaweedFS
+from kvtier.bench.tier_puts import put_all
 from kvtier.bench.timing import best_interleaved, gbps
 from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.fingerprint import Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.storage import records
-from kvtier.storage.base import PutResult
 from kvtier.storage.s3.client import S3Client
 from kvtier.storage.s3.options import S3Options, parse_s3_url
 from kvtier.storage.s3.tier import S3Tier
@@ -156,19 +155,7 @@ def _throughput(
         def tier_put() -> None:
             keys = new_keys()
             tier_rounds.append(keys)
-            done = threading.Semaphore(0)
-            failures: list[PutResult] = []
-
-            def on_done(result: PutResult) -> None:
-                if result.outcome.value != "stored":
-                    failures.append(result)
-                done.release()
-
-            for i, key in enumerate(keys):
-                tier.put(key, pages[i], chunk_size, on_done)
-            for _ in keys:
-                done.acquire()
-            require(not failures, f"bench put failed: {failures[0] if failures else ''}")
+            put_all(tier, keys, pages, chunk_size)
 
         def raw_put() -> None:  # the very records the tier sends (header + payload)
             keys = new_keys()
