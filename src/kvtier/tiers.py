@@ -26,7 +26,7 @@ from kvtier.layout import KVLayout
 from kvtier.memory.block_pool import BlockPool, pages_for_capacity
 from kvtier.memory.device import CopyEngine
 from kvtier.storage.base import Tier
-from kvtier.storage.codecs import IDENTITY, PayloadCodec, codec_from_config
+from kvtier.storage.codecs import IDENTITY, PayloadCodec, QuantizedCodec, codec_from_config
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.cpu_coded import CodedCpuTier, slot_shape, split_capacity
@@ -89,7 +89,7 @@ def open_storage(
     ``copies``: the device-copy owner the manager's stores and loads go through."""
     page_bytes = layout.chunk_bytes(config.chunk_size)
     store = _coded_store(config, layout)  # before any memory: its ConfigError first
-    quotas = _quotas(config, coded=store is not None)
+    quotas = _quotas(config, store[0] if store is not None else None)
     mapping = page_memory(num_pages * page_bytes) if page_memory else None
     pool = BlockPool(num_pages, page_bytes, mapping=mapping)
     lower: list[Tier] = list(lower_tiers) if lower_tiers is not None else []
@@ -110,7 +110,9 @@ def open_storage(
         if slots is not None:
             slots.close()
         raise
-    policy = _cpu_policy(config, num_pages, page_bytes, quotas)
+    # A tenant's share is counted in what holds its chunks: pages, or a codec's slots.
+    units, unit_bytes = (num_pages, page_bytes) if store is None else (store[2], store[1])
+    policy = _cpu_policy(config, units, unit_bytes, quotas)
     if store is None or slots is None:
         cpu = CpuTier(pool, layout.payload_bytes, policy)
     else:
@@ -118,27 +120,32 @@ def open_storage(
     return StorageManager(config, layout, pool, cpu, lower, counters, copies)
 
 
-def _quotas(config: Config, *, coded: bool) -> TenantQuotas | None:
-    """The engine's quota table (one, for all its tiers), None without ``tenant_quotas``."""
+def _quotas(config: Config, codec: PayloadCodec | None) -> TenantQuotas | None:
+    """The engine's quota table (one, for all its tiers), None without ``tenant_quotas``.
+    ``codec``: the CPU tier's, when it codes its chunks. A fixed-size codec's chunk is one
+    slot, counted as a page is; a codec whose stored size varies (lossless) has no per-chunk
+    unit a quota could count in, so quotas are refused with it."""
     if not config.tenant_quotas:
         return None
-    if coded:  # a coded tier's slots are not pages: its quota accounting is not written yet
+    if codec is not None and not isinstance(codec, QuantizedCodec):
         raise ConfigError(
             "tenant_quotas",
             {t: str(q) for t, q in config.tenant_quotas.items()},
-            f"no quotas with cpu_codec {config.cpu_codec!r} (only with identity, for now)",
+            f"no quotas with cpu_codec {config.cpu_codec!r}, whose chunks vary in size "
+            "(identity, fp8 or int8 take quotas)",
         )
     return TenantQuotas(config.tenant_quotas)
 
 
 def _cpu_policy(
-    config: Config, num_pages: int, page_bytes: int, quotas: TenantQuotas | None
+    config: Config, units: int, unit_bytes: int, quotas: TenantQuotas | None
 ) -> EvictionPolicy:
-    """``cache_policy``'s policy, per tenant under ``quotas`` (``tenant_quotas`` set)."""
+    """``cache_policy``'s policy, per tenant under ``quotas`` (``tenant_quotas`` set), over
+    ``units`` of ``unit_bytes`` that each hold one chunk (pages, or a fixed codec's slots)."""
     if quotas is None:
         return make_policy(config.cache_policy)
     return TenantPolicy(
-        lambda: make_policy(config.cache_policy), quotas, page_bytes, num_pages * page_bytes
+        lambda: make_policy(config.cache_policy), quotas, unit_bytes, units * unit_bytes
     )
 
 

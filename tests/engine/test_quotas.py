@@ -70,10 +70,31 @@ def test_without_tenant_quotas_stats_show_no_tenants(engine: Engine) -> None:
     assert "tenants" not in engine.stats()["tiers"]["cpu"]
 
 
-def test_quotas_with_a_coded_cpu_tier_are_refused_by_name() -> None:
+def test_quotas_with_a_codec_whose_chunks_vary_in_size_are_refused_by_name() -> None:
     config = small_config(cpu_chunks=16, tenant_quotas={"*": "50%"}, cpu_codec="lossless")
     with pytest.raises(ConfigError, match=r"tenant_quotas.*cpu_codec"):
         Engine(config, SMALL_LAYOUT, model_name="m").open()
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int8"])
+def test_a_flooding_salt_stays_within_its_quota_in_a_coded_cpu_tier(codec: str) -> None:
+    """A fixed-size codec's chunk is one slot of its store: the quota counts slots as it
+    counts pages, through the same insert and eviction as the plain tier."""
+    config = small_config(cpu_chunks=16, tenant_quotas={"flood": "25%"}, cpu_codec=codec)
+    with Engine(config, SMALL_LAYOUT, model_name="m") as engine:
+        cpu = engine.tier("cpu")
+        assert cpu is not None
+        quiet = make_tokens(PROMPT, 1)
+        engine.store(quiet, make_kv(PROMPT, 1), cache_salt="quiet")
+        for seed in range(10, 30):
+            engine.store(make_tokens(PROMPT, seed), make_kv(PROMPT, seed), cache_salt="flood")
+        tenants = engine.stats()["tiers"]["cpu"]["tenants"]
+        flood = tenants["flood"]
+        assert flood["held_bytes"] <= flood["limit_bytes"] and flood["quota_evictions"] > 0
+        assert flood["limit_bytes"] == cpu.usage().capacity_bytes // 4
+        with engine.request("r"):  # the other tenant kept its chunks
+            assert engine.lookup(quiet, "r", cache_salt="quiet").tokens == PROMPT
+        assert engine.check_invariants() == []
 
 
 def test_a_lora_adapters_requests_without_a_salt_are_its_own_tenant(
