@@ -16,6 +16,7 @@ from kvtier.config import lmcache
 from kvtier.config.channels import check_channel
 from kvtier.config.schema import KEYS, KEYS_BY_NAME
 from kvtier.config.tenant_quotas import TenantLimit
+from kvtier.config.unknown_keys import check_unknown, unknown_key_errors
 from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -172,9 +173,9 @@ class Config:
         origin = {key: source for key, (_, source) in given.items() if key in KEYS_BY_NAME}
         unknown = {k: src for k, (_, src) in given.items() if k not in KEYS_BY_NAME}
         if errors is None:
-            _check_unknown(unknown)
+            check_unknown(unknown)
         else:
-            errors.extend(_unknown_key_errors(unknown))
+            errors.extend(unknown_key_errors(unknown))
         values: dict[str, Any] = {}
         for spec in KEYS:
             try:
@@ -390,58 +391,3 @@ def _check_combinations(cfg: Config, fail: Callable[[ConfigError], None]) -> Non
             fail(ConfigError(key, 0, "a size above 0 (every model would be refused), or null"))
     if cfg.enable_pd and cfg.transfer_channel == "nixl":
         check_channel(cfg.transfer_channel)  # raises, naming why nixl is unavailable
-
-
-def _check_unknown(unknown: Mapping[str, str]) -> None:
-    """Refuse a key kvtier does not know (key -> its source), naming the nearest known key: a
-    typo must not silently give a default (``max_local_cpu_sise: 2GiB`` would leave the CPU
-    tier at 5 GiB). LMCache's keys that kvtier maps or ignores on purpose never get here
-    (:mod:`~kvtier.config.lmcache` takes them first). An ``LMCACHE_*`` environment variable
-    that is near no key is only warned about: LMCache itself reads variables that are not
-    config keys (``LMCACHE_TRACK_USAGE``, ``LMCACHE_USE_EXPERIMENTAL``...)."""
-    refused = _refused_unknown(unknown)
-    if refused:
-        key, source, nearest = refused[0]
-        others = "".join(f"; also {k!r} ({src})" for k, src, _ in refused[1:])
-        raise UnknownKeyError(key, _unknown_message(source, nearest) + others)
-
-
-def _unknown_key_errors(unknown: Mapping[str, str]) -> list[ConfigError]:
-    """:func:`_check_unknown`'s refusal as one error per key (``Config.diagnose``)."""
-    return [
-        UnknownKeyError(key, _unknown_message(source, nearest))
-        for key, source, nearest in _refused_unknown(unknown)
-    ]
-
-
-def _refused_unknown(unknown: Mapping[str, str]) -> list[tuple[str, str, str | None]]:
-    """(key, source, nearest key) of each unknown key refused; the ambient ``LMCACHE_*``
-    variables are warned about instead."""
-    refused: list[tuple[str, str, str | None]] = []
-    ambient: list[str] = []
-    for key, source in sorted(unknown.items()):
-        nearest = lmcache.nearest_key(key)
-        if nearest is None and source.startswith("env LMCACHE_"):
-            ambient.append(f"{key} from {source}")
-        else:
-            refused.append((key, source, nearest))
-    if ambient:
-        log.warning("ignoring LMCache variables kvtier does not use: %s", ", ".join(ambient))
-    return refused
-
-
-def _unknown_message(source: str, nearest: str | None) -> str:
-    hint = f"did you mean {nearest!r}?" if nearest else "no kvtier or LMCache key is near it."
-    return (
-        f"no such key (from {source}): {hint} kvtier's keys: `kvtier check-config --table`; "
-        "LMCache keys kvtier maps or ignores: docs/lmcache.md"
-    )
-
-
-class UnknownKeyError(ConfigError):
-    """A key kvtier does not know. Its value is not the problem (and may be a secret), so the
-    message names the key alone: ConfigError's "has invalid value '(not shown)'" misled."""
-
-    def __init__(self, key: str, allowed: str) -> None:
-        super().__init__(key, None, allowed)
-        self.args = (f"config key {key!r}: {allowed}",)
