@@ -11,9 +11,15 @@ import torch
 from kvtier.integrations.vllm.events import block_names, to_vllm
 from kvtier.integrations.vllm.metadata import KVTierMetadata, SaveSpec
 from kvtier.integrations.vllm.rpc import LookupClient
-from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
-from tests.integrations.vllm.worker_helpers import BLOCK, CHUNK, fill, first_step, image_request
+from tests.integrations.vllm.worker_helpers import (
+    BLOCK,
+    CHUNK,
+    fill,
+    first_step,
+    image_request,
+    scheduler_for,
+)
 from tests.integrations.vllm.worker_helpers import worker as worker  # a fixture
 
 
@@ -72,9 +78,7 @@ def test_a_requests_cache_salt_keys_its_lookup_load_save_and_events(worker: Work
     ]
     named = [name for key in salted for name in block_names(key, CHUNK // BLOCK)]
     assert [name for e in stored for name in e[1]] == named
-    scheduler = SchedulerSide(
-        [LookupClient(worker.engine_id)], block_size=BLOCK, chunk_size=CHUNK, loads=True, saves=True
-    )
+    scheduler = scheduler_for(worker)
     for rid, salt in (("b", "B"), ("none", None)):
         request = SimpleNamespace(request_id=rid, prompt_token_ids=tokens, cache_salt=salt)
         assert scheduler.num_new_matched_tokens(request, 0) == (0, False)
@@ -113,9 +117,7 @@ def test_an_image_keys_the_chunks_from_its_own_on_and_its_events_stop_before_it(
     by tokens alone, so the chunk holding the image is not published."""
     assert worker.engine is not None and worker.paged is not None
     tokens = list(range(400, 480))  # 2 whole chunks; the image sits in chunk 1
-    scheduler = SchedulerSide(
-        [LookupClient(worker.engine_id)], block_size=BLOCK, chunk_size=CHUNK, loads=True, saves=True
-    )
+    scheduler = scheduler_for(worker)
     first = image_request("a", tokens, "image-1")
     assert scheduler.num_new_matched_tokens(first, 0) == (0, False)
     scheduler.after_alloc(first, [3, 4, 5, 6, 7], 0)
@@ -144,9 +146,7 @@ def test_a_request_with_an_extra_key_kvtier_does_not_know_is_not_cached(
     from kvtier.integrations.vllm.extra_keys import RequestKeyer
 
     tokens = list(range(500, 580))
-    scheduler = SchedulerSide(
-        [LookupClient(worker.engine_id)], block_size=BLOCK, chunk_size=CHUNK, loads=True, saves=True
-    )
+    scheduler = scheduler_for(worker)
     scheduler._keyer = RequestKeyer(CHUNK, lambda r, s, e, i: ((("future", "x"),), i))
     request = image_request("f", tokens, "image-1")  # has an image: the keyer is asked
     assert scheduler.num_new_matched_tokens(request, 0) == (0, False)

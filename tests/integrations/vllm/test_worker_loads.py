@@ -12,9 +12,15 @@ import torch
 
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.rpc import Hit, LookupClient
-from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
-from tests.integrations.vllm.worker_helpers import BLOCK, CHUNK, CHUNK_BYTES, fill, make_worker
+from tests.integrations.vllm.worker_helpers import (
+    BLOCK,
+    CHUNK,
+    CHUNK_BYTES,
+    fill,
+    make_worker,
+    scheduler_for,
+)
 from tests.integrations.vllm.worker_helpers import worker as worker  # a fixture
 
 
@@ -25,9 +31,7 @@ def test_save_lookup_load_round_trip_through_the_socket(worker: WorkerSide) -> N
     fill(worker, src, seed=1)
     worker.save(KVTierMetadata(saves=[SaveSpec("r1", tokens[:64], src, 0, 64)]))
 
-    scheduler = SchedulerSide(
-        [LookupClient(worker.engine_id)], block_size=BLOCK, chunk_size=CHUNK, loads=True, saves=True
-    )
+    scheduler = scheduler_for(worker)
     request = SimpleNamespace(request_id="r2", prompt_token_ids=tokens)
     # beyond vLLM's own block, all in the CPU tier: loaded in the step
     assert scheduler.num_new_matched_tokens(request, 16) == (64 - 16, False)
@@ -99,23 +103,10 @@ def test_disk_hits_load_in_the_background(tmp_path: Path) -> None:
 
     second = make_worker(**disk)  # a restart: CPU empty, the disk index rebuilt
     try:
-        scheduler = SchedulerSide(
-            [LookupClient(second.engine_id)],
-            block_size=BLOCK,
-            chunk_size=CHUNK,
-            loads=True,
-            saves=True,
-        )
+        scheduler = scheduler_for(second)
         request = SimpleNamespace(request_id="r", prompt_token_ids=tokens)
         assert scheduler.num_new_matched_tokens(request, 0) == (64, True)
-        in_step = SchedulerSide(
-            [LookupClient(second.engine_id)],
-            block_size=BLOCK,
-            chunk_size=CHUNK,
-            loads=True,
-            saves=True,
-            async_lower_loads=False,
-        )
+        in_step = scheduler_for(second, async_lower_loads=False)
         other = SimpleNamespace(request_id="r-sync", prompt_token_ids=tokens)
         assert in_step.num_new_matched_tokens(other, 0) == (64, False)  # the opt-out
         in_step.finished("r-sync")
@@ -180,13 +171,7 @@ def test_a_load_that_fails_is_never_offered_again() -> None:
         first.save(KVTierMetadata(saves=[SaveSpec("w", tokens[:64], [3, 4, 5, 6], 0, 64)]))
         first.close()  # drains the Redis writes
         second = make_worker(remote_url=redis.url)  # CPU empty: the hit is in Redis only
-        scheduler = SchedulerSide(
-            [LookupClient(second.engine_id)],
-            block_size=BLOCK,
-            chunk_size=CHUNK,
-            loads=True,
-            saves=True,
-        )
+        scheduler = scheduler_for(second)
         try:
             request = SimpleNamespace(request_id="r", prompt_token_ids=tokens)
             assert scheduler.num_new_matched_tokens(request, 0) == (64, True)
@@ -238,9 +223,7 @@ def test_one_request_is_hashed_once_through_lookup_load_save_and_end(worker: Wor
     fill(worker, [1, 2, 3, 4], seed=13)
     worker.save(KVTierMetadata(saves=[SaveSpec("w", tokens[:64], [1, 2, 3, 4], 0, 64)]))
     worker.take_events()
-    scheduler = SchedulerSide(
-        [LookupClient(worker.engine_id)], block_size=BLOCK, chunk_size=CHUNK, loads=True, saves=True
-    )
+    scheduler = scheduler_for(worker)
     before = chain.chunks_hashed
     request = SimpleNamespace(request_id="r", prompt_token_ids=tokens)
     assert scheduler.num_new_matched_tokens(request, 0) == (64, False)

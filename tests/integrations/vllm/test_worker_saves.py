@@ -27,6 +27,7 @@ from tests.integrations.vllm.worker_helpers import (
     fill,
     kv_caches,
     make_worker,
+    scheduler_for,
     step_of_new,
 )
 from tests.integrations.vllm.worker_helpers import worker as worker  # a fixture
@@ -96,14 +97,7 @@ def test_two_kv_cache_groups_save_and_load_by_their_own_block_tables() -> None:
         )
         assert side.engine.stats()["stored_chunks"] == 2
 
-        scheduler = SchedulerSide(
-            [LookupClient(side.engine_id)],
-            block_size=BLOCK,
-            chunk_size=CHUNK,
-            loads=True,
-            saves=True,
-            all_async=True,
-        )
+        scheduler = scheduler_for(side, all_async=True)
         request = SimpleNamespace(request_id="r2", prompt_token_ids=tokens)
         assert scheduler.num_new_matched_tokens(request, 0) == (64, True)  # CPU, yet async
         dst = ([0, 0, 22, 23, 24], [30, 31, 32, 33, 34])  # sliding: first blocks dropped
@@ -146,14 +140,7 @@ def test_an_ended_requests_answer_is_saved_before_vllm_frees_its_blocks(
     next turn's prompt hits them. The last sampled token has no KV: never in a chunk."""
     assert worker.engine is not None and worker.paged is not None
     prompt, answer = list(range(5000, 5040)), list(range(7000, 7039))  # 40 + 39 tokens
-    scheduler = SchedulerSide(
-        [LookupClient(worker.engine_id)],
-        block_size=BLOCK,
-        chunk_size=CHUNK,
-        loads=True,
-        saves=True,
-        save_decode=save_decode,
-    )
+    scheduler = scheduler_for(worker, save_decode=save_decode)
     request = SimpleNamespace(request_id="t1", prompt_token_ids=prompt, kv_transfer_params=None)
     assert scheduler.num_new_matched_tokens(request, 0) == (0, False)
     blocks = [40, 41, 42, 43, 44]

@@ -6,12 +6,15 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from kvtier.config import Config
 from kvtier.integrations.vllm.groups import ModelGroups
+from kvtier.integrations.vllm.rpc import LookupClient
+from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
 
 LAYERS, HEADS, DIM, BLOCK, BLOCKS, CHUNK = 2, 2, 8, 16, 64, 32
@@ -112,3 +115,16 @@ IDLE_STEP = SimpleNamespace(
     scheduled_new_reqs=[],
     scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
 )
+
+
+def scheduler_for(worker: WorkerSide, **options: Any) -> SchedulerSide:
+    """A scheduler side that loads and saves through ``worker``'s lookup channel, as vLLM's
+    engine core runs one (``options``: the scheduler's others, e.g. ``all_async``)."""
+    return SchedulerSide(
+        [LookupClient(worker.engine_id)],
+        block_size=BLOCK,
+        chunk_size=CHUNK,
+        loads=True,
+        saves=True,
+        **options,
+    )
