@@ -110,15 +110,18 @@ class CpuTier(Tier):
                 tenants.assign(key, tenant)
             if not self.policy.admit(key, num_tokens):
                 self.counters.dropped += 1
+                self._unassign(tenants, key)
                 return False
         store = self.entries_store
         prepared = store.prepare(page, num_tokens)  # a codec encodes outside the lock
         with self._lock:
             if key in self._index:  # another store of the same chunk got here first
+                self._unassign(tenants, key)
                 return False
             entry = store.admit(page, num_tokens, prepared, self._evict)
             if entry is None:
                 self.counters.dropped += 1
+                self._unassign(tenants, key)
                 return False
             self._index[key] = entry
             self.policy.insert(key)
@@ -129,6 +132,12 @@ class CpuTier(Tier):
                 self._drop(tenants.evict_over_quota(tenant or "", self._evictable))
         store.settle(page)
         return True
+
+    @staticmethod
+    def _unassign(tenants: TenantPolicy | None, key: ChunkKey) -> None:
+        """A refused insert leaves no tenant waiting for an insert that never comes."""
+        if tenants is not None:
+            tenants.unassign(key)
 
     def enforce_quota(self, tenant: str | None) -> None:
         """Bring ``tenant`` back within its limit now (after a store has let go of its new
@@ -236,7 +245,7 @@ class CpuTier(Tier):
     def page_tensor(self, entry: CpuEntry) -> torch.Tensor:
         return self.pool.page_bytes_view(entry.page, entry.nbytes)
 
-    def owned_pages(self) -> set[int]:
+    def owned_pages(self) -> set[int]:  # none where entries are not pages
         if not self.resident:
             return set()
         with self._lock:
