@@ -5,7 +5,6 @@ goes away leaves nothing held in the server."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -27,7 +26,16 @@ from tests.server.server_helpers import (
     wait_until,
 )
 
-from .worker_helpers import BLOCK, CHUNK, CHUNK_BYTES, DIM, HEADS, LAYERS, fill, kv_caches
+from .worker_helpers import (
+    BLOCK,
+    CHUNK,
+    CHUNK_BYTES,
+    DIM,
+    HEADS,
+    LAYERS,
+    fill,
+    make_worker,
+)
 
 LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=torch.float32)
 
@@ -46,20 +54,7 @@ def config(**overrides: object) -> Config:
 
 
 def server_worker(url: str, **overrides: object) -> WorkerSide:
-    side = WorkerSide(
-        config(**overrides),
-        model_name="tiny-server",
-        engine_id=f"test-{uuid.uuid4().hex}",
-        tp_rank=0,
-        tp_world_size=1,
-        block_size=BLOCK,
-        num_kv_heads=HEADS,
-        head_dim=DIM,
-        events=True,
-        server=url,
-    )
-    side.register(kv_caches())
-    return side
+    return make_worker(model_name="tiny-server", server=url, **overrides)
 
 
 def test_one_worker_loads_what_another_saved_and_leases_end_once(kvserver: ServerProcess) -> None:

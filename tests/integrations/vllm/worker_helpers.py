@@ -35,9 +35,14 @@ def worker() -> Iterator[WorkerSide]:
 
 
 def make_worker(
-    *, model_name: str = "tiny", groups: ModelGroups | None = None, **overrides: object
+    *,
+    model_name: str = "tiny",
+    groups: ModelGroups | None = None,
+    server: str | None = None,
+    **overrides: object,
 ) -> WorkerSide:
-    """A registered worker with events on; ``groups``: vLLM's KV-cache groups (None: one)."""
+    """A registered worker with events on; ``groups``: vLLM's KV-cache groups (None: one);
+    ``server``: the kvtier server it is a client of (None: an Engine of its own)."""
     values = {"chunk_size": CHUNK, "max_local_cpu_size": f"{8 * CHUNK_BYTES}B", **overrides}
     side = WorkerSide(
         Config.load(overrides=values, env={}),
@@ -50,6 +55,7 @@ def make_worker(
         head_dim=DIM,
         events=True,
         groups=groups,
+        server=server,
     )
     side.register(kv_caches())
     return side
