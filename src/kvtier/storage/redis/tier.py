@@ -28,6 +28,9 @@ behind each, for one server or a cluster, are in :mod:`kvtier.storage.redis.comm
   eviction or TTL may delete an entry at any time. ``pin`` returns True (the chunk may be
   used) and only keeps *this* tier's :meth:`clear` from deleting it; a later ``get_into`` may
   still miss, which the manager tolerates by ending the hit there.
+* ``tenant_quotas`` (:mod:`kvtier.storage.redis.quotas`): each stored chunk is counted in
+  its tenant's ledger in Redis, and a tenant over its limit loses its own oldest chunks,
+  fleet-wide: a cap (Redis' own eviction knows no tenants), never a guarantee.
 * Faults (:mod:`kvtier.storage.redis.link`): a server that is down at :meth:`open` leaves
   the tier disabled with one warning while a background thread reconnects with backoff;
   while disabled, ``contains`` answers all False, ``get_into`` misses and ``put`` completes
@@ -59,6 +62,7 @@ from kvtier.repeated_log import RepeatedLog
 from kvtier.storage import records
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierCounters, TierUsage
 from kvtier.storage.codecs import IDENTITY, PayloadCodec, codec_from_config, tier_fingerprint
+from kvtier.storage.policy.quotas import TenantQuotas
 from kvtier.storage.redis.commands import (
     exists_by_script,
     exists_pipelined,
@@ -69,6 +73,7 @@ from kvtier.storage.redis.commands import (
 )
 from kvtier.storage.redis.link import RedisLink
 from kvtier.storage.redis.options import RedisOptions
+from kvtier.storage.redis.quotas import RedisQuotas
 from kvtier.storage.write_queue import Write, WriteQueue, complete
 
 log = logging.getLogger(__name__)
@@ -132,6 +137,7 @@ class RedisTier(Tier):
         self._set_options: tuple[bytes, ...] = (
             (b"PX", str(int(options.ttl_s * 1000)).encode()) if options.ttl_s else ()
         )
+        self._quotas: RedisQuotas | None = None  # tenant_quotas (attach_quotas)
 
     @classmethod
     def from_config(cls, config: Config, layout: KVLayout, fingerprint: Fingerprint) -> RedisTier:
@@ -148,6 +154,9 @@ class RedisTier(Tier):
         if self._guard.state is not Lifecycle.NEW:
             raise StateError(f"redis tier is {self._guard.state.value}; open it once")
         self.link.open()
+        if self._quotas is not None:
+            self._quotas.capacity_read(self._usage().capacity_bytes if self.link.is_up else 0)
+            self._quotas.quotas.subscribe(self._quotas_changed)
         self.writes.open()
         self._guard.open()
 
@@ -158,6 +167,8 @@ class RedisTier(Tier):
         if not self._guard.close(self.options.timeout_s + 1.0):
             log.warning("redis tier closing with calls still running past the timeout")
         if was_open:
+            if self._quotas is not None:
+                self._quotas.quotas.unsubscribe(self._quotas_changed)
             self.writes.close()
             self.link.close()
 
@@ -233,11 +244,20 @@ class RedisTier(Tier):
         with self._guard.call():
             reason = "remote tier is down" if not self.link.is_up else self.writes.submit(write)
         if reason:
+            if self._quotas is not None:
+                self._quotas.take(key)  # never written: its tenant is not needed
             self._bump(dropped=1)
             complete(on_done, PutResult(key, PutOutcome.DROPPED, reason))
 
     def _write(self, job: Write) -> PutResult:
+        tenant = self._quotas.take(job.key) if self._quotas is not None else None
         try:
+            if self._quotas is not None and tenant is not None:
+                refused = self._quotas.refusal(tenant)
+                if refused:
+                    self._repeated.warning(("quota", tenant), "redis tier: %s", refused)
+                    self._bump(dropped=1)
+                    return PutResult(job.key, PutOutcome.DROPPED, refused)
             # Flat bytes, never a 2-D view; for identity, a view of the page itself.
             header, stored = records.encode_parts(
                 job.key, self.fingerprint, job.num_tokens, job.payload, self.codec
@@ -249,9 +269,71 @@ class RedisTier(Tier):
             self._note_failure("write", exc)
             self._bump(failed=1)
             return PutResult(job.key, PutOutcome.FAILED, str(exc))
+        evicted = self._count_in_ledger(job.key, tenant) if tenant is not None else []
+        if evicted is None:
+            self._bump(failed=1)
+            return PutResult(job.key, PutOutcome.FAILED, "its tenant's ledger was not updated")
         self._bump(stored=1, bytes_written=stored.nbytes)
         self.report_added((job.key,))  # the server has it now, not when it was queued
+        self._evicted(evicted)
         return PutResult(job.key, PutOutcome.STORED)
+
+    # -- tenant_quotas (kvtier.storage.redis.quotas) ----------------------------------------
+    def attach_quotas(self, quotas: TenantQuotas) -> None:
+        """Count each store in its tenant's ledger from now on; before :meth:`open` only."""
+        if self._guard.state is not Lifecycle.NEW:
+            raise StateError("redis tier quotas are attached before it opens")
+        unit = records.header_size() + self.layout.payload_bytes(self.fingerprint.chunk_size)
+        ttl_ms = int(self.options.ttl_s * 1000) if self.options.ttl_s else 0
+        self._quotas = RedisQuotas(
+            quotas,
+            unit,
+            self.fingerprint.hex(),
+            self.prefix,
+            ttl_ms,
+            self._call,
+            lambda: self._usage().capacity_bytes,
+        )
+
+    def assign_tenant(self, key: ChunkKey, tenant: str | None) -> None:
+        if self._quotas is not None:
+            self._quotas.assign(key, tenant)
+
+    def evicted_by_quota(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, str]:
+        return {} if self._quotas is None else self._quotas.evicted_by_quota(keys)
+
+    def tenant_report(self) -> dict[str, dict[str, int | None]]:
+        """Per tenant this engine stored for: its ledger's size read now (fleet-wide; the
+        last one read when the server is down), its limit, this engine's quota evictions."""
+        if self._quotas is None:
+            return {}
+        with self._guard.call():
+            try:
+                self._quotas.refresh_counts()
+            except TierError as exc:
+                self._note_failure("tenant counts", exc)
+            return self._quotas.report()
+
+    def _count_in_ledger(self, key: ChunkKey, tenant: str) -> list[ChunkKey] | None:
+        """The keys the ledger deleted, or None when it failed: then the record just
+        written is deleted again (best effort), so no chunk of a tenant goes uncounted."""
+        assert self._quotas is not None
+        try:
+            return self._quotas.stored(tenant, key)
+        except TierError as exc:
+            self._note_failure("tenant ledger", exc)
+            self._delete_quietly(key)
+            return None
+
+    def _quotas_changed(self) -> None:
+        """A row changed (``PUT /quota``): tenants now over their limit drop chunks now."""
+        if self._quotas is not None and self.link.is_up:
+            self._evicted(self._quotas.enforce_all())
+
+    def _evicted(self, keys: Sequence[ChunkKey]) -> None:
+        if keys:
+            self._bump(evicted=len(keys))
+            self.report_evicted(keys)
 
     def flush(self, timeout: float | None = None) -> bool:
         return self.writes.flush(timeout)
@@ -320,6 +402,8 @@ class RedisTier(Tier):
             self._last_usage = self._call(server_usage)
         except TierError as exc:
             self._note_failure("usage", exc)
+        if self._quotas is not None:
+            self._quotas.capacity_read(self._last_usage.capacity_bytes)
         self.counters.outages = self.link.outages
         self.counters.reconnects = self.link.reconnects
         self.counters.busy_timeouts = self.link.busy_timeouts

@@ -1,0 +1,119 @@
+"""The Redis tier under ``tenant_quotas``: each store counted in its tenant's ledger in Redis.
+
+What the tier does with it (:mod:`kvtier.storage.redis.tier`)::
+
+    assign_tenant(key, t)   the manager names the next put's tenant          -> assign
+    writer, before the SET  a limit under one chunk: the put is DROPPED      -> refusal
+    writer, after the SET   ZADD + pop the oldest over the limit + DEL them  -> stored
+                            (:mod:`kvtier.storage.redis.tenant_ledger`; if that fails, the
+                            record just written is deleted again, so no chunk goes uncounted)
+    PUT /quota              every tenant this engine stored for is brought
+                            within its new limit at once                     -> enforce_all
+    stats() / metrics       each known tenant's ledger size, one pipeline    -> report
+
+A limit is the tenant's row of the engine's table (``"*"`` for a tenant it does not name),
+in whole chunks of the tier's full record; a share is of the capacity the tier's ``usage()``
+reports (``maxmemory`` summed over the masters, or the host's memory without one), read at
+open and again at most every :data:`CAPACITY_TTL_S` by the writers. Every tenant's stores are
+counted once quotas are on, so a row added later bounds what the tenant stored before too.
+
+What it is not: a guarantee. Redis' own maxmemory eviction knows no tenants, so a tenant
+under its limit may still lose chunks to it; the ledger only caps. Its counts can err low
+only (the ledger's docstring says why), so a tenant never holds more than its limit, except
+for the chunks its writers have stored and not yet counted (one per writer thread in flight)
+and those pinned by nothing: a shared store cannot pin (the tier's docstring).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvtier.keys import ChunkKey
+from kvtier.storage.policy.quotas import TenantQuotas
+from kvtier.storage.redis import tenant_ledger
+from kvtier.storage.remote_quotas import RemoteQuotas
+
+log = logging.getLogger(__name__)
+
+CAPACITY_TTL_S = 10.0  # how stale the capacity a share is computed from may be
+
+
+class RedisQuotas(RemoteQuotas):
+    """A Redis tier's quotas; every Redis call goes through ``call`` (the tier's link)."""
+
+    def __init__(
+        self,
+        quotas: TenantQuotas,
+        unit_bytes: int,
+        fingerprint_hex: str,
+        chunk_prefix: bytes,
+        ttl_ms: int,
+        call: Callable[[Callable[[Any], Any]], Any],
+        read_capacity: Callable[[], int],
+    ) -> None:
+        super().__init__(quotas, unit_bytes)
+        self.fingerprint_hex = fingerprint_hex
+        self.chunk_prefix = chunk_prefix
+        self.ttl_ms = ttl_ms
+        self._call = call
+        self._read_capacity = read_capacity
+        self._capacity_at = float("-inf")
+
+    def ledger(self, tenant: str) -> bytes:
+        return tenant_ledger.ledger_name(self.fingerprint_hex, tenant)
+
+    def capacity_read(self, capacity: int) -> None:
+        """The tier read the store's capacity (at open, at ``usage()``)."""
+        if capacity > 0:
+            self.capacity_bytes = capacity
+            self._capacity_at = time.monotonic()
+
+    def refusal(self, tenant: str) -> str | None:
+        """Why a put of ``tenant`` is not kept (a limit under one chunk), else None. Reads
+        the capacity first when it is stale and the tenant's limit is a share."""
+        limit = self.quotas.limit(tenant)
+        if limit is None:
+            return None
+        if limit.share is not None and time.monotonic() - self._capacity_at > CAPACITY_TTL_S:
+            self.capacity_read(self._read_capacity())
+        return self.below_one_chunk(tenant)
+
+    def stored(self, tenant: str, key: ChunkKey) -> list[ChunkKey]:
+        """``key``'s record is in Redis: count it in ``tenant``'s ledger and delete the
+        tenant's oldest chunks over its limit. Returns the keys deleted. Raises TierError."""
+        return self._update(tenant, key.hex().encode())
+
+    def enforce_all(self) -> list[ChunkKey]:
+        """Every tenant this engine stored for, brought within its limit now (a row
+        changed). Returns the keys deleted; a tenant whose update fails is logged."""
+        evicted: list[ChunkKey] = []
+        for tenant in self.tenants():
+            if self.quotas.limit(tenant) is None:
+                continue
+            try:
+                evicted += self._update(tenant, None)
+            except Exception as exc:  # a listener of the quota table: never raise into it
+                log.warning("redis tier: tenant %r's new quota not applied yet: %s", tenant, exc)
+        return evicted
+
+    def _update(self, tenant: str, member: bytes | None) -> list[ChunkKey]:
+        ledger, limit = self.ledger(tenant), self.limit_chunks(tenant)
+        result = self._call(
+            lambda client: tenant_ledger.update(
+                client, ledger, member, limit, self.chunk_prefix, self.ttl_ms
+            )
+        )
+        evicted = [bytes.fromhex(m.decode()) for m in result.evicted]
+        self.updated(tenant, result.chunks, evicted, result.stale)
+        return evicted
+
+    def refresh_counts(self) -> None:
+        """Each known tenant's ledger size now (stats); on failure the last ones stay."""
+        tenants = self.tenants()
+        ledgers = [self.ledger(t) for t in tenants]
+        found: Sequence[int] = self._call(lambda client: tenant_ledger.counts(client, ledgers))
+        for tenant, chunks in zip(tenants, found, strict=True):
+            self.updated(tenant, chunks, ())

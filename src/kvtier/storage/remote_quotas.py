@@ -1,0 +1,146 @@
+"""A remote tier's side of ``tenant_quotas``: each put's tenant, its limit in chunks, and
+what the tier reports per tenant.
+
+The CPU and disk tiers bound a tenant through their eviction policy
+(:class:`~kvtier.storage.policy.tenants.TenantPolicy`): they hold every chunk and choose
+every victim. A remote store (Redis, S3) is shared by a fleet and evicts on its own, so its
+tier keeps a *ledger* of each tenant's chunks where the fleet can see it (Redis: a sorted set
+beside the chunks, :mod:`kvtier.storage.redis.tenant_ledger`) and, after a store of a tenant
+over its limit, deletes that tenant's oldest chunks. This module is what the ledger needs
+from the engine, whatever the store:
+
+* the put's tenant: the manager names it just before the put (``Tier.assign_tenant``);
+  :meth:`RemoteQuotas.take` hands it to the write;
+* the tenant's limit in whole chunks of ``unit_bytes`` (the record of a full chunk as the
+  identity codec writes it, so a coded chunk is charged as a whole one, never less), read
+  from the engine's one :class:`~kvtier.storage.policy.quotas.TenantQuotas` at each store,
+  so a ``PUT /quota`` reaches the remote tier at its next store (or at once: the tier
+  subscribes); a share is of ``capacity_bytes``, the store's capacity as the tier reads it;
+* per tenant: chunks the ledger held at its last update (the fleet's, not this engine's),
+  this engine's quota evictions, and members found stale (their chunk was gone already).
+  ``hits`` is None: a read does not know its tenant (the key's salt is hashed into it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.keys import ChunkKey
+from kvtier.storage.policy.quotas import TenantQuotas
+
+NO_SALT = ""  # the tenant of requests without a cache_salt
+ASSIGNED_KEPT = 65536  # assigned keys not put yet (a put refused before the tier saw it)
+QUOTA_EVICTIONS_KEPT = 65536  # keys remembered as quota-evicted (kvtier explain)
+TENANTS_KEPT = 4096  # tenants remembered: past this, one that holds nothing is forgotten
+
+
+@dataclass(slots=True)
+class RemoteTenantUsage:
+    chunks: int = 0  # the ledger's members at its last update seen here (fleet-wide)
+    quota_evictions: int = 0  # chunks this engine deleted because the tenant was over
+    stale: int = 0  # ledger members whose chunk the store had dropped already
+
+
+class RemoteQuotas:
+    """Thread-safe (writer threads and the engine's caller both use it)."""
+
+    def __init__(self, quotas: TenantQuotas, unit_bytes: int) -> None:
+        self.quotas = quotas
+        self.unit_bytes = unit_bytes
+        self.capacity_bytes = 0  # 0: not read yet (a share cannot be computed)
+        self._next: dict[ChunkKey, str] = {}
+        self._usage: dict[str, RemoteTenantUsage] = {}
+        self._quota_evicted: OrderedDict[ChunkKey, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # -- a put's tenant ---------------------------------------------------------------------
+    def assign(self, key: ChunkKey, tenant: str | None) -> None:
+        """The next put of ``key`` stores a chunk of ``tenant`` (None: no salt)."""
+        with self._lock:
+            self._next[key] = tenant or NO_SALT
+            if len(self._next) > ASSIGNED_KEPT:
+                del self._next[next(iter(self._next))]
+
+    def take(self, key: ChunkKey) -> str:
+        """The tenant assigned to ``key``'s put (the unsalted tenant when none was)."""
+        with self._lock:
+            return self._next.pop(key, NO_SALT)
+
+    # -- limits -----------------------------------------------------------------------------
+    def limit_bytes(self, tenant: str) -> int | None:
+        """``tenant``'s limit in this tier; None: no limit. A share of a capacity not read
+        yet is 0 (the caller reads the capacity before it stores)."""
+        limit = self.quotas.limit(tenant)
+        return None if limit is None else limit.bytes_of(self.capacity_bytes)
+
+    def limit_chunks(self, tenant: str) -> int | None:
+        """The limit in whole chunks (rounded down: a tenant never holds more than it)."""
+        limit = self.limit_bytes(tenant)
+        return None if limit is None else limit // self.unit_bytes
+
+    def below_one_chunk(self, tenant: str) -> str | None:
+        """Why a put of ``tenant`` cannot be kept (its limit is under one chunk), or None."""
+        limit = self.limit_bytes(tenant)
+        if limit is None or limit >= self.unit_bytes:
+            return None
+        return (
+            f"tenant {tenant!r}'s quota ({self.quotas.limit(tenant)}: {limit} bytes here) is "
+            f"below one chunk ({self.unit_bytes} bytes); raise it to at least that"
+        )
+
+    # -- what the ledger said ---------------------------------------------------------------
+    def updated(
+        self, tenant: str, chunks: int, evicted: Sequence[ChunkKey], stale: int = 0
+    ) -> None:
+        """The tenant's ledger holds ``chunks`` now; this engine deleted ``evicted`` (its
+        oldest, over the limit) and found ``stale`` members whose chunk was gone already."""
+        with self._lock:
+            usage = self._usage.get(tenant)
+            if usage is None:
+                if len(self._usage) >= TENANTS_KEPT:
+                    self._forget_one_empty()
+                usage = self._usage[tenant] = RemoteTenantUsage()
+            usage.chunks = chunks
+            usage.quota_evictions += len(evicted)
+            usage.stale += stale
+            for key in evicted:
+                self._quota_evicted[key] = tenant
+                self._quota_evicted.move_to_end(key)
+            while len(self._quota_evicted) > QUOTA_EVICTIONS_KEPT:
+                self._quota_evicted.popitem(last=False)
+
+    def _forget_one_empty(self) -> None:
+        for tenant, usage in self._usage.items():
+            if usage.chunks == 0:
+                del self._usage[tenant]
+                return
+
+    def tenants(self) -> list[str]:
+        """The tenants this engine has stored for (and still remembers)."""
+        with self._lock:
+            return list(self._usage)
+
+    def evicted_by_quota(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, str]:
+        with self._lock:
+            found = map(self._quota_evicted.get, keys)
+            return {k: t for k, t in zip(keys, found, strict=True) if t is not None}
+
+    def report(self) -> dict[str, dict[str, int | None]]:
+        """Per tenant, the fields ``stats()`` and the metrics read (as the CPU tier's)."""
+        with self._lock:
+            rows = list(self._usage.items())
+        return {
+            tenant: {
+                "held_bytes": usage.chunks * self.unit_bytes,
+                "limit_bytes": self.limit_bytes(tenant),
+                "chunks": usage.chunks,
+                "hits": None,
+                "evictions": usage.quota_evictions,
+                "quota_evictions": usage.quota_evictions,
+                "stale_entries": usage.stale,
+            }
+            for tenant, usage in rows
+        }

@@ -1,0 +1,232 @@
+"""tenant_quotas in the Redis tier, against a real redis-server and a real 3-master cluster:
+two tier instances on one Redis are two engines of a fleet; a tenant's ledger bounds it
+across both, and only its own chunks go."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvtier import Engine
+from kvtier.config.remote_url import parse_remote_url
+from kvtier.config.tenant_quotas import TenantLimit, parse_limit
+from kvtier.errors import ConfigError
+from kvtier.keys import ChunkKey
+from kvtier.observability.metrics import engine_registry
+from kvtier.storage import records
+from kvtier.storage.base import PutOutcome
+from kvtier.storage.policy.quotas import TenantQuotas
+from kvtier.storage.redis.options import RedisOptions
+from kvtier.storage.redis.tenant_ledger import ledger_name
+from kvtier.storage.redis.tier import RedisTier
+from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
+from tests.redis_servers import RedisClusterServers, RedisServer
+from tests.storage.redis.test_redis import FINGERPRINT
+from tests.storage.tier_contract import CONTRACT_CHUNK, payload, put_and_wait
+
+UNIT = records.header_size() + FINGERPRINT.layout.payload_bytes(CONTRACT_CHUNK)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    srv = RedisServer().start()
+    try:
+        yield srv
+    finally:
+        srv.cleanup()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisClusterServers]:
+    servers = RedisClusterServers().start()
+    try:
+        yield servers
+    finally:
+        servers.cleanup()
+
+
+@pytest.fixture(params=["server", "cluster"])
+def url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """One redis-server, or a cluster; emptied after each test (chunks and ledgers)."""
+    target = request.getfixturevalue(request.param)
+    yield target.url
+    nodes = target.nodes if isinstance(target, RedisClusterServers) else [target]
+    for node in nodes:
+        with node.client() as client:
+            client.flushall()
+
+
+def chunks(n: int) -> str:
+    return f"{n * UNIT}B"
+
+
+def open_tiers(
+    url: str, rows: dict[str, str], count: int = 1, **options: object
+) -> list[RedisTier]:
+    """``count`` tiers on ``url``, each with its own quota table of ``rows`` (an engine
+    each, as a fleet is)."""
+    tiers = []
+    for _ in range(count):
+        opts = RedisOptions(**{"timeout_s": 2.0, **options})  # type: ignore[arg-type]
+        tier = RedisTier(parse_remote_url(url), FINGERPRINT.layout, FINGERPRINT, opts)
+        table = {t: parse_limit("tenant_quotas", v) for t, v in rows.items()}
+        tier.attach_quotas(TenantQuotas(table))
+        tier.open()
+        tiers.append(tier)
+    return tiers
+
+
+def store(tier: RedisTier, tenant: str, seed: int) -> ChunkKey:
+    key = seed.to_bytes(16, "big")
+    tier.assign_tenant(key, tenant)
+    assert put_and_wait(tier, key, payload(CONTRACT_CHUNK, seed), CONTRACT_CHUNK).outcome is (
+        PutOutcome.STORED
+    )
+    return key
+
+
+def live(tier: RedisTier, keys: list[ChunkKey]) -> list[ChunkKey]:
+    return [k for k, held in zip(keys, tier.contains(keys), strict=True) if held]
+
+
+def delete_behind_the_tiers_back(tier: RedisTier, key: ChunkKey) -> bool:
+    name = tier.redis_name(key)
+    return bool(tier.link.call(lambda client: client.delete(name)))
+
+
+def test_a_flood_from_two_engines_stays_within_its_quota_fleet_wide(url: str) -> None:
+    a, b = open_tiers(url, {"flood": chunks(4)}, count=2)
+    try:
+        calm = [store(a, "calm", seed) for seed in range(1, 4)]
+        flood = []
+        for seed in range(100, 120):  # 20 chunks, the two engines taking turns
+            flood.append(store(a if seed % 2 else b, "flood", seed))
+        assert live(a, flood) == flood[-4:]  # its newest 4, whichever engine stored them
+        assert live(b, calm) == calm  # another tenant's chunks are untouched
+        reports = [a.tenant_report(), b.tenant_report()]
+        for report in reports:  # the ledger's count is the fleet's, read by each engine
+            assert report["flood"]["held_bytes"] == 4 * UNIT
+            assert report["flood"]["limit_bytes"] == 4 * UNIT
+        assert "calm" not in reports[1]  # an engine reports the tenants it stored for
+        assert reports[0]["calm"]["chunks"] == 3
+        assert reports[0]["calm"]["limit_bytes"] is None
+        assert reports[0]["calm"]["quota_evictions"] == 0
+        assert sum(r["flood"]["quota_evictions"] or 0 for r in reports) == 16
+        assert a.counters.evicted + b.counters.evicted == 16
+        gone = {**a.evicted_by_quota(flood), **b.evicted_by_quota(flood)}
+        assert gone == dict.fromkeys(flood[:16], "flood")  # kvtier explain names the quota
+        assert a.get_into(flood[-1], _page()) == CONTRACT_CHUNK  # what is left still reads
+    finally:
+        a.close()
+        b.close()
+
+
+def _page() -> torch.Tensor:
+    return torch.empty(UNIT, dtype=torch.uint8)
+
+
+def test_a_limit_changed_at_run_time_applies_at_once_and_at_the_next_store(url: str) -> None:
+    (tier,) = open_tiers(url, {"t": chunks(6)})
+    try:
+        keys = [store(tier, "t", seed) for seed in range(1, 7)]
+        assert live(tier, keys) == keys
+        tier._quotas.quotas.set("t", TenantLimit(nbytes=2 * UNIT))  # type: ignore[union-attr]
+        assert live(tier, keys) == keys[-2:]  # PUT /quota: evicted before it answers
+        tier._quotas.quotas.set("t", None)  # type: ignore[union-attr]
+        keys += [store(tier, "t", seed) for seed in range(7, 10)]  # no row: no limit
+        assert len(live(tier, keys)) == 5
+    finally:
+        tier.close()
+
+
+def test_chunks_redis_dropped_itself_cost_the_tenant_none_of_its_live_ones(url: str) -> None:
+    (tier,) = open_tiers(url, {"t": chunks(4)})
+    try:
+        keys = [store(tier, "t", seed) for seed in range(1, 5)]
+        for gone in (keys[0], keys[2]):  # as maxmemory eviction or an expiry would
+            assert delete_behind_the_tiers_back(tier, gone)
+        # Pops keys[0]: gone already, so a stale member, and the look-ahead finds keys[2].
+        keys.append(store(tier, "t", 5))
+        keys.append(store(tier, "t", 6))  # 4 members again: nothing popped
+        assert live(tier, keys) == [keys[1], keys[3], keys[4], keys[5]]  # 4: its limit
+        row = tier.tenant_report()["t"]
+        assert row["quota_evictions"] == 0
+        assert row["stale_entries"] == 2
+    finally:
+        tier.close()
+
+
+def test_a_share_is_of_maxmemory(server: RedisServer) -> None:
+    with server.client() as client:
+        client.config_set("maxmemory", str(1000 * UNIT))
+    try:
+        (tier,) = open_tiers(server.url, {"*": "0.5%"})  # 5 chunks of 1000
+        keys = [store(tier, "anyone", seed) for seed in range(1, 9)]
+        assert live(tier, keys) == keys[-5:]
+        assert tier.tenant_report()["anyone"]["limit_bytes"] == 5 * UNIT
+        tier.close()
+    finally:
+        with server.client() as client:
+            client.config_set("maxmemory", "0")
+            client.flushall()
+
+
+def test_the_ledger_expires_with_the_chunks_it_counts(server: RedisServer) -> None:
+    (tier,) = open_tiers(server.url, {"t": chunks(4)}, ttl_s=60.0)
+    try:
+        store(tier, "t", 1)
+        with server.client() as client:
+            ttl_ms = client.pttl(ledger_name(tier.fingerprint.hex(), "t"))
+            assert 0 < ttl_ms <= 60_000
+            assert client.pttl(tier.redis_name((1).to_bytes(16, "big"))) <= ttl_ms
+    finally:
+        tier.close()
+        with server.client() as client:
+            client.flushall()
+
+
+def test_a_limit_under_one_chunk_is_refused_naming_the_tenant(server: RedisServer) -> None:
+    (tier,) = open_tiers(server.url, {"tiny": "1KiB"})
+    try:
+        key = (1).to_bytes(16, "big")
+        tier.assign_tenant(key, "tiny")
+        result = put_and_wait(tier, key, payload(CONTRACT_CHUNK, 1), CONTRACT_CHUNK)
+        assert result.outcome is PutOutcome.DROPPED
+        assert "tenant 'tiny'" in result.detail and "1.00 KiB" in result.detail
+        assert f"below one chunk ({UNIT} bytes)" in result.detail
+        assert tier.contains([key]) == [False]
+    finally:
+        tier.close()
+    with pytest.raises(ConfigError, match=r"tenant_quotas\['bob'\].*150%.*above 0 up to 100"):
+        small_config(remote_url=server.url, tenant_quotas={"bob": "150%"})
+
+
+def test_engine_reports_the_remote_tiers_tenants_in_stats_and_metrics(
+    server: RedisServer,
+) -> None:
+    prompt = 4 * SMALL_CHUNK
+    unit = records.header_size() + SMALL_LAYOUT.payload_bytes(SMALL_CHUNK)
+    config = small_config(
+        cpu_chunks=64, remote_url=server.url, tenant_quotas={"flood": f"{2 * unit}B"}
+    )
+    try:
+        with Engine(config, SMALL_LAYOUT, model_name="m") as engine:
+            for seed in range(1, 4):  # 12 chunks of "flood": 2 stay in Redis
+                engine.store(make_tokens(prompt, seed), make_kv(prompt, seed), cache_salt="flood")
+            engine.store(make_tokens(prompt, 9), make_kv(prompt, 9), cache_salt="calm")
+            engine.flush()
+            tenants = engine.stats()["tiers"]["redis"]["tenants"]
+            assert tenants["flood"]["held_bytes"] == 2 * unit
+            assert tenants["flood"]["quota_evictions"] == 10
+            assert tenants["calm"]["chunks"] == 4
+            value = engine_registry(engine).get_sample_value
+            labels = {"tier": "redis", "tenant": "flood"}
+            assert value("kvtier_tenant_held_bytes", labels) == 2 * unit
+            assert value("kvtier_tenant_limit_bytes", labels) == 2 * unit
+            assert value("kvtier_tenant_quota_evictions_total", labels) == 10
+            assert value("kvtier_tenant_hit_chunks_total", labels) is None  # unknown here
+    finally:
+        with server.client() as client:
+            client.flushall()
