@@ -22,7 +22,8 @@ release is idempotent, so a pin is released once on every path, never twice. The
 
 Reservation is all or nothing (``BlockPool.allocate``), so two requests can never each hold
 half of what they need. When the buffer is short, ``reserve`` waits (woken by every release)
-up to its timeout, then raises :class:`TransferTimeout`.
+up to its timeout, then raises :class:`TransferTimeout`. With ``tenant_quotas``, a tenant's
+reservations also stay within its share (:mod:`kvtier.pd.tenant_shares`), waiting the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,10 +48,12 @@ from kvtier.memory.block_pool import BlockPool, pages_for_capacity
 from kvtier.pd.channels import receiver_channel
 from kvtier.pd.channels.base import ReceiverChannel
 from kvtier.pd.checksum import checksum
-from kvtier.pd.reservation import Reservation
+from kvtier.pd.reservation import Reservation, live_reservations
 from kvtier.pd.serve_copy import ServeCopier
+from kvtier.pd.tenant_shares import TenantShares
 from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierCounters, TierUsage
 from kvtier.storage.key_pins import KeyPins
+from kvtier.storage.policy.quotas import TenantQuotas
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +112,7 @@ class PDBuffer(Tier):
         self._key_pins = KeyPins()
         self._cond = threading.Condition(threading.RLock())
         self._serving = ServeCopier()
+        self.shares = TenantShares(num_pages, page_bytes)
 
     @classmethod
     def from_config(cls, config: Config, layout: KVLayout, fingerprint: Fingerprint) -> PDBuffer:
@@ -135,11 +140,13 @@ class PDBuffer(Tier):
                 self._serving.open()
 
     def close(self) -> None:
+        self.shares.detach()
         with self._cond:
             pool, self._pool = self._pool, None
             self._index.clear()
             self._page_key.clear()
             self._key_pins.clear()
+            self.shares.clear()
             self._cond.notify_all()
         if pool is not None:
             pool.close()
@@ -152,18 +159,38 @@ class PDBuffer(Tier):
             raise StateError("the PD tier is not open")
         return self._pool
 
+    def attach_quotas(self, quotas: TenantQuotas) -> None:
+        """Keep each tenant's reservations within its share (:mod:`kvtier.pd.tenant_shares`);
+        a changed limit wakes the reservations waiting for room."""
+        self.shares.attach(quotas, self._wake)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def tenant_report(self) -> dict[str, dict[str, int | None]]:
+        with self._cond:
+            return self.shares.report()
+
     # -- the receive side ------------------------------------------------------------------
     def reserve(
-        self, request_id: str, keys: Sequence[ChunkKey], num_tokens: Sequence[int], timeout: float
+        self,
+        request_id: str,
+        keys: Sequence[ChunkKey],
+        num_tokens: Sequence[int],
+        timeout: float,
+        tenant: str = "",
     ) -> tuple[Reservation, list[int]]:
         """Reserve the whole request at once: ``(reservation, held positions)``.
 
         Keys already in the buffer are held (one reference for this request, nothing more);
         every other key gets a fresh page (``reservation.new``), in key order. Waits up to
-        ``timeout`` seconds for room; raises :class:`TransferTimeout` then, and
-        :class:`TooLarge` at once when the request could never fit.
+        ``timeout`` seconds for room, in the buffer and in ``tenant``'s share; raises
+        :class:`TransferTimeout` then, and :class:`TooLarge` (or :class:`ShareTooSmall`) at
+        once when the request could never fit the buffer (or the tenant's share).
         """
         deadline = time.monotonic() + timeout
+        shares, waited = self.shares, False
         with self._cond:
             while True:
                 pool = self.pool
@@ -174,10 +201,16 @@ class PDBuffer(Tier):
                         f"request {request_id!r} needs {len(missing)} chunks; the PD buffer holds "
                         f"{self.num_pages} (raise pd_buffer_size)"
                     )
-                fresh = pool.allocate(len(missing))
+                at_share = not shares.admit(request_id, tenant, len(keys), waited)
+                fresh = None if at_share else pool.allocate(len(missing))
                 if fresh is not None:
                     break
+                waited = waited or at_share
                 remaining = deadline - time.monotonic()
+                if remaining <= 0 and at_share:
+                    raise TransferTimeout(
+                        shares.full_message(request_id, tenant, len(keys), timeout)
+                    )
                 if remaining <= 0:
                     raise TransferTimeout(
                         f"request {request_id!r}: no room for {len(missing)} chunks in the PD "
@@ -193,7 +226,9 @@ class PDBuffer(Tier):
                 self._index[key] = _Entry(page, num_tokens[i])
                 self._page_key[page] = key
                 new[page] = key
-            return Reservation(self, request_id, fresh + held_pages, new), held
+            pages = fresh + held_pages
+            shares.take(tenant, len(pages))
+            return Reservation(self, request_id, pages, new, tenant), held
 
     def page_view(self, page: int, nbytes: int) -> torch.Tensor:
         return self.pool.page_bytes_view(page, nbytes)
@@ -253,6 +288,7 @@ class PDBuffer(Tier):
                 entry = self._index.get(key)
                 if entry is not None and entry.page == page and not entry.ready:
                     del self._index[key]  # never filled: nobody may find it
+            self.shares.give_back(reservation.tenant, len(reservation.pages))
             self._release(reservation.pages)
 
     def _release(self, pages: list[int]) -> None:
@@ -379,15 +415,14 @@ class PDBuffer(Tier):
 
     def audit(self, leases: LeaseTable[Any]) -> list[str]:
         """The engine's reference audit for this buffer: every page reference is owned by a
-        live reservation in some request's lease or a key pin; with no request
-        open, every reservation has been given back."""
-        expected: dict[int, int] = {}
-        for lease in leases.live():
-            for hold in list(lease.holds):
-                if isinstance(hold, Reservation) and hold.tier is self and not hold.released:
-                    for page in hold.pages:
-                        expected[page] = expected.get(page, 0) + 1
-        return [f"pd buffer: {problem}" for problem in self.check_invariants(expected)]
+        live reservation in some request's lease or a key pin (with no request open, every
+        reservation has been given back), and each tenant is charged for exactly those."""
+        live = live_reservations(leases, self)
+        expected = Counter(page for reservation in live for page in reservation.pages)
+        problems = self.check_invariants(dict(expected))
+        with self._cond:
+            problems += self.shares.check_against(live)
+        return [f"pd buffer: {problem}" for problem in problems]
 
 
 def _tokens_per_page(payload_bytes: Callable[[int], int], page_bytes: int) -> int:

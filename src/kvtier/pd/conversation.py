@@ -7,7 +7,8 @@ the handshake (:meth:`ReceiverConversation.handshake`), per request:
 1. ``AllocRequest``: the PD tier reserves every chunk at once (held keys take one reference
    for this request, nothing more) and the reservation goes into the decoder request's lease
    through ``attach(request_id, reservation)``: ``end_request`` gives it back, whichever way
-   the request ends. A full buffer waits up to ``pd_allocation_timeout_sec``, then both
+   the request ends. A full buffer (or, with ``tenant_quotas``, a tenant at its share of it:
+   :mod:`kvtier.pd.tenant_shares`) waits up to ``pd_allocation_timeout_sec``, then both
    sides get :class:`TransferTimeout` and the decoder prefills locally.
 2. ``ChunkSent``: the payload lands in its page (tcp: ``recv_into`` the page), is verified and
    published: from then on the decoder's lookup finds it.
@@ -29,6 +30,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvtier.config.tenant_quotas import MAX_TENANT_CHARS
 from kvtier.errors import AuthError, ProtocolError, StateError, TransferError, TransferTimeout
 from kvtier.keys import ChunkKey
 from kvtier.lease import Hold
@@ -51,11 +53,15 @@ from kvtier.pd.protocol import (
     send_message,
 )
 from kvtier.pd.reservation import Reservation
+from kvtier.pd.tenant_shares import ShareTooSmall
 
 # The receiver's logger, as the guard's: one name carries every line about its connections.
 log = logging.getLogger("kvtier.pd.receiver")
 
 Attach = Callable[[str, Hold], None]
+
+# A reservation refused: the ErrorReply kind the sender sees (TransferTimeout for "timeout").
+_ERROR_KINDS = {TransferTimeout: "timeout", TooLarge: "too_large", ShareTooSmall: "over_share"}
 
 
 @dataclass
@@ -187,9 +193,11 @@ class ReceiverConversation:
         rid = req.request_id
         self.guard.expect(state, math.inf, "")  # waiting for room is the receiver's wait
         try:
-            reservation, held = self.tier.reserve(rid, req.keys, req.num_tokens, self.alloc_timeout)
-        except (TransferTimeout, TooLarge) as exc:
-            kind = "timeout" if isinstance(exc, TransferTimeout) else "too_large"
+            reservation, held = self.tier.reserve(
+                rid, req.keys, req.num_tokens, self.alloc_timeout, req.tenant
+            )
+        except (TransferTimeout, TooLarge, ShareTooSmall) as exc:
+            kind = _ERROR_KINDS[type(exc)]
             log.warning("PD request %s refused: %s", rid, exc)
             self._record(rid, TransferOutcome(False, str(exc)))
             send_message(conn, ErrorReply(rid, kind, str(exc)))
@@ -256,6 +264,8 @@ def _validate(req: AllocRequest, tier: PDBuffer) -> None:
         raise ProtocolError("AllocRequest needs as many token counts as keys, at least one")
     if len(set(req.keys)) != len(req.keys):
         raise ProtocolError("AllocRequest repeats a key")
+    if len(req.tenant) > MAX_TENANT_CHARS:
+        raise ProtocolError(f"AllocRequest's tenant is over {MAX_TENANT_CHARS} characters")
     for key, tokens in zip(req.keys, req.num_tokens, strict=True):
         _check_key(key)
         if not 1 <= tokens <= max_tokens:

@@ -22,7 +22,8 @@ One connection carries one sender's requests, one at a time::
                                                  when it fails
                                          <-  HelloReply(num_pages, page_bytes, how to reach
                                                  the buffer: shm segment name / nixl metadata)
-    AllocRequest(rid, keys, num_tokens) ->   reserve every missing chunk at once, or wait
+    AllocRequest(rid, keys, num_tokens, ->   reserve every missing chunk at once, or wait
+                 tenant)                     (for room, and for room in the tenant's share)
                                          <-  AllocReply(held, pages) | ErrorReply(kind)
     ChunkSent(rid, index, nbytes, csum) ->   tcp: the next nbytes on the socket are the chunk,
       [tcp: payload, then its csum as        received straight into its page; shm: already
@@ -94,6 +95,10 @@ class AllocRequest(msgspec.Struct, tag=True):
     request_id: str
     keys: list[bytes]
     num_tokens: list[int]
+    # The request's tenant under tenant_quotas: its cache_salt ("" none), whose share of the
+    # receive buffer the reservation counts against (kvtier.pd.tenant_shares). On the
+    # authenticated connection like the rest; a pulling decoder uses its own request's.
+    tenant: str = ""
 
 
 class AllocReply(msgspec.Struct, tag=True):
@@ -104,7 +109,7 @@ class AllocReply(msgspec.Struct, tag=True):
 
 class ErrorReply(msgspec.Struct, tag=True):
     request_id: str
-    kind: str  # "timeout", "too_large", "rejected", "unauthorized"
+    kind: str  # "timeout", "too_large", "over_share", "rejected", "unauthorized"
     message: str
 
 

@@ -21,6 +21,8 @@ import socket
 import threading
 from collections.abc import Sequence
 
+import msgspec
+
 from kvtier.errors import ProtocolError, TransferError
 from kvtier.keys import ChunkKey
 from kvtier.pd.conversation import RequestInFlight
@@ -44,10 +46,12 @@ class Puller:
         self.failures = 0
 
     def pull(
-        self, host: str, port: int, transfer_id: str, keys: Sequence[ChunkKey]
+        self, host: str, port: int, transfer_id: str, keys: Sequence[ChunkKey], tenant: str = ""
     ) -> TransferOutcome:
         """Claim ``transfer_id`` from the prefiller at ``host:port`` for a prompt of chunk
-        ``keys`` and receive it; the reservation joins ``transfer_id``'s lease."""
+        ``keys`` and receive it; the reservation joins ``transfer_id``'s lease and counts
+        against ``tenant``'s share (the decoder's own request's ``cache_salt``: whatever
+        tenant the prefiller names is replaced, as its keys are checked against ours)."""
         self.pulls += 1
         try:
             state = self._connection(host, port)
@@ -72,6 +76,7 @@ class Puller:
                     break
                 if isinstance(msg, AllocRequest):
                     _check_claim(msg, transfer_id, keys)
+                    msg = msgspec.structs.replace(msg, tenant=tenant)
                 current = receiver.conversation.handle(state, msg, current)
                 if current is None:  # DoneReply sent, or the request refused or aborted
                     taken = receiver.wait_outcome(transfer_id, 0)

@@ -11,9 +11,10 @@ requests) is the buffer's: the reservation only calls :meth:`ReservationOwner.en
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvtier.keys import ChunkKey
+from kvtier.lease import LeaseTable
 
 
 class ReservationOwner(Protocol):
@@ -33,10 +34,16 @@ class Reservation:
     """The pages one request holds in the receive buffer (a lease Hold; released once)."""
 
     def __init__(
-        self, tier: ReservationOwner, request_id: str, pages: list[int], new: dict[int, ChunkKey]
+        self,
+        tier: ReservationOwner,
+        request_id: str,
+        pages: list[int],
+        new: dict[int, ChunkKey],
+        tenant: str = "",
     ) -> None:
         self.tier = tier
         self.request_id = request_id
+        self.tenant = tenant  # whose share of the buffer the pages count against ("" no salt)
         self.pages = pages  # one reference each, owned by this reservation
         self.new = new  # page -> key for the chunks this request's sender must fill
         self._released = False
@@ -65,3 +72,13 @@ class Reservation:
         text = f"pd reservation of {len(self.pages)} pages ({received} of {len(self.new)} received"
         held = len(self.pages) - len(self.new)
         return text + (f", {held} already held)" if held else ")")
+
+
+def live_reservations(leases: LeaseTable[Any], owner: ReservationOwner) -> list[Reservation]:
+    """The reservations of ``owner`` that requests' leases hold and have not released."""
+    return [
+        hold
+        for lease in leases.live()
+        for hold in list(lease.holds)
+        if isinstance(hold, Reservation) and hold.tier is owner and not hold.released
+    ]

@@ -212,17 +212,29 @@ class PDSender:
         return packed
 
     def send(
-        self, request_id: str, chunks: Sequence[OutChunk], *, abort_after: int | None = None
+        self,
+        request_id: str,
+        chunks: Sequence[OutChunk],
+        *,
+        abort_after: int | None = None,
+        tenant: str = "",
     ) -> SendReport:
         """Transfer ``chunks`` for ``request_id``. ``abort_after=k`` gives up after k chunks
-        (what a request aborted mid-transfer does): the decoder releases its reservation."""
+        (what a request aborted mid-transfer does): the decoder releases its reservation.
+        ``tenant``: the request's ``cache_salt`` ("" none), whose share of the decoder's
+        buffer it takes under ``tenant_quotas``."""
         if not chunks:
             return SendReport(0, 0, 0, 0.0, 0.0)
         self.open()
-        return self.transfer(request_id, chunks, abort_after=abort_after)
+        return self.transfer(request_id, chunks, abort_after=abort_after, tenant=tenant)
 
     def transfer(
-        self, request_id: str, chunks: Sequence[OutChunk], *, abort_after: int | None = None
+        self,
+        request_id: str,
+        chunks: Sequence[OutChunk],
+        *,
+        abort_after: int | None = None,
+        tenant: str = "",
     ) -> SendReport:
         """:meth:`send` over the connection as it is (never reconnects)."""
         sock, channel = self._sock, self._channel
@@ -231,7 +243,7 @@ class PDSender:
         start = time.perf_counter()
         try:
             request = AllocRequest(
-                request_id, [c.key for c in chunks], [c.num_tokens for c in chunks]
+                request_id, [c.key for c in chunks], [c.num_tokens for c in chunks], tenant
             )
             send_message(sock, request)
             sock.settimeout(self.alloc_timeout + self.io_timeout)

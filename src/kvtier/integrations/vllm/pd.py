@@ -43,7 +43,7 @@ from kvtier.pd.puller import Puller
 from kvtier.pd.receiver import PDReceiver
 from kvtier.pd.sender import PDSender, chunks_from_kv
 from kvtier.pd.source import PDSource
-from kvtier.request_salt import RequestSalt
+from kvtier.request_salt import RequestSalt, tenant_of
 from kvtier.service import Service
 
 log = logging.getLogger(__name__)
@@ -71,18 +71,25 @@ class PDEndpoint:
             ).open()
 
     def send(
-        self, transfer_id: str, spans: Sequence[ChunkSpan], kv: torch.Tensor, base: int = 0
+        self,
+        transfer_id: str,
+        spans: Sequence[ChunkSpan],
+        kv: torch.Tensor,
+        base: int = 0,
+        salt: RequestSalt | None = None,
     ) -> bool:
         """Send (or hold, for a decoder to pull) ``spans`` of ``kv``
         (``[2, layers, >=end - base, hidden]``, row 0: token ``base``). False when it failed:
-        the decoder then prefills those tokens itself."""
+        the decoder then prefills those tokens itself. ``salt``: the request's, whose tenant
+        the decoder charges the transfer to (a pulling decoder names its own)."""
         if not spans:
             return False
         if self.source is not None:
             return self.source.hold(transfer_id, spans, kv, base) == len(spans)
         assert self.sender is not None
         try:
-            self.sender.send(transfer_id, chunks_from_kv(spans, kv, base))
+            chunks = chunks_from_kv(spans, kv, base)
+            self.sender.send(transfer_id, chunks, tenant=tenant_of(salt) or "")
             return True
         except KVTierError as exc:
             log.warning("kvtier PD: sending %s failed, the decoder prefills: %s", transfer_id, exc)
@@ -105,7 +112,7 @@ class PDEndpoint:
                 return False
             end = cache.retrieve_into(tokens, rid, out, cache_salt=salt)
             spans = cache.request_keys(tokens, rid, cache_salt=salt).spans
-        return self.send(transfer_id, [s for s in spans if s.end <= end], out)
+        return self.send(transfer_id, [s for s in spans if s.end <= end], out, salt=salt)
 
     def stats(self) -> dict[str, Any] | None:
         """Where decoders pull from, and the send buffer's counts (None when pushing)."""
@@ -165,13 +172,16 @@ class DecoderPulls:
             pull = self._pulls.get(transfer_id)
             if pull is None:
                 keys = [s.key for s in self.engine.request_keys(tokens, cache_salt=salt).spans]
-                pull = self._pool.submit(self._pull, host, port, transfer_id, keys)
+                tenant = tenant_of(salt) or ""
+                pull = self._pool.submit(self._pull, host, port, transfer_id, keys, tenant)
                 self._pulls[transfer_id] = pull
         wait([pull], timeout=POLL_WAIT_S)
         return pull.done()
 
-    def _pull(self, host: str, port: int, transfer_id: str, keys: list[ChunkKey]) -> bool:
-        outcome = self.puller.pull(host, port, transfer_id, keys)
+    def _pull(
+        self, host: str, port: int, transfer_id: str, keys: list[ChunkKey], tenant: str
+    ) -> bool:
+        outcome = self.puller.pull(host, port, transfer_id, keys, tenant)
         chunks = outcome.chunks + outcome.held  # received, or in the buffer already
         self.recent.append((transfer_id, f"{host}:{port}", chunks, outcome.ok))
         if not outcome.ok:

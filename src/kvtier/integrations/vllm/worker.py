@@ -296,7 +296,7 @@ class WorkerSide:
             if self.engine is not None:  # in-process: for the request's line (on its lease)
                 self.engine.record_stored(spec.request_id, stored * chunk, len(spec.tokens))
             if spec.transfer_id is not None and self._pd is not None:
-                self._pd.send(spec.transfer_id, keys.spans[first:], out, base)
+                self._pd.send(spec.transfer_id, keys.spans[first:], out, base, spec.cache_salt)
             if events is not None and published is not None and self.engine is None:
                 # Through a server, whose tiers this process cannot see: as submitted.
                 events.stored(*published, spec.tokens, self._media)
