@@ -29,9 +29,11 @@ def test_a_flooding_salt_stays_within_its_quota_and_the_others_keep_their_chunks
     tenants = engine.stats()["tiers"]["cpu"]["tenants"]
     assert tenants["flood"]["held_bytes"] == 4 * CHUNK_BYTES  # 25 % of 16 pages
     assert tenants["flood"]["quota_evictions"] == 76
+    assert tenants["flood"]["guarantee_bytes"] == 0  # 76 lost, none used: it lapsed
     assert tenants["quiet"] == {
         "held_bytes": 4 * CHUNK_BYTES,
         "limit_bytes": 8 * CHUNK_BYTES,
+        "guarantee_bytes": 8 * CHUNK_BYTES,
         "chunks": 4,
         "hits": 0,
         "evictions": 0,
@@ -48,6 +50,7 @@ def test_a_flooding_salt_stays_within_its_quota_and_the_others_keep_their_chunks
     assert value("kvtier_tenant_quota_evictions_total", {"tier": "cpu", "tenant": "flood"}) == 76
     assert value("kvtier_tenant_hit_chunks_total", {"tier": "cpu", "tenant": "quiet"}) == 4
     assert value("kvtier_tenant_limit_bytes", {"tier": "cpu", "tenant": "quiet"}) == 8 * CHUNK_BYTES
+    assert value("kvtier_tenant_guarantee_bytes", {"tier": "cpu", "tenant": "flood"}) == 0
 
 
 def test_a_request_pinning_its_prefix_keeps_it_over_its_quota(

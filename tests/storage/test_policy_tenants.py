@@ -20,6 +20,7 @@ from kvtier.memory.block_pool import BlockPool
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.policy import POLICIES, make_policy
 from kvtier.storage.policy.quotas import TenantQuotas
+from kvtier.storage.policy.tenant_reuse import MIN_WINDOW
 from kvtier.storage.policy.tenants import TenantPolicy
 from tests.storage.tier_contract import CONTRACT_CHUNK, PAGE_BYTES, TOKEN_BYTES, random_key
 
@@ -115,6 +116,36 @@ def test_unnamed_tenants_share_one_order_and_are_evicted_before_a_guarantee(
     assert tier.contains(vip) == [True] * 6
     assert sum(tenants.held_bytes(f"guest{n}") for n in range(10)) == 6 * PAGE_BYTES
     assert tenants.limit_bytes("guest0") is None
+
+
+def test_a_tenant_whose_chunks_do_not_come_back_loses_its_guarantee(pool: BlockPool) -> None:
+    """Rule 3: a scanner under a 50 % quota keeps it while it is used; once it has lost a
+    window of chunks unused its never-hit chunks go first, and it keeps its hot one."""
+    tier, tenants = quota_tier(pool, {"scan": "50%"})
+    hot = store(tier, "scan", 1)
+    for _ in range(MIN_WINDOW + 6):  # each scan hits the hot chunk, then reads a new one
+        pool.release([e.page for e in tier.pin_keys(hot).values()])
+        store(tier, "scan", 1)
+    assert not tenants.guarantee_held("scan")
+    assert tenants.report()["scan"]["guarantee_bytes"] == 0
+    chat = store(tier, "chat", PAGES - 1)  # no row: without rule 3 it could keep only 6
+    assert tier.contains(chat) == [True] * (PAGES - 1)
+    assert tier.contains(hot) == [True]  # the chunk it uses is the one it keeps
+    assert tenants.held_bytes("scan") == PAGE_BYTES
+
+
+def test_a_lapsed_tenant_whose_chunk_comes_back_regains_its_guarantee(pool: BlockPool) -> None:
+    tier, tenants = quota_tier(pool, {"t": "50%"})
+    keys = store(tier, "t", MIN_WINDOW + 6)
+    assert not tenants.guarantee_held("t")
+    lost = keys[-7]  # among the last window lost: still a ghost
+    assert tier.contains([lost]) == [False]
+    store(tier, "t", 1, lambda: lost)  # asked for again: its chunks do come back
+    assert tenants.guarantee_held("t")
+    assert tenants.report()["t"]["guarantee_bytes"] == 6 * PAGE_BYTES
+    others = store(tier, "other", PAGES)
+    assert tenants.held_bytes("t") == 6 * PAGE_BYTES  # its guarantee holds again
+    assert tier.contains(others[-6:]) == [True] * 6
 
 
 def test_a_quota_changed_at_run_time_applies_at_once(pool: BlockPool) -> None:
@@ -251,6 +282,10 @@ class TenantAccounting(RuleBasedStateMachine):
             assert held >= 0
             assert held == chunks * PAGE_BYTES
         assert len(self.tenants) == len(self.tier)
+        for tenant, watch in self.tenants._watch.items():  # no key outlives its chunk there
+            held = {k for k, t in self.owner.items() if t == tenant and self.tier.contains([k])[0]}
+            assert watch._hit <= held
+            assert len(watch._ghosts) <= watch.window
         # the guarantees' scale, kept as chunks come and go, is what a fresh sum gives
         limits = [self.tenants.limit_bytes(t) for t, u in self.tenants.usage.items() if u.chunks]
         total = sum(x for x in limits if x is not None)

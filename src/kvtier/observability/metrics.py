@@ -194,6 +194,12 @@ class EngineCollector(Collector):
 TENANT_FIELDS: tuple[tuple[str, str, str, str], ...] = (
     ("held_bytes", "kvtier_tenant_held_bytes", "gauge", "Bytes a tenant's chunks hold."),
     ("limit_bytes", "kvtier_tenant_limit_bytes", "gauge", "A tenant's quota (tenant_quotas)."),
+    (
+        "guarantee_bytes",
+        "kvtier_tenant_guarantee_bytes",
+        "gauge",
+        "Room kept for a tenant now (0: lapsed, its chunks were not coming back).",
+    ),
     ("hits", "kvtier_tenant_hit_chunks", "counter", "Chunks of a tenant hit by lookups."),
     ("evictions", "kvtier_tenant_evictions", "counter", "A tenant's chunks evicted."),
     (

@@ -27,7 +27,13 @@ Rules, in the order the tier applies them:
    the largest excess that has an evictable chunk. A tenant at or under its guarantee is
    evicted by others only when no tenant is over its own (the tier's room then went to pages
    that are not cached chunks: pins, writes in flight), so under its guarantee it keeps its
-   chunks whatever another tenant stores.
+   chunks whatever another tenant stores, while its chunks come back.
+3. A tenant whose chunks do not come back (:mod:`~kvtier.storage.policy.tenant_reuse`: it
+   lost a guarantee's worth of chunks in a row, none of them used or asked for again) has
+   its guarantee lapse: its chunks that were never hit are the first victims of rule 2,
+   before any other tenant's, until one of its chunks comes back. A scanner's quota then
+   caps it without taking room from the tenants that reuse theirs, and it keeps the chunks
+   it does use (a system prompt every scan shares).
 
 Limits are read from the shared :class:`~kvtier.storage.policy.quotas.TenantQuotas` on every
 decision; when a row changes, the tier calls :meth:`regroup` (a tenant that gained or lost
@@ -45,6 +51,7 @@ from itertools import chain, groupby
 from kvtier.keys import ChunkKey
 from kvtier.storage.policy.base import Evictable, EvictionPolicy
 from kvtier.storage.policy.quotas import TenantQuotas
+from kvtier.storage.policy.tenant_reuse import ReuseWatch
 
 NO_SALT = ""  # the tenant of requests without a cache_salt
 _SHARED = None  # the group of every tenant with no limit: one order among them
@@ -91,6 +98,7 @@ class TenantPolicy(EvictionPolicy):
         self._limited: dict[str, int] = {}  # tenant with a limit, holding chunks -> limit
         self._limits_total = 0  # their sum: the guarantees' scale
         self._shared_chunks = 0  # chunks of the tenants with no limit
+        self._watch: dict[str, ReuseWatch] = {}  # tenant with a limit -> do its chunks return
 
     # -- tenants ---------------------------------------------------------------------------
     def assign(self, key: ChunkKey, tenant: str | None) -> None:
@@ -148,6 +156,7 @@ class TenantPolicy(EvictionPolicy):
     def _forget_tenant(self, tenant: str) -> None:
         """``tenant`` holds nothing: drop its counters and its (empty) order."""
         del self.usage[tenant]
+        self._watch.pop(tenant, None)
         name = self._group_of_tenant.pop(tenant, _SHARED)
         if name is not _SHARED and not len(self._groups[name]):
             del self._groups[name]
@@ -162,6 +171,18 @@ class TenantPolicy(EvictionPolicy):
             elif usage.chunks:
                 self._limited[tenant] = self.limit_bytes(tenant) or 0
         self._limits_total = sum(self._limited.values())
+
+    def _watch_of(self, tenant: str) -> ReuseWatch | None:
+        """``tenant``'s reuse watch (made on first use), None for a tenant with no limit."""
+        watch = self._watch.get(tenant)
+        if watch is None and self._group_of_tenant.get(tenant) is not _SHARED:
+            watch = self._watch[tenant] = ReuseWatch()
+        return watch
+
+    def guarantee_held(self, tenant: str) -> bool:
+        """Whether ``tenant``'s guarantee holds now: it has a limit and has not lapsed."""
+        watch = self._watch.get(tenant)
+        return self.limit_bytes(tenant) is not None and (watch is None or not watch.lapsed)
 
     def over_quota(self, tenant: str) -> bool:
         limit = self.limit_bytes(tenant)
@@ -191,6 +212,9 @@ class TenantPolicy(EvictionPolicy):
             usage = self.usage[tenant] = TenantUsage()
         self._count(tenant, usage, 1)
         self.quota_evicted.pop(key, None)
+        watch = self._watch_of(tenant)
+        if watch is not None:
+            watch.stored(key)
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         tenant_of = self._tenant_of.get
@@ -200,12 +224,19 @@ class TenantPolicy(EvictionPolicy):
             batch = list(run)
             self._group(tenant).touch(batch)
             self.usage[tenant].hits += len(batch)
+            watch = self._watch.get(tenant)
+            if watch is not None:
+                for key in batch:
+                    watch.hit(key)
 
     def remove(self, key: ChunkKey) -> None:
         tenant = self._tenant_of.pop(key, None)
         if tenant is not None:
             self._group(tenant).remove(key)
             self._count(tenant, self.usage[tenant], -1)
+            watch = self._watch.get(tenant)
+            if watch is not None:
+                watch.removed(key)
 
     def hold(self, key: ChunkKey) -> None:
         tenant = self._tenant_of.get(key)
@@ -218,30 +249,52 @@ class TenantPolicy(EvictionPolicy):
             self._group(tenant).restore(key)
 
     def evict(self, count: int, evictable: Evictable) -> list[ChunkKey]:
-        """Rule 2: each victim from the group most over its guarantee (module docstring):
-        a tenant with a limit is a group; the shared group's excess is all it holds.
-        O(tenants) per call, and O(groups) more per victim."""
+        """Rules 2 and 3: each victim from the group most over its guarantee (module
+        docstring): a tenant with a limit is a group; the shared group's excess is all it
+        holds. O(tenants) per call, and O(groups) more per victim."""
         total = self._limits_total
         scale = min(1.0, self.capacity_bytes / total) if total else 1.0
-        unit, usage = self.unit_bytes, self.usage
-        excess: dict[str | None, float] = {
-            tenant: usage[tenant].chunks * unit - limit * scale
-            for tenant, limit in self._limited.items()
-        }
-        if self._shared_chunks:
-            excess[_SHARED] = self._shared_chunks * unit
+        names: list[str | None] = [*self._limited, _SHARED]
+        excess = {name: self._excess(name, scale) for name in names}
         victims: list[ChunkKey] = []
         while len(victims) < count and excess:
             name = max(excess, key=excess.__getitem__)
             group = self._groups.get(name)
-            found = group.evict(1, evictable) if group is not None else []
+            lapsed = self._lapsed(name)
+            allowed = evictable if lapsed is None else lapsed.unused_among(evictable)
+            found = group.evict(1, allowed) if group is not None else []
             if not found:
                 del excess[name]  # nothing evictable there: the next most over
                 continue
             self._forget(found[0], quota=False)
             victims.append(found[0])
-            excess[name] -= self.unit_bytes
+            excess[name] = self._excess(name, scale)
         return victims
+
+    def _lapsed(self, name: str | None) -> ReuseWatch | None:
+        """The watch of tenant ``name`` while rule 3 takes its victims first: its guarantee
+        lapsed and it holds chunks never hit."""
+        if name is _SHARED:
+            return None
+        watch = self._watch.get(name)
+        usage = self.usage.get(name)
+        if watch is None or usage is None or not watch.lapsed:
+            return None
+        return watch if usage.chunks > watch.used_held else None
+
+    def _excess(self, name: str | None, scale: float) -> float:
+        """What group ``name`` holds past its guarantee (-inf: nothing); a lapsed tenant's
+        chunks never hit come ahead of every other tenant (no excess reaches the capacity)."""
+        unit = self.unit_bytes
+        if name is _SHARED:
+            return self._shared_chunks * unit if self._shared_chunks else float("-inf")
+        chunks = self.usage[name].chunks if name in self.usage else 0
+        if not chunks:
+            return float("-inf")
+        lapsed = self._lapsed(name)
+        if lapsed is not None:
+            return (chunks - lapsed.used_held) * unit + self.capacity_bytes
+        return chunks * unit - self._limited.get(name, 0) * scale
 
     def evict_over_quota(self, tenant: str, evictable: Evictable) -> list[ChunkKey]:
         """Rule 1: ``tenant``'s own victims until it is within its limit (or only pinned
@@ -260,6 +313,10 @@ class TenantPolicy(EvictionPolicy):
         usage = self.usage[tenant]
         self._count(tenant, usage, -1)
         usage.evictions += 1
+        watch = self._watch.get(tenant)
+        if watch is not None:
+            watch.resize(int(self.guarantee_bytes(tenant)) // self.unit_bytes)
+            watch.lost(key)
         if quota:
             usage.quota_evictions += 1
             self.quota_evicted[key] = tenant
@@ -276,6 +333,8 @@ class TenantPolicy(EvictionPolicy):
             if new_name != old_name:
                 moving[tenant] = old_name
                 self._group_of_tenant[tenant] = new_name
+                if new_name is _SHARED:
+                    self._watch.pop(tenant, None)
         for old_name in set(moving.values()):
             old = self._groups.get(old_name)
             if old is None:
@@ -300,12 +359,14 @@ class TenantPolicy(EvictionPolicy):
         return {k: t for k, t in zip(keys, found, strict=True) if t is not None}
 
     def report(self) -> dict[str, dict[str, int | None]]:
-        """Per tenant: bytes held, its limit (None: none), chunks, hits, evictions and quota
-        evictions (``stats()`` and the Prometheus metrics read these names)."""
+        """Per tenant: bytes held, its limit and the guarantee it has now (None: no limit;
+        0: lapsed, rule 3), chunks, hits, evictions and quota evictions (``stats()`` and the
+        Prometheus metrics read these names)."""
         return {
             tenant: {
                 "held_bytes": usage.chunks * self.unit_bytes,
                 "limit_bytes": self.limit_bytes(tenant),
+                "guarantee_bytes": self._guarantee_now(tenant),
                 "chunks": usage.chunks,
                 "hits": usage.hits,
                 "evictions": usage.evictions,
@@ -328,9 +389,15 @@ class TenantPolicy(EvictionPolicy):
     def held(self) -> int:
         return sum(group.held for group in self._groups.values())
 
+    def _guarantee_now(self, tenant: str) -> int | None:
+        if self.limit_bytes(tenant) is None:
+            return None
+        return int(self.guarantee_bytes(tenant)) if self.guarantee_held(tenant) else 0
+
     def clear(self) -> None:
         for group in self._groups.values():
             group.clear()
+        self._watch.clear()
         self._tenant_of.clear()
         for usage in self.usage.values():
             usage.chunks = 0
