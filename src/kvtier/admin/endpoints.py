@@ -24,6 +24,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvtier.admin import lmcache_quota
 from kvtier.admin.bounded import MAX_HANDLERS, REQUEST_TIMEOUT, BoundedHTTPServer
 from kvtier.admin.dashboard import dashboard_html
 from kvtier.config.tenant_quotas import check_tenant, parse_limit
@@ -82,6 +83,7 @@ Route = tuple[str, frozenset[str], Callable[["Handler", dict[str, str]], None]]
 
 class Handler(BaseHTTPRequestHandler):
     server: AdminHTTPServer
+    body = b""  # the request's body, read by _dispatch before the endpoint runs
     timeout = 10  # seconds a silent client may hold a handler thread
     server_version = "kvtier-admin"
     sys_version = ""
@@ -112,7 +114,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         try:
             parts = urlsplit(self.path)
-            route = ROUTES.get(parts.path)
+            route = ROUTES.get(parts.path) or _alias_route(parts.path, method)
             if route is None:
                 raise BadRequest(HTTPStatus.NOT_FOUND, f"no endpoint {parts.path!r}")
             want_method, allowed, handler = route
@@ -130,7 +132,7 @@ class Handler(BaseHTTPRequestHandler):
                 raise BadRequest(
                     HTTPStatus.METHOD_NOT_ALLOWED, f"{parts.path} takes {want_method}, not {method}"
                 )
-            self._drain_body()
+            self.body = self._drain_body()
             handler(self, params)
         except BadRequest as exc:
             self._send_json(exc.status, {"error": exc.message})
@@ -145,15 +147,17 @@ class Handler(BaseHTTPRequestHandler):
             log.exception("admin API bug on %s %s", method, self.path)
             self._send_json(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": "internal error (logged)"})
 
-    def _drain_body(self) -> None:
+    def _drain_body(self) -> bytes:
+        """The request's body (read whole, so the reply is clean): only LMCache's quota
+        alias reads it."""
         length = self.headers.get("Content-Length")
         if length is None:
-            return
+            return b""
         if not _is_decimal(length):
             raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad Content-Length {length!r}")
         if int(length) > MAX_BODY:
             raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY} bytes")
-        self.rfile.read(int(length))  # no endpoint takes a body; read it so the reply is clean
+        return self.rfile.read(int(length))
 
     # -- responses ---------------------------------------------------------------------------
     def _send(
@@ -282,6 +286,25 @@ class Handler(BaseHTTPRequestHandler):
         log.info("admin API: tenant %r quota set to %s", tenant, limit or "none")
         self._send_json(HTTPStatus.OK, {"tenant": tenant, "limit": str(limit or "none")})
 
+    def lmcache_quota(self, params: dict[str, str]) -> None:
+        """LMCache's ``PUT`` / ``DELETE /api/quota/{cache_salt}``: :mod:`.lmcache_quota`."""
+        try:
+            tenant = lmcache_quota.salt_of_path(urlsplit(self.path).path)
+            if self.command == "PUT":
+                limit_gb, limit = lmcache_quota.limit_of_body(self.body)
+        except lmcache_quota.AliasError as exc:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, str(exc)) from None
+        quotas, name = self._quotas(), lmcache_quota.path_salt(tenant)
+        if self.command == "DELETE":
+            had = tenant in quotas.rows()
+            quotas.set(tenant, None)
+            log.info("admin API (LMCache alias): tenant %r quota removed", tenant)
+            self._send_json(HTTPStatus.OK, {"cache_salt": name, "status": _REMOVED[had]})
+            return
+        quotas.set(tenant, limit)
+        log.info("admin API (LMCache alias): tenant %r quota set to %s", tenant, limit)
+        self._send_json(HTTPStatus.OK, {"cache_salt": name, "limit_gb": limit_gb, "status": "ok"})
+
     def _quotas(self) -> TenantQuotas:
         for tier in self.server.admin.engine.tiers():
             policy = getattr(tier, "policy", None)
@@ -311,6 +334,17 @@ ROUTES: dict[str, Route] = {
     "/quota": ("PUT", frozenset({"tenant", "limit"}), Handler.set_quota),
     "/": ("GET", frozenset(), Handler.dashboard),
 }
+
+
+_REMOVED = {True: "removed", False: "not_found"}  # LMCache's words for a DELETE's outcome
+
+
+def _alias_route(path: str, method: str) -> Route | None:
+    """LMCache's ``/api/quota/{cache_salt}`` (its salt in the path, so not in ROUTES)."""
+    if not path.startswith(lmcache_quota.PREFIX):
+        return None
+    takes = method if method in lmcache_quota.METHODS else "PUT or DELETE"
+    return (takes, frozenset(), Handler.lmcache_quota)
 
 
 def _parse_query(query: str, allowed: frozenset[str]) -> dict[str, str]:
