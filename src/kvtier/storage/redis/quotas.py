@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvtier.errors import TierError
 from kvtier.keys import ChunkKey
 from kvtier.storage.policy.quotas import TenantQuotas
 from kvtier.storage.redis import tenant_ledger
@@ -83,8 +84,18 @@ class RedisQuotas(RemoteQuotas):
 
     def stored(self, tenant: str, key: ChunkKey) -> list[ChunkKey]:
         """``key``'s record is in Redis: count it in ``tenant``'s ledger and delete the
-        tenant's oldest chunks over its limit. Returns the keys deleted. Raises TierError."""
-        return self._update(tenant, key.hex().encode())
+        tenant's oldest chunks over its limit. Returns the keys deleted. Raises TierError
+        when the ledger was not updated, after deleting the record again (best effort), so
+        that no chunk goes uncounted."""
+        try:
+            return self._update(tenant, key.hex().encode())
+        except TierError:
+            name = self.chunk_prefix + key.hex().encode()
+            try:
+                self._call(lambda client: client.delete(name))
+            except TierError as exc:
+                log.warning("redis tier: uncounted chunk %s not deleted: %s", key.hex(), exc)
+            raise
 
     def enforce_all(self) -> list[ChunkKey]:
         """Every tenant this engine stored for, brought within its limit now (a row

@@ -144,7 +144,9 @@ def _prune_ahead(client: RedisCluster, ledger: bytes, chunk_prefix: bytes) -> in
     next :data:`PRUNE_AHEAD` oldest members whose chunks are gone leave the ledger. A member
     is removed only if its score is still the one read (a store of the same chunk by another
     engine since then re-added it, live). Returns how many left."""
-    oldest = client.zrange(ledger, 0, PRUNE_AHEAD - 1, withscores=True)
+    oldest: list[tuple[bytes, float]] = list(
+        client.zrange(ledger, 0, PRUNE_AHEAD - 1, withscores=True)  # type: ignore[arg-type]
+    )
     if not oldest:
         return 0
     held = _exists_each(client, [chunk_prefix + bytes(m) for m, _ in oldest])

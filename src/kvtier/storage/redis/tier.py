@@ -250,14 +250,14 @@ class RedisTier(Tier):
             complete(on_done, PutResult(key, PutOutcome.DROPPED, reason))
 
     def _write(self, job: Write) -> PutResult:
-        tenant = self._quotas.take(job.key) if self._quotas is not None else None
+        quotas = self._quotas
+        tenant = quotas.take(job.key) if quotas is not None else ""
         try:
-            if self._quotas is not None and tenant is not None:
-                refused = self._quotas.refusal(tenant)
-                if refused:
-                    self._repeated.warning(("quota", tenant), "redis tier: %s", refused)
-                    self._bump(dropped=1)
-                    return PutResult(job.key, PutOutcome.DROPPED, refused)
+            refused = quotas.refusal(tenant) if quotas is not None else None
+            if refused:  # a limit under one chunk: not worth sending
+                self._repeated.warning(("quota", tenant), "redis tier: %s", refused)
+                self._bump(dropped=1)
+                return PutResult(job.key, PutOutcome.DROPPED, refused)
             # Flat bytes, never a 2-D view; for identity, a view of the page itself.
             header, stored = records.encode_parts(
                 job.key, self.fingerprint, job.num_tokens, job.payload, self.codec
@@ -265,14 +265,12 @@ class RedisTier(Tier):
             name = self.redis_name(job.key)
             parts: list[bytes | memoryview] = [header, stored]
             self._call(lambda client: send_record(client, name, parts, self._set_options))
+            # Counted in its tenant's ledger; if that fails, the record is deleted again.
+            evicted = quotas.stored(tenant, job.key) if quotas is not None else []
         except (TierError, ValueError, TypeError) as exc:
             self._note_failure("write", exc)
             self._bump(failed=1)
             return PutResult(job.key, PutOutcome.FAILED, str(exc))
-        evicted = self._count_in_ledger(job.key, tenant) if tenant is not None else []
-        if evicted is None:
-            self._bump(failed=1)
-            return PutResult(job.key, PutOutcome.FAILED, "its tenant's ledger was not updated")
         self._bump(stored=1, bytes_written=stored.nbytes)
         self.report_added((job.key,))  # the server has it now, not when it was queued
         self._evicted(evicted)
@@ -285,14 +283,9 @@ class RedisTier(Tier):
             raise StateError("redis tier quotas are attached before it opens")
         unit = records.header_size() + self.layout.payload_bytes(self.fingerprint.chunk_size)
         ttl_ms = int(self.options.ttl_s * 1000) if self.options.ttl_s else 0
+        capacity = lambda: self._usage().capacity_bytes  # noqa: E731 (read when stale)
         self._quotas = RedisQuotas(
-            quotas,
-            unit,
-            self.fingerprint.hex(),
-            self.prefix,
-            ttl_ms,
-            self._call,
-            lambda: self._usage().capacity_bytes,
+            quotas, unit, self.fingerprint.hex(), self.prefix, ttl_ms, self._call, capacity
         )
 
     def assign_tenant(self, key: ChunkKey, tenant: str | None) -> None:
@@ -313,17 +306,6 @@ class RedisTier(Tier):
             except TierError as exc:
                 self._note_failure("tenant counts", exc)
             return self._quotas.report()
-
-    def _count_in_ledger(self, key: ChunkKey, tenant: str) -> list[ChunkKey] | None:
-        """The keys the ledger deleted, or None when it failed: then the record just
-        written is deleted again (best effort), so no chunk of a tenant goes uncounted."""
-        assert self._quotas is not None
-        try:
-            return self._quotas.stored(tenant, key)
-        except TierError as exc:
-            self._note_failure("tenant ledger", exc)
-            self._delete_quietly(key)
-            return None
 
     def _quotas_changed(self) -> None:
         """A row changed (``PUT /quota``): tenants now over their limit drop chunks now."""
