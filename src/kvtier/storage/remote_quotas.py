@@ -144,3 +144,21 @@ class RemoteQuotas:
             }
             for tenant, usage in rows
         }
+
+
+class RemoteQuotaHooks:
+    """The :class:`~kvtier.storage.base.Tier` methods of ``tenant_quotas`` that every remote
+    tier answers the same way from its ``_quotas`` (None: quotas off). Listed before
+    ``Tier`` in a remote tier's bases, so these replace the base's no-ops."""
+
+    _quotas: RemoteQuotas | None
+
+    def assign_tenant(self, key: ChunkKey, tenant: str | None) -> None:
+        if self._quotas is not None:
+            self._quotas.assign(key, tenant)
+
+    def evicted_by_quota(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, str]:
+        return {} if self._quotas is None else self._quotas.evicted_by_quota(keys)
+
+    def tenant_report(self) -> dict[str, dict[str, int | None]]:
+        return {} if self._quotas is None else self._quotas.report()

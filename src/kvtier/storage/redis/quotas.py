@@ -121,10 +121,16 @@ class RedisQuotas(RemoteQuotas):
         self.updated(tenant, result.chunks, evicted, result.stale)
         return evicted
 
-    def refresh_counts(self) -> None:
-        """Each known tenant's ledger size now (stats); on failure the last ones stay."""
+    def report(self) -> dict[str, dict[str, int | None]]:
+        """Per tenant this engine stored for, its ledger's size read now (fleet-wide; when
+        the server does not answer, the last one read)."""
         tenants = self.tenants()
         ledgers = [self.ledger(t) for t in tenants]
-        found: Sequence[int] = self._call(lambda client: tenant_ledger.counts(client, ledgers))
-        for tenant, chunks in zip(tenants, found, strict=True):
-            self.updated(tenant, chunks, ())
+        try:
+            found: Sequence[int] = self._call(lambda c: tenant_ledger.counts(c, ledgers))
+        except TierError as exc:
+            log.debug("redis tier: tenant counts not read: %s", exc)
+        else:
+            for tenant, chunks in zip(tenants, found, strict=True):
+                self.updated(tenant, chunks, ())
+        return super().report()

@@ -74,6 +74,7 @@ from kvtier.storage.redis.commands import (
 from kvtier.storage.redis.link import RedisLink
 from kvtier.storage.redis.options import RedisOptions
 from kvtier.storage.redis.quotas import RedisQuotas
+from kvtier.storage.remote_quotas import RemoteQuotaHooks
 from kvtier.storage.write_queue import Write, WriteQueue, complete
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class RedisCounters(TierCounters):
     available: int = 1  # gauge: 0 while the server is down
 
 
-class RedisTier(Tier):
+class RedisTier(RemoteQuotaHooks, Tier):
     """See the module docstring."""
 
     name = "redis"
@@ -287,25 +288,6 @@ class RedisTier(Tier):
         self._quotas = RedisQuotas(
             quotas, unit, self.fingerprint.hex(), self.prefix, ttl_ms, self._call, capacity
         )
-
-    def assign_tenant(self, key: ChunkKey, tenant: str | None) -> None:
-        if self._quotas is not None:
-            self._quotas.assign(key, tenant)
-
-    def evicted_by_quota(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, str]:
-        return {} if self._quotas is None else self._quotas.evicted_by_quota(keys)
-
-    def tenant_report(self) -> dict[str, dict[str, int | None]]:
-        """Per tenant this engine stored for: its ledger's size read now (fleet-wide; the
-        last one read when the server is down), its limit, this engine's quota evictions."""
-        if self._quotas is None:
-            return {}
-        with self._guard.call():
-            try:
-                self._quotas.refresh_counts()
-            except TierError as exc:
-                self._note_failure("tenant counts", exc)
-            return self._quotas.report()
 
     def _quotas_changed(self) -> None:
         """A row changed (``PUT /quota``): tenants now over their limit drop chunks now."""

@@ -35,6 +35,8 @@ Protocol (see :mod:`kvtier.storage.base`), and how each call behaves here:
   (beyond that DROPPED at once). ``on_done`` runs exactly once per put.
 * ``pin`` / ``unpin``: a shared store cannot pin (other engines, lifecycle rules delete at
   will): True, and only this tier's :meth:`clear` keeps the pinned objects.
+* ``tenant_quotas`` (:mod:`kvtier.storage.s3.quotas`): a cap per tenant on what this
+  engine stored (its oldest go), not fleet-wide; byte rows only.
 * Faults: a request that cannot reach the store or runs past ``blocking_timeout_secs`` marks
   the store down for :data:`RETRY_AFTER_S`; while down, reads miss and puts complete DROPPED
   at once (no call waits on a store known to be away); the next call after that tries again.
@@ -74,9 +76,12 @@ from kvtier.storage.base import (
     TierUsage,
 )
 from kvtier.storage.codecs import IDENTITY, PayloadCodec, codec_from_config, tier_fingerprint
+from kvtier.storage.policy.quotas import TenantQuotas
+from kvtier.storage.remote_quotas import RemoteQuotaHooks
 from kvtier.storage.s3.client import S3Client
 from kvtier.storage.s3.index import ChunkIndex
 from kvtier.storage.s3.options import S3Options
+from kvtier.storage.s3.quotas import S3Quotas
 from kvtier.storage.write_queue import Write, WriteQueue, complete
 
 log = logging.getLogger(__name__)
@@ -93,7 +98,7 @@ class S3Counters(TierCounters):
     available: int = 1  # gauge: 0 while the store is marked down
 
 
-class S3Tier(Tier):
+class S3Tier(RemoteQuotaHooks, Tier):
     """See the module docstring."""
 
     name = "s3"
@@ -137,6 +142,7 @@ class S3Tier(Tier):
         self._stop = threading.Event()
         self._lister: threading.Thread | None = None
         self._listed = threading.Event()
+        self._quotas: S3Quotas | None = None  # tenant_quotas (attach_quotas)
 
     @classmethod
     def from_config(cls, config: Config, layout: KVLayout, fingerprint: Fingerprint) -> S3Tier:
@@ -167,6 +173,9 @@ class S3Tier(Tier):
                 self.prefix,
                 self.options.timeout_s,
             )
+        if self._quotas is not None:
+            self._quotas.warn_shares()
+            self._quotas.quotas.subscribe(self._quotas_changed)
         self._guard.open()
 
     def close(self) -> None:
@@ -176,6 +185,8 @@ class S3Tier(Tier):
         if not self._guard.close(self.options.timeout_s + 1.0):
             log.warning("s3 tier closing with calls still running past the timeout")
         if was_open:
+            if self._quotas is not None:
+                self._quotas.quotas.unsubscribe(self._quotas_changed)
             self._stop.set()
             self.writes.close(self.options.timeout_s * 2 + 1.0)
             if self._readers is not None:
@@ -206,6 +217,8 @@ class S3Tier(Tier):
             self._failed("list", exc)
             return False
         self.index.replace(listed, since=started)
+        if self._quotas is not None:
+            self._quotas.prune()
         self._bump(listings=1)
         return True
 
@@ -300,10 +313,19 @@ class S3Tier(Tier):
             else:
                 reason = self.writes.submit(Write(key, payload, num_tokens, nbytes, on_done))
         if reason:
+            if self._quotas is not None:
+                self._quotas.take(key)  # never written: its tenant is not needed
             self._bump(dropped=1)
             complete(on_done, PutResult(key, PutOutcome.DROPPED, reason))
 
     def _write(self, job: Write) -> PutResult:
+        quotas = self._quotas
+        tenant = quotas.take(job.key) if quotas is not None else ""
+        refused = quotas.below_one_chunk(tenant) if quotas is not None else None
+        if refused:  # a limit under one chunk: not worth sending
+            self._repeated.warning(("quota", tenant), "s3 tier: %s", refused)
+            self._bump(dropped=1)
+            return PutResult(job.key, PutOutcome.DROPPED, refused)
         try:
             header, stored = records.encode_parts(
                 job.key, self.fingerprint, job.num_tokens, job.payload, self.codec
@@ -316,7 +338,26 @@ class S3Tier(Tier):
         self._bump(stored=1, bytes_written=stored.nbytes)
         # Readable now (not when queued): into the index and published under one lock.
         self.index.add(job.key, len(header) + stored.nbytes, then=self.report_added)
+        if quotas is not None:
+            self._evicted(quotas.stored(tenant, job.key))
         return PutResult(job.key, PutOutcome.STORED)
+
+    # -- tenant_quotas (kvtier.storage.s3.quotas) -------------------------------------------
+    def attach_quotas(self, quotas: TenantQuotas) -> None:
+        """Cap each tenant's stores from now on; before :meth:`open` only."""
+        if self._guard.state is not Lifecycle.NEW:
+            raise StateError("s3 tier quotas are attached before it opens")
+        unit = records.header_size() + self.layout.payload_bytes(self.fingerprint.chunk_size)
+        self._quotas = S3Quotas(quotas, unit, self.index, self.client, self.object_name)
+
+    def _quotas_changed(self) -> None:
+        if self._quotas is not None:  # PUT /quota: tenants over their new limit drop now
+            self._evicted(self._quotas.enforce_all())
+
+    def _evicted(self, keys: list[ChunkKey]) -> None:
+        if keys:
+            self._bump(evicted=len(keys))
+            self.report_evicted(keys)
 
     def flush(self, timeout: float | None = None) -> bool:
         return self.writes.flush(timeout)
