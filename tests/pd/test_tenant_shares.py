@@ -20,7 +20,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier.config.tenant_quotas import parse_limit
+from kvtier.config.tenant_quotas import MAX_TENANTS, parse_limit
 from kvtier.errors import TransferTimeout
 from kvtier.lease import CallbackHold, LeaseTable
 from kvtier.memory.block_pool import BlockPool
@@ -28,7 +28,7 @@ from kvtier.pd.buffer import PDBuffer
 from kvtier.pd.channels.base import checksum
 from kvtier.pd.channels.tcp import TcpReceiver
 from kvtier.pd.reservation import Reservation, live_reservations
-from kvtier.pd.tenant_shares import ShareTooSmall
+from kvtier.pd.tenant_shares import ShareTooSmall, TenantShares
 from kvtier.storage.policy.quotas import TenantQuotas
 from tests.storage.tier_contract import PAGE_BYTES, TOKEN_BYTES
 
@@ -246,3 +246,16 @@ def test_without_quotas_nothing_is_charged_or_reported() -> None:
         res.release()
     finally:
         tier.close()
+
+
+def test_the_tenant_table_stays_bounded_when_peers_name_many_tenants() -> None:
+    """Tenants come from peers: past MAX_TENANTS, tenants that hold nothing are forgotten,
+    and a tenant that holds pages keeps its charge."""
+    shares = TenantShares(PAGES, PAGE_BYTES)
+    shares.take("keeper", 2)
+    for i in range(MAX_TENANTS + 10):
+        shares.take(f"t{i}", 1)
+        shares.give_back(f"t{i}", 1)
+    assert len(shares._use) <= MAX_TENANTS and shares.held("keeper") == 2
+    with pytest.raises(AssertionError, match="3 pages given back, 2 held"):
+        shares.give_back("keeper", 3)  # refused, never clamped
