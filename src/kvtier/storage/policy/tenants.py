@@ -99,6 +99,7 @@ class TenantPolicy(EvictionPolicy):
         self._limits_total = 0  # their sum: the guarantees' scale
         self._shared_chunks = 0  # chunks of the tenants with no limit
         self._watch: dict[str, ReuseWatch] = {}  # tenant with a limit -> do its chunks return
+        self._lapsed_tenants: set[str] = set()  # those whose watch says they do not (rule 3)
 
     # -- tenants ---------------------------------------------------------------------------
     def assign(self, key: ChunkKey, tenant: str | None) -> None:
@@ -157,6 +158,7 @@ class TenantPolicy(EvictionPolicy):
         """``tenant`` holds nothing: drop its counters and its (empty) order."""
         del self.usage[tenant]
         self._watch.pop(tenant, None)
+        self._lapsed_tenants.discard(tenant)
         name = self._group_of_tenant.pop(tenant, _SHARED)
         if name is not _SHARED and not len(self._groups[name]):
             del self._groups[name]
@@ -215,6 +217,8 @@ class TenantPolicy(EvictionPolicy):
         watch = self._watch_of(tenant)
         if watch is not None:
             watch.stored(key)
+            if not watch.lapsed:
+                self._lapsed_tenants.discard(tenant)
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         tenant_of = self._tenant_of.get
@@ -254,8 +258,15 @@ class TenantPolicy(EvictionPolicy):
         holds. O(tenants) per call, and O(groups) more per victim."""
         total = self._limits_total
         scale = min(1.0, self.capacity_bytes / total) if total else 1.0
-        names: list[str | None] = [*self._limited, _SHARED]
-        excess = {name: self._excess(name, scale) for name in names}
+        unit, usage = self.unit_bytes, self.usage
+        excess: dict[str | None, float] = {
+            tenant: usage[tenant].chunks * unit - limit * scale
+            for tenant, limit in self._limited.items()
+        }
+        for tenant in self._lapsed_tenants.intersection(excess):
+            excess[tenant] = self._excess(tenant, scale)
+        if self._shared_chunks:
+            excess[_SHARED] = self._shared_chunks * unit
         victims: list[ChunkKey] = []
         while len(victims) < count and excess:
             name = max(excess, key=excess.__getitem__)
@@ -274,13 +285,10 @@ class TenantPolicy(EvictionPolicy):
     def _lapsed(self, name: str | None) -> ReuseWatch | None:
         """The watch of tenant ``name`` while rule 3 takes its victims first: its guarantee
         lapsed and it holds chunks never hit."""
-        if name is _SHARED:
+        if name is _SHARED or name not in self._lapsed_tenants:
             return None
-        watch = self._watch.get(name)
-        usage = self.usage.get(name)
-        if watch is None or usage is None or not watch.lapsed:
-            return None
-        return watch if usage.chunks > watch.used_held else None
+        watch = self._watch[name]
+        return watch if self.usage[name].chunks > watch.used_held else None
 
     def _excess(self, name: str | None, scale: float) -> float:
         """What group ``name`` holds past its guarantee (-inf: nothing); a lapsed tenant's
@@ -317,6 +325,10 @@ class TenantPolicy(EvictionPolicy):
         if watch is not None:
             watch.resize(int(self.guarantee_bytes(tenant)) // self.unit_bytes)
             watch.lost(key)
+            if watch.lapsed:
+                self._lapsed_tenants.add(tenant)
+            else:
+                self._lapsed_tenants.discard(tenant)
         if quota:
             usage.quota_evictions += 1
             self.quota_evicted[key] = tenant
@@ -335,6 +347,7 @@ class TenantPolicy(EvictionPolicy):
                 self._group_of_tenant[tenant] = new_name
                 if new_name is _SHARED:
                     self._watch.pop(tenant, None)
+                    self._lapsed_tenants.discard(tenant)
         for old_name in set(moving.values()):
             old = self._groups.get(old_name)
             if old is None:
@@ -398,6 +411,7 @@ class TenantPolicy(EvictionPolicy):
         for group in self._groups.values():
             group.clear()
         self._watch.clear()
+        self._lapsed_tenants.clear()
         self._tenant_of.clear()
         for usage in self.usage.values():
             usage.chunks = 0
