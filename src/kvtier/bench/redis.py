@@ -43,6 +43,7 @@ import torch
 
 from kvtier.bench.codec_data import kv_page, reads_back
 from kvtier.bench.raw_resp import RawResp
+from kvtier.bench.redis_quota import quota_costs
 from kvtier.bench.tier_puts import put_all
 from kvtier.bench.timing import best_interleaved, gbps
 from kvtier.config import Config
@@ -76,9 +77,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=[c.name for c in codecs.registered()],
         help="the tier's payload codec (remote_codec)",
     )
+    parser.add_argument(
+        "--quota",
+        action="store_true",
+        help="only what tenant_quotas cost a put (small records; --url may be a cluster)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if getattr(args, "quota", False):  # tenant_quotas' cost alone (kvtier.bench.redis_quota)
+        with _server(args.url) as url:
+            return quota_costs(url, args.chunk_size, args.repeats, args.put_threads)
     with _server(args.url) as url:
         codec = codecs.codec_from_config("--codec", getattr(args, "codec", "identity"))
         result = _throughput(
