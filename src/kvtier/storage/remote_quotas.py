@@ -87,8 +87,8 @@ class RemoteQuotas:
         if limit is None or limit >= self.unit_bytes:
             return None
         return (
-            f"tenant {tenant!r}'s quota ({self.quotas.limit(tenant)}: {limit} bytes here) is "
-            f"below one chunk ({self.unit_bytes} bytes); raise it to at least that"
+            f"the quota of tenant {tenant!r} ({self.quotas.limit(tenant)}: {limit} bytes here) "
+            f"is below one chunk ({self.unit_bytes} bytes); raise it to at least that"
         )
 
     # -- what the ledger said ---------------------------------------------------------------
