@@ -9,10 +9,10 @@ Who owns what (every page reference has exactly one owner, and each owner gives 
                                                               abort / sender death / timeout
     a key pin (Tier.pin)             pin()                    unpin()
 
-The index (key -> entry) owns no reference of its own: a received chunk lives exactly as long
-as some request holds it, and its index entry disappears when its page's last reference does.
-So after every request ends, the whole buffer is free (LMCache's PD buffer is likewise never
-an LRU cache; its pages go back after decode).
+The index (key -> entry, :mod:`kvtier.pd.received_index`) owns no reference: a received chunk
+lives exactly as long as some request holds it, and its entry goes with its page's last
+reference. So after every request ends, the whole buffer is free (LMCache's PD buffer is
+likewise never an LRU cache; its pages go back after decode).
 
 The rules: a key the decoder already holds is answered "held" and the request's reservation
 takes one reference on it, given back with the reservation; nothing else takes one, so no
@@ -48,6 +48,7 @@ from kvtier.memory.block_pool import BlockPool, pages_for_capacity
 from kvtier.pd.channels import receiver_channel
 from kvtier.pd.channels.base import ReceiverChannel
 from kvtier.pd.checksum import checksum
+from kvtier.pd.received_index import ReceivedIndex
 from kvtier.pd.reservation import Reservation, live_reservations
 from kvtier.pd.serve_copy import ServeCopier
 from kvtier.pd.tenant_shares import TenantShares
@@ -60,14 +61,6 @@ log = logging.getLogger(__name__)
 
 class TooLarge(TransferError):
     """A request needs more pages than the whole receive buffer has."""
-
-
-@dataclass(slots=True)
-class _Entry:
-    page: int
-    num_tokens: int
-    checksum: int = 0
-    ready: bool = False  # verified and visible to lookups
 
 
 @dataclass
@@ -107,8 +100,7 @@ class PDBuffer(Tier):
         self.max_tokens = _tokens_per_page(self.payload_bytes, page_bytes)
         self.channel = channel
         self._pool: BlockPool | None = None
-        self._index: dict[ChunkKey, _Entry] = {}
-        self._page_key: dict[int, ChunkKey] = {}
+        self._index = ReceivedIndex()
         self._key_pins = KeyPins()
         self._cond = threading.Condition(threading.RLock())
         self._serving = ServeCopier()
@@ -144,7 +136,6 @@ class PDBuffer(Tier):
         with self._cond:
             pool, self._pool = self._pool, None
             self._index.clear()
-            self._page_key.clear()
             self._key_pins.clear()
             self.shares.clear()
             self._cond.notify_all()
@@ -194,8 +185,7 @@ class PDBuffer(Tier):
         with self._cond:
             while True:
                 pool = self.pool
-                held = [i for i, k in enumerate(keys) if k in self._index]
-                missing = [i for i, k in enumerate(keys) if k not in self._index]
+                held, missing = self._index.split(keys)
                 if len(missing) > self.num_pages:
                     raise TooLarge(
                         f"request {request_id!r} needs {len(missing)} chunks; the PD buffer holds "
@@ -222,10 +212,8 @@ class PDBuffer(Tier):
             pool.retain(held_pages)  # the one reference this request holds on each held chunk
             new: dict[int, ChunkKey] = {}
             for i, page in zip(missing, fresh, strict=True):
-                key = keys[i]
-                self._index[key] = _Entry(page, num_tokens[i])
-                self._page_key[page] = key
-                new[page] = key
+                self._index.add(keys[i], page, num_tokens[i])
+                new[page] = keys[i]
             pages = fresh + held_pages
             shares.take(tenant, len(pages))
             return Reservation(self, request_id, pages, new, tenant), held
@@ -261,7 +249,7 @@ class PDBuffer(Tier):
             if actual != expected:
                 log.error("PD chunk %s failed its checksum; dropped", key.hex())
                 self.counters.corrupt += 1
-                del self._index[key]
+                self._index.drop(key)
                 return False
             entry.checksum = actual
             entry.ready = True
@@ -284,10 +272,7 @@ class PDBuffer(Tier):
         with self._cond:
             if self._pool is None:
                 return  # closed: the whole pool is gone
-            for page, key in reservation.new.items():
-                entry = self._index.get(key)
-                if entry is not None and entry.page == page and not entry.ready:
-                    del self._index[key]  # never filled: nobody may find it
+            self._index.drop_unfilled(reservation.new)  # never filled: nobody may find them
             self.shares.give_back(reservation.tenant, len(reservation.pages))
             self._release(reservation.pages)
 
@@ -295,19 +280,13 @@ class PDBuffer(Tier):
         """Give back references; drop the index entry of every page that became free."""
         pool = self.pool
         pool.release(pages)
-        for page in pages:
-            if pool.refcount(page) == 0:
-                key = self._page_key.pop(page, None)
-                entry = self._index.get(key) if key is not None else None
-                if entry is not None and entry.page == page:
-                    del self._index[key]  # type: ignore[arg-type]
+        self._index.forget_free(pages, pool.refcount)
         self._cond.notify_all()
 
     # -- the Tier interface ----------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         with self._cond:
-            index = self._index
-            return [k in index and index[k].ready for k in keys]
+            return [self._index.ready(k) for k in keys]
 
     def get_into(self, key: ChunkKey, out: torch.Tensor) -> int | None:
         """Copy a received chunk into ``out`` and check every byte against the sender's
@@ -325,7 +304,7 @@ class PDBuffer(Tier):
             if self._serving.copy(key, entry.num_tokens, src, out) != entry.checksum:
                 log.error("PD chunk %s does not match its sender's checksum; dropped", key.hex())
                 self.counters.corrupt += 1
-                self._drop(key, entry)
+                self._index.drop(key)  # its page goes back with its holders
                 return None
             self.counters.hits += 1
             self.counters.bytes_read += nbytes
@@ -343,12 +322,8 @@ class PDBuffer(Tier):
             entry = self._index.get(key)
             if entry is None:
                 return False
-            self._drop(key, entry)
+            self._index.drop(key)  # its page goes back with its holders
             return True
-
-    def _drop(self, key: ChunkKey, entry: _Entry) -> None:
-        # The index owns no reference: the page goes back when its reservations and pins do.
-        del self._index[key]
 
     def pin(self, key: ChunkKey) -> bool:
         with self._cond:
@@ -376,20 +351,16 @@ class PDBuffer(Tier):
 
     def clear(self) -> int:
         with self._cond:
-            victims = [(k, e) for k, e in self._index.items() if k not in self._key_pins]
-            for key, entry in victims:
-                self._drop(key, entry)
+            victims = [k for k, _ in self._index.items() if k not in self._key_pins]
+            for key in victims:
+                self._index.drop(key)  # its page goes back with its holders
             return len(victims)
 
     # -- inspection ------------------------------------------------------------------------
     def received_count(self, reservation: Reservation) -> int:
         """How many of the chunks ``reservation`` waits for have arrived, verified."""
         with self._cond:
-            count = 0
-            for page, key in reservation.new.items():
-                entry = self._index.get(key)
-                count += entry is not None and entry.page == page and entry.ready
-            return count
+            return self._index.received(reservation.new)
 
     def check_invariants(self, expected_refs: dict[int, int] | None = None) -> list[str]:
         """Problems as sentences (empty when fine): free list vs refcounts, index entries on
@@ -402,9 +373,7 @@ class PDBuffer(Tier):
                 problems.append(
                     f"{pool.free_pages} free pages listed, {refs.count(0)} with refcount 0"
                 )
-            for key, entry in self._index.items():
-                if refs[entry.page] == 0:
-                    problems.append(f"index entry {key.hex()} on free page {entry.page}")
+            problems += self._index.on_free_pages(refs)
             if expected_refs is not None:
                 for page, ref in enumerate(refs):
                     pins = self._key_pins.references_to(page)
