@@ -34,6 +34,7 @@ T = TypeVar("T")
 
 # Words of an obstore error that say the store was not reached (or did not answer in time).
 _UNREACHABLE = ("error sending request", "timed out", "timeout", "connection", "dns error")
+DELETE_BATCH = 1000  # names one DeleteObjects takes at most
 _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>([A-Za-z]+)</Code>")
 
@@ -118,19 +119,32 @@ class S3Client:
         return True
 
     def delete(self, names: Sequence[str]) -> None:
-        """Delete ``names`` (a batch DeleteObjects; an absent one is no error)."""
-        if names:
-            _call("delete", names[0], lambda: obstore.delete(self.store, list(names)))
+        """Delete ``names`` (one DeleteObjects per 1,000, its most; an absent one is no
+        error)."""
+        for start in range(0, len(names), DELETE_BATCH):
+            self._delete(list(names[start : start + DELETE_BATCH]))
+
+    def _delete(self, batch: list[str]) -> None:
+        _call("delete", batch[0], lambda: obstore.delete(self.store, batch))
 
     def list(self, prefix: str) -> Iterator[tuple[str, int]]:
         """Every object under ``prefix``: (name, size), 1000 per request."""
+        for meta in self._list(prefix):
+            yield meta["path"], int(meta["size"])
+
+    def list_dated(self, prefix: str) -> Iterator[tuple[str, float]]:
+        """Every object under ``prefix``: (name, when it was last written, as a POSIX
+        time), 1000 per request."""
+        for meta in self._list(prefix):
+            yield meta["path"], meta["last_modified"].timestamp()
+
+    def _list(self, prefix: str) -> Iterator[Any]:
         stream = _call("list", prefix, lambda: obstore.list(self.store, prefix, chunk_size=1000))
         while True:
             batch = _call("list", prefix, lambda: next(stream, None))
             if batch is None:
                 return
-            for meta in batch:
-                yield meta["path"], int(meta["size"])
+            yield from batch
 
 
 class _Exists(Exception):

@@ -90,3 +90,14 @@ class ChunkIndex:
         """(bytes, entries) of what the index holds."""
         with self._lock:
             return sum(self._sizes.values()), len(self._sizes)
+
+
+def chunk_key_of(prefix: str, name: str) -> ChunkKey | None:
+    """The chunk key of object ``name`` under ``prefix`` (``<prefix><key hex>``), or None
+    for any other object (a foreign file, a marker directory)."""
+    tail = name[len(prefix) :] if name.startswith(prefix) else ""
+    try:
+        key = bytes.fromhex(tail)
+    except ValueError:
+        return None
+    return key if len(key) == 16 else None

@@ -35,8 +35,9 @@ Protocol (see :mod:`kvtier.storage.base`), and how each call behaves here:
   (beyond that DROPPED at once). ``on_done`` runs exactly once per put.
 * ``pin`` / ``unpin``: a shared store cannot pin (other engines, lifecycle rules delete at
   will): True, and only this tier's :meth:`clear` keeps the pinned objects.
-* ``tenant_quotas`` (:mod:`kvtier.storage.s3.quotas`): a cap per tenant on what this
-  engine stored (its oldest go), not fleet-wide; byte rows only.
+* ``tenant_quotas`` (:mod:`kvtier.storage.s3.quotas`): an empty marker object per chunk
+  names its tenant; a tenant over its limit loses its oldest, across the fleet as of the
+  last listing; byte rows only.
 * Faults: a request that cannot reach the store or runs past ``blocking_timeout_secs`` marks
   the store down for :data:`RETRY_AFTER_S`; while down, reads miss and puts complete DROPPED
   at once (no call waits on a store known to be away); the next call after that tries again.
@@ -79,7 +80,8 @@ from kvtier.storage.codecs import IDENTITY, PayloadCodec, codec_from_config, tie
 from kvtier.storage.policy.quotas import TenantQuotas
 from kvtier.storage.remote_quotas import RemoteQuotaHooks
 from kvtier.storage.s3.client import S3Client
-from kvtier.storage.s3.index import ChunkIndex
+from kvtier.storage.s3.index import ChunkIndex, chunk_key_of
+from kvtier.storage.s3.listing import PrefixLister
 from kvtier.storage.s3.options import S3Options
 from kvtier.storage.s3.quotas import S3Quotas
 from kvtier.storage.write_queue import Write, WriteQueue, complete
@@ -139,9 +141,14 @@ class S3Tier(RemoteQuotaHooks, Tier):
         self._repeated = RepeatedLog(log)
         self._pins: dict[ChunkKey, int] = {}
         self._down_until = 0.0
-        self._stop = threading.Event()
-        self._lister: threading.Thread | None = None
-        self._listed = threading.Event()
+        self.lister = PrefixLister(
+            self.client,
+            self.prefix,
+            self.index,
+            options.list_interval_s,
+            on_listed=lambda: self._bump(listings=1),
+            on_failed=lambda exc: self._failed("list", exc),
+        )
         self._quotas: S3Quotas | None = None  # tenant_quotas (attach_quotas)
 
     @classmethod
@@ -162,11 +169,7 @@ class S3Tier(RemoteQuotaHooks, Tier):
             raise StateError(f"s3 tier is {self._guard.state.value}; open it once")
         self.writes.open()
         self._readers = ThreadPoolExecutor(self.options.get_threads, "kvtier-s3-reader")
-        self._lister = threading.Thread(
-            target=self._list_loop, name="kvtier-s3-lister", daemon=True
-        )
-        self._lister.start()
-        if not self._listed.wait(self.options.timeout_s):
+        if not self.lister.start(self.options.timeout_s):
             log.warning(
                 "s3 tier: listing s3://%s/%s took over %.1fs; lookups see it when it ends",
                 self.options.location.bucket,
@@ -187,48 +190,17 @@ class S3Tier(RemoteQuotaHooks, Tier):
         if was_open:
             if self._quotas is not None:
                 self._quotas.quotas.unsubscribe(self._quotas_changed)
-            self._stop.set()
+            self.lister.stop(0)  # no listing starts from now on
             self.writes.close(self.options.timeout_s * 2 + 1.0)
             if self._readers is not None:
                 self._readers.shutdown(wait=False, cancel_futures=True)
-            if self._lister is not None:
-                self._lister.join(self.options.timeout_s + 1.0)
+            self.lister.stop(self.options.timeout_s + 1.0)
 
-    # -- the index -------------------------------------------------------------------------
-    def _list_loop(self) -> None:
-        interval = self.options.list_interval_s
-        while not self._stop.is_set():
-            self.refresh()
-            self._listed.set()
-            if interval <= 0 or self._stop.wait(interval):
-                return
-
+    # -- the index (kvtier.storage.s3.listing) -----------------------------------------------
     def refresh(self) -> bool:
-        """List the prefix once and make the index what it holds (keeping this tier's writes
-        that landed since the listing began). False when the store did not answer."""
-        started = self.index.generation()
-        try:
-            listed: dict[ChunkKey, int] = {}
-            for name, size in self.client.list(self.prefix):
-                key = self._chunk_key(name)
-                if key is not None:
-                    listed[key] = size
-        except TierError as exc:
-            self._failed("list", exc)
-            return False
-        self.index.replace(listed, since=started)
-        if self._quotas is not None:
-            self._quotas.prune()
-        self._bump(listings=1)
-        return True
-
-    def _chunk_key(self, name: str) -> ChunkKey | None:
-        tail = name[len(self.prefix) :] if name.startswith(self.prefix) else ""
-        try:
-            key = bytes.fromhex(tail)
-        except ValueError:
-            return None
-        return key if len(key) == 16 else None
+        """List the prefix once (and the tenants' markers); False when the store did not
+        answer. The lister does this every ``s3_list_interval_secs``."""
+        return self.lister.refresh()
 
     # -- reads -----------------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -331,6 +303,8 @@ class S3Tier(RemoteQuotaHooks, Tier):
                 job.key, self.fingerprint, job.num_tokens, job.payload, self.codec
             )
             self.client.put(self.object_name(job.key), header, stored)
+            if quotas is not None:  # its tenant's marker (if it fails, the chunk goes again)
+                quotas.stored(tenant, job.key)
         except (TierError, ValueError, TypeError) as exc:
             self._failed("write", exc)
             self._bump(failed=1)
@@ -339,7 +313,7 @@ class S3Tier(RemoteQuotaHooks, Tier):
         # Readable now (not when queued): into the index and published under one lock.
         self.index.add(job.key, len(header) + stored.nbytes, then=self.report_added)
         if quotas is not None:
-            self._evicted(quotas.stored(tenant, job.key))
+            self._evicted(quotas.enforce(tenant))
         return PutResult(job.key, PutOutcome.STORED)
 
     # -- tenant_quotas (kvtier.storage.s3.quotas) -------------------------------------------
@@ -348,7 +322,8 @@ class S3Tier(RemoteQuotaHooks, Tier):
         if self._guard.state is not Lifecycle.NEW:
             raise StateError("s3 tier quotas are attached before it opens")
         unit = records.header_size() + self.layout.payload_bytes(self.fingerprint.chunk_size)
-        self._quotas = S3Quotas(quotas, unit, self.index, self.client, self.object_name)
+        self._quotas = S3Quotas(quotas, unit, self.index, self.client, self.prefix)
+        self.lister.quotas = self._quotas
 
     def _quotas_changed(self) -> None:
         if self._quotas is not None:  # PUT /quota: tenants over their new limit drop now
@@ -401,15 +376,10 @@ class S3Tier(RemoteQuotaHooks, Tier):
         with self._guard.call():
             with self._lock:
                 keep = set(self._pins)
-            gone = []
-            for name, _ in self.client.list(self.prefix):
-                key = self._chunk_key(name)
-                if key is not None and key not in keep:
-                    gone.append(key)
-            for start in range(0, len(gone), 1000):  # DeleteObjects takes 1000 at most
-                batch = gone[start : start + 1000]
-                self.client.delete([self.object_name(k) for k in batch])
-                self.index.discard_many(batch)
+            named = (chunk_key_of(self.prefix, name) for name, _ in self.client.list(self.prefix))
+            gone = [key for key in named if key is not None and key not in keep]
+            self.client.delete([self.object_name(k) for k in gone])
+            self.index.discard_many(gone)
             self.report_removed(gone)
             return len(gone)
 

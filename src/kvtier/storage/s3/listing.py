@@ -1,0 +1,77 @@
+"""Keeping the s3 tier's index what its prefix holds: one listing at open, then one every
+``s3_list_interval_secs``, on a thread of its own (``kvtier-s3-lister``).
+
+Each listing (:meth:`PrefixLister.refresh`) lists the chunks under the prefix and replaces
+the index with them (:meth:`~kvtier.storage.s3.index.ChunkIndex.replace` keeps the writes
+and removals that landed meanwhile); with ``tenant_quotas`` it then lists the tenants'
+markers (:meth:`~kvtier.storage.s3.quotas.S3Quotas.relist`). A store that does not answer
+leaves the index as it was: the next listing tries again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from kvtier.errors import TierError
+from kvtier.storage.s3.client import S3Client
+from kvtier.storage.s3.index import ChunkIndex, chunk_key_of
+from kvtier.storage.s3.quotas import S3Quotas
+
+
+class PrefixLister:
+    def __init__(
+        self,
+        client: S3Client,
+        prefix: str,
+        index: ChunkIndex,
+        interval_s: float,
+        on_listed: Callable[[], None],
+        on_failed: Callable[[BaseException], None],
+    ) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.index = index
+        self.interval_s = interval_s
+        self.quotas: S3Quotas | None = None  # the tier's, when tenant_quotas are on
+        self._on_listed = on_listed
+        self._on_failed = on_failed
+        self._stop = threading.Event()
+        self._first = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, wait_s: float) -> bool:
+        """Start the thread; wait up to ``wait_s`` for its first listing (True: it ended)."""
+        self._thread = threading.Thread(target=self._loop, name="kvtier-s3-lister", daemon=True)
+        self._thread.start()
+        return self._first.wait(wait_s)
+
+    def stop(self, wait_s: float) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(wait_s)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.refresh()
+            self._first.set()
+            if self.interval_s <= 0 or self._stop.wait(self.interval_s):
+                return
+
+    def refresh(self) -> bool:
+        """List the prefix once and make the index what it holds (keeping the writes that
+        landed since the listing began), then the markers. False when the store did not
+        answer."""
+        started = self.index.generation()
+        try:
+            found = self.client.list(self.prefix)
+            named = ((chunk_key_of(self.prefix, name), size) for name, size in found)
+            listed = {key: size for key, size in named if key is not None}
+            self.index.replace(listed, since=started)
+            if self.quotas is not None:  # the tenants' markers, listed after the chunks
+                self.quotas.relist()
+        except TierError as exc:
+            self._on_failed(exc)
+            return False
+        self._on_listed()
+        return True
