@@ -63,14 +63,14 @@ class Fleet(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        for tier in self.tiers:  # every example starts from no rows and an empty store
+        for tier in self.tiers:  # every example: an empty store, limited tenants at 2
             for tenant in LIMITED:
                 assert tier._quotas is not None
-                tier._quotas.quotas.set(tenant, None)
+                tier._quotas.quotas.set(tenant, TenantLimit(nbytes=2 * UNIT))
         self.tiers[0].link.call(lambda client: _flush(client))
         self.stored: dict[str, list[ChunkKey]] = {t: [] for t in (*LIMITED, FREE)}
         self.dropped: set[ChunkKey] = set()  # deleted behind the tiers' backs
-        self.limits: dict[str, int | None] = dict.fromkeys(LIMITED)
+        self.limits: dict[str, int | None] = dict.fromkeys(LIMITED, 2)
 
     def _store(self, engine: int, tenant: str, key: ChunkKey) -> None:
         tier = self.tiers[engine]
