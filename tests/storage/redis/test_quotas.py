@@ -1,6 +1,7 @@
 """tenant_quotas in the Redis tier, against a real redis-server and a real 3-master cluster:
-two tier instances on one Redis are two engines of a fleet; a tenant's ledger bounds it
-across both, and only its own chunks go."""
+two tier instances on one Redis are two engines of a fleet (and two ``kvtier server``
+processes, two hosts); a tenant's ledger bounds it across all of them, and only its own
+chunks go."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from kvtier.storage.redis.tenant_ledger import ledger_name
 from kvtier.storage.redis.tier import RedisTier
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
 from tests.redis_servers import RedisClusterServers, RedisServer
+from tests.server.server_helpers import ServerProcess, open_client, remove_tempdir, short_tempdir
 from tests.storage.redis.test_redis import FINGERPRINT
 from tests.storage.tier_contract import CONTRACT_CHUNK, payload, put_and_wait
 
@@ -230,3 +232,47 @@ def test_engine_reports_the_remote_tiers_tenants_in_stats_and_metrics(
     finally:
         with server.client() as client:
             client.flushall()
+
+
+def test_two_kvtier_servers_on_one_redis_hold_a_flood_to_its_quota_together(
+    server: RedisServer,
+) -> None:
+    """Two hosts' ``kvtier server`` processes (a fleet) share one Redis; their clients' requests
+    are tenants by cache_salt. A flood stored through both servers stays within its quota in
+    Redis, and the quiet tenant keeps every chunk."""
+    unit = records.header_size() + SMALL_LAYOUT.payload_bytes(SMALL_CHUNK)
+    prompt = 4 * SMALL_CHUNK
+    config = {
+        "max_local_cpu_size": f"{64 * SMALL_LAYOUT.chunk_bytes(SMALL_CHUNK)}B",
+        "remote_url": server.url,
+        "tenant_quotas": {"flood": f"{3 * unit}B"},
+    }
+    directories = [short_tempdir(), short_tempdir()]
+    servers = [ServerProcess(d, **config).start() for d in directories]
+    clients = [open_client(s.url) for s in servers]
+    try:
+        clients[0].store(make_tokens(prompt, 1), make_kv(prompt, 1), cache_salt="quiet")
+        for seed in range(10, 16):  # 24 chunks of "flood", the two hosts taking turns
+            kv = make_kv(prompt, seed)
+            clients[seed % 2].store(make_tokens(prompt, seed), kv, cache_salt="flood")
+        for client in clients:
+            assert client.flush(30.0)
+        with server.client() as raw:
+            chunks = set(raw.scan_iter(match=b"kvtier:*"))
+            ledgers = set(raw.scan_iter(match=b"kvtier-tenant:*"))
+            assert len(ledgers) == 2  # flood's and quiet's, under the model's fingerprint
+            flood = next(n for n in ledgers if n.endswith(b":" + b"flood".hex().encode()))
+            assert raw.zcard(flood) == 3
+            assert len(chunks) == 4 + 3  # quiet's 4 and the flood's newest 3
+        tenants = [c.stats()["tiers"]["redis"]["tenants"] for c in clients]
+        assert all(t["flood"]["held_bytes"] == 3 * unit for t in tenants)
+        assert sum(t["flood"]["quota_evictions"] or 0 for t in tenants) == 21
+        assert tenants[0]["quiet"]["chunks"] == 4
+    finally:
+        for client in clients:
+            client.close()
+        for proc, directory in zip(servers, directories, strict=True):
+            proc.stop()
+            remove_tempdir(directory)
+        with server.client() as raw:
+            raw.flushall()
