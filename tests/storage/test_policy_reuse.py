@@ -18,7 +18,7 @@ from kvtier.bench import trace_sims, trace_synthetic
 from kvtier.keys import ChunkKey
 from kvtier.storage.policy import ReusePolicy
 from kvtier.storage.policy.reuse_panel import SHADOW_KEYS, Panel, Shadow
-from kvtier.storage.policy.reuse_segments import RULES, Segments, any_key
+from kvtier.storage.policy.reuse_segments import NEW_GHOST_SHARE, RULES, Segments, any_key
 
 
 def key(n: int) -> ChunkKey:
@@ -74,6 +74,21 @@ def test_only_a_ghost_arc_would_hold_is_promoted_under_the_arc_rule(
     assert (key(1) in segments._protected) is promoted
     segments._add(key(9))  # the newest ghost: a second use to every rule
     assert key(9) in segments._protected
+
+
+def test_under_the_arc_rule_only_the_newest_share_of_b1_promotes_and_moves_the_target() -> None:
+    segments = Segments(rule="arc")
+    _fill_and_evict(segments, 20, range(20))  # probation 0..19
+    segments._forget(segments._pick(10, any_key, []), 20)  # new ghosts 0..9, 9 the newest
+    window = segments._arc_ghosts()[0]  # of ARC's B1 (20 - probation = 10 ghosts)...
+    assert window == int(10 * NEW_GHOST_SHARE) < 10  # ...only the newest share counts
+    outside = key(9 - window)  # window ghosts were added after it
+    segments._add(outside)  # a first use again: probation, the target unmoved
+    assert outside in segments._probation and segments.target == 0.0
+    window = segments._arc_ghosts()[0]
+    inside = key(10 - window)  # the oldest ghost within the (new) window
+    segments._add(inside)  # ARC's second use: protected, the target raised
+    assert inside in segments._protected and segments.target > 0.0
 
 
 def test_a_shadow_counts_hits_and_holds_its_capacity() -> None:
@@ -203,3 +218,18 @@ def test_reuse_is_never_more_than_0_002_below_lru_or_arc(shape: str, fraction: f
     lru = trace_sims.replay(tr, trace_sims.Lru(blocks))
     arc = trace_sims.replay(tr, trace_sims.Arc(blocks))
     assert reuse >= max(lru, arc) - 0.002, (shape, fraction, reuse, lru, arc)
+
+
+@pytest.mark.parametrize(
+    ("shape", "fraction"), [("rag-zipf-1.2", 0.01), ("rag-zipf-1.2", 0.02), ("rag-zipf-0.8", 0.05)]
+)
+def test_on_a_whole_zipf_rag_trace_reuse_is_within_0_002_of_arc(
+    shape: str, fraction: float
+) -> None:
+    """Three of the four points where ``REUSE`` was more than 0.002 below ARC (by 0.0029,
+    0.0046 and 0.0025), whole traces: a third of one is too short for the rule to settle."""
+    tr = trace_synthetic.generate(shape)
+    blocks = max(1, int(fraction * tr.unique_blocks()))
+    reuse = trace_bench.cpu_ratio(tr, blocks, "REUSE")
+    arc = trace_sims.replay(tr, trace_sims.Arc(blocks))
+    assert reuse >= arc - 0.002, (shape, fraction, reuse, arc)

@@ -10,7 +10,7 @@ no bytes) and evicts by the rule whose shadow hit most lately::
             │ keys whose first byte is 0 mod M (a 1/M sample of a uniform hash)
             ▼
     shadow reuse │ shadow arc │ shadow lru      each holding capacity / M keys, counting hits
-            │ every window of sampled accesses: score = 7/8 score + hits
+            │ every window of sampled accesses: score = 23/24 score + hits
             ▼
     the real cache's rule = the best score (kept unless beaten by HYSTERESIS)
 
@@ -34,7 +34,7 @@ from kvtier.storage.policy.reuse_segments import RULES, Rule, Segments, any_key
 SHADOW_KEYS = 8192  # keys a shadow holds when the cache is large enough to sample
 MAX_SAMPLING = 64  # at most 1 key in 64 (the sample is a key's first byte mod M)
 HYSTERESIS = 0.005  # a rule takes over when its score beats the one in use by 0.5 %
-MEMORY = 63 / 64  # a score's decay per window: it weighs about the last 64 windows
+MEMORY = 23 / 24  # a score's decay per window: it weighs about the last 24 windows
 _FIRST_BYTE = itemgetter(0)
 
 
