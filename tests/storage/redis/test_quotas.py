@@ -129,6 +129,37 @@ def _page() -> torch.Tensor:
     return torch.empty(UNIT, dtype=torch.uint8)
 
 
+def test_without_scripts_the_ledger_is_a_transaction_and_holds_as_well(url: str) -> None:
+    a, b = open_tiers(url, {"flood": chunks(3)}, count=2)
+    try:
+        for tier in (a, b):  # as after a server refused EVAL
+            assert tier._quotas is not None
+            tier._quotas._use_script = False
+        calm = [store(a, "calm", 1)]
+        flood = [store(a if seed % 2 else b, "flood", seed) for seed in range(100, 110)]
+        assert live(a, flood) == flood[-3:]
+        assert live(a, calm) == calm
+        assert a.tenant_report()["flood"]["chunks"] == 3
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_server_that_refuses_eval_gets_the_transaction() -> None:
+    srv = RedisServer(extra_args=("--rename-command", "EVAL", ""))  # as some services do
+    try:
+        srv.start()
+        (tier,) = open_tiers(srv.url, {"t": chunks(2)})
+        try:
+            keys = [store(tier, "t", seed) for seed in range(1, 5)]
+            assert tier._quotas is not None and not tier._quotas._use_script
+            assert live(tier, keys) == keys[-2:]
+        finally:
+            tier.close()
+    finally:
+        srv.cleanup()
+
+
 def test_a_limit_changed_at_run_time_applies_at_once_and_at_the_next_store(url: str) -> None:
     (tier,) = open_tiers(url, {"t": chunks(6)})
     try:

@@ -1,6 +1,7 @@
 """Hypothesis drives two Redis tiers (two engines of a fleet) on one real Redis, and on a
-real 3-master cluster, through stores of three tenants, stores of a chunk again, chunks Redis
-drops on its own (maxmemory, expiry: deleted behind the tiers' backs) and quota changes set
+real 3-master cluster, with the ledger's script and with its MULTI/EXEC fallback, through
+stores of three tenants, stores of a chunk again, chunks Redis drops on its own (maxmemory,
+expiry: deleted behind the tiers' backs) and quota changes set
 on both engines. After every step, for every tenant:
 
 * every chunk it holds is in its ledger (none goes uncounted), and every ledger member is a
@@ -143,12 +144,16 @@ def _flush(client: object) -> None:
         client.flushall()  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("scripts", [True, False], ids=["script", "multi-exec"])
 @pytest.mark.parametrize("where", ["server", "cluster"])
 def test_two_engines_keep_every_tenant_counted_and_capped(
-    where: str, request: pytest.FixtureRequest
+    where: str, scripts: bool, request: pytest.FixtureRequest
 ) -> None:
     url = request.getfixturevalue(where).url
     tiers = open_tiers(url, {}, count=2)
+    for tier in tiers:  # multi-exec: as where the server refuses EVAL
+        assert tier._quotas is not None
+        tier._quotas._use_script = scripts
     Fleet.tiers = tiers
     try:
         run_state_machine_as_test(

@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from kvtier.errors import TierError
 from kvtier.keys import ChunkKey
 from kvtier.storage.policy.quotas import TenantQuotas
@@ -62,6 +64,7 @@ class RedisQuotas(RemoteQuotas):
         self._call = call
         self._read_capacity = read_capacity
         self._capacity_at = float("-inf")
+        self._use_script = True  # until the server refuses EVAL
 
     def ledger(self, tenant: str) -> bytes:
         return tenant_ledger.ledger_name(self.fingerprint_hex, tenant)
@@ -112,11 +115,20 @@ class RedisQuotas(RemoteQuotas):
 
     def _update(self, tenant: str, member: bytes | None) -> list[ChunkKey]:
         ledger, limit = self.ledger(tenant), self.limit_chunks(tenant)
-        result = self._call(
-            lambda client: tenant_ledger.update(
-                client, ledger, member, limit, self.chunk_prefix, self.ttl_ms
-            )
-        )
+
+        def update(client: Any) -> tenant_ledger.LedgerUpdate:
+            args = (client, ledger, member, limit, self.chunk_prefix, self.ttl_ms)
+            if self._use_script:
+                try:
+                    return tenant_ledger.update(*args)
+                except ResponseError as exc:
+                    if not tenant_ledger.scripts_refused(exc):
+                        raise
+                    log.info("redis refuses scripts (%s): tenant ledgers by MULTI/EXEC", exc)
+                    self._use_script = False
+            return tenant_ledger.update_without_scripts(*args)
+
+        result = self._call(update)
         evicted = [bytes.fromhex(m.decode()) for m in result.evicted]
         self.updated(tenant, result.chunks, evicted, result.stale)
         return evicted

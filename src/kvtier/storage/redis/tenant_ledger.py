@@ -35,12 +35,13 @@ the stale ones dropped, so an expiry wave does not leave the tenant short for lo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from redis.cluster import RedisCluster
-from redis.exceptions import AskError, MovedError
+from redis.exceptions import AskError, MovedError, ResponseError
 
 LEDGER_PREFIX = b"kvtier-tenant:"
 PRUNE_AHEAD = 16  # oldest members checked for staleness when a pop found one gone
@@ -155,6 +156,54 @@ def _prune_ahead(client: RedisCluster, ledger: bytes, chunk_prefix: bytes) -> in
         return 0
     args = [part for pair in gone for part in pair]
     return int(client.eval(_REMOVE_IF_SCORE, 1, ledger, *args))
+
+
+def update_without_scripts(
+    client: Any,
+    ledger: bytes,
+    member: bytes | None,
+    limit: int | None,
+    chunk_prefix: bytes,
+    ttl_ms: int = 0,
+) -> LedgerUpdate:
+    """:func:`update` where the server refuses scripts (some managed services): one
+    MULTI/EXEC on the ledger's master adds the member (scored by this host's clock: engines'
+    clocks order the fleet's stores, to within their skew), reads the members past the
+    newest ``limit`` and removes them, still atomically (two engines never pop the same
+    member); their chunks are then unlinked, master by master. No look-ahead pruning."""
+    server = client
+    if isinstance(client, RedisCluster):
+        server = client.get_redis_connection(client.get_node_from_key(ledger))  # type: ignore[no-untyped-call]
+    pipe = server.pipeline(transaction=True)
+    if member:
+        pipe.zadd(ledger, {member: time.time_ns() // 1000})
+        if ttl_ms:
+            pipe.pexpire(ledger, ttl_ms)
+    if limit is not None:
+        pipe.zrange(ledger, 0, -(limit + 1))
+        pipe.zremrangebyrank(ledger, 0, -(limit + 1))
+    pipe.zcard(ledger)
+    replies = pipe.execute()
+    popped = [bytes(m) for m in replies[-3]] if limit is not None else []
+    if not popped:
+        return LedgerUpdate(int(replies[-1]), [], 0)
+    names = [chunk_prefix + m for m in popped]
+    if isinstance(client, RedisCluster):
+        deleted = _unlink_each(client, names)
+    else:
+        unlink = client.pipeline(transaction=False)
+        for name in names:
+            unlink.unlink(name)
+        deleted = [bool(n) for n in unlink.execute()]
+    evicted = [m for m, gone in zip(popped, deleted, strict=True) if gone]
+    return LedgerUpdate(int(replies[-1]), evicted, len(popped) - len(evicted))
+
+
+def scripts_refused(exc: ResponseError) -> bool:
+    """Whether ``exc`` says the server (or this user's ACL) does not run scripts at all, as
+    opposed to this one call failing (out of memory, a slot moving)."""
+    text = str(exc).lower()
+    return "unknown command" in text or "noperm" in text
 
 
 def counts(client: Any, ledgers: Sequence[bytes]) -> list[int]:
