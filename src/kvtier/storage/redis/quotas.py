@@ -19,9 +19,11 @@ counted once quotas are on, so a row added later bounds what the tenant stored b
 
 What it is not: a guarantee. Redis' own maxmemory eviction knows no tenants, so a tenant
 under its limit may still lose chunks to it; the ledger only caps. Its counts can err low
-only (the ledger's docstring says why), so a tenant never holds more than its limit, except
-for the chunks its writers have stored and not yet counted (one per writer thread in flight)
-and those pinned by nothing: a shared store cannot pin (the tier's docstring).
+only (the ledger's docstring says why), so a tenant never holds more than its limit, but for
+the chunks written and not yet counted (at most one per writer thread, for the moment between
+its SET and its ledger update). Unlike the CPU and disk tiers, a chunk a request is using is
+no exception: a shared store cannot pin (the tier's docstring), and a read that finds the
+chunk gone is a miss the engine recomputes.
 """
 
 from __future__ import annotations
