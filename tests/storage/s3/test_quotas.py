@@ -9,13 +9,16 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from kvtier import Engine
 from kvtier.bench.seaweedfs import SeaweedFS
 from kvtier.config.tenant_quotas import TenantLimit, parse_limit
 from kvtier.keys import ChunkKey
+from kvtier.observability.metrics import engine_registry
 from kvtier.storage import records
 from kvtier.storage.base import Membership, PutOutcome
 from kvtier.storage.policy.quotas import TenantQuotas
 from kvtier.storage.s3.tier import S3Tier
+from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
 from tests.storage.s3.test_tier import FINGERPRINT, options, raw_client
 from tests.storage.tier_contract import CONTRACT_CHUNK, payload, put_and_wait
 
@@ -135,3 +138,31 @@ def test_a_share_or_a_limit_under_one_chunk_is_refused_clearly(
     assert tier.contains([key]) == [False]
     assert store(tier, "anyone", 2)  # the share row binds nothing here
     assert tier.tenant_report()["anyone"]["limit_bytes"] is None
+
+
+def test_an_engines_s3_tier_reports_its_tenants_in_stats_and_metrics(
+    seaweedfs: SeaweedFS, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, setting in seaweedfs.environment().items():  # AWS_* as in production
+        monkeypatch.setenv(name, setting)
+    unit = records.header_size() + SMALL_LAYOUT.payload_bytes(SMALL_CHUNK)
+    prompt = 4 * SMALL_CHUNK
+    config = small_config(
+        cpu_chunks=64,
+        remote_url=f"s3://{bucket}/fleet",
+        tenant_quotas={"flood": f"{2 * unit}B"},
+        extra_config={"s3_list_interval_secs": 0},
+    )
+    with Engine(config, SMALL_LAYOUT, model_name="m") as engine:
+        for seed in range(1, 4):  # 12 chunks of "flood": 2 stay in the bucket
+            engine.store(make_tokens(prompt, seed), make_kv(prompt, seed), cache_salt="flood")
+        engine.store(make_tokens(prompt, 9), make_kv(prompt, 9), cache_salt="calm")
+        assert engine.flush(20.0)
+        tenants = engine.stats()["tiers"]["s3"]["tenants"]
+        assert tenants["flood"]["held_bytes"] == 2 * unit
+        assert tenants["flood"]["quota_evictions"] == 10
+        assert tenants["calm"]["chunks"] == 4
+        value = engine_registry(engine).get_sample_value
+        labels = {"tier": "s3", "tenant": "flood"}
+        assert value("kvtier_tenant_held_bytes", labels) == 2 * unit
+        assert value("kvtier_tenant_quota_evictions_total", labels) == 10
