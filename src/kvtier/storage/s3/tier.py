@@ -278,6 +278,8 @@ class S3Tier(RemoteQuotaHooks, Tier):
         nbytes = records.header_size() + payload.numel()
         with self._guard.call():
             if self.index.contains((key,))[0] or self.writes.holds(key):
+                if self._quotas is not None:
+                    self._quotas.take(key)  # counted by the write that stored it
                 complete(on_done, PutResult(key, PutOutcome.EXISTS))
                 return
             if self._is_down():
