@@ -5,12 +5,12 @@ chunks go."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
-from kvtier import Engine
+from kvtier import Engine, Service
 from kvtier.config.remote_url import parse_remote_url
 from kvtier.config.tenant_quotas import TenantLimit, parse_limit
 from kvtier.errors import ConfigError
@@ -22,6 +22,8 @@ from kvtier.storage.policy.quotas import TenantQuotas
 from kvtier.storage.redis.options import RedisOptions
 from kvtier.storage.redis.tenant_ledger import ledger_name
 from kvtier.storage.redis.tier import RedisTier
+from tests.admin.client import call
+from tests.admin.test_quota_endpoints import TOKEN, open_service
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
 from tests.redis_servers import RedisClusterServers, RedisServer
 from tests.server.server_helpers import ServerProcess, open_client, remove_tempdir, short_tempdir
@@ -305,5 +307,30 @@ def test_two_kvtier_servers_on_one_redis_hold_a_flood_to_its_quota_together(
         for proc, directory in zip(servers, directories, strict=True):
             proc.stop()
             remove_tempdir(directory)
+        with server.client() as raw:
+            raw.flushall()
+
+
+def test_put_quota_through_the_admin_api_trims_the_tenant_in_redis_at_once(
+    server: RedisServer, service_factory: Callable[..., Service]
+) -> None:
+    unit = records.header_size() + SMALL_LAYOUT.payload_bytes(SMALL_CHUNK)
+    prompt = 4 * SMALL_CHUNK
+    service = open_service(service_factory, remote_url=server.url, tenant_quotas={"*": "100%"})
+    url, engine = service.admin_url or "", service.engine
+    try:
+        for seed in range(1, 4):
+            engine.store(make_tokens(prompt, seed), make_kv(prompt, seed), cache_salt="big")
+        assert engine.flush(10.0)
+        bad = call(url, "/quota?tenant=big&limit=-3GiB", method="PUT", token=TOKEN)
+        assert bad.status == 400 and "-3GiB" in bad.json()["error"]  # refused, named
+        reply = call(url, f"/quota?tenant=big&limit={5 * unit}B", method="PUT", token=TOKEN)
+        assert reply.status == 200, reply.body
+        listing = call(url, "/quotas", token=TOKEN).json()
+        assert listing["tiers"]["redis"]["big"]["held_bytes"] == 5 * unit  # before it answered
+        assert listing["tiers"]["redis"]["big"]["quota_evictions"] == 7
+        with server.client() as raw:
+            assert len(list(raw.scan_iter(match=b"kvtier:*"))) == 5
+    finally:
         with server.client() as raw:
             raw.flushall()
