@@ -127,9 +127,9 @@ KEYS: tuple[KeySpec, ...] = (
         "tenant_quotas",
         parse_tenant_quotas,
         None,
-        "Per-tenant (cache_salt) limit in each CPU and disk tier and the PD receive buffer: "
-        "{salt: '2GiB', '*': '25%'} ('*': unnamed tenants; '': no salt); set at run time "
-        "with PUT /quota (docs/tenants.md).",
+        "Per-tenant (cache_salt) limit in each CPU and disk tier and the PD receive buffer, "
+        "a cap in a Redis or S3 store: {salt: '2GiB', '*': '25%'} ('*': unnamed tenants; "
+        "'': no salt); set at run time with PUT /quota (docs/tenants.md).",
         lmcache=False,
     ),
     KeySpec(
