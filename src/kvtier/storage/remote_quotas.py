@@ -93,10 +93,16 @@ class RemoteQuotas:
 
     # -- what the ledger said ---------------------------------------------------------------
     def updated(
-        self, tenant: str, chunks: int, evicted: Sequence[ChunkKey], stale: int = 0
+        self,
+        tenant: str,
+        chunks: int,
+        evicted: Sequence[ChunkKey],
+        stale: int = 0,
+        others: int = 0,
     ) -> None:
         """The tenant's ledger holds ``chunks`` now; this engine deleted ``evicted`` (its
-        oldest, over the limit) and found ``stale`` members whose chunk was gone already."""
+        oldest, over the limit) and ``others`` chunks not under this tier's keys (another
+        TP rank's), and found ``stale`` members whose chunk was gone already."""
         with self._lock:
             usage = self._usage.get(tenant)
             if usage is None:
@@ -104,7 +110,7 @@ class RemoteQuotas:
                     self._forget_one_empty()
                 usage = self._usage[tenant] = RemoteTenantUsage()
             usage.chunks = chunks
-            usage.quota_evictions += len(evicted)
+            usage.quota_evictions += len(evicted) + others
             usage.stale += stale
             for key in evicted:
                 self._quota_evicted[key] = tenant

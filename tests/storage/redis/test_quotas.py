@@ -5,6 +5,7 @@ chunks go."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -14,6 +15,7 @@ from kvtier import Engine, Service
 from kvtier.config.remote_url import parse_remote_url
 from kvtier.config.tenant_quotas import TenantLimit, parse_limit
 from kvtier.errors import ConfigError
+from kvtier.fingerprint import Fingerprint
 from kvtier.keys import ChunkKey
 from kvtier.observability.metrics import engine_registry
 from kvtier.storage import records
@@ -67,14 +69,19 @@ def chunks(n: int) -> str:
 
 
 def open_tiers(
-    url: str, rows: dict[str, str], count: int = 1, **options: object
+    url: str,
+    rows: dict[str, str],
+    count: int = 1,
+    fingerprints: list[Fingerprint] | None = None,
+    **options: object,
 ) -> list[RedisTier]:
-    """``count`` tiers on ``url``, each with its own quota table of ``rows`` (an engine
-    each, as a fleet is)."""
+    """``count`` tiers on ``url`` (of ``fingerprints``, else all of the contract's), each with
+    its own quota table of ``rows`` (an engine each, as a fleet is)."""
     tiers = []
-    for _ in range(count):
+    for i in range(count):
         opts = RedisOptions(**{"timeout_s": 2.0, **options})  # type: ignore[arg-type]
-        tier = RedisTier(parse_remote_url(url), FINGERPRINT.layout, FINGERPRINT, opts)
+        fingerprint = fingerprints[i] if fingerprints else FINGERPRINT
+        tier = RedisTier(parse_remote_url(url), fingerprint.layout, fingerprint, opts)
         table = {t: parse_limit("tenant_quotas", v) for t, v in rows.items()}
         tier.attach_quotas(TenantQuotas(table))
         tier.open()
@@ -129,6 +136,25 @@ def test_a_flood_from_two_engines_stays_within_its_quota_fleet_wide(url: str) ->
 
 def _page() -> torch.Tensor:
     return torch.empty(UNIT, dtype=torch.uint8)
+
+
+def test_the_tp_ranks_of_a_model_share_a_tenants_limit(url: str) -> None:
+    """Each rank writes its own chunks (its own fingerprint); a share of Redis is of all of
+    it, so the ranks of one world count against one ledger, as each rank's CPU tier is
+    bounded in its own memory."""
+    ranks = [dataclasses.replace(FINGERPRINT, tp_rank=r, tp_world_size=2) for r in (0, 1)]
+    r0, r1 = open_tiers(url, {"t": chunks(4)}, count=2, fingerprints=ranks)
+    try:
+        keys0 = [store(r0, "t", seed) for seed in range(1, 4)]
+        keys1 = [store(r1, "t", seed) for seed in range(1, 4)]  # same keys, the other rank
+        assert live(r0, keys0) == keys0[2:] and live(r1, keys1) == keys1  # 4 in all
+        report0, report1 = r0.tenant_report()["t"], r1.tenant_report()["t"]
+        assert report0["chunks"] == report1["chunks"] == 4
+        assert report1["quota_evictions"] == 2  # rank 0's two oldest, deleted by rank 1
+        assert r1.evicted_by_quota(keys1) == {}  # not rank 1's keys: not reported as its own
+    finally:
+        r0.close()
+        r1.close()
 
 
 def test_without_scripts_the_ledger_is_a_transaction_and_holds_as_well(url: str) -> None:

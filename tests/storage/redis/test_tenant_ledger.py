@@ -121,7 +121,7 @@ class Fleet(RuleBasedStateMachine):
         for tenant, keys in self.stored.items():
             held = {k for k, h in zip(keys, tier.contains(keys), strict=True) if h}
             ledger = ledger_name(tier.fingerprint.hex(), tenant)
-            counted = {bytes.fromhex(m.decode()) for m in _members(tier, ledger)}
+            counted = {bytes.fromhex(m.split(b":")[1].decode()) for m in _members(tier, ledger)}
             assert held <= counted, "a chunk its ledger does not count"
             assert counted <= held | self.dropped, "a ledger member never stored"
             limit = self.limits.get(tenant)

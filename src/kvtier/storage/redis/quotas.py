@@ -53,15 +53,15 @@ class RedisQuotas(RemoteQuotas):
         self,
         quotas: TenantQuotas,
         unit_bytes: int,
+        ledger_hex: str,
         fingerprint_hex: str,
-        chunk_prefix: bytes,
         ttl_ms: int,
         call: Callable[[Callable[[Any], Any]], Any],
         read_capacity: Callable[[], int],
     ) -> None:
         super().__init__(quotas, unit_bytes)
-        self.fingerprint_hex = fingerprint_hex
-        self.chunk_prefix = chunk_prefix
+        self.ledger_hex = ledger_hex  # the fingerprint but its TP rank: ranks share ledgers
+        self.fingerprint_hex = fingerprint_hex.encode()  # this tier's own (a member's first part)
         self.ttl_ms = ttl_ms
         self._call = call
         self._read_capacity = read_capacity
@@ -69,7 +69,7 @@ class RedisQuotas(RemoteQuotas):
         self._use_script = True  # until the server refuses EVAL
 
     def ledger(self, tenant: str) -> bytes:
-        return tenant_ledger.ledger_name(self.fingerprint_hex, tenant)
+        return tenant_ledger.ledger_name(self.ledger_hex, tenant)
 
     def capacity_read(self, capacity: int) -> None:
         """The tier read the store's capacity (at open, at ``usage()``)."""
@@ -92,10 +92,11 @@ class RedisQuotas(RemoteQuotas):
         tenant's oldest chunks over its limit. Returns the keys deleted. Raises TierError
         when the ledger was not updated, after deleting the record again (best effort), so
         that no chunk goes uncounted."""
+        member = self.fingerprint_hex + b":" + key.hex().encode()
         try:
-            return self._update(tenant, key.hex().encode())
+            return self._update(tenant, member)
         except TierError:
-            name = self.chunk_prefix + key.hex().encode()
+            name = tenant_ledger.CHUNK_PREFIX + member
             try:
                 self._call(lambda client: client.delete(name))
             except TierError as exc:
@@ -119,7 +120,7 @@ class RedisQuotas(RemoteQuotas):
         ledger, limit = self.ledger(tenant), self.limit_chunks(tenant)
 
         def update(client: Any) -> tenant_ledger.LedgerUpdate:
-            args = (client, ledger, member, limit, self.chunk_prefix, self.ttl_ms)
+            args = (client, ledger, member, limit, tenant_ledger.CHUNK_PREFIX, self.ttl_ms)
             if self._use_script:
                 try:
                     return tenant_ledger.update(*args)
@@ -131,8 +132,12 @@ class RedisQuotas(RemoteQuotas):
             return tenant_ledger.update_without_scripts(*args)
 
         result = self._call(update)
-        evicted = [bytes.fromhex(m.decode()) for m in result.evicted]
-        self.updated(tenant, result.chunks, evicted, result.stale)
+        # Another TP rank's chunks count as this engine's evictions, but only this tier's
+        # own keys are reported (KV events, explain): the others are not this engine's keys.
+        mine = [m for m in result.evicted if m.startswith(self.fingerprint_hex + b":")]
+        evicted = [bytes.fromhex(m[len(self.fingerprint_hex) + 1 :].decode()) for m in mine]
+        others = len(result.evicted) - len(mine)
+        self.updated(tenant, result.chunks, evicted, result.stale, others=others)
         return evicted
 
     def report(self) -> dict[str, dict[str, int | None]]:

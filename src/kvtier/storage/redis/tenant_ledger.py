@@ -1,13 +1,16 @@
 """Per-tenant ledgers in Redis itself: what bounds a tenant fleet-wide in a shared store.
 
 Every engine of a fleet writes the same Redis, so a tenant's share cannot be counted in any
-one of them. Each (fingerprint, tenant) has a sorted set beside the chunks::
+one of them. Each (model fingerprint, tenant) has a sorted set beside the chunks::
 
-    name     kvtier-tenant:<fingerprint hex>:<tenant, UTF-8, hex>    ("" -> nothing after ':')
-    members  chunk key hex (the chunk's Redis name is kvtier:<fingerprint hex>:<member>)
+    name     kvtier-tenant:<fingerprint hex, TP rank 0>:<tenant, UTF-8, hex>   ("": nothing)
+    members  <fingerprint hex>:<chunk key hex>    (the chunk's Redis name: kvtier:<member>)
     score    the server's clock (TIME, microseconds) when the member was last added
 
-The prefix is not the chunks' (``kvtier:<fp>:``), so the tier's ``clear`` (a SCAN of that
+The TP ranks of one model share a ledger (the ranks of a world write chunks of one size, and
+a share of Redis is of all of it, as each rank's CPU tier is bounded within its own memory).
+
+The name's prefix is not the chunks' (``kvtier:<fp>:``), so the tier's ``clear`` (a SCAN of that
 pattern) never takes a ledger for a chunk. After a chunk's record is SET, :func:`update`
 runs one script on the ledger's server, atomically::
 
@@ -15,7 +18,7 @@ runs one script on the ledger's server, atomically::
     PEXPIRE ledger <ttl>                        (remote_ttl_secs: a ledger outlives no chunk)
     while ZCARD ledger > limit:                 (limit: the tenant's quota in whole chunks)
         oldest = ZPOPMIN ledger
-        DEL kvtier:<fp>:<oldest>                (one server: in the script; a cluster: after)
+        DEL kvtier:<oldest>                     (one server: in the script; a cluster: after)
     -> (ZCARD ledger, members deleted, members whose chunk was already gone)
 
 A cluster refuses a script over keys in other slots, so there the script only pops (the
@@ -44,6 +47,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import AskError, MovedError, ResponseError
 
 LEDGER_PREFIX = b"kvtier-tenant:"
+CHUNK_PREFIX = b"kvtier:"  # a chunk's Redis name is this and its ledger member
 PRUNE_AHEAD = 16  # oldest members checked for staleness when a pop found one gone
 
 # KEYS[1] ledger; ARGV: member ('' none), limit (-1 none), chunk name prefix, ttl ms (0 none),
@@ -98,7 +102,7 @@ return removed
 @dataclass(frozen=True, slots=True)
 class LedgerUpdate:
     chunks: int  # members the ledger holds now
-    evicted: list[bytes]  # members (chunk key hex) whose chunk this update deleted
+    evicted: list[bytes]  # members whose chunk this update deleted
     stale: int  # members dropped because their chunk was gone already
 
 

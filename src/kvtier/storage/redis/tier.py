@@ -41,6 +41,7 @@ behind each, for one server or a cluster, are in :mod:`kvtier.storage.redis.comm
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -285,8 +286,9 @@ class RedisTier(RemoteQuotaHooks, Tier):
         unit = records.header_size() + self.layout.payload_bytes(self.fingerprint.chunk_size)
         ttl_ms = int(self.options.ttl_s * 1000) if self.options.ttl_s else 0
         capacity = lambda: self._usage().capacity_bytes  # noqa: E731 (read when stale)
+        ledger_hex = dataclasses.replace(self.fingerprint, tp_rank=0).hex()  # ranks share
         self._quotas = RedisQuotas(
-            quotas, unit, self.fingerprint.hex(), self.prefix, ttl_ms, self._call, capacity
+            quotas, unit, ledger_hex, self.fingerprint.hex(), ttl_ms, self._call, capacity
         )
 
     def _quotas_changed(self) -> None:
