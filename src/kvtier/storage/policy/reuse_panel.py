@@ -34,7 +34,11 @@ from kvtier.storage.policy.reuse_segments import RULES, Rule, Segments, any_key
 SHADOW_KEYS = 8192  # keys a shadow holds when the cache is large enough to sample
 MAX_SAMPLING = 64  # at most 1 key in 64 (the sample is a key's first byte mod M)
 HYSTERESIS = 0.005  # a rule takes over when its score beats the one in use by 0.5 %
-MEMORY = 23 / 24  # a score's decay per window: it weighs about the last 24 windows
+# A score's decay per window: it weighs about the last 24 windows. At 63/64 the panel left
+# rule reuse on rag-zipf-1.2 at 2 % at request 5,378 of 12,000 (now 4,070), 0.0044 behind
+# ARC by then; at 15/16 it flips on close scores every few windows (long-chat at 1 %:
+# -0.010). docs/policies.md has the figures.
+MEMORY = 23 / 24
 _FIRST_BYTE = itemgetter(0)
 
 
