@@ -5,6 +5,7 @@ restarted engine counts what was stored before it (the marker objects outlive it
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -12,11 +13,13 @@ import pytest
 from kvtier import Engine
 from kvtier.bench.seaweedfs import SeaweedFS
 from kvtier.config.tenant_quotas import TenantLimit, parse_limit
+from kvtier.fingerprint import Fingerprint
 from kvtier.keys import ChunkKey
 from kvtier.observability.metrics import engine_registry
 from kvtier.storage import records
 from kvtier.storage.base import Membership, PutOutcome
 from kvtier.storage.policy.quotas import TenantQuotas
+from kvtier.storage.s3.quotas import tenant_dir
 from kvtier.storage.s3.tier import S3Tier
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
 from tests.storage.s3.test_tier import FINGERPRINT, options, raw_client
@@ -24,7 +27,7 @@ from tests.storage.tier_contract import CONTRACT_CHUNK, payload, put_and_wait
 
 UNIT = records.header_size() + FINGERPRINT.layout.payload_bytes(CONTRACT_CHUNK)
 
-OpenTier = Callable[[dict[str, str]], S3Tier]
+OpenTier = Callable[..., S3Tier]
 
 
 @pytest.fixture
@@ -32,8 +35,8 @@ def open_tier(seaweedfs: SeaweedFS, bucket: str) -> Iterator[OpenTier]:
     """Tiers on one bucket and prefix, each with its own quota table (an engine each)."""
     opened: list[S3Tier] = []
 
-    def open_one(rows: dict[str, str]) -> S3Tier:
-        tier = S3Tier(options(seaweedfs, bucket), FINGERPRINT.layout, FINGERPRINT)
+    def open_one(rows: dict[str, str], fingerprint: Fingerprint = FINGERPRINT) -> S3Tier:
+        tier = S3Tier(options(seaweedfs, bucket), fingerprint.layout, fingerprint)
         table = {t: parse_limit("tenant_quotas", v) for t, v in rows.items()}
         tier.attach_quotas(TenantQuotas(table))
         tier.open()
@@ -96,6 +99,21 @@ def test_the_cap_holds_across_engines_as_of_each_ones_last_listing(
     from_b.append(store(b, "t", 15))
     assert in_bucket(a, seaweedfs, bucket) == {from_b[-2], from_b[-1]}  # a's went too
     assert b.tenant_report()["t"]["chunks"] == 2
+
+
+def test_the_tp_ranks_of_a_model_share_a_tenants_limit(
+    open_tier: OpenTier, seaweedfs: SeaweedFS, bucket: str
+) -> None:
+    ranks = [dataclasses.replace(FINGERPRINT, tp_rank=r, tp_world_size=2) for r in (0, 1)]
+    r0, r1 = (open_tier({"t": f"{4 * UNIT}B"}, fingerprint) for fingerprint in ranks)
+    keys0 = [store(r0, "t", seed) for seed in range(1, 4)]
+    assert r1.refresh()  # rank 1 has listed rank 0's markers: one order for both
+    keys1 = [store(r1, "t", seed) for seed in range(1, 4)]
+    assert in_bucket(r0, seaweedfs, bucket) == {keys0[2]}  # rank 0's two oldest went
+    assert in_bucket(r1, seaweedfs, bucket) == set(keys1)  # 4 in all: the limit
+    report = r1.tenant_report()["t"]
+    assert report["chunks"] == 4 and report["quota_evictions"] == 2
+    assert r1.evicted_by_quota(keys1) == {}  # rank 0's keys: not reported as rank 1's
 
 
 def test_an_engine_started_later_counts_what_the_fleet_stored_before(
@@ -166,3 +184,16 @@ def test_an_engines_s3_tier_reports_its_tenants_in_stats_and_metrics(
         labels = {"tier": "s3", "tenant": "flood"}
         assert value("kvtier_tenant_held_bytes", labels) == 2 * unit
         assert value("kvtier_tenant_quota_evictions_total", labels) == 10
+
+
+def test_a_tenant_too_long_for_a_key_is_named_by_its_digest_and_still_capped(
+    open_tier: OpenTier, seaweedfs: SeaweedFS, bucket: str
+) -> None:
+    long = "x" * 300  # 600 hex characters: past MAX_DIR_HEX
+    assert tenant_dir(long).startswith("h") and len(tenant_dir(long)) == 33
+    first = open_tier({long: f"{2 * UNIT}B"})
+    before = [store(first, long, seed) for seed in range(1, 4)]
+    later = open_tier({long: f"{2 * UNIT}B"})  # lists the digest's markers: its row's
+    assert later.tenant_report()[long]["chunks"] == 2
+    after = store(later, long, 4)
+    assert in_bucket(later, seaweedfs, bucket) == {before[2], after}

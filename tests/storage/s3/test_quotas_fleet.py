@@ -75,8 +75,8 @@ class Fleet(RuleBasedStateMachine):
         root = self._quotas(self.tiers[0]).marker_prefix
         found: dict[str, set[ChunkKey]] = {}
         for name, _ in self.raw.list(root):
-            directory, _, key_hex = name[len(root) :].partition("/")
-            found.setdefault(directory, set()).add(bytes.fromhex(key_hex))
+            directory, _, member = name[len(root) :].partition("/")
+            found.setdefault(directory, set()).add(bytes.fromhex(member.split(".")[1]))
         return found
 
     @rule(engine=st.integers(0, 1), tenant=st.sampled_from((*LIMITED, FREE)))

@@ -6,16 +6,18 @@ each stored chunk also gets an empty *marker* object that names its tenant, in a
 its own beside the chunks::
 
     chunk   <prefix>/<fp hex>/<key hex>
-    marker  <prefix>/<fp hex>.tenants/<tenant dir>/<key hex>      (empty; written after it)
+    marker  <prefix>/<fp hex, TP rank 0>.tenants/<tenant dir>/<fp hex>.<key hex>   (empty;
+            written after the chunk: it names the chunk, whichever TP rank wrote it)
     tenant dir   't' + the tenant's UTF-8 in hex ('t' alone: no salt), or 'h' + a
                  BLAKE2b-128 hex digest when that would pass 512 characters (S3 keys are at
                  most 1,024 bytes); such a tenant is matched to its row by the same digest
 
-Every engine lists the markers with the chunks (at open and every ``s3_list_interval_secs``)
-and so knows each tenant's chunks across the fleet, oldest first (by the marker's
-last-modified time, then key), plus what it stored itself since. After a write of a tenant
-over its limit, that engine deletes the tenant's oldest, chunk and marker, whichever engine
-stored them (one ``DeleteObjects``)::
+The TP ranks of one model share the markers' prefix, so a tenant's limit is of all their
+chunks (as in the Redis tier). Every engine lists the markers with the chunks (at open and
+every ``s3_list_interval_secs``) and so knows each tenant's chunks across the fleet, oldest
+first (by the marker's last-modified time, then name), plus what it stored itself since.
+After a write of a tenant over its limit, that engine deletes the tenant's oldest, chunk
+and marker, whichever engine stored them (one ``DeleteObjects``)::
 
     write landed  -> marker PUT (if it fails, the chunk is deleted again: nothing uncounted);
                      the tenant's order gets the key; while it holds more than its limit,
@@ -37,11 +39,13 @@ chunks it deleted (two engines with the same stale view may delete the same one)
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections import OrderedDict
 
 from kvtier.errors import TierError
+from kvtier.fingerprint import Fingerprint
 from kvtier.keys import ChunkKey
 from kvtier.storage.policy.quotas import TenantQuotas
 from kvtier.storage.remote_quotas import RemoteQuotas
@@ -70,22 +74,40 @@ class S3Quotas(RemoteQuotas):
         unit_bytes: int,
         index: ChunkIndex,
         client: S3Client,
-        chunk_prefix: str,
+        base: str,
+        fingerprint: Fingerprint,
     ) -> None:
+        """``base``: the objects' prefix with its '/' ('' for none); ``fingerprint``: the
+        tier's (its chunks are ``<base><fingerprint hex>/<key hex>``)."""
         super().__init__(quotas, unit_bytes)
         self._index = index
         self._client = client
-        self._chunk_prefix = chunk_prefix
-        self.marker_prefix = chunk_prefix.rstrip("/") + ".tenants/"
-        self._orders: dict[str, OrderedDict[ChunkKey, None]] = {}  # oldest first
+        self._base = base
+        self._fp_hex = fingerprint.hex()
+        rank0 = dataclasses.replace(fingerprint, tp_rank=0).hex()  # the ranks share it
+        self.marker_prefix = f"{base}{rank0}.tenants/"
+        # Per tenant, its chunks as members "<fp hex>.<key hex>", oldest first.
+        self._orders: dict[str, OrderedDict[str, None]] = {}
         self._dirs: dict[str, str] = {}  # tenant dir -> tenant, for every tenant seen
-        # While a listing runs: what this engine stored (key -> tenant) and deleted since.
+        # While a listing runs: what this engine stored (member -> tenant) and deleted since.
         self._listing = False
-        self._added: dict[ChunkKey, str] = {}
-        self._removed: set[ChunkKey] = set()
+        self._added: dict[str, str] = {}
+        self._removed: set[str] = set()
 
-    def marker_name(self, tenant: str, key: ChunkKey) -> str:
-        return f"{self.marker_prefix}{tenant_dir(tenant)}/{key.hex()}"
+    def member(self, key: ChunkKey) -> str:
+        return f"{self._fp_hex}.{key.hex()}"
+
+    def marker_name(self, tenant: str, member: str) -> str:
+        return f"{self.marker_prefix}{tenant_dir(tenant)}/{member}"
+
+    def _chunk_name(self, member: str) -> str:
+        fp_hex, _, key_hex = member.partition(".")
+        return f"{self._base}{fp_hex}/{key_hex}"
+
+    def _own_key(self, member: str) -> ChunkKey | None:
+        """The chunk key of ``member`` when this tier wrote it (its fingerprint), else None."""
+        fp_hex, _, key_hex = member.partition(".")
+        return bytes.fromhex(key_hex) if fp_hex == self._fp_hex else None
 
     def limit_bytes(self, tenant: str) -> int | None:
         """Byte rows only: a share of an object store has no capacity to be a share of."""
@@ -108,22 +130,23 @@ class S3Quotas(RemoteQuotas):
         order gets it (:meth:`enforce` then trims). Raises TierError when the marker was not
         written, after deleting the chunk again (best effort), so that no chunk goes
         uncounted."""
+        member = self.member(key)
         try:
-            self._client.put(self.marker_name(tenant, key), b"")
+            self._client.put(self.marker_name(tenant, member), b"")
         except TierError:
             try:
-                self._client.delete([self._chunk_prefix + key.hex()])
+                self._client.delete([self._chunk_name(member)])
             except TierError as exc:
                 log.warning("s3 tier: uncounted chunk %s not deleted: %s", key.hex(), exc)
             raise
         with self._lock:
             self._dirs[tenant_dir(tenant)] = tenant
             order = self._orders.setdefault(tenant, OrderedDict())
-            order[key] = None
-            order.move_to_end(key)  # stored again: the newest
+            order[member] = None
+            order.move_to_end(member)  # stored again: the newest
             if self._listing:
-                self._added[key] = tenant
-                self._removed.discard(key)
+                self._added[member] = tenant
+                self._removed.discard(member)
 
     def enforce(self, tenant: str) -> list[ChunkKey]:
         """``tenant``'s oldest over its limit deleted, chunk and marker, whichever engine
@@ -133,39 +156,41 @@ class S3Quotas(RemoteQuotas):
     def enforce_all(self) -> list[ChunkKey]:
         """Every tenant within its limit now (a row changed); returns what :meth:`enforce`
         returns."""
-        victims: list[tuple[str, ChunkKey]] = []
+        victims: list[tuple[str, str]] = []
         for tenant in list(self._orders):
             victims += self._trim(tenant)
         return self._drop(victims)
 
-    def _trim(self, tenant: str) -> list[tuple[str, ChunkKey]]:
+    def _trim(self, tenant: str) -> list[tuple[str, str]]:
+        """Pop ``tenant``'s oldest members past its limit: (tenant, member) each."""
         limit = self.limit_chunks(tenant)
-        popped: list[tuple[str, ChunkKey]] = []
+        popped: list[tuple[str, str]] = []
         with self._lock:
             order = self._orders.get(tenant, OrderedDict())
             while limit is not None and len(order) > limit:
-                key, _ = order.popitem(last=False)
-                popped.append((tenant, key))
+                member, _ = order.popitem(last=False)
+                popped.append((tenant, member))
                 if self._listing:
-                    self._removed.add(key)
-                    self._added.pop(key, None)
+                    self._removed.add(member)
+                    self._added.pop(member, None)
             chunks = len(order)
-        held = self._index.contains([key for _, key in popped])
-        evicted = [key for (_, key), h in zip(popped, held, strict=True) if h]
-        self.updated(tenant, chunks, evicted, len(popped) - len(evicted))
+        own = [key for _, m in popped if (key := self._own_key(m)) is not None]
+        evicted = [key for key, h in zip(own, self._index.contains(own), strict=True) if h]
+        others = len(popped) - len(own)  # another TP rank's: this index cannot say if gone
+        self.updated(tenant, chunks, evicted, len(own) - len(evicted), others=others)
         return popped
 
-    def _drop(self, popped: list[tuple[str, ChunkKey]]) -> list[ChunkKey]:
-        """Delete each popped chunk and its marker; they leave the index whether or not the
-        store answered (a chunk left behind is no longer counted: a lifecycle rule or
-        ``clear`` takes it). Returns the popped chunks the index held."""
-        names = [self._chunk_prefix + k.hex() for _, k in popped]
-        names += [self.marker_name(t, k) for t, k in popped]
+    def _drop(self, popped: list[tuple[str, str]]) -> list[ChunkKey]:
+        """Delete each popped chunk and its marker; this tier's own leave the index whether
+        or not the store answered (a chunk left behind is no longer counted: a lifecycle rule
+        or ``clear`` takes it). Returns this tier's popped chunks the index held."""
+        names = [self._chunk_name(m) for _, m in popped]
+        names += [self.marker_name(t, m) for t, m in popped]
         try:
             self._client.delete(names)
         except TierError as exc:
             log.warning("s3 tier: chunks over their tenant's quota not deleted: %s", exc)
-        keys = [key for _, key in popped]
+        keys = [key for _, m in popped if (key := self._own_key(m)) is not None]
         held = self._index.contains(keys)
         self._index.discard_many(keys)
         return [key for key, h in zip(keys, held, strict=True) if h]
@@ -185,22 +210,21 @@ class S3Quotas(RemoteQuotas):
             raise
         by_dir: dict[str, list[tuple[float, str]]] = {}
         for name, stamp in listed:
-            directory, _, key_hex = name[len(self.marker_prefix) :].partition("/")
-            by_dir.setdefault(directory, []).append((stamp, key_hex))
+            directory, _, member = name[len(self.marker_prefix) :].partition("/")
+            by_dir.setdefault(directory, []).append((stamp, member))
         with self._lock:
-            orders: dict[str, OrderedDict[ChunkKey, None]] = {}
+            orders: dict[str, OrderedDict[str, None]] = {}
             for directory, entries in by_dir.items():
                 tenant = self._tenant_of_dir(directory)
                 if tenant is None:
                     continue
                 order = orders[tenant] = OrderedDict()
-                for _, key_hex in sorted(entries):
-                    key = chunk_key_of("", key_hex)
-                    if key is not None and key not in self._removed:
-                        order[key] = None
-            for key, tenant in self._added.items():  # written since it began: the newest
-                orders.setdefault(tenant, OrderedDict())[key] = None
-                orders[tenant].move_to_end(key)
+                for _, member in sorted(entries):
+                    if _is_member(member) and member not in self._removed:
+                        order[member] = None
+            for member, tenant in self._added.items():  # written since it began: the newest
+                orders.setdefault(tenant, OrderedDict())[member] = None
+                orders[tenant].move_to_end(member)
             self._orders = orders
             self._listing = False
             self._added, self._removed = {}, set()
@@ -222,3 +246,13 @@ class S3Quotas(RemoteQuotas):
             for tenant in self.quotas.rows():
                 self._dirs[tenant_dir(tenant)] = tenant
         return self._dirs.get(directory, directory if directory.startswith("h") else None)
+
+
+def _is_member(name: str) -> bool:
+    """Whether a marker's name is ``<fp hex>.<key hex>`` (anything else is not kvtier's)."""
+    fp_hex, dot, key_hex = name.partition(".")
+    try:
+        bytes.fromhex(fp_hex)
+    except ValueError:
+        return False
+    return bool(dot and fp_hex) and chunk_key_of("", key_hex) is not None

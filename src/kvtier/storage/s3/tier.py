@@ -324,7 +324,8 @@ class S3Tier(RemoteQuotaHooks, Tier):
         if self._guard.state is not Lifecycle.NEW:
             raise StateError("s3 tier quotas are attached before it opens")
         unit = records.header_size() + self.layout.payload_bytes(self.fingerprint.chunk_size)
-        self._quotas = S3Quotas(quotas, unit, self.index, self.client, self.prefix)
+        base = self.prefix[: -len(self.fingerprint.hex()) - 1]  # the objects' prefix, its '/'
+        self._quotas = S3Quotas(quotas, unit, self.index, self.client, base, self.fingerprint)
         self.lister.quotas = self._quotas
 
     def _quotas_changed(self) -> None:
