@@ -34,3 +34,12 @@ def test_the_table_names_every_point_and_an_unknown_policy_is_refused(
     with pytest.raises(SystemExit):
         trace_matrix.main([*args, "--policies", "FIFO"])
     assert "FIFO" in capsys.readouterr().err
+
+
+def test_another_seed_is_another_trace_with_figures_of_its_own(tmp_path: Path) -> None:
+    default = trace_matrix.matrix(["few-shot"], [0.05], ["REUSE"], tmp_path)
+    drawn = trace_matrix.matrix(["few-shot"], [0.05], ["REUSE"], tmp_path, seed=7)
+    assert len(list(tmp_path.iterdir())) == 2 * (1 + len(trace_matrix.REFERENCES))
+    assert drawn["rows"][0]["opt"] != default["rows"][0]["opt"]
+    again = trace_matrix.matrix(["few-shot"], [0.05], ["REUSE"], tmp_path, seed=7)
+    assert again == drawn
