@@ -88,3 +88,60 @@ class ReuseWatch:
         self._hit.clear()
         self._ghosts.clear()
         self.lost_unused = 0
+
+
+class ReuseWatches:
+    """The watches of one tier's tenants with a limit, and which of them lapsed: what
+    :class:`~kvtier.storage.policy.tenants.TenantPolicy` asks, one call per event."""
+
+    __slots__ = ("_watch", "lapsed")
+
+    def __init__(self) -> None:
+        self._watch: dict[str, ReuseWatch] = {}
+        self.lapsed: set[str] = set()  # kept as watches change: an eviction reads only these
+
+    def get(self, tenant: str) -> ReuseWatch | None:
+        return self._watch.get(tenant)
+
+    def stored(self, tenant: str, key: ChunkKey) -> None:
+        """A chunk of ``tenant`` (which has a limit) was stored."""
+        watch = self._watch.get(tenant)
+        if watch is None:
+            watch = self._watch[tenant] = ReuseWatch()
+        watch.stored(key)
+        if not watch.lapsed:
+            self.lapsed.discard(tenant)
+
+    def hit(self, tenant: str, keys: list[ChunkKey]) -> None:
+        watch = self._watch.get(tenant)
+        if watch is not None:
+            for key in keys:
+                watch.hit(key)
+
+    def lost(self, tenant: str, key: ChunkKey, guarantee_chunks: int) -> None:
+        watch = self._watch.get(tenant)
+        if watch is None:
+            return
+        watch.resize(guarantee_chunks)
+        watch.lost(key)
+        if watch.lapsed:
+            self.lapsed.add(tenant)
+        else:
+            self.lapsed.discard(tenant)
+
+    def removed(self, tenant: str, key: ChunkKey) -> None:
+        watch = self._watch.get(tenant)
+        if watch is not None:
+            watch.removed(key)
+
+    def forget(self, tenant: str) -> None:
+        """``tenant`` holds nothing more, or lost its limit."""
+        self._watch.pop(tenant, None)
+        self.lapsed.discard(tenant)
+
+    def items(self) -> list[tuple[str, ReuseWatch]]:
+        return list(self._watch.items())
+
+    def clear(self) -> None:
+        self._watch.clear()
+        self.lapsed.clear()

@@ -51,7 +51,7 @@ from itertools import chain, groupby
 from kvtier.keys import ChunkKey
 from kvtier.storage.policy.base import Evictable, EvictionPolicy
 from kvtier.storage.policy.quotas import TenantQuotas
-from kvtier.storage.policy.tenant_reuse import ReuseWatch
+from kvtier.storage.policy.tenant_reuse import ReuseWatch, ReuseWatches
 
 NO_SALT = ""  # the tenant of requests without a cache_salt
 _SHARED = None  # the group of every tenant with no limit: one order among them
@@ -98,8 +98,7 @@ class TenantPolicy(EvictionPolicy):
         self._limited: dict[str, int] = {}  # tenant with a limit, holding chunks -> limit
         self._limits_total = 0  # their sum: the guarantees' scale
         self._shared_chunks = 0  # chunks of the tenants with no limit
-        self._watch: dict[str, ReuseWatch] = {}  # tenant with a limit -> do its chunks return
-        self._lapsed_tenants: set[str] = set()  # those whose watch says they do not (rule 3)
+        self._watch = ReuseWatches()  # of the tenants with a limit: do their chunks return
 
     # -- tenants ---------------------------------------------------------------------------
     def assign(self, key: ChunkKey, tenant: str | None) -> None:
@@ -157,8 +156,7 @@ class TenantPolicy(EvictionPolicy):
     def _forget_tenant(self, tenant: str) -> None:
         """``tenant`` holds nothing: drop its counters and its (empty) order."""
         del self.usage[tenant]
-        self._watch.pop(tenant, None)
-        self._lapsed_tenants.discard(tenant)
+        self._watch.forget(tenant)
         name = self._group_of_tenant.pop(tenant, _SHARED)
         if name is not _SHARED and not len(self._groups[name]):
             del self._groups[name]
@@ -173,13 +171,6 @@ class TenantPolicy(EvictionPolicy):
             elif usage.chunks:
                 self._limited[tenant] = self.limit_bytes(tenant) or 0
         self._limits_total = sum(self._limited.values())
-
-    def _watch_of(self, tenant: str) -> ReuseWatch | None:
-        """``tenant``'s reuse watch (made on first use), None for a tenant with no limit."""
-        watch = self._watch.get(tenant)
-        if watch is None and self._group_of_tenant.get(tenant) is not _SHARED:
-            watch = self._watch[tenant] = ReuseWatch()
-        return watch
 
     def guarantee_held(self, tenant: str) -> bool:
         """Whether ``tenant``'s guarantee holds now: it has a limit and has not lapsed."""
@@ -214,11 +205,8 @@ class TenantPolicy(EvictionPolicy):
             usage = self.usage[tenant] = TenantUsage()
         self._count(tenant, usage, 1)
         self.quota_evicted.pop(key, None)
-        watch = self._watch_of(tenant)
-        if watch is not None:
-            watch.stored(key)
-            if not watch.lapsed:
-                self._lapsed_tenants.discard(tenant)
+        if self._group_of_tenant[tenant] is not _SHARED:
+            self._watch.stored(tenant, key)
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         tenant_of = self._tenant_of.get
@@ -228,19 +216,14 @@ class TenantPolicy(EvictionPolicy):
             batch = list(run)
             self._group(tenant).touch(batch)
             self.usage[tenant].hits += len(batch)
-            watch = self._watch.get(tenant)
-            if watch is not None:
-                for key in batch:
-                    watch.hit(key)
+            self._watch.hit(tenant, batch)
 
     def remove(self, key: ChunkKey) -> None:
         tenant = self._tenant_of.pop(key, None)
         if tenant is not None:
             self._group(tenant).remove(key)
             self._count(tenant, self.usage[tenant], -1)
-            watch = self._watch.get(tenant)
-            if watch is not None:
-                watch.removed(key)
+            self._watch.removed(tenant, key)
 
     def hold(self, key: ChunkKey) -> None:
         tenant = self._tenant_of.get(key)
@@ -263,7 +246,7 @@ class TenantPolicy(EvictionPolicy):
             tenant: usage[tenant].chunks * unit - limit * scale
             for tenant, limit in self._limited.items()
         }
-        for tenant in self._lapsed_tenants.intersection(excess):
+        for tenant in self._watch.lapsed.intersection(excess):
             excess[tenant] = self._excess(tenant, scale)
         if self._shared_chunks:
             excess[_SHARED] = self._shared_chunks * unit
@@ -285,10 +268,10 @@ class TenantPolicy(EvictionPolicy):
     def _lapsed(self, name: str | None) -> ReuseWatch | None:
         """The watch of tenant ``name`` while rule 3 takes its victims first: its guarantee
         lapsed and it holds chunks never hit."""
-        if name is _SHARED or name not in self._lapsed_tenants:
+        if name is _SHARED or name not in self._watch.lapsed:
             return None
-        watch = self._watch[name]
-        return watch if self.usage[name].chunks > watch.used_held else None
+        watch = self._watch.get(name)
+        return watch if watch is not None and self.usage[name].chunks > watch.used_held else None
 
     def _excess(self, name: str | None, scale: float) -> float:
         """What group ``name`` holds past its guarantee (-inf: nothing); a lapsed tenant's
@@ -321,14 +304,7 @@ class TenantPolicy(EvictionPolicy):
         usage = self.usage[tenant]
         self._count(tenant, usage, -1)
         usage.evictions += 1
-        watch = self._watch.get(tenant)
-        if watch is not None:
-            watch.resize(int(self.guarantee_bytes(tenant)) // self.unit_bytes)
-            watch.lost(key)
-            if watch.lapsed:
-                self._lapsed_tenants.add(tenant)
-            else:
-                self._lapsed_tenants.discard(tenant)
+        self._watch.lost(tenant, key, int(self.guarantee_bytes(tenant)) // self.unit_bytes)
         if quota:
             usage.quota_evictions += 1
             self.quota_evicted[key] = tenant
@@ -346,8 +322,7 @@ class TenantPolicy(EvictionPolicy):
                 moving[tenant] = old_name
                 self._group_of_tenant[tenant] = new_name
                 if new_name is _SHARED:
-                    self._watch.pop(tenant, None)
-                    self._lapsed_tenants.discard(tenant)
+                    self._watch.forget(tenant)
         for old_name in set(moving.values()):
             old = self._groups.get(old_name)
             if old is None:
@@ -411,7 +386,6 @@ class TenantPolicy(EvictionPolicy):
         for group in self._groups.values():
             group.clear()
         self._watch.clear()
-        self._lapsed_tenants.clear()
         self._tenant_of.clear()
         for usage in self.usage.values():
             usage.chunks = 0
