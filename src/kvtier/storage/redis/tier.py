@@ -75,6 +75,7 @@ from kvtier.storage.redis.commands import (
 from kvtier.storage.redis.link import RedisLink
 from kvtier.storage.redis.options import RedisOptions
 from kvtier.storage.redis.quotas import RedisQuotas
+from kvtier.storage.remote_pins import RemotePins
 from kvtier.storage.remote_quotas import RemoteQuotaHooks
 from kvtier.storage.write_queue import Write, WriteQueue, complete
 
@@ -93,7 +94,7 @@ class RedisCounters(TierCounters):
     available: int = 1  # gauge: 0 while the server is down
 
 
-class RedisTier(RemoteQuotaHooks, Tier):
+class RedisTier(RemotePins, RemoteQuotaHooks, Tier):
     """See the module docstring."""
 
     name = "redis"
@@ -133,7 +134,6 @@ class RedisTier(RemoteQuotaHooks, Tier):
         self._lock = threading.Lock()
         # A full disk / Redis at maxmemory fails every chunk: one line per 30 s, with a count.
         self._repeated = RepeatedLog(log)
-        self._pins: dict[ChunkKey, int] = {}
         self._last_usage = TierUsage(0, 0, 0)
         self._use_script = True  # until the server refuses EVAL
         self._set_options: tuple[bytes, ...] = (
@@ -312,32 +312,6 @@ class RedisTier(RemoteQuotaHooks, Tier):
             self.report_removed((key,))
         return removed
 
-    def pin(self, key: ChunkKey) -> bool:
-        """Always True: see the module docstring (a shared store cannot hold an entry)."""
-        with self._lock:
-            self._pins[key] = self._pins.get(key, 0) + 1
-        return True
-
-    def pin_many(self, keys: Sequence[ChunkKey]) -> int:
-        with self._lock:
-            pins = self._pins
-            for key in keys:
-                pins[key] = pins.get(key, 0) + 1
-        return len(keys)
-
-    def unpin(self, key: ChunkKey) -> None:
-        self.unpin_many((key,))
-
-    def unpin_many(self, keys: Sequence[ChunkKey]) -> None:
-        with self._lock:
-            pins = self._pins
-            for key in keys:
-                count = pins.get(key, 0)
-                if count <= 1:
-                    pins.pop(key, None)  # never below zero, even on a stray unpin
-                else:
-                    pins[key] = count - 1
-
     def clear(self) -> int:
         """Delete this fingerprint's chunks (not other models' or other data) except those
         pinned through this tier. Raises :class:`TierUnavailable` when the server is down."""
@@ -345,8 +319,7 @@ class RedisTier(RemoteQuotaHooks, Tier):
             return self._clear()
 
     def _clear(self) -> int:
-        with self._lock:
-            keep = {self.redis_name(k) for k in self._pins}
+        keep = {self.redis_name(k) for k in self.pinned()}
         pattern = self.prefix + b"*"
         removed = self._call(lambda client: unlink_matching(client, pattern, keep))
         self.report_removed([self._chunk_key(name) for name in removed])

@@ -78,6 +78,7 @@ from kvtier.storage.base import (
 )
 from kvtier.storage.codecs import IDENTITY, PayloadCodec, codec_from_config, tier_fingerprint
 from kvtier.storage.policy.quotas import TenantQuotas
+from kvtier.storage.remote_pins import RemotePins
 from kvtier.storage.remote_quotas import RemoteQuotaHooks
 from kvtier.storage.s3.client import S3Client
 from kvtier.storage.s3.index import ChunkIndex, chunk_key_of
@@ -100,7 +101,7 @@ class S3Counters(TierCounters):
     available: int = 1  # gauge: 0 while the store is marked down
 
 
-class S3Tier(RemoteQuotaHooks, Tier):
+class S3Tier(RemotePins, RemoteQuotaHooks, Tier):
     """See the module docstring."""
 
     name = "s3"
@@ -139,7 +140,6 @@ class S3Tier(RemoteQuotaHooks, Tier):
         self._guard = CallGuard("s3 tier")
         self._lock = threading.Lock()
         self._repeated = RepeatedLog(log)
-        self._pins: dict[ChunkKey, int] = {}
         self._down_until = 0.0
         self.lister = PrefixLister(
             self.client,
@@ -350,35 +350,12 @@ class S3Tier(RemoteQuotaHooks, Tier):
                 self.report_removed((key,))
             return held
 
-    def pin(self, key: ChunkKey) -> bool:
-        """Always True: see the module docstring (a shared store cannot hold an entry)."""
-        return self.pin_many((key,)) == 1
-
-    def pin_many(self, keys: Sequence[ChunkKey]) -> int:
-        with self._lock:
-            for key in keys:
-                self._pins[key] = self._pins.get(key, 0) + 1
-        return len(keys)
-
-    def unpin(self, key: ChunkKey) -> None:
-        self.unpin_many((key,))
-
-    def unpin_many(self, keys: Sequence[ChunkKey]) -> None:
-        with self._lock:
-            for key in keys:
-                count = self._pins.get(key, 0)
-                if count <= 1:
-                    self._pins.pop(key, None)  # never below zero, even on a stray unpin
-                else:
-                    self._pins[key] = count - 1
-
     def clear(self) -> int:
         """Delete this fingerprint's objects (a fresh listing: other engines' too) except
         those pinned through this tier. Raises :class:`TierUnavailable` when the store is
         unreachable."""
         with self._guard.call():
-            with self._lock:
-                keep = set(self._pins)
+            keep = self.pinned()
             named = (chunk_key_of(self.prefix, name) for name, _ in self.client.list(self.prefix))
             gone = [key for key in named if key is not None and key not in keep]
             self.client.delete([self.object_name(k) for k in gone])
