@@ -35,24 +35,6 @@ from tests.storage.tier_contract import CONTRACT_CHUNK, payload, put_and_wait
 UNIT = records.header_size() + FINGERPRINT.layout.payload_bytes(CONTRACT_CHUNK)
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    srv = RedisServer().start()
-    try:
-        yield srv
-    finally:
-        srv.cleanup()
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisClusterServers]:
-    servers = RedisClusterServers().start()
-    try:
-        yield servers
-    finally:
-        servers.cleanup()
-
-
 @pytest.fixture(params=["server", "cluster"])
 def url(request: pytest.FixtureRequest) -> Iterator[str]:
     """One redis-server, or a cluster; emptied after each test (chunks and ledgers)."""

@@ -38,15 +38,6 @@ FINGERPRINT = Fingerprint("contract-model", CONTRACT_LAYOUT, CONTRACT_CHUNK)
 FINGERPRINT_SMALL = Fingerprint("m", SMALL_LAYOUT, CONTRACT_CHUNK)
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    srv = RedisServer().start()
-    try:
-        yield srv
-    finally:
-        srv.cleanup()
-
-
 def open_tier(url: str, fingerprint: Fingerprint = FINGERPRINT, **options: object) -> RedisTier:
     opts = RedisOptions(**{"timeout_s": 2.0, **options})  # type: ignore[arg-type]
     tier = RedisTier(parse_remote_url(url), fingerprint.layout, fingerprint, opts)

@@ -22,15 +22,6 @@ from tests.storage.tier_contract import (
 )
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisClusterServers]:
-    servers = RedisClusterServers().start()
-    try:
-        yield servers
-    finally:
-        servers.cleanup()
-
-
 class TestRedisClusterTierContract(TierContract):
     @pytest.fixture
     def tier(self, cluster: RedisClusterServers) -> Iterator[RedisTier]:

@@ -13,7 +13,6 @@ on both engines. After every step, for every tenant:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from typing import ClassVar
 
 import pytest
@@ -32,31 +31,12 @@ from kvtier.keys import ChunkKey
 from kvtier.storage.base import PutOutcome
 from kvtier.storage.redis.tenant_ledger import ledger_name
 from kvtier.storage.redis.tier import RedisTier
-from tests.redis_servers import RedisClusterServers, RedisServer
 from tests.storage.redis.test_quotas import UNIT, open_tiers
 from tests.storage.tier_contract import CONTRACT_CHUNK, payload, put_and_wait
 
 LIMITED = ("a", "b")  # tenants whose limit the machine changes
 FREE = "free"  # never a limit
 SEEDS = itertools.count(1)  # chunk keys never repeat across examples
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    srv = RedisServer().start()
-    try:
-        yield srv
-    finally:
-        srv.cleanup()
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisClusterServers]:
-    servers = RedisClusterServers().start()
-    try:
-        yield servers
-    finally:
-        servers.cleanup()
 
 
 class Fleet(RuleBasedStateMachine):
