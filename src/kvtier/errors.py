@@ -15,7 +15,7 @@ The hierarchy, so a caller can catch as narrowly or as broadly as it needs::
     │                                or payload codec than this kvtier reads
     └── TransferError          a prefill/decode transfer failed
         ├── ProtocolError      a malformed, oversized or unexpected control message
-        ├── AuthError          the peer could not prove it knows pd_auth_token
+        ├── AuthError          the peer could not prove it knows the shared secret
         └── TransferTimeout    the peer did not answer in time (buffer full, peer stalled)
 
 Third-party errors (``OSError``, redis, socket) are translated into these where they enter
@@ -78,7 +78,7 @@ class ProtocolError(TransferError):
 
 
 class AuthError(TransferError):
-    """The PD peer failed the handshake: it has no ``pd_auth_token``, or another one."""
+    """A peer failed kvtier's handshake (:mod:`kvtier.trust`): it has no token, or another one."""
 
 
 class TransferTimeout(TransferError):

@@ -200,7 +200,86 @@ class _Deadline:
         return ProtocolError("no frame within the idle timeout")
 
 
-def send(sock: socket.socket, data: bytes, deadline: float | None = None) -> None:
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view`` from ``sock``, straight into it (no intermediate buffer). With
+    ``deadline`` (monotonic) the whole of it by then, whatever the peer's pace: the socket's
+    timeout is set to what is left before every ``recv_into``, so a peer that trickles a byte
+    at a time cannot stretch one read past it (:class:`TransferTimeout`). Without one, the
+    socket's own timeout bounds each wait."""
+    got, want = 0, len(view)
+    before = sock.gettimeout() if deadline is not None else None
+    try:
+        while got < want:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                sock.settimeout(left)
+            n = sock.recv_into(view[got:], want - got)
+            if n == 0:
+                raise TransferError(f"peer closed the connection ({got} of {want} bytes received)")
+            got += n
+    except TimeoutError:
+        raise TransferTimeout(f"peer stalled ({got} of {want} bytes received)") from None
+    except OSError as exc:
+        raise TransferError(f"connection lost while receiving: {exc}") from None
+    finally:
+        if deadline is not None:
+            with contextlib.suppress(OSError):
+                sock.settimeout(before)
+
+
+def read_message(
+    sock: socket.socket, framing: Framing[M], deadline: float | None = None
+) -> M | None:
+    """The next frame of ``framing`` on ``sock``, read exactly (never a byte past it, so the
+    next frame may belong to another protocol), or None when the peer closed the connection
+    between frames. The header is checked before the body is allocated: at most
+    ``framing.max_body`` bytes are ever taken for a peer's frame. ``deadline``: the whole
+    frame by then (:func:`recv_exact`)."""
+    header = bytearray(HEADER.size)
+    first = _recv_some(sock, header, deadline)
+    if first == 0:
+        return None  # closed between frames
+    try:
+        recv_exact(sock, memoryview(header)[first:], deadline)
+    except TransferTimeout:
+        raise
+    except TransferError as exc:
+        raise ProtocolError(f"truncated frame header: {exc}") from None
+    body = bytearray(framing.parse_header(header))
+    try:
+        recv_exact(sock, memoryview(body), deadline)
+    except TransferTimeout:
+        raise
+    except TransferError as exc:
+        raise ProtocolError(f"truncated frame body: {exc}") from None
+    return framing.decode_body(body)
+
+
+def _recv_some(sock: socket.socket, header: bytearray, deadline: float | None) -> int:
+    """The first bytes of a frame (one ``recv_into``, at most the header): 0 when closed."""
+    before = sock.gettimeout()
+    try:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            sock.settimeout(left)
+        return sock.recv_into(header, len(header))
+    except TimeoutError:
+        raise TransferTimeout("the peer sent nothing in time") from None
+    except OSError as exc:
+        raise TransferError(f"connection lost while receiving: {exc}") from None
+    finally:
+        if deadline is not None:
+            with contextlib.suppress(OSError):
+                sock.settimeout(before)
+
+
+def send(
+    sock: socket.socket, data: bytes | bytearray | memoryview, deadline: float | None = None
+) -> None:
     """Send the encoded frame(s) ``data`` whole; with ``deadline`` (monotonic), by then or
     :class:`TransferTimeout` (a peer that does not read its replies cannot hold a thread)."""
     before = sock.gettimeout()

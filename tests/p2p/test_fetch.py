@@ -17,6 +17,8 @@ import torch
 from kvtier.p2p import protocol as wire
 from kvtier.p2p.fetch import Fetcher
 from kvtier.pd.checksum import checksum
+from kvtier.trust import handshake
+from kvtier.trust.handshake import Credentials
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT
 
 TOKEN = "a-fleet-secret-of-32-characters!"
@@ -43,8 +45,9 @@ def peer() -> Iterator[Callable[[Behaviour], str]]:
                 return
             with conn:
                 conn.settimeout(10)
-                wire.accept_handshake(conn, "liar", TOKEN)
-                msg = wire.recv(conn)
+                me = Credentials(wire.PROTOCOL, "liar", TOKEN, "p2p_auth_token")
+                handshake.accept(conn, me, time.monotonic() + 10)
+                msg = wire.recv(conn, None)
                 assert isinstance(msg, wire.Fetch)
                 behaviour(conn, msg)
 
@@ -62,7 +65,7 @@ def payload(i: int) -> torch.Tensor:
 
 def send_chunk(conn: socket.socket, i: int, data: torch.Tensor, csum: int | None = None) -> None:
     csum = checksum(data) if csum is None else csum
-    wire.send(conn, wire.Chunk(i, SMALL_CHUNK, PAYLOAD, csum))
+    wire.send(conn, wire.Chunk(i, SMALL_CHUNK, PAYLOAD, csum), time.monotonic() + 10)
     conn.sendall(data.numpy().tobytes())
 
 
@@ -79,7 +82,7 @@ def test_an_honest_peer_fills_the_pages(peer: Callable[[Behaviour], str]) -> Non
     def honest(conn: socket.socket, fetch: wire.Fetch) -> None:
         for i in range(len(fetch.keys)):
             send_chunk(conn, i, payload(i))
-        wire.send(conn, wire.Done(fetch.transfer_id))
+        wire.send(conn, wire.Done(fetch.transfer_id), time.monotonic() + 10)
 
     got, fetcher, pages = pull(peer(honest))
     assert got == [SMALL_CHUNK] * 3
@@ -96,7 +99,7 @@ def test_a_chunk_that_fails_its_checksum_is_a_miss(peer: Callable[[Behaviour], s
         bad[PAYLOAD // 2] ^= 0xFF  # damaged after the sender computed its checksum
         send_chunk(conn, 1, bad, csum)
         send_chunk(conn, 2, payload(2))
-        wire.send(conn, wire.Done(fetch.transfer_id))
+        wire.send(conn, wire.Done(fetch.transfer_id), time.monotonic() + 10)
 
     got, fetcher, _ = pull(peer(flips_a_byte))
     assert got == [SMALL_CHUNK, None, SMALL_CHUNK]
@@ -106,9 +109,9 @@ def test_a_chunk_that_fails_its_checksum_is_a_miss(peer: Callable[[Behaviour], s
 def test_a_chunk_gone_since_announced_is_a_miss(peer: Callable[[Behaviour], str]) -> None:
     def evicted(conn: socket.socket, fetch: wire.Fetch) -> None:
         send_chunk(conn, 0, payload(0))
-        wire.send(conn, wire.Missing(1, "evicted since it was announced"))
+        wire.send(conn, wire.Missing(1, "evicted since it was announced"), time.monotonic() + 10)
         send_chunk(conn, 2, payload(2))
-        wire.send(conn, wire.Done(fetch.transfer_id))
+        wire.send(conn, wire.Done(fetch.transfer_id), time.monotonic() + 10)
 
     got, fetcher, _ = pull(peer(evicted))
     assert got == [SMALL_CHUNK, None, SMALL_CHUNK]
@@ -118,7 +121,8 @@ def test_a_chunk_gone_since_announced_is_a_miss(peer: Callable[[Behaviour], str]
 def test_a_chunk_of_the_wrong_size_ends_the_pull(peer: Callable[[Behaviour], str]) -> None:
     def oversized(conn: socket.socket, fetch: wire.Fetch) -> None:
         send_chunk(conn, 0, payload(0))
-        wire.send(conn, wire.Chunk(1, SMALL_CHUNK, PAYLOAD * 4, 0))  # past the page
+        past_the_page = wire.Chunk(1, SMALL_CHUNK, PAYLOAD * 4, 0)
+        wire.send(conn, past_the_page, time.monotonic() + 10)
         time.sleep(1)
 
     got, fetcher, _ = pull(peer(oversized))
@@ -129,7 +133,7 @@ def test_a_chunk_of_the_wrong_size_ends_the_pull(peer: Callable[[Behaviour], str
 def test_a_peer_that_dies_mid_chunk_costs_the_rest(peer: Callable[[Behaviour], str]) -> None:
     def dies(conn: socket.socket, fetch: wire.Fetch) -> None:
         send_chunk(conn, 0, payload(0))
-        wire.send(conn, wire.Chunk(1, SMALL_CHUNK, PAYLOAD, 0))
+        wire.send(conn, wire.Chunk(1, SMALL_CHUNK, PAYLOAD, 0), time.monotonic() + 10)
         conn.sendall(payload(1).numpy().tobytes()[: PAYLOAD // 3])  # then the host is gone
 
     got, fetcher, _ = pull(peer(dies))

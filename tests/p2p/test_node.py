@@ -25,6 +25,8 @@ from kvtier.p2p import protocol as wire
 from kvtier.p2p.node import P2PNode
 from kvtier.request_salt import ExtraKeys, RequestSalt
 from kvtier.server.client import ServerClient
+from kvtier.trust.dial import connect
+from kvtier.trust.handshake import Credentials
 from tests.conftest import SMALL_LAYOUT, make_kv, make_tokens, small_config
 from tests.server.server_helpers import (
     CHUNK_BYTES,
@@ -165,10 +167,9 @@ def test_a_wrong_secret_is_refused_and_claims_nothing() -> None:
     ok = P2PNode("127.0.0.1:0", [], token=TOKEN, lease_secs=LEASE, timeout=TIMEOUT).open()
     try:
         for token in ("another-secret-of-32-characters!", None):
-            with socket.create_connection(("127.0.0.1", ok.port), timeout=TIMEOUT) as sock:
-                sock.settimeout(TIMEOUT)
-                with pytest.raises(AuthError):
-                    wire.dial_handshake(sock, "intruder", token, "the peer")
+            me = Credentials(wire.PROTOCOL, "intruder", token, "p2p_auth_token")
+            with pytest.raises(AuthError):
+                connect("127.0.0.1", ok.port, me, time.monotonic() + TIMEOUT, "the peer")
         wait_until(lambda: ok.refused == 2, what="both refusals counted")
         # A follower with the wrong secret learns nothing, and is never followed into.
         wrong = P2PNode(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import signal
+import socket
 import time
 
 import pytest
@@ -20,8 +21,11 @@ from kvtier.config.channels import nixl_installed
 from kvtier.fingerprint import Fingerprint
 from kvtier.keys import KeyChain
 from kvtier.pd.buffer import PDBuffer
+from kvtier.pd.protocol import PUSH
 from kvtier.pd.receiver import PDReceiver
 from kvtier.pd.sender import PDSender, chunks_from_kv
+from kvtier.trust.dial import connect
+from kvtier.trust.handshake import Credentials
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, small_config
 
 MODEL = "pd-test-model"
@@ -30,6 +34,22 @@ NIXL = pytest.param(
 )
 CHANNELS = ["tcp", "shm", NIXL]
 PAGE_BYTES = SMALL_LAYOUT.chunk_bytes(SMALL_CHUNK)
+
+
+def pd_connect(
+    port: int,
+    token: str | None = None,
+    *,
+    protocol: str = PUSH,
+    timeout: float | None = 5.0,
+    identity: str = "a-test-sender",
+) -> socket.socket:
+    """A raw connection to a PD port on loopback that passed kvtier's handshake, for tests
+    that speak the PD protocol frame by frame (``timeout``: the socket's, after it)."""
+    me = Credentials(protocol, identity, token, "pd_auth_token")
+    sock, _ = connect("127.0.0.1", port, me, time.monotonic() + 10.0, "the test's PD peer")
+    sock.settimeout(timeout)
+    return sock
 
 
 def fake_prefill(tokens: list[int]) -> torch.Tensor:
@@ -129,8 +149,6 @@ def run_sender(channel: str, port: int, count: int, seed: int, results: object) 
 
 def run_stalling_sender(channel: str, port: int, ready: object) -> None:
     """Process entry: reserve a request, send part of one chunk, then hang until killed."""
-    import socket as socket_mod
-
     from kvtier.pd.protocol import (
         AllocReply,
         AllocRequest,
@@ -143,7 +161,7 @@ def run_stalling_sender(channel: str, port: int, ready: object) -> None:
     chain = keychain()
     tokens = request_tokens(1, 7)
     spans = chain.keys(tokens, include_partial=True)
-    sock = socket_mod.create_connection(("127.0.0.1", port))
+    sock = pd_connect(port, timeout=None)
     send_message(
         sock, Hello(chain.fingerprint.hex(), PAGE_BYTES, SMALL_LAYOUT.token_bytes(), channel)
     )
@@ -182,8 +200,6 @@ def run_sender_stalled_after(channel: str, port: int, full_chunks: int, ready: o
     ``full_chunks`` chunks whole through the channel's real sending code, then half of the
     next one (tcp: its header and half its payload; shm: half its page copied, no header),
     signal ``ready`` and hang until killed: the kill lands exactly there, mid-transfer."""
-    import socket as socket_mod
-
     from kvtier.pd.channels.shm import ShmSender
     from kvtier.pd.channels.tcp import TcpSender
     from kvtier.pd.protocol import (
@@ -200,7 +216,7 @@ def run_sender_stalled_after(channel: str, port: int, full_chunks: int, ready: o
     tokens = request_tokens(49, 7)  # oversized: 12 chunks
     spans = chain.keys(tokens, include_partial=True)
     kv = fake_prefill(tokens)
-    sock = socket_mod.create_connection(("127.0.0.1", port))
+    sock = pd_connect(port, timeout=None)
     send_message(
         sock, Hello(chain.fingerprint.hex(), PAGE_BYTES, SMALL_LAYOUT.token_bytes(), channel)
     )

@@ -188,6 +188,7 @@ def run_stalling_source(port: object, ready: object, full_chunks: int) -> None:
 
     from kvtier.pd.channels.tcp import TcpSender
     from kvtier.pd.protocol import (
+        PULL,
         AllocReply,
         AllocRequest,
         ChunkSent,
@@ -195,11 +196,15 @@ def run_stalling_source(port: object, ready: object, full_chunks: int) -> None:
         recv_message,
         send_message,
     )
+    from kvtier.trust import handshake
+    from kvtier.trust.handshake import Credentials
     from tests.pd.pd_helpers import sender
 
     listener = socket_mod.create_server(("127.0.0.1", 0))
     port.put(listener.getsockname()[1])  # type: ignore[attr-defined]
     conn, _ = listener.accept()
+    me = Credentials(PULL, "a-stalling-source", None, "pd_auth_token")
+    handshake.accept(conn, me, time.monotonic() + 10.0)
     tx = sender("tcp", 0).adopt(conn, "the test decoder")
     pull = recv_message(conn)
     assert isinstance(pull, Pull)

@@ -36,6 +36,7 @@ from tests.pd.pd_helpers import (
     decoder,
     fake_prefill,
     keychain,
+    pd_connect,
     pd_tier,
     request_tokens,
     send_one,
@@ -172,7 +173,7 @@ def test_a_failed_transfer_reports_only_what_is_still_held(
 
 
 def raw_client(port: int, channel: str = "tcp") -> tuple[socket.socket, HelloReply]:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=5.0)
+    sock = pd_connect(port)
     chain = keychain()
     hello = Hello(chain.fingerprint.hex(), PAGE_BYTES, PAGE_BYTES // 16, channel)
     send_message(sock, hello)
@@ -232,7 +233,7 @@ def test_oversized_frame_and_wrong_fingerprint_are_refused(
     sock.sendall(b"KVP\x01" + (1 << 30).to_bytes(4, "big"))
     assert hung_up(sock)
     sock.close()
-    other = socket.create_connection(("127.0.0.1", receiver.port), timeout=5.0)
+    other = pd_connect(receiver.port)
     send_message(other, Hello("0" * 16, PAGE_BYTES, PAGE_BYTES // 16, "tcp"))
     assert hung_up(other)
     other.close()

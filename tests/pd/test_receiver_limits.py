@@ -14,21 +14,19 @@ import torch
 from kvtier import Engine
 from kvtier.pd.channels.base import checksum
 from kvtier.pd.protocol import (
+    PUSH,
     AllocReply,
     AllocRequest,
     ChunkSent,
     DoneReply,
-    Hello,
     RequestDone,
-    encode,
     recv_message,
     send_message,
 )
 from kvtier.pd.receiver import PDReceiver
-from tests.conftest import SMALL_LAYOUT
+from kvtier.trust import handshake
 from tests.pd.pd_helpers import (
     CHANNELS,
-    PAGE_BYTES,
     assert_all_free,
     decoder,
     fake_prefill,
@@ -186,9 +184,7 @@ def test_a_byte_at_a_time_is_still_one_message_deadline(
     """Slowloris: every byte arrives before any per-read timeout would fire, but the
     handshake as a whole must finish within pd_message_timeout_sec."""
     engine, receiver = make_decoder("tcp", pd_message_timeout_sec=0.6)
-    chain = keychain()
-    frame = Hello(chain.fingerprint.hex(), PAGE_BYTES, SMALL_LAYOUT.token_bytes(), "tcp")
-    data = encode(frame)
+    data = handshake.FRAMING.encode(handshake.Hello(PUSH, "slow", b"n" * 32, True))
     sock = socket.create_connection(("127.0.0.1", receiver.port), timeout=5.0)
     closed = threading.Event()
     start = time.monotonic()

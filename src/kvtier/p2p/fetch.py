@@ -5,6 +5,8 @@ prompt's chunks. Each chunk's payload is received into the page the engine gave 
 (``out``, no staging copy) and checked against the peer's checksum there; a mismatch, a
 ``Missing``, a dead or silent peer, or the deadline (``blocking_timeout_secs`` from the
 start of the engine's read) ends the transfer, and every chunk not yet verified is a miss.
+The deadline is for the whole pull, every byte of it: a peer that sends its payload a few
+bytes at a time is cut off at the deadline, not at each read's.
 The caller's pages stay the caller's: whatever ends the pull, they go back through the
 engine's own load path, so a killed peer leaks nothing.
 
@@ -19,7 +21,6 @@ import logging
 import select
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,12 +28,15 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.errors import KVTierError, ProtocolError, TransferError
+from kvtier.framing import recv_exact
 from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.p2p import protocol as wire
 from kvtier.p2p.address import parse_address
 from kvtier.pd.checksum import checksum
-from kvtier.pd.protocol import recv_exact
+from kvtier.trust.dial import connect
+from kvtier.trust.handshake import Credentials
+from kvtier.trust.peer_text import peer_text
 
 log = logging.getLogger(__name__)
 
@@ -73,17 +77,17 @@ class Fetcher:
         sock: socket.socket | None = None
         try:
             sock = self._connection(peer, deadline)
-            self._set_deadline(sock, deadline)
             keys = [key for key, _ in items]
-            wire.send(sock, wire.Fetch(fingerprint, transfer_id, keys))
+            wire.send(sock, wire.Fetch(fingerprint, transfer_id, keys), deadline)
             while True:
-                self._set_deadline(sock, deadline)
-                msg = wire.recv(sock)
+                msg = wire.recv(sock, deadline)
+                if msg is None:
+                    raise TransferError(f"P2P peer {peer} closed the connection mid-pull")
                 if isinstance(msg, wire.Done) and msg.transfer_id == transfer_id:
                     break
                 if isinstance(msg, wire.Missing):
                     self.counters.missing += 1
-                    log.debug("P2P %s: chunk %d gone: %s", peer, msg.index, msg.why)
+                    log.debug("P2P %s: chunk %d gone: %s", peer, msg.index, peer_text(msg.why))
                     continue
                 if not isinstance(msg, wire.Chunk) or not 0 <= msg.index < len(items):
                     raise ProtocolError(f"P2P peer {peer} sent {type(msg).__name__} mid-pull")
@@ -95,7 +99,7 @@ class Fetcher:
                         f"bytes (this layout: {expected}, page {out.numel()})"
                     )
                 payload = out[: msg.nbytes]
-                recv_exact(sock, memoryview(payload.numpy()))  # type: ignore[arg-type]
+                recv_exact(sock, memoryview(payload.numpy()), deadline)  # type: ignore[arg-type]
                 if checksum(payload) != msg.checksum:
                     self.counters.corrupt += 1
                     log.warning("P2P %s: chunk %d failed its checksum: a miss", peer, msg.index)
@@ -132,20 +136,8 @@ class Fetcher:
                     return sock
                 sock.close()
         host, port = parse_address("p2p_peers", peer)
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TransferError("no time left (blocking_timeout_secs) to reach the peer")
-        try:
-            sock = socket.create_connection((host, port), timeout=remaining)
-        except OSError as exc:
-            raise TransferError(f"cannot reach P2P peer {peer}: {exc}") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            self._set_deadline(sock, deadline)
-            wire.dial_handshake(sock, self.node, self.token, f"P2P peer {peer}")
-        except BaseException:
-            sock.close()
-            raise
+        me = Credentials(wire.PROTOCOL, self.node, self.token, "p2p_auth_token")
+        sock, _ = connect(host, port, me, deadline, f"P2P peer {peer}")
         return sock
 
     def _keep(self, peer: str, sock: socket.socket) -> None:
@@ -155,13 +147,6 @@ class Fetcher:
                 idle.append(sock)
                 return
         sock.close()
-
-    @staticmethod
-    def _set_deadline(sock: socket.socket, deadline: float) -> None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TransferError("the pull ran past blocking_timeout_secs")
-        sock.settimeout(remaining)
 
 
 def _alive(sock: socket.socket) -> bool:

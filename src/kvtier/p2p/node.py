@@ -10,24 +10,31 @@ address in ``p2p_peers`` (itself skipped, so one list serves the whole fleet)::
     serves Fetch(fp, id, keys) from CPU  ◀──────── B's P2P tier (a lookup miss on B's own tiers)
 
 A follower's stream that ends, fails or stays silent past ``p2p_lease_secs`` (heartbeats come
-every third of it) drops that peer from the directory at once, and it is dialed again every
-second: a dead peer costs misses for at most the lease, a peer restarted empty announces an
-empty snapshot. A subscriber that cannot keep up (its queue of changes full) is disconnected
-rather than told a partial story; it reconnects to a fresh snapshot.
+every third of it) drops that peer from the directory at once, and it is dialed again after a
+backoff (1 s, doubling to 30 s while it keeps failing; each distinct failure logged once per
+interval, naming its cause): a dead peer costs misses for at most the lease, a peer restarted
+empty announces an empty snapshot. A subscriber that cannot keep up (its queue of changes
+full) is disconnected rather than told a partial story; it reconnects to a fresh snapshot.
 
-Who may connect: the handshake proves ``p2p_auth_token`` both ways (PD's HMAC); a node
-without one does not start, on loopback either (the port serves every model's CPU tier).
-Every wait is bounded: the handshake and each message of a pull by ``blocking_timeout_secs``.
+Who may connect: kvtier's handshake (:mod:`kvtier.trust`, protocol ``p2p``) proves
+``p2p_auth_token`` both ways; a node without one does not start, on loopback either (the
+port serves every model's CPU tier). The port is a :class:`~kvtier.trust.port.TrustedPort`:
+at most :data:`MAX_CONNECTIONS` connections, :data:`MAX_PENDING` of them not yet
+authenticated, each holding a header's worth of memory until it is. Every wait is bounded as
+a whole: the handshake, and each Fetch served, by ``blocking_timeout_secs``; the wait for the
+next Fetch by :data:`IDLE_S`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import secrets
 import socket
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +42,7 @@ from typing import Any
 
 from kvtier.config import Config
 from kvtier.errors import (
+    AuthError,
     ConfigError,
     KVTierError,
     ProtocolError,
@@ -49,12 +57,22 @@ from kvtier.p2p.directory import Directory
 from kvtier.p2p.fetch import Fetcher
 from kvtier.p2p.serve import FetchServer
 from kvtier.p2p.tier import P2PTier
-from kvtier.pd.auth import is_loopback
+from kvtier.repeated_log import RepeatedLog
 from kvtier.storage.base import Membership, Tier
+from kvtier.trust.dial import Backoff, connect
+from kvtier.trust.guard import Connection, ConnectionGuard
+from kvtier.trust.handshake import Credentials
+from kvtier.trust.loopback import is_loopback
+from kvtier.trust.peer_text import peer_text
+from kvtier.trust.port import TrustedPort, failure_cause
 
 log = logging.getLogger(__name__)
 
-RECONNECT_S = 1.0  # a follower dials a lost peer again this often
+# Subscriptions (one per following peer) and pulling connections (up to 4 per peer's
+# engine): 256 serves a fleet of dozens of servers; a flood of unproven dialers holds 16.
+MAX_CONNECTIONS = 256
+MAX_PENDING = 16
+FOLLOW_LOG_INTERVAL = 60.0  # one line per peer and cause per this many seconds
 SUBSCRIBER_QUEUE = 4096  # changes a slow subscriber may lag before it is cut off
 IDLE_S = 300.0  # a pulling connection idle this long is closed (the puller redials)
 SERVED_IDS_KEPT = 65536  # transfer ids remembered as used (single use)
@@ -101,7 +119,15 @@ class P2PNode:
         self._served: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._listener: socket.socket | None = None
+        self._port: TrustedPort | None = None
+        self.guard = ConnectionGuard(
+            max_connections=MAX_CONNECTIONS,
+            handshake_timeout=timeout,
+            max_pending=MAX_PENDING,
+            limit_key="P2P's MAX_CONNECTIONS",
+            logger=log,
+        )
+        self._follow_log = RepeatedLog(log, FOLLOW_LOG_INTERVAL)
         self._threads: list[threading.Thread] = []
         self._open_socks: set[socket.socket] = set()
         self._id = secrets.token_hex(4)
@@ -144,17 +170,27 @@ class P2PNode:
                 f"every peer, for p2p_listen {self.address} ({where}): without one anyone who "
                 "can reach the port reads the cache and claims chunks in every directory",
             )
+        port = TrustedPort(
+            name="P2P port",
+            host=self.host,
+            port=self.port,
+            credentials=self._credentials(),
+            guard=self.guard,
+            serve=self._serve,
+            logger=log,
+            on_refused=self._refused,
+        )
         try:
-            listener = socket.create_server((self.host, self.port))
+            port.open()
         except OSError as exc:
             raise ConfigError(
                 "p2p_listen", self.address, f"an address this host can listen on ({exc})"
             ) from None
-        self.port = listener.getsockname()[1]
-        listener.settimeout(0.2)
-        self._listener = listener
+        self._port = port
+        self.port = port.port
+        # The name carries the bound port: from here every handshake introduces it so.
+        port.credentials = self._credentials()
         self.fetcher.node = self.name
-        self._start(self._accept_loop, "kvtier-p2p-accept")
         for peer in self.peers:
             if peer != self.address:
                 self._start(lambda p=peer: self._follow(p), f"kvtier-p2p-follow-{peer}")
@@ -166,11 +202,14 @@ class P2PNode:
         )
         return self
 
+    def _credentials(self) -> Credentials:
+        return Credentials(wire.PROTOCOL, self.name, self.token, "p2p_auth_token")
+
     def close(self) -> None:
         self._stop.set()
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            listener.close()
+        port, self._port = self._port, None
+        if port is not None:
+            port.close()  # shuts its connections down: subscriptions and pulls served end
         with self._lock:
             for sub in self._subscribers:
                 with contextlib.suppress(queue.Full):
@@ -226,58 +265,49 @@ class P2PNode:
                 sub.lost = True  # its stream ends (see _announce)
 
     # -- serving -----------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            listener = self._listener
-            if listener is None:
-                return
-            try:
-                conn, peer = listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self._start(lambda c=conn, p=peer: self._serve(c, p), f"kvtier-p2p-serve-{peer[1]}")
+    def _refused(self, state: Connection, exc: KVTierError) -> None:
+        self.refused += 1  # a wrong secret, none, another protocol, or too slow
 
-    def _serve(self, sock: socket.socket, addr: tuple[Any, ...]) -> None:
-        with self._lock:
-            self._open_socks.add(sock)
-        where = f"{addr[0]}:{addr[1]}"
-        authenticated = False
+    def _serve(self, state: Connection, peer: str) -> None:
+        """One authenticated peer's connection: a subscription, or its pulls (the port
+        closes it when this returns)."""
+        sock = state.sock
+        where = peer_text(peer)
         server: FetchServer | None = None  # made at the first Fetch (a follower needs none)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(self.timeout)
-            where = wire.accept_handshake(sock, self.name, self.token)
-            authenticated = True
             while not self._stop.is_set():
-                sock.settimeout(IDLE_S)  # between pulls; close() shuts it sooner
-                msg = wire.recv(sock)
+                self.guard.expect(state, IDLE_S, f"no Fetch within {IDLE_S:g}s")
+                msg = wire.recv(sock, None)  # the guard's watchdog bounds the idle wait
                 if msg is None:
                     return
-                sock.settimeout(self.timeout)
                 if isinstance(msg, wire.Subscribe):
+                    self.guard.expect(state, math.inf, "")  # each message sent has a deadline
                     self._announce(sock)
                     return
                 if not isinstance(msg, wire.Fetch):
                     raise ProtocolError(f"expected Subscribe or Fetch, got {type(msg).__name__}")
+                limit = self.timeout
+                self.guard.expect(state, limit, f"a Fetch not served within {limit:g}s")
                 server = server if server is not None else FetchServer()
-                self._serve_fetch(sock, msg, server)
+                self._serve_fetch(sock, msg, server, time.monotonic() + limit)
         except (KVTierError, OSError) as exc:
             if not self._stop.is_set():
-                self.refused += not authenticated  # a wrong secret, or none
                 # A follower or puller that went away (its server stopped) is routine.
-                gone = authenticated and type(exc) is TransferError
-                log.log(logging.INFO if gone else logging.WARNING, "P2P %s: %s", where, exc)
+                routine = type(exc) is TransferError and not state.overdue
+                cause = state.overdue or exc
+                log.log(logging.INFO if routine else logging.WARNING, "P2P %s: %s", where, cause)
         finally:
             if server is not None:
                 server.close()
-            with self._lock:
-                self._open_socks.discard(sock)
-            sock.close()
 
     def _announce(self, sock: socket.socket) -> None:
-        """Stream this node's holdings to a follower: a snapshot, then each change."""
+        """Stream this node's holdings to a follower: a snapshot, then each change. Each
+        message must be taken within ``blocking_timeout_secs``: a follower that stops
+        reading is cut off, never holds the thread."""
+
+        def send(message: wire.Message) -> None:
+            wire.send(sock, message, time.monotonic() + self.timeout)
+
         sub = _Subscriber()
         changes = sub.changes
         with self._lock:
@@ -287,8 +317,8 @@ class P2PNode:
             for fp, keys in snapshot.items():
                 for start in range(0, max(len(keys), 1), wire.KEYS_PER_MESSAGE):
                     batch = keys[start : start + wire.KEYS_PER_MESSAGE]
-                    wire.send(sock, wire.Holdings(fp, batch, [], reset=start == 0))
-            wire.send(sock, wire.Holdings("", [], [], reset=False))  # caught up
+                    send(wire.Holdings(fp, batch, [], reset=start == 0))
+            send(wire.Holdings("", [], [], reset=False))  # caught up
             while not self._stop.is_set():
                 if sub.lost:
                     log.warning("P2P follower lagged %d changes: cut off", SUBSCRIBER_QUEUE)
@@ -296,7 +326,7 @@ class P2PNode:
                 try:
                     item = changes.get(timeout=self.lease_secs / 3)
                 except queue.Empty:
-                    wire.send(sock, wire.Holdings("", [], []))  # heartbeat
+                    send(wire.Holdings("", [], []))  # heartbeat
                     continue
                 if item is None:
                     return
@@ -305,12 +335,14 @@ class P2PNode:
                     batch = keys[start : start + wire.KEYS_PER_MESSAGE]
                     added = batch if change is Membership.ADDED else []
                     removed = batch if change is Membership.REMOVED else []
-                    wire.send(sock, wire.Holdings(fp, added, removed))
+                    send(wire.Holdings(fp, added, removed))
         finally:
             with self._lock:
                 self._subscribers.remove(sub)
 
-    def _serve_fetch(self, sock: socket.socket, fetch: wire.Fetch, server: FetchServer) -> None:
+    def _serve_fetch(
+        self, sock: socket.socket, fetch: wire.Fetch, server: FetchServer, deadline: float
+    ) -> None:
         with self._lock:
             used = fetch.transfer_id in self._served
             self._served[fetch.transfer_id] = None
@@ -318,46 +350,50 @@ class P2PNode:
                 self._served.popitem(last=False)
             model = self._models.get(fetch.fingerprint)
         if used:
-            raise ProtocolError(f"transfer {fetch.transfer_id!r} was used already (single use)")
+            tid = peer_text(fetch.transfer_id)
+            raise ProtocolError(f"transfer {tid} was used already (single use)")
         if model is None:
             for i in range(len(fetch.keys)):
-                wire.send(sock, wire.Missing(i, "this server runs no such model now"))
-            wire.send(sock, wire.Done(fetch.transfer_id))
+                wire.send(sock, wire.Missing(i, "this server runs no such model now"), deadline)
+            wire.send(sock, wire.Done(fetch.transfer_id), deadline)
             return
-        self.served_chunks += server.serve(
-            sock, fetch.transfer_id, fetch.keys, model.cpu, model.layout, model.page_bytes
-        )
+        self.served_chunks += server.serve(sock, fetch.transfer_id, fetch.keys, model, deadline)
 
     # -- following a peer ------------------------------------------------------------------
     def _follow(self, peer: str) -> None:
         host, port = parse_address("p2p_peers", peer)
+        backoff = Backoff()
+        where = f"P2P peer {peer}"
         while not self._stop.is_set():
             sock: socket.socket | None = None
+            followed = False
             try:
-                sock = socket.create_connection((host, port), timeout=self.timeout)
+                deadline = time.monotonic() + self.timeout
+                sock, name = connect(host, port, self._credentials(), deadline, where)
                 with self._lock:
                     self._open_socks.add(sock)
                 if self._stop.is_set():
                     return
-                name = wire.dial_handshake(sock, self.name, self.token, f"P2P peer {peer}")
                 if name == self.name:  # p2p_peers names this node by another address
                     log.info("P2P peer %s is this server itself: not followed", peer)
                     return
-                wire.send(sock, wire.Subscribe())
-                sock.settimeout(self.lease_secs)
+                wire.send(sock, wire.Subscribe(), time.monotonic() + self.timeout)
                 while not self._stop.is_set():
-                    msg = wire.recv(sock)
+                    msg = wire.recv(sock, time.monotonic() + self.lease_secs)
                     if msg is None:
                         raise TransferError("the peer closed its announcements")
                     if not isinstance(msg, wire.Holdings):
                         raise ProtocolError(f"expected Holdings, got {type(msg).__name__}")
+                    if not followed:
+                        followed = True
+                        backoff.succeeded()
                     if msg.fingerprint:
                         self.directory.apply(
                             peer, msg.fingerprint, msg.added, msg.removed, reset=msg.reset
                         )
             except (KVTierError, OSError) as exc:
                 if not self._stop.is_set():
-                    log.info("P2P peer %s: %s (its chunks are misses until it is back)", peer, exc)
+                    self._follow_failed(peer, exc)
             finally:
                 dropped = self.directory.drop_peer(peer)
                 if dropped:
@@ -366,7 +402,21 @@ class P2PNode:
                     with self._lock:
                         self._open_socks.discard(sock)
                     sock.close()
-            self._stop.wait(RECONNECT_S)
+            self._stop.wait(backoff.failed())
+
+    def _follow_failed(self, peer: str, exc: Exception) -> None:
+        """Logged once per interval per peer and cause, naming the cause (a wrong token
+        shows as one line a minute, not one a second)."""
+        error = exc if isinstance(exc, TransferError) else TransferError(str(exc))
+        cause = failure_cause(error)
+        self._follow_log.log(
+            logging.WARNING if isinstance(exc, AuthError) else logging.INFO,
+            (peer, cause),
+            "P2P peer %s: %s (%s; its chunks are misses until it is back)",
+            peer,
+            exc,
+            cause,
+        )
 
     def _start(self, target: Any, name: str) -> None:
         if self._stop.is_set():

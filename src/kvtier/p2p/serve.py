@@ -15,15 +15,24 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from kvtier.errors import TransferError
+from kvtier.framing import send as send_bytes
 from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.p2p import protocol as wire
 from kvtier.pd.checksum import checksum
 from kvtier.storage.base import Tier
+
+
+class ServedModel(Protocol):
+    """One model a node serves: its CPU tier, layout and page size."""
+
+    cpu: Tier
+    layout: KVLayout
+    page_bytes: int
 
 
 class FetchServer:
@@ -38,28 +47,25 @@ class FetchServer:
         sock: socket.socket,
         transfer_id: str,
         keys: Sequence[ChunkKey],
-        cpu: Tier,
-        layout: KVLayout,
-        page_bytes: int,
+        model: ServedModel,
+        deadline: float,
     ) -> int:
-        """Send each of ``keys`` (a Chunk and its bytes, or a Missing), then Done; returns
-        the chunks sent."""
-        page = self._pages.get(page_bytes)
+        """Send each of ``keys`` (a Chunk and its bytes, or a Missing), then Done, all of it
+        by ``deadline`` (a puller that stops reading is cut off); returns the chunks sent."""
+        layout = model.layout
+        page = self._pages.get(model.page_bytes)
         if page is None:
-            page = self._pages[page_bytes] = torch.empty(page_bytes, dtype=torch.uint8)
+            page = self._pages[model.page_bytes] = torch.empty(model.page_bytes, dtype=torch.uint8)
         sent = 0
         for i, key in enumerate(keys):
-            tokens = cpu.get_into(key, page)
+            tokens = model.cpu.get_into(key, page)
             if tokens is None:
-                wire.send(sock, wire.Missing(i, "evicted since it was announced"))
+                wire.send(sock, wire.Missing(i, "evicted since it was announced"), deadline)
                 continue
             nbytes = layout.payload_bytes(tokens)
             payload = page[:nbytes]
-            wire.send(sock, wire.Chunk(i, tokens, nbytes, checksum(payload)))
-            try:
-                sock.sendall(memoryview(payload.numpy()))  # type: ignore[arg-type]
-            except OSError as exc:
-                raise TransferError(f"sending chunk {i}: {exc}") from None
+            wire.send(sock, wire.Chunk(i, tokens, nbytes, checksum(payload)), deadline)
+            send_bytes(sock, memoryview(payload.numpy()), deadline)  # type: ignore[arg-type]
             sent += 1
-        wire.send(sock, wire.Done(transfer_id))
+        wire.send(sock, wire.Done(transfer_id), deadline)
         return sent

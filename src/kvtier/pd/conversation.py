@@ -1,8 +1,9 @@
 """The receiver's half of the PD protocol (:mod:`kvtier.pd.protocol`) on one connection.
 
 The same conversation runs on a connection the decoder accepted (:class:`PDReceiver`, pushed
-transfers) and on one it dialed (:class:`~kvtier.pd.puller.Puller`, pulled transfers). After
-the handshake (:meth:`ReceiverConversation.handshake`), per request:
+transfers) and on one it dialed (:class:`~kvtier.pd.puller.Puller`, pulled transfers), each
+only after kvtier's handshake (:mod:`kvtier.trust`) authenticated the peer. After the PD
+greeting (:meth:`ReceiverConversation.greet`), per request:
 
 1. ``AllocRequest``: the PD tier reserves every chunk at once (held keys take one reference
    for this request, nothing more) and the reservation goes into the decoder request's lease
@@ -19,7 +20,7 @@ the handshake (:meth:`ReceiverConversation.handshake`), per request:
 The caller owns the connection and its read loop: it reads each message and passes it to
 :meth:`ReceiverConversation.handle`, and when the connection ends on an error it calls
 :meth:`ReceiverConversation.connection_failed`, which counts, logs and fails the request in
-flight. Every wait here is bounded by the connection's deadline (:mod:`kvtier.pd.guard`).
+flight. Every wait here is bounded by the connection's deadline (:mod:`kvtier.trust.guard`).
 """
 
 from __future__ import annotations
@@ -34,9 +35,7 @@ from kvtier.config.tenant_quotas import MAX_TENANT_CHARS
 from kvtier.errors import AuthError, ProtocolError, StateError, TransferError, TransferTimeout
 from kvtier.keys import ChunkKey
 from kvtier.lease import Hold
-from kvtier.pd.auth import challenge_sender
 from kvtier.pd.buffer import PDBuffer, TooLarge
-from kvtier.pd.guard import Connection, ConnectionGuard
 from kvtier.pd.outcomes import TransferOutcome, TransferOutcomes
 from kvtier.pd.protocol import (
     Abort,
@@ -54,6 +53,8 @@ from kvtier.pd.protocol import (
 )
 from kvtier.pd.reservation import Reservation
 from kvtier.pd.tenant_shares import ShareTooSmall
+from kvtier.trust.guard import Connection, ConnectionGuard
+from kvtier.trust.peer_text import peer_text
 
 # The receiver's logger, as the guard's: one name carries every line about its connections.
 log = logging.getLogger("kvtier.pd.receiver")
@@ -86,7 +87,6 @@ class ReceiverConversation:
         tier: PDBuffer,
         *,
         fingerprint: str,
-        auth_token: str | None,
         alloc_timeout: float,
         io_timeout: float,
         attach: Attach,
@@ -95,7 +95,6 @@ class ReceiverConversation:
     ) -> None:
         self.tier = tier
         self.fingerprint = fingerprint
-        self.auth_token = auth_token
         self.alloc_timeout = alloc_timeout
         self.io_timeout = io_timeout  # the handshake, and each message of a request
         self.guard = guard
@@ -105,24 +104,25 @@ class ReceiverConversation:
         self.auth_failures = 0
         self.timeouts = 0  # connections closed at a deadline
 
-    # -- handshake -------------------------------------------------------------------------
-    def handshake(self, state: Connection) -> None:
+    # -- greeting --------------------------------------------------------------------------
+    def greet(self, state: Connection) -> None:
+        """The sender's Hello (on a connection already authenticated), checked against this
+        decoder's model and transport, answered with how to reach the buffer."""
         conn = state.sock
         hello = recv_message(conn)
         if not isinstance(hello, Hello):
             raise ProtocolError(f"expected Hello, got {type(hello).__name__}")
-        if self.auth_token is not None:
-            challenge_sender(conn, hello, self.auth_token)
         tier = self.tier
         if hello.fingerprint != self.fingerprint:
             raise ProtocolError(
-                f"sender's model fingerprint {hello.fingerprint} is not ours ({self.fingerprint})"
+                f"sender's model fingerprint {peer_text(hello.fingerprint)} is not ours "
+                f"({self.fingerprint})"
             )
         if hello.page_bytes != tier.page_bytes or hello.token_bytes != tier.token_bytes:
             raise ProtocolError("sender's chunk layout differs from the receiver's")
         if hello.channel != tier.channel.name:
             raise ProtocolError(
-                f"sender uses transport {hello.channel!r}, receiver {tier.channel.name!r}"
+                f"sender uses transport {peer_text(hello.channel)}, receiver {tier.channel.name!r}"
             )
         extra = tier.channel.greet(hello)
         send_message(conn, HelloReply(tier.num_pages, tier.page_bytes, **extra))
@@ -165,6 +165,19 @@ class ReceiverConversation:
             return None
         raise ProtocolError(f"unexpected {type(msg).__name__} from a sender")
 
+    def handshake_refused(self, state: Connection | None, exc: TransferError) -> None:
+        """Count a handshake that failed, on a connection accepted (``state``; the port logs
+        it, once per interval) or dialed (None; the puller logs it)."""
+        if (state is not None and state.overdue) or isinstance(exc, TransferTimeout):
+            self.timeouts += 1
+            self.tier.count_event("timeouts")
+        elif isinstance(exc, AuthError):
+            self.auth_failures += 1
+            self.tier.count_event("auth_failures")
+        elif isinstance(exc, ProtocolError):
+            self.protocol_errors += 1
+            self.tier.count_event("protocol_errors")
+
     def connection_failed(
         self, state: Connection, current: RequestInFlight | None, exc: TransferError
     ) -> None:
@@ -198,7 +211,7 @@ class ReceiverConversation:
             )
         except (TransferTimeout, TooLarge, ShareTooSmall) as exc:
             kind = _ERROR_KINDS[type(exc)]
-            log.warning("PD request %s refused: %s", rid, exc)
+            log.warning("PD request %s refused: %s", peer_text(rid), exc)
             self._record(rid, TransferOutcome(False, str(exc)))
             send_message(conn, ErrorReply(rid, kind, str(exc)))
             return None

@@ -11,15 +11,13 @@ A bad magic, an unknown version, a length above :data:`MAX_BODY_BYTES`, a trunca
 or a body that is not one of the messages below raises :class:`ProtocolError`; the receiver
 then closes that connection (and releases what it reserved for it) and keeps serving others.
 
-One connection carries one sender's requests, one at a time::
+One connection carries one sender's requests, one at a time. It opens with kvtier's one
+handshake (:mod:`kvtier.trust.handshake`, protocol ``pd-push``: the sender dials), which
+proves ``pd_auth_token`` both ways where one is set, before any PD frame moves::
 
-    sender                                   receiver
-    Hello(fingerprint, page_bytes, ...,  ->
-          nonce)
-                                         <-  Challenge(nonce, proof)     } only with a
-    Proof(proof)                         ->                              } pd_auth_token:
-                                         <-  ErrorReply("unauthorized")  } kvtier.pd.auth
-                                                 when it fails
+    sender (dialer)                          receiver (listener)
+    ... kvtier.trust handshake ...      <->
+    Hello(fingerprint, page_bytes, ...) ->
                                          <-  HelloReply(num_pages, page_bytes, how to reach
                                                  the buffer: shm segment name / nixl metadata)
     AllocRequest(rid, keys, num_tokens, ->   reserve every missing chunk at once, or wait
@@ -34,11 +32,13 @@ One connection carries one sender's requests, one at a time::
     Abort(rid, reason)                  ->   (instead of the rest) the reservation is released
 
 Pulled (xPyD, :mod:`kvtier.pd.source`): the decoder dials the prefiller named in the request's
-``kv_transfer_params``; the prefiller still speaks first (Hello) and the rest is the same
-conversation, each request opened by the decoder's claim::
+``kv_transfer_params``; the handshake's protocol is ``pd-pull`` (so no proof from one kind of
+PD port passes on the other), then the prefiller speaks first (Hello) and the rest is the
+same conversation, each request opened by the decoder's claim::
 
-    prefiller (listens)                      decoder (dials)
-    Hello(...)                          ->   ... handshake as above ...
+    prefiller (listener)                     decoder (dialer)
+    ... kvtier.trust handshake ...      <->
+    Hello(...)                          ->
                                         <-  HelloReply
                                         <-  Pull(transfer id, the decoder's chunk keys)
     AllocRequest(transfer id, ...)      ->   (the held chunks: a prefix of the decoder's keys)
@@ -55,11 +55,17 @@ import socket
 
 import msgspec
 
-from kvtier.errors import ProtocolError, TransferError, TransferTimeout
-from kvtier.framing import HEADER, Framing
+from kvtier.errors import TransferError, TransferTimeout
+from kvtier.framing import HEADER as HEADER
+from kvtier.framing import Framing, read_message
+from kvtier.framing import recv_exact as recv_exact  # the transports read payloads with it
 
 MAGIC = b"KVP"
-VERSION = 3  # 2: the chunk checksum is per block (kvtier.pd.checksum); 3: Pull (xPyD)
+# 2: the chunk checksum is per block (kvtier.pd.checksum); 3: Pull (xPyD); 4: the handshake
+# is kvtier.trust's, before the first PD frame
+VERSION = 4
+PUSH = "pd-push"  # the handshake's protocol on a receiver's port (a sender dials)
+PULL = "pd-pull"  # ... on a source's port (a decoder dials): no proof passes on the other
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: an AllocRequest for ~30k chunks; anything bigger is abuse
 
 
@@ -69,16 +75,6 @@ class Hello(msgspec.Struct, tag=True):
     token_bytes: int
     channel: str
     nixl_metadata: bytes = b""  # nixl: the sender's agent metadata
-    nonce: bytes = b""  # the sender's challenge (kvtier.pd.auth); empty without a token
-
-
-class Challenge(msgspec.Struct, tag=True):
-    nonce: bytes  # the receiver's challenge
-    proof: bytes  # the receiver's answer to the sender's nonce
-
-
-class Proof(msgspec.Struct, tag=True):
-    proof: bytes  # the sender's answer to the receiver's nonce
 
 
 class HelloReply(msgspec.Struct, tag=True):
@@ -109,7 +105,7 @@ class AllocReply(msgspec.Struct, tag=True):
 
 class ErrorReply(msgspec.Struct, tag=True):
     request_id: str
-    kind: str  # "timeout", "too_large", "over_share", "rejected", "unauthorized"
+    kind: str  # "timeout", "too_large", "over_share", "rejected", "unknown", "claimed", ...
     message: str
 
 
@@ -144,8 +140,6 @@ class Pull(msgspec.Struct, tag=True):
 
 Message = (
     Hello
-    | Challenge
-    | Proof
     | HelloReply
     | AllocRequest
     | AllocReply
@@ -172,43 +166,8 @@ def send_message(sock: socket.socket, message: Message) -> None:
         raise TransferError(f"connection lost while sending: {exc}") from None
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock`` (straight into it: no intermediate buffer)."""
-    got, want = 0, len(view)
-    try:
-        while got < want:
-            n = sock.recv_into(view[got:], want - got)
-            if n == 0:
-                raise TransferError(f"peer closed the connection ({got} of {want} bytes received)")
-            got += n
-    except TimeoutError:
-        raise TransferTimeout(f"peer stalled ({got} of {want} bytes received)") from None
-    except OSError as exc:
-        raise TransferError(f"connection lost while receiving: {exc}") from None
-
-
-def recv_message(sock: socket.socket) -> Message | None:
-    """The next message, or None when the peer closed the connection between frames."""
-    header = bytearray(HEADER.size)
-    try:
-        first = sock.recv_into(header, HEADER.size)
-    except TimeoutError:
-        raise TransferTimeout("peer sent nothing in time") from None
-    except OSError as exc:
-        raise TransferError(f"connection lost while receiving: {exc}") from None
-    if first == 0:
-        return None
-    if first < HEADER.size:
-        try:
-            recv_exact(sock, memoryview(header)[first:])
-        except TransferError as exc:
-            raise ProtocolError(f"truncated frame header: {exc}") from None
-    length = parse_header(bytes(header))
-    body = bytearray(length)
-    try:
-        recv_exact(sock, memoryview(body))
-    except TransferTimeout:
-        raise
-    except TransferError as exc:
-        raise ProtocolError(f"truncated frame body: {exc}") from None
-    return decode_body(bytes(body))
+def recv_message(sock: socket.socket, deadline: float | None = None) -> Message | None:
+    """The next message, or None when the peer closed the connection between frames;
+    ``deadline`` (monotonic): the whole frame by then (:func:`kvtier.framing.read_message`),
+    else the socket's own timeout bounds each wait."""
+    return read_message(sock, FRAMING, deadline)

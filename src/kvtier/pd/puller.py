@@ -1,8 +1,9 @@
 """The decoder side of a pulled transfer (xPyD): dial the prefiller a request names, claim its
 transfer, receive it into the PD receive buffer.
 
-The conversation is the receiver's own (:mod:`kvtier.pd.conversation`): the same handshake, the
-same reservation into the transfer id's lease, the same checksum per chunk, on a connection
+The conversation is the receiver's own (:mod:`kvtier.pd.conversation`), after kvtier's
+handshake (:mod:`kvtier.trust`, protocol ``pd-pull``, the decoder as the dialer): the same
+reservation into the transfer id's lease, the same checksum per chunk, on a connection
 the decoder dialed instead of accepted (see :mod:`kvtier.pd.source` for the prefiller's end).
 Whatever goes wrong (the prefiller unreachable, dead mid-transfer, refusing the claim, a bad
 chunk) ends in a failed :class:`~kvtier.pd.outcomes.TransferOutcome`, with everything the
@@ -19,6 +20,7 @@ import logging
 import select
 import socket
 import threading
+import time
 from collections.abc import Sequence
 
 import msgspec
@@ -26,14 +28,16 @@ import msgspec
 from kvtier.errors import ProtocolError, TransferError
 from kvtier.keys import ChunkKey
 from kvtier.pd.conversation import RequestInFlight
-from kvtier.pd.guard import Connection
 from kvtier.pd.outcomes import TransferOutcome
-from kvtier.pd.protocol import AllocRequest, ErrorReply, Pull, recv_message, send_message
+from kvtier.pd.protocol import PULL, AllocRequest, ErrorReply, Pull, recv_message, send_message
 from kvtier.pd.receiver import PDReceiver
+from kvtier.trust.dial import connect
+from kvtier.trust.guard import Connection
+from kvtier.trust.handshake import Credentials
 
 log = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = 5.0  # an address that does not answer: the decoder prefills instead
+CONNECT_TIMEOUT_S = 5.0  # reaching an address and its handshake: else the decoder prefills
 MAX_IDLE_PER_PEER = 4
 
 
@@ -114,17 +118,21 @@ class Puller:
 
     def _dial(self, host: str, port: int) -> Connection:
         receiver = self.receiver
+        where = f"the PD prefiller at {host}:{port}"
+        me = Credentials(PULL, receiver.identity, receiver.auth_token, "pd_auth_token")
+        deadline = time.monotonic() + min(CONNECT_TIMEOUT_S, receiver.io_timeout)
         try:
-            sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
-        except OSError as exc:
-            raise TransferError(f"cannot reach the PD prefiller at {host}:{port}: {exc}") from None
-        sock.settimeout(None)  # the watchdog bounds every wait
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock, _ = connect(host, port, me, deadline, where)
+        except TransferError as exc:
+            receiver.conversation.handshake_refused(None, exc)
+            raise
         state = receiver.guard.admit(sock, f"{host}:{port}")
         if state is None:
             raise TransferError("pd_max_connections are open; not pulling")
+        receiver.guard.authenticated(state)
         try:
-            receiver.conversation.handshake(state)
+            receiver.guard.expect(state, receiver.io_timeout, "no PD Hello from the prefiller")
+            receiver.conversation.greet(state)
         except TransferError as exc:
             error = TransferError(state.overdue) if state.overdue else exc
             receiver.conversation.connection_failed(state, None, error)

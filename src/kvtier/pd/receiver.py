@@ -8,12 +8,13 @@ verify each, record how the transfer ended). The decoder learns each request's o
 
 What a peer must do before any of that, and what bounds it (docs/security.md):
 
-* prove it knows ``pd_auth_token`` (:mod:`kvtier.pd.auth`); without a token the receiver
-  refuses to listen beyond loopback;
-* at most ``pd_max_connections`` connections at once: more are closed as they arrive;
-* a deadline per wait (:mod:`kvtier.pd.guard`: its watchdog shuts the socket down past it):
-  the handshake and each message of a request within ``pd_message_timeout_sec``, the next
-  request within ``pd_idle_timeout_sec``;
+* pass kvtier's handshake (:mod:`kvtier.trust`, protocol ``pd-push``), proving it knows
+  ``pd_auth_token``; without a token the receiver refuses to listen beyond loopback;
+* at most ``pd_max_connections`` connections at once, and a quarter of them (at least 4)
+  not yet authenticated: more are closed as they arrive;
+* a deadline per wait (:mod:`kvtier.trust.guard`: its watchdog shuts the socket down past it):
+  the whole handshake and each message of a request within ``pd_message_timeout_sec``, the
+  next request within ``pd_idle_timeout_sec``;
 * a request the decoder has not looked up ``pd_reservation_ttl_sec`` after its reservation
   arrived is ended from the same watchdog (``expire_unclaimed``): its pages go back, once.
 
@@ -22,10 +23,8 @@ Threads start in :meth:`open` and stop in :meth:`close`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import socket
-import threading
+import secrets
 import time
 from collections.abc import Callable, Collection
 from typing import Protocol
@@ -34,12 +33,14 @@ from kvtier.config import Config
 from kvtier.errors import KVTierError, StateError, TransferError, TransferTimeout
 from kvtier.fingerprint import Fingerprint
 from kvtier.lease import Hold
-from kvtier.pd.auth import check_listen
 from kvtier.pd.buffer import PDBuffer
 from kvtier.pd.conversation import Attach, ReceiverConversation, RequestInFlight
-from kvtier.pd.guard import Connection, ConnectionGuard
 from kvtier.pd.outcomes import TransferOutcome, TransferOutcomes
-from kvtier.pd.protocol import recv_message
+from kvtier.pd.protocol import PUSH, recv_message
+from kvtier.trust.guard import Connection, ConnectionGuard
+from kvtier.trust.handshake import Credentials
+from kvtier.trust.loopback import check_listen
+from kvtier.trust.port import TrustedPort
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +98,7 @@ class PDReceiver:
         self.auth_token = auth_token
         self.reservation_ttl = reservation_ttl
         self._expire = expire
-        self._listener: socket.socket | None = None
-        self._threads: list[threading.Thread] = []
+        self.identity = f"pd-receiver/{secrets.token_hex(4)}"
         self.guard = ConnectionGuard(
             max_connections=max_connections, handshake_timeout=io_timeout, on_tick=self._tick
         )
@@ -107,15 +107,22 @@ class PDReceiver:
         self.conversation = ReceiverConversation(
             tier,
             fingerprint=fingerprint,
-            auth_token=auth_token,
             alloc_timeout=alloc_timeout,
             io_timeout=io_timeout,
             attach=attach,
             guard=self.guard,
             outcomes=self.outcomes,
         )
-        self._lock = threading.Lock()
-        self._closed = False
+        self._port = TrustedPort(
+            name="PD receiver",
+            host=host,
+            port=port,
+            credentials=Credentials(PUSH, self.identity, auth_token, "pd_auth_token"),
+            guard=self.guard,
+            serve=self._serve,
+            logger=log,
+            on_refused=self.conversation.handshake_refused,
+        )
         self.expired_reservations = 0
         for name in ("auth_failures", "timeouts", "protocol_errors", "expired_reservations"):
             tier.count_event(name, 0)  # in the tier's stats (and /metrics) from the start
@@ -157,11 +164,8 @@ class PDReceiver:
         """Listen and serve. Raises ConfigError, before binding anything, when the host is
         beyond loopback and there is no ``pd_auth_token``."""
         check_listen(self.host, self.auth_token)
-        listener = socket.create_server((self.host, self.port), reuse_port=False)
-        self.port = listener.getsockname()[1]
-        self._listener = listener
-        self.guard.open()
-        self._spawn(self._accept_loop, "kvtier-pd-accept")
+        self._port.open()
+        self.port = self._port.port
         log.info(
             "PD receiver listening on %s:%d (%s, %s)",
             self.host,
@@ -172,30 +176,19 @@ class PDReceiver:
         return self
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
         self.outcomes.close()  # wakes every wait_outcome
-        if self._listener is not None:
-            # close() alone does not wake a thread blocked in accept(); shutdown() does.
-            with contextlib.suppress(OSError):
-                self._listener.shutdown(socket.SHUT_RDWR)
-            self._listener.close()
-        self.guard.close()  # shuts every connection down: their threads end
-        for thread in self._threads:
-            thread.join(timeout=10.0)
+        self._port.close()  # idempotent; shuts every connection down: their threads end
+
+    @property
+    def threads(self) -> int:
+        """Threads serving this receiver's port now (its accept loop's included)."""
+        return self._port.threads
 
     def __enter__(self) -> PDReceiver:
         return self.open()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _spawn(self, target: Callable[..., None], name: str, *args: object) -> None:
-        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-        self._threads.append(thread)
-        thread.start()
 
     # -- outcomes and counters ------------------------------------------------------------
     def wait_outcome(self, request_id: str, timeout: float) -> TransferOutcome | None:
@@ -218,31 +211,14 @@ class PDReceiver:
         return self.conversation.timeouts
 
     # -- serving ---------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while True:
-            try:
-                conn, peer = self._listener.accept()
-            except OSError:
-                return  # closed
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-            state = self.guard.admit(conn, f"{peer[0]}:{peer[1]}")
-            if state is None:
-                continue  # refused: pd_max_connections are open
-            self._threads = [t for t in self._threads if t.is_alive()]
-            self._spawn(self._serve, f"kvtier-pd-conn-{peer[1]}", state)
-
-    def _serve(self, state: Connection) -> None:
+    def _serve(self, state: Connection, peer: str) -> None:
+        """One authenticated sender's connection (the port closes it when this returns)."""
         conn = state.sock
-        conn.settimeout(None)  # the watchdog bounds every wait (guard.expect)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conversation = self.conversation
         current: RequestInFlight | None = None
         try:
-            conversation.handshake(state)
+            self.guard.expect(state, self.io_timeout, "no PD Hello after the handshake")
+            conversation.greet(state)
             while True:
                 if current is None:
                     limit = self.idle_timeout
@@ -261,9 +237,6 @@ class PDReceiver:
                 current = conversation.handle(state, msg, current)
         except TransferError as exc:  # ProtocolError and AuthError are TransferErrors
             conversation.connection_failed(state, current, exc)
-        finally:
-            self.guard.leave(state)
-            conn.close()
 
     # -- the reservation sweep -------------------------------------------------------------
     def _tick(self) -> None:

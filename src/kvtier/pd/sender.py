@@ -8,15 +8,17 @@ a request bigger than the whole buffer raises :class:`TransferError` at once. Af
 transport failure the connection is closed; the next ``send`` reconnects, as it does when the
 receiver closed an idle connection (``pd_idle_timeout_sec``).
 
-With ``pd_auth_token`` the sender proves it knows the token and requires the receiver to
-prove it too, before any KV moves (:mod:`kvtier.pd.auth`): a receiver that cannot is refused
-with :class:`AuthError`. Without a token, a receiver that asks for one is refused the same way.
+Every connection opens with kvtier's handshake (:mod:`kvtier.trust`, protocol ``pd-push``):
+with ``pd_auth_token`` the sender proves it knows the token and requires the receiver to
+prove it too, before any KV moves: a receiver that cannot is refused with
+:class:`AuthError`. Without a token, a receiver that asks for one is refused the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import select
 import socket
 import time
@@ -31,10 +33,10 @@ from kvtier.errors import ConfigError, ProtocolError, TransferError, TransferTim
 from kvtier.keys import ChunkKey, ChunkSpan
 from kvtier.layout import KVLayout
 from kvtier.memory.device import CopyEngine, DeviceCopies, Direction
-from kvtier.pd.auth import answer_challenge, new_nonce
 from kvtier.pd.channels import sender_channel
 from kvtier.pd.channels.base import SenderChannel
 from kvtier.pd.protocol import (
+    PUSH,
     Abort,
     AllocReply,
     AllocRequest,
@@ -47,6 +49,8 @@ from kvtier.pd.protocol import (
     recv_message,
     send_message,
 )
+from kvtier.trust.dial import connect
+from kvtier.trust.handshake import Credentials
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +109,7 @@ class PDSender:
         self.alloc_timeout = alloc_timeout
         self.io_timeout = io_timeout
         self.auth_token = auth_token
+        self.identity = f"pd-sender/{secrets.token_hex(4)}"
         self._sock: socket.socket | None = None
         self._channel: SenderChannel | None = None
         self.buffer_pages = 0
@@ -138,34 +143,29 @@ class PDSender:
             self.close()  # the receiver dropped an idle connection: start a fresh one
         if self._sock is not None:
             return self
-        try:
-            sock = socket.create_connection((self.host, self.port), timeout=self.io_timeout)
-        except OSError as exc:
-            raise TransferError(
-                f"cannot reach the PD receiver at {self.host}:{self.port}: {exc}"
-            ) from None
-        return self.adopt(sock, f"the PD receiver at {self.host}:{self.port}")
+        where = f"the PD receiver at {self.host}:{self.port}"
+        me = Credentials(PUSH, self.identity, self.auth_token, "pd_auth_token")
+        deadline = time.monotonic() + self.io_timeout
+        sock, _ = connect(self.host, self.port, me, deadline, where)
+        return self.adopt(sock, where)
 
     def adopt(self, sock: socket.socket, where: str) -> PDSender:
-        """Run the sender's handshake on a connected ``sock`` and send over it from now on
-        (a pulled transfer: the decoder dialed, :mod:`kvtier.pd.source`). ``where`` names
-        the receiver in errors. Closes ``sock`` when the handshake fails."""
+        """Greet the receiver on ``sock``, a connection whose handshake passed, and send over
+        it from now on (pulled transfers: the decoder dialed, :mod:`kvtier.pd.source`).
+        ``where`` names the receiver in errors. Closes ``sock`` when the greeting fails."""
         channel = sender_channel(self.channel_name)
         sock.settimeout(self.io_timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            nonce = new_nonce() if self.auth_token is not None else b""
             hello = Hello(
                 self.fingerprint,
                 self.page_bytes,
                 self.layout.token_bytes(),
                 channel.name,
-                nonce=nonce,
                 **channel.hello_fields(),
             )
             send_message(sock, hello)
-            answer = answer_challenge(sock, nonce, self.auth_token, where)
-            reply = self._check_reply(answer, HelloReply)
+            reply = self._check_reply(recv_message(sock), HelloReply)
             channel.attach(reply)
         except BaseException:
             sock.close()

@@ -9,41 +9,44 @@ that address and claims the transfer::
 
     decoder (PDReceiver.pull)              prefiller (PDSource, listening on its PD port)
     connect                           ->   accept (at most pd_max_connections)
-                                      <-   Hello(nonce): the sender's handshake (pd/auth.py)
-    Challenge / Proof / HelloReply    <->  both prove pd_auth_token before any KV moves
+    kvtier.trust handshake ("pd-pull")<->  both prove pd_auth_token before any PD frame; the
+                                           prefiller's proof is a listener's, so it opens no
+                                           receiver's port (which wants a dialer's)
+                                      <-   Hello (the sender's greeting) ... HelloReply
     Pull(transfer id, its chunk keys) ->   claim: known, unclaimed, keys match (else ErrorReply)
                                       <-   AllocRequest(transfer id, held keys) ... DoneReply:
                                            today's push conversation, same transports
                                            the transfer ends (single use), its pages go back
 
 The connection stays open for the next pull of the same decoder worker. Deadlines as on the
-receiver (:class:`~kvtier.pd.guard.ConnectionGuard`): the handshake and each message within
+receiver (:class:`~kvtier.trust.guard.ConnectionGuard`): the handshake and each message within
 ``pd_message_timeout_sec``, the next Pull within ``pd_idle_timeout_sec``; its watchdog also
 frees transfers no decoder claimed within ``pd_reservation_ttl_sec`` of their last chunk.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import socket
-import threading
+import secrets
 from collections.abc import Callable, Sequence
 
 import torch
 
 from kvtier.config import Config
-from kvtier.errors import ConfigError, ProtocolError, TransferError
+from kvtier.errors import AuthError, ConfigError, ProtocolError, TransferError
 from kvtier.keys import ChunkSpan
 from kvtier.layout import KVLayout
 from kvtier.memory.block_pool import pages_for_capacity
 from kvtier.memory.device import CopyEngine, DeviceCopies, Direction
-from kvtier.pd.auth import check_listen
-from kvtier.pd.guard import Connection, ConnectionGuard
-from kvtier.pd.protocol import ErrorReply, Pull, recv_message, send_message
+from kvtier.pd.protocol import PULL, ErrorReply, Pull, recv_message, send_message
 from kvtier.pd.send_buffer import ClaimRefused, SendBuffer
 from kvtier.pd.sender import OutChunk, PDSender
+from kvtier.trust.guard import Connection, ConnectionGuard
+from kvtier.trust.handshake import Credentials
+from kvtier.trust.loopback import check_listen
+from kvtier.trust.peer_text import peer_text
+from kvtier.trust.port import TrustedPort
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +78,25 @@ class PDSource:
         self.idle_timeout = idle_timeout
         self._make_sender = sender
         self._copies = copies if copies is not None else DeviceCopies()
-        self._listener: socket.socket | None = None
-        self._threads: list[threading.Thread] = []
         self.guard = ConnectionGuard(
-            max_connections=max_connections, handshake_timeout=io_timeout, on_tick=self._tick
+            max_connections=max_connections,
+            handshake_timeout=io_timeout,
+            on_tick=self._tick,
+            logger=log,
+        )
+        self.identity = f"pd-source/{secrets.token_hex(4)}"
+        self._port = TrustedPort(
+            name="PD source",
+            host=host,
+            port=port,
+            credentials=Credentials(PULL, self.identity, auth_token, "pd_auth_token"),
+            guard=self.guard,
+            serve=self._serve,
+            logger=log,
+            on_refused=self._refused,
         )
         self.failures = 0  # pulls that failed after their claim (the decoder prefills)
+        self.auth_failures = 0  # dialers refused at the handshake
 
     @classmethod
     def from_config(
@@ -129,13 +145,8 @@ class PDSource:
         """Listen (refused beyond loopback without ``pd_auth_token``) and serve pulls."""
         check_listen(self.host, self.auth_token)
         self.buffer.open()
-        listener = socket.create_server((self.host, self.port))
-        self.port = listener.getsockname()[1]
-        self._listener = listener
-        self.guard.open()
-        thread = threading.Thread(target=self._accept_loop, name="kvtier-pd-source", daemon=True)
-        self._threads.append(thread)
-        thread.start()
+        self._port.open()
+        self.port = self._port.port
         log.info(
             "PD source listening on %s:%d (decoders pull; %d pages of send buffer)",
             self.host,
@@ -145,14 +156,7 @@ class PDSource:
         return self
 
     def close(self) -> None:
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)
-            listener.close()
-        self.guard.close()
-        for thread in self._threads:
-            thread.join(timeout=10.0)
+        self._port.close()
         self.buffer.close()
 
     @property
@@ -194,27 +198,14 @@ class PDSource:
                 self.buffer.ttl,
             )
 
-    def _accept_loop(self) -> None:
-        listener = self._listener
-        assert listener is not None
-        while True:
-            try:
-                conn, peer = listener.accept()
-            except OSError:
-                return  # closed
-            state = self.guard.admit(conn, f"{peer[0]}:{peer[1]}")
-            if state is None:
-                continue
-            self._threads = [t for t in self._threads if t.is_alive()]
-            thread = threading.Thread(
-                target=self._serve, args=(state,), name=f"kvtier-pd-pull-{peer[1]}", daemon=True
-            )
-            self._threads.append(thread)
-            thread.start()
+    def _refused(self, state: Connection, exc: TransferError) -> None:
+        self.auth_failures += isinstance(exc, AuthError)
 
-    def _serve(self, state: Connection) -> None:
+    def _serve(self, state: Connection, peer: str) -> None:
+        """One authenticated decoder's connection (the port closes it when this returns)."""
         sender = self._make_sender()
         try:
+            self.guard.expect(state, self.io_timeout, "no HelloReply from the decoder")
             sender.adopt(state.sock, f"the PD decoder at {state.peer}")
             while True:
                 state.sock.settimeout(None)  # between pulls the guard's deadline bounds it
@@ -234,15 +225,14 @@ class PDSource:
                 level, "PD pull connection from %s closed: %s", state.peer, state.overdue or exc
             )
         finally:
-            self.guard.leave(state)
             sender.close()
-            state.sock.close()
 
     def _serve_pull(self, sender: PDSender, state: Connection, pull: Pull) -> None:
         try:
             transfer = self.buffer.claim(pull.request_id, pull.keys)
         except ClaimRefused as exc:
-            log.warning("PD pull of %r from %s refused: %s", pull.request_id, state.peer, exc)
+            rid = peer_text(pull.request_id)
+            log.warning("PD pull of %s from %s refused: %s", rid, state.peer, exc)
             send_message(state.sock, ErrorReply(pull.request_id, exc.kind, str(exc)))
             return
         try:
@@ -264,7 +254,8 @@ class PDSource:
                 )
         except TransferError as exc:
             self.failures += 1
-            log.warning("PD pull of %r by %s failed: %s", pull.request_id, state.peer, exc)
+            rid = peer_text(pull.request_id)
+            log.warning("PD pull of %s by %s failed: %s", rid, state.peer, exc)
             if sender._sock is None:  # the connection is gone: stop serving it
                 raise
         finally:
