@@ -148,3 +148,22 @@ def test_lmcache_keys_kvtier_ignores_are_marked_too(tmp_path: Path) -> None:
     assert "kvtier notifies no proxy" in no_effect["pd_proxy_host"]
     text = check(path, *TINY).stdout
     assert any(ln.startswith("pd_proxy_port") and "NO EFFECT" in ln for ln in text.splitlines())
+
+
+@pytest.mark.parametrize(
+    ("url", "fragment"),
+    [
+        ("s3://kv-cache/team/../kv", "has a '..' segment"),
+        ("s3://kv-cache/team//kv", "an empty segment"),
+        ("s3://AKIAEXAMPLE:wJalrXUtnFEMI-not-a-real-secret@kv-cache/kv", "no credentials"),
+        ("s3://user:wJalrXUtnFEMI-not-a-real-secret@minio.local:9000/kvb", "no credentials"),
+    ],
+)
+def test_an_s3_url_the_tier_cannot_use_is_a_problem_with_no_secret_shown(
+    tmp_path: Path, url: str, fragment: str
+) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"remote_url: '{url}'\n")
+    result = check(path, *TINY)
+    assert result.returncode == 2 and fragment in result.stderr, result.stderr
+    assert "not-a-real-secret" not in result.stdout + result.stderr

@@ -168,15 +168,19 @@ def mapping(key: str, raw: object) -> dict[str, Any]:
 
 
 def remote_url(key: str, raw: object) -> str | None:
-    """A remote store URL. A Redis-family URL is parsed in full here, so ``kvtier
-    check-config`` catches a typo at load; a URL of another scheme is kept as it is and its
-    scheme checked against the tier registry (``kvtier.storage.registry``, a layer above) when
-    an engine is built, so a tier registered later (``s3://``) needs no change here."""
+    """A remote store URL. A Redis-family or ``s3://`` URL is parsed in full here, so
+    ``kvtier check-config`` catches a typo (or an s3 prefix no client can address) at load; a
+    URL of another scheme is kept as it is and its scheme checked against the tier registry
+    (``kvtier.storage.registry``, a layer above) when an engine is built, so a tier registered
+    later needs no change here."""
     if raw is None:
         return None
     from kvtier.config.remote_url import REDIS_SCHEMES, parse_remote_url  # the URL grammar
+    from kvtier.config.s3_url import parse_s3_url
 
     scheme = raw.split("://", 1)[0].lower() if isinstance(raw, str) and "://" in raw else None
     if scheme is None or scheme in REDIS_SCHEMES:
         parse_remote_url(raw)  # raises ConfigError naming remote_url and the accepted forms
+    elif scheme == "s3":
+        parse_s3_url(str(raw))  # the same errors the s3 tier would raise at engine start
     return str(raw)

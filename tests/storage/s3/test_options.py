@@ -168,3 +168,9 @@ def test_lmcaches_s3_example_file_builds_the_s3_tier(
     assert tier.options.location.bucket == "lmcache-bucket" and tier.options.endpoint is None
     assert tier.options.put_threads == tier.options.get_threads == 64
     assert SECRET not in repr(config) and SECRET not in caplog.text
+
+
+def test_an_endpoint_with_credentials_is_refused_and_masked() -> None:
+    with pytest.raises(ConfigError) as info:
+        options(s3_endpoint_url=f"http://user:{SECRET}@127.0.0.1:8333")
+    assert info.value.key == "extra_config.s3_endpoint_url" and SECRET not in str(info.value)

@@ -293,3 +293,46 @@ def test_a_store_that_dies_costs_misses_and_is_used_again_when_it_is_back() -> N
             tier.close()
     finally:
         server.cleanup()
+
+
+def test_an_oversized_object_under_a_chunks_name_is_a_bounded_miss(
+    tier: S3Tier, seaweedfs: SeaweedFS, bucket: str
+) -> None:
+    """An object far larger than a record (a 190 MiB one took +190 MiB for an 8 KiB record)
+    is fetched at most one byte past a record, is a counted miss, and leaves the index;
+    a listing then skips it by its size."""
+    key = random_key()
+    put_and_wait(tier, key, payload(CONTRACT_CHUNK, 70), CONTRACT_CHUNK)
+    big = b"\0" * (tier.max_record_bytes * 8)
+    raw = raw_client(seaweedfs, bucket)
+    raw.put(tier.object_name(key), big)  # replaced after the tier indexed it
+    got = tier.client.get(tier.object_name(key), tier.max_record_bytes + 1)
+    assert got is not None and len(got) == tier.max_record_bytes + 1
+    assert tier.get_into(key, torch.zeros(PAGE_BYTES, dtype=torch.uint8)) is None
+    assert tier.counters.oversized == 1 and tier.counters.corrupt == 0
+    assert tier.contains([key]) == [False]
+    assert tier.refresh() is True and tier.contains([key]) == [False]
+    assert raw.get(tier.object_name(key)) is not None  # not ours to delete
+
+
+def test_puts_queued_when_the_store_goes_down_drop_at_once(
+    tier: S3Tier, seaweedfs: SeaweedFS
+) -> None:
+    """48 puts queued behind 4 writers on a stalled store: the first writes cost the
+    timeout and mark the store down; the rest complete DROPPED at once (each waited the
+    timeout before: flush(10) had not ended after 10 s)."""
+    done = Outcomes()
+    seaweedfs.pause()
+    try:
+        start = time.monotonic()
+        for i in range(48):
+            tier.put(random_key(), payload(CONTRACT_CHUNK, 80 + i), CONTRACT_CHUNK, done)
+        assert tier.flush(TIMEOUT_S * 2 + 1.0), "queued puts still waiting on a down store"
+        took = time.monotonic() - start
+    finally:
+        seaweedfs.resume()
+    results = done.wait(48)
+    assert len(results) == 48 and len({r.key for r in results}) == 48  # once each
+    assert {r.outcome for r in results} <= {PutOutcome.DROPPED, PutOutcome.FAILED}
+    assert sum(r.outcome is PutOutcome.DROPPED for r in results) >= 44
+    assert took < TIMEOUT_S * 2 + 1.0 and tier.counters.outages == 1

@@ -15,6 +15,7 @@ Errors::
     object absent (404)                     -> None / False (a miss, not an error)
     connection refused, reset, timed out    -> TierUnavailable (the store is unreachable)
     refused by the server (403, 5xx, ...)   -> TierError, naming the call and the status
+    a name obstore cannot parse             -> TierError (a listing: see raw_list)
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import obstore
-from obstore.exceptions import AlreadyExistsError, BaseError
+from obstore.exceptions import AlreadyExistsError, BaseError, InvalidPathError
 from obstore.store import S3Store
 
 from kvtier.errors import TierError, TierUnavailable
+from kvtier.storage.s3.raw_list import addressable, list_objects
 
 T = TypeVar("T")
 
@@ -55,6 +57,7 @@ class S3Client:
     ) -> None:
         self.endpoint = endpoint
         self.bucket = bucket
+        self._raw = (region or credentials.get("region") or "us-east-1", credentials, timeout_s)
         limit = timedelta(seconds=timeout_s)
         config: dict[str, Any] = {
             "region": region or credentials.get("region") or "us-east-1",
@@ -103,12 +106,20 @@ class S3Client:
             return False
         return True
 
-    def get(self, name: str) -> memoryview | None:
-        """The whole object ``name`` (a view of obstore's buffer), or None when absent."""
+    def get(self, name: str, max_bytes: int | None = None) -> memoryview | None:
+        """The object ``name`` (a view of obstore's buffer), or None when absent; with
+        ``max_bytes``, only its first ``max_bytes`` (a ranged GET: an object larger than
+        the caller can use is never downloaded whole)."""
+        options: Any = {} if max_bytes is None else {"range": (0, max_bytes)}
         try:
-            return memoryview(_call("get", name, lambda: obstore.get(self.store, name).bytes()))
+            got = _call("get", name, lambda: obstore.get(self.store, name, options=options))
+            return memoryview(_call("get", name, got.bytes))
         except FileNotFoundError:
             return None
+        except TierError as exc:
+            if max_bytes is not None and "HTTP 416" in str(exc):
+                return memoryview(b"")  # an empty object: no byte 0 to range over
+            raise
 
     def exists(self, name: str) -> bool:
         """One HEAD."""
@@ -127,10 +138,24 @@ class S3Client:
     def _delete(self, batch: list[str]) -> None:
         _call("delete", batch[0], lambda: obstore.delete(self.store, batch))
 
-    def list(self, prefix: str) -> Iterator[tuple[str, int]]:
-        """Every object under ``prefix``: (name, size), 1000 per request."""
-        for meta in self._list(prefix):
-            yield meta["path"], int(meta["size"])
+    def list(self, prefix: str, unlistable: list[str] | None = None) -> Iterator[tuple[str, int]]:
+        """Every object under ``prefix``: (name, size), 1000 per request. A name obstore
+        cannot parse fails its page; then the listing starts again through
+        :mod:`~kvtier.storage.s3.raw_list`, and such names go to ``unlistable`` instead."""
+        try:
+            found = [(meta["path"], int(meta["size"])) for meta in self._list(prefix)]
+        except _Unparsable:
+            skipped = [] if unlistable is None else unlistable
+            region, credentials, timeout_s = self._raw
+            found = []
+            for name, size in list_objects(
+                self.endpoint, self.bucket, region, credentials, prefix.strip("/") + "/", timeout_s
+            ):
+                if addressable(name):
+                    found.append((name, size))
+                else:
+                    skipped.append(name)
+        yield from found
 
     def list_dated(self, prefix: str) -> Iterator[tuple[str, float]]:
         """Every object under ``prefix``: (name, when it was last written, as a POSIX
@@ -151,6 +176,10 @@ class _Exists(Exception):
     """A conditional put found the object there (inside this module only)."""
 
 
+class _Unparsable(TierError):
+    """A listed name obstore cannot parse (:meth:`S3Client.list` lists again without it)."""
+
+
 def _call(what: str, name: str, fn: Callable[[], T]) -> T:
     try:
         return fn()
@@ -158,6 +187,10 @@ def _call(what: str, name: str, fn: Callable[[], T]) -> T:
         raise
     except AlreadyExistsError as exc:
         raise _Exists(name) from exc
+    except InvalidPathError as exc:
+        raise _Unparsable(f"s3 {what} {name}: {str(exc).split(chr(10), 1)[0]}") from exc
+    except ValueError as exc:  # obstore refused a name of ours before sending anything
+        raise TierError(f"s3 {what} {name!r}: {str(exc).split(chr(10), 1)[0]}") from exc
     except BaseError as exc:
         raise _translate(what, name, str(exc)) from exc
     except OSError as exc:

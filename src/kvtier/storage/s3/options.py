@@ -7,6 +7,9 @@
     s3://HOST:PORT/BUCKET/PREFIX               LMCache's endpoint form (https, or http with
                                                extra_config.disable_tls)
 
+They are parsed when the config loads (:mod:`kvtier.config.s3_url`: the prefix's rules, and
+no ``user:secret@`` in any form).
+
 The endpoint (any S3: MinIO, Ceph, SeaweedFS) comes from ``extra_config.s3_endpoint_url``,
 else ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, else the URL's ``HOST:PORT``, else AWS.
 The region from ``extra_config.s3_region``, else ``AWS_REGION`` / ``AWS_DEFAULT_REGION``,
@@ -16,7 +19,7 @@ else the AWS host, else us-east-1. Credentials: ``extra_config.aws_access_key_id
 profile (``AWS_SHARED_CREDENTIALS_FILE`` or ~/.aws/credentials, ``AWS_PROFILE`` or
 ``default``), else obstore's chain (instance metadata, web identity, container). The secret
 is never shown: :class:`S3Options`' repr masks it, ``Config`` masks ``extra_config`` keys
-holding "secret".
+holding "secret", and a URL with credentials is refused with them masked.
 
 From ``blocking_timeout_secs``: every request's whole time. From ``extra_config`` (a bad
 value is a :class:`ConfigError` naming ``extra_config.<key>``):
@@ -46,49 +49,15 @@ from pathlib import Path
 
 from kvtier.config import Config
 from kvtier.config import parsers as p
+from kvtier.config.remote_url import mask_password
+from kvtier.config.s3_url import URL_FORMS, S3Location, parse_s3_url
 from kvtier.config.sizes import MIB, parse_size
 from kvtier.errors import ConfigError
 
+__all__ = ["URL_FORMS", "S3Location", "S3Options", "parse_s3_url"]  # the URL: kvtier.config
+
 DEFAULT_INFLIGHT_BYTES = 256 * MIB
 DEFAULT_REGION = "us-east-1"
-_AWS_HOST = re.compile(
-    r"^(?P<bucket>[^/]+?)\.s3(?:express-[^.]+)?[.-](?P<region>[a-z0-9-]+)\.amazonaws\.com$"
-)
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-URL_FORMS = (
-    "s3://BUCKET/PREFIX, s3://BUCKET.s3.REGION.amazonaws.com or s3://HOST:PORT/BUCKET/PREFIX"
-)
-
-
-@dataclass(frozen=True, slots=True)
-class S3Location:
-    bucket: str
-    prefix: str  # no leading or trailing '/', may be empty
-    endpoint: str | None  # from the URL's HOST:PORT form
-    region: str | None  # from the URL's AWS host form
-
-
-def parse_s3_url(url: str, *, tls: bool = True) -> S3Location:
-    """The bucket, prefix (and LMCache's endpoint or region) a ``remote_url`` names."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() != "s3" or not rest.strip("/"):
-        raise ConfigError("remote_url", url, URL_FORMS)
-    host, _, path = rest.partition("/")
-    path = path.strip("/")
-    endpoint = region = None
-    aws = _AWS_HOST.match(host)
-    if re.search(r":\d+$", host):  # LMCache's s3://host:port/bucket
-        endpoint = f"{'https' if tls else 'http'}://{host}"
-        host, _, path = path.partition("/")
-    elif aws:
-        host, region = aws["bucket"], aws["region"]
-    if not _BUCKET.match(host):
-        raise ConfigError(
-            "remote_url",
-            url,
-            f"a bucket name of 3-63 lower-case letters, digits, '.', '-' ({URL_FORMS})",
-        )
-    return S3Location(host, path.strip("/"), endpoint, region)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,9 +87,12 @@ class S3Options:
         location = parse_s3_url(str(config.remote_url), tls=tls)
         endpoint = extra.get("s3_endpoint_url") or env.get("AWS_ENDPOINT_URL_S3")
         endpoint = endpoint or env.get("AWS_ENDPOINT_URL") or location.endpoint
-        if endpoint is not None and not re.match(r"^https?://[^/\s]+/?$", str(endpoint)):
-            raise ConfigError(
-                "extra_config.s3_endpoint_url", endpoint, "an http(s)://host[:port] URL"
+        if endpoint is not None and not re.match(r"^https?://[^/\s@]+/?$", str(endpoint)):
+            raise ConfigError(  # credentials in it are refused, and never shown
+                "extra_config.s3_endpoint_url",
+                mask_password(str(endpoint)),
+                "an http(s)://host[:port] URL, no user:secret@ (credentials go in "
+                "extra_config.aws_access_key_id and aws_secret_access_key)",
             )
         region = extra.get("s3_region") or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
         region = str(region or location.region or DEFAULT_REGION)

@@ -24,8 +24,10 @@ behind the tier's back is a GET that answers 404: a miss, and it leaves the inde
 
 Protocol (see :mod:`kvtier.storage.base`), and how each call behaves here:
 
-* ``get_into`` / ``get_many_into``: one GET per chunk, ``s3_get_threads`` in flight; the
-  record's header and stored checksum are verified before a byte reaches the page
+* ``get_into`` / ``get_many_into``: one GET per chunk, ``s3_get_threads`` in flight, ranged
+  to one byte over a record (a larger object is a miss, counted ``oversized``; listings
+  skip it by its size, so it is never fetched whole); the record's header and stored
+  checksum are verified before a byte reaches the page
   (:func:`kvtier.storage.record_reads.decode_record_into`). A corrupt record is a miss, deleted,
   counted; one of another format version or codec is a miss, kept. The whole batch waits at
   most ``blocking_timeout_secs``; GETs still running then raise :class:`ReadAbandoned`
@@ -40,7 +42,8 @@ Protocol (see :mod:`kvtier.storage.base`), and how each call behaves here:
   last listing; byte rows only.
 * Faults: a request that cannot reach the store or runs past ``blocking_timeout_secs`` marks
   the store down for :data:`RETRY_AFTER_S`; while down, reads miss and puts complete DROPPED
-  at once (no call waits on a store known to be away); the next call after that tries again.
+  at once, queued ones too (no call waits on a store known to be away); the next call after
+  that tries again.
   ``remove`` and ``clear`` raise :class:`TierUnavailable`. ``usage`` counts the index: the
   bytes of the objects it knows; capacity is the same figure (an object store has no
   ceiling kvtier can see, so the tier reports itself exactly full, never over).
@@ -90,6 +93,9 @@ from kvtier.storage.write_queue import Write, WriteQueue, complete
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1.0  # how long a store that failed to answer is left alone
+# What a codec may add to a chunk's payload (blosc2's worst case is 32 bytes): an object
+# above header + payload + this is no record of this tier's, and is not downloaded.
+CODEC_SLACK_BYTES = 64 * 1024
 
 
 @dataclass
@@ -99,6 +105,8 @@ class S3Counters(TierCounters):
     outages: int = 0  # the store stopped answering
     listings: int = 0  # listings of the prefix completed (open and refreshes)
     available: int = 1  # gauge: 0 while the store is marked down
+    oversized: int = 0  # objects under a chunk's name too large to be its record: misses
+    unlistable: int = 0  # names skipped by listings: no S3 client can address them
 
 
 class S3Tier(RemotePins, RemoteQuotaHooks, Tier):
@@ -133,6 +141,8 @@ class S3Tier(RemotePins, RemoteQuotaHooks, Tier):
             region=options.region,
         )
         self.index = ChunkIndex()
+        chunk = layout.payload_bytes(self.fingerprint.chunk_size)
+        self.max_record_bytes = records.header_size() + chunk + CODEC_SLACK_BYTES
         self.writes = WriteQueue(
             options.put_threads, options.inflight_bytes, self._write, "kvtier-s3-writer"
         )
@@ -148,6 +158,8 @@ class S3Tier(RemotePins, RemoteQuotaHooks, Tier):
             options.list_interval_s,
             on_listed=lambda: self._bump(listings=1),
             on_failed=lambda exc: self._failed("list", exc),
+            max_size=self.max_record_bytes,
+            on_skipped=lambda names: self._bump(unlistable=len(names)),
         )
         self._quotas: S3Quotas | None = None  # tenant_quotas (attach_quotas)
 
@@ -244,7 +256,12 @@ class S3Tier(RemotePins, RemoteQuotaHooks, Tier):
     def _read(self, key: ChunkKey, out: torch.Tensor) -> int | None:
         name = self.object_name(key)
         try:
-            value = self.client.get(name)
+            limit = self.max_record_bytes  # a GET of at most one byte more: never a huge one
+            value = self.client.get(name, limit + 1)
+            if value is not None and len(value) > limit:
+                self._bump(oversized=1)
+                self._repeated.warning("big", "s3 object %s is over %d bytes: a miss", name, limit)
+                value = None  # as absent: it leaves the index (listings skip it too)
             if value is None:
                 self._bump(misses=1)
                 if self.index.discard(key):
@@ -296,6 +313,9 @@ class S3Tier(RemotePins, RemoteQuotaHooks, Tier):
         quotas = self._quotas
         tenant = quotas.take(job.key) if quotas is not None else ""
         refused = quotas.below_one_chunk(tenant) if quotas is not None else None
+        if self._is_down():  # queued before the store went away: dropped now, not sent to wait
+            self._bump(dropped=1)
+            return PutResult(job.key, PutOutcome.DROPPED, "the object store is not answering")
         if refused:  # a limit under one chunk: not worth sending
             self._repeated.warning(("quota", tenant), "s3 tier: %s", refused)
             self._bump(dropped=1)
