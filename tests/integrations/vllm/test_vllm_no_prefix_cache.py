@@ -99,10 +99,19 @@ class Run:
 
 
 def generate(instance: VllmInstance, prompts: dict[str, list[int]], salt: str | None = None) -> Run:
+    """Run ``prompts`` to the end, then wait until their disk writes have landed.
+
+    The wait is the write protocol's completion signal (``flush``), and the tests here need
+    it: a disk write holds its chunk's CPU page until it lands (``kvtier.storage.writes``),
+    so with 3 pages a request that starts while the last one's writes still run gets its
+    disk hit declined and its own store dropped, and a chunk is on disk only once its write
+    landed. A loaded machine's slow fsync made exactly that happen (tests/storage/
+    test_writes.py has it deterministically)."""
     run = Run(instance)
     for rid, prompt in prompts.items():
         run.add(rid, prompt, salt=salt)
     run.finish()
+    assert instance.probe is not None and instance.probe.flush(30.0) is True
     return run
 
 
@@ -114,7 +123,6 @@ def push_out_of_cpu(instance: VllmInstance) -> None:
     only."""
     seeds = [next(_FILLER_SEEDS) for _ in range(2)]
     generate(instance, {f"fill{seed}": tokens(800, seed=seed) for seed in seeds})
-    assert instance.probe is not None and instance.probe.flush(30.0) is True
 
 
 @pytest.mark.timeout(600, func_only=True)
@@ -140,8 +148,7 @@ def test_two_cache_salts_never_share_a_chunk(
     assert delta(s2, s1, "hit_tokens") == 0 and delta(s2, s1, "retrieved_tokens") == 0
     assert delta(s2, s1, "stored_chunks") == 6  # each salt stored its own copy
     # The CPU tier (3 pages) has evicted tenant-A's chunks for the others': A's hit comes from
-    # disk, so its writes must have landed first (on a loaded machine they can still queue).
-    assert llm.probe is not None and llm.probe.flush(30.0) is True
+    # disk (landed: generate waits for the writes).
 
     run = generate(llm, {"a2": prompt}, salt="tenant-A")
     assert run.outputs["a2"] == reference["salted"][0]
@@ -160,7 +167,10 @@ def test_corrupt_and_deleted_disk_chunks_are_recomputed_once(
     the failed hit again: both finish, with vLLM's own output, after a bounded number of
     failed loads."""
     llm = nocache(model_dir, instances, disk_dir)
-    generate(llm, {"c0": PROMPTS["corrupt"], "d0": PROMPTS["deleted"]})
+    # One at a time, as every request below: both at once want 5 pages of 3 while the first
+    # chunks' writes may still hold theirs, and a dropped chunk has no file to break.
+    generate(llm, {"c0": PROMPTS["corrupt"]})
+    generate(llm, {"d0": PROMPTS["deleted"]})
     push_out_of_cpu(llm)
     for index in range(3):
         path = chunk_file(disk_dir, model_dir, PROMPTS["corrupt"], index)
