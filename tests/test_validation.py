@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from kvtier import ConfigError, InputError, KVLayout
 from kvtier.validation import (
+    Prompt,
+    check_buffer_start,
     check_fits_in_memory,
     check_kv,
     check_out,
@@ -80,3 +83,37 @@ def test_check_fits_in_memory() -> None:
     check_fits_in_memory("max_local_cpu_size", 1 << 20)
     with pytest.raises(ConfigError, match="machine's memory"):
         check_fits_in_memory("max_local_cpu_size", 1 << 60)
+
+
+def _prompt(skip: int) -> Prompt:
+    return Prompt(np.arange(64, dtype=np.int32), skip)
+
+
+@pytest.mark.parametrize("name", ["kv_start", "out_start"])
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    # Each would pass the range rule (a chunk start at or before the skip of 32) or be
+    # refused by it only by chance: the type rule must be what refuses them.
+    [(16.0, "float"), (0.0, "float"), (True, "bool"), (False, "bool")],
+)
+def test_a_buffer_start_that_is_not_an_int_is_refused_by_the_type_rule(
+    name: str, value: object, kind: str
+) -> None:
+    with pytest.raises(InputError) as info:
+        check_buffer_start(name, value, _prompt(32), 16)
+    message = str(info.value)
+    assert message.startswith(f"{name} is {value!r} ({kind})")
+    assert "it must be an int (not a bool)" in message
+
+
+@pytest.mark.parametrize("value", [-16, 8, 48])
+def test_a_buffer_start_off_the_chunks_or_past_the_skip_is_refused_by_the_range_rule(
+    value: int,
+) -> None:
+    with pytest.raises(InputError, match=r"kv_start is -?\d+; it must be a multiple of"):
+        check_buffer_start("kv_start", value, _prompt(32), 16)
+
+
+@pytest.mark.parametrize("value", [0, 16, 32])
+def test_a_chunk_start_at_or_before_the_skip_is_the_buffers_base(value: int) -> None:
+    assert check_buffer_start("kv_start", value, _prompt(32), 16).base == value

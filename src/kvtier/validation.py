@@ -37,13 +37,15 @@ def check_buffer_start(name: str, value: object, prompt: Prompt, chunk_size: int
     caller that stores or loads the chunks after ``skip_leading_tokens`` needs a buffer of
     only those tokens. It must be a chunk start at or before the skip (0: the buffer covers
     the prompt from its start)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or value < 0
-        or value % chunk_size
-        or value > prompt.skip
-    ):
+    # The type first, with its own words: the range below refuses 16.0 or True only by
+    # chance (16.0 is a chunk start, True is 1), and lets them through where it allows them.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(
+            f"{name} is {value!r} ({type(value).__name__}); it must be an int (not a bool), "
+            f"a multiple of chunk_size ({chunk_size}) from 0 to skip_leading_tokens "
+            f"({prompt.skip})"
+        )
+    if value < 0 or value % chunk_size or value > prompt.skip:
         raise InputError(
             f"{name} is {value!r}; it must be a multiple of chunk_size ({chunk_size}) from 0 "
             f"to skip_leading_tokens ({prompt.skip}): the token the buffer's first row holds"

@@ -70,6 +70,15 @@ def test_default_in_the_path_is_the_empty_salt_and_a_quoted_salt_is_unquoted(
         ({"limit_gb": -1}, ">= 0"),
         (b'{"limit_gb": NaN}', "finite"),
         (b'{"limit_gb": Infinity}', "finite"),
+        # Out of range: 1e300 GiB is inf bytes, 400 digits do not fit a float (both were a
+        # 500), and 1e20 GiB was taken although PUT /quota refuses it and a saved table
+        # holding it is unreadable.
+        (b'{"limit_gb": 1e300}', "at most 1048576 (GiB: 1 PiB), got 1e+300"),
+        (b'{"limit_gb": 1' + b"0" * 399 + b"}", "an integer of about 400 digits"),
+        ({"limit_gb": 1e20}, "at most 1048576"),
+        ({"limit_gb": 1048577}, "at most 1048576"),
+        ({"limit_gb": "1e400"}, "'1e400'"),
+        (b"[" * 4000, "invalid JSON"),  # a RecursionError in the parser, once a 500
     ],
 )
 def test_a_bad_body_is_a_400_naming_the_value_and_changes_nothing(
@@ -107,6 +116,7 @@ def test_parsing_alone() -> None:
     assert salt_of_path("/api/quota/a%2Fb") == "a/b"
     assert limit_of_body(b'{"limit_gb": 1.5}')[1].nbytes == int(1.5 * GIB)
     assert limit_of_body(b'{"limit_gb": 0}')[1].nbytes == 0  # LMCache's 0: hold nothing
+    assert limit_of_body(b'{"limit_gb": 1048576}')[1].nbytes == 1024**5  # the bound itself
     with pytest.raises(AliasError, match="over 1024"):
         salt_of_path("/api/quota/" + "s" * 1025)
 

@@ -54,6 +54,9 @@ def test_quota_endpoints_refuse_without_the_token_and_name_bad_input(
     assert call(url, "/quotas", token=TOKEN).json()["quotas"] == {"a": "10%"}  # unchanged
     bad = call(url, "/quota?tenant=a&limit=150%25", method="PUT", token=TOKEN)
     assert bad.status == 400 and "150%" in bad.json()["error"] and "share" in bad.json()["error"]
+    for limit in ("1e20", "1e300", "9" * 400, "nan", "inf", "1048577", "2PiB"):
+        huge = call(url, f"/quota?tenant=a&limit={limit}", method="PUT", token=TOKEN)
+        assert huge.status == 400 and "from 0 to 1 PiB" in huge.json()["error"], limit
     missing = call(url, "/quota?tenant=a", method="PUT", token=TOKEN)
     assert missing.status == 400 and "limit" in missing.json()["error"]
     assert call(url, "/quota?tenant=a&limit=1GiB", token=TOKEN).status == 405  # GET

@@ -7,10 +7,11 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -152,6 +153,26 @@ def test_a_sender_maps_a_segment_by_its_name(tmp_path: Path) -> None:
         opened.close()
         opened.close()  # idempotent
         made.remove()
+
+
+def _char_device(path: Path) -> None:
+    """A character device of /dev/zero's numbers (mappable, size 0); root only."""
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 5))
+    except PermissionError:
+        pytest.skip("making a device file needs CAP_MKNOD")
+
+
+@pytest.mark.parametrize("make", [os.mkfifo, _char_device], ids=["fifo", "char-device"])
+def test_a_sender_maps_only_a_regular_file(tmp_path: Path, make: Callable[[Path], None]) -> None:
+    """A receiver's own uid can put a pipe or a device under a segment's name. The size
+    check refuses both too (their size is 0) but only by chance: it must be the file type
+    that refuses them, named as such."""
+    name = "kvtier-pd-1-0123456789ab"
+    make(tmp_path / name)
+    with pytest.raises(TransferError, match="is not a regular file") as caught:
+        open_segment(str(tmp_path), name, 2 * PAGE)
+    assert "bytes, less than" not in str(caught.value)
 
 
 def test_a_segment_is_allocated_when_made_not_on_first_touch(tmp_path: Path) -> None:

@@ -6,8 +6,8 @@ None when the thing answered. None of them needs torch (check-config answers in 
 second); none leaves anything behind.
 
 ``remote_url``
-    connect (TLS, ACL user and password as the URL gives them) and PING, each node of a
-    cluster URL, within :data:`REDIS_TIMEOUT_S`.
+    connect (TLS, ACL user and password as the URL gives them) and PING, every node of a
+    cluster URL at once, the whole probe within :data:`REDIS_TIMEOUT_S` (:func:`probe_redis`).
 ``local_disk``
     write, fsync and delete a probe file in the directory, or in the nearest part of its path
     that exists when the directory is still to be created (the engine creates the rest): a
@@ -21,11 +21,18 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
 
 from kvtier.config import Config
 from kvtier.config.local_disk import parse_local_disk
 from kvtier.config.remote_url import REDIS_SCHEMES, parse_remote_url
 from kvtier.errors import ConfigError
+
+if TYPE_CHECKING:
+    from redis import Redis
 
 REDIS_TIMEOUT_S = 2.0  # a reachable Redis answers PING in milliseconds, even loaded
 
@@ -90,14 +97,28 @@ def probe_disk_directory(path: str) -> ConfigError | None:
 
 
 def probe_redis(url: str, timeout: float) -> ConfigError | None:
+    """PING every place ``url`` names at once; None at the first answer, else an error naming
+    each place and what it did, ``timeout`` seconds from the start at the latest.
+
+    ``timeout`` bounds the probe whole, not each step of it: redis-py's own timeouts are per
+    socket call (connect, TLS, AUTH, CLIENT SETINFO, PING each get a fresh one) and its
+    default client retries ten times with backoff, so one node that accepts and never answers
+    took 27 s and a cluster URL of eight such nodes 212 s. So each node's client has retries
+    off, runs in a thread of its own, and the caller waits on one deadline for all of them;
+    at the deadline the clients are closed (a shut-down socket wakes a thread still waiting).
+    """
     import redis  # only when a remote_url is given
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
 
     target = parse_remote_url(url)
     if target.kind == "unix":
         places: list[tuple[str, str | None, int]] = [(target.describe(), None, 0)]
     else:
         places = [(f"{host}:{port}", host, port) for host, port in target.nodes]
-    failures: list[str] = []
+    deadline = time.monotonic() + timeout
+    answers: queue.SimpleQueue[tuple[str, str | None]] = queue.SimpleQueue()
+    clients: list[Redis] = []
     for where, host, port in places:
         client = redis.Redis(
             host=host or "localhost",
@@ -109,16 +130,39 @@ def probe_redis(url: str, timeout: float) -> ConfigError | None:
             password=target.password,
             socket_connect_timeout=timeout,
             socket_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),  # one try: the deadline is the probe's, not per call
         )
-        try:
-            client.ping()
-            return None  # a cluster answers through any node it lists
-        except redis.RedisError as exc:
-            failures.append(f"{where}: {type(exc).__name__}: {exc}")
-        finally:
+        clients.append(client)
+        name = f"kvtier-check-config {where}"
+        threading.Thread(
+            target=_ping, args=(client, where, answers), name=name, daemon=True
+        ).start()
+    failures: dict[str, str] = {}
+    try:
+        while len(failures) < len(places):
+            try:
+                where, failure = answers.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if failure is None:
+                return None  # a cluster answers through any node it lists
+            failures[where] = failure
+    finally:
+        for client in clients:
             client.close()
+    each = [failures.get(where, f"{where}: no answer") for where, _, _ in places]
     return ConfigError(
         "remote_url",
         target.describe(),
-        f"a Redis that answers PING within {timeout:g} s ({'; '.join(failures)})",
+        f"a Redis that answers PING within {timeout:g} s ({'; '.join(each)})",
     )
+
+
+def _ping(client: Redis, where: str, answers: queue.SimpleQueue[tuple[str, str | None]]) -> None:
+    """One node's PING, in its own thread: (where, None) on an answer, else what went wrong."""
+    try:
+        client.ping()
+    except Exception as exc:  # whatever it is, it is this node's answer: lost, it reads as silence
+        answers.put((where, f"{where}: {type(exc).__name__}: {exc}"))
+    else:
+        answers.put((where, None))
