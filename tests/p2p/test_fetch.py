@@ -155,3 +155,26 @@ def test_a_silent_peer_is_a_miss_at_the_deadline(peer: Callable[[Behaviour], str
     assert got == [None] * 3
     assert 1.0 <= elapsed < 3.0
     assert fetcher.counters.failed == 1
+
+
+def test_a_peer_that_trickles_its_payload_is_cut_off_at_the_pulls_deadline(
+    peer: Callable[[Behaviour], str],
+) -> None:
+    """The deadline is the whole pull's, not each read's: 64 bytes every 50 ms keeps every
+    read well inside any per-read timeout, and the pull still ends at its 1 s."""
+
+    def trickle(conn: socket.socket, fetch: wire.Fetch) -> None:
+        data = payload(0)
+        wire.send(conn, wire.Chunk(0, SMALL_CHUNK, PAYLOAD, checksum(data)), time.monotonic() + 10)
+        raw = data.numpy().tobytes()
+        try:
+            for start in range(0, len(raw), 64):
+                conn.sendall(raw[start : start + 64])
+                time.sleep(0.05)
+        except OSError:
+            return  # the puller hung up: what we want
+
+    start = time.monotonic()
+    got, fetcher, _ = pull(peer(trickle), timeout=1.0)
+    assert time.monotonic() - start < 1.8
+    assert got == [None, None, None] and fetcher.counters.failed == 1

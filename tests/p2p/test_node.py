@@ -335,3 +335,33 @@ def test_a_peer_restarted_empty_is_dropped_from_the_directory(new_dir: Callable[
     finally:
         b.close()
         a.stop()
+
+
+def test_a_wrong_token_is_one_line_a_minute_on_each_side_naming_the_cause(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A follower with another token used to log a line a second, forever, on both servers,
+    and the honest one's never said "token". Now it redials with backoff and each side logs
+    the cause once per interval."""
+    ok = P2PNode("127.0.0.1:0", [], token=TOKEN, lease_secs=LEASE, timeout=TIMEOUT).open()
+    caplog.set_level("INFO", logger="kvtier.p2p")
+    try:
+        wrong = P2PNode(
+            "127.0.0.1:0",
+            [ok.address],
+            token="another-secret-of-32-characters!",
+            lease_secs=LEASE,
+            timeout=TIMEOUT,
+        ).open()
+        try:
+            time.sleep(4.0)  # 1 s between dials would be 4 dials; backoff: 1 + 2 s -> <= 3
+        finally:
+            wrong.close()
+    finally:
+        ok.close()
+    assert 1 <= ok.refused <= 3
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    listener = [m for m in lines if "P2P port: handshake" in m]
+    follower = [m for m in lines if m.startswith(f"P2P peer {ok.address}")]
+    assert len(listener) == 1 and "wrong or missing token" in listener[0]
+    assert len(follower) == 1 and "p2p_auth_token differs" in follower[0]
