@@ -196,6 +196,7 @@ def run_stalling_source(port: object, ready: object, full_chunks: int) -> None:
         recv_message,
         send_message,
     )
+    from kvtier.pd.source import source_identity
     from kvtier.trust import handshake
     from kvtier.trust.handshake import Credentials
     from tests.pd.pd_helpers import sender
@@ -203,7 +204,8 @@ def run_stalling_source(port: object, ready: object, full_chunks: int) -> None:
     listener = socket_mod.create_server(("127.0.0.1", 0))
     port.put(listener.getsockname()[1])  # type: ignore[attr-defined]
     conn, _ = listener.accept()
-    me = Credentials(PULL, "a-stalling-source", None, "pd_auth_token")
+    host, bound = listener.getsockname()[:2]
+    me = Credentials(PULL, source_identity(host, bound, "stalling"), None, "pd_auth_token")
     handshake.accept(conn, me, time.monotonic() + 10.0)
     tx = sender("tcp", 0).adopt(conn, "the test decoder")
     pull = recv_message(conn)

@@ -240,3 +240,42 @@ def test_slow_connections_hold_bounded_threads_and_memory(ports: Ports, name: st
     assert len(guard) == 0  # every slow one closed by its deadline
     eavesdropped(ports, name)  # and the port serves an honest dialer again
     assert ports.node.guard.max_pending == MAX_PENDING
+
+
+def relay_to(port: int) -> tuple[int, socket.socket]:
+    """A transparent TCP relay on another port of this host: it passes every byte both ways
+    (what an attacker at an address a request names can do)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            near, _ = listener.accept()
+            far = socket.create_connection(("127.0.0.1", port))
+            threading.Thread(target=pipe, args=(near, far), daemon=True).start()
+            pipe(far, near)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname()[1], listener
+
+
+def test_a_decoder_told_to_pull_from_a_relay_refuses_it(ports: Ports) -> None:
+    """The address a decoder pulls from is in the request's kv_transfer_params: a client
+    that reaches the decoder can name its own relay there. The relay passes the real
+    source's handshake through untouched, so the proofs verify; but the source names its
+    own address in them, and the decoder dialed another: refused before any PD frame."""
+    from kvtier.pd.puller import Puller
+
+    port, listener = relay_to(ports.source.port)
+    with listener:
+        outcome = Puller(ports.receiver).pull("127.0.0.1", port, "t", [b"k" * 16])
+    assert not outcome.ok and "not the PD source" in outcome.reason
+    # The same pull straight to the source gets past the handshake (the transfer is unknown).
+    direct = Puller(ports.receiver).pull(*ports.source.address, "t", [b"k" * 16])
+    assert not direct.ok and "prefiller refused" in direct.reason

@@ -25,15 +25,17 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvtier.errors import ProtocolError, TransferError
+from kvtier.errors import AuthError, ProtocolError, TransferError
 from kvtier.keys import ChunkKey
 from kvtier.pd.conversation import RequestInFlight
 from kvtier.pd.outcomes import TransferOutcome
 from kvtier.pd.protocol import PULL, AllocRequest, ErrorReply, Pull, recv_message, send_message
 from kvtier.pd.receiver import PDReceiver
+from kvtier.pd.source import dialed_the_source
 from kvtier.trust.dial import connect
 from kvtier.trust.guard import Connection
 from kvtier.trust.handshake import Credentials
+from kvtier.trust.peer_text import peer_text
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +124,13 @@ class Puller:
         me = Credentials(PULL, receiver.identity, receiver.auth_token, "pd_auth_token")
         deadline = time.monotonic() + min(CONNECT_TIMEOUT_S, receiver.io_timeout)
         try:
-            sock, _ = connect(host, port, me, deadline, where)
+            sock, identity = connect(host, port, me, deadline, where)
+            if not dialed_the_source(identity, host, port):
+                sock.close()
+                raise AuthError(
+                    f"{where} introduced itself as {peer_text(identity)}: not the PD source "
+                    "at the address the request named (a relay of another source's handshake?)"
+                )
         except TransferError as exc:
             receiver.conversation.handshake_refused(None, exc)
             raise

@@ -51,6 +51,20 @@ from kvtier.trust.port import TrustedPort
 log = logging.getLogger(__name__)
 
 
+def source_identity(host: str, port: int, instance: str) -> str:
+    """A PD source's identity in the handshake: ``pd-source <host>:<port> <instance>``, the
+    address it answers in ``kv_transfer_params`` first, bound into both proofs."""
+    return f"pd-source {host}:{port} {instance}"
+
+
+def dialed_the_source(identity: str, host: str, port: int) -> bool:
+    """Whether a listener that introduced itself as ``identity`` is the source a decoder
+    meant to reach at ``host:port``: the address a request names is the client's word, and
+    a relay at another address shows the real source's identity, not its own."""
+    parts = identity.split(" ")
+    return len(parts) == 3 and parts[0] == "pd-source" and parts[1] == f"{host}:{port}"
+
+
 class PDSource:
     def __init__(
         self,
@@ -84,12 +98,12 @@ class PDSource:
             on_tick=self._tick,
             logger=log,
         )
-        self.identity = f"pd-source/{secrets.token_hex(4)}"
+        self._id = secrets.token_hex(4)
         self._port = TrustedPort(
             name="PD source",
             host=host,
             port=port,
-            credentials=Credentials(PULL, self.identity, auth_token, "pd_auth_token"),
+            credentials=self._credentials(),
             guard=self.guard,
             serve=self._serve,
             logger=log,
@@ -147,6 +161,9 @@ class PDSource:
         self.buffer.open()
         self._port.open()
         self.port = self._port.port
+        # The address it answers in kv_transfer_params is now whole: from here every
+        # handshake names it, and a decoder checks it is the address it dialed.
+        self._port.credentials = self._credentials()
         log.info(
             "PD source listening on %s:%d (decoders pull; %d pages of send buffer)",
             self.host,
@@ -154,6 +171,14 @@ class PDSource:
             self.buffer.num_pages,
         )
         return self
+
+    @property
+    def identity(self) -> str:
+        """How this source introduces itself: the address decoders are told to dial."""
+        return source_identity(self.host, self.port, self._id)
+
+    def _credentials(self) -> Credentials:
+        return Credentials(PULL, self.identity, self.auth_token, "pd_auth_token")
 
     def close(self) -> None:
         self._port.close()
