@@ -17,8 +17,10 @@ change and applied over the config's ``tenant_quotas`` at the next open, so a li
 through the admin API outlives the process while a row only the config names follows the
 config. ``chunks`` (saved at a clean close) gives the files their tenants back; a file it
 does not name (written after a crash) counts as the unsalted tenant's. A file that is
-missing, unreadable or not this format is ignored with one warning: quotas start from the
-config, as on a first open.
+missing, unreadable or not this format (not JSON, nested past the parser's stack, the wrong
+shapes) is ignored with one warning: quotas start from the config, as on a first open. One
+row that does not parse (a limit out of range, as an older kvtier saved from LMCache's alias)
+is dropped with one warning naming it; the other rows and the chunks' tenants still apply.
 """
 
 from __future__ import annotations
@@ -131,17 +133,29 @@ def load(dir_fd: int, fp_hex: str, policy: TenantPolicy) -> None:
         return
     try:
         with os.fdopen(fd, "rb") as f:
-            saved = json.loads(f.read())
-        rows = _rows(saved.get("quotas", {}))
+            saved = json.loads(f.read())  # ValueError (UnicodeDecodeError too), RecursionError
+        raw_rows = saved.get("quotas", {})
+        if not isinstance(raw_rows, dict):
+            raise ValueError("quotas is not a mapping")
         chunks = {
             bytes.fromhex(key): check_tenant("tenant", tenant)
             for tenant, keys in saved.get("chunks", {}).items()
             for key in keys
         }
-    except (OSError, ValueError, AttributeError, TypeError, ConfigError) as exc:
+    except (OSError, ValueError, RecursionError, AttributeError, TypeError, ConfigError) as exc:
         log.warning("disk tier quotas %s ignored (%s): quotas from the config", name, exc)
         return
-    for tenant, limit in rows.items():
+    for tenant, raw in raw_rows.items():
+        try:
+            limit = _row(tenant, raw)
+        except ConfigError as exc:
+            log.warning(
+                "disk tier quotas %s: saved row %r dropped (%s): its limit is the config's",
+                name,
+                tenant,
+                exc,
+            )
+            continue
         policy.quotas.set(tenant, limit)
     policy.expect(chunks)
 
@@ -159,10 +173,7 @@ def save(dir_fd: int, fp_hex: str, policy: TenantPolicy, keys: Sequence[ChunkKey
     replace_file(dir_fd, tenants_name(fp_hex), data, 0o600)
 
 
-def _rows(raw: object) -> dict[str, TenantLimit | None]:
-    if not isinstance(raw, dict):
-        raise ValueError("quotas is not a mapping")
-    return {
-        check_tenant("tenant", tenant): None if value is None else parse_limit("limit", value)
-        for tenant, value in raw.items()
-    }
+def _row(tenant: object, raw: object) -> TenantLimit | None:
+    """One saved row (None: removed at run time); :class:`ConfigError` when it does not parse."""
+    check_tenant("tenant", tenant)
+    return None if raw is None else parse_limit(f"quotas[{tenant!r}]", raw)
