@@ -5,8 +5,8 @@ pin / end / abort or sender death / expiry of unclaimed requests / a limit chang
 time, in any order, with keys taken from a counter per tenant (so a replayed case holds the
 same keys). After every step each tenant is charged exactly the pages its live reservations
 hold, and never more than the limit in force when its latest reservation was made; a
-reservation is refused exactly when it would take its tenant past its share; at the end every
-charge is zero.
+reservation is refused exactly when it would take its row past its share (the salts under
+"*" together); at the end every charge is zero.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from kvtier.storage.policy.quotas import TenantQuotas
 from tests.storage.tier_contract import PAGE_BYTES, TOKEN_BYTES
 
 PAGES = 8
-TENANTS = ["alice", "bob", "", "carol"]  # carol has no row of her own: the "*" row's
+TENANTS = ["alice", "bob", "", "carol", "dave"]  # carol, dave: no row, they share "*"
 KEYS_PER_TENANT = 5
 LIMITS = ["25%", "50%", "100%", f"{3 * PAGE_BYTES}B", f"{PAGE_BYTES // 2}B", None]
 
@@ -78,6 +78,7 @@ class TenantShareMachine(RuleBasedStateMachine):
         rid = f"r{self.next_id}"
         self.next_id += 1
         limit, before = self.limit(name), self.tier.shares.held(name)
+        row_before = self.tier.shares.row_held(name)  # under "*": every unnamed salt's
         free = self.tier.pool.free_pages
         try:
             res, _ = self.tier.reserve(rid, keys, [16] * len(keys), 0.0, name)
@@ -85,14 +86,15 @@ class TenantShareMachine(RuleBasedStateMachine):
             assert limit is not None and len(keys) > limit  # refused at once: never fits
             return
         except TransferTimeout as exc:
-            over = limit is not None and before + len(keys) > limit
+            over = limit is not None and row_before + len(keys) > limit
             # Refused for its share exactly when it would pass it; otherwise only for room.
             assert ("tenant_quotas" in str(exc)) is over
             assert over or free < len(keys)
             assert self.tier.shares.held(name) == before  # a refusal charges nothing
             return
-        assert limit is None or before + len(keys) <= limit
+        assert limit is None or row_before + len(keys) <= limit
         assert self.tier.shares.held(name) == before + len(keys)
+        assert self.tier.shares.row_held(name) == row_before + len(keys)
         self.latest_limit[name] = limit
         self.leases.join(rid).take_hold(res)
         self.live[rid] = res
@@ -204,22 +206,71 @@ def test_a_tenant_at_its_share_waits_and_goes_through_when_its_own_request_ends(
         tier.close()
 
 
-def test_a_raised_limit_wakes_a_waiting_reservation() -> None:
-    tier, quotas = buffer_with({"alice": "25%"})
+WAIT_S = 30.0  # the waiter's own deadline: reaching it would not be a wake-up
+WOKEN_WITHIN_S = 2.0
+
+
+@pytest.mark.parametrize(
+    ("tenant", "row", "raised"),
+    [
+        ("alice", "alice", "50%"),  # its own row raised
+        ("carol", "*", "50%"),  # the row of every tenant the table does not name, raised
+        ("carol", "*", None),  # ... removed: no limit at all
+    ],
+)
+def test_a_changed_limit_wakes_a_waiting_reservation_at_once(
+    tenant: str, row: str, raised: str | None
+) -> None:
+    """A limit raised at run time lets a waiter through now, not at its deadline (the
+    reservation would go through then anyway: it checks its share once more before failing)."""
+    tier, quotas = buffer_with({"alice": "25%", "*": "25%"})  # 2 of 8 pages each
+    got: list[Reservation] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(tier.reserve("a2", [key_of(0, 2)], [16], WAIT_S, tenant)[0]),
+        daemon=True,
+    )
     try:
-        first, _ = tier.reserve("a1", [key_of(0, 0), key_of(0, 1)], [16, 16], 0.0, "alice")
-        got: list[Reservation] = []
-        waiter = threading.Thread(
-            target=lambda: got.append(tier.reserve("a2", [key_of(0, 2)], [16], 5.0, "alice")[0])
-        )
+        first, _ = tier.reserve("a1", [key_of(0, 0), key_of(0, 1)], [16, 16], 0.0, tenant)
         waiter.start()
-        time.sleep(0.2)
-        quotas.set("alice", parse_limit("limit", "50%"))
-        waiter.join(5.0)
-        assert len(got) == 1 and tier.shares.held("alice") == 3
+        deadline = time.monotonic() + WOKEN_WITHIN_S
+        while tier.tenant_report()[tenant]["share_waits"] == 0:  # it is waiting now
+            assert time.monotonic() < deadline, "the reservation never waited"
+            time.sleep(0.01)
+        changed = time.monotonic()
+        quotas.set(row, None if raised is None else parse_limit("limit", raised))
+        waiter.join(WOKEN_WITHIN_S)
+        woken_after = time.monotonic() - changed
+        assert not waiter.is_alive(), f"still waiting {woken_after:.1f}s after the change"
+        assert len(got) == 1 and tier.shares.held(tenant) == 3
         first.release()
         got[0].release()
     finally:
+        tier.close()
+        if waiter.is_alive():  # it missed the wake: the buffer's close ends its wait
+            waiter.join(WAIT_S)
+
+
+def test_salts_under_the_star_row_share_one_share_and_leave_a_named_tenant_its_own() -> None:
+    """A client that sends a new cache_salt with each request gets the "*" row once: its
+    salts together hold at most 2 of the 8 pages, and alice still reserves her 4."""
+    tier, _ = buffer_with({"alice": "50%", "*": "25%"})
+    held: list[Reservation] = []
+    try:
+        for n in range(2):
+            held.append(tier.reserve(f"s{n}", [key_of(2, n)], [16], 0.0, f"salt{n}")[0])
+        for n in range(2, 8):  # each a salt of its own: per salt, each would have its 2 pages
+            with pytest.raises(TransferTimeout, match=r"salts under '\*' together hold 2"):
+                tier.reserve(f"s{n}", [key_of(2, n)], [16], 0.0, f"salt{n}")
+        assert tier.shares.row_held("salt7") == 2
+        mine = [key_of(0, i) for i in range(4)]
+        held.append(tier.reserve("alice", mine, [16] * 4, 0.0, "alice")[0])
+        assert tier.shares.held("alice") == 4
+        report = tier.tenant_report()
+        assert report["salt0"]["limit_bytes"] == 2 * PAGE_BYTES  # the row each salt shares
+        assert report["salt7"]["share_refusals"] == 1
+    finally:
+        for reservation in held:
+            reservation.release()
         tier.close()
 
 
@@ -229,7 +280,8 @@ def test_refusals_name_the_tenant_its_share_and_what_to_change() -> None:
         with pytest.raises(ShareTooSmall, match=r"tenant 'x' needs 3 pages.*'\*': 25%.*2 of 8"):
             tier.reserve("big", [key_of(2, i) for i in range(3)], [16] * 3, 1.0, "x")
         held, _ = tier.reserve("r1", [key_of(2, 0), key_of(2, 1)], [16, 16], 0.0, "x")
-        with pytest.raises(TransferTimeout, match=r"tenant 'x' holds 2 of its 2 pages"):
+        together = r"tenant 'x' holds 2 \(the salts under '\*' together hold 2\) of their 2 pages"
+        with pytest.raises(TransferTimeout, match=together):
             tier.reserve("r2", [key_of(2, 3)], [16], 0.05, "x")
         assert tier.tenant_report()["x"]["share_refusals"] == 2
         held.release()

@@ -9,7 +9,7 @@ import hashlib
 from collections.abc import Callable, Iterator
 
 import pytest
-from hypothesis import settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -202,7 +202,8 @@ class TenantAccounting(RuleBasedStateMachine):
     """Stores of several tenants, pins and their release, lookups, run-time quota changes,
     against a tier of a few pages. After every step: each tenant's bytes are never negative
     and equal the chunks the tier holds for it; and right after a tenant stores (or its
-    limit changes), it is within its limit unless every chunk it holds is pinned."""
+    limit changes), its row (its own, or "*" shared by every salt the table does not name)
+    is within its limit unless every chunk held under that row is pinned."""
 
     @initialize(policy=st.sampled_from(sorted(POLICIES)))
     def open(self, policy: str) -> None:
@@ -262,13 +263,16 @@ class TenantAccounting(RuleBasedStateMachine):
 
     def check_within_limit(self, tenants: tuple[str, ...] | list[str]) -> None:
         pinned = {key for key, _ in self.pins}
+        row_of = self.tenants.quotas.row_of
         for tenant in tenants:
             limit = self.tenants.limit_bytes(tenant)
-            if limit is not None and self.tenants.held_bytes(tenant) > limit:
+            sharing = [t for t in TENANTS if row_of(t) == row_of(tenant)]
+            held = sum(self.tenants.held_bytes(t) for t in sharing)
+            if limit is not None and held > limit:
                 its = [
-                    k for k, t in self.owner.items() if t == tenant and self.tier.contains([k])[0]
+                    k for k, t in self.owner.items() if t in sharing and self.tier.contains([k])[0]
                 ]
-                assert set(its) <= pinned, f"{tenant!r} over its limit with unpinned chunks"
+                assert set(its) <= pinned, f"{tenant!r}'s row over its limit, unpinned chunks"
 
     @invariant()
     def bytes_held_equal_the_chunks_held(self) -> None:
@@ -282,17 +286,26 @@ class TenantAccounting(RuleBasedStateMachine):
             assert held >= 0
             assert held == chunks * PAGE_BYTES
         assert len(self.tenants) == len(self.tier)
-        for tenant, watch in self.tenants._watch.items():  # no key outlives its chunk there
-            held = {k for k, t in self.owner.items() if t == tenant and self.tier.contains([k])[0]}
+        row_of = self.tenants.quotas.row_of
+        for row, watch in self.tenants._watch.items():  # no key outlives its chunk there
+            held = {
+                k for k, t in self.owner.items() if row_of(t) == row and self.tier.contains([k])[0]
+            }
             assert watch._hit <= held
             assert len(watch._ghosts) <= watch.window
-        # the guarantees' scale, kept as chunks come and go, is what a fresh sum gives
-        limits = [self.tenants.limit_bytes(t) for t, u in self.tenants.usage.items() if u.chunks]
-        total = sum(x for x in limits if x is not None)
+        # the guarantees' scale, kept as chunks come and go, is what a fresh sum gives: one
+        # limit per row held, however many salts share "*"
+        limits = {
+            row_of(t): self.tenants.limit_bytes(t)
+            for t, u in self.tenants.usage.items()
+            if u.chunks
+        }
+        total = sum(x for x in limits.values() if x is not None)
         for tenant in TENANTS:
             limit = self.tenants.limit_bytes(tenant)
             usage = self.tenants.usage.get(tenant)
             if limit is not None and usage is not None and usage.chunks:
+                assert self.tenants.guarantee_bytes(tenant) <= limit
                 expected = limit * min(1.0, PAGES_IN_MACHINE * PAGE_BYTES / total)
                 assert self.tenants.guarantee_bytes(tenant) == pytest.approx(expected)
 
@@ -305,9 +318,40 @@ def test_tenants_that_hold_nothing_are_forgotten_past_a_bound(
     pool: BlockPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("kvtier.storage.policy.tenants.TENANTS_KEPT", 5)
-    tier, tenants = quota_tier(pool, {"*": "25%"})
+    tier, tenants = quota_tier(pool, {"*": "100%"})
     for n in range(40):  # a salt per user: 40 tenants through a tier of 12 pages
         store(tier, f"user{n}", 1)
     assert len(tenants.usage) == PAGES  # the twelve holding a chunk; the others forgotten
     assert len(tenants) == len(tier) == PAGES
     assert sum(u.chunks for u in tenants.usage.values()) == PAGES
+
+
+# -- the "*" row: one guarantee for every salt it covers -----------------------------------
+SPRAY_PAGES = 100
+
+
+@settings(max_examples=20, deadline=None)
+@example(salts=200, chunks_each=1, default=10)  # the finding: alice kept 4 of 50
+@given(salts=st.integers(2, 220), chunks_each=st.integers(1, 3), default=st.integers(1, 45))
+def test_salts_under_the_star_row_cannot_shrink_a_named_guarantee(
+    salts: int, chunks_each: int, default: int
+) -> None:
+    """A client that sprays salts (vLLM takes ``cache_salt`` from each request) stores under
+    the ``"*"`` row once, whatever the number of salts: alice's 50 % stays hers. (The rows
+    add up to under 100 %: at exactly 100 % a full tier breaks a tie of two groups each at
+    its guarantee by order, which one flooding salt meets as well.)"""
+    pool = BlockPool(SPRAY_PAGES, PAGE_BYTES)
+    try:
+        tier, tenants = quota_tier(pool, {"alice": "50%", "*": f"{default}%"})
+        alice = store(tier, "alice", 50)
+        for n in range(salts):
+            store(tier, f"spray{n}", chunks_each)
+        assert tier.contains(alice) == [True] * 50
+        assert tenants.guarantee_bytes("alice") == 50 * PAGE_BYTES
+        pooled = sum(tenants.held_bytes(f"spray{n}") for n in range(salts))
+        assert pooled <= default * PAGE_BYTES  # the salts' sum is capped by the one row
+        star = tenants.limit_bytes("*")  # one guarantee, all of the row, for all the salts
+        assert tenants.guarantee_bytes("spray0") == tenants.guarantee_bytes("spray1") == star
+        tier.close()
+    finally:
+        pool.close()

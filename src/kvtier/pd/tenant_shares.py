@@ -8,6 +8,11 @@ it in the transfer's ``AllocRequest``) may hold at most its limit of the buffer:
 
     limit pages = limit.bytes_of(num_pages * page_bytes) // page_bytes   (whole pages, down)
 
+A share is a row's: the salts the table does not name share the ``"*"`` row, one share of
+the buffer for all of them together (what their reservations hold is summed against it), so
+a client that sends a new ``cache_salt`` with every request gets the row once, not once per
+salt. A tenant with a row of its own has its share to itself.
+
 What counts against a tenant is what its live reservations hold: one page reference per key
 of the request, received or already held (a held chunk is still a page this request keeps
 alive). A reservation is charged when it is made and credited once, when it is released
@@ -56,6 +61,7 @@ class TenantShares:
         self.page_bytes = page_bytes
         self.quotas: TenantQuotas | None = None  # none: no shares, as without tenant_quotas
         self._use: dict[str, TenantUse] = {}
+        self._live: set[str] = set()  # tenants whose reservations hold pages (a row's sum)
         self._wake: Callable[[], None] | None = None
 
     def attach(self, quotas: TenantQuotas, wake: Callable[[], None]) -> None:
@@ -92,9 +98,10 @@ class TenantShares:
             )
 
     def fits(self, tenant: str, need: int) -> bool:
-        """Whether ``tenant`` may take ``need`` more pages now."""
+        """Whether ``tenant`` may take ``need`` more pages now (its row's pages, under "*"
+        those of every unnamed salt, plus ``need`` within the row's share)."""
         limit = self.limit_pages(tenant)
-        return limit is None or self.held(tenant) + need <= limit
+        return limit is None or self.row_held(tenant) + need <= limit
 
     def admit(self, request_id: str, tenant: str, need: int, waited: bool) -> bool:
         """:meth:`check`, then :meth:`fits`; a reservation held back by its share for the
@@ -109,27 +116,43 @@ class TenantShares:
     def full_message(self, request_id: str, tenant: str, need: int, timeout: float) -> str:
         """Why a reservation that waited for its tenant's share timed out (counted)."""
         self._row(tenant).refusals += 1
+        assert self.quotas is not None
+        held = f"holds {self.held(tenant)} of its"
+        if self.quotas.row_of(tenant) == DEFAULT_TENANT:
+            held = f"holds {self.held(tenant)} (the salts under '*' together hold "
+            held += f"{self.row_held(tenant)}) of their"
         return (
-            f"request {request_id!r}: tenant {tenant!r} holds {self.held(tenant)} of its "
-            f"{self.limit_pages(tenant)} pages of the PD buffer (tenant_quotas: "
-            f"{self._spec(tenant)}) and needs {need} more; none came free within {timeout:g}s"
+            f"request {request_id!r}: tenant {tenant!r} {held} {self.limit_pages(tenant)} "
+            f"pages of the PD buffer (tenant_quotas: {self._spec(tenant)}) and needs {need} "
+            f"more; none came free within {timeout:g}s"
         )
 
     def _spec(self, tenant: str) -> str:
         assert self.quotas is not None
-        row = tenant if tenant in self.quotas.rows() else DEFAULT_TENANT
-        return f"{row!r}: {self.quotas.limit(tenant)}"
+        return f"{self.quotas.row_of(tenant)!r}: {self.quotas.limit(tenant)}"
 
     # -- accounting ------------------------------------------------------------------------
     def held(self, tenant: str) -> int:
         use = self._use.get(tenant)
         return use.pages if use is not None else 0
 
+    def row_held(self, tenant: str) -> int:
+        """Pages held under ``tenant``'s row: its own, or under ``"*"`` every unnamed salt's
+        (one pass over the tenants holding pages, no more of them than live reservations)."""
+        row = None if self.quotas is None else self.quotas.row_of(tenant)
+        if row != DEFAULT_TENANT:
+            return self.held(tenant)
+        assert self.quotas is not None
+        row_of, use = self.quotas.row_of, self._use
+        return sum(use[t].pages for t in self._live if row_of(t) == DEFAULT_TENANT)
+
     def take(self, tenant: str, pages: int) -> None:
         """A reservation of ``pages`` references was made for ``tenant``."""
         use = self._row(tenant)
         use.pages += pages
         use.reservations += 1
+        if use.pages:
+            self._live.add(tenant)
 
     def give_back(self, tenant: str, pages: int) -> None:
         """That reservation was released (once). Refuses to go below zero instead of
@@ -142,10 +165,13 @@ class TenantShares:
             )
         use.pages -= pages
         use.reservations -= 1
+        if not use.pages:
+            self._live.discard(tenant)
 
     def clear(self) -> None:
         """The buffer closed: every reservation is gone with its pages."""
         self._use.clear()
+        self._live.clear()
 
     def _row(self, tenant: str) -> TenantUse:
         use = self._use.get(tenant)

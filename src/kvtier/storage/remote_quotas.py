@@ -16,7 +16,12 @@ from the engine, whatever the store:
   from the engine's one :class:`~kvtier.storage.policy.quotas.TenantQuotas` at each store,
   so a ``PUT /quota`` reaches the remote tier at its next store (or at once: the tier
   subscribes); a share is of ``capacity_bytes``, the store's capacity as the tier reads it;
-* per tenant: chunks the ledger held at its last update (the fleet's, not this engine's),
+* the ledger a tenant is counted in (:meth:`RemoteQuotas.counted_as`): its own when it has
+  a row or no row applies, else ``"*"``'s, ONE ledger for every salt the table does not name
+  (vLLM takes ``cache_salt`` from each request: a ledger per unnamed salt, each capped at the
+  ``"*"`` row, let one client spraying salts store the row as many times over as it had
+  salts). The report has a row per ledger, so those salts show as one row, ``"*"``;
+* per ledger: chunks it held at its last update (the fleet's, not this engine's),
   this engine's quota evictions, and members found stale (their chunk was gone already).
   ``hits`` is None: a read does not know its tenant (the key's salt is hashed into it).
 """
@@ -28,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtier.config.tenant_quotas import DEFAULT_TENANT
 from kvtier.keys import ChunkKey
 from kvtier.storage.policy.quotas import TenantQuotas
 
@@ -70,6 +76,13 @@ class RemoteQuotas:
             return self._next.pop(key, NO_SALT)
 
     # -- limits -----------------------------------------------------------------------------
+    def counted_as(self, tenant: str) -> str:
+        """The ledger ``tenant``'s chunks are counted and capped in: ``"*"`` for a salt the
+        table does not name while a ``"*"`` row binds here (all such salts together), else its
+        own (a share row binds no S3 tier: its salts stay counted each on its own)."""
+        pooled = self.quotas.row_of(tenant) == DEFAULT_TENANT
+        return DEFAULT_TENANT if pooled and self.limit_bytes(tenant) is not None else tenant
+
     def limit_bytes(self, tenant: str) -> int | None:
         """``tenant``'s limit in this tier; None: no limit. A share of a capacity not read
         yet is 0 (the caller reads the capacity before it stores)."""

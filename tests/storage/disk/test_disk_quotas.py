@@ -5,13 +5,16 @@ quota set at run time survive a restart."""
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvtier import Engine
+from kvtier.config.sizes import GIB
 from kvtier.config.tenant_quotas import TenantLimit
 from kvtier.keys import ChunkKey
 from kvtier.storage.cpu import CpuTier
@@ -32,8 +35,7 @@ def open_engine(directory: Path, **overrides: object) -> Engine:
         cpu_chunks=8,
         local_disk=str(directory),
         max_local_disk_size=f"{16 * FILE_BYTES}B",
-        tenant_quotas={"flood": "25%", "*": "50%"},
-        **overrides,
+        **{"tenant_quotas": {"flood": "25%", "*": "50%"}, **overrides},
     )
     return Engine(config, SMALL_LAYOUT, model_name="disk-quotas").open()
 
@@ -91,6 +93,73 @@ def test_a_torn_quota_file_is_ignored_and_quotas_come_from_the_config(tmp_path: 
         assert disk is not None and disk.tenant_report()[""]["limit_bytes"] == 8 * FILE_BYTES
 
 
+def test_salts_under_the_star_row_share_one_disk_quota_and_cannot_shrink_a_named_one(
+    tmp_path: Path,
+) -> None:
+    """A client spraying cache_salts stores under "*" once: alice keeps her 50 % of the
+    directory, and all the sprayed salts together hold at most the row's 25 %."""
+    with open_engine(tmp_path, tenant_quotas={"alice": "50%", "*": "25%"}) as engine:
+        alice = [make_tokens(PROMPT, seed) for seed in (1, 2)]  # 8 files: her 50 % of 16
+        for seed, tokens in enumerate(alice, 1):
+            engine.store(tokens, make_kv(PROMPT, seed), cache_salt="alice")
+        for seed in range(10, 40):  # 30 salts, one prompt each
+            engine.store(make_tokens(PROMPT, seed), make_kv(PROMPT, seed), cache_salt=f"s{seed}")
+            engine.flush()
+        tenants = disk_tenants(engine)
+        assert tenants["alice"]["held_bytes"] == 8 * FILE_BYTES
+        assert tenants["alice"]["evictions"] == 0
+        sprayed = sum(t["held_bytes"] or 0 for name, t in tenants.items() if name != "alice")
+        assert sprayed == 4 * FILE_BYTES  # one "*" row for all 30
+        assert tenants["s39"]["limit_bytes"] == 4 * FILE_BYTES  # the row each salt shares
+
+
+def quota_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == quotas.__name__ and r.levelno == logging.WARNING
+    ]
+
+
+def test_one_bad_saved_row_is_dropped_with_a_warning_and_the_others_apply(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A row out of range (1e20 GiB, what LMCache's alias once took and saved) is dropped at
+    the next open, named in one warning; it no longer takes the rows set beside it along."""
+    with open_engine(tmp_path) as engine:
+        engine.store(make_tokens(PROMPT, 1), make_kv(PROMPT, 1), cache_salt="flood")
+        cpu = engine.tier("cpu")
+        assert isinstance(cpu, CpuTier) and isinstance(cpu.policy, TenantPolicy)
+        cpu.policy.quotas.set("flood", TenantLimit(nbytes=2 * FILE_BYTES))
+        cpu.policy.quotas.set("huge", TenantLimit(nbytes=int(1e20 * GIB)))  # unchecked, as then
+    with caplog.at_level(logging.WARNING, logger=quotas.__name__), open_engine(tmp_path) as engine:
+        tenants = disk_tenants(engine)
+        assert tenants["flood"]["limit_bytes"] == 2 * FILE_BYTES  # the good row came back
+        assert tenants["flood"]["held_bytes"] == 2 * FILE_BYTES  # so did the chunks' tenants
+        cpu = engine.tier("cpu")  # the engine's one quota table
+        assert isinstance(cpu, CpuTier) and isinstance(cpu.policy, TenantPolicy)
+        assert "huge" not in cpu.policy.quotas.rows()
+    (warning,) = quota_warnings(caplog)
+    assert "saved row 'huge' dropped" in warning and "1 PiB" in warning
+
+
+def test_a_deeply_nested_quota_file_is_ignored_with_one_warning_and_the_engine_opens(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only the directory's owner can write the file; a tampered one still must not stop the
+    engine: JSON nested past the parser's stack was a RecursionError out of open()."""
+    with open_engine(tmp_path) as engine:
+        engine.store(make_tokens(PROMPT, 1), make_kv(PROMPT, 1), cache_salt="flood")
+    (saved,) = tmp_path.glob(".*.tenants")
+    saved.write_bytes(b'{"quotas": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    with caplog.at_level(logging.WARNING, logger=quotas.__name__), open_engine(tmp_path) as engine:
+        tenants = disk_tenants(engine)
+        assert tenants[""]["held_bytes"] == 4 * FILE_BYTES  # files kept, tenants not
+        assert tenants[""]["limit_bytes"] == 8 * FILE_BYTES  # the config's "*": 50 %
+    (warning,) = quota_warnings(caplog)
+    assert "ignored" in warning and "recursion" in warning
+
+
 def test_pinned_disk_files_stay_and_count_against_their_tenant(tmp_path: Path) -> None:
     first = make_tokens(PROMPT, 1)
     with open_engine(tmp_path) as engine:
@@ -127,7 +196,7 @@ class DiskIndexAccounting(RuleBasedStateMachine):
     2 when the directory is full, then commit and the quota's own evictions), pins and their
     release, reads, quota changes. After every step each tenant's bytes equal its indexed
     files times the unit, never negative; after its write lands, a tenant is within its limit
-    unless every file it holds is pinned; used bytes are the indexed files."""
+    unless every file held under its row is pinned; used bytes are the indexed files."""
 
     @initialize()
     def open(self) -> None:
@@ -189,10 +258,13 @@ class DiskIndexAccounting(RuleBasedStateMachine):
             self.check_within_limit(each)
 
     def check_within_limit(self, tenant: str) -> None:
+        """``tenant``'s row (its own, or "*" shared by every unnamed salt) within its limit."""
         limit = self.policy.limit_bytes(tenant)
-        if limit is not None and self.policy.held_bytes(tenant) > limit:
-            held = {k for k, t in self.owner.items() if t == tenant and k in self.index}
-            assert held <= set(self.pins), f"{tenant!r} over its limit with unpinned files"
+        row_of = self.quotas.row_of
+        sharing = {t for t in TENANTS if row_of(t) == row_of(tenant)}
+        if limit is not None and sum(map(self.policy.held_bytes, sharing)) > limit:
+            held = {k for k, t in self.owner.items() if t in sharing and k in self.index}
+            assert held <= set(self.pins), f"{tenant!r}'s row over its limit, unpinned files"
 
     @invariant()
     def bytes_held_equal_the_files_indexed(self) -> None:

@@ -116,6 +116,27 @@ def test_a_flood_from_two_engines_stays_within_its_quota_fleet_wide(url: str) ->
         b.close()
 
 
+def test_salts_under_the_star_row_share_one_ledger_fleet_wide(server: RedisServer) -> None:
+    """A client that sends a new cache_salt with each request gets the "*" row once: the
+    sprayed salts together keep the row's 3 chunks, whichever engine stored them."""
+    a, b = open_tiers(server.url, {"alice": chunks(4), "*": chunks(3)}, count=2)
+    try:
+        alice = [store(a, "alice", seed) for seed in range(1, 5)]
+        sprayed = [store(a if seed % 2 else b, f"salt{seed}", seed) for seed in range(10, 30)]
+        assert live(a, sprayed) == sprayed[-3:]  # per salt, every one would have stayed
+        assert live(b, alice) == alice
+        report = a.tenant_report()
+        assert report["*"]["chunks"] == 3 and report["*"]["limit_bytes"] == 3 * UNIT
+        assert not any(name.startswith("salt") for name in report)  # one row: the ledger's
+        gone = {**a.evicted_by_quota(sprayed), **b.evicted_by_quota(sprayed)}
+        assert gone == dict.fromkeys(sprayed[:-3], "*")
+    finally:
+        a.close()
+        b.close()
+        with server.client() as client:  # the server is shared: leave no ledger behind
+            client.flushall()
+
+
 def _page() -> torch.Tensor:
     return torch.empty(UNIT, dtype=torch.uint8)
 
@@ -208,7 +229,7 @@ def test_a_share_is_of_maxmemory(server: RedisServer) -> None:
         (tier,) = open_tiers(server.url, {"*": "0.5%"})  # 5 chunks of 1000
         keys = [store(tier, "anyone", seed) for seed in range(1, 9)]
         assert live(tier, keys) == keys[-5:]
-        assert tier.tenant_report()["anyone"]["limit_bytes"] == 5 * UNIT
+        assert tier.tenant_report()["*"]["limit_bytes"] == 5 * UNIT  # its row's one ledger
         tier.close()
     finally:
         with server.client() as client:
@@ -324,7 +345,10 @@ def test_put_quota_through_the_admin_api_trims_the_tenant_in_redis_at_once(
 ) -> None:
     unit = records.header_size() + SMALL_LAYOUT.payload_bytes(SMALL_CHUNK)
     prompt = 4 * SMALL_CHUNK
-    service = open_service(service_factory, remote_url=server.url, tenant_quotas={"*": "100%"})
+    # "big" has a row from the start: a salt under "*" is counted in the row's one ledger,
+    # and one that gains a row counts from its next store (redis/quotas.py's docstring)
+    rows = {"*": "100%", "big": "100%"}
+    service = open_service(service_factory, remote_url=server.url, tenant_quotas=rows)
     url, engine = service.admin_url or "", service.engine
     try:
         for seed in range(1, 4):

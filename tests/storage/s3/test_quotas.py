@@ -116,6 +116,21 @@ def test_the_tp_ranks_of_a_model_share_a_tenants_limit(
     assert r1.evicted_by_quota(keys1) == {}  # rank 0's keys: not reported as rank 1's
 
 
+def test_salts_under_the_star_row_share_one_order_fleet_wide(
+    open_tier: OpenTier, seaweedfs: SeaweedFS, bucket: str
+) -> None:
+    """A client that sends a new cache_salt with each request gets the "*" row once: the
+    sprayed salts together keep the row's 3 objects, and a named tenant keeps its own."""
+    tier = open_tier({"alice": f"{4 * UNIT}B", "*": f"{3 * UNIT}B"})
+    alice = [store(tier, "alice", seed) for seed in range(1, 5)]
+    sprayed = [store(tier, f"salt{seed}", seed) for seed in range(10, 20)]
+    assert in_bucket(tier, seaweedfs, bucket) == set(alice) | set(sprayed[-3:])
+    report = tier.tenant_report()
+    assert report["*"]["chunks"] == 3 and report["alice"]["chunks"] == 4
+    later = open_tier({"alice": f"{4 * UNIT}B", "*": f"{3 * UNIT}B"})  # lists the markers
+    assert later.tenant_report()["*"]["chunks"] == 3
+
+
 def test_an_engine_started_later_counts_what_the_fleet_stored_before(
     open_tier: OpenTier, seaweedfs: SeaweedFS, bucket: str
 ) -> None:

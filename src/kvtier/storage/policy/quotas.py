@@ -4,7 +4,12 @@ One object per engine, shared by its CPU tier and its disk tier: the admin API's
 ``PUT /quota`` changes it once and every tier sees the new limit at its next store (each
 tier's :class:`~kvtier.storage.policy.tenants.TenantPolicy` subscribes, so a lowered limit
 evicts at once). The rows come from ``tenant_quotas`` (:mod:`kvtier.config.tenant_quotas`);
-``"*"`` is the row of every tenant the table does not name.
+``"*"`` is the row of every tenant the table does not name, and it is *one* row for all of
+them together: the salts it covers share its limit (what they hold together is capped by it)
+and its guarantee, as one tenant would. vLLM takes ``cache_salt`` from each request, so a
+limit per unnamed salt would let one client that sprays salts claim the row many times over
+(and, the guarantees being scaled by the sum of the limits held, shrink every named tenant's).
+:meth:`TenantQuotas.row_of` names the row a tenant is counted under.
 """
 
 from __future__ import annotations
@@ -29,6 +34,14 @@ class TenantQuotas:
         rows = self._rows  # replaced whole on a change: a read needs no lock
         found = rows.get(tenant)
         return found if found is not None else rows.get(DEFAULT_TENANT)
+
+    def row_of(self, tenant: str) -> str | None:
+        """The row ``tenant`` is counted under: its own, else ``"*"`` (shared by every salt
+        the table does not name), else None (no limit)."""
+        rows = self._rows
+        if tenant in rows:
+            return tenant
+        return DEFAULT_TENANT if DEFAULT_TENANT in rows else None
 
     def rows(self) -> dict[str, TenantLimit]:
         return dict(self._rows)

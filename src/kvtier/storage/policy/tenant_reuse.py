@@ -112,15 +112,16 @@ class ReuseWatches:
         if not watch.lapsed:
             self.lapsed.discard(tenant)
 
-    def hit(self, tenant: str, keys: list[ChunkKey]) -> None:
-        watch = self._watch.get(tenant)
+    # hit, lost and removed take None (the group with no limit, never watched): nothing.
+    def hit(self, tenant: str | None, keys: list[ChunkKey]) -> None:
+        watch = self._watch.get(tenant) if tenant is not None else None
         if watch is not None:
             for key in keys:
                 watch.hit(key)
 
-    def lost(self, tenant: str, key: ChunkKey, guarantee_chunks: int) -> None:
-        watch = self._watch.get(tenant)
-        if watch is None:
+    def lost(self, tenant: str | None, key: ChunkKey, guarantee_chunks: int) -> None:
+        watch = self._watch.get(tenant) if tenant is not None else None
+        if watch is None or tenant is None:
             return
         watch.resize(guarantee_chunks)
         watch.lost(key)
@@ -129,8 +130,8 @@ class ReuseWatches:
         else:
             self.lapsed.discard(tenant)
 
-    def removed(self, tenant: str, key: ChunkKey) -> None:
-        watch = self._watch.get(tenant)
+    def removed(self, tenant: str | None, key: ChunkKey) -> None:
+        watch = self._watch.get(tenant) if tenant is not None else None
         if watch is not None:
             watch.removed(key)
 
@@ -138,6 +139,11 @@ class ReuseWatches:
         """``tenant`` holds nothing more, or lost its limit."""
         self._watch.pop(tenant, None)
         self.lapsed.discard(tenant)
+
+    def keep_only(self, tenants: set[str | None]) -> None:
+        """Forget every watch but those of ``tenants`` (the groups tenants are in now)."""
+        for tenant in [t for t in self._watch if t not in tenants]:
+            self.forget(tenant)
 
     def items(self) -> list[tuple[str, ReuseWatch]]:
         return list(self._watch.items())

@@ -1,44 +1,52 @@
-"""Per-tenant quotas as an eviction policy: one order per tenant, victims by who is most over.
+"""Per-tenant quotas as an eviction policy: one order per row, victims by who is most over.
 
 With ``tenant_quotas`` set (:mod:`kvtier.config.tenant_quotas`), a tier's policy is a
-:class:`TenantPolicy`: it keeps, for each tenant with a limit, an eviction policy of its own
-(``cache_policy``'s, as LMCache isolates each ``cache_salt`` in an LRU of its own), one
-shared policy for the tenants with none, and what each tenant holds. A tenant is a request's
-``cache_salt`` ("" for none); the tier names a key's tenant with :meth:`assign` just before it
-inserts the key (the store path carries it there; every other call is the plain
-:class:`~kvtier.storage.policy.base.EvictionPolicy` seam, so the tier's code is unchanged).
+:class:`TenantPolicy`: it keeps an eviction policy (``cache_policy``'s) per *group* and what
+each tenant holds. A tenant with a row of its own is a group (as LMCache isolates each
+``cache_salt`` in an LRU of its own); every salt the table does not name is in the ``"*"``
+row's one group, one limit and one guarantee for all of them (vLLM takes ``cache_salt`` from
+each request: a client spraying salts claims the row once, not once per salt); without
+``"*"`` they share one group with no limit. A tenant is a request's ``cache_salt`` ("" for
+none); the tier names a key's tenant with :meth:`assign` just before it inserts the key (every
+other call is the plain :class:`~kvtier.storage.policy.base.EvictionPolicy` seam).
 
 Accounting is in whole chunks of the tier's ``unit_bytes`` (a CPU page; a disk file of a
 whole chunk), so a tenant's bytes held are its chunks times the unit, never negative, and
 exact for every full chunk (a partial chunk counts as a whole one: a tenant is charged at
 most a chunk's rounding per partial chunk, never less than it holds)::
 
-    limit(t)      its row's bytes, or its share of the tier's capacity_bytes (None: no row)
-    guarantee(t)  limit(t) x min(1, capacity / sum of the limits of the tenants held)
-    excess(t)     held(t) - guarantee(t)           (a tenant with no limit: guarantee 0)
+    g             a group: a named tenant, or every salt under "*" together
+    held(g)       the chunks of its tenants
+    limit(g)      its row's bytes, or its share of the tier's capacity_bytes (None: no row)
+    guarantee(g)  limit(g) x min(1, capacity / sum of the limits of the groups held)
+    excess(g)     held(g) - guarantee(g)           (a group with no limit: guarantee 0)
+
+(:mod:`~kvtier.storage.policy.tenant_groups` keeps the sums: "*" counts once in them.)
+
+A tenant's limit and guarantee are its group's (shared, under "*"); its held bytes its own.
 
 Rules, in the order the tier applies them:
 
-1. After it inserts a chunk of tenant t, while held(t) > limit(t) the tier evicts t's own
-   victims (:meth:`evict_over_quota`, counted as quota evictions: ``kvtier explain`` names
-   a later miss on one). Pinned chunks are never victims, so a tenant may stay above its
-   limit by what it has pinned, no further.
-2. When the tier is short of room (:meth:`evict`), each victim comes from the tenant with
-   the largest excess that has an evictable chunk. A tenant at or under its guarantee is
-   evicted by others only when no tenant is over its own (the tier's room then went to pages
+1. After it inserts a chunk of tenant t, while t's group is over its limit the tier evicts
+   the group's own victims (:meth:`evict_over_quota`; under "*", any unnamed salt's; counted
+   as quota evictions: ``kvtier explain`` names a later miss on one). Pinned chunks are
+   never victims, so a group may stay above its limit by what it has pinned, no further.
+2. When the tier is short of room (:meth:`evict`), each victim comes from the group with
+   the largest excess that has an evictable chunk. A group at or under its guarantee is
+   evicted by others only when no group is over its own (the tier's room then went to pages
    that are not cached chunks: pins, writes in flight), so under its guarantee it keeps its
    chunks whatever another tenant stores, while its chunks come back.
-3. A tenant whose chunks do not come back (:mod:`~kvtier.storage.policy.tenant_reuse`: it
+3. A group whose chunks do not come back (:mod:`~kvtier.storage.policy.tenant_reuse`: it
    lost a guarantee's worth of chunks in a row, none of them used or asked for again) has
    its guarantee lapse: its chunks that were never hit are the first victims of rule 2,
-   before any other tenant's, until one of its chunks comes back. A scanner's quota then
+   before any other group's, until one of its chunks comes back. A scanner's quota then
    caps it without taking room from the tenants that reuse theirs, and it keeps the chunks
    it does use (a system prompt every scan shares).
 
 Limits are read from the shared :class:`~kvtier.storage.policy.quotas.TenantQuotas` on every
 decision; when a row changes, the tier calls :meth:`regroup` (a tenant that gained or lost
-its row moves between its own order and the shared one, in order) and then rule 1 per tenant.
-Costs: one dict lookup per key inserted, touched or removed, and O(tenants) per victim.
+its row moves between its own order and a shared one, in order) and then rule 1 per tenant.
+Costs: one dict lookup per key inserted, touched or removed, and O(groups) per victim.
 """
 
 from __future__ import annotations
@@ -51,10 +59,11 @@ from itertools import chain, groupby
 from kvtier.keys import ChunkKey
 from kvtier.storage.policy.base import Evictable, EvictionPolicy
 from kvtier.storage.policy.quotas import TenantQuotas
+from kvtier.storage.policy.tenant_groups import GroupSums
 from kvtier.storage.policy.tenant_reuse import ReuseWatch, ReuseWatches
 
 NO_SALT = ""  # the tenant of requests without a cache_salt
-_SHARED = None  # the group of every tenant with no limit: one order among them
+_SHARED = None  # the group of every tenant with no limit (no "*" row): one order among them
 QUOTA_EVICTIONS_KEPT = 65536  # keys remembered as evicted by their tenant's quota (explain)
 ASSIGNED_KEPT = 65536  # assigned keys not inserted yet (a write that failed never is)
 # Tenants remembered (their counters: stats and metrics): past this many, a tenant that
@@ -88,17 +97,13 @@ class TenantPolicy(EvictionPolicy):
         self.unit_bytes = unit_bytes
         self.capacity_bytes = capacity_bytes
         self._tenant_of: dict[ChunkKey, str] = {}
-        self._groups: dict[str | None, EvictionPolicy] = {}
+        self._groups: dict[str | None, EvictionPolicy] = {}  # by row ("*": unnamed salts)
         self._group_of_tenant: dict[str, str | None] = {}
         self._next: dict[ChunkKey, str] = {}  # assigned, not yet inserted
         self.usage: dict[str, TenantUsage] = {}
         self.quota_evicted: OrderedDict[ChunkKey, str] = OrderedDict()
-        # Kept as chunks come and go, so an eviction reads no tenant that holds nothing and
-        # sums no limits (with thousands of salts that cost 0.3 ms an eviction):
-        self._limited: dict[str, int] = {}  # tenant with a limit, holding chunks -> limit
-        self._limits_total = 0  # their sum: the guarantees' scale
-        self._shared_chunks = 0  # chunks of the tenants with no limit
-        self._watch = ReuseWatches()  # of the tenants with a limit: do their chunks return
+        self._sums = GroupSums()  # chunks per group, and the guarantees' scale
+        self._watch = ReuseWatches()  # of the groups with a limit: do their chunks return
 
     # -- tenants ---------------------------------------------------------------------------
     def assign(self, key: ChunkKey, tenant: str | None) -> None:
@@ -129,67 +134,65 @@ class TenantPolicy(EvictionPolicy):
         return usage.chunks * self.unit_bytes if usage is not None else 0
 
     def limit_bytes(self, tenant: str) -> int | None:
+        """``tenant``'s group's limit (under ``"*"``: what all unnamed salts share)."""
         limit = self.quotas.limit(tenant)
         return None if limit is None else limit.bytes_of(self.capacity_bytes)
 
     def guarantee_bytes(self, tenant: str) -> float:
+        """``tenant``'s group's guarantee (module docstring; shared under ``"*"``)."""
         limit = self.limit_bytes(tenant)
         if limit is None:
             return 0.0
-        total = self._limits_total + (0 if tenant in self._limited else limit)
-        return limit * min(1.0, self.capacity_bytes / total) if total else float(limit)
+        return self._sums.guarantee(self._name(tenant) or "", limit, self.capacity_bytes)
+
+    def _row_bytes(self, row: str) -> int:
+        return self.limit_bytes(row) or 0  # a row's name is a tenant it is the row of
+
+    def _name(self, tenant: str) -> str | None:
+        """The group ``tenant`` is counted in: its row's name (None: no limit)."""
+        name = self._group_of_tenant.get(tenant, 0)
+        if name == 0:
+            name = self._group_of_tenant[tenant] = self.quotas.row_of(tenant)
+        return name  # type: ignore[return-value]
 
     def _count(self, tenant: str, usage: TenantUsage, delta: int) -> None:
         """``tenant`` holds ``delta`` chunks more (the only place chunk counts change)."""
         usage.chunks += delta
-        if self._group_of_tenant.get(tenant) is _SHARED:
-            self._shared_chunks += delta
-        elif usage.chunks == 0:
-            self._limits_total -= self._limited.pop(tenant, 0)
-        elif tenant not in self._limited:
-            limit = self.limit_bytes(tenant) or 0
-            self._limited[tenant] = limit
-            self._limits_total += limit
+        self._sums.add(self._name(tenant), delta, self._row_bytes)
         if usage.chunks == 0 and len(self.usage) > TENANTS_KEPT:
             self._forget_tenant(tenant)
 
     def _forget_tenant(self, tenant: str) -> None:
-        """``tenant`` holds nothing: drop its counters and its (empty) order."""
+        """``tenant`` holds nothing: drop its counters, and its group's (empty) order and
+        watch when no other tenant holds a chunk there."""
         del self.usage[tenant]
-        self._watch.forget(tenant)
         name = self._group_of_tenant.pop(tenant, _SHARED)
-        if name is not _SHARED and not len(self._groups[name]):
-            del self._groups[name]
+        if name is not _SHARED and not self._sums.held(name):
+            self._watch.forget(name)
+            self._sums.drop(name)
+            self._groups.pop(name, None)  # another salt of "*" may have dropped it already
 
     def _recount(self) -> None:
         """The kept sums afresh (the quota table changed)."""
-        self._limited = {}
-        self._shared_chunks = 0
-        for tenant, usage in self.usage.items():
-            if usage.chunks and self._group_of_tenant.get(tenant) is _SHARED:
-                self._shared_chunks += usage.chunks
-            elif usage.chunks:
-                self._limited[tenant] = self.limit_bytes(tenant) or 0
-        self._limits_total = sum(self._limited.values())
+        held = [(self._name(tenant), usage.chunks) for tenant, usage in self.usage.items()]
+        self._sums.recount(held, self._row_bytes)
 
     def guarantee_held(self, tenant: str) -> bool:
         """Whether ``tenant``'s guarantee holds now: it has a limit and has not lapsed."""
-        watch = self._watch.get(tenant)
+        name = self._name(tenant)
+        watch = self._watch.get(name) if name is not _SHARED else None
         return self.limit_bytes(tenant) is not None and (watch is None or not watch.lapsed)
 
     def over_quota(self, tenant: str) -> bool:
+        """Whether ``tenant``'s group holds more than its limit."""
         limit = self.limit_bytes(tenant)
-        return limit is not None and self.held_bytes(tenant) > limit
+        return limit is not None and self._sums.held(self._name(tenant)) * self.unit_bytes > limit
 
     def _group(self, tenant: str) -> EvictionPolicy:
-        name = self._group_of_tenant.get(tenant, 0)
-        if name == 0:
-            name = self._group_of_tenant[tenant] = (
-                tenant if self.quotas.limit(tenant) is not None else _SHARED
-            )
-        group = self._groups.get(name)  # type: ignore[arg-type]
+        name = self._name(tenant)
+        group = self._groups.get(name)
         if group is None:
-            group = self._groups[name] = self._make()  # type: ignore[index]
+            group = self._groups[name] = self._make()
         return group
 
     # -- the EvictionPolicy seam -----------------------------------------------------------
@@ -205,8 +208,9 @@ class TenantPolicy(EvictionPolicy):
             usage = self.usage[tenant] = TenantUsage()
         self._count(tenant, usage, 1)
         self.quota_evicted.pop(key, None)
-        if self._group_of_tenant[tenant] is not _SHARED:
-            self._watch.stored(tenant, key)
+        name = self._group_of_tenant[tenant]
+        if name is not _SHARED:
+            self._watch.stored(name, key)
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         tenant_of = self._tenant_of.get
@@ -216,14 +220,14 @@ class TenantPolicy(EvictionPolicy):
             batch = list(run)
             self._group(tenant).touch(batch)
             self.usage[tenant].hits += len(batch)
-            self._watch.hit(tenant, batch)
+            self._watch.hit(self._name(tenant), batch)
 
     def remove(self, key: ChunkKey) -> None:
         tenant = self._tenant_of.pop(key, None)
         if tenant is not None:
             self._group(tenant).remove(key)
             self._count(tenant, self.usage[tenant], -1)
-            self._watch.removed(tenant, key)
+            self._watch.removed(self._name(tenant), key)
 
     def hold(self, key: ChunkKey) -> None:
         tenant = self._tenant_of.get(key)
@@ -237,19 +241,17 @@ class TenantPolicy(EvictionPolicy):
 
     def evict(self, count: int, evictable: Evictable) -> list[ChunkKey]:
         """Rules 2 and 3: each victim from the group most over its guarantee (module
-        docstring): a tenant with a limit is a group; the shared group's excess is all it
-        holds. O(tenants) per call, and O(groups) more per victim."""
-        total = self._limits_total
-        scale = min(1.0, self.capacity_bytes / total) if total else 1.0
-        unit, usage = self.unit_bytes, self.usage
+        docstring); the group with no limit's excess is all it holds. O(groups) per call,
+        and O(groups) more per victim."""
+        scale = self._sums.scale(self.capacity_bytes)
+        unit, chunks = self.unit_bytes, self._sums.chunks
         excess: dict[str | None, float] = {
-            tenant: usage[tenant].chunks * unit - limit * scale
-            for tenant, limit in self._limited.items()
+            row: chunks[row] * unit - limit * scale for row, limit in self._sums.limited.items()
         }
-        for tenant in self._watch.lapsed.intersection(excess):
-            excess[tenant] = self._excess(tenant, scale)
-        if self._shared_chunks:
-            excess[_SHARED] = self._shared_chunks * unit
+        for row in self._watch.lapsed.intersection(excess):
+            excess[row] = self._excess(row, scale)
+        if chunks.get(_SHARED):
+            excess[_SHARED] = chunks[_SHARED] * unit
         victims: list[ChunkKey] = []
         while len(victims) < count and excess:
             name = max(excess, key=excess.__getitem__)
@@ -266,30 +268,32 @@ class TenantPolicy(EvictionPolicy):
         return victims
 
     def _lapsed(self, name: str | None) -> ReuseWatch | None:
-        """The watch of tenant ``name`` while rule 3 takes its victims first: its guarantee
+        """The watch of group ``name`` while rule 3 takes its victims first: its guarantee
         lapsed and it holds chunks never hit."""
         if name is _SHARED or name not in self._watch.lapsed:
             return None
         watch = self._watch.get(name)
-        return watch if watch is not None and self.usage[name].chunks > watch.used_held else None
+        held = self._sums.held(name)
+        return watch if watch is not None and held > watch.used_held else None
 
     def _excess(self, name: str | None, scale: float) -> float:
         """What group ``name`` holds past its guarantee (-inf: nothing); a lapsed tenant's
         chunks never hit come ahead of every other tenant (no excess reaches the capacity)."""
         unit = self.unit_bytes
-        if name is _SHARED:
-            return self._shared_chunks * unit if self._shared_chunks else float("-inf")
-        chunks = self.usage[name].chunks if name in self.usage else 0
+        chunks = self._sums.held(name)
         if not chunks:
             return float("-inf")
+        if name is _SHARED:
+            return chunks * unit
         lapsed = self._lapsed(name)
         if lapsed is not None:
             return (chunks - lapsed.used_held) * unit + self.capacity_bytes
-        return chunks * unit - self._limited.get(name, 0) * scale
+        return chunks * unit - self._sums.limited.get(name or "", 0) * scale
 
     def evict_over_quota(self, tenant: str, evictable: Evictable) -> list[ChunkKey]:
-        """Rule 1: ``tenant``'s own victims until it is within its limit (or only pinned
-        chunks are left); the tier drops them. A tenant with a limit has an order of its own."""
+        """Rule 1: victims of ``tenant``'s group until it is within its limit (or only pinned
+        chunks are left); the tier drops them. A group with a limit has an order of its own
+        (under ``"*"``, one order of every unnamed salt's chunks)."""
         victims: list[ChunkKey] = []
         while self.over_quota(tenant):
             found = self._group(tenant).evict(1, evictable)
@@ -304,7 +308,8 @@ class TenantPolicy(EvictionPolicy):
         usage = self.usage[tenant]
         self._count(tenant, usage, -1)
         usage.evictions += 1
-        self._watch.lost(tenant, key, int(self.guarantee_bytes(tenant)) // self.unit_bytes)
+        guarantee = int(self.guarantee_bytes(tenant)) // self.unit_bytes
+        self._watch.lost(self._name(tenant), key, guarantee)
         if quota:
             usage.quota_evictions += 1
             self.quota_evicted[key] = tenant
@@ -313,16 +318,14 @@ class TenantPolicy(EvictionPolicy):
 
     def regroup(self) -> None:
         """The quota table changed: each tenant whose group changed (it gained or lost its
-        row) moves there, its keys in their order, held keys held again (one walk of each
-        group left), and the kept sums are made afresh."""
+        row, or "*" came or went) moves there, its keys in their order, held keys held again
+        (one walk of each group left), and the kept sums are made afresh."""
         moving: dict[str, str | None] = {}  # tenant -> its old group
         for tenant, old_name in self._group_of_tenant.items():
-            new_name = tenant if self.quotas.limit(tenant) is not None else _SHARED
+            new_name = self.quotas.row_of(tenant)
             if new_name != old_name:
                 moving[tenant] = old_name
                 self._group_of_tenant[tenant] = new_name
-                if new_name is _SHARED:
-                    self._watch.forget(tenant)
         for old_name in set(moving.values()):
             old = self._groups.get(old_name)
             if old is None:
@@ -332,12 +335,14 @@ class TenantPolicy(EvictionPolicy):
             for key in keys:
                 was_held = key in old._held
                 old.remove(key)
+                self._watch.removed(old_name, key)  # its hits speak no more for the old group
                 new = self._group(self._tenant_of[key])
                 new.insert(key)
                 if was_held:
                     new.hold(key)
             if old_name is not _SHARED and not len(old):
                 del self._groups[old_name]
+        self._watch.keep_only(set(self._group_of_tenant.values()))
         self._recount()
 
     def evicted_by_quota(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, str]:

@@ -11,11 +11,15 @@ What the tier does with it (:mod:`kvtier.storage.redis.tier`)::
                             within its new limit at once                     -> enforce_all
     stats() / metrics       each known tenant's ledger size, one pipeline    -> report
 
-A limit is the tenant's row of the engine's table (``"*"`` for a tenant it does not name),
-in whole chunks of the tier's full record; a share is of the capacity the tier's ``usage()``
-reports (``maxmemory`` summed over the masters, or the host's memory without one), read at
-open and again at most every :data:`CAPACITY_TTL_S` by the writers. Every tenant's stores are
-counted once quotas are on, so a row added later bounds what the tenant stored before too.
+A limit is the tenant's row of the engine's table, in whole chunks of the tier's full
+record; a share is of the capacity the tier's ``usage()`` reports (``maxmemory`` summed over
+the masters, or the host's memory without one), read at open and again at most every
+:data:`CAPACITY_TTL_S` by the writers. Every tenant's stores are counted once quotas are on,
+so a row added later bounds what the tenant stored before too. The salts the table does not
+name share the ``"*"`` row's one ledger (``counted_as``): the row caps all of them together,
+and a client sending a new salt with each request gets it once. A salt that gains a row of
+its own (or a ``"*"`` row added later) counts from its next store: what it stored before
+stays in the ledger it was counted in, until popped or expired.
 
 What it is not: a guarantee. Redis' own maxmemory eviction knows no tenants, so a tenant
 under its limit may still lose chunks to it; the ledger only caps. Its counts can err low
@@ -94,7 +98,7 @@ class RedisQuotas(RemoteQuotas):
         that no chunk goes uncounted."""
         member = self.fingerprint_hex + b":" + key.hex().encode()
         try:
-            return self._update(tenant, member)
+            return self._update(self.counted_as(tenant), member)
         except TierError:
             name = tenant_ledger.CHUNK_PREFIX + member
             try:

@@ -10,7 +10,9 @@ its own beside the chunks::
             written after the chunk: it names the chunk, whichever TP rank wrote it)
     tenant dir   't' + the tenant's UTF-8 in hex ('t' alone: no salt), or 'h' + a
                  BLAKE2b-128 hex digest when that would pass 512 characters (S3 keys are at
-                 most 1,024 bytes); such a tenant is matched to its row by the same digest
+                 most 1,024 bytes); such a tenant is matched to its row by the same digest.
+                 A salt the table does not name is counted under "*" (``counted_as``): one
+                 directory and one order for all of them, capped together by the row
 
 The TP ranks of one model share the markers' prefix, so a tenant's limit is of all their
 chunks (as in the Redis tier). Every engine lists the markers with the chunks (at open and
@@ -126,10 +128,11 @@ class S3Quotas(RemoteQuotas):
 
     # -- stores and enforcement -----------------------------------------------------------
     def stored(self, tenant: str, key: ChunkKey) -> None:
-        """``key``'s chunk of ``tenant`` is written: its marker is written and the tenant's
-        order gets it (:meth:`enforce` then trims). Raises TierError when the marker was not
-        written, after deleting the chunk again (best effort), so that no chunk goes
+        """``key``'s chunk of ``tenant`` is written: its marker is written and the order it is
+        counted in gets it (:meth:`enforce` then trims). Raises TierError when the marker was
+        not written, after deleting the chunk again (best effort), so that no chunk goes
         uncounted."""
+        tenant = self.counted_as(tenant)
         member = self.member(key)
         try:
             self._client.put(self.marker_name(tenant, member), b"")
@@ -151,7 +154,7 @@ class S3Quotas(RemoteQuotas):
     def enforce(self, tenant: str) -> list[ChunkKey]:
         """``tenant``'s oldest over its limit deleted, chunk and marker, whichever engine
         stored them. Returns the deleted chunks this engine's index held."""
-        return self._drop(self._trim(tenant))
+        return self._drop(self._trim(self.counted_as(tenant)))
 
     def enforce_all(self) -> list[ChunkKey]:
         """Every tenant within its limit now (a row changed); returns what :meth:`enforce`
