@@ -28,6 +28,7 @@ next Fetch by :data:`IDLE_S`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import queue
@@ -432,5 +433,6 @@ class P2PNode:
             "peers": self.directory.peers(),
             "served_chunks": self.served_chunks,
             "refused": self.refused,
+            "directory_ignored": dataclasses.asdict(self.directory.ignored),
             **{f"pull_{k}": v for k, v in vars(self.fetcher.counters).items()},
         }

@@ -136,7 +136,8 @@ class ReceiverConversation:
         if isinstance(msg, AllocRequest):
             if current is not None:
                 raise ProtocolError(
-                    f"AllocRequest {msg.request_id!r} while {current.request.request_id!r} is open"
+                    f"AllocRequest {peer_text(msg.request_id)} while "
+                    f"{peer_text(current.request.request_id)} is open"
                 )
             return self._allocate(state, msg)
         if current is None or getattr(msg, "request_id", None) != current.request.request_id:

@@ -77,7 +77,8 @@ class Puller:
                     raise TransferError("the prefiller closed the connection")
                 if isinstance(msg, ErrorReply) and current is None:
                     outcome = TransferOutcome(
-                        False, f"prefiller refused ({msg.kind}): {msg.message}"
+                        False,
+                        f"prefiller refused ({peer_text(msg.kind)}): {peer_text(msg.message)}",
                     )
                     break
                 if isinstance(msg, AllocRequest):

@@ -51,6 +51,7 @@ from kvtier.pd.protocol import (
 )
 from kvtier.trust.dial import connect
 from kvtier.trust.handshake import Credentials
+from kvtier.trust.peer_text import peer_text
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +268,9 @@ class PDSender:
             done = self._expect(sock, DoneReply)
             if not done.ok:
                 self._in_step = True
-                raise TransferError(f"decoder rejected request {request_id!r}: {done.message}")
+                raise TransferError(
+                    f"decoder rejected request {request_id!r}: {peer_text(done.message)}"
+                )
             end = time.perf_counter()
             return SendReport(len(todo), len(held), nbytes, end - start, allocated - start)
         except TransferError:
@@ -288,7 +291,8 @@ class PDSender:
         if isinstance(msg, ErrorReply):
             self._in_step = True
             error = TransferTimeout if msg.kind == "timeout" else TransferError
-            raise error(f"decoder refused request {msg.request_id!r} ({msg.kind}): {msg.message}")
+            rid, said = peer_text(msg.request_id), peer_text(msg.message)
+            raise error(f"decoder refused request {rid} ({peer_text(msg.kind)}): {said}")
         if msg is None:
             raise TransferError("the PD receiver closed the connection")
         raise ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}")
