@@ -206,10 +206,16 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = N
     timeout is set to what is left before every ``recv_into``, so a peer that trickles a byte
     at a time cannot stretch one read past it (:class:`TransferTimeout`). Without one, the
     socket's own timeout bounds each wait."""
+    _receive(sock, view, deadline, at_least=len(view))
+
+
+def _receive(sock: socket.socket, view: memoryview, deadline: float | None, at_least: int) -> int:
+    """Receive into ``view`` until ``at_least`` bytes came (returns how many: more is fine,
+    up to ``len(view)``); 0 only when the peer closed the connection before the first."""
     got, want = 0, len(view)
     before = sock.gettimeout() if deadline is not None else None
     try:
-        while got < want:
+        while got < at_least:
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -217,6 +223,8 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = N
                 sock.settimeout(left)
             n = sock.recv_into(view[got:], want - got)
             if n == 0:
+                if got == 0 and at_least < want:
+                    return 0  # closed between frames
                 raise TransferError(f"peer closed the connection ({got} of {want} bytes received)")
             got += n
     except TimeoutError:
@@ -227,6 +235,7 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = N
         if deadline is not None:
             with contextlib.suppress(OSError):
                 sock.settimeout(before)
+    return got
 
 
 def read_message(
@@ -238,7 +247,7 @@ def read_message(
     ``framing.max_body`` bytes are ever taken for a peer's frame. ``deadline``: the whole
     frame by then (:func:`recv_exact`)."""
     header = bytearray(HEADER.size)
-    first = _recv_some(sock, header, deadline)
+    first = _receive(sock, memoryview(header), deadline, at_least=1)
     if first == 0:
         return None  # closed between frames
     try:
@@ -255,26 +264,6 @@ def read_message(
     except TransferError as exc:
         raise ProtocolError(f"truncated frame body: {exc}") from None
     return framing.decode_body(body)
-
-
-def _recv_some(sock: socket.socket, header: bytearray, deadline: float | None) -> int:
-    """The first bytes of a frame (one ``recv_into``, at most the header): 0 when closed."""
-    before = sock.gettimeout()
-    try:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            sock.settimeout(left)
-        return sock.recv_into(header, len(header))
-    except TimeoutError:
-        raise TransferTimeout("the peer sent nothing in time") from None
-    except OSError as exc:
-        raise TransferError(f"connection lost while receiving: {exc}") from None
-    finally:
-        if deadline is not None:
-            with contextlib.suppress(OSError):
-                sock.settimeout(before)
 
 
 def send(
