@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvtier import Config, Engine, KVLayout, Service
-from tests import hosts
+from tests import hosts, shm_segments
 from tests.hosts import (  # noqa: F401 (hooks: the one rule for skips under KVTIER_CI and root)
     pytest_make_collect_report,
     pytest_runtest_makereport,
@@ -84,13 +84,24 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus[start : start + share]))
 
 
+_SHM_AT_START: set[str] = set()
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     if not hasattr(session.config, "workerinput"):  # once, in the controller, under xdist
+        _SHM_AT_START.update(shm_segments.names())
         start_recall_training()  # the codec quality gate's model: see tests/recall_training.py
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     stop_recall_training()
+    if not hasattr(session.config, "workerinput"):  # after every worker (and its vLLMs) ended
+        count, size = shm_segments.sweep(_SHM_AT_START)
+        if count:
+            print(
+                f"\n/dev/shm: removed {count} segments vLLM left behind ({size >> 20} MiB; "
+                "tests/shm_segments.py says why)"
+            )
 
 
 SMALL_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
