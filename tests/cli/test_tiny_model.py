@@ -11,6 +11,7 @@ import pytest
 
 from kvtier.cli.main import main
 from kvtier.cli.tiny_model import MARKER, PARTIAL
+from kvtier.config import Config
 from kvtier.demo.checkpoint import FAMILIES, SIZES
 from tests.hosts import needs_root
 
@@ -38,6 +39,12 @@ def test_writes_a_checkpoint_autoconfig_loads_and_prints_how_to_serve_it(
     assert command[command.index("--shutdown-timeout") + 1] == "30"  # kvtier's writes land
     connector = json.loads(command[command.index("--kv-transfer-config") + 1])
     assert connector["kv_connector"] == "KVTierConnector"
+    # docs/vllm.md's CPU block: without a reserved CPU decode runs 2-3x slower; and a tier
+    # sized for the tiny model, not the 5 GiB default, allocated and touched at start.
+    env = dict(word.split("=", 1) for word in command[: command.index("python")])
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    extra = connector["kv_connector_extra_config"]
+    assert Config.load(overrides=extra, overrides_from="test").max_local_cpu_size == 1 << 30
 
 
 def test_writing_again_over_its_own_checkpoint_is_allowed(

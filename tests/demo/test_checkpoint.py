@@ -40,3 +40,28 @@ def test_bad_shapes_are_refused(tmp_path: Path) -> None:
         write_tiny_llama(tmp_path, TinyLlama(hidden=100, heads=3))
     with pytest.raises(InputError, match="special token"):
         words_for([1, 5])
+
+
+def test_the_tokenizer_has_a_chat_template_so_chat_completions_work(tmp_path: Path) -> None:
+    """vLLM's /v1/chat/completions answers 400 for a tokenizer without one (issue 58, item 7).
+    The turns are joined with spaces: each turn's prompt then starts with the last one's, so
+    a multi-turn chat hits the cache."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    shape = TinyLlama(num_layers=1, hidden=64, heads=2, kv_heads=1, intermediate=96, vocab=64)
+    path = write_tiny_llama(tmp_path / "m", shape)
+    # In tokenizer_config.json, where every transformers version (and so vLLM) looks.
+    assert "chat_template" in json.loads((path / "tokenizer_config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    chat = [
+        {"role": "system", "content": words_for([3])},
+        {"role": "user", "content": words_for([4, 5])},
+    ]
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == words_for([3, 4, 5])
+    assert tok(text, add_special_tokens=False)["input_ids"] == [3, 4, 5]
+    follow_up = [*chat, {"role": "assistant", "content": "w9"}, {"role": "user", "content": "w7"}]
+    longer = tok.apply_chat_template(follow_up, tokenize=False, add_generation_prompt=True)
+    assert longer.startswith(text + " ")

@@ -44,7 +44,11 @@ PARTIAL = f"{MARKER}.partial-"  # the staging directory's name, then random hex
 # What the printed command adds to vLLM's defaults, each for a reason: the weights are fp32
 # (the CPU build has no bf16 kernels on most CPUs); eager mode skips minutes of torch.compile
 # for a model this small; 4096 tokens keep vLLM's own KV space (VLLM_CPU_KVCACHE_SPACE, GiB)
-# small; the connector config is the demo's, the smallest that turns kvtier on.
+# small; one CPU reserved for the CPU build's frontend (VLLM_CPU_NUM_OF_RESERVED_CPU; without
+# it decode runs 2-3x slower, docs/vllm.md); the connector config is the demo's, the smallest
+# that turns kvtier on, with a CPU tier sized for this model: the 5 GiB default is allocated
+# and touched at start, for a model whose whole KV for 4096 tokens is a few MiB.
+EXTRA_CONFIG = {"max_local_cpu_size": "1GiB"}
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -99,11 +103,13 @@ def serve_command(model: Path) -> str:
     why ``--shutdown-timeout``: kvtier's queued writes land before the worker goes)."""
     from kvtier.demo.vllm_runner import CONNECTOR
 
+    connector = {**CONNECTOR, "kv_connector_extra_config": EXTRA_CONFIG}
     return (
-        "VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server "
+        "VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_NUM_OF_RESERVED_CPU=1 "
+        "python -m vllm.entrypoints.openai.api_server "
         f"--model {shlex.quote(str(model))} --dtype float32 --enforce-eager "
         f"--max-model-len 4096 --shutdown-timeout 30 --kv-transfer-config "
-        + shlex.quote(json.dumps(CONNECTOR, separators=(",", ":")))
+        + shlex.quote(json.dumps(connector, separators=(",", ":")))
     )
 
 

@@ -7,7 +7,8 @@ another of :data:`FAMILIES`, and :data:`SIZES` names the shapes a user can pick)
 
     config.json              LlamaConfig (4 layers, hidden 256, 4 heads / 2 KV heads)
     model.safetensors        random weights from ``torch.manual_seed(seed)``
-    tokenizer.json + ...     a word-level tokenizer over ``w0 .. w{vocab-4}`` plus specials
+    tokenizer.json + ...     a word-level tokenizer over ``w0 .. w{vocab-4}`` plus specials,
+                             and a chat template (:data:`CHAT_TEMPLATE`)
 
 :func:`write_lora_adapter` writes a LoRA adapter for it in PEFT's format.
 
@@ -27,6 +28,17 @@ import torch
 from kvtier.errors import InputError
 
 SPECIALS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2
+
+# vLLM's /v1/chat/completions answers HTTP 400 for a tokenizer without a chat template. The
+# turns' texts joined by spaces, no role markers: the vocabulary has no words for them, and
+# plain joining makes each turn's prompt start with the whole of the last one (its reply
+# included), so a multi-turn chat hits the cache as a real model's template would.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if not loop.first %} {% endif -%}"
+    "{{- message['content'] -}}"
+    "{%- endfor -%}"
+)
 
 # Decoder-only families vLLM and transformers both run with the same weights' names: the
 # config class and the model class in transformers.
@@ -119,7 +131,9 @@ def write_tiny_model(
     finally:
         torch.random.set_rng_state(state)
     model.save_pretrained(out)
-    _tokenizer(shape.vocab).save_pretrained(out)
+    # The template in tokenizer_config.json's ``chat_template`` field, not the newer
+    # chat_template.jinja file, which older transformers (a CUDA vLLM's) do not read.
+    _tokenizer(shape.vocab).save_pretrained(out, save_jinja_files=False)
     return out
 
 
@@ -134,7 +148,11 @@ def _tokenizer(vocab: int):  # type: ignore[no-untyped-def]
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=tok, unk_token=SPECIALS[0], bos_token=SPECIALS[1], eos_token=SPECIALS[2]
+        tokenizer_object=tok,
+        unk_token=SPECIALS[0],
+        bos_token=SPECIALS[1],
+        eos_token=SPECIALS[2],
+        chat_template=CHAT_TEMPLATE,
     )
 
 
