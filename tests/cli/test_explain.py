@@ -4,7 +4,10 @@ recent requests, a clear "not found", and a hint when no admin API answers."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -97,3 +100,23 @@ def test_explain_says_a_miss_came_from_the_tenants_quota(
     assert code == 0
     assert "chunks 0-3 (tokens 0-64): miss: quota" in out
     assert "tenant 't' was over its quota" in out
+
+
+def test_a_reader_that_stops_early_ends_it_quietly(admin: Service) -> None:
+    """``kvtier explain ... | head``: the reader is gone before the first line; no
+    BrokenPipeError traceback (issue 58, item 10)."""
+    assert admin.admin_url is not None
+    read, write = os.pipe()
+    os.close(read)  # head that has read its lines and exited
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "kvtier.cli.main", "explain", "req-7"]
+            + ["--admin", admin.admin_url, "--token", TOKEN],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert result.stderr == "" and result.returncode == 1

@@ -85,8 +85,35 @@ def test_stored_then_cleared_reads_as_evicted(engine: Engine) -> None:
     engine.lookup(tokens, "r")
     assert outcomes(engine, "r") == [ex.EVICTED]
     record = engine.observer.explain.get("r")
-    assert record is not None and "no tier holds it now" in record["chunks"][0]["detail"]
+    assert record is not None
+    detail = record["chunks"][0]["detail"]
+    assert "no tier holds it now" in detail and "cleared" in detail
+    # The CPU tier is the only one: no "lower tier" to blame (issue 58, item 10).
+    assert "lower tier" not in detail and "write to" not in detail
     engine.end_request("r")
+
+
+def test_a_vanished_chunk_names_the_lower_tiers_that_exist(tmp_path: Path) -> None:
+    config = small_config(local_disk=str(tmp_path), max_local_disk_size="1MiB")
+    with Engine(config, SMALL_LAYOUT, model_name="test-model") as engine:
+        tokens = make_tokens(16, seed=12)
+        engine.store(tokens, make_kv(16, seed=12))
+        assert engine.flush(10)
+        engine.clear()
+        engine.lookup(tokens, "r")
+        record = engine.observer.explain.get("r")
+        assert record is not None
+        detail = record["chunks"][0]["detail"]
+        assert "cleared" in detail and "its write to disk" in detail
+        assert "lower tier" not in detail and "shared" not in detail
+        engine.end_request("r")
+
+
+def test_a_shared_store_is_named_as_one_that_cannot_report_deletions() -> None:
+    detail = ex.unreported_loss(lower=["disk", "redis"], shared=["redis"])
+    assert "its write to disk or redis" in detail
+    assert "deleted from redis outside this process" in detail
+    assert "lower tier" not in ex.unreported_loss(lower=[], shared=[])
 
 
 def test_fingerprint_mismatch_names_the_field(engine_factory: Callable[..., Engine]) -> None:

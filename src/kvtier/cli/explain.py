@@ -8,7 +8,7 @@ all there. Without a request id it lists the recent requests (``GET /requests``)
 
 Prints one line per run of chunks (a hit tier, or why they missed), or the record as JSON
 with ``--json``. Exit 0 when found; 1 when the engine answered "no such request" or could not
-be reached (the message says which).
+be reached (the message says which), or when the reader stopped early (``| head``: quietly).
 """
 
 from __future__ import annotations
@@ -58,13 +58,21 @@ def run(args: argparse.Namespace) -> int:
     except _Failed as exc:
         print(f"kvtier explain: {exc}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps(body, indent=2))
-    elif args.request_id is None:
-        for row in body["requests"]:
-            print(f"{row['request_id']}: {_counts(row)}")
-    else:
-        print(_describe(body))
+    try:
+        if args.json:
+            print(json.dumps(body, indent=2))
+        elif args.request_id is None:
+            for row in body["requests"]:
+                print(f"{row['request_id']}: {_counts(row)}")
+        else:
+            print(_describe(body))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader is gone (``| head`` read its lines): no traceback. What is still
+        # buffered goes to /dev/null, or the flush at exit would raise again (Python's
+        # documented recipe, "Note on SIGPIPE"; exit 1 as it says).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return 0
 
 

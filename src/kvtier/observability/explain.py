@@ -12,10 +12,11 @@ chunk missed, and what each one means exactly:
     No tier holds the chunk, and this process has no record of it ever being stored, dropped,
     evicted or found corrupt under this fingerprint or any other.
 ``evicted``
-    No tier holds it now, but this process stored it earlier. With a tier that reports keys
-    it evicts (the CPU and disk tiers do, through ``Tier.add_evict_listener``) the detail
-    names the tier and when; otherwise the chunk was evicted by a lower tier that does not
-    report keys, or cleared.
+    No tier holds it now, but this process stored it earlier. When a tier evicted it (every
+    tier reports the keys it evicts, through ``Tier.add_evict_listener``) the detail names the
+    tier and when; otherwise it names what else can lose a chunk, by the tiers there are
+    (:func:`unreported_loss`): removed or cleared; a write to a lower tier dropped or failed;
+    a shared store (Redis, S3) deleting it itself, which no client can see.
 ``quota``
     No tier holds it now: it was evicted because its tenant (the request's ``cache_salt``)
     was over its ``tenant_quotas`` limit in that tier; the detail names the tier, the tenant
@@ -128,7 +129,13 @@ class ExplainLog:
         self.registry = registry
         self._records: OrderedDict[str, RequestExplain] = OrderedDict()
         self._fate: OrderedDict[ChunkKey, tuple[str, str, float]] = OrderedDict()
+        self._unreported = unreported_loss(lower=[], shared=[])  # until describe_tiers
         self._lock = threading.Lock()
+
+    def describe_tiers(self, *, lower: Sequence[str], shared: Sequence[str]) -> None:
+        """The engine's tiers below the CPU one, and those of them a fleet shares: what a
+        chunk that vanished without a reported eviction may have gone through."""
+        self._unreported = unreported_loss(lower=lower, shared=shared)
 
     @property
     def enabled(self) -> bool:
@@ -241,7 +248,8 @@ class ExplainLog:
                 continue
             if fate is not None:
                 event, fate_tier, when = fate
-                append_run(runs, span.index, False, *_fate_reason(event, fate_tier, when))
+                reason = _fate_reason(event, fate_tier, when, self._unreported)
+                append_run(runs, span.index, False, *reason)
                 continue
             others: list[Fingerprint] = []
             if check_fingerprints:
@@ -350,7 +358,23 @@ def _names(given: str, full: str) -> bool:
     return local == given or local.startswith(given + "-")
 
 
-def _fate_reason(event: str, tier: str, when: float) -> tuple[str, str]:
+def unreported_loss(*, lower: Sequence[str], shared: Sequence[str]) -> str:
+    """How a stored chunk can leave every tier with no eviction reported, naming only the
+    tiers there are: ``lower`` take their writes in the background (a write can be dropped
+    when busy or full, or fail); ``shared`` stores are also deleted from by their server's
+    own eviction or by another client, which this process cannot see."""
+    causes = ["removed or cleared (POST /clear)"]
+    if lower:
+        causes.append(f"its write to {' or '.join(lower)} was dropped or failed")
+    if shared:
+        causes.append(
+            f"deleted from {' or '.join(shared)} outside this process (the store's own "
+            "eviction, or another client)"
+        )
+    return "no eviction was reported: " + ", or ".join(causes)
+
+
+def _fate_reason(event: str, tier: str, when: float, unreported: str) -> tuple[str, str]:
     stamp = time.strftime("%H:%M:%S", time.localtime(when))
     if event == _EVICTED:
         return EVICTED, f"evicted from {tier} at {stamp}"
@@ -361,4 +385,4 @@ def _fate_reason(event: str, tier: str, when: float) -> tuple[str, str]:
         return CHECKSUM_FAILURE, f"failed its checksum in {tier} at {stamp} and was removed"
     if event == _DROPPED:
         return STORE_DROPPED, f"store at {stamp} dropped: every CPU page was pinned"
-    return EVICTED, f"stored at {stamp}; no tier holds it now (evicted by a lower tier, or cleared)"
+    return EVICTED, f"stored at {stamp}; no tier holds it now and {unreported}"

@@ -104,8 +104,13 @@ class Observer:
         self._lock = threading.Lock()
 
     def attach(self, manager: StorageManager) -> None:
-        """Called by ``Engine.open`` once the tiers exist: subscribe to eviction reports."""
+        """Called by ``Engine.open`` once the tiers exist: subscribe to eviction reports, and
+        tell explain which tiers can lose a chunk without one."""
         self._manager = manager
+        # The cache tiers below the CPU one (pd and p2p keep no stores: no KV events either).
+        lower = [t for t in manager.tiers[1:] if t.accepts_puts and t.medium is not None]
+        shared = [t.name for t in lower if t.medium == "REMOTE"]  # Redis, S3
+        self.explain.describe_tiers(lower=[t.name for t in lower], shared=shared)
         for tier in manager.tiers:
             tier.add_evict_listener(_evict_reporter(self.explain, tier))
 
