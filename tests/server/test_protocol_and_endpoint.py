@@ -90,3 +90,18 @@ def test_listen_is_private_replaces_a_stale_file_and_refuses_a_live_one() -> Non
         endpoint.remove(path)
         os.rmdir(os.path.dirname(path))
         os.rmdir(directory)
+
+
+def test_a_missing_parent_is_named_as_missing(tmp_path: object) -> None:
+    """``kvtier server --socket A/B/x.sock`` with A missing: not "is not a directory" (issue
+    58, item 10). The server makes the socket's own directory, never the ones above it."""
+    missing = os.path.join(str(tmp_path), "A")
+    path = os.path.join(missing, "B", "x.sock")
+    with pytest.raises(StateError, match=f"its parent {missing} does not exist") as caught:
+        endpoint.listen(path)
+    assert f"mkdir -p {missing}" in str(caught.value) and "--socket" in str(caught.value)
+    assert not os.path.lexists(missing)
+    with open(missing, "w"):  # a file where the parent should be: that is "not a directory"
+        pass
+    with pytest.raises(StateError, match="not a directory"):
+        endpoint.listen(path)

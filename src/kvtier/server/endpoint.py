@@ -2,8 +2,8 @@
 
 The socket is a Unix stream socket, file mode 0600 (made under a 0177 umask, so there is no
 moment where it is wider), in a directory that only its owner can write: the server creates
-it 0700 when missing and refuses one owned by another user (root excepted, for
-``/run/kvtier``) or writable by group or others. Default::
+it 0700 when missing (not the directories above it) and refuses one owned by another user
+(root excepted, for ``/run/kvtier``) or writable by group or others. Default::
 
     server_socket set       that path (``unix:///run/kvtier/kvtier.sock`` or a plain path)
     $XDG_RUNTIME_DIR set    $XDG_RUNTIME_DIR/kvtier.sock   (per user, tmpfs, systemd's choice)
@@ -22,6 +22,7 @@ the model's memfd), so a process of another user that bound the path first serve
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import tempfile
 
@@ -67,10 +68,19 @@ def listen(path: str, backlog: int = 128, *, default: bool = False) -> tuple[str
         directory = local_sockets.claim_directory(_tmp_default())
         path = os.path.join(directory, SOCKET_NAME)
     else:
+        setting = "XDG_RUNTIME_DIR" if default else "server_socket (or --socket)"
+        parent = os.path.dirname(directory.rstrip("/")) or "/"
+        # Only the socket's own directory is made (0700): directories above it would get
+        # whatever mode the umask gives, so the user makes those, as they want them.
+        if not os.path.lexists(directory) and not os.path.lexists(parent):
+            raise StateError(
+                f"cannot create the socket directory {directory}: its parent {parent} does "
+                f"not exist; create it (mkdir -p {shlex.quote(parent)}) or set {setting} to "
+                "move the kvtier server's socket"
+            )
         try:
             local_sockets.private_directory(directory, root_owned_ok=True)
         except StateError as exc:
-            setting = "XDG_RUNTIME_DIR" if default else "server_socket (or --socket)"
             raise StateError(f"{exc}; set {setting} to move the kvtier server's socket") from None
     return path, local_sockets.bind(path, backlog)
 
