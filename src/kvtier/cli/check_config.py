@@ -1,11 +1,19 @@
 """``kvtier check-config [FILE]``: the resolved config, where each value came from, the sizes
 that follow from it for a given layout, every key that loads but does nothing, and every
 problem at once: each bad value, each broken rule between keys, and what the probes of
-:mod:`kvtier.cli.config_probes` found (a Redis that does not answer, a disk directory that
-cannot be written, a PD buffer device this build has not). Exit 2 when there is a problem.
+:mod:`kvtier.cli.config_probes` found (a Redis, an S3 bucket or a P2P peer that does not
+answer or refuses the credentials, a disk directory that cannot be written, a memory size
+above the machine's, a PD buffer device this build has not). Exit 2 when there is a problem.
 
-It answers in about a second: torch is imported only for what needs it (a ``cpu_codec``'s
-slot sizes, a tier URL scheme outside Redis's grammar); the plain sizes are arithmetic on
+Each key is reported once: a key that failed at load is not probed (its value is then the
+default, not the one given), and where check-config's own checks find more about a key that
+failed at load (a size too small for one chunk), that is added to the same line. A size
+LMCache reads as GB gets a note saying which reading it got, as the engine's start line does.
+
+It answers in about a second, and within :data:`~kvtier.cli.config_probes.NETWORK_TIMEOUT_S`
+more when a store or peer it probes does not answer (those probes run at once, each with its
+own deadline). Torch is imported only for what needs it (a ``cpu_codec``'s slot sizes, a tier
+URL scheme other than Redis's, s3's and local_disk's); the plain sizes are arithmetic on
 the layout's numbers, the same as :meth:`KVLayout.chunk_bytes` (a test keeps them equal).
 """
 
@@ -13,14 +21,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from typing import Any
 
 from kvtier.cli.config_probes import is_redis_url, probe_all
+from kvtier.cli.probes_s3 import s3_client_installed
 from kvtier.config import Config
 from kvtier.config.effects import keys_with_no_effect
 from kvtier.config.schema import KEYS
-from kvtier.config.sizes import format_size
+from kvtier.config.sizes import GIB, GIB_NUMBER_KEYS, format_size, size_note
 from kvtier.errors import ConfigError
 
 # torch dtype name -> bytes per element, for the sizes computed without importing torch.
@@ -38,7 +49,11 @@ KV_PLANES = 2  # K and V
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "file", nargs="?", help="YAML file (default: $KVTIER_CONFIG_FILE or $LMCACHE_CONFIG_FILE)"
+        "file",
+        nargs="?",
+        help="YAML or JSON file (JSON is YAML too: vLLM's --kv-transfer-config "
+        "kv_connector_extra_config saved as a file works; default: $KVTIER_CONFIG_FILE or "
+        "$LMCACHE_CONFIG_FILE)",
     )
     parser.add_argument(
         "--layers", type=int, default=32, help="model layers for derived sizes (32)"
@@ -60,8 +75,9 @@ def run(args: argparse.Namespace) -> int:
     config, errors = Config.diagnose(args.file, ignored=ignored)
     if config is None:  # no config to show: the file unreadable, not YAML, not a mapping
         raise errors[-1]
+    failed_at_load = frozenset(error.key for error in errors)
     checked: list[str] = []
-    for what, error in probe_all(config):
+    for what, error in probe_all(config, skip=failed_at_load):
         if error is None:
             checked.append(f"{what}: ok")
         else:
@@ -69,19 +85,26 @@ def run(args: argparse.Namespace) -> int:
     derived: dict[str, object] = {}
     try:
         derived = derived_sizes(config, args)
-        _check_tier_urls(config)
     except ConfigError as exc:
         errors.append(exc)
-    errors = _unique(errors)
+    try:
+        if "remote_url" not in failed_at_load:  # its load error says what is valid already
+            _check_tier_urls(config)
+    except ConfigError as exc:
+        errors.append(exc)
+    errors = _one_per_key(errors)
+    notes = size_notes(config)
     no_effect = {**keys_with_no_effect(config), **ignored}
     values = config.as_dict()
     if args.json:
         out: dict[str, Any] = {"config": values, "origin": dict(config.origin)}
         out |= {"derived": derived, "checked": checked, "no_effect": no_effect}
-        out["errors"] = [str(e) for e in errors]
+        out |= {"notes": notes, "errors": [str(e) for e in errors]}
         print(json.dumps(out, default=str))
     else:
         _print_text(config, values, derived, checked, no_effect)
+        for note in notes:
+            print(f"note: {note}")
     for error in errors:
         print(f"kvtier: error: {error}", file=sys.stderr)
     if errors:
@@ -101,7 +124,7 @@ def derived_sizes(config: Config, args: argparse.Namespace) -> dict[str, object]
         f"dim, {args.dtype}",
         "chunk_bytes": chunk_bytes,
     }
-    cpu = _whole_chunks("max_local_cpu_size", config.max_local_cpu_size, chunk_bytes)
+    cpu = _whole_chunks("max_local_cpu_size", config.max_local_cpu_size, chunk_bytes, config)
     derived["cpu_chunks"] = cpu
     derived["cpu_bytes_used"] = cpu * chunk_bytes
     _lower_tier_sizes(config, chunk_bytes, derived)
@@ -137,41 +160,89 @@ def _lower_tier_sizes(config: Config, chunk_bytes: int, derived: dict[str, objec
 
         derived["disk_directory"] = parse_local_disk(config.local_disk)
         derived["disk_chunks"] = _whole_chunks(
-            "max_local_disk_size", config.max_local_disk_size, chunk_bytes
+            "max_local_disk_size", config.max_local_disk_size, chunk_bytes, config
         )
     if config.enable_pd and config.pd_buffer_size is not None:
-        pages = _whole_chunks("pd_buffer_size", config.pd_buffer_size, chunk_bytes)
+        pages = _whole_chunks("pd_buffer_size", config.pd_buffer_size, chunk_bytes, config)
         derived["pd_buffer_chunks"] = pages
         derived["pd_buffer_bytes_used"] = pages * chunk_bytes
 
 
-def _whole_chunks(key: str, capacity: int, chunk_bytes: int) -> int:
+def _whole_chunks(key: str, capacity: int, chunk_bytes: int, config: Config) -> int:
     """As the engine counts a capacity (``pages_for_capacity``): whole chunks, at least one."""
     if capacity < chunk_bytes:
         raise ConfigError(
             key,
             capacity,
             f"at least one chunk ({chunk_bytes} bytes = {format_size(chunk_bytes)}) for this "
-            "model layout and chunk_size",
+            f"model layout and chunk_size{_suggestion(key, chunk_bytes, config)}",
         )
     return capacity // chunk_bytes
 
 
+DISK_SHARE = 2  # a suggested disk tier takes at most half of the filesystem's free space
+
+
+def _suggestion(key: str, chunk_bytes: int, config: Config) -> str:
+    """A value to write, for the disk size: from the free space where the directory is."""
+    if key != "max_local_disk_size" or not config.local_disk:
+        return ""
+    from kvtier.config.local_disk import parse_local_disk
+
+    where = parse_local_disk(config.local_disk)
+    existing = where
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return ", e.g. max_local_disk_size: 20 (GiB, as LMCache reads a bare number)"
+    gib = max(free // DISK_SHARE // GIB, 1)
+    return (
+        f", e.g. max_local_disk_size: {gib} (GiB, as LMCache reads a bare number: at most half "
+        f"of the {format_size(free)} free on {existing}'s filesystem)"
+    )
+
+
 def _check_tier_urls(config: Config) -> None:
-    """A URL scheme no tier is registered for (``s3://`` unregistered). Redis's grammar was
-    checked at load and local_disk's by :func:`parse_local_disk`; any other remote_url scheme
-    asks the registry (which imports the tiers, and torch)."""
+    """A URL scheme no tier is registered for. Redis's grammar was checked at load and
+    local_disk's by :func:`parse_local_disk`, and ``s3://`` is probed with the s3 tier's own
+    options and client; any other remote_url scheme asks the registry (which imports the
+    tiers, and torch)."""
     if not config.remote_url or is_redis_url(config.remote_url):
         return
+    if config.remote_url.split("://", 1)[0].lower() == "s3" and s3_client_installed():
+        return  # the S3 probe built the tier's own options and client: the scheme is served
     from kvtier.tiers import check_tier_urls
 
     check_tier_urls(config)
 
 
-def _unique(errors: list[ConfigError]) -> list[ConfigError]:
-    """Each problem once (a refused LMCache value is met again when its key is parsed)."""
-    by_text = {str(error): error for error in reversed(errors)}
-    return list(reversed(by_text.values()))
+def _one_per_key(errors: list[ConfigError]) -> list[ConfigError]:
+    """Each key and value once, in the order first met: a refused LMCache value is met again
+    when its key is parsed (the same line), and a size found too small at load is found again
+    by the chunk count, which adds what load does not know (the chunk's size, a value to
+    write): later lines on a key and value add their words to its first line. (Two values of
+    one key, two peers of ``p2p_peers``, stay two lines.)"""
+    by_key: dict[tuple[str, str], ConfigError] = {}
+    for error in errors:
+        first = by_key.get((error.key, repr(error.value)))
+        if first is None:
+            by_key[(error.key, repr(error.value))] = error
+        elif error.allowed not in first.allowed:
+            by_key[(error.key, repr(error.value))] = ConfigError(
+                first.key, first.value, f"{first.allowed}; {error.allowed}"
+            )
+    return list(by_key.values())
+
+
+def size_notes(config: Config) -> list[str]:
+    """One note per size LMCache reads as GB, given in the config (the engine's start line
+    says the same of every such size): which reading it got, and the other one."""
+    keys = [k for k in GIB_NUMBER_KEYS if k in config.origin]
+    if not config.local_disk:
+        keys = [k for k in keys if k != "max_local_disk_size"]
+    return [size_note(key, getattr(config, key), config.origin) for key in keys]
 
 
 def _print_text(

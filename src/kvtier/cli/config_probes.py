@@ -12,9 +12,18 @@ second); none leaves anything behind.
     write, fsync and delete a probe file in the directory, or in the nearest part of its path
     that exists when the directory is still to be created (the engine creates the rest): a
     read-only filesystem passes ``access(W_OK)`` for root, not a real write.
-``pd_buffer_device``
-    a PD receiver's buffer is host memory in this build (``PDBuffer.from_config`` refuses
-    anything else at engine start; LMCache's 1p1d decoder YAML says ``cuda``).
+``max_local_cpu_size`` (and a PD receiver's ``pd_buffer_size``)
+    at most this machine's memory, or its cgroup's limit where lower, as the engine refuses
+    at start (:func:`kvtier.validation.check_fits_in_memory`); the checked line also says
+    when it is more than is available now (:func:`probe_host_memory`).
+``remote_url`` of ``s3://``
+    list the prefix, put and delete a probe object (:mod:`kvtier.cli.probes_s3`).
+``p2p_peers``
+    each peer's handshake with ``p2p_auth_token`` (:mod:`kvtier.cli.probes_p2p`).
+
+The probes that wait on the network (Redis, S3, the peers) run at once, each bounded by its
+own deadline of at most :data:`NETWORK_TIMEOUT_S`, so one run is over within about that
+whatever is down.
 """
 
 from __future__ import annotations
@@ -24,48 +33,151 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvtier.cli.probes_p2p import probe_p2p_peers
+from kvtier.cli.probes_s3 import describe_s3, probe_s3, s3_client_installed
 from kvtier.config import Config
 from kvtier.config.local_disk import parse_local_disk
 from kvtier.config.remote_url import REDIS_SCHEMES, parse_remote_url
+from kvtier.config.sizes import format_size
 from kvtier.errors import ConfigError
 
 if TYPE_CHECKING:
     from redis import Redis
 
+Found = list[tuple[str, ConfigError | None]]
+
 REDIS_TIMEOUT_S = 2.0  # a reachable Redis answers PING in milliseconds, even loaded
+# An S3 answers a listing, a small PUT and a DELETE in well under a second, and a kvtier peer
+# a handshake in milliseconds; a bound for each, so that one run ends within about this.
+NETWORK_TIMEOUT_S = 3.0
+_CGROUP_MEMORY_MAX = "/sys/fs/cgroup/memory.max"
+_MEMINFO = "/proc/meminfo"
 
 
-def probe_all(config: Config) -> list[tuple[str, ConfigError | None]]:
-    """(what was tried, its error or None) for each probe the config calls for."""
-    found: list[tuple[str, ConfigError | None]] = []
-    if config.enable_pd and config.pd_role == "receiver":
-        found.append(("pd_buffer_device: host memory", probe_pd_buffer_device(config)))
-    if config.local_disk:
+def probe_all(config: Config, skip: frozenset[str] = frozenset()) -> Found:
+    """(what was tried, its error or None) for each probe the config calls for, but none of
+    a key in ``skip`` (one that failed at load: its value there is not the one given)."""
+    found: Found = []
+    if config.local_disk and "local_disk" not in skip:
         where = parse_local_disk(config.local_disk)
         found.append((f"local_disk: write+fsync+delete in {where}", probe_disk_directory(where)))
-    if config.remote_url and is_redis_url(config.remote_url):
-        timeout = min(REDIS_TIMEOUT_S, config.blocking_timeout_secs)
-        error = probe_redis(config.remote_url, timeout)
-        found.append((f"remote_url: PING {parse_remote_url(config.remote_url).describe()}", error))
+    found += probe_host_memory(config, skip)
+    jobs = _network_probes(config, skip)
+    results: list[Found | None] = [None] * len(jobs)
+
+    def run(i: int) -> None:
+        results[i] = jobs[i][1]()
+
+    threads = [
+        threading.Thread(target=run, args=(i,), name=f"kvtier-check-config {what}", daemon=True)
+        for i, (what, _) in enumerate(jobs)
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + NETWORK_TIMEOUT_S + 1.0  # each probe keeps its own
+    for (what, _), thread, i in zip(jobs, threads, range(len(jobs)), strict=True):
+        thread.join(max(0.0, deadline - time.monotonic()))
+        done = results[i]
+        if done is None:  # its own deadline did not hold: say so rather than wait
+            done = [(what, ConfigError(what.split(":", 1)[0], "(probe)", "an answer in time"))]
+        found += done
     return found
+
+
+def _network_probes(config: Config, skip: frozenset[str]) -> list[tuple[str, Callable[[], Found]]]:
+    """(what, the probe) for each probe that waits on the network: run at once."""
+    jobs: list[tuple[str, Callable[[], Found]]] = []
+    url = config.remote_url
+    if url and "remote_url" not in skip:
+        if is_redis_url(url):
+            timeout = min(REDIS_TIMEOUT_S, config.blocking_timeout_secs)
+            what = f"remote_url: PING {parse_remote_url(url).describe()}"
+            jobs.append((what, lambda: [(what, probe_redis(url, timeout))]))
+        elif url.split("://", 1)[0].lower() == "s3" and s3_client_installed():
+            s3_timeout = min(NETWORK_TIMEOUT_S, config.blocking_timeout_secs)
+            s3_what = f"remote_url: list+put+delete in {describe_s3(config)}"
+            jobs.append((s3_what, lambda: [(s3_what, probe_s3(config, s3_timeout))]))
+    if config.p2p_peers and not {"p2p_peers", "p2p_auth_token"} & skip:
+        p2p_timeout = min(NETWORK_TIMEOUT_S, config.blocking_timeout_secs)
+        jobs.append(("p2p_peers: handshakes", lambda: probe_p2p_peers(config, p2p_timeout)))
+    return jobs
+
+
+def probe_host_memory(config: Config, skip: frozenset[str] = frozenset()) -> Found:
+    """The host memory the config asks for against this machine's: above its total (or its
+    cgroup's limit) the engine refuses to start, so it is an error here, naming the key, the
+    value and the total. Above what is available now it may still start (memory is freed, a
+    page cache shrinks), so that is said on the checked line, not counted as a problem."""
+    total, available = machine_memory()
+    if total is None:
+        return []
+    asked = [("max_local_cpu_size", config.max_local_cpu_size)]
+    pd_host = config.enable_pd and config.pd_role == "receiver"
+    if pd_host and config.pd_buffer_size is not None:
+        asked.append(("pd_buffer_size", config.pd_buffer_size))
+    found: Found = []
+    running = 0
+    for key, nbytes in asked:
+        running += nbytes
+        if key in skip:
+            continue
+        what = f"{key}: {format_size(nbytes)} of host memory"
+        if running > total:
+            with_cpu = " with max_local_cpu_size's" if running != nbytes else ""
+            now = "" if available is None else f" ({format_size(available)} available now)"
+            found.append(
+                (
+                    what,
+                    ConfigError(
+                        key,
+                        format_size(nbytes),
+                        f"at most this machine's memory{with_cpu}: {format_size(total)} in "
+                        f"all{now}; the engine refuses a size above it at start",
+                    ),
+                )
+            )
+        elif available is not None and running > available:
+            found.append((f"{what} (more than the {format_size(available)} available now)", None))
+        else:
+            found.append((f"{what} (of {format_size(total)})", None))
+    return found
+
+
+def machine_memory() -> tuple[int | None, int | None]:
+    """(total, available now) bytes: physical memory, or the cgroup v2 limit where that is
+    lower (a container), and /proc/meminfo's MemAvailable; None where unreadable. The same
+    reading as the server's :func:`kvtier.server.models.machine_memory`, here without
+    importing the server (and torch)."""
+    try:
+        total: int | None = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = None
+    try:
+        with open(_CGROUP_MEMORY_MAX) as f:
+            limit = f.read().strip()
+    except OSError:
+        limit = "max"
+    if limit.isdigit():
+        total = min(int(limit), total) if total is not None else int(limit)
+    available = None
+    try:
+        with open(_MEMINFO) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024  # in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    if available is not None and total is not None:
+        available = min(available, total)
+    return total, available
 
 
 def is_redis_url(url: str) -> bool:
     """A URL of the Redis grammar (else a scheme some registered tier owns: not probed)."""
     return url.split("://", 1)[0].lower() in REDIS_SCHEMES
-
-
-def probe_pd_buffer_device(config: Config) -> ConfigError | None:
-    if config.pd_buffer_device not in (None, "cpu"):
-        return ConfigError(
-            "pd_buffer_device",
-            config.pd_buffer_device,
-            "'cpu': kvtier's PD receive buffer is host memory (pinned pages the load copies "
-            "to the GPU from); vLLM would stop at start on this value",
-        )
-    return None
 
 
 def probe_disk_directory(path: str) -> ConfigError | None:
