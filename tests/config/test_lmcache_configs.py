@@ -17,11 +17,15 @@ import torch
 
 from kvtier.cli.main import main
 from kvtier.config import Config
+from kvtier.config.channels import nixl_installed
+from kvtier.config.effects import HOST_RECEIVE_BUFFER, keys_with_no_effect
 from kvtier.config.lmcache import LMCACHE_KEYS, NO_CPU_TIER_STAGING
 from kvtier.config.sizes import GIB, parse_size
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError
+from kvtier.fingerprint import Fingerprint
 from kvtier.layout import KVLayout
+from kvtier.pd.buffer import PDBuffer
 from tests.redis_servers import RedisServer
 
 CPU_OFFLOAD = "chunk_size: 256\nlocal_cpu: True\nmax_local_cpu_size: 5.0\n"
@@ -59,6 +63,54 @@ ASYNC_LOADING = (
     "chunk_size: 256\nlocal_cpu: True\nmax_local_cpu_size: 5\nenable_async_loading: True\n"
 )
 GPU_DEVICE = 'chunk_size: 256\nlocal_device: "cuda"\n'
+
+# LMCache's 1p1d files byte for byte, pd_buffer_device "cuda" and comments included: the
+# decoder and prefiller of examples/disagg_prefill/1p1d/configs/ in LMCache's repository
+# (lmcache-decoder-config.yaml at 216b8e42, with the legacy nixl_* names;
+# lmcache-prefiller-config.yaml at 02fe058c), and the pair its 1P1D guide
+# (docs/source/.../1p1d.rst, "tested with LMCache 0.3.9") prints.
+LMCACHE_1P1D_DECODER = (
+    "local_cpu: False\nmax_local_cpu_size: 0\nmax_local_disk_size: 0\nremote_serde: NULL\n\n"
+    'enable_nixl: True\nnixl_role: "receiver"\nnixl_receiver_host: "localhost"\n'
+    "nixl_receiver_port: 55555\nnixl_buffer_size: 1073741824 # 1GB\n"
+    'nixl_buffer_device: "cuda"\nnixl_enable_gc: True\nnixl_backends: [UCX]\n'
+)
+LMCACHE_1P1D_PREFILLER = (
+    "local_cpu: False\nsave_unfull_chunk: true  # Don't discard partial chunks (< 256 tokens)\n"
+    '\nenable_pd: True\ntransfer_channel: "nixl"\npd_role: "sender"\n'
+    'pd_proxy_host: "localhost"\npd_proxy_port: 7500\npd_buffer_size: 1073741824 # 1GB\n'
+    'pd_buffer_device: "cuda"\nnixl_backends: [UCX]'
+)
+GUIDE_1P1D_DECODER = """local_cpu: False
+
+# PD-related configurations
+enable_pd: True
+transfer_channel: "nixl" # Using NIXL for transfer
+pd_role: "receiver"        # Decoder acts as KV cache receiver
+pd_peer_host: "localhost"  # Host where decoder is listening
+pd_peer_init_port: 7300    # Port where initialization happens
+pd_peer_alloc_port: 7400   # Port for memory allocation
+pd_buffer_size: 1073741824  # 1GB buffer for KV cache transfer
+pd_buffer_device: "cuda"   # Use GPU memory for buffer
+nixl_backends:
+  - "UCX"
+"""
+GUIDE_1P1D_PREFILLER = """local_cpu: False
+
+# PD-related configurations
+enable_pd: True
+transfer_channel: "nixl"  # Using NIXL for transfer
+pd_role: "sender"          # Prefiller acts as KV cache sender
+pd_proxy_host: "localhost" # Host where proxy server is running
+pd_proxy_port: 7500        # Port where proxy server is listening
+pd_buffer_size: 1073741824  # 1GB buffer for KV cache transfer
+pd_buffer_device: "cuda"   # Use GPU memory for buffer
+nixl_backends:
+  - "UCX"
+"""
+needs_nixl = pytest.mark.skipif(
+    not nixl_installed(), reason="LMCache's files name transfer_channel nixl (kvtier[nixl])"
+)
 
 
 def load(tmp_path: Path, text: str) -> Config:
@@ -99,6 +151,38 @@ def test_decoder_with_no_cpu_tier_loads(tmp_path: Path) -> None:
     assert config.pd_peer_alloc_port == (7400,)
 
 
+@needs_nixl
+@pytest.mark.parametrize("text", [LMCACHE_1P1D_DECODER, GUIDE_1P1D_DECODER])
+def test_lmcaches_1p1d_decoder_as_shipped_is_a_host_receive_buffer_said_once(
+    tmp_path: Path, text: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """pd_buffer_device "cuda" unedited: the receive buffer is host memory, and the one
+    WARNING at the buffer's construction says where the KV lands and what that costs."""
+    assert 'device: "cuda"' in text
+    config = load(tmp_path, text)
+    assert config.enable_pd and config.pd_role == "receiver"
+    assert config.pd_buffer_device == "cuda" and config.transfer_channel == "nixl"
+    assert config.pd_buffer_size == 1073741824
+    # check-config marks the row with the same words
+    assert keys_with_no_effect(config)["pd_buffer_device"] == HOST_RECEIVE_BUFFER
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvtier.pd"):
+        buffer = PDBuffer.from_config(config, layout, Fingerprint("m", layout, 256))
+    assert buffer.num_pages == 1073741824 // layout.chunk_bytes(256)
+    (line,) = [r.getMessage() for r in caplog.records if "pd_buffer_device" in r.getMessage()]
+    assert "host memory" in line and "host-to-device" in line and "1.00 GiB" in line
+
+
+@needs_nixl
+@pytest.mark.parametrize("text", [LMCACHE_1P1D_PREFILLER, GUIDE_1P1D_PREFILLER])
+def test_lmcaches_1p1d_prefiller_as_shipped_loads(tmp_path: Path, text: str) -> None:
+    config = load(tmp_path, text)
+    assert config.enable_pd and config.pd_role == "sender" and not config.local_cpu
+    assert config.pd_buffer_device == "cuda" and config.pd_buffer_size == 1073741824
+    assert "receive buffer" in keys_with_no_effect(config)["pd_buffer_device"]
+
+
 def test_the_1p1d_prefiller_loads_as_a_prefiller_decoders_pull_from(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -134,12 +218,21 @@ def test_features_kvtier_lacks_are_refused_by_name(tmp_path: Path) -> None:
         load(tmp_path, GPU_DEVICE)
     with pytest.raises(ConfigError, match="remote_serde"):
         load(tmp_path, REDIS.replace('"naive"', '"cachegen"'))
-    # LMCache's sgl_integration config: used to be dropped with an INFO line nobody sees
-    with pytest.raises(ConfigError, match=r"use_layerwise.*layer-by-layer"):
-        load(tmp_path, LAYERWISE)
-    assert load(
-        tmp_path, LAYERWISE.replace("use_layerwise: True", "use_layerwise: False")
-    ).local_cpu
+
+
+def test_use_layerwise_loads_with_one_warning_saying_what_kvtier_does_instead(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """LMCache's sgl_integration config: a scheduling knob, so it loads (kvtier loads whole
+    chunks in start_load_kv); switched off it asks for nothing and is not mentioned."""
+    with caplog.at_level(logging.INFO, logger="kvtier.config"):
+        assert load(tmp_path, LAYERWISE).local_cpu
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "use_layerwise" in warning and "whole chunks in start_load_kv" in warning
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvtier.config"):
+        load(tmp_path, LAYERWISE.replace("use_layerwise: True", "use_layerwise: False"))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_ignored_keys_are_said_once_in_one_warning(

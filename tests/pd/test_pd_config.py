@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
+from kvtier import Engine
 from kvtier.config import Config
 from kvtier.config.channels import nixl_installed
+from kvtier.config.effects import HOST_RECEIVE_BUFFER
+from kvtier.config.sizes import format_size
 from kvtier.errors import ConfigError
+from kvtier.pd.buffer import PDBuffer
+from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, small_config
 
 
 def load(**overrides: object) -> Config:
@@ -78,3 +85,31 @@ def test_pd_limits_are_validated() -> None:
         with pytest.raises(ConfigError) as info:
             load(**{key: bad})
         assert info.value.key == key
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu", None])
+def test_a_receiver_given_pd_buffer_device_cuda_opens_a_host_buffer_and_says_so_once(
+    device: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """LMCache's PD configs say cuda: the receive buffer is host memory whatever the value,
+    and only cuda (a placement the config asked for and does not get) is said, once."""
+    config = small_config(
+        enable_pd=True, pd_role="receiver", pd_buffer_size="16KiB", pd_buffer_device=device
+    )
+    with (
+        caplog.at_level(logging.INFO, logger="kvtier"),
+        Engine(config, SMALL_LAYOUT, model_name="m") as engine,
+    ):
+        tier = engine.tier("pd")
+        assert isinstance(tier, PDBuffer) and tier.pool.buffer.device.type == "cpu"
+    lines = [r.getMessage() for r in caplog.records if "pd_buffer_device" in r.getMessage()]
+    if device != "cuda":
+        assert lines == []
+        return
+    (line,) = lines
+    pages = tier.num_pages
+    assert line == (
+        f"pd_buffer_device 'cuda' {HOST_RECEIVE_BUFFER}: {pages} pages, "
+        f"{format_size(pages * SMALL_LAYOUT.chunk_bytes(SMALL_CHUNK))}"
+    )
+    assert "host memory" in line and "host-to-device" in line

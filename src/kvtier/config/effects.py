@@ -42,6 +42,14 @@ class _Rule:
     why: str
 
 
+# LMCache's PD configs say pd_buffer_device: cuda; the receiver accepts it (PDBuffer says so
+# in one WARNING) and check-config shows the same words on the key's row.
+HOST_RECEIVE_BUFFER = (
+    "accepted as host memory: kvtier's PD receive buffer is host pages, so received KV lands "
+    "in host memory and each load copies it host-to-device (as a CPU-tier hit does)"
+)
+
+
 def _pushing_sender(c: Config) -> bool:
     return c.pd_role == "sender" and bool(c.pd_peer_alloc_port)
 
@@ -62,6 +70,11 @@ _RULES: tuple[_Rule, ...] = (
         ("pd_buffer_device",),
         lambda c: c.enable_pd and c.pd_role == "sender",
         "a PD sender keeps no receive buffer (pd_buffer_device is the receiver's)",
+    ),
+    _Rule(
+        ("pd_buffer_device",),
+        lambda c: c.enable_pd and c.pd_role == "receiver" and c.pd_buffer_device == "cuda",
+        HOST_RECEIVE_BUFFER,
     ),
     _Rule(
         ("pd_serve_host", "pd_serve_port"),

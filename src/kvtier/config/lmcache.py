@@ -36,6 +36,7 @@ from kvtier.config.lmcache_keys import (
     NO_CPU_TIER_STAGING,
     PD_RENAMES,
     REFUSED,
+    WHEN_TRUE,
     LMCacheKey,
 )
 from kvtier.config.remote_url import mask_password
@@ -104,6 +105,9 @@ def translate(
                 errors.append(refusal)
             del raw[key]  # switched off: it asks for nothing kvtier lacks
         elif row.status == IGNORED:
+            if row.meaning.startswith(WHEN_TRUE) and value in _OFF:
+                del raw[key]  # a switch left off: nothing to warn about
+                continue
             ignored.append(f"{key} ({source}: {row.meaning})")
             if ignored_keys is not None:
                 ignored_keys[key] = f"LMCache's key, ignored by kvtier: {row.meaning}"

@@ -6,7 +6,8 @@ A row's status says what a load does with the key (:mod:`kvtier.config.lmcache` 
     read into kvtier's key(s) for the same thing, with an INFO line.
 ``ignored``
     accepted; one WARNING per load lists every such key given, each with why it has no effect
-    (a tuning knob of LMCache's own machinery, or a setting of a feature kvtier refuses).
+    (a tuning knob of LMCache's own machinery, or a setting of a feature kvtier refuses). A
+    "when true" row is a switch: switched off it asks for nothing and loads silently.
 ``refused``
     a value that turns a missing feature on ("when true" / "when set") raises
     :class:`~kvtier.errors.ConfigError` naming the key and what kvtier offers instead; the
@@ -157,11 +158,13 @@ LMCACHE_KEYS: tuple[LMCacheKey, ...] = (
         "fp8 or int8",
     ),
     # Loading: kvtier loads whole chunks, disk and Redis hits in the background.
+    # use_layerwise only schedules loads (what is cached is the same), so it loads with a
+    # WARNING saying what kvtier does instead, until layer-wise loading exists.
     LMCacheKey(
         "use_layerwise",
-        REFUSED,
-        f"{WHEN_TRUE}layer-by-layer loading is not implemented; kvtier loads whole chunks "
-        "before the forward (disk and Redis hits in the background): set it false",
+        IGNORED,
+        f"{WHEN_TRUE}layer-by-layer loading is not implemented; kvtier loads whole chunks in "
+        "start_load_kv, before the forward (disk and Redis hits in the background)",
     ),
     *_ignored(
         "kvtier always loads disk and Redis hits in the background (async_lower_loads in the "

@@ -148,7 +148,13 @@ KEYS: tuple[KeySpec, ...] = (
         None,
         "Receiver buffer ceiling in bytes or '1GiB'; rounded down to whole chunks.",
     ),
-    KeySpec("pd_buffer_device", p.choice(("cpu", "cuda"), optional=True), None, "cpu or cuda."),
+    KeySpec(
+        "pd_buffer_device",
+        p.choice(("cpu", "cuda"), optional=True),
+        None,
+        "cpu; cuda (as LMCache's PD configs say) is accepted as host memory too: a "
+        "host-to-device copy at load.",
+    ),
     KeySpec("pd_peer_host", p.text(), None, "Receiver host the sender connects to."),
     KeySpec("pd_peer_alloc_port", p.ports, None, "Receiver allocation port (or one per rank)."),
     KeySpec(

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 
 from kvtier.config import Config
+from kvtier.config.effects import HOST_RECEIVE_BUFFER
+from kvtier.config.sizes import format_size
 from kvtier.errors import ConfigError, StateError, TransferError, TransferTimeout
 from kvtier.fingerprint import Fingerprint
 from kvtier.keys import ChunkKey
@@ -108,14 +110,19 @@ class PDBuffer(Tier):
 
     @classmethod
     def from_config(cls, config: Config, layout: KVLayout, fingerprint: Fingerprint) -> PDBuffer:
-        if config.pd_buffer_device not in (None, "cpu"):
-            raise ConfigError(
-                "pd_buffer_device", config.pd_buffer_device, "'cpu' (no CUDA buffer in this build)"
-            )
         if config.pd_buffer_size is None:
             raise ConfigError("pd_buffer_size", None, "a size in bytes for a PD receiver")
         page_bytes = layout.chunk_bytes(config.chunk_size)
         pages = pages_for_capacity("pd_buffer_size", config.pd_buffer_size, page_bytes)
+        if config.pd_buffer_device == "cuda":
+            # LMCache's PD configs all say cuda; kvtier has only a host buffer (the load
+            # copies from it), so the value is accepted and its cost said once, here.
+            log.warning(
+                "pd_buffer_device 'cuda' %s: %d pages, %s",
+                HOST_RECEIVE_BUFFER,
+                pages,
+                format_size(pages * page_bytes),
+            )
         return cls(
             pages,
             page_bytes,
