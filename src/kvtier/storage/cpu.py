@@ -285,6 +285,12 @@ class CpuTier(Tier):
         self.counters.bytes_read += store.stored_bytes(entry)
         return store.num_tokens(entry)
 
+    def count_served(self, num_tokens: int) -> None:
+        """A hit the engine served from a page of this tier's that its lookup pinned."""
+        with self._lock:
+            self.counters.hits += 1
+            self.counters.bytes_read += self._payload(num_tokens)
+
     def _drop_corrupt(self, key: ChunkKey, entry: Any, reason: str) -> None:
         log.warning("cpu tier: chunk %s is corrupt (%s): dropped, a miss", key.hex(), reason)
         self.note_corrupt(key, reason)

@@ -137,6 +137,10 @@ class PlanLoader:
                         plan.spare.append(hit.page)
                         hit.page = None
                 self.counters.count_hit(hit.tier.name, span.num_tokens)
+                if hit.tier is self.cpu and self.cpu.resident:
+                    # Served from the page its lookup pinned, not through get_into (which
+                    # counts for itself): the CPU tier's own counters (/stats) count it here.
+                    self.cpu.count_served(span.num_tokens)
             loaded_end = span.end
         return loaded_end
 
