@@ -247,6 +247,10 @@ def test_a_store_that_is_down_at_open_leaves_an_empty_index(
         assert result.outcome is PutOutcome.DROPPED
     finally:
         tier.close()
+    # Every warning an operator acts on names the bucket and the endpoint.
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings and all(f"s3://{bucket}/" in w for w in warnings), warnings
+    assert any("endpoint http://127.0.0.1:1" in w for w in warnings), warnings
 
 
 def test_wrong_credentials_are_failures_that_never_show_the_secret(

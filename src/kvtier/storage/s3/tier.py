@@ -390,6 +390,13 @@ class S3Tier(RemotePins, RemoteQuotaHooks, Tier):
             return TierUsage(used, used, entries)  # no ceiling kvtier can see: full = held
 
     # -- helpers ---------------------------------------------------------------------------
+    @property
+    def where(self) -> str:
+        """The bucket, prefix and endpoint, for log lines an operator acts on."""
+        options = self.options
+        endpoint = options.endpoint or "AWS"
+        return f"s3://{options.location.bucket}/{self.prefix} (endpoint {endpoint})"
+
     def _is_down(self) -> bool:
         return time.monotonic() < self._down_until
 
@@ -397,14 +404,17 @@ class S3Tier(RemotePins, RemoteQuotaHooks, Tier):
         with self._lock:
             if time.monotonic() >= self._down_until:
                 self.counters.outages += 1
-                log.warning("s3 tier: the store is not answering (%s); misses for now", exc)
+                log.warning(
+                    "s3 tier %s: the store is not answering (%s); misses for now", self.where, exc
+                )
             self._down_until = time.monotonic() + RETRY_AFTER_S
 
     def _failed(self, what: str, exc: BaseException) -> None:
         if isinstance(exc, TierUnavailable):
             self._mark_down(exc)
         else:
-            self._repeated.warning((what, type(exc).__name__), "s3 %s failed: %s", what, exc)
+            key = (what, type(exc).__name__)
+            self._repeated.warning(key, "s3 %s at %s failed: %s", what, self.where, exc)
 
     def _delete_quietly(self, name: str) -> None:
         try:
