@@ -116,15 +116,19 @@ class Config:
         *,
         env: Mapping[str, str] | None = None,
         ignored: dict[str, str] | None = None,
+        overrides: Mapping[str, object] | None = None,
+        overrides_from: str = "override",
     ) -> tuple[Config | None, list[ConfigError]]:
-        """Every problem of a config at once (``kvtier check-config``), where :meth:`load`
-        raises the first: the config with each bad key at its default, and the errors. None
-        for the config when there is none to show (the file unreadable or not YAML).
-        ``ignored`` gets each LMCache key given that kvtier drops (key -> why)."""
+        """Every problem of a config at once (``kvtier check-config``, a vLLM that cannot
+        start), where :meth:`load` raises the first: the config with each bad key at its
+        default, and the errors. None for the config when there is none to show (the file
+        unreadable or not YAML). ``ignored`` gets each LMCache key given that kvtier drops
+        (key -> why); ``overrides``: as :meth:`load`'s."""
         errors: list[ConfigError] = []
         token = _COLLECTING.set(errors)
         try:
-            return cls._resolve(path, None, env, "override", errors, ignored), errors
+            resolved = cls._resolve(path, overrides, env, overrides_from, errors, ignored)
+            return resolved, errors
         except ConfigError as exc:
             return None, [*errors, exc]
         finally:

@@ -62,12 +62,23 @@ def load_config(extra: dict[str, Any] | None) -> Config:
     overrides = {
         k.removeprefix("kvtier."): v for k, v in (extra or {}).items() if k not in CONNECTOR_KEYS
     }
+    source = "vLLM kv_connector_extra_config"
     try:
-        return Config.load(overrides=overrides, overrides_from="vLLM kv_connector_extra_config")
+        return Config.load(overrides=overrides, overrides_from=source)
     except ConfigError as exc:
         # vLLM reports a connector that fails to start as a traceback of some 250 lines,
-        # with this message in its middle: it comes first, as one line of vLLM's log.
-        log.error("kvtier: vLLM cannot start with this config: %s", exc)
+        # with this message in its middle: every problem comes first, in vLLM's log, so one
+        # start names them all (a start costs a minute), and what only trying finds
+        # (directories, Redis, S3, peers) is one check-config away.
+        _, errors = Config.diagnose(overrides=overrides, overrides_from=source)
+        problems = errors or [exc]
+        log.error(
+            "kvtier: vLLM cannot start with this config: %d problem(s): %s. Check every key "
+            "and the stores it names in a second, without vLLM: the extra config saved as a "
+            "JSON file, kvtier check-config FILE",
+            len(problems),
+            "; ".join(f"({n}) {p}" for n, p in enumerate(problems, 1)),
+        )
         raise
 
 
