@@ -20,6 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "kvtier.errors",
         "kvtier.lifecycle",
         "kvtier.framing",
+        "kvtier.host_memory",
         "kvtier.trust",  # who may connect: one handshake and one set of bounds for every port
         "kvtier.repeated_log",
         "kvtier.local_sockets",

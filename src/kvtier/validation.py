@@ -6,13 +6,13 @@ accepts is never refused by the other."""
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from kvtier.errors import ConfigError, InputError
+from kvtier.host_memory import machine_memory
 from kvtier.keys import RequestKeys
 from kvtier.layout import KVLayout
 from kvtier.request_salt import RequestSalt, check_salt
@@ -147,10 +147,10 @@ def check_skip(skip_leading_tokens: object) -> None:
 
 
 def check_fits_in_memory(key: str, nbytes: int) -> None:
-    """A buffer larger than the machine's memory is a typo, refused before allocating."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
+    """A buffer larger than the machine's memory (or its container's limit) is a typo,
+    refused before allocating."""
+    total = machine_memory()
+    if total is None:
         return
     if nbytes > total:
         raise ConfigError(key, nbytes, f"at most this machine's memory ({total} bytes)")

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvtier import host_memory
 from kvtier.cli.probes_p2p import probe_p2p_peers
 from kvtier.cli.probes_s3 import describe_s3, probe_s3, s3_client_installed
 from kvtier.config import Config
@@ -53,8 +54,6 @@ REDIS_TIMEOUT_S = 2.0  # a reachable Redis answers PING in milliseconds, even lo
 # An S3 answers a listing, a small PUT and a DELETE in well under a second, and a kvtier peer
 # a handshake in milliseconds; a bound for each, so that one run ends within about this.
 NETWORK_TIMEOUT_S = 3.0
-_CGROUP_MEMORY_MAX = "/sys/fs/cgroup/memory.max"
-_MEMINFO = "/proc/meminfo"
 
 
 def probe_all(config: Config, skip: frozenset[str] = frozenset()) -> Found:
@@ -147,32 +146,9 @@ def probe_host_memory(config: Config, skip: frozenset[str] = frozenset()) -> Fou
 
 
 def machine_memory() -> tuple[int | None, int | None]:
-    """(total, available now) bytes: physical memory, or the cgroup v2 limit where that is
-    lower (a container), and /proc/meminfo's MemAvailable; None where unreadable. The same
-    reading as the server's :func:`kvtier.server.models.machine_memory`, here without
-    importing the server (and torch)."""
-    try:
-        total: int | None = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        total = None
-    try:
-        with open(_CGROUP_MEMORY_MAX) as f:
-            limit = f.read().strip()
-    except OSError:
-        limit = "max"
-    if limit.isdigit():
-        total = min(int(limit), total) if total is not None else int(limit)
-    available = None
-    try:
-        with open(_MEMINFO) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024  # in kB
-    except (OSError, ValueError, IndexError):
-        pass
-    if available is not None and total is not None:
-        available = min(available, total)
-    return total, available
+    """(the most this process may use, available now) bytes: :mod:`kvtier.host_memory`'s
+    readings, the engine's and the server's own."""
+    return host_memory.machine_memory(), host_memory.available_memory()
 
 
 def is_redis_url(url: str) -> bool:

@@ -27,7 +27,6 @@ take the server past the machine's memory, it is refused
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -37,6 +36,7 @@ from kvtier.cache import CacheIdentity, fingerprint_for
 from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import CapacityError, ConfigError, ProtocolError, StateError
+from kvtier.host_memory import machine_memory
 from kvtier.layout import KVLayout, dtype_from_name, parse_groups
 from kvtier.p2p.node import P2PNode
 from kvtier.server.admin_ports import model_admin_port
@@ -50,24 +50,6 @@ from kvtier.validation import check_fits_in_memory
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_SHARE = 10  # unset max_local_cpu_size: 1/10 of the machine's memory per model
-_CGROUP_MEMORY_MAX = "/sys/fs/cgroup/memory.max"
-
-
-def machine_memory() -> int | None:
-    """Bytes this process may use at most: physical memory, or the cgroup v2 limit where
-    that is lower (a container); None when neither can be read."""
-    try:
-        total: int | None = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        total = None
-    try:
-        with open(_CGROUP_MEMORY_MAX) as f:
-            limit = f.read().strip()
-    except OSError:
-        limit = "max"
-    if limit.isdigit():
-        total = min(int(limit), total) if total is not None else int(limit)
-    return total
 
 
 def model_cpu_bytes(config: Config) -> int:
