@@ -49,3 +49,13 @@ def test_collecting_does_not_leak_into_the_next_load(tmp_path: Path) -> None:
     Config.diagnose(tmp_path / "missing.yaml", env={})
     with pytest.raises(ConfigError, match="pd_role"):
         Config.load(env={}, overrides={"enable_pd": True})
+
+
+def test_both_p2p_rules_are_collected_with_the_rest(tmp_path: Path) -> None:
+    # The P2P rules once raised at the first broken one, hiding the others from check-config.
+    path = tmp_path / "c.yaml"
+    path.write_text("p2p_peers: ['127.0.0.1:7000']\np2p_auth_token: short\nenable_pd: true\n")
+    _, errors = Config.diagnose(path, env={})
+    keys = {error.args[0].split("'")[1] for error in errors}
+    assert {"p2p_auth_token", "p2p_listen", "pd_role"} <= keys
+    assert "short" not in " ".join(str(e) for e in errors)  # a token is never echoed

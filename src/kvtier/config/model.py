@@ -369,18 +369,22 @@ def _check_combinations(cfg: Config, fail: Callable[[ConfigError], None]) -> Non
             )
         )
     if cfg.p2p_auth_token is not None and len(cfg.p2p_auth_token.strip()) < MIN_TOKEN_CHARS:
-        raise ConfigError(
-            "p2p_auth_token",
-            f"<{len(cfg.p2p_auth_token)} characters>",
-            f"at least {MIN_TOKEN_CHARS} characters other than whitespace, the same on every "
-            "peer (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')",
+        fail(
+            ConfigError(
+                "p2p_auth_token",
+                f"<{len(cfg.p2p_auth_token)} characters>",
+                f"at least {MIN_TOKEN_CHARS} characters other than whitespace, the same on every "
+                "peer (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')",
+            )
         )
     if cfg.p2p_peers and cfg.p2p_listen is None:
-        raise ConfigError(
-            "p2p_listen",
-            None,
-            "host:port this server's peers reach it at, when p2p_peers is set (a peer that "
-            "reads others' chunks announces its own)",
+        fail(
+            ConfigError(
+                "p2p_listen",
+                None,
+                "host:port this server's peers reach it at, when p2p_peers is set (a peer that "
+                "reads others' chunks announces its own)",
+            )
         )
     if cfg.server_socket is not None and not cfg.server_socket.strip():
         # An empty KVTIER_SERVER_SOCKET is a mistake (an unset variable expanded), never
