@@ -108,10 +108,6 @@ def _run(engine: Engine, trace: Trace, save_unfull: bool) -> tuple[int, int, int
     return hit_tokens, hit_blocks, cpu_tokens
 
 
-def blocks_of(trace: Trace, fraction: float) -> int:
-    return max(1, int(fraction * trace.unique_blocks()))
-
-
 def ids_fit(requests: Sequence[Sequence[int]]) -> bool:
     """Block ids are token ids here: they must fit an int32."""
     return all(0 <= b < 2**31 for ids in requests for b in ids)

@@ -87,10 +87,6 @@ class CopyEngine(ABC):
         """Whether copies to or from ``tensor`` may land after they return."""
         return tensor.device.type != "cpu"
 
-    def device_bytes(self) -> int:
-        """Device memory this engine holds for its own use (staging), for ``stats()``."""
-        return 0
-
 
 class _HostBatch(CopyBatch):
     """Copies made at once: nothing is left in flight when ``copy`` returns."""

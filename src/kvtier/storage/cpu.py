@@ -69,7 +69,7 @@ class CpuTier(Tier):
         self.policy = policy if policy is not None else LruPolicy()
         self._lock = threading.RLock()
         # Key-level pins (the Tier interface); each holds one reference to its entry's
-        # anchor. The engine's own requests pin through pin_keys and their leases instead.
+        # pin_ref. The engine's own requests pin through pin_keys and their leases instead.
         self._key_pins = KeyPins()
         # Eviction and membership listeners (Tier) are called under the lock.
         if isinstance(self.policy, TenantPolicy):  # tenant_quotas: a changed row applies now
@@ -227,7 +227,7 @@ class CpuTier(Tier):
 
     def _evictable(self, key: ChunkKey) -> bool:
         store = self.entries_store
-        return not store.holder.is_shared(store.anchor(self._index[key]))
+        return not store.holder.is_shared(store.pin_ref(self._index[key]))
 
     def _drop(self, victims: list[ChunkKey]) -> int:
         """Drop the policy's ``victims`` (forgotten there already) and free what they hold."""
@@ -241,9 +241,6 @@ class CpuTier(Tier):
     def _release(self, entries: list[Any]) -> None:
         refs = self.entries_store.refs
         self.entries_store.holder.release([r for entry in entries for r in refs(entry)])
-
-    def page_tensor(self, entry: CpuEntry) -> torch.Tensor:
-        return self.pool.page_bytes_view(entry.page, entry.nbytes)
 
     def owned_pages(self) -> set[int]:  # none where entries are not pages
         if not self.resident:
@@ -326,15 +323,15 @@ class CpuTier(Tier):
             if entry is None:
                 return False
             store = self.entries_store
-            anchor = store.anchor(entry)
-            store.holder.retain([anchor])
-            self._key_pins.record(key, anchor)
+            ref = store.pin_ref(entry)
+            store.holder.retain([ref])
+            self._key_pins.record(key, ref)
             return True
 
     def pin_many(self, keys: Sequence[ChunkKey]) -> int:
         """Pin the leading run of ``keys`` that is cached and mark it used (the policy's
         touch, as a CPU lookup does), under one lock; how many were pinned. A pin is one
-        reference to the entry's anchor, what eviction looks at: a reader retains every
+        reference to the page eviction looks at (``pin_ref``): a reader retains every
         reference for itself (``get_into``), so nothing more is needed to keep the bytes."""
         with self._lock:
             pinned = 0
@@ -349,15 +346,15 @@ class CpuTier(Tier):
     def unpin(self, key: ChunkKey) -> None:
         store = self.entries_store
         with self._lock:
-            anchor = self._key_pins.take(key)
-            if anchor is None:  # nothing pinned under this key: never a second release
+            ref = self._key_pins.take(key)
+            if ref is None:  # nothing pinned under this key: never a second release
                 return
-            store.holder.release([anchor])
+            store.holder.release([ref])
             entry = self._index.get(key)
             if (
                 entry is not None
-                and store.anchor(entry) == anchor
-                and not store.holder.is_shared(anchor)
+                and store.pin_ref(entry) == ref
+                and not store.holder.is_shared(ref)
             ):
                 self.policy.restore(key)  # its last holder gone: back in the order now
 

@@ -127,7 +127,7 @@ class CodedEntries:
         self.layout = layout
         self.codec = codec
 
-    def anchor(self, entry: CodedEntry) -> int:
+    def pin_ref(self, entry: CodedEntry) -> int:
         return entry.slots[0]
 
     def refs(self, entry: CodedEntry) -> list[int]:

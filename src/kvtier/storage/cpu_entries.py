@@ -8,7 +8,7 @@ their own, decoded at each read::
 
     CpuTier ── index: key -> entry ── policy (LRU, REUSE; per tenant)
        └── Entries: the pool an entry's references are in (``holder``), the one reference
-           a pin and eviction look at (``anchor``), how a page becomes an entry
+           a pin and eviction look at (``pin_ref``), how a page becomes an entry
            (``prepare`` / ``admit`` / ``settle``), how an entry is read (``read_into``)
 """
 
@@ -37,12 +37,12 @@ PAGE_OF = attrgetter("page")  # an entry's page, for a C-level map over entries
 class Entries(Protocol):
     """Where a CPU tier's entries keep their bytes (see the module docstring). An entry holds
     one reference to each of ``refs(entry)`` in ``holder``; a pin holds one more to
-    ``anchor(entry)``, which eviction looks at."""
+    ``pin_ref(entry)``, which eviction looks at."""
 
     holder: BlockPool
     resident: bool  # an entry is a page of the tier's pool: served with no copy, no staging
 
-    def anchor(self, entry: Any) -> int: ...
+    def pin_ref(self, entry: Any) -> int: ...
 
     def refs(self, entry: Any) -> list[int]: ...
 
@@ -75,7 +75,7 @@ class PageEntries:
         self.holder = pool
         self._payload = payload
 
-    def anchor(self, entry: CpuEntry) -> int:
+    def pin_ref(self, entry: CpuEntry) -> int:
         return entry.page
 
     def refs(self, entry: CpuEntry) -> list[int]:
