@@ -279,7 +279,7 @@ def test_an_all_digit_secret_in_yaml_is_not_echoed(key: str, tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("env", "key"),
     [
-        ({"KVTIER_SERVER_TENANT_QUOTA": "0"}, "server_tenant_quota"),
+        ({"KVTIER_SERVER_SALT_QUOTA": "0"}, "server_salt_quota"),
         ({"KVTIER_PD_AUTH_TOKEN": " " * 20}, "pd_auth_token"),
         ({"KVTIER_PD_AUTH_TOKEN": "\t" * 8 + "short" + " " * 8}, "pd_auth_token"),
         ({"KVTIER_SERVER_SOCKET": ""}, "server_socket"),

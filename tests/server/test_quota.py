@@ -1,4 +1,5 @@
-"""Per-tenant quotas: a tenant's engines together hold at most server_tenant_quota bytes."""
+"""Per-salt quotas: the engines of one engine-wide salt together hold at most server_salt_quota
+bytes."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def quota_server() -> Iterator[ServerProcess]:
     proc = ServerProcess(
         directory,
         max_local_cpu_size=f"{8 * CHUNK_BYTES}B",
-        server_tenant_quota=f"{10 * CHUNK_BYTES}B",
+        server_salt_quota=f"{10 * CHUNK_BYTES}B",
         server_client_pin_share=1.0,  # the quota under test, not the per-client share
     ).start()
     yield proc
@@ -26,18 +27,18 @@ def quota_server() -> Iterator[ServerProcess]:
     remove_tempdir(directory)
 
 
-def test_a_tenant_holds_at_most_its_quota(quota_server: ServerProcess) -> None:
+def test_a_salt_holds_at_most_its_quota(quota_server: ServerProcess) -> None:
     url = quota_server.url
     first = open_client(url, model_name="a", cache_salt="t1")
     second = open_client(url, model_name="b", cache_salt="t1")  # what is left: 2 chunks
     third = open_client(url, model_name="c", cache_salt="t1")  # nothing left: refused
-    other = open_client(url, model_name="a", cache_salt="t2")  # another tenant: its own quota
+    other = open_client(url, model_name="a", cache_salt="t2")  # another salt: its own quota
     try:
         assert first.stats()["allocator"]["pages_total"] == 8
         assert second.stats()["allocator"]["pages_total"] == 2
         assert not third.connected
         assert third.lookup(make_tokens(32), "r").tokens == 0  # a miss, never an error
-        assert "server_tenant_quota" in quota_server.log()
+        assert "server_salt_quota" in quota_server.log()
         assert other.stats()["allocator"]["pages_total"] == 8
         # the quota is enforced by capacity: a store beyond it evicts or drops, never grows
         tokens = make_tokens(4 * SMALL_CHUNK, 9)

@@ -73,7 +73,7 @@ class Config:
     cache_salt: str = ""
     server_socket: str | None = None
     server_max_clients: int = 64
-    server_tenant_quota: int | None = None
+    server_salt_quota: int | None = None
     server_max_memory: int | None = None
     server_model_idle_secs: float = 300.0
     server_client_pin_share: float = 0.5
@@ -394,7 +394,7 @@ def _check_combinations(cfg: Config, fail: Callable[[ConfigError], None]) -> Non
                 "server_socket", cfg.server_socket, "an absolute path or unix:///absolute/path URL"
             )
         )
-    for key in ("server_tenant_quota", "server_max_memory"):
+    for key in ("server_salt_quota", "server_max_memory"):
         if getattr(cfg, key) == 0:
             fail(ConfigError(key, 0, "a size above 0 (every model would be refused), or null"))
     if cfg.enable_pd and cfg.transfer_channel == "nixl":

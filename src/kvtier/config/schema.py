@@ -266,10 +266,10 @@ KEYS: tuple[KeySpec, ...] = (
         lmcache=False,
     ),
     KeySpec(
-        "server_tenant_quota",
+        "server_salt_quota",
         p.size(1, optional=True),
         None,
-        "kvtier server: CPU bytes each cache_salt (tenant) may hold; none: no quota.",
+        "kvtier server: CPU bytes the models of one engine-wide cache_salt may hold together; none: no quota.",
         lmcache=False,
     ),
     KeySpec(

@@ -1,6 +1,6 @@
 """The server's engines: one per fingerprint, made on the first Hello that names it.
 
-A fingerprint (model, layout, chunk size, hash, tensor-parallel rank, tenant salt) gets its
+A fingerprint (model, layout, chunk size, hash, tensor-parallel rank, engine-wide salt) gets its
 own :class:`~kvtier.service.Service` (an Engine and its admin API) whose CPU page buffer is
 a memfd its clients map. Two fingerprints never share a page or a chunk; they do share the
 disk directory and the Redis server, where every file and record is named by its fingerprint
@@ -15,10 +15,11 @@ fingerprint so that it survives a server restart (:mod:`~kvtier.server.admin_por
 Sizing: each engine gets ``max_local_cpu_size``; unset, a tenth of the machine's memory (the
 smaller of physical memory and the cgroup's ``memory.max``), at most the 5 GiB default, so a
 server started with no config fits a small host (logged at start). Less when
-``server_tenant_quota`` is set and the tenant (``cache_salt``; the unsalted tenant too)
+``server_salt_quota`` is set and the engine-wide salt (the connection's ``cache_salt``;
+no salt too)
 already holds part of its quota in other engines. ``server_max_memory`` bounds all engines
 together: a new engine that does not fit first releases idle engines (the longest idle
-first); if it still does not fit, or it would leave less than one chunk for the tenant, or
+first); if it still does not fit, or it would leave less than one chunk for the salt, or
 take the server past the machine's memory, it is refused
 (:class:`~kvtier.errors.CapacityError` / :class:`~kvtier.errors.ConfigError`, sent as
 ``Refused`` with that sentence): its client sees misses, the others are served.
@@ -82,7 +83,7 @@ def identity_of(hello: Hello) -> CacheIdentity:
 @dataclass
 class ModelSlot:
     fingerprint: str  # hex
-    tenant: str  # the cache_salt
+    salt: str  # the connection's engine-wide cache_salt (not a request's tenant)
     service: Service  # the model's engine and its admin API, opened and closed together
     memory: SharedPages
     clients: int = 0  # connections served by this engine now
@@ -220,7 +221,7 @@ class ModelTable:
             raise
         slot = ModelSlot(hello.fingerprint, hello.cache_salt, service, memory)
         log.info(
-            "model %r (fingerprint %s, tenant %r): %d pages of %d bytes in shared memory%s",
+            "model %r (fingerprint %s, salt %r): %d pages of %d bytes in shared memory%s",
             hello.model_name,
             hello.fingerprint[:16],
             hello.cache_salt,
@@ -232,17 +233,17 @@ class ModelTable:
 
     def _cpu_budget(self, hello: Hello, layout: KVLayout) -> int:
         wanted = self.cpu_bytes_per_model
-        quota = self.config.server_tenant_quota
+        quota = self.config.server_salt_quota
         if quota is None:
             return wanted
-        held = sum(s.cpu_bytes for s in self._slots.values() if s.tenant == hello.cache_salt)
+        held = sum(s.cpu_bytes for s in self._slots.values() if s.salt == hello.cache_salt)
         budget = min(wanted, quota - held)
         chunk = layout.chunk_bytes(hello.chunk_size)
         if budget < chunk:
             raise ConfigError(
-                "server_tenant_quota",
+                "server_salt_quota",
                 quota,
-                f"room for one more chunk ({chunk} bytes) for tenant {hello.cache_salt!r}, "
+                f"room for one more chunk ({chunk} bytes) for salt {hello.cache_salt!r}, "
                 f"which already holds {held} bytes in other models",
             )
         return budget
