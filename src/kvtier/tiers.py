@@ -31,10 +31,10 @@ from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.cpu_coded import CodedCpuTier, slot_shape, split_capacity
 from kvtier.storage.manager import StorageManager
-from kvtier.storage.policy import EvictionPolicy, make_policy
-from kvtier.storage.policy.quotas import TenantQuotas
-from kvtier.storage.policy.tenants import TenantPolicy
+from kvtier.storage.policy import make_policy
 from kvtier.storage.registry import TIER_KEYS, TIERS, TierRegistry
+from kvtier.storage.tenants import TenantPolicy, TenantQuotas
+from kvtier.storage.tenants.ledger import TakesQuotas
 
 
 def build_lower_tiers(
@@ -100,7 +100,7 @@ def open_storage(
         if lower_tiers is None:
             lower.extend(build_lower_tiers(config, layout, fingerprint))
         for tier in lower:
-            if quotas is not None:  # the disk tier keeps them too (and saves them)
+            if quotas is not None and isinstance(tier, TakesQuotas):  # disk, pd, remote
                 tier.attach_quotas(quotas)
             tier.open()
     except BaseException:
@@ -112,12 +112,13 @@ def open_storage(
         raise
     # A tenant's share is counted in what holds its chunks: pages, or a codec's slots.
     units, unit_bytes = (num_pages, page_bytes) if store is None else (store[2], store[1])
-    policy = _cpu_policy(config, units, unit_bytes, quotas)
+    tenants = _cpu_tenants(config, units, unit_bytes, quotas)
+    policy = make_policy(config.cache_policy) if tenants is None else None
     if store is None or slots is None:
-        cpu = CpuTier(pool, layout.payload_bytes, policy)
+        cpu = CpuTier(pool, layout.payload_bytes, policy, tenants=tenants)
     else:
-        cpu = CodedCpuTier(pool, slots, layout, store[0], fingerprint, policy)
-    return StorageManager(config, layout, pool, cpu, lower, counters, copies)
+        cpu = CodedCpuTier(pool, slots, layout, store[0], fingerprint, policy, tenants=tenants)
+    return StorageManager(config, layout, pool, cpu, lower, counters, copies, quotas)
 
 
 def _quotas(config: Config, codec: PayloadCodec | None) -> TenantQuotas | None:
@@ -137,13 +138,14 @@ def _quotas(config: Config, codec: PayloadCodec | None) -> TenantQuotas | None:
     return TenantQuotas(config.tenant_quotas)
 
 
-def _cpu_policy(
+def _cpu_tenants(
     config: Config, units: int, unit_bytes: int, quotas: TenantQuotas | None
-) -> EvictionPolicy:
-    """``cache_policy``'s policy, per tenant under ``quotas`` (``tenant_quotas`` set), over
-    ``units`` of ``unit_bytes`` that each hold one chunk (pages, or a fixed codec's slots)."""
+) -> TenantPolicy | None:
+    """Under ``quotas`` (``tenant_quotas`` set), the CPU tier's ledger: ``cache_policy``'s
+    policy per row, over ``units`` of ``unit_bytes`` that each hold one chunk (pages, or a
+    fixed codec's slots); None without quotas."""
     if quotas is None:
-        return make_policy(config.cache_policy)
+        return None
     return TenantPolicy(
         lambda: make_policy(config.cache_policy), quotas, unit_bytes, units * unit_bytes
     )

@@ -3,14 +3,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from kvtier import ConfigError, Engine, Hit, InputError, KVLayout, StateError
-from kvtier.keys import ChunkKey
-from kvtier.storage.base import OnDone
+from kvtier.storage.base import PutJob
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
 from tests.storage.dict_tier import DictTier
 
@@ -364,8 +364,8 @@ class _LateWrites(DictTier):
         super().__init__()
         self.queued: list[threading.Timer] = []
 
-    def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
-        land = threading.Timer(0.2, super().put, (key, payload.clone(), num_tokens, on_done))
+    def put(self, job: PutJob) -> None:
+        land = threading.Timer(0.2, super().put, (replace(job, payload=job.payload.clone()),))
         self.queued.append(land)
         land.start()
 

@@ -13,14 +13,14 @@ import torch
 
 from kvtier import Engine
 from kvtier.config.channels import check_channel
-from kvtier.errors import ConfigError, TransferTimeout
+from kvtier.errors import ConfigError, TransferError, TransferTimeout
 from kvtier.lease import LeaseTable
 from kvtier.memory.block_pool import BlockPool
 from kvtier.pd.buffer import PDBuffer, TooLarge
 from kvtier.pd.channels.base import checksum
 from kvtier.pd.channels.tcp import TcpReceiver
 from kvtier.pd.reservation import Reservation
-from kvtier.storage.base import OnDone, PutOutcome, PutResult
+from kvtier.storage.base import PutJob, PutOutcome, PutResult
 from tests.conftest import SMALL_LAYOUT, make_tokens, small_config
 from tests.storage.tier_contract import (
     CONTRACT_CHUNK,
@@ -42,14 +42,17 @@ class PrefillerFedBuffer(PDBuffer):
         super().__init__(16, PAGE_BYTES, TOKEN_BYTES, TcpReceiver())
         self.held: dict[bytes, Reservation] = {}
 
-    def put(self, key: bytes, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
+    def put(self, job: PutJob) -> None:
+        key, payload, num_tokens, on_done = job.key, job.payload, job.num_tokens, job.on_done
         if self.contains([key]) == [True]:
             on_done(PutResult(key, PutOutcome.EXISTS))
             return
-        try:
-            res, _ = self.reserve(f"contract-{key.hex()}", [key], [num_tokens], timeout=0.0)
-        except TransferTimeout:
-            on_done(PutResult(key, PutOutcome.DROPPED, "PD buffer full"))
+        try:  # a reservation of the put's tenant (its share, under tenant_quotas)
+            res, _ = self.reserve(
+                f"contract-{key.hex()}", [key], [num_tokens], timeout=0.0, tenant=job.tenant
+            )
+        except TransferError as exc:  # buffer full, or the tenant at its share
+            on_done(PutResult(key, PutOutcome.DROPPED, str(exc)))
             return
         (page,) = res.new
         self.page_view(page, payload.numel()).copy_(payload)
@@ -270,7 +273,7 @@ def test_a_page_changed_after_publish_is_a_miss(tier: PDBuffer) -> None:
 
 def test_decoder_stores_do_not_fill_the_receive_buffer(tier: PDBuffer) -> None:
     done = Outcomes()
-    tier.put(os.urandom(16), payload(16, 0), 16, done)
+    tier.put(PutJob(os.urandom(16), payload(16, 0), 16, "", done))
     assert done.wait(1)[0].outcome is PutOutcome.DROPPED
     assert tier.pool.free_pages == 3
 

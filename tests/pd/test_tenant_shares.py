@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -29,7 +30,10 @@ from kvtier.pd.channels.base import checksum
 from kvtier.pd.channels.tcp import TcpReceiver
 from kvtier.pd.reservation import Reservation, live_reservations
 from kvtier.pd.tenant_shares import ShareTooSmall, TenantShares
-from kvtier.storage.policy.quotas import TenantQuotas
+from kvtier.storage.tenants.quotas import TenantQuotas
+from kvtier.storage.tenants.rows import rows_dict
+from tests.pd.test_buffer import PrefillerFedBuffer
+from tests.storage.tenant_contract import TenantContract, TenantTierFactory
 from tests.storage.tier_contract import PAGE_BYTES, TOKEN_BYTES
 
 PAGES = 8
@@ -41,6 +45,12 @@ LIMITS = ["25%", "50%", "100%", f"{3 * PAGE_BYTES}B", f"{PAGE_BYTES // 2}B", Non
 def key_of(tenant: int, i: int) -> bytes:
     """The i-th key of tenant number ``tenant``: from counters, never random."""
     return bytes([tenant]) + i.to_bytes(15, "big")
+
+
+def report_of(tier: PDBuffer) -> dict[str, dict[str, int | None]]:
+    """The buffer's tenant rows, as stats() reports them."""
+    assert tier.tenants is not None
+    return rows_dict(tier.tenants.rows())
 
 
 def buffer_with(rows: dict[str, str]) -> tuple[PDBuffer, TenantQuotas]:
@@ -168,7 +178,7 @@ class TenantShareMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.leases.end_all()
-        report = self.tier.tenant_report()
+        report = report_of(self.tier)
         assert all(row["held_bytes"] == 0 and row["reservations"] == 0 for row in report.values())
         assert self.tier.pool.free_pages == PAGES
         self.tier.close()
@@ -195,7 +205,7 @@ def test_a_tenant_at_its_share_waits_and_goes_through_when_its_own_request_ends(
         first.release()
         waiter.join(5.0)
         assert len(got) == 1 and tier.shares.held("alice") == 1
-        report = tier.tenant_report()
+        report = report_of(tier)
         assert report["alice"]["share_waits"] == 1 and report["alice"]["share_refusals"] == 0
         assert report["alice"]["limit_bytes"] == 2 * PAGE_BYTES
         assert report["bob"]["limit_bytes"] is None  # no row, no "*": no limit
@@ -233,7 +243,7 @@ def test_a_changed_limit_wakes_a_waiting_reservation_at_once(
         first, _ = tier.reserve("a1", [key_of(0, 0), key_of(0, 1)], [16, 16], 0.0, tenant)
         waiter.start()
         deadline = time.monotonic() + WOKEN_WITHIN_S
-        while tier.tenant_report()[tenant]["share_waits"] == 0:  # it is waiting now
+        while report_of(tier)[tenant]["share_waits"] == 0:  # it is waiting now
             assert time.monotonic() < deadline, "the reservation never waited"
             time.sleep(0.01)
         changed = time.monotonic()
@@ -265,7 +275,7 @@ def test_salts_under_the_star_row_share_one_share_and_leave_a_named_tenant_its_o
         mine = [key_of(0, i) for i in range(4)]
         held.append(tier.reserve("alice", mine, [16] * 4, 0.0, "alice")[0])
         assert tier.shares.held("alice") == 4
-        report = tier.tenant_report()
+        report = report_of(tier)
         assert report["salt0"]["limit_bytes"] == 2 * PAGE_BYTES  # the row each salt shares
         assert report["salt7"]["share_refusals"] == 1
     finally:
@@ -283,7 +293,7 @@ def test_refusals_name_the_tenant_its_share_and_what_to_change() -> None:
         together = r"tenant 'x' holds 2 \(the salts under '\*' together hold 2\) of their 2 pages"
         with pytest.raises(TransferTimeout, match=together):
             tier.reserve("r2", [key_of(2, 3)], [16], 0.05, "x")
-        assert tier.tenant_report()["x"]["share_refusals"] == 2
+        assert report_of(tier)["x"]["share_refusals"] == 2
         held.release()
     finally:
         tier.close()
@@ -294,7 +304,7 @@ def test_without_quotas_nothing_is_charged_or_reported() -> None:
     tier.open()
     try:
         res, _ = tier.reserve("r", [key_of(0, i) for i in range(PAGES)], [16] * PAGES, 0.0, "a")
-        assert tier.tenant_report() == {} and tier.shares.limit_pages("a") is None
+        assert tier.tenants is None and tier.shares.limit_pages("a") is None
         res.release()
     finally:
         tier.close()
@@ -311,3 +321,28 @@ def test_the_tenant_table_stays_bounded_when_peers_name_many_tenants() -> None:
     assert len(shares._use) <= MAX_TENANTS and shares.held("keeper") == 2
     with pytest.raises(AssertionError, match="3 pages given back, 2 held"):
         shares.give_back("keeper", 3)  # refused, never clamped
+
+
+class TestPDBufferTenantContract(TenantContract):
+    """The PD buffer fed as a prefiller feeds it (each put a reservation of its tenant's):
+    a tenant at its share is refused (its transfer would wait), nothing is evicted."""
+
+    unit_bytes = PAGE_BYTES
+    evicts = False
+
+    @pytest.fixture
+    def tenant_tier(self) -> Iterator[TenantTierFactory]:
+        made: list[PrefillerFedBuffer] = []
+
+        def make(quotas: TenantQuotas) -> PrefillerFedBuffer:
+            tier = PrefillerFedBuffer()
+            tier.attach_quotas(quotas)
+            tier.open()
+            made.append(tier)
+            return tier
+
+        yield make
+        for tier in made:
+            tier.clear()
+            assert tier.pool.free_pages == 16
+            tier.close()

@@ -17,7 +17,7 @@ from kvtier.config import Config
 from kvtier.fingerprint import Fingerprint
 from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
-from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
+from kvtier.storage.base import PutJob, PutOutcome, Tier, TierUsage
 
 Store = dict[ChunkKey, tuple[bytes, int]]  # key -> (payload bytes, tokens)
 
@@ -61,7 +61,8 @@ class DictTier(Tier):
         self.counters.bytes_read += len(data)
         return tokens
 
-    def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
+    def put(self, job: PutJob) -> None:
+        key, payload, num_tokens = job.key, job.payload, job.num_tokens
         with self._lock:
             if key in self.store:
                 outcome = PutOutcome.EXISTS
@@ -70,7 +71,7 @@ class DictTier(Tier):
                 self.counters.stored += 1
                 self.counters.bytes_written += payload.numel()
                 outcome = PutOutcome.STORED
-        on_done(PutResult(key, outcome))
+        job.done(outcome)
 
     def remove(self, key: ChunkKey) -> bool:
         with self._lock:

@@ -243,7 +243,7 @@ def test_a_redis_read_lands_identity_bytes_in_the_page_and_only_there(
         assert tier.get_into(key, out) == CONTRACT_CHUNK
         assert torch.equal(out, data)
         with redis_server.client() as raw:
-            stored = raw.strlen(tier.redis_name(key)) - records.HEADER_SIZE
+            stored = raw.strlen(tier.store.name_of(key)) - records.HEADER_SIZE
         inside, outside = _landed_in(out, spans)
         assert (inside, outside) == ((stored, 0) if codec.is_identity else (0, stored))
     finally:
@@ -375,7 +375,7 @@ def test_a_zlib_redis_value_is_read_by_any_tier_and_corruption_is_a_miss(
     try:
         key, data = random_key(), compressible(CONTRACT_CHUNK)
         put_and_wait(writer, key, data, CONTRACT_CHUNK)
-        name = writer.redis_name(key)
+        name = writer.store.name_of(key)
         with redis_server.client() as raw:
             value = raw.get(name)
         header = records.decode_header(value, writer.fingerprint, key)
@@ -409,7 +409,7 @@ def test_a_redis_value_of_a_codec_this_process_lacks_is_a_miss_and_kept(
         codecs.unregister(XOR.codec_id)
     reader = open_redis_tier(redis_server)
     try:
-        with caplog.at_level(logging.WARNING, logger="kvtier.storage.redis.tier"):
+        with caplog.at_level(logging.WARNING, logger="kvtier.storage.redis.store"):
             for _ in range(2):
                 out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
                 assert reader.get_into(key, out) is None

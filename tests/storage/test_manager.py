@@ -12,7 +12,7 @@ from kvtier.fingerprint import Fingerprint
 from kvtier.keys import ChunkKey, KeyChain
 from kvtier.lease import LeaseTable
 from kvtier.memory.block_pool import BlockPool
-from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
+from kvtier.storage.base import PutJob, PutOutcome, Tier, TierUsage
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.manager import StorageManager
@@ -48,11 +48,11 @@ class DictTier(Tier):
         out[: len(payload)].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         return tokens
 
-    def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
+    def put(self, job: PutJob) -> None:
         if self.fail_put:
             raise RuntimeError("a bug in the tier")
-        self.data[key] = (num_tokens, payload.numpy().tobytes())
-        on_done(PutResult(key, PutOutcome.STORED))
+        self.data[job.key] = (job.num_tokens, job.payload.numpy().tobytes())
+        job.done(PutOutcome.STORED)
 
     def remove(self, key: ChunkKey) -> bool:
         return self.data.pop(key, None) is not None

@@ -66,16 +66,16 @@ def url_of(scheme: str) -> str:
 def test_every_redis_scheme_builds_the_redis_tier(scheme: str) -> None:
     tier = build("remote_url", url_of(scheme))
     assert isinstance(tier, RedisTier)
-    assert tier.target.tls == (scheme in ("rediss", "valkeys", "resps"))
+    assert tier.store.target.tls == (scheme in ("rediss", "valkeys", "resps"))
     kind = "cluster" if scheme.endswith("-cluster") else "unix" if scheme == "unix" else "single"
-    assert tier.target.kind == kind
+    assert tier.store.target.kind == kind
 
 
 def test_resp_is_accepted_by_the_config_as_plain_redis() -> None:
     # a plain RESP server speaks Redis's protocol: the same tier, the same target
     resp, redis = build("remote_url", "resp://h:1/2"), build("remote_url", "redis://h:1/2")
     assert isinstance(resp, RedisTier) and isinstance(redis, RedisTier)
-    assert resp.target == redis.target
+    assert resp.store.target == redis.store.target
 
 
 def test_every_accepted_scheme_is_registered() -> None:
@@ -195,4 +195,4 @@ def test_an_s3_url_builds_the_s3_tier_without_a_request() -> None:
     tier = TIERS.build("remote_url", config, SMALL_LAYOUT, FINGERPRINT)
     assert isinstance(tier, S3Tier) and tier.medium == "REMOTE"
     assert tier.options.location.bucket == "kv-bucket"
-    assert tier.prefix.startswith("team/kv/")
+    assert tier.store.prefix.startswith("team/kv/")

@@ -6,14 +6,14 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.storage.remote_pins import RemotePins
+from kvtier.storage.remote.pins import PinCounts
 
 KEYS = [bytes([n]) * 16 for n in range(4)]
 
 
 @given(st.lists(st.tuples(st.booleans(), st.sampled_from(KEYS), st.integers(1, 3)), max_size=40))
 def test_pins_count_and_a_stray_unpin_changes_nothing(steps: list[tuple[bool, bytes, int]]) -> None:
-    pins = RemotePins()
+    pins = PinCounts()
     expected: dict[bytes, int] = {}
     for is_pin, key, times in steps:
         batch = [key] * times
@@ -27,7 +27,7 @@ def test_pins_count_and_a_stray_unpin_changes_nothing(steps: list[tuple[bool, by
 
 
 def test_single_pin_and_unpin() -> None:
-    pins = RemotePins()
+    pins = PinCounts()
     assert pins.pin(KEYS[0]) and pins.pin(KEYS[0])
     pins.unpin(KEYS[0])
     assert pins.pinned() == {KEYS[0]}

@@ -23,7 +23,7 @@ import torch
 
 from kvtier.engine import Engine
 from kvtier.hit import Hit
-from kvtier.storage.base import PutResult
+from kvtier.storage.base import PutJob, PutResult
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
 
 C = SMALL_CHUNK
@@ -72,7 +72,7 @@ class StalledWriter:
             self._gate.wait(10.0)
 
         payload = torch.zeros(SMALL_LAYOUT.payload_bytes(C), dtype=torch.uint8)
-        disk.put(os.urandom(16), payload, C, blocked)
+        disk.put(PutJob(os.urandom(16), payload, C, "", blocked))
         assert stuck.wait(10.0)
 
     def release(self) -> None:

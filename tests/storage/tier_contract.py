@@ -15,7 +15,7 @@ import torch
 
 from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
-from kvtier.storage.base import Membership, PutOutcome, PutResult, Tier
+from kvtier.storage.base import Membership, PutJob, PutOutcome, PutResult, Tier
 from tests.hosts import not_applicable
 
 CONTRACT_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
@@ -55,7 +55,7 @@ class Outcomes:
 
 def put_and_wait(tier: Tier, key: ChunkKey, data: torch.Tensor, num_tokens: int) -> PutResult:
     done = Outcomes()
-    tier.put(key, data, num_tokens, done)
+    tier.put(PutJob(key, data, num_tokens, "", done))
     result = done.wait(1)[0]
     tier.flush(10.0)
     return result
@@ -118,7 +118,7 @@ class TierContract:
         done = Outcomes()
         keys = [random_key() for _ in range(6)]
         for i, key in enumerate(keys):
-            tier.put(key, self.payload(CONTRACT_CHUNK, 10 + i), CONTRACT_CHUNK, done)
+            tier.put(PutJob(key, self.payload(CONTRACT_CHUNK, 10 + i), CONTRACT_CHUNK, "", done))
         results = done.wait(len(keys))
         tier.flush(10.0)
         assert sorted(r.key for r in results) == sorted(keys)

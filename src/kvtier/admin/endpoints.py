@@ -30,8 +30,7 @@ from kvtier.admin.dashboard import dashboard_html
 from kvtier.config.tenant_quotas import check_tenant, parse_limit
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError, KVTierError, StateError
-from kvtier.storage.policy.quotas import TenantQuotas
-from kvtier.storage.policy.tenants import TenantPolicy
+from kvtier.storage.tenants import TenantQuotas, rows_dict
 
 log = logging.getLogger("kvtier.admin.server")  # one logger for the whole admin API
 
@@ -264,7 +263,10 @@ class Handler(BaseHTTPRequestHandler):
     def quotas(self, params: dict[str, str]) -> None:
         quotas = self._quotas()
         rows = {tenant: str(limit) for tenant, limit in quotas.rows().items()}
-        usage = {tier.name: tier.tenant_report() for tier in self.server.admin.engine.tiers()}
+        usage = {
+            tier.name: rows_dict(tier.tenants.rows()) if tier.tenants is not None else {}
+            for tier in self.server.admin.engine.tiers()
+        }
         self._send_json(HTTPStatus.OK, {"quotas": rows, "tiers": usage})
 
     def set_quota(self, params: dict[str, str]) -> None:
@@ -306,10 +308,10 @@ class Handler(BaseHTTPRequestHandler):
         self._send_json(HTTPStatus.OK, {"cache_salt": name, "limit_gb": limit_gb, "status": "ok"})
 
     def _quotas(self) -> TenantQuotas:
-        for tier in self.server.admin.engine.tiers():
-            policy = getattr(tier, "policy", None)
-            if isinstance(policy, TenantPolicy):
-                return policy.quotas
+        """The engine's quota table (the one every tier's ledger reads)."""
+        quotas = self.server.admin.engine.quotas()
+        if quotas is not None:
+            return quotas
         raise BadRequest(
             HTTPStatus.CONFLICT,
             "tenant quotas are off: set tenant_quotas in the config (e.g. {'*': '100%'} "

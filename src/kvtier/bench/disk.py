@@ -50,11 +50,12 @@ from kvtier.fingerprint import Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.memory.block_pool import BlockPool
 from kvtier.storage import codecs
-from kvtier.storage.base import PutOutcome, PutResult
+from kvtier.storage.base import PutJob, PutOutcome, PutResult
 from kvtier.storage.disk.files import READ_BLOCK
 from kvtier.storage.disk.options import DiskOptions
 from kvtier.storage.disk.tier import DiskTier
 from kvtier.storage.records import HEADER_SIZE, payload_checksum
+from kvtier.storage.tenants import NO_SALT
 
 BIG_LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def tier_write(keys: list[bytes]) -> None:
         done = _Completions()
         for key, page in zip(keys, pages, strict=True):
-            tier.put(key, page, chunk_size, done)
+            tier.put(PutJob(key, page, chunk_size, NO_SALT, done))
         done.wait(chunks)
         if any(r.outcome is not PutOutcome.STORED for r in done.results):
             raise RuntimeError(f"disk writes failed: {done.results}")

@@ -121,7 +121,7 @@ def _throughput(
     )
     tier = RedisTier(parse_remote_url(url), layout, fingerprint, options, codec)
     tier.open()
-    if not tier.link.wait_up(10.0):
+    if not tier.store.link.wait_up(10.0):
         tier.close()
         shown = mask_password(url)
         raise ConfigError("remote_url", shown, "a redis server that answers (bench --url)")

@@ -30,10 +30,10 @@ from kvtier.config.tenant_quotas import TenantLimit
 from kvtier.fingerprint import Fingerprint
 from kvtier.layout import KVLayout
 from kvtier.storage import records
-from kvtier.storage.policy.quotas import TenantQuotas
 from kvtier.storage.redis.options import RedisOptions
 from kvtier.storage.redis.tenant_ledger import ledger_name
 from kvtier.storage.redis.tier import RedisTier
+from kvtier.storage.tenants.quotas import TenantQuotas
 
 SMALL_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 PUTS = 1000  # per round and tier
@@ -54,14 +54,12 @@ def quota_costs(url: str, chunk_size: int, repeats: int, put_threads: int) -> di
         tiers[name] = tier
     pages = torch.randint(0, 256, (PUTS, SMALL_LAYOUT.payload_bytes(chunk_size)), dtype=torch.uint8)
     try:
-        require(tiers["off"].link.wait_up(10.0), f"redis at {url} did not answer")
+        require(tiers["off"].store.link.wait_up(10.0), f"redis at {url} did not answer")
 
         def puts(name: str, tenant: str) -> None:
             tier = tiers[name]
             keys = [os.urandom(16) for _ in range(PUTS)]
-            for key in keys:
-                tier.assign_tenant(key, tenant)
-            put_all(tier, keys, pages, chunk_size)
+            put_all(tier, keys, pages, chunk_size, tenant)
 
         best = best_interleaved(
             {
@@ -71,12 +69,13 @@ def quota_costs(url: str, chunk_size: int, repeats: int, put_threads: int) -> di
             },
             repeats,
         )
-        held = tiers["evict"].tenant_report()["over"]["chunks"]
+        ledger = tiers["evict"].ledger
+        held = next((r.chunks for r in ledger.rows() if r.tenant == "over"), 0) if ledger else 0
         require(held == LIMIT_CHUNKS, f"the evicting tenant holds {held}, not {LIMIT_CHUNKS}")
         for tier in tiers.values():
             tier.clear()
         ledgers = [ledger_name(tiers["evict"].fingerprint.hex(), t) for t in rows]
-        tiers["evict"].link.call(lambda client: [client.delete(n) for n in ledgers])
+        tiers["evict"].store.link.call(lambda client: [client.delete(n) for n in ledgers])
     finally:
         for tier in tiers.values():
             tier.close()

@@ -9,10 +9,17 @@ import torch
 
 from kvtier.bench.checks import require
 from kvtier.keys import ChunkKey
-from kvtier.storage.base import PutOutcome, PutResult, Tier
+from kvtier.storage.base import PutJob, PutOutcome, PutResult, Tier
+from kvtier.storage.tenants import NO_SALT
 
 
-def put_all(tier: Tier, keys: Sequence[ChunkKey], pages: torch.Tensor, num_tokens: int) -> None:
+def put_all(
+    tier: Tier,
+    keys: Sequence[ChunkKey],
+    pages: torch.Tensor,
+    num_tokens: int,
+    tenant: str = NO_SALT,
+) -> None:
     """Put ``pages[i]`` under ``keys[i]`` through ``tier.put`` and wait for every completion;
     a put that did not store fails the bench (a figure over bytes never written is no figure)."""
     done = threading.Semaphore(0)
@@ -24,7 +31,7 @@ def put_all(tier: Tier, keys: Sequence[ChunkKey], pages: torch.Tensor, num_token
         done.release()
 
     for i, key in enumerate(keys):
-        tier.put(key, pages[i], num_tokens, on_done)
+        tier.put(PutJob(key, pages[i], num_tokens, tenant, on_done))
     for _ in keys:
         done.acquire()
     require(not failures, f"bench put failed: {failures[0] if failures else ''}")

@@ -34,8 +34,7 @@ from kvtier.keys import ChunkKey
 from kvtier.memory.block_pool import BlockPool
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.policy import make_policy
-from kvtier.storage.policy.quotas import TenantQuotas
-from kvtier.storage.policy.tenants import TenantPolicy
+from kvtier.storage.tenants import TenantPolicy, TenantQuotas
 
 PAGE_BYTES = 8  # as kvtier.bench.trace's replay: a page per block, no payload
 TARGET = 0.02
@@ -81,7 +80,7 @@ class TenantReplay:
         self, capacity: int, policy: str, whole_tokens: int, quotas: dict[str, TenantLimit]
     ) -> None:
         self.pool = BlockPool(max(capacity, 1), PAGE_BYTES)
-        chosen = (
+        tenants = (
             TenantPolicy(
                 lambda: make_policy(policy),
                 TenantQuotas(quotas),
@@ -89,9 +88,10 @@ class TenantReplay:
                 self.pool.num_pages * PAGE_BYTES,
             )
             if quotas
-            else make_policy(policy)
+            else None
         )
-        self.tier = CpuTier(self.pool, lambda _: PAGE_BYTES, chosen)
+        order = None if tenants is not None else make_policy(policy)
+        self.tier = CpuTier(self.pool, lambda _: PAGE_BYTES, order, tenants=tenants)
         self.whole_tokens = whole_tokens
         self.tenant = ""
 

@@ -221,6 +221,14 @@ KEYS: tuple[KeySpec, ...] = (
         "PD transport: tcp, shm (same host) or nixl.",
     ),
     KeySpec(
+        "use_layerwise",
+        p.boolean,
+        False,
+        "vLLM: load each attention layer's KV just before that layer computes (one copy and "
+        "fence per layer, overlapped with the layers before it); vLLM then runs piecewise "
+        "CUDA graphs. Off: whole chunks load before the forward (docs/vllm.md).",
+    ),
+    KeySpec(
         "blocking_timeout_secs",
         p.positive_float(3600.0),
         10.0,
@@ -269,7 +277,8 @@ KEYS: tuple[KeySpec, ...] = (
         "server_salt_quota",
         p.size(1, optional=True),
         None,
-        "kvtier server: CPU bytes the models of one engine-wide cache_salt may hold together; none: no quota.",
+        "kvtier server: CPU bytes the models of one engine-wide cache_salt may hold together; "
+        "none: no quota.",
         lmcache=False,
     ),
     KeySpec(

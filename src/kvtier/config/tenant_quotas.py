@@ -11,7 +11,7 @@ Written as LMCache users write its per-``cache_salt`` quotas, one limit per tena
 
 A number is GB, as every size key reads it. The limit is a ceiling and, while the limits
 of the tenants a tier holds add up to at most its capacity, a guarantee
-(:mod:`kvtier.storage.policy.tenants` has the rules). The admin API changes the table at
+(:mod:`kvtier.storage.tenants.local` has the rules). The admin API changes the table at
 run time (``PUT /quota``); this module parses both.
 
 A size is at most :data:`MAX_LIMIT_BYTES` (1 PiB, the bound of every size key) however it is

@@ -46,6 +46,7 @@ from kvtier.storage.base import Tier
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.lookup import ENGINE, LookupPlan
 from kvtier.storage.manager import StorageManager
+from kvtier.storage.tenants.quotas import TenantQuotas
 from kvtier.tiers import check_tier_urls, clear_tiers, cpu_pages, given_lower_tiers, open_storage
 from kvtier.validation import Prompt, check_fits_in_memory, check_out
 
@@ -292,6 +293,13 @@ class Engine(KVCache):
         """The open tier called ``name`` (``"cpu"``, ``"disk"``, ``"pd"``, ...), or None."""
         manager, _ = self._open_parts()
         return next((t for t in manager.tiers if t.name == name), None)
+
+    @_guarded
+    def quotas(self) -> TenantQuotas | None:
+        """The engine's one quota table (``tenant_quotas``), which every tier's ledger reads
+        and ``PUT /quota`` edits; None when quotas are off."""
+        manager, _ = self._open_parts()
+        return manager.quotas
 
     @_guarded
     def tiers(self) -> list[Tier]:

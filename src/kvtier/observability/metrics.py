@@ -32,6 +32,7 @@ from kvtier.layout import KVLayout
 from kvtier.lease import LeaseInfo
 from kvtier.observability.histogram import HistogramSnapshot
 from kvtier.observability.observer import Observer
+from kvtier.storage.tenants.rows import metric_fields
 
 
 class EngineView(Protocol):
@@ -190,25 +191,9 @@ class EngineCollector(Collector):
         )
 
 
-# stats["tiers"][tier]["tenants"][tenant] field -> (metric, kind, help); labelled tier, tenant
-TENANT_FIELDS: tuple[tuple[str, str, str, str], ...] = (
-    ("held_bytes", "kvtier_tenant_held_bytes", "gauge", "Bytes a tenant's chunks hold."),
-    ("limit_bytes", "kvtier_tenant_limit_bytes", "gauge", "A tenant's quota (tenant_quotas)."),
-    (
-        "guarantee_bytes",
-        "kvtier_tenant_guarantee_bytes",
-        "gauge",
-        "Room kept for a tenant now (0: lapsed, its chunks were not coming back).",
-    ),
-    ("hits", "kvtier_tenant_hit_chunks", "counter", "Chunks of a tenant hit by lookups."),
-    ("evictions", "kvtier_tenant_evictions", "counter", "A tenant's chunks evicted."),
-    (
-        "quota_evictions",
-        "kvtier_tenant_quota_evictions",
-        "counter",
-        "A tenant's chunks evicted because it was over its own quota.",
-    ),
-)
+# stats["tiers"][tier]["tenants"][tenant] field -> (metric, kind, help); labelled tier, tenant.
+# Declared once, on the TenantRow fields (kvtier.storage.tenants.rows).
+TENANT_FIELDS: tuple[tuple[str, str, str, str], ...] = tuple(metric_fields())
 
 
 def _tenant_metrics(tiers: Mapping[str, Any]) -> Iterator[Metric]:

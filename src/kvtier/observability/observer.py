@@ -288,7 +288,8 @@ def _evict_reporter(log: ExplainLog, tier: Tier) -> Any:
     name = tier.name
 
     def report(keys: Sequence[ChunkKey]) -> None:
-        by_quota = tier.evicted_by_quota(keys)  # tenant_quotas: key -> its tenant
+        tenants = tier.tenants  # tenant_quotas: key -> its tenant
+        by_quota = tenants.evicted_by_quota(keys) if tenants is not None else {}
         if by_quota:
             log.note_quota_evicted(name, by_quota)
             keys = [k for k in keys if k not in by_quota]

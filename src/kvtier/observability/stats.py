@@ -3,7 +3,7 @@
 Keys: ``open_requests``, ``pinned_pages``, ``pinned_bytes``, ``pinned_by_request``
 (request -> pages, bytes), ``allocator`` (page_bytes, pages_total/free/used), ``tiers`` (name
 -> used_bytes, capacity_bytes, entries and the tier's counters; with ``tenant_quotas`` also
-``tenants``: tenant -> held_bytes, limit_bytes, chunks, hits, evictions, quota_evictions),
+``tenants``: tenant -> a :class:`~kvtier.storage.tenants.rows.TenantRow` as a dict),
 then the engine's counters (:class:`~kvtier.storage.counters.EngineCounters`) and
 ``miss_tokens``. The admin API, the Prometheus metrics (:mod:`.metrics`) and the demo report
 read these names.
@@ -16,6 +16,7 @@ from typing import Any
 from kvtier.lease import LeaseTable
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.manager import StorageManager
+from kvtier.storage.tenants.rows import rows_dict
 
 
 def engine_stats(
@@ -32,9 +33,9 @@ def engine_stats(
             "entries": usage.entries,
             **tier.counters.as_dict(),
         }
-        tenants = tier.tenant_report()  # tenant_quotas: per tenant, what it holds here
-        if tenants:
-            tiers[tier.name]["tenants"] = tenants
+        rows = tier.tenants.rows() if tier.tenants is not None else []  # tenant_quotas
+        if rows:
+            tiers[tier.name]["tenants"] = rows_dict(rows)
     counts = counters.as_dict()
     counts["miss_tokens"] = max(0, counts["lookup_tokens"] - counts["found_tokens"])
     return {

@@ -24,7 +24,7 @@ from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.p2p.directory import Directory
 from kvtier.p2p.fetch import Fetcher
-from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
+from kvtier.storage.base import PutJob, PutOutcome, Tier, TierUsage
 
 
 class P2PTier(Tier):
@@ -84,8 +84,8 @@ class P2PTier(Tier):
                 self.counters.bytes_read += self.layout.payload_bytes(tokens)
         return results
 
-    def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
-        on_done(PutResult(key, PutOutcome.EXISTS, "the p2p tier takes no writes"))
+    def put(self, job: PutJob) -> None:
+        job.done(PutOutcome.EXISTS, "the p2p tier takes no writes")
 
     def remove(self, key: ChunkKey) -> bool:
         return False  # a peer's chunk is the peer's

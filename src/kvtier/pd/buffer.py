@@ -54,9 +54,9 @@ from kvtier.pd.received_index import ReceivedIndex
 from kvtier.pd.reservation import Reservation, live_reservations
 from kvtier.pd.serve_copy import ServeCopier
 from kvtier.pd.tenant_shares import TenantShares
-from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierCounters, TierUsage
+from kvtier.storage.base import PutJob, PutOutcome, Tier, TierCounters, TierUsage
 from kvtier.storage.key_pins import KeyPins
-from kvtier.storage.policy.quotas import TenantQuotas
+from kvtier.storage.tenants.quotas import TenantQuotas
 
 log = logging.getLogger(__name__)
 
@@ -160,15 +160,12 @@ class PDBuffer(Tier):
     def attach_quotas(self, quotas: TenantQuotas) -> None:
         """Keep each tenant's reservations within its share (:mod:`kvtier.pd.tenant_shares`);
         a changed limit wakes the reservations waiting for room."""
-        self.shares.attach(quotas, self._wake)
+        self.shares.attach(quotas, self._wake, self._cond)
+        self.tenants = self.shares
 
     def _wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
-
-    def tenant_report(self) -> dict[str, dict[str, int | None]]:
-        with self._cond:
-            return self.shares.report()
 
     # -- the receive side ------------------------------------------------------------------
     def reserve(
@@ -317,12 +314,12 @@ class PDBuffer(Tier):
             self.counters.bytes_read += nbytes
             return entry.num_tokens
 
-    def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
+    def put(self, job: PutJob) -> None:
         # The decoder keeps its buffer for what the prefiller sends; its own stores go to the
         # cache tiers. (An entry lives only while a request's reservation holds its page.)
         with self._cond:
             self.counters.dropped += 1
-        on_done(PutResult(key, PutOutcome.DROPPED, "the PD buffer is filled by the prefiller only"))
+        job.done(PutOutcome.DROPPED, "the PD buffer is filled by the prefiller only")
 
     def remove(self, key: ChunkKey) -> bool:
         with self._cond:

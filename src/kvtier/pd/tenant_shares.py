@@ -27,18 +27,23 @@ limit itself is refused at once (:class:`ShareTooSmall`). Other tenants' reserva
 held back by it. A limit lowered at run time takes nothing away from reservations already
 made; it holds back the next ones.
 
-Not thread-safe on its own: the buffer calls it under its lock.
+Not thread-safe on its own: the buffer calls it under its lock, which it hands over at
+:meth:`TenantShares.attach` for :meth:`TenantShares.rows` (the buffer's ``Tier.tenants``:
+readers call it from any thread). It answers the report side of the ledger protocol
+(:mod:`kvtier.storage.tenants.ledger`) and never evicts, so nothing is evicted by quota.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 from kvtier.config.tenant_quotas import DEFAULT_TENANT, MAX_TENANTS
 from kvtier.errors import TransferError
+from kvtier.keys import ChunkKey
 from kvtier.pd.reservation import Reservation
-from kvtier.storage.policy.quotas import TenantQuotas
+from kvtier.storage.tenants import TenantQuotas, TenantRow
 
 
 class ShareTooSmall(TransferError):
@@ -63,11 +68,14 @@ class TenantShares:
         self._use: dict[str, TenantUse] = {}
         self._live: set[str] = set()  # tenants whose reservations hold pages (a row's sum)
         self._wake: Callable[[], None] | None = None
+        self._lock: AbstractContextManager[object] = nullcontext()
 
-    def attach(self, quotas: TenantQuotas, wake: Callable[[], None]) -> None:
+    def attach(
+        self, quotas: TenantQuotas, wake: Callable[[], None], lock: AbstractContextManager[object]
+    ) -> None:
         """Take shares from ``quotas``; ``wake`` runs on every change of its rows (a raised
-        limit may let a waiting reservation through)."""
-        self.quotas, self._wake = quotas, wake
+        limit may let a waiting reservation through); ``lock`` is the buffer's."""
+        self.quotas, self._wake, self._lock = quotas, wake, lock
         quotas.subscribe(wake)
 
     def detach(self) -> None:
@@ -183,26 +191,36 @@ class TenantShares:
         return use
 
     # -- inspection ------------------------------------------------------------------------
-    def report(self) -> dict[str, dict[str, int | None]]:
+    def rows(self) -> list[TenantRow]:
         """Per tenant seen (and every tenant the table names): what its reservations hold and
-        its share, in the names ``stats()`` and the Prometheus metrics read. Empty without
-        quotas."""
+        its share. Empty without quotas. ``hits`` is None: a load does not know its tenant."""
+        with self._lock:
+            return self._rows()
+
+    def _rows(self) -> list[TenantRow]:
         if self.quotas is None:
-            return {}
+            return []
         named = [t for t in self.quotas.rows() if t != DEFAULT_TENANT]
-        out: dict[str, dict[str, int | None]] = {}
+        rows = []
         for tenant in sorted(set(self._use) | set(named)):
             use = self._use.get(tenant) or TenantUse()
             limit = self.limit_pages(tenant)
-            out[tenant] = {
-                "held_bytes": use.pages * self.page_bytes,
-                "limit_bytes": None if limit is None else limit * self.page_bytes,
-                "chunks": use.pages,
-                "reservations": use.reservations,
-                "share_waits": use.waits,
-                "share_refusals": use.refusals,
-            }
-        return out
+            rows.append(
+                TenantRow(
+                    tenant,
+                    held_bytes=use.pages * self.page_bytes,
+                    limit_bytes=None if limit is None else limit * self.page_bytes,
+                    chunks=use.pages,
+                    reservations=use.reservations,
+                    share_waits=use.waits,
+                    share_refusals=use.refusals,
+                )
+            )
+        return rows
+
+    def evicted_by_quota(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, str]:
+        """None: a tenant at its share waits, it never evicts."""
+        return {}
 
     def check_against(self, live: Sequence[Reservation]) -> list[str]:
         """Problems as sentences: per tenant, the pages charged vs those its ``live``

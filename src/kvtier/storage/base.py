@@ -26,10 +26,13 @@ Protocol (who calls what, who owns what):
 * A read that runs past ``blocking_timeout_secs`` (a stuck network filesystem) raises
   :class:`ReadAbandoned`: a miss, but the read is still running and may yet write into its
   ``out``, so the caller keeps each page in ``busy`` out of use until its future is done.
-* ``put(key, payload, num_tokens, on_done)`` may return before the write lands. ``payload``
-  (a uint8 view of an allocator page) stays valid and unchanged until ``on_done`` runs;
-  ``on_done`` runs exactly once per put, also on failure, from any thread, and must not
-  block. A tier that is busy or full may drop the write: it reports that outcome.
+* ``put(job)`` stores a :class:`PutJob` (key, payload, num_tokens, tenant, on_done) and may
+  return before the write lands. ``job.payload`` (a uint8 view of an allocator page) stays
+  valid and unchanged until ``job.on_done`` runs; ``on_done`` runs exactly once per put, also
+  on failure, from any thread, and must not block. A tier that is busy or full may drop the
+  write: it reports that outcome. ``job.tenant`` is the storing request's ``cache_salt``
+  ("" for none): a tier that keeps tenants (``tenants`` is its ledger) charges it the chunk;
+  any other tier ignores it. The tenant rides the put: no call before it names it.
 * ``add_evict_listener(fn)``: ``fn(keys)`` is told the keys the tier evicted on its own (to
   make room), from any thread, after the eviction; listeners add up (each added one is
   called, in order) and one that raises is logged, never propagated. A tier that never
@@ -42,6 +45,10 @@ Protocol (who calls what, who owns what):
   removal of the same key is never reported before it. Listeners must not block or call
   back into the tier; one that raises is logged, never propagated. A chunk another process
   deletes (a shared store's own eviction) leaves without a report: the tier cannot see it.
+* ``tenants`` is the tier's ledger under ``tenant_quotas`` (:mod:`kvtier.storage.tenants`,
+  made from the engine's one quota table when the tier is built), None when it keeps no
+  tenants: the one tenant hook. Readers (stats, metrics, explain) ask it for its rows and
+  its quota evictions; the tier charges it each put's tenant itself.
 * ``counters`` is a typed :class:`TierCounters` (a tier with counts of its own subclasses it);
   ``counters.as_dict()`` is what ``Engine.stats()`` reports for the tier.
 """
@@ -64,7 +71,7 @@ import torch
 from kvtier.errors import TierUnavailable
 from kvtier.keys import ChunkKey
 from kvtier.lease import LeaseTable
-from kvtier.storage.policy.quotas import TenantQuotas
+from kvtier.storage.tenants.ledger import TenantReport
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +103,21 @@ class PutResult:
 
 
 OnDone = Callable[[PutResult], None]
+
+
+@dataclass(frozen=True, slots=True)
+class PutJob:
+    """One chunk to store (see ``put`` in the module docstring)."""
+
+    key: ChunkKey
+    payload: torch.Tensor  # uint8, the chunk's bytes; unchanged until on_done runs
+    num_tokens: int
+    tenant: str  # the storing request's cache_salt ("" for none)
+    on_done: OnDone  # exactly once, also on failure; from any thread; never blocks
+
+    def done(self, outcome: PutOutcome, detail: str = "") -> None:
+        """Complete the job with ``outcome``."""
+        self.on_done(PutResult(self.key, outcome, detail))
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +176,10 @@ class Tier(ABC):
     serves_views: bool = False  # get_into also takes a view of the caller's KV (see above)
     # False: stores never write to it (the p2p tier: peers' chunks are read, never put)
     accepts_puts: bool = True
+    # tenant_quotas: the tier's ledger (kvtier.storage.tenants), made from the engine's one
+    # quota table when the tier is built; None: the tier keeps no tenants. The only tenant
+    # hook: readers ask it for rows and quota evictions, the tier charges it on each put.
+    tenants: TenantReport | None = None
 
     def __init__(self) -> None:
         self.counters = TierCounters()
@@ -235,9 +261,7 @@ class Tier(ABC):
         return [self.get_into(key, out) for key, out in items]
 
     @abstractmethod
-    def put(
-        self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone
-    ) -> None: ...
+    def put(self, job: PutJob) -> None: ...
 
     @abstractmethod
     def remove(self, key: ChunkKey) -> bool: ...
@@ -261,26 +285,6 @@ class Tier(ABC):
         """:meth:`unpin` each of ``keys``."""
         for key in keys:
             self.unpin(key)
-
-    def assign_tenant(self, key: ChunkKey, tenant: str | None) -> None:
-        """The next :meth:`put` of ``key`` stores a chunk of ``tenant`` (a request's
-        ``cache_salt``; None: none), whose quota it counts against. Called just before that
-        put; a tier that keeps no per-tenant quota ignores it."""
-        return None
-
-    def attach_quotas(self, quotas: TenantQuotas) -> None:
-        """Keep per-tenant quotas from ``quotas`` (the engine's table, ``tenant_quotas``);
-        called once, before :meth:`open`. A tier that keeps none ignores it."""
-        return None
-
-    def evicted_by_quota(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, str]:
-        """Of ``keys`` (just reported evicted), those evicted because their tenant was over
-        its quota, with the tenant (``kvtier explain`` says so). Empty without quotas."""
-        return {}
-
-    def tenant_report(self) -> dict[str, dict[str, int | None]]:
-        """Per tenant, what it holds here (``TenantPolicy.report``); empty without quotas."""
-        return {}
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         """A hint: ``keys`` were just used from a tier above (a CPU hit). A tier that keeps

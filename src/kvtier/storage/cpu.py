@@ -20,10 +20,11 @@ the index, the policy, tenants, pins and eviction here serve both.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -31,11 +32,13 @@ import torch
 from kvtier.errors import CorruptRecord
 from kvtier.keys import ChunkKey
 from kvtier.memory.block_pool import BlockPool
-from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
+from kvtier.storage.base import PutJob, PutOutcome, Tier, TierUsage
 from kvtier.storage.cpu_entries import PAGE_OF, CpuEntry, Entries, PageEntries
 from kvtier.storage.key_pins import KeyPins
-from kvtier.storage.policy import EvictionPolicy, LruPolicy
-from kvtier.storage.policy.tenants import TenantPolicy
+from kvtier.storage.policy import LruPolicy
+from kvtier.storage.policy.base import PolicySeam
+from kvtier.storage.tenants.ledger import NO_SALT
+from kvtier.storage.tenants.local import TenantPolicy
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +51,17 @@ class CpuTier(Tier):
         self,
         pool: BlockPool,
         token_bytes: int | Callable[[int], int],
-        policy: EvictionPolicy | None = None,
+        policy: PolicySeam | None = None,
         entries: Entries | None = None,
+        *,
+        tenants: TenantPolicy | None = None,
     ) -> None:
         """``token_bytes``: bytes per token, or a chunk's payload bytes by its token count
         (``KVLayout.payload_bytes``, when a KV-cache group stores fewer tokens).
         ``policy``: the eviction policy (a fresh one per tier; default plain LRU).
-        ``entries``: where entries keep their bytes (default: pages of ``pool``)."""
+        ``entries``: where entries keep their bytes (default: pages of ``pool``).
+        ``tenants``: with ``tenant_quotas``, the tier's ledger, which is its policy too (a
+        composite over one eviction policy per row); ``policy`` is then not given."""
         super().__init__()
         self.pool = pool
         if callable(token_bytes):
@@ -66,14 +73,21 @@ class CpuTier(Tier):
             entries if entries is not None else PageEntries(pool, self._payload)
         )
         self._index: dict[ChunkKey, Any] = {}
-        self.policy = policy if policy is not None else LruPolicy()
+        if tenants is not None and policy is not None:
+            raise ValueError("a CPU tier with tenants orders its chunks by its ledger")
+        # Not `tenants or policy`: an empty policy is falsy (it has a length).
+        self.policy: PolicySeam = (
+            tenants if tenants is not None else policy if policy is not None else LruPolicy()
+        )
+        self.tenants: TenantPolicy | None = tenants
         self._lock = threading.RLock()
         # Key-level pins (the Tier interface); each holds one reference to its entry's
         # pin_ref. The engine's own requests pin through pin_keys and their leases instead.
         self._key_pins = KeyPins()
         # Eviction and membership listeners (Tier) are called under the lock.
-        if isinstance(self.policy, TenantPolicy):  # tenant_quotas: a changed row applies now
-            self.policy.quotas.subscribe(self.apply_quotas)
+        if tenants is not None:  # tenant_quotas: a changed row applies now
+            tenants.bind(self._evictable, self._lock)
+            tenants.quotas.subscribe(self.apply_quotas)
 
     @property
     def resident(self) -> bool:
@@ -101,63 +115,55 @@ class CpuTier(Tier):
         with ``tenant_quotas`` a tenant over its limit then drops its own victims (maybe this
         chunk: it stays inserted, its reference taken over, and is evicted as any other).
         """
-        tenants = self.policy if isinstance(self.policy, TenantPolicy) else None
+        tenants, tenant = self.tenants, tenant or NO_SALT
         with self._lock:
             if key in self._index:
                 self.policy.touch([key])
                 return False
             if tenants is not None:
-                tenants.assign(key, tenant)
-            if not self.policy.admit(key, num_tokens):
+                admitted = tenants.admit_as(key, num_tokens, tenant)
+            else:
+                admitted = self.policy.admit(key, num_tokens)
+            if not admitted:
                 self.counters.dropped += 1
-                self._unassign(tenants, key)
                 return False
         store = self.entries_store
         prepared = store.prepare(page, num_tokens)  # a codec encodes outside the lock
         with self._lock:
             if key in self._index:  # another store of the same chunk got here first
-                self._unassign(tenants, key)
                 return False
             entry = store.admit(page, num_tokens, prepared, self._evict)
             if entry is None:
                 self.counters.dropped += 1
-                self._unassign(tenants, key)
                 return False
             self._index[key] = entry
-            self.policy.insert(key)
+            victims: list[ChunkKey] = []
+            if tenants is not None:  # into the tenant's order; over its limit: its victims
+                victims = tenants.charge(key, tenant)
+            else:
+                self.policy.insert(key)
             self.counters.stored += 1
             self.counters.bytes_written += store.stored_bytes(entry)
             self.report_added((key,))
-            if tenants is not None and tenants.over_quota(tenant or ""):
-                self._drop(tenants.evict_over_quota(tenant or "", self._evictable))
+            self._drop(victims)
         store.settle(page)
         return True
-
-    @staticmethod
-    def _unassign(tenants: TenantPolicy | None, key: ChunkKey) -> None:
-        """A refused insert leaves no tenant waiting for an insert that never comes."""
-        if tenants is not None:
-            tenants.unassign(key)
 
     def enforce_quota(self, tenant: str | None) -> None:
         """Bring ``tenant`` back within its limit now (after a store has let go of its new
         chunks' pages, which no eviction could take while it held them). Without quotas,
         or within its limit, nothing."""
-        tenants = self.policy
-        if isinstance(tenants, TenantPolicy) and tenants.over_quota(tenant or ""):
+        tenants, tenant = self.tenants, tenant or NO_SALT
+        if tenants is not None and tenants.over_quota(tenant):
             with self._lock:
-                self._drop(tenants.evict_over_quota(tenant or "", self._evictable))
+                self._drop(tenants.enforce(tenant))
 
     def apply_quotas(self) -> None:
         """The quota table changed: tenants move between orders, and each one now over its
         limit drops its own victims."""
-        tenants = self.policy
-        assert isinstance(tenants, TenantPolicy)
-        with self._lock:
-            tenants.regroup()
-            for tenant in list(tenants.usage):
-                if tenants.over_quota(tenant):
-                    self._drop(tenants.evict_over_quota(tenant, self._evictable))
+        if self.tenants is not None:
+            with self._lock:
+                self._drop(self.tenants.regroup())
 
     def pin_keys(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, CpuEntry]:
         """The cached entries among ``keys``, each with one new page reference for the caller
@@ -253,8 +259,8 @@ class CpuTier(Tier):
         return None
 
     def close(self) -> None:
-        if isinstance(self.policy, TenantPolicy):
-            self.policy.quotas.unsubscribe(self.apply_quotas)
+        if self.tenants is not None:
+            self.tenants.quotas.unsubscribe(self.apply_quotas)
         self.clear(force=True)
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -282,6 +288,33 @@ class CpuTier(Tier):
         self.counters.bytes_read += store.stored_bytes(entry)
         return store.num_tokens(entry)
 
+    @contextlib.contextmanager
+    def read_view(self, key: ChunkKey) -> Iterator[tuple[torch.Tensor, int] | None]:
+        """The entry's payload where it lies and its token count, for a reader that sends the
+        bytes on (a P2P serve) instead of copying them out first; None for a miss or where
+        entries are not pages (a codec's: use :meth:`get_into`). A read reference holds the
+        page until the block exits: eviction still drops the entry at once, only the page's
+        return to the free list waits for the reader (as it does for ``get_into``'s copy)."""
+        store = self.entries_store
+        if not store.resident:
+            yield None
+            return
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                self.counters.misses += 1
+            else:
+                store.holder.retain(store.refs(entry))
+        if entry is None:
+            yield None
+            return
+        try:
+            yield store.holder.page_bytes_view(entry.page, entry.nbytes), entry.num_tokens
+            self.counters.hits += 1
+            self.counters.bytes_read += entry.nbytes
+        finally:
+            store.holder.release(store.refs(entry))
+
     def count_served(self, num_tokens: int) -> None:
         """A hit the engine served from a page of this tier's that its lookup pinned."""
         with self._lock:
@@ -300,22 +333,23 @@ class CpuTier(Tier):
                 self._release([entry])
                 self.report_removed((key,))
 
-    def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
+    def put(self, job: PutJob) -> None:
+        key = job.key
         if self.contains([key])[0]:
-            on_done(PutResult(key, PutOutcome.EXISTS))
+            job.done(PutOutcome.EXISTS)
             return
         pages = self.allocate(1)
         if pages is None:
             self.counters.dropped += 1
-            on_done(PutResult(key, PutOutcome.DROPPED, "no free page"))
+            job.done(PutOutcome.DROPPED, "no free page")
             return
-        self.pool.page_bytes_view(pages[0], payload.numel()).copy_(payload)
-        if not self.insert(key, pages[0], num_tokens):
+        self.pool.page_bytes_view(pages[0], job.payload.numel()).copy_(job.payload)
+        if not self.insert(key, pages[0], job.num_tokens, job.tenant):
             self.pool.release(pages)
             stored = self.contains([key])[0]
-            on_done(PutResult(key, PutOutcome.EXISTS if stored else PutOutcome.DROPPED))
+            job.done(PutOutcome.EXISTS if stored else PutOutcome.DROPPED)
             return
-        on_done(PutResult(key, PutOutcome.STORED))
+        job.done(PutOutcome.STORED)
 
     def pin(self, key: ChunkKey) -> bool:
         with self._lock:
@@ -367,16 +401,6 @@ class CpuTier(Tier):
             self._release([entry])
             self.report_removed((key,))
             return True
-
-    def evicted_by_quota(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, str]:
-        policy = self.policy
-        return policy.evicted_by_quota(keys) if isinstance(policy, TenantPolicy) else {}
-
-    def tenant_report(self) -> dict[str, dict[str, int | None]]:
-        with self._lock:
-            if isinstance(self.policy, TenantPolicy):
-                return self.policy.report()
-            return {}
 
     def usage(self) -> TierUsage:
         store = self.entries_store

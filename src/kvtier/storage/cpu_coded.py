@@ -60,6 +60,7 @@ from kvtier.storage.codecs import PayloadCodec, QuantizedCodec, tier_fingerprint
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.policy import EvictionPolicy
 from kvtier.storage.records import payload_checksum
+from kvtier.storage.tenants.local import TenantPolicy
 
 log = logging.getLogger(__name__)
 # A byte codec's stored bytes are immutable ``bytes``: torch warns (once) that the tensor
@@ -224,9 +225,11 @@ class CodedCpuTier(CpuTier):
         codec: PayloadCodec,
         fingerprint: Fingerprint,
         policy: EvictionPolicy | None = None,
+        *,
+        tenants: TenantPolicy | None = None,
     ) -> None:
         entries = CodedEntries(pool, store, layout, codec)
-        super().__init__(pool, layout.payload_bytes, policy, entries)
+        super().__init__(pool, layout.payload_bytes, policy, entries, tenants=tenants)
         self.store = store
         self.layout = layout
         self.codec = codec

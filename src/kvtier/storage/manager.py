@@ -34,11 +34,13 @@ from kvtier.layout import Copy, KVLayout
 from kvtier.lease import Lease
 from kvtier.memory.block_pool import BlockPool
 from kvtier.memory.device import CopyEngine, DeviceCopies, Direction
-from kvtier.storage.base import PutOutcome, PutResult, Tier
+from kvtier.storage.base import PutJob, PutOutcome, PutResult, Tier
 from kvtier.storage.counters import EngineCounters
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.loads import PlanLoader
 from kvtier.storage.lookup import LookupPlan, PrefixLookup
+from kvtier.storage.tenants.ledger import NO_SALT
+from kvtier.storage.tenants.quotas import TenantQuotas
 from kvtier.storage.writes import StoreSlot, WritesInFlight, WriteTicket
 
 log = logging.getLogger(__name__)
@@ -54,10 +56,14 @@ class StorageManager:
         lower: Sequence[Tier],
         counters: EngineCounters,
         copies: CopyEngine | None = None,
+        quotas: TenantQuotas | None = None,
     ) -> None:
         """``copies``: the owner of every copy between a device tensor and the pages
-        (:class:`DeviceCopies` by default; tests inject one whose copies land late)."""
+        (:class:`DeviceCopies` by default; tests inject one whose copies land late).
+        ``quotas``: the engine's one quota table (``tenant_quotas``), which every tier's
+        ledger reads; None without quotas."""
         self.config = config
+        self.quotas = quotas
         self.layout = layout
         self.pool = pool
         self.cpu = cpu
@@ -200,9 +206,8 @@ class StorageManager:
         for tier in writers:
             self.pool.retain([page])
             ticket = WriteTicket(self.writes_in_flight, self.pool, self.counters, tier, page)
-            try:
-                tier.assign_tenant(span.key, tenant)
-                tier.put(span.key, payload, span.num_tokens, ticket)
+            try:  # the tenant rides the put (a tier with a ledger charges it the chunk)
+                tier.put(PutJob(span.key, payload, span.num_tokens, tenant or NO_SALT, ticket))
             except Exception as exc:  # put must report through on_done; if it raised
                 # instead, complete the ticket here so its page reference comes back.
                 log.error("tier %s put raised instead of completing: %s", tier.name, exc)

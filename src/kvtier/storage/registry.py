@@ -6,8 +6,9 @@ Two config keys name a lower tier, each by a URL; the scheme picks the tier clas
     key          scheme                                            tier        medium
     local_disk   file://PATH, or a plain PATH                      DiskTier    DISK
     remote_url   redis, rediss, unix, redis-cluster,               RedisTier   REMOTE
-                 valkey, valkeys, valkey-cluster, resp, resps
+                 valkey, valkeys, valkey-cluster, resp, resps      (RemoteTier)
     remote_url   s3 (s3://bucket/prefix: AWS, MinIO, SeaweedFS)    S3Tier      REMOTE
+                                                                   (RemoteTier)
 
 A factory is a tier's ``from_config(config, layout, fingerprint)``: it reads its key's URL
 and its own options (``extra_config``) from the config, validates them and returns the
@@ -16,14 +17,18 @@ tier unopened (the engine opens it). The tier class says how KV events publish i
 lower tiers is the order of the keys (:data:`TIER_KEYS`), below the PD buffer
 (:mod:`kvtier.tiers`).
 
-Registering a scheme is one call. The ``s3://`` tier (:mod:`kvtier.storage.s3`) plugs in as::
+Registering a scheme is one call. A remote store is a
+:class:`~kvtier.storage.remote.tier.RemoteTier` over its store, its ledger and its options
+(:mod:`kvtier.storage.remote`); the ``s3://`` tier (:mod:`kvtier.storage.s3`) plugs in as::
 
-    from kvtier.storage.base import Tier
     from kvtier.storage.registry import register_tier
+    from kvtier.storage.remote.tier import RemoteTier
 
-    class S3Tier(Tier):
-        name = "s3"
-        medium = "REMOTE"  # published to the router as a shared store
+    class S3Tier(RemoteTier):  # name "s3", medium "REMOTE": published as a shared store
+        def __init__(self, options, layout, fingerprint, codec=IDENTITY):
+            store = S3Store(options, layout, fingerprint)          # names, requests, index
+            ledger = lambda quotas, unit, capacity: S3Ledger(...)   # tenant markers
+            super().__init__(store, layout, fingerprint, options, codec=codec, ledger=ledger)
 
         @classmethod
         def from_config(cls, config, layout, fingerprint) -> "S3Tier":

@@ -246,6 +246,6 @@ def test_a_corrupt_redis_record_is_removed_when_a_read_finds_it(
     assert view.engine.flush(30)
     assert len(view.check()["REMOTE"]) == 2
     redis = view.tier(RedisTier)
-    redis_server.client().set(redis.redis_name(second), b"\x00" * RECORD_BYTES)
+    redis_server.client().set(redis.store.name_of(second), b"\x00" * RECORD_BYTES)
     assert redis.get_into(second, torch.empty(CHUNK_BYTES, dtype=torch.uint8)) is None
     assert view.check()["REMOTE"] == {first}

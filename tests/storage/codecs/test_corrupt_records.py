@@ -90,12 +90,12 @@ def test_a_coded_redis_record_damaged_in_redis_is_a_miss_for_a_new_reader(
     reader = redis_tier(redis_server, codec)
     try:
         with redis_server.client() as raw:
-            stored = raw.get(reader.redis_name(keys[0]))
-            raw.set(reader.redis_name(keys[0]), flip_payload_byte(stored))
+            stored = raw.get(reader.store.name_of(keys[0]))
+            raw.set(reader.store.name_of(keys[0]), flip_payload_byte(stored))
             out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
             assert reader.get_into(keys[0], out) is None
             assert reader.counters.corrupt == 1
-            assert raw.exists(reader.redis_name(keys[0])) == 0  # deleted, not served again
+            assert raw.exists(reader.store.name_of(keys[0])) == 0  # deleted, not served again
         assert reader.get_into(keys[1], out) == CONTRACT_CHUNK
         read_back(codec, data[1], out)
     finally:

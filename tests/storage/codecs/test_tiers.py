@@ -116,7 +116,7 @@ def test_a_redis_tier_stores_fewer_bytes_and_only_its_codec_config_reads_a_lossy
         key, data = random_key(), kv_payload(CONTRACT_LAYOUT, CONTRACT_CHUNK, 12)
         put_and_wait(writer, key, data, CONTRACT_CHUNK)
         with redis_server.client() as raw:
-            value = raw.get(writer.redis_name(key))
+            value = raw.get(writer.store.name_of(key))
         header = records.decode_header(value, writer.fingerprint, key)
         assert header.codec is codec and len(value) < RECORD_BYTES
         out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
@@ -126,7 +126,7 @@ def test_a_redis_tier_stores_fewer_bytes_and_only_its_codec_config_reads_a_lossy
         if codec.lossless:  # any reader decodes it: same keys, same names
             assert other.get_into(key, out) == CONTRACT_CHUNK and torch.equal(out, data)
         else:
-            assert other.redis_name(key) != writer.redis_name(key)
+            assert other.store.name_of(key) != writer.store.name_of(key)
             assert other.get_into(key, out) is None and not bool(out.any())
             assert other.contains([key]) == [False]
     finally:

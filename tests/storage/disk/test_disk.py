@@ -14,7 +14,7 @@ import torch
 from kvtier.errors import ConfigError, StateError
 from kvtier.fingerprint import Fingerprint
 from kvtier.layout import KVLayout
-from kvtier.storage.base import PutOutcome, PutResult
+from kvtier.storage.base import PutJob, PutOutcome, PutResult
 from kvtier.storage.disk.files import READ_BLOCK
 from kvtier.storage.disk.options import DiskOptions, parse_local_disk
 from kvtier.storage.disk.tier import DiskTier
@@ -254,7 +254,7 @@ def test_a_chunk_larger_than_the_capacity_is_refused_with_a_clear_message(tmp_pa
     try:
         big = torch.zeros(PAGE_BYTES + 4096, dtype=torch.uint8)
         done = Outcomes()
-        tier.put(random_key(), big, CONTRACT_CHUNK, done)
+        tier.put(PutJob(random_key(), big, CONTRACT_CHUNK, "", done))
         (result,) = done.wait(1)
         assert result.outcome is PutOutcome.DROPPED
         assert "larger than max_local_disk_size" in result.detail
@@ -284,11 +284,14 @@ def test_bytes_in_flight_are_bounded_and_excess_puts_drop_at_once(tmp_path: Path
             results.append(result)
 
     try:
-        tier.put(random_key(), payload(CONTRACT_CHUNK, 0), CONTRACT_CHUNK, slow)
+        tier.put(PutJob(random_key(), payload(CONTRACT_CHUNK, 0), CONTRACT_CHUNK, "", slow))
         assert first_done.wait(10)  # the writer is now stuck in the callback, still in flight
-        tier.put(random_key(), payload(CONTRACT_CHUNK, 1), CONTRACT_CHUNK, record)  # queued
+        queued = PutJob(random_key(), payload(CONTRACT_CHUNK, 1), CONTRACT_CHUNK, "", record)
+        tier.put(queued)
         for i in range(3):
-            tier.put(random_key(), payload(CONTRACT_CHUNK, 2 + i), CONTRACT_CHUNK, record)
+            tier.put(
+                PutJob(random_key(), payload(CONTRACT_CHUNK, 2 + i), CONTRACT_CHUNK, "", record)
+            )
         with lock:
             dropped = [r for r in results if r.outcome is PutOutcome.DROPPED]
         assert len(dropped) == 3 and "in flight" in dropped[0].detail
@@ -307,7 +310,7 @@ def test_put_after_close_fails_once_and_reads_raise(tmp_path: Path) -> None:
     tier.close()
     tier.close()  # idempotent
     done = Outcomes()
-    tier.put(random_key(), payload(CONTRACT_CHUNK, 0), CONTRACT_CHUNK, done)
+    tier.put(PutJob(random_key(), payload(CONTRACT_CHUNK, 0), CONTRACT_CHUNK, "", done))
     assert done.wait(1)[0].outcome is PutOutcome.FAILED
     with pytest.raises(StateError):
         tier.contains([random_key()])
@@ -322,7 +325,7 @@ def test_close_drains_queued_writes(tmp_path: Path) -> None:
     done = Outcomes()
     keys = [random_key() for _ in range(8)]
     for i, key in enumerate(keys):
-        tier.put(key, payload(CONTRACT_CHUNK, i), CONTRACT_CHUNK, done)
+        tier.put(PutJob(key, payload(CONTRACT_CHUNK, i), CONTRACT_CHUNK, "", done))
     tier.close()
     assert len(done.results) == 8
     assert {r.outcome for r in done.results} == {PutOutcome.STORED}
@@ -431,7 +434,8 @@ def test_concurrent_puts_reads_pins_and_removes_never_serve_wrong_bytes(tmp_path
             op = int(torch.randint(0, 5, (1,), generator=gen))
             key = keys[i]
             if op == 0:
-                tier.put(key, payload(CONTRACT_CHUNK, i), CONTRACT_CHUNK, lambda r: None)
+                job = PutJob(key, payload(CONTRACT_CHUNK, i), CONTRACT_CHUNK, "", lambda r: None)
+                tier.put(job)
             elif op == 1 and tier.pin(key):
                 tier.unpin(key)
             elif op == 2:

@@ -17,7 +17,7 @@ import torch
 
 from kvtier import Engine
 from kvtier.errors import StateError, TierUnavailable
-from kvtier.storage.base import PutOutcome
+from kvtier.storage.base import PutJob, PutOutcome
 from kvtier.storage.disk import files
 from kvtier.storage.disk.options import DiskOptions
 from kvtier.storage.disk.tier import DiskTier
@@ -249,7 +249,7 @@ def _hammer(tier: DiskTier, keys: list[bytes], worker: int, done: Outcomes, log:
             calls[n % len(calls)]()
             if n % 7 == 0:
                 log.append("put")
-                tier.put(random_key(), payload(CONTRACT_CHUNK, n), CONTRACT_CHUNK, done)
+                tier.put(PutJob(random_key(), payload(CONTRACT_CHUNK, n), CONTRACT_CHUNK, "", done))
         except StateError:
             return
         except BaseException as exc:

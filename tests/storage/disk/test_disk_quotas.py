@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -20,11 +22,14 @@ from kvtier.keys import ChunkKey
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.disk import quotas
 from kvtier.storage.disk.index import DiskEntry, DiskIndex
+from kvtier.storage.disk.tier import DiskTier
 from kvtier.storage.policy import make_policy
-from kvtier.storage.policy.quotas import TenantQuotas
-from kvtier.storage.policy.tenants import TenantPolicy
 from kvtier.storage.records import HEADER_SIZE
+from kvtier.storage.tenants.local import TenantPolicy
+from kvtier.storage.tenants.quotas import TenantQuotas
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
+from tests.storage.disk.disk_helpers import RECORD_BYTES, make_tier
+from tests.storage.tenant_contract import TenantContract, TenantTierFactory
 
 FILE_BYTES = HEADER_SIZE + SMALL_LAYOUT.chunk_bytes(SMALL_CHUNK)
 PROMPT = 4 * SMALL_CHUNK
@@ -90,7 +95,8 @@ def test_a_torn_quota_file_is_ignored_and_quotas_come_from_the_config(tmp_path: 
         # unsalted tenant's until rewritten
         assert tenants[""]["held_bytes"] == 4 * FILE_BYTES
         disk = engine.tier("disk")
-        assert disk is not None and disk.tenant_report()[""]["limit_bytes"] == 8 * FILE_BYTES
+        assert disk is not None and disk.tenants is not None
+        assert {r.tenant: r for r in disk.tenants.rows()}[""].limit_bytes == 8 * FILE_BYTES
 
 
 def test_salts_under_the_star_row_share_one_disk_quota_and_cannot_shrink_a_named_one(
@@ -204,6 +210,7 @@ class DiskIndexAccounting(RuleBasedStateMachine):
         self.index = DiskIndex(8 * UNIT)
         self.policy = TenantPolicy(lambda: make_policy("REUSE"), self.quotas, UNIT, 8 * UNIT)
         self.index.policy = self.policy
+        self.policy.bind(lambda k: not self.index.is_pinned(k), nullcontext())
         self.owner: dict[ChunkKey, str] = {}
         self.pins: list[ChunkKey] = []
         self.writes = 0
@@ -217,13 +224,13 @@ class DiskIndexAccounting(RuleBasedStateMachine):
     @rule(tenant=st.sampled_from(TENANTS))
     def write(self, tenant: str) -> None:
         key = self.next_key()
-        self.policy.assign(key, tenant)
+        self.policy.expect(key, tenant)
         if self.index.reserve(UNIT) is None:
-            self.policy.unassign(key)
+            self.policy.forget_expected(key)
             return  # full of pinned files: dropped
         self.index.commit(key, DiskEntry(16, UNIT))
         self.owner[key] = tenant
-        quotas.enforce(self.index, tenant)
+        self.index.forget(self.policy.charge(key, tenant))  # as DiskQuotas.charge
         self.check_within_limit(tenant)
 
     @rule(data=st.data())
@@ -252,9 +259,8 @@ class DiskIndexAccounting(RuleBasedStateMachine):
     )
     def set_quota(self, tenant: str, limit: TenantLimit | None) -> None:
         self.quotas.set(tenant, limit)
-        self.policy.regroup()
+        self.index.forget(self.policy.regroup())
         for each in TENANTS:
-            quotas.enforce(self.index, each)
             self.check_within_limit(each)
 
     def check_within_limit(self, tenant: str) -> None:
@@ -280,3 +286,22 @@ class DiskIndexAccounting(RuleBasedStateMachine):
 
 TestDiskIndexAccounting = DiskIndexAccounting.TestCase
 TestDiskIndexAccounting.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+class TestDiskTenantContract(TenantContract):
+    unit_bytes = RECORD_BYTES  # one chunk's file: header and payload
+
+    @pytest.fixture
+    def tenant_tier(self, tmp_path: Path) -> Iterator[TenantTierFactory]:
+        made: list[DiskTier] = []
+
+        def make(quotas: TenantQuotas) -> DiskTier:
+            tier = make_tier(tmp_path / str(len(made)), capacity_records=16)
+            tier.attach_quotas(quotas)
+            tier.open()
+            made.append(tier)
+            return tier
+
+        yield make
+        for tier in made:
+            tier.close()

@@ -20,17 +20,19 @@ from kvtier.keys import ChunkKey
 from kvtier.observability.metrics import engine_registry
 from kvtier.storage import records
 from kvtier.storage.base import PutOutcome
-from kvtier.storage.policy.quotas import TenantQuotas
 from kvtier.storage.redis.options import RedisOptions
 from kvtier.storage.redis.tenant_ledger import ledger_name
 from kvtier.storage.redis.tier import RedisTier
+from kvtier.storage.tenants.quotas import TenantQuotas
 from tests.admin.client import call
 from tests.admin.test_quota_endpoints import TOKEN, open_service
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
 from tests.redis_servers import RedisClusterServers, RedisServer
 from tests.server.server_helpers import ServerProcess, open_client, remove_tempdir, short_tempdir
 from tests.storage.redis.test_redis import FINGERPRINT
-from tests.storage.tier_contract import CONTRACT_CHUNK, payload, put_and_wait
+from tests.storage.remote.helpers import put_as, tenant_rows
+from tests.storage.tenant_contract import TenantContract, TenantTierFactory
+from tests.storage.tier_contract import CONTRACT_CHUNK, payload
 
 UNIT = records.header_size() + FINGERPRINT.layout.payload_bytes(CONTRACT_CHUNK)
 
@@ -73,8 +75,7 @@ def open_tiers(
 
 def store(tier: RedisTier, tenant: str, seed: int) -> ChunkKey:
     key = seed.to_bytes(16, "big")
-    tier.assign_tenant(key, tenant)
-    assert put_and_wait(tier, key, payload(CONTRACT_CHUNK, seed), CONTRACT_CHUNK).outcome is (
+    assert put_as(tier, tenant, key, payload(CONTRACT_CHUNK, seed), CONTRACT_CHUNK).outcome is (
         PutOutcome.STORED
     )
     return key
@@ -85,8 +86,8 @@ def live(tier: RedisTier, keys: list[ChunkKey]) -> list[ChunkKey]:
 
 
 def delete_behind_the_tiers_back(tier: RedisTier, key: ChunkKey) -> bool:
-    name = tier.redis_name(key)
-    return bool(tier.link.call(lambda client: client.delete(name)))
+    name = tier.store.name_of(key)
+    return bool(tier.store.link.call(lambda client: client.delete(name)))
 
 
 def test_a_flood_from_two_engines_stays_within_its_quota_fleet_wide(url: str) -> None:
@@ -98,7 +99,7 @@ def test_a_flood_from_two_engines_stays_within_its_quota_fleet_wide(url: str) ->
             flood.append(store(a if seed % 2 else b, "flood", seed))
         assert live(a, flood) == flood[-4:]  # its newest 4, whichever engine stored them
         assert live(b, calm) == calm  # another tenant's chunks are untouched
-        reports = [a.tenant_report(), b.tenant_report()]
+        reports = [tenant_rows(a), tenant_rows(b)]
         for report in reports:  # the ledger's count is the fleet's, read by each engine
             assert report["flood"]["held_bytes"] == 4 * UNIT
             assert report["flood"]["limit_bytes"] == 4 * UNIT
@@ -108,7 +109,7 @@ def test_a_flood_from_two_engines_stays_within_its_quota_fleet_wide(url: str) ->
         assert reports[0]["calm"]["quota_evictions"] == 0
         assert sum(r["flood"]["quota_evictions"] or 0 for r in reports) == 16
         assert a.counters.evicted + b.counters.evicted == 16
-        gone = {**a.evicted_by_quota(flood), **b.evicted_by_quota(flood)}
+        gone = {**a.tenants.evicted_by_quota(flood), **b.tenants.evicted_by_quota(flood)}
         assert gone == dict.fromkeys(flood[:16], "flood")  # kvtier explain names the quota
         assert a.get_into(flood[-1], _page()) == CONTRACT_CHUNK  # what is left still reads
     finally:
@@ -125,10 +126,10 @@ def test_salts_under_the_star_row_share_one_ledger_fleet_wide(server: RedisServe
         sprayed = [store(a if seed % 2 else b, f"salt{seed}", seed) for seed in range(10, 30)]
         assert live(a, sprayed) == sprayed[-3:]  # per salt, every one would have stayed
         assert live(b, alice) == alice
-        report = a.tenant_report()
+        report = tenant_rows(a)
         assert report["*"]["chunks"] == 3 and report["*"]["limit_bytes"] == 3 * UNIT
         assert not any(name.startswith("salt") for name in report)  # one row: the ledger's
-        gone = {**a.evicted_by_quota(sprayed), **b.evicted_by_quota(sprayed)}
+        gone = {**a.tenants.evicted_by_quota(sprayed), **b.tenants.evicted_by_quota(sprayed)}
         assert gone == dict.fromkeys(sprayed[:-3], "*")
     finally:
         a.close()
@@ -151,10 +152,12 @@ def test_the_tp_ranks_of_a_model_share_a_tenants_limit(url: str) -> None:
         keys0 = [store(r0, "t", seed) for seed in range(1, 4)]
         keys1 = [store(r1, "t", seed) for seed in range(1, 4)]  # same keys, the other rank
         assert live(r0, keys0) == keys0[2:] and live(r1, keys1) == keys1  # 4 in all
-        report0, report1 = r0.tenant_report()["t"], r1.tenant_report()["t"]
+        report0, report1 = tenant_rows(r0)["t"], tenant_rows(r1)["t"]
         assert report0["chunks"] == report1["chunks"] == 4
         assert report1["quota_evictions"] == 2  # rank 0's two oldest, deleted by rank 1
-        assert r1.evicted_by_quota(keys1) == {}  # not rank 1's keys: not reported as its own
+        assert (
+            r1.tenants.evicted_by_quota(keys1) == {}
+        )  # not rank 1's keys: not reported as its own
     finally:
         r0.close()
         r1.close()
@@ -164,13 +167,13 @@ def test_without_scripts_the_ledger_is_a_transaction_and_holds_as_well(url: str)
     a, b = open_tiers(url, {"flood": chunks(3)}, count=2)
     try:
         for tier in (a, b):  # as after a server refused EVAL
-            assert tier._quotas is not None
-            tier._quotas._use_script = False
+            assert tier.ledger is not None
+            tier.ledger._use_script = False
         calm = [store(a, "calm", 1)]
         flood = [store(a if seed % 2 else b, "flood", seed) for seed in range(100, 110)]
         assert live(a, flood) == flood[-3:]
         assert live(a, calm) == calm
-        assert a.tenant_report()["flood"]["chunks"] == 3
+        assert tenant_rows(a)["flood"]["chunks"] == 3
     finally:
         a.close()
         b.close()
@@ -183,7 +186,7 @@ def test_a_server_that_refuses_eval_gets_the_transaction() -> None:
         (tier,) = open_tiers(srv.url, {"t": chunks(2)})
         try:
             keys = [store(tier, "t", seed) for seed in range(1, 5)]
-            assert tier._quotas is not None and not tier._quotas._use_script
+            assert tier.ledger is not None and not tier.ledger._use_script
             assert live(tier, keys) == keys[-2:]
         finally:
             tier.close()
@@ -196,9 +199,9 @@ def test_a_limit_changed_at_run_time_applies_at_once_and_at_the_next_store(url: 
     try:
         keys = [store(tier, "t", seed) for seed in range(1, 7)]
         assert live(tier, keys) == keys
-        tier._quotas.quotas.set("t", TenantLimit(nbytes=2 * UNIT))  # type: ignore[union-attr]
+        tier.ledger.quotas.set("t", TenantLimit(nbytes=2 * UNIT))  # type: ignore[union-attr]
         assert live(tier, keys) == keys[-2:]  # PUT /quota: evicted before it answers
-        tier._quotas.quotas.set("t", None)  # type: ignore[union-attr]
+        tier.ledger.quotas.set("t", None)  # type: ignore[union-attr]
         keys += [store(tier, "t", seed) for seed in range(7, 10)]  # no row: no limit
         assert len(live(tier, keys)) == 5
     finally:
@@ -215,7 +218,7 @@ def test_chunks_redis_dropped_itself_cost_the_tenant_none_of_its_live_ones(url: 
         keys.append(store(tier, "t", 5))
         keys.append(store(tier, "t", 6))  # 4 members again: nothing popped
         assert live(tier, keys) == [keys[1], keys[3], keys[4], keys[5]]  # 4: its limit
-        row = tier.tenant_report()["t"]
+        row = tenant_rows(tier)["t"]
         assert row["quota_evictions"] == 0
         assert row["stale_entries"] == 2
     finally:
@@ -229,7 +232,7 @@ def test_a_share_is_of_maxmemory(server: RedisServer) -> None:
         (tier,) = open_tiers(server.url, {"*": "0.5%"})  # 5 chunks of 1000
         keys = [store(tier, "anyone", seed) for seed in range(1, 9)]
         assert live(tier, keys) == keys[-5:]
-        assert tier.tenant_report()["*"]["limit_bytes"] == 5 * UNIT  # its row's one ledger
+        assert tenant_rows(tier)["*"]["limit_bytes"] == 5 * UNIT  # its row's one ledger
         tier.close()
     finally:
         with server.client() as client:
@@ -244,7 +247,7 @@ def test_the_ledger_expires_with_the_chunks_it_counts(server: RedisServer) -> No
         with server.client() as client:
             ttl_ms = client.pttl(ledger_name(tier.fingerprint.hex(), "t"))
             assert 0 < ttl_ms <= 60_000
-            assert client.pttl(tier.redis_name((1).to_bytes(16, "big"))) <= ttl_ms
+            assert client.pttl(tier.store.name_of((1).to_bytes(16, "big"))) <= ttl_ms
     finally:
         tier.close()
         with server.client() as client:
@@ -255,8 +258,7 @@ def test_a_limit_under_one_chunk_is_refused_naming_the_tenant(server: RedisServe
     (tier,) = open_tiers(server.url, {"tiny": "1KiB"})
     try:
         key = (1).to_bytes(16, "big")
-        tier.assign_tenant(key, "tiny")
-        result = put_and_wait(tier, key, payload(CONTRACT_CHUNK, 1), CONTRACT_CHUNK)
+        result = put_as(tier, "tiny", key, payload(CONTRACT_CHUNK, 1), CONTRACT_CHUNK)
         assert result.outcome is PutOutcome.DROPPED
         assert "tenant 'tiny'" in result.detail and "1.00 KiB" in result.detail
         assert f"below one chunk ({UNIT} bytes)" in result.detail
@@ -366,3 +368,26 @@ def test_put_quota_through_the_admin_api_trims_the_tenant_in_redis_at_once(
     finally:
         with server.client() as raw:
             raw.flushall()
+
+
+class TestRedisTenantContract(TenantContract):
+    """A cap and the fleet's ledger (no guarantee of its own: another tenant's flood deletes
+    only its own chunks, so the quiet tenant's stay), on a server and on a cluster."""
+
+    unit_bytes = UNIT
+
+    @pytest.fixture
+    def tenant_tier(self, url: str) -> Iterator[TenantTierFactory]:
+        made: list[RedisTier] = []
+
+        def make(quotas: TenantQuotas) -> RedisTier:
+            options = RedisOptions(timeout_s=2.0)
+            tier = RedisTier(parse_remote_url(url), FINGERPRINT.layout, FINGERPRINT, options)
+            tier.attach_quotas(quotas)
+            tier.open()
+            made.append(tier)
+            return tier
+
+        yield make
+        for tier in made:
+            tier.close()

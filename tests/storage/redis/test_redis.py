@@ -18,7 +18,7 @@ from kvtier.config.remote_url import parse_remote_url
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.fingerprint import Fingerprint
 from kvtier.storage import record_reads, records
-from kvtier.storage.base import PutOutcome
+from kvtier.storage.base import PutJob, PutOutcome
 from kvtier.storage.redis.options import RedisOptions
 from kvtier.storage.redis.tier import RedisTier
 from tests.conftest import SMALL_LAYOUT, make_kv, make_tokens, small_config
@@ -68,7 +68,7 @@ def test_value_is_a_checksummed_record_under_a_fingerprinted_name(
     key, data = random_key(), payload(CONTRACT_CHUNK, 7)
     put_and_wait(tier, key, data, CONTRACT_CHUNK)
     name = f"kvtier:{FINGERPRINT.hex()}:{key.hex()}".encode()
-    assert tier.redis_name(key) == name
+    assert tier.store.name_of(key) == name
     with server.client() as raw:
         value = raw.get(name)
     assert value is not None
@@ -104,7 +104,7 @@ def test_the_checksum_hashed_while_reading_covers_every_payload_byte(
     put_and_wait(tier, key, data, CONTRACT_CHUNK)
     offset = records.header_size() + (0 if where == "first" else data.numel() - 1)
     with server.client() as raw:
-        raw.setrange(tier.redis_name(key), offset, b"\x5a")
+        raw.setrange(tier.store.name_of(key), offset, b"\x5a")
     out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
     assert tier.get_into(key, out) is None
     assert tier.counters.corrupt == 1
@@ -113,7 +113,7 @@ def test_the_checksum_hashed_while_reading_covers_every_payload_byte(
 def test_corrupt_record_is_a_miss_deleted_and_counted(tier: RedisTier, server: RedisServer) -> None:
     key, data = random_key(), payload(CONTRACT_CHUNK, 8)
     put_and_wait(tier, key, data, CONTRACT_CHUNK)
-    name = tier.redis_name(key)
+    name = tier.store.name_of(key)
     with server.client() as raw:
         raw.setrange(name, records.header_size() + 100, b"\xff\x00\xff")  # flip payload bytes
         out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
@@ -138,7 +138,7 @@ def test_ttl_expires_chunks(server: RedisServer) -> None:
         key = random_key()
         put_and_wait(tier, key, payload(CONTRACT_CHUNK, 9), CONTRACT_CHUNK)
         with server.client() as raw:
-            ttl_ms = raw.pttl(tier.redis_name(key))
+            ttl_ms = raw.pttl(tier.store.name_of(key))
         assert 0 < ttl_ms <= 30_000
     finally:
         tier.clear()
@@ -162,7 +162,7 @@ def test_puts_over_the_inflight_bound_are_dropped_at_once(server: RedisServer) -
         done = Outcomes()
         keys = [random_key() for _ in range(20)]
         for i, key in enumerate(keys):
-            tier.put(key, payload(CONTRACT_CHUNK, i), CONTRACT_CHUNK, done)
+            tier.put(PutJob(key, payload(CONTRACT_CHUNK, i), CONTRACT_CHUNK, "", done))
         results = done.wait(len(keys))
         assert tier.flush(10.0)
         outcomes = [r.outcome for r in results]
@@ -181,7 +181,7 @@ def test_a_page_view_is_stored_whole(tier: RedisTier, server: RedisServer) -> No
     pages[PAGE_BYTES : PAGE_BYTES + data.numel()] = data
     put_and_wait(tier, key, pages[PAGE_BYTES : PAGE_BYTES + data.numel()], CONTRACT_CHUNK)
     with server.client() as raw:
-        assert raw.strlen(tier.redis_name(key)) == records.header_size() + data.numel()
+        assert raw.strlen(tier.store.name_of(key)) == records.header_size() + data.numel()
     out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
     assert tier.get_into(key, out) == CONTRACT_CHUNK
     assert torch.equal(out, data)
@@ -275,7 +275,7 @@ def test_unix_socket_url(tmp_path: Path) -> None:
             assert tier.get_into(key, out) == CONTRACT_CHUNK
             assert torch.equal(out, data)
             with redis.Redis(host="127.0.0.1", port=srv.port, db=2) as raw:
-                assert raw.exists(tier.redis_name(key)) == 1
+                assert raw.exists(tier.store.name_of(key)) == 1
         finally:
             tier.close()
     finally:
@@ -297,7 +297,7 @@ def test_rediss_url_talks_tls(tmp_path: Path) -> None:
         tier = RedisTier.from_config(config, SMALL_LAYOUT, FINGERPRINT_SMALL)
         tier.open()
         try:
-            assert tier.link.is_up
+            assert tier.store.link.is_up
             key, data = random_key(), payload(CONTRACT_CHUNK, 13)
             assert put_and_wait(tier, key, data, CONTRACT_CHUNK).outcome is PutOutcome.STORED
             out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
@@ -311,7 +311,7 @@ def test_rediss_url_talks_tls(tmp_path: Path) -> None:
         )
         untrusted.open()
         try:
-            assert not untrusted.link.is_up
+            assert not untrusted.store.link.is_up
         finally:
             untrusted.close()
     finally:
@@ -327,10 +327,10 @@ def test_missing_ca_file_names_its_key() -> None:
 def test_a_foreign_value_under_a_chunk_name_is_a_miss(tier: RedisTier, server: RedisServer) -> None:
     key = random_key()
     with server.client() as raw:
-        raw.hset(tier.redis_name(key), "field", "value")  # WRONGTYPE for GET
+        raw.hset(tier.store.name_of(key), "field", "value")  # WRONGTYPE for GET
     out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
     assert tier.get_into(key, out) is None
-    assert tier.link.is_up  # a refused command is not an outage
+    assert tier.store.link.is_up  # a refused command is not an outage
     assert tier.counters.misses == 1
 
 
@@ -343,7 +343,7 @@ def test_lookup_without_scripting_falls_back_to_a_pipeline() -> None:
             keys = [random_key() for _ in range(3)]
             put_and_wait(tier, keys[1], payload(CONTRACT_CHUNK, 14), CONTRACT_CHUNK)
             assert tier.contains(keys) == [False, True, False]
-            assert not tier._use_script  # EVAL was refused; the pipeline answered
+            assert not tier.store._use_script  # EVAL was refused; the pipeline answered
             assert tier.contains(keys) == [False, True, False]
         finally:
             tier.close()
@@ -391,7 +391,7 @@ def test_32_threads_at_once_all_hit_and_the_tier_stays_up(server: RedisServer) -
         assert hits == [64] * (threads * 4)
         tier = reader.tiers()[1]  # the first below the CPU tier
         assert isinstance(tier, RedisTier)
-        assert tier.link.outages == 0 and tier.link.is_up
+        assert tier.store.link.outages == 0 and tier.store.link.is_up
         assert reader.check_invariants() == [] and reader.leaks() == []
         _clear_redis(reader)
     finally:
@@ -403,14 +403,14 @@ def test_a_busy_pool_is_a_bounded_miss_never_an_outage(server: RedisServer) -> N
     try:
         key = random_key()
         put_and_wait(tier, key, payload(CONTRACT_CHUNK, 15), CONTRACT_CHUNK)
-        gate = tier.link.gate
+        gate = tier.store.link.gate
         assert gate.size == 2
         for _ in range(gate.size):  # every connection held by someone else
             assert gate.acquire(0.1, lambda: False)
         start = time.monotonic()
         assert tier.contains([key]) == [False]
         assert 0.4 < time.monotonic() - start < 3.0
-        assert tier.link.is_up and tier.link.outages == 0
+        assert tier.store.link.is_up and tier.store.link.outages == 0
         for _ in range(gate.size):
             gate.release()
         assert tier.contains([key]) == [True]

@@ -46,10 +46,10 @@ def test_chunks_spread_over_every_master(tier: RedisTier, cluster: RedisClusterS
     per_node = {node.port: 0 for node in cluster.nodes}
     for node in cluster.nodes:
         with node.client() as raw:
-            per_node[node.port] = sum(1 for _ in raw.scan_iter(match=tier.prefix + b"*"))
+            per_node[node.port] = sum(1 for _ in raw.scan_iter(match=tier.store.prefix + b"*"))
     assert sum(per_node.values()) == len(keys)
     assert all(count > 0 for count in per_node.values()), per_node
-    assert b"{" not in tier.redis_name(keys[0])  # no hash tag pinning them to one slot
+    assert b"{" not in tier.store.name_of(keys[0])  # no hash tag pinning them to one slot
     assert tier.contains(keys) == [True] * len(keys)
     assert tier.usage().entries >= len(keys)
 
@@ -57,14 +57,14 @@ def test_chunks_spread_over_every_master(tier: RedisTier, cluster: RedisClusterS
 def test_any_single_master_is_enough_to_start(cluster: RedisClusterServers) -> None:
     tier = open_tier(f"valkey-cluster://127.0.0.1:{cluster.nodes[1].port}")
     try:
-        assert tier.link.is_up
+        assert tier.store.link.is_up
         key = random_key()
         put_and_wait(tier, key, payload(CONTRACT_CHUNK, 3), CONTRACT_CHUNK)
         out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
         assert tier.get_into(key, out) == CONTRACT_CHUNK
-        holder = cluster.node_holding(tier.redis_name(key))
+        holder = cluster.node_holding(tier.store.name_of(key))
         with holder.client() as raw:
-            assert raw.exists(tier.redis_name(key)) == 1
+            assert raw.exists(tier.store.name_of(key)) == 1
     finally:
         tier.clear()
         tier.close()

@@ -16,7 +16,7 @@ import torch
 
 from kvtier import Engine
 from kvtier.errors import KVTierError
-from kvtier.storage.base import PutOutcome
+from kvtier.storage.base import PutJob, PutOutcome
 from kvtier.storage.redis.tier import RedisTier
 from tests.conftest import SMALL_LAYOUT, make_kv, make_tokens, small_config
 from tests.redis_servers import RedisClusterServers, RedisServer, free_port, wait_until
@@ -67,7 +67,7 @@ def exercise_every_public_call(tier: RedisTier) -> list[str]:
         "contains": lambda: tier.contains([key, random_key()]),
         "get_into": lambda: tier.get_into(key, out),
         "get_many_into": lambda: tier.get_many_into([(key, out)]),
-        "put": lambda: tier.put(key, payload(CONTRACT_CHUNK, 1), CONTRACT_CHUNK, done),
+        "put": lambda: tier.put(PutJob(key, payload(CONTRACT_CHUNK, 1), CONTRACT_CHUNK, "", done)),
         "flush": lambda: tier.flush(TIMEOUT_S + SLACK_S),
         "remove": lambda: tier.remove(key),
         "pin": lambda: tier.pin(key),
@@ -94,7 +94,7 @@ def test_server_down_at_open_disables_the_tier_then_it_recovers(
     server = RedisServer()  # its port is chosen but nothing listens yet
     tier = open_tier(server.url, timeout_s=TIMEOUT_S)
     try:
-        assert not tier.link.is_up
+        assert not tier.store.link.is_up
         keys = [random_key() for _ in range(8)]
         answer, took = timed(lambda: tier.contains(keys))
         assert answer == [False] * 8 and took < SLACK_S
@@ -105,7 +105,7 @@ def test_server_down_at_open_disables_the_tier_then_it_recovers(
         assert len(redis_warnings(caplog)) == 1, redis_warnings(caplog)
 
         server.start()
-        assert tier.link.wait_up(15.0), "tier did not reconnect by itself"
+        assert tier.store.link.wait_up(15.0), "tier did not reconnect by itself"
         assert put_and_wait(tier, keys[0], payload(16, 1), 16).outcome is PutOutcome.STORED
         assert tier.contains(keys[:1]) == [True]
     finally:
@@ -117,7 +117,7 @@ def test_cluster_down_at_open_disables_the_tier() -> None:
     url = f"redis-cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
     tier = open_tier(url, timeout_s=TIMEOUT_S)
     try:
-        assert not tier.link.is_up
+        assert not tier.store.link.is_up
         assert tier.contains([random_key()]) == [False]
         assert exercise_every_public_call(tier) == []
     finally:
@@ -139,7 +139,7 @@ def test_killed_server_turns_into_misses_then_recovers(
         assert exercise_every_public_call(tier) == []
         assert len(redis_warnings(caplog)) == 1, redis_warnings(caplog)
         server.start()  # same port, empty: persistence is off
-        assert tier.link.wait_up(15.0), "tier did not reconnect by itself"
+        assert tier.store.link.wait_up(15.0), "tier did not reconnect by itself"
         put_and_wait(tier, key, payload(CONTRACT_CHUNK, 2), CONTRACT_CHUNK)
         assert tier.get_into(key, out) == CONTRACT_CHUNK
         assert tier.counters.outages == 1 and tier.usage().entries == 1
@@ -164,7 +164,7 @@ def test_stalled_server_costs_at_most_the_timeout(server: RedisServer) -> None:
         assert result.outcome is PutOutcome.DROPPED
         assert exercise_every_public_call(tier) == []
         server.resume()
-        assert tier.link.wait_up(15.0), "tier did not come back after the stall"
+        assert tier.store.link.wait_up(15.0), "tier did not come back after the stall"
         assert tier.get_into(key, out) == CONTRACT_CHUNK
     finally:
         server.resume()
@@ -176,11 +176,11 @@ def test_a_write_to_a_server_that_stalls_mid_run_fails_within_the_timeout(
 ) -> None:
     tier = open_tier(server.url, timeout_s=TIMEOUT_S)
     try:
-        assert tier.link.is_up
+        assert tier.store.link.is_up
         server.pause()
         done = Outcomes()
         start = time.monotonic()
-        tier.put(random_key(), payload(CONTRACT_CHUNK, 5), CONTRACT_CHUNK, done)
+        tier.put(PutJob(random_key(), payload(CONTRACT_CHUNK, 5), CONTRACT_CHUNK, "", done))
         (result,) = done.wait(1, timeout=TIMEOUT_S + SLACK_S)
         assert result.outcome is PutOutcome.FAILED
         assert time.monotonic() - start < TIMEOUT_S + SLACK_S
@@ -217,7 +217,7 @@ def test_engine_survives_a_server_killed_mid_request(server: RedisServer) -> Non
         server.start()
         tier = reader.tiers()[1]  # the first below the CPU tier
         assert isinstance(tier, RedisTier)
-        assert tier.link.wait_up(15.0)
+        assert tier.store.link.wait_up(15.0)
         reader.store(tokens, kv)
         assert reader.flush(10.0)
         assert reader.lookup(tokens, "r3").tokens == 64
@@ -236,7 +236,7 @@ def test_close_with_a_dead_server_does_not_hang(server: RedisServer) -> None:
     tier = open_tier(server.url, timeout_s=TIMEOUT_S)
     done = Outcomes()
     for i in range(4):
-        tier.put(random_key(), payload(CONTRACT_CHUNK, i), CONTRACT_CHUNK, done)
+        tier.put(PutJob(random_key(), payload(CONTRACT_CHUNK, i), CONTRACT_CHUNK, "", done))
     server.pause()
     _, took = timed(tier.close)
     assert took < 3 * TIMEOUT_S + SLACK_S
@@ -267,14 +267,14 @@ def test_cluster_master_killed_then_restarted_recovers() -> None:
         try:
             key = random_key()
             put_and_wait(tier, key, payload(CONTRACT_CHUNK, 7), CONTRACT_CHUNK)
-            holder = cluster.node_holding(tier.redis_name(key))
+            holder = cluster.node_holding(tier.store.name_of(key))
             holder.kill()
             out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
             answer, took = timed(lambda: tier.get_into(key, out))
             assert answer is None and took < TIMEOUT_S + SLACK_S
             holder.start()  # same directory: it rejoins with its nodes.conf, empty of data
             wait_until(cluster.all_ok, 30, "the cluster to heal")
-            assert tier.link.wait_up(15.0), "tier did not reconnect to the healed cluster"
+            assert tier.store.link.wait_up(15.0), "tier did not reconnect to the healed cluster"
             wait_until(
                 lambda: (
                     put_and_wait(tier, key, payload(CONTRACT_CHUNK, 7), CONTRACT_CHUNK).outcome
@@ -315,7 +315,7 @@ def test_cluster_master_paused_costs_at_most_the_timeout_then_recovers() -> None
         try:
             key = random_key()
             put_and_wait(tier, key, payload(CONTRACT_CHUNK, 8), CONTRACT_CHUNK)
-            holder = cluster.node_holding(tier.redis_name(key))
+            holder = cluster.node_holding(tier.store.name_of(key))
             holder.pause()
             out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
             answer, took = timed(lambda: tier.get_into(key, out))
@@ -325,7 +325,7 @@ def test_cluster_master_paused_costs_at_most_the_timeout_then_recovers() -> None
             escaped, took = timed(lambda: exercise_every_public_call(tier))
             assert escaped == []
             holder.resume()
-            assert tier.link.wait_up(15.0), "tier did not come back after the pause"
+            assert tier.store.link.wait_up(15.0), "tier did not come back after the pause"
             wait_until(lambda: tier.get_into(key, out) == CONTRACT_CHUNK, 15, "the paused key")
             assert torch.equal(out, payload(CONTRACT_CHUNK, 8))
         finally:
@@ -351,7 +351,7 @@ def test_engine_on_a_cluster_turns_a_master_fault_into_misses_and_recovers(fault
             tier = engine.tier("redis")
             assert isinstance(tier, RedisTier)
             first_key = engine.keychain.keys(tokens, include_partial=False)[0].key
-            holder = cluster.node_holding(tier.redis_name(first_key))  # holds chunk 0
+            holder = cluster.node_holding(tier.store.name_of(first_key))  # holds chunk 0
             if fault == "kill_then_restart_empty":
                 holder.kill()
             else:
@@ -374,7 +374,7 @@ def test_engine_on_a_cluster_turns_a_master_fault_into_misses_and_recovers(fault
             else:
                 holder.resume()
             wait_until(cluster.all_ok, 30, "the cluster to heal")
-            assert tier.link.wait_up(15.0)
+            assert tier.store.link.wait_up(15.0)
 
             def all_hit() -> bool:
                 engine.store(tokens, kv)

@@ -32,7 +32,8 @@ from kvtier.storage.base import PutOutcome
 from kvtier.storage.redis.tenant_ledger import ledger_name
 from kvtier.storage.redis.tier import RedisTier
 from tests.storage.redis.test_quotas import UNIT, open_tiers
-from tests.storage.tier_contract import CONTRACT_CHUNK, payload, put_and_wait
+from tests.storage.remote.helpers import put_as
+from tests.storage.tier_contract import CONTRACT_CHUNK, payload
 
 LIMITED = ("a", "b")  # tenants whose limit the machine changes
 FREE = "free"  # never a limit
@@ -46,17 +47,16 @@ class Fleet(RuleBasedStateMachine):
         super().__init__()
         for tier in self.tiers:  # every example: an empty store, limited tenants at 2
             for tenant in LIMITED:
-                assert tier._quotas is not None
-                tier._quotas.quotas.set(tenant, TenantLimit(nbytes=2 * UNIT))
-        self.tiers[0].link.call(lambda client: _flush(client))
+                assert tier.ledger is not None
+                tier.ledger.quotas.set(tenant, TenantLimit(nbytes=2 * UNIT))
+        self.tiers[0].store.link.call(lambda client: _flush(client))
         self.stored: dict[str, list[ChunkKey]] = {t: [] for t in (*LIMITED, FREE)}
         self.dropped: set[ChunkKey] = set()  # deleted behind the tiers' backs
         self.limits: dict[str, int | None] = dict.fromkeys(LIMITED, 2)
 
     def _store(self, engine: int, tenant: str, key: ChunkKey) -> None:
         tier = self.tiers[engine]
-        tier.assign_tenant(key, tenant)
-        result = put_and_wait(tier, key, payload(CONTRACT_CHUNK, key[-1]), CONTRACT_CHUNK)
+        result = put_as(tier, tenant, key, payload(CONTRACT_CHUNK, key[-1]), CONTRACT_CHUNK)
         limit = self.limits.get(tenant)
         if limit == 0:
             assert result.outcome is PutOutcome.DROPPED  # under one chunk: refused
@@ -83,16 +83,16 @@ class Fleet(RuleBasedStateMachine):
     def redis_drops_one(self, data: st.DataObject) -> None:
         keys = [k for keys in self.stored.values() for k in keys]
         key = data.draw(st.sampled_from(keys))
-        name = self.tiers[0].redis_name(key)
-        self.tiers[0].link.call(lambda client: client.delete(name))
+        name = self.tiers[0].store.name_of(key)
+        self.tiers[0].store.link.call(lambda client: client.delete(name))
         self.dropped.add(key)
 
     @rule(tenant=st.sampled_from(LIMITED), chunks=st.none() | st.integers(0, 4))
     def set_limit(self, tenant: str, chunks: int | None) -> None:
         limit = None if chunks is None else TenantLimit(nbytes=chunks * UNIT)
         for tier in self.tiers:  # a row rolled out to the fleet
-            assert tier._quotas is not None
-            tier._quotas.quotas.set(tenant, limit)
+            assert tier.ledger is not None
+            tier.ledger.quotas.set(tenant, limit)
         self.limits[tenant] = chunks
 
     @invariant()
@@ -112,7 +112,7 @@ class Fleet(RuleBasedStateMachine):
 
 
 def _members(tier: RedisTier, ledger: bytes) -> list[bytes]:
-    return list(tier.link.call(lambda client: client.zrange(ledger, 0, -1)))
+    return list(tier.store.link.call(lambda client: client.zrange(ledger, 0, -1)))
 
 
 def _flush(client: object) -> None:
@@ -132,8 +132,8 @@ def test_two_engines_keep_every_tenant_counted_and_capped(
     url = request.getfixturevalue(where).url
     tiers = open_tiers(url, {}, count=2)
     for tier in tiers:  # multi-exec: as where the server refuses EVAL
-        assert tier._quotas is not None
-        tier._quotas._use_script = scripts
+        assert tier.ledger is not None
+        tier.ledger._use_script = scripts
     Fleet.tiers = tiers
     try:
         run_state_machine_as_test(

@@ -18,12 +18,14 @@ from kvtier.keys import ChunkKey
 from kvtier.observability.metrics import engine_registry
 from kvtier.storage import records
 from kvtier.storage.base import Membership, PutOutcome
-from kvtier.storage.policy.quotas import TenantQuotas
 from kvtier.storage.s3.quotas import tenant_dir
 from kvtier.storage.s3.tier import S3Tier
+from kvtier.storage.tenants.quotas import TenantQuotas
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT, make_kv, make_tokens, small_config
+from tests.storage.remote.helpers import put_as, tenant_rows
 from tests.storage.s3.test_tier import FINGERPRINT, options, raw_client
-from tests.storage.tier_contract import CONTRACT_CHUNK, payload, put_and_wait
+from tests.storage.tenant_contract import TenantContract, TenantTierFactory
+from tests.storage.tier_contract import CONTRACT_CHUNK, payload
 
 UNIT = records.header_size() + FINGERPRINT.layout.payload_bytes(CONTRACT_CHUNK)
 
@@ -50,15 +52,14 @@ def open_tier(seaweedfs: SeaweedFS, bucket: str) -> Iterator[OpenTier]:
 
 def store(tier: S3Tier, tenant: str, seed: int) -> ChunkKey:
     key = seed.to_bytes(16, "big")
-    tier.assign_tenant(key, tenant)
-    result = put_and_wait(tier, key, payload(CONTRACT_CHUNK, seed), CONTRACT_CHUNK)
+    result = put_as(tier, tenant, key, payload(CONTRACT_CHUNK, seed), CONTRACT_CHUNK)
     assert result.outcome is PutOutcome.STORED, result
     return key
 
 
 def in_bucket(tier: S3Tier, seaweedfs: SeaweedFS, bucket: str) -> set[ChunkKey]:
     raw = raw_client(seaweedfs, bucket)
-    return {bytes.fromhex(name.rsplit("/", 1)[1]) for name, _ in raw.list(tier.prefix)}
+    return {bytes.fromhex(name.rsplit("/", 1)[1]) for name, _ in raw.list(tier.store.prefix)}
 
 
 def test_a_flood_stays_within_its_quota_and_another_tenant_keeps_its_objects(
@@ -76,8 +77,8 @@ def test_a_flood_stays_within_its_quota_and_another_tenant_keeps_its_objects(
     assert in_bucket(tier, seaweedfs, bucket) == set(calm) | set(flood[-3:])
     assert tier.contains(flood) == [False] * 7 + [True] * 3  # the index knows too
     assert evicted == removed == flood[:7]  # KV events and explain hear of each
-    assert tier.evicted_by_quota(flood) == dict.fromkeys(flood[:7], "flood")
-    report = tier.tenant_report()
+    assert tier.tenants.evicted_by_quota(flood) == dict.fromkeys(flood[:7], "flood")
+    report = tenant_rows(tier)
     assert report["flood"]["held_bytes"] == 3 * UNIT
     assert report["flood"]["limit_bytes"] == 3 * UNIT
     assert report["flood"]["quota_evictions"] == 7
@@ -93,12 +94,12 @@ def test_the_cap_holds_across_engines_as_of_each_ones_last_listing(
     # Neither had listed the other's writes: each kept its own newest 2 (the bound the
     # docs give: the limit plus what the others stored within one listing interval).
     assert in_bucket(a, seaweedfs, bucket) == set(from_a[-2:]) | set(from_b[-2:])
-    markers = raw_client(seaweedfs, bucket).list(b._quotas.marker_prefix)  # type: ignore[union-attr]
+    markers = raw_client(seaweedfs, bucket).list(b.ledger.marker_prefix)  # type: ignore[union-attr]
     assert {name.rsplit("/", 2)[1] for name, _ in markers} == {"t" + b"t".hex()}
-    assert b.refresh()  # b's listing now has a's markers: the fleet's order
+    assert b.store.refresh()  # b's listing now has a's markers: the fleet's order
     from_b.append(store(b, "t", 15))
     assert in_bucket(a, seaweedfs, bucket) == {from_b[-2], from_b[-1]}  # a's went too
-    assert b.tenant_report()["t"]["chunks"] == 2
+    assert tenant_rows(b)["t"]["chunks"] == 2
 
 
 def test_the_tp_ranks_of_a_model_share_a_tenants_limit(
@@ -107,13 +108,13 @@ def test_the_tp_ranks_of_a_model_share_a_tenants_limit(
     ranks = [dataclasses.replace(FINGERPRINT, tp_rank=r, tp_world_size=2) for r in (0, 1)]
     r0, r1 = (open_tier({"t": f"{4 * UNIT}B"}, fingerprint) for fingerprint in ranks)
     keys0 = [store(r0, "t", seed) for seed in range(1, 4)]
-    assert r1.refresh()  # rank 1 has listed rank 0's markers: one order for both
+    assert r1.store.refresh()  # rank 1 has listed rank 0's markers: one order for both
     keys1 = [store(r1, "t", seed) for seed in range(1, 4)]
     assert in_bucket(r0, seaweedfs, bucket) == {keys0[2]}  # rank 0's two oldest went
     assert in_bucket(r1, seaweedfs, bucket) == set(keys1)  # 4 in all: the limit
-    report = r1.tenant_report()["t"]
+    report = tenant_rows(r1)["t"]
     assert report["chunks"] == 4 and report["quota_evictions"] == 2
-    assert r1.evicted_by_quota(keys1) == {}  # rank 0's keys: not reported as rank 1's
+    assert r1.tenants.evicted_by_quota(keys1) == {}  # rank 0's keys: not reported as rank 1's
 
 
 def test_salts_under_the_star_row_share_one_order_fleet_wide(
@@ -125,10 +126,10 @@ def test_salts_under_the_star_row_share_one_order_fleet_wide(
     alice = [store(tier, "alice", seed) for seed in range(1, 5)]
     sprayed = [store(tier, f"salt{seed}", seed) for seed in range(10, 20)]
     assert in_bucket(tier, seaweedfs, bucket) == set(alice) | set(sprayed[-3:])
-    report = tier.tenant_report()
+    report = tenant_rows(tier)
     assert report["*"]["chunks"] == 3 and report["alice"]["chunks"] == 4
     later = open_tier({"alice": f"{4 * UNIT}B", "*": f"{3 * UNIT}B"})  # lists the markers
-    assert later.tenant_report()["*"]["chunks"] == 3
+    assert tenant_rows(later)["*"]["chunks"] == 3
 
 
 def test_an_engine_started_later_counts_what_the_fleet_stored_before(
@@ -138,7 +139,7 @@ def test_an_engine_started_later_counts_what_the_fleet_stored_before(
     before = [store(first, "t", seed) for seed in range(1, 4)]
     first.close()
     later = open_tier({"t": f"{3 * UNIT}B"})  # a restart: it lists the markers at open
-    assert later.tenant_report()["t"]["chunks"] == 3
+    assert tenant_rows(later)["t"]["chunks"] == 3
     after = store(later, "t", 4)
     assert in_bucket(later, seaweedfs, bucket) == {before[1], before[2], after}
 
@@ -148,13 +149,13 @@ def test_a_lowered_limit_applies_at_once_and_gone_objects_cost_no_live_one(
 ) -> None:
     tier = open_tier({"t": f"{4 * UNIT}B"})
     keys = [store(tier, "t", seed) for seed in range(1, 5)]
-    raw_client(seaweedfs, bucket).delete([tier.object_name(keys[0])])  # a lifecycle rule
-    assert tier.refresh()  # its marker stays: a stale member, the oldest
+    raw_client(seaweedfs, bucket).delete([tier.store.name_of(keys[0])])  # a lifecycle rule
+    assert tier.store.refresh()  # its marker stays: a stale member, the oldest
     keys.append(store(tier, "t", 5))
     assert in_bucket(tier, seaweedfs, bucket) == set(keys[1:])  # 4: nothing live went
-    assert tier.tenant_report()["t"]["stale_entries"] == 1
-    assert tier._quotas is not None
-    tier._quotas.quotas.set("t", TenantLimit(nbytes=UNIT))  # PUT /quota
+    assert tenant_rows(tier)["t"]["stale_entries"] == 1
+    assert tier.ledger is not None
+    tier.ledger.quotas.set("t", TenantLimit(nbytes=UNIT))  # PUT /quota
     assert in_bucket(tier, seaweedfs, bucket) == {keys[-1]}
 
 
@@ -164,13 +165,12 @@ def test_a_share_or_a_limit_under_one_chunk_is_refused_clearly(
     tier = open_tier({"tiny": "1KiB", "*": "10%"})
     assert "rows ['*'] are shares" in caplog.text  # an object store has no capacity
     key = (1).to_bytes(16, "big")
-    tier.assign_tenant(key, "tiny")
-    result = put_and_wait(tier, key, payload(CONTRACT_CHUNK, 1), CONTRACT_CHUNK)
+    result = put_as(tier, "tiny", key, payload(CONTRACT_CHUNK, 1), CONTRACT_CHUNK)
     assert result.outcome is PutOutcome.DROPPED
     assert "tenant 'tiny'" in result.detail and f"below one chunk ({UNIT} bytes)" in result.detail
     assert tier.contains([key]) == [False]
     assert store(tier, "anyone", 2)  # the share row binds nothing here
-    assert tier.tenant_report()["anyone"]["limit_bytes"] is None
+    assert tenant_rows(tier)["anyone"]["limit_bytes"] is None
 
 
 def test_an_engines_s3_tier_reports_its_tenants_in_stats_and_metrics(
@@ -209,6 +209,28 @@ def test_a_tenant_too_long_for_a_key_is_named_by_its_digest_and_still_capped(
     first = open_tier({long: f"{2 * UNIT}B"})
     before = [store(first, long, seed) for seed in range(1, 4)]
     later = open_tier({long: f"{2 * UNIT}B"})  # lists the digest's markers: its row's
-    assert later.tenant_report()[long]["chunks"] == 2
+    assert tenant_rows(later)[long]["chunks"] == 2
     after = store(later, long, 4)
     assert in_bucket(later, seaweedfs, bucket) == {before[2], after}
+
+
+class TestS3TenantContract(TenantContract):
+    """A cap kept with marker objects the fleet lists (no guarantee of its own: another
+    tenant's flood deletes only its own objects, so the quiet tenant's stay)."""
+
+    unit_bytes = UNIT
+
+    @pytest.fixture
+    def tenant_tier(self, seaweedfs: SeaweedFS, bucket: str) -> Iterator[TenantTierFactory]:
+        made: list[S3Tier] = []
+
+        def make(quotas: TenantQuotas) -> S3Tier:
+            tier = S3Tier(options(seaweedfs, bucket), FINGERPRINT.layout, FINGERPRINT)
+            tier.attach_quotas(quotas)
+            tier.open()
+            made.append(tier)
+            return tier
+
+        yield make
+        for tier in made:
+            tier.close()

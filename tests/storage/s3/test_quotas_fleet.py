@@ -29,13 +29,14 @@ from kvtier.bench.seaweedfs import SeaweedFS
 from kvtier.config.tenant_quotas import TenantLimit
 from kvtier.keys import ChunkKey
 from kvtier.storage.base import PutOutcome
-from kvtier.storage.policy.quotas import TenantQuotas
 from kvtier.storage.s3.client import S3Client
-from kvtier.storage.s3.quotas import S3Quotas, tenant_dir
+from kvtier.storage.s3.quotas import S3Ledger, tenant_dir
 from kvtier.storage.s3.tier import S3Tier
+from kvtier.storage.tenants.quotas import TenantQuotas
+from tests.storage.remote.helpers import put_as
 from tests.storage.s3.test_quotas import UNIT
 from tests.storage.s3.test_tier import FINGERPRINT, options, raw_client
-from tests.storage.tier_contract import CONTRACT_CHUNK, payload, put_and_wait
+from tests.storage.tier_contract import CONTRACT_CHUNK, payload
 
 LIMITED = ("a", "b")
 FREE = "free"
@@ -55,19 +56,19 @@ class Fleet(RuleBasedStateMachine):
         assert self.raw is not None
         self.raw.delete([name for name, _ in self.raw.list("")])  # markers too
         for tier in self.tiers:
-            assert tier.refresh()
+            assert tier.store.refresh()
         self.stored: dict[str, list[ChunkKey]] = {t: [] for t in (*LIMITED, FREE)}
         self.gone: set[ChunkKey] = set()
         self.limits: dict[str, int | None] = dict.fromkeys(LIMITED, 2)
 
     @staticmethod
-    def _quotas(tier: S3Tier) -> S3Quotas:
-        assert tier._quotas is not None
-        return tier._quotas
+    def _quotas(tier: S3Tier) -> S3Ledger:
+        assert tier.ledger is not None
+        return tier.ledger
 
     def _bucket(self) -> set[ChunkKey]:
         assert self.raw is not None
-        prefix = self.tiers[0].prefix
+        prefix = self.tiers[0].store.prefix
         return {bytes.fromhex(n[len(prefix) :]) for n, _ in self.raw.list(prefix)}
 
     def _markers(self) -> dict[str, set[ChunkKey]]:
@@ -83,8 +84,7 @@ class Fleet(RuleBasedStateMachine):
     def store(self, engine: int, tenant: str) -> None:
         key = next(SEEDS).to_bytes(16, "big")
         tier = self.tiers[engine]
-        tier.assign_tenant(key, tenant)
-        result = put_and_wait(tier, key, payload(CONTRACT_CHUNK, key[-1]), CONTRACT_CHUNK)
+        result = put_as(tier, tenant, key, payload(CONTRACT_CHUNK, key[-1]), CONTRACT_CHUNK)
         if self.limits.get(tenant) == 0:
             assert result.outcome is PutOutcome.DROPPED
             return
@@ -94,12 +94,12 @@ class Fleet(RuleBasedStateMachine):
 
     @rule(engine=st.integers(0, 1))
     def listing(self, engine: int) -> None:
-        assert self.tiers[engine].refresh()
+        assert self.tiers[engine].store.refresh()
 
     @rule(tenant=st.sampled_from(LIMITED))
     def both_list_then_one_stores(self, tenant: str) -> None:
         for tier in self.tiers:
-            assert tier.refresh()
+            assert tier.store.refresh()
         self.store(0, tenant)
         limit = self.limits[tenant]
         if limit:
@@ -111,7 +111,7 @@ class Fleet(RuleBasedStateMachine):
     def lifecycle_rule_deletes_one(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from([k for keys in self.stored.values() for k in keys]))
         assert self.raw is not None
-        self.raw.delete([self.tiers[0].object_name(key)])
+        self.raw.delete([self.tiers[0].store.name_of(key)])
         self.gone.add(key)
 
     @rule(tenant=st.sampled_from(LIMITED), chunks=st.none() | st.integers(0, 3))

@@ -14,7 +14,7 @@ import torch
 from kvtier.bench.seaweedfs import SeaweedFS
 from kvtier.fingerprint import Fingerprint
 from kvtier.storage import records
-from kvtier.storage.base import Membership, PutOutcome, ReadAbandoned
+from kvtier.storage.base import Membership, PutJob, PutOutcome, ReadAbandoned
 from kvtier.storage.s3.client import S3Client
 from kvtier.storage.s3.options import S3Options, parse_s3_url
 from kvtier.storage.s3.tier import RETRY_AFTER_S, S3Tier
@@ -85,7 +85,7 @@ def test_an_object_is_a_checksummed_record_under_the_fingerprint(
     key, data = random_key(), payload(CONTRACT_CHUNK, 7)
     put_and_wait(tier, key, data, CONTRACT_CHUNK)
     name = f"kv/{FINGERPRINT.hex()}/{key.hex()}"
-    assert tier.object_name(key) == name
+    assert tier.store.name_of(key) == name
     stored = raw_client(seaweedfs, bucket).get(name)
     assert stored is not None
     assert bytes(stored) == records.encode_record(key, FINGERPRINT, CONTRACT_CHUNK, data)
@@ -99,7 +99,7 @@ def test_a_corrupt_object_is_a_miss_deleted_and_counted(
     raw = raw_client(seaweedfs, bucket)
     record = bytearray(records.encode_record(key, FINGERPRINT, CONTRACT_CHUNK, data))
     record[-1] ^= 0xFF  # one payload bit flipped on the server
-    raw.put(tier.object_name(key), bytes(record))
+    raw.put(tier.store.name_of(key), bytes(record))
     removed: list[list[bytes]] = []
     tier.add_membership_listener(
         lambda change, keys: removed.append(list(keys)) if change is Membership.REMOVED else None
@@ -107,7 +107,7 @@ def test_a_corrupt_object_is_a_miss_deleted_and_counted(
     out = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
     assert tier.get_into(key, out) is None
     assert tier.counters.corrupt == 1 and tier.contains([key]) == [False]
-    assert raw.get(tier.object_name(key)) is None  # deleted
+    assert raw.get(tier.store.name_of(key)) is None  # deleted
     assert removed == [[key]] and "checksum" in (tier.corruption(key) or "")
 
 
@@ -117,7 +117,7 @@ def test_a_record_of_another_chunk_under_this_name_is_a_miss(
     key, other = random_key(), random_key()
     put_and_wait(tier, key, payload(CONTRACT_CHUNK, 9), CONTRACT_CHUNK)
     wrong = records.encode_record(other, FINGERPRINT, CONTRACT_CHUNK, payload(CONTRACT_CHUNK, 9))
-    raw_client(seaweedfs, bucket).put(tier.object_name(key), wrong)
+    raw_client(seaweedfs, bucket).put(tier.store.name_of(key), wrong)
     assert tier.get_into(key, torch.zeros(PAGE_BYTES, dtype=torch.uint8)) is None
     assert tier.counters.corrupt == 1
 
@@ -158,7 +158,7 @@ def test_another_writers_chunk_appears_at_the_next_refresh(open_tier: OpenTier) 
     key = random_key()
     put_and_wait(writer, key, payload(CONTRACT_CHUNK, 30), CONTRACT_CHUNK)
     assert reader.contains([key]) == [False]  # not listed yet: no request per lookup
-    assert reader.refresh() is True
+    assert reader.store.refresh() is True
     assert reader.contains([key]) == [True]
 
 
@@ -178,7 +178,7 @@ def test_a_chunk_deleted_behind_the_tiers_back_is_a_miss_that_leaves_the_index(
 ) -> None:
     key = random_key()
     put_and_wait(tier, key, payload(CONTRACT_CHUNK, 32), CONTRACT_CHUNK)
-    raw_client(seaweedfs, bucket).delete([tier.object_name(key)])
+    raw_client(seaweedfs, bucket).delete([tier.store.name_of(key)])
     assert tier.contains([key]) == [True]
     assert tier.get_into(key, torch.zeros(PAGE_BYTES, dtype=torch.uint8)) is None
     assert tier.contains([key]) == [False]
@@ -221,7 +221,7 @@ def test_a_stalled_store_costs_at_most_the_timeout_then_misses_at_once(
         start = time.monotonic()
         assert tier.get_into(key, out) is None
         done = Outcomes()
-        tier.put(random_key(), payload(CONTRACT_CHUNK, 51), CONTRACT_CHUNK, done)
+        tier.put(PutJob(random_key(), payload(CONTRACT_CHUNK, 51), CONTRACT_CHUNK, "", done))
         assert done.wait(1)[0].outcome is PutOutcome.DROPPED
         assert time.monotonic() - start < 0.5
         assert tier.counters.outages == 1 and tier.usage() and tier.counters.available == 0
@@ -307,16 +307,16 @@ def test_an_oversized_object_under_a_chunks_name_is_a_bounded_miss(
     a listing then skips it by its size."""
     key = random_key()
     put_and_wait(tier, key, payload(CONTRACT_CHUNK, 70), CONTRACT_CHUNK)
-    big = b"\0" * (tier.max_record_bytes * 8)
+    big = b"\0" * (tier.store.max_record_bytes * 8)
     raw = raw_client(seaweedfs, bucket)
-    raw.put(tier.object_name(key), big)  # replaced after the tier indexed it
-    got = tier.client.get(tier.object_name(key), tier.max_record_bytes + 1)
-    assert got is not None and len(got) == tier.max_record_bytes + 1
+    raw.put(tier.store.name_of(key), big)  # replaced after the tier indexed it
+    got = tier.store.client.get(tier.store.name_of(key), tier.store.max_record_bytes + 1)
+    assert got is not None and len(got) == tier.store.max_record_bytes + 1
     assert tier.get_into(key, torch.zeros(PAGE_BYTES, dtype=torch.uint8)) is None
     assert tier.counters.oversized == 1 and tier.counters.corrupt == 0
     assert tier.contains([key]) == [False]
-    assert tier.refresh() is True and tier.contains([key]) == [False]
-    assert raw.get(tier.object_name(key)) is not None  # not ours to delete
+    assert tier.store.refresh() is True and tier.contains([key]) == [False]
+    assert raw.get(tier.store.name_of(key)) is not None  # not ours to delete
 
 
 def test_puts_queued_when_the_store_goes_down_drop_at_once(
@@ -330,7 +330,8 @@ def test_puts_queued_when_the_store_goes_down_drop_at_once(
     try:
         start = time.monotonic()
         for i in range(48):
-            tier.put(random_key(), payload(CONTRACT_CHUNK, 80 + i), CONTRACT_CHUNK, done)
+            job = PutJob(random_key(), payload(CONTRACT_CHUNK, 80 + i), CONTRACT_CHUNK, "", done)
+            tier.put(job)
         assert tier.flush(TIMEOUT_S * 2 + 1.0), "queued puts still waiting on a down store"
         took = time.monotonic() - start
     finally:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from kvtier.keys import ChunkKey
 from kvtier.storage.policy import EvictionPolicy, LruPolicy
+from kvtier.storage.policy.base import PolicySeam
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +47,8 @@ class DiskIndex:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self.reserved_bytes = 0
-        self.policy = policy if policy is not None else LruPolicy()
+        # The order: a policy, or (tenant_quotas) the tier's ledger over one per row.
+        self.policy: PolicySeam = policy if policy is not None else LruPolicy()
         self._entries: dict[ChunkKey, DiskEntry] = {}
         self._pins: dict[ChunkKey, int] = {}
         self.pinned_bytes = 0  # the files of the pinned keys: never evicted

@@ -1,11 +1,14 @@
 """The disk tier under ``tenant_quotas``: its index's policy per tenant, and what survives.
 
-With quotas the index's policy is a :class:`~kvtier.storage.policy.tenants.TenantPolicy`
-over the engine's one quota table (the CPU tier reads the same table). Its unit is the file
-of one whole chunk (header + payload as the identity codec writes it: with another codec a
-chunk is still charged as one unit), its capacity the directory's ``max_local_disk_size``.
-A write names its tenant just before it is queued (``Tier.assign_tenant``); when it lands
-and its tenant is over its limit, the tenant's own unpinned files go (:func:`enforce`).
+With quotas the index's policy is the tier's ledger, a
+:class:`~kvtier.storage.tenants.local.TenantPolicy` over the engine's one quota table (the
+CPU tier reads the same table). Its unit is the file of one whole chunk (header + payload
+as the identity codec writes it: with another codec a chunk is still charged as one unit),
+its capacity the directory's ``max_local_disk_size``.
+A put names its tenant to the ledger as it is queued (``TenantPolicy.expect``: the index
+inserts the key only when the write lands); once it landed the tier charges it
+(:meth:`DiskQuotas.charge`), and while its tenant is over its limit the tenant's own unpinned
+files go.
 
 What a restart keeps, in ``.<fp16hex>.tenants`` beside the saved index (JSON, written to a
 temporary name, fsynced and renamed, like the index)::
@@ -33,12 +36,12 @@ from collections.abc import Sequence
 from kvtier.config.tenant_quotas import TenantLimit, check_tenant, parse_limit
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
-from kvtier.storage.disk.index import DiskIndex
 from kvtier.storage.disk.snapshot import replace_file
 from kvtier.storage.disk.state import DiskState
 from kvtier.storage.policy import make_policy
-from kvtier.storage.policy.quotas import TenantQuotas
-from kvtier.storage.policy.tenants import TenantPolicy
+from kvtier.storage.tenants.ledger import NO_SALT
+from kvtier.storage.tenants.local import TenantPolicy
+from kvtier.storage.tenants.quotas import TenantQuotas
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,27 @@ class DiskQuotas:
             lambda: make_policy(cache_policy), quotas, unit_bytes, state.options.capacity_bytes
         )
         state.index.policy = self.policy  # the index is empty until the open builds it
+        state.quotas = self
+        self._bind()
+
+    def _bind(self) -> None:
+        """The ledger's victims are unpinned files, taken under the state's lock (the tier's
+        own until open, then its directory's: bound again at open)."""
+        index = self._state.index
+        self.policy.bind(lambda key: not index.is_pinned(key), self._state.lock)
+
+    def expect(self, key: ChunkKey, tenant: str) -> None:
+        """Under the lock: a put of ``tenant`` was queued; its key is the tenant's when it
+        lands (the index inserts it then)."""
+        self.policy.expect(key, tenant)
+
+    def charge(self, key: ChunkKey) -> list[ChunkKey]:
+        """Under the lock: ``key`` landed (the index holds it, as :meth:`expect` named it);
+        its tenant's own victims while over its limit, taken out of the index (the caller
+        unlinks their files and reports them)."""
+        victims = self.policy.charge(key, NO_SALT)  # charged already: NO_SALT goes unused
+        self._state.index.forget(victims)
+        return victims
 
     def load(self, dir_fd: int) -> None:
         """At open, before the index is built: the saved rows and chunks' tenants."""
@@ -68,19 +92,18 @@ class DiskQuotas:
     def loaded(self) -> None:
         """At open, once the index is built: the open listens for changes from now on."""
         self.policy.forget_expected()
+        self._bind()
         self.policy.quotas.subscribe(self.changed)
 
     def changed(self) -> None:
         """A row changed (``PUT /quota``): tenants move between orders, those now over their
         limit drop their own files, and the rows are saved for the next open."""
         state = self._state
-        victims: list[ChunkKey] = []
         with state.lock:
             if state.dir.lost or state.dir.fd < 0:
                 return
-            self.policy.regroup()
-            for tenant in list(self.policy.usage):
-                victims += enforce(state.index, tenant)
+            victims = self.policy.regroup()
+            state.index.forget(victims)
             if victims:
                 state.unlink(victims)
                 state.counters.evicted += len(victims)
@@ -101,23 +124,6 @@ class DiskQuotas:
             save(state.dir.fd, state.fp_hex, self.policy, list(state.index.key_set()))
         except OSError as exc:
             log.warning("disk tier %s: quotas not saved (%s)", state.options.path, exc)
-
-
-def tenant_of(index: DiskIndex, key: ChunkKey) -> str | None:
-    """``key``'s tenant; None without quotas."""
-    policy = index.policy
-    return policy.tenant_of(key) if isinstance(policy, TenantPolicy) else None
-
-
-def enforce(index: DiskIndex, tenant: str | None) -> list[ChunkKey]:
-    """``tenant``'s own unpinned victims until it is within its limit, taken out of the
-    index (the caller unlinks their files and reports them). Under the tier's lock."""
-    policy = index.policy
-    if not isinstance(policy, TenantPolicy) or not policy.over_quota(tenant or ""):
-        return []
-    victims = policy.evict_over_quota(tenant or "", lambda k: not index.is_pinned(k))
-    index.forget(victims)
-    return victims
 
 
 def load(dir_fd: int, fp_hex: str, policy: TenantPolicy) -> None:
@@ -157,7 +163,7 @@ def load(dir_fd: int, fp_hex: str, policy: TenantPolicy) -> None:
             )
             continue
         policy.quotas.set(tenant, limit)
-    policy.expect(chunks)
+    policy.expect_many(chunks)
 
 
 def save(dir_fd: int, fp_hex: str, policy: TenantPolicy, keys: Sequence[ChunkKey]) -> None:

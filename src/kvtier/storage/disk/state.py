@@ -37,6 +37,15 @@ from kvtier.storage.policy import make_policy
 log = logging.getLogger(__name__)
 
 
+class TenantCharges(Protocol):
+    """What the writes ask of the tier's side of ``tenant_quotas`` (``DiskQuotas``, built on
+    this module: a Protocol keeps the import one way). Both under the lock."""
+
+    def expect(self, key: ChunkKey, tenant: str) -> None: ...
+
+    def charge(self, key: ChunkKey) -> list[ChunkKey]: ...
+
+
 class StateOwner(BudgetMember, Protocol):
     """The disk tier as its state sees it: its place in the directory's budget, and the
     listeners it tells (:class:`~kvtier.storage.base.Tier`)."""
@@ -71,6 +80,7 @@ class DiskState:
         self.budget: DirectoryBudget | None = None
         self.dir = ChunkDirectory(options.path, self.fp_hex)
         self.check: SavedIndexCheck | None = None  # set by an open from a saved index
+        self.quotas: TenantCharges | None = None  # tenant_quotas (kvtier.storage.disk.quotas)
         self._reopen_evicted: Evicted | None = None
 
     @property

@@ -65,7 +65,7 @@ from kvtier.fingerprint import Fingerprint
 from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import CallGuard, Lifecycle
-from kvtier.storage.base import OnDone, PutOutcome, PutResult, Tier, TierUsage
+from kvtier.storage.base import PutJob, PutOutcome, PutResult, Tier, TierUsage
 from kvtier.storage.codecs import IDENTITY, PayloadCodec, codec_from_config, tier_fingerprint
 from kvtier.storage.disk import budget, files, snapshot
 from kvtier.storage.disk.bounded_reads import BoundedReads
@@ -78,8 +78,8 @@ from kvtier.storage.disk.reads import DiskReads
 from kvtier.storage.disk.reconcile import SavedIndexCheck
 from kvtier.storage.disk.state import DiskState
 from kvtier.storage.disk.writes import DiskWrites
-from kvtier.storage.policy.quotas import TenantQuotas
 from kvtier.storage.records import HEADER_SIZE
+from kvtier.storage.tenants.quotas import TenantQuotas
 from kvtier.storage.write_queue import complete
 
 log = logging.getLogger(__name__)
@@ -286,30 +286,17 @@ class DiskTier(Tier):
             raise StateError("disk tier quotas are attached before it opens")
         unit = HEADER_SIZE + self.layout.payload_bytes(self.fingerprint.chunk_size)
         self._quotas = DiskQuotas(self._state, quotas, unit)
-
-    def assign_tenant(self, key: ChunkKey, tenant: str | None) -> None:
-        if self._quotas is not None:
-            with self._state.lock:
-                self._quotas.policy.assign(key, tenant)
-
-    def evicted_by_quota(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, str]:
-        return {} if self._quotas is None else self._quotas.policy.evicted_by_quota(keys)
-
-    def tenant_report(self) -> dict[str, dict[str, int | None]]:
-        if self._quotas is None:
-            return {}
-        with self._state.lock:
-            return self._quotas.policy.report()
+        self.tenants = self._quotas.policy
 
     # -- writes and reads (kvtier.storage.disk.writes, kvtier.storage.disk.reads) ----------
-    def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
+    def put(self, job: PutJob) -> None:
         try:
             with self._guard.call():
-                self._writes.put(key, payload, num_tokens, on_done)
+                self._writes.put(job)
         except StateError as exc:
             with self._state.lock:
                 self.counters.failed += 1
-            complete(on_done, PutResult(key, PutOutcome.FAILED, str(exc)))
+            complete(job.on_done, PutResult(job.key, PutOutcome.FAILED, str(exc)))
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         state = self._state

@@ -30,8 +30,8 @@ import torch
 
 from kvtier.keys import ChunkKey
 from kvtier.repeated_log import RepeatedLog
-from kvtier.storage.base import OnDone, PutOutcome, PutResult
-from kvtier.storage.disk import files, quotas
+from kvtier.storage.base import PutJob, PutOutcome, PutResult
+from kvtier.storage.disk import files
 from kvtier.storage.disk.index import DiskEntry
 from kvtier.storage.disk.state import DiskState
 from kvtier.storage.records import HEADER_SIZE, encode_parts
@@ -54,10 +54,11 @@ class DiskWrites:
         # A full disk fails every chunk: one line per 30 s, with a count.
         self._repeated = RepeatedLog(log)
 
-    def put(self, key: ChunkKey, payload: torch.Tensor, num_tokens: int, on_done: OnDone) -> None:
+    def put(self, job: PutJob) -> None:
         """Admit the put or answer it at once (the caller holds the tier's call guard:
         close() drains the queue only after this)."""
         state = self._state
+        key, payload, num_tokens, on_done = job.key, job.payload, job.num_tokens, job.on_done
         nbytes = HEADER_SIZE + payload.numel()
         refused: PutResult | None = None
         if state.dir.lost:
@@ -85,6 +86,8 @@ class DiskWrites:
                     refused = PutResult(key, PutOutcome.DROPPED, why)
                     state.counters.dropped += 1
                     state.counters.dropped_inflight += 1
+                elif state.quotas is not None:  # tenant_quotas: charged when it lands
+                    state.quotas.expect(key, job.tenant)
         if refused is not None:
             if refused.outcome is PutOutcome.DROPPED:
                 log.debug("disk put of %s dropped: %s", key.hex(), refused.detail)
@@ -134,7 +137,7 @@ class DiskWrites:
             state.counters.bytes_written += nbytes
             state.owner.report_added((key,))  # landed: under the lock, before any removal of it
             # tenant_quotas: a tenant over its limit now drops its own oldest files
-            over = quotas.enforce(state.index, quotas.tenant_of(state.index, key))
+            over = state.quotas.charge(key) if state.quotas is not None else []
             if over:
                 state.unlink(over)
                 state.counters.evicted += len(over)

@@ -51,7 +51,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from itertools import repeat
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from kvtier.keys import ChunkKey
 
@@ -60,6 +60,25 @@ Evictable = Callable[[ChunkKey], bool]
 # Held keys an eviction looks at again per victim it is asked for (see the module docstring):
 # more brings a released key back sooner, at a constant cost per eviction either way.
 RECHECKS_PER_VICTIM = 2
+
+
+class PolicySeam(Protocol):
+    """What a tier drives (the protocol above): an :class:`EvictionPolicy`, or a composite of
+    one per group (:class:`~kvtier.storage.tenants.local.TenantPolicy`, ``tenant_quotas``)."""
+
+    def admit(self, key: ChunkKey, num_tokens: int) -> bool: ...
+    def insert(self, key: ChunkKey) -> None: ...
+    def touch(self, keys: Sequence[ChunkKey]) -> None: ...
+    def remove(self, key: ChunkKey) -> None: ...
+    def hold(self, key: ChunkKey) -> None: ...
+    def restore(self, key: ChunkKey) -> None: ...
+    def evict(self, count: int, evictable: Evictable) -> list[ChunkKey]: ...
+    def order(self) -> Iterator[ChunkKey]: ...
+    def clear(self) -> None: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, key: object) -> bool: ...
+    @property
+    def held(self) -> int: ...
 
 
 class EvictionPolicy(ABC):
@@ -156,6 +175,10 @@ class EvictionPolicy(ABC):
                 self._rejoin(key)
             else:
                 held[key] = None
+
+    def is_held(self, key: ChunkKey) -> bool:
+        """Whether ``key`` is out of the order, held (see :meth:`hold`)."""
+        return key in self._held
 
     @property
     def held(self) -> int:

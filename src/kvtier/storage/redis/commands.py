@@ -2,7 +2,7 @@
 
 Each function takes the client the link hands a call (:meth:`RedisLink.call`): a plain
 ``Redis`` for one server, a ``RedisCluster`` for a cluster. What differs between the two is
-settled here, so the tier (:mod:`kvtier.storage.redis.tier`) only decides what a result or an
+settled here, so the store (:mod:`kvtier.storage.redis.store`) only decides what a result or an
 error means for it:
 
 * a cluster refuses a script or a multi-key command over keys in different slots, so lookups
@@ -37,7 +37,7 @@ _EXISTS_EACH = (
     "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end return r"
 )
 
-UNLINK_BATCH = 1000  # names scanned and unlinked per round trip by unlink_matching
+SCAN_BATCH = 1000  # names scanned, or unlinked, per round trip
 
 
 def exists_by_script(client: Any, names: Sequence[bytes]) -> list[Any]:
@@ -117,20 +117,30 @@ def send_record(
         pool.release(conn)
 
 
-def unlink_matching(client: Any, pattern: bytes, keep: set[bytes]) -> list[bytes]:
-    """Delete every name matching ``pattern`` on every master, except those in ``keep``;
-    returns the names this call deleted."""
-    removed: list[bytes] = []
-    for server in _servers(client):
-        names = [n for n in server.scan_iter(match=pattern, count=UNLINK_BATCH) if n not in keep]
-        # One UNLINK per name: a cluster refuses multi-key commands across slots.
-        for start in range(0, len(names), UNLINK_BATCH):
-            batch = names[start : start + UNLINK_BATCH]
+def scan_matching(client: Any, pattern: bytes) -> list[bytes]:
+    """Every name matching ``pattern``, on every master."""
+    return [
+        n for server in _servers(client) for n in server.scan_iter(match=pattern, count=SCAN_BATCH)
+    ]
+
+
+def unlink_each(client: Any, names: Sequence[bytes]) -> list[bool]:
+    """``UNLINK`` each name (one per name: a cluster refuses multi-key commands across
+    slots), pipelined per master in batches; True where the name existed."""
+    answers = [False] * len(names)
+    for server, indexes in _by_master(client, names):
+        for start in range(0, len(indexes), SCAN_BATCH):
+            batch = indexes[start : start + SCAN_BATCH]
             pipe = server.pipeline(transaction=False)
-            for name in batch:
-                pipe.unlink(name)
-            removed += [n for n, ok in zip(batch, pipe.execute(), strict=True) if ok]
-    return removed
+            for i in batch:
+                pipe.unlink(names[i])
+            for i, reply in zip(batch, pipe.execute(raise_on_error=False), strict=True):
+                if isinstance(reply, MovedError | AskError):  # the slot moved: follow it
+                    reply = client.unlink(names[i])
+                elif isinstance(reply, Exception):
+                    raise reply
+                answers[i] = bool(reply)
+    return answers
 
 
 def server_usage(client: Any) -> TierUsage:
@@ -161,14 +171,10 @@ def _cluster_exists(client: RedisCluster, names: Sequence[bytes]) -> list[Any]:
     for a lookup of 8 chunks with a 1 s timeout); a plain pipeline costs it once. Replies
     redirected by a moving slot (resharding) are asked again through the cluster client,
     which follows the redirect."""
-    by_node: dict[str, tuple[Any, list[int]]] = {}
-    for i, name in enumerate(names):
-        node = client.get_node_from_key(name)  # type: ignore[no-untyped-call]
-        by_node.setdefault(node.name, (node, []))[1].append(i)
     answers: list[Any] = [0] * len(names)
     redirected: list[int] = []
-    for node, indexes in by_node.values():
-        pipe = client.get_redis_connection(node).pipeline(transaction=False)
+    for server, indexes in _by_master(client, names):
+        pipe = server.pipeline(transaction=False)
         for i in indexes:
             pipe.exists(names[i])
         for i, reply in zip(indexes, pipe.execute(raise_on_error=False), strict=True):
@@ -181,6 +187,18 @@ def _cluster_exists(client: RedisCluster, names: Sequence[bytes]) -> list[Any]:
     for i in redirected:
         answers[i] = client.exists(names[i])
     return answers
+
+
+def _by_master(client: Any, names: Sequence[bytes]) -> list[tuple[Any, list[int]]]:
+    """The positions of ``names`` grouped by the master holding each, with a plain client
+    of that master (the client itself, all positions, for a single server)."""
+    if not isinstance(client, RedisCluster):
+        return [(client, list(range(len(names))))]
+    by_node: dict[str, tuple[Any, list[int]]] = {}
+    for i, name in enumerate(names):
+        node = client.get_node_from_key(name)  # type: ignore[no-untyped-call]
+        by_node.setdefault(node.name, (node, []))[1].append(i)
+    return [(client.get_redis_connection(node), idx) for node, idx in by_node.values()]
 
 
 def _servers(client: Any) -> list[Any]:

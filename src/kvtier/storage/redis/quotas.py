@@ -1,21 +1,22 @@
-"""The Redis tier under ``tenant_quotas``: each store counted in its tenant's ledger in Redis.
+"""The Redis tier's tenant ledger under ``tenant_quotas``: each store counted in its
+tenant's ledger in Redis (the protocol: :mod:`kvtier.storage.remote.ledger`).
 
-What the tier does with it (:mod:`kvtier.storage.redis.tier`)::
+What each call of the protocol is here::
 
-    assign_tenant(key, t)   the manager names the next put's tenant          -> assign
-    writer, before the SET  a limit under one chunk: the put is DROPPED      -> refusal
-    writer, after the SET   ZADD + pop the oldest over the limit + DEL them  -> stored
-                            (:mod:`kvtier.storage.redis.tenant_ledger`; if that fails, the
-                            record just written is deleted again, so no chunk goes uncounted)
-    PUT /quota              every tenant this engine stored for is brought
-                            within its new limit at once                     -> enforce_all
-    stats() / metrics       each known tenant's ledger size, one pipeline    -> report
+    refusal        a limit under one chunk: the put is DROPPED (a share's capacity,
+                   ``maxmemory``, read again when stale)
+    charge         ZADD + pop the oldest over the limit + DEL them, in one script
+                   (:mod:`kvtier.storage.redis.tenant_ledger`); if that fails, the tier
+                   deletes the record just written, so no chunk goes uncounted
+    enforce_all    every tenant this engine stored for, brought within its new limit
+    refresh        each known tenant's ledger size, read in one pipeline (before rows)
 
 A limit is the tenant's row of the engine's table, in whole chunks of the tier's full
 record; a share is of the capacity the tier's ``usage()`` reports (``maxmemory`` summed over
 the masters, or the host's memory without one), read at open and again at most every
-:data:`CAPACITY_TTL_S` by the writers. Every tenant's stores are counted once quotas are on,
-so a row added later bounds what the tenant stored before too. The salts the table does not
+:data:`~kvtier.storage.remote.ledger.CAPACITY_TTL_S` by the writers. Every tenant's stores
+are counted once quotas are on, so a row added later bounds what the tenant stored before
+too. The salts the table does not
 name share the ``"*"`` row's one ledger (``counted_as``): the row caps all of them together,
 and a client sending a new salt with each request gets it once. A salt that gains a row of
 its own (or a ``"*"`` row added later) counts from its next store: what it stored before
@@ -33,7 +34,6 @@ chunk gone is a miss the engine recomputes.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,71 +41,43 @@ from redis.exceptions import ResponseError
 
 from kvtier.errors import TierError
 from kvtier.keys import ChunkKey
-from kvtier.storage.policy.quotas import TenantQuotas
 from kvtier.storage.redis import tenant_ledger
-from kvtier.storage.remote_quotas import RemoteQuotas
+from kvtier.storage.remote.ledger import QuotaLedger
+from kvtier.storage.tenants.quotas import TenantQuotas
 
 log = logging.getLogger(__name__)
 
-CAPACITY_TTL_S = 10.0  # how stale the capacity a share is computed from may be
 
-
-class RedisQuotas(RemoteQuotas):
-    """A Redis tier's quotas; every Redis call goes through ``call`` (the tier's link)."""
+class RedisLedger(QuotaLedger):
+    """A Redis tier's tenant ledger; every Redis call goes through ``call`` (the link)."""
 
     def __init__(
         self,
         quotas: TenantQuotas,
         unit_bytes: int,
+        read_capacity: Callable[[], int],
+        *,
         ledger_hex: str,
         fingerprint_hex: str,
         ttl_ms: int,
         call: Callable[[Callable[[Any], Any]], Any],
-        read_capacity: Callable[[], int],
     ) -> None:
-        super().__init__(quotas, unit_bytes)
+        super().__init__(quotas, unit_bytes, read_capacity)
         self.ledger_hex = ledger_hex  # the fingerprint but its TP rank: ranks share ledgers
         self.fingerprint_hex = fingerprint_hex.encode()  # this tier's own (a member's first part)
         self.ttl_ms = ttl_ms
         self._call = call
-        self._read_capacity = read_capacity
-        self._capacity_at = float("-inf")
         self._use_script = True  # until the server refuses EVAL
 
     def ledger(self, tenant: str) -> bytes:
         return tenant_ledger.ledger_name(self.ledger_hex, tenant)
 
-    def capacity_read(self, capacity: int) -> None:
-        """The tier read the store's capacity (at open, at ``usage()``)."""
-        if capacity > 0:
-            self.capacity_bytes = capacity
-            self._capacity_at = time.monotonic()
-
-    def refusal(self, tenant: str) -> str | None:
-        """Why a put of ``tenant`` is not kept (a limit under one chunk), else None. Reads
-        the capacity first when it is stale and the tenant's limit is a share."""
-        limit = self.quotas.limit(tenant)
-        if limit is None:
-            return None
-        if limit.share is not None and time.monotonic() - self._capacity_at > CAPACITY_TTL_S:
-            self.capacity_read(self._read_capacity())
-        return self.below_one_chunk(tenant)
-
-    def stored(self, tenant: str, key: ChunkKey) -> list[ChunkKey]:
+    def charge(self, key: ChunkKey, tenant: str) -> list[ChunkKey]:
         """``key``'s record is in Redis: count it in ``tenant``'s ledger and delete the
-        tenant's oldest chunks over its limit. Returns the keys deleted. Raises TierError
-        when the ledger was not updated, after deleting the record again (best effort), so
-        that no chunk goes uncounted."""
+        tenant's oldest chunks over its limit. Returns the keys deleted; raises TierError
+        when the ledger was not updated."""
         member = self.fingerprint_hex + b":" + key.hex().encode()
-        try:
-            return self._update(self.counted_as(tenant), member)
-        except TierError:
-            name = tenant_ledger.CHUNK_PREFIX + member
-            try:
-                self._call(lambda client: client.delete(name))
-            except TierError as exc:
-                log.warning("redis tier: uncounted chunk %s not deleted: %s", key.hex(), exc)
-            raise
+        return self._update(self.counted_as(tenant), member)
 
     def enforce_all(self) -> list[ChunkKey]:
         """Every tenant this engine stored for, brought within its limit now (a row
@@ -144,9 +116,9 @@ class RedisQuotas(RemoteQuotas):
         self.updated(tenant, result.chunks, evicted, result.stale, others=others)
         return evicted
 
-    def report(self) -> dict[str, dict[str, int | None]]:
-        """Per tenant this engine stored for, its ledger's size read now (fleet-wide; when
-        the server does not answer, the last one read)."""
+    def refresh(self) -> None:
+        """Before the rows: each tenant this engine stored for, its ledger's size read now
+        (fleet-wide; when the server does not answer, the last one read)."""
         tenants = self.tenants()
         ledgers = [self.ledger(t) for t in tenants]
         try:
@@ -156,4 +128,3 @@ class RedisQuotas(RemoteQuotas):
         else:
             for tenant, chunks in zip(tenants, found, strict=True):
                 self.updated(tenant, chunks, ())
-        return super().report()

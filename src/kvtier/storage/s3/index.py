@@ -1,6 +1,6 @@
 """What an s3 tier's prefix holds, in memory: chunk key -> object size.
 
-Two sources keep it current (:mod:`kvtier.storage.s3.tier` says when): the tier's own writes
+Two sources keep it current (:mod:`kvtier.storage.s3.store` says when): the tier's own writes
 (:meth:`add`, once the PUT returned) and listings of the prefix (:meth:`replace`). A listing
 takes time; a write that lands while it runs may be missing from it, so each entry carries
 the generation it was added at, and :meth:`replace` keeps the entries added since the listing

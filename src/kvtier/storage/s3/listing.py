@@ -4,7 +4,7 @@
 Each listing (:meth:`PrefixLister.refresh`) lists the chunks under the prefix and replaces
 the index with them (:meth:`~kvtier.storage.s3.index.ChunkIndex.replace` keeps the writes
 and removals that landed meanwhile); with ``tenant_quotas`` it then lists the tenants'
-markers (:meth:`~kvtier.storage.s3.quotas.S3Quotas.relist`). A store that does not answer
+markers (:meth:`~kvtier.storage.s3.quotas.S3Ledger.relist`). A store that does not answer
 leaves the index as it was: the next listing tries again.
 
 Skipped, never indexed: an object larger than ``max_size`` (no record of the tier's: it is
@@ -24,7 +24,7 @@ from kvtier.errors import TierError
 from kvtier.repeated_log import RepeatedLog
 from kvtier.storage.s3.client import S3Client
 from kvtier.storage.s3.index import ChunkIndex, chunk_key_of
-from kvtier.storage.s3.quotas import S3Quotas
+from kvtier.storage.s3.quotas import S3Ledger
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class PrefixLister:
         self.prefix = prefix
         self.index = index
         self.interval_s = interval_s
-        self.quotas: S3Quotas | None = None  # the tier's, when tenant_quotas are on
+        self.ledger: S3Ledger | None = None  # the tier's, when tenant_quotas are on
         self._on_listed = on_listed
         self._on_failed = on_failed
         self._max_size = max_size
@@ -94,8 +94,8 @@ class PrefixLister:
                 if key is not None and (limit is None or size <= limit)
             }
             self.index.replace(listed, since=started)
-            if self.quotas is not None:  # the tenants' markers, listed after the chunks
-                self.quotas.relist()
+            if self.ledger is not None:  # the tenants' markers, listed after the chunks
+                self.ledger.relist()
         except TierError as exc:
             self._on_failed(exc)
             return False

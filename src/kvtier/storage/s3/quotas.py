@@ -1,5 +1,6 @@
-"""The s3 tier under ``tenant_quotas``: a cap per tenant across the fleet, as of each
-engine's last listing.
+"""The s3 tier's tenant ledger under ``tenant_quotas`` (the protocol:
+:mod:`kvtier.storage.remote.ledger`): a cap per tenant across the fleet, as of each engine's
+last listing.
 
 An object store has no atomic scripting, and a listing of the chunks names no tenant. So
 each stored chunk also gets an empty *marker* object that names its tenant, in a prefix of
@@ -21,12 +22,13 @@ first (by the marker's last-modified time, then name), plus what it stored itsel
 After a write of a tenant over its limit, that engine deletes the tenant's oldest, chunk
 and marker, whichever engine stored them (one ``DeleteObjects``)::
 
-    write landed  -> marker PUT (if it fails, the chunk is deleted again: nothing uncounted);
-                     the tenant's order gets the key; while it holds more than its limit,
-                     its oldest go, chunk and marker
+    charge        -> marker PUT (if it fails, the tier deletes the chunk again: nothing
+                     uncounted); the tenant's order gets the key; while it holds more than
+                     its limit, its oldest go, chunk and marker
     listing       -> the orders become what the markers say, plus this engine's writes and
                      less its deletions since the listing began
-    PUT /quota    -> every tenant this engine knows brought within its new limit at once
+    enforce_all   -> every tenant this engine knows brought within its new limit at once
+                     (PUT /quota)
 
 How far it holds: another engine's writes since this engine's last listing are not in its
 order, so the fleet can hold a tenant's limit plus what the other engines stored for it
@@ -35,8 +37,9 @@ restarted engine counts what the fleet stored before (the markers outlive it). A
 chunk is gone (a lifecycle rule, ``clear``) is stale: the tenant holds less than counted,
 never more, and a pop that takes it deletes only a marker. A share (``"25%"``) has nothing to
 be a share of: an object store reports no capacity, so share rows do not bind this tier (one
-warning at open names them); byte rows do. Each engine reports ``quota_evictions`` for the
-chunks it deleted (two engines with the same stale view may delete the same one).
+warning at open names them: ``opened``); byte rows do. Each engine reports
+``quota_evictions`` for the chunks it deleted (two engines with the same stale view may
+delete the same one).
 """
 
 from __future__ import annotations
@@ -45,14 +48,15 @@ import dataclasses
 import hashlib
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 
 from kvtier.errors import TierError
 from kvtier.fingerprint import Fingerprint
 from kvtier.keys import ChunkKey
-from kvtier.storage.policy.quotas import TenantQuotas
-from kvtier.storage.remote_quotas import RemoteQuotas
+from kvtier.storage.remote.ledger import QuotaLedger
 from kvtier.storage.s3.client import S3Client
 from kvtier.storage.s3.index import ChunkIndex, chunk_key_of
+from kvtier.storage.tenants.quotas import TenantQuotas
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +71,15 @@ def tenant_dir(tenant: str) -> str:
     return "h" + hashlib.blake2b(tenant.encode(), digest_size=16).hexdigest()
 
 
-class S3Quotas(RemoteQuotas):
-    """Thread-safe: writer threads store, the lister relists, the admin thread enforces."""
+class S3Ledger(QuotaLedger):
+    """Thread-safe: writer threads charge, the lister relists, the admin thread enforces."""
 
     def __init__(
         self,
         quotas: TenantQuotas,
         unit_bytes: int,
+        read_capacity: Callable[[], int],
+        *,
         index: ChunkIndex,
         client: S3Client,
         base: str,
@@ -81,7 +87,7 @@ class S3Quotas(RemoteQuotas):
     ) -> None:
         """``base``: the objects' prefix with its '/' ('' for none); ``fingerprint``: the
         tier's (its chunks are ``<base><fingerprint hex>/<key hex>``)."""
-        super().__init__(quotas, unit_bytes)
+        super().__init__(quotas, unit_bytes, read_capacity)
         self._index = index
         self._client = client
         self._base = base
@@ -116,7 +122,8 @@ class S3Quotas(RemoteQuotas):
         limit = self.quotas.limit(tenant)
         return None if limit is None or limit.nbytes is None else limit.nbytes
 
-    def warn_shares(self) -> None:
+    def opened(self) -> None:
+        """One warning naming the share rows: they do not bound this tier."""
         shares = sorted(t for t, limit in self.quotas.rows().items() if limit.share is not None)
         if shares:
             log.warning(
@@ -127,21 +134,14 @@ class S3Quotas(RemoteQuotas):
             )
 
     # -- stores and enforcement -----------------------------------------------------------
-    def stored(self, tenant: str, key: ChunkKey) -> None:
-        """``key``'s chunk of ``tenant`` is written: its marker is written and the order it is
-        counted in gets it (:meth:`enforce` then trims). Raises TierError when the marker was
-        not written, after deleting the chunk again (best effort), so that no chunk goes
-        uncounted."""
+    def charge(self, key: ChunkKey, tenant: str) -> list[ChunkKey]:
+        """``key``'s chunk of ``tenant`` is written: its marker is written, the order it is
+        counted in gets it, and the tenant's oldest past its limit are deleted, chunk and
+        marker, whichever engine stored them. Returns the deleted chunks this tier's index
+        held. Raises TierError when the marker was not written (nothing counted)."""
         tenant = self.counted_as(tenant)
         member = self.member(key)
-        try:
-            self._client.put(self.marker_name(tenant, member), b"")
-        except TierError:
-            try:
-                self._client.delete([self._chunk_name(member)])
-            except TierError as exc:
-                log.warning("s3 tier: uncounted chunk %s not deleted: %s", key.hex(), exc)
-            raise
+        self._client.put(self.marker_name(tenant, member), b"")
         with self._lock:
             self._dirs[tenant_dir(tenant)] = tenant
             order = self._orders.setdefault(tenant, OrderedDict())
@@ -150,14 +150,10 @@ class S3Quotas(RemoteQuotas):
             if self._listing:
                 self._added[member] = tenant
                 self._removed.discard(member)
-
-    def enforce(self, tenant: str) -> list[ChunkKey]:
-        """``tenant``'s oldest over its limit deleted, chunk and marker, whichever engine
-        stored them. Returns the deleted chunks this engine's index held."""
-        return self._drop(self._trim(self.counted_as(tenant)))
+        return self._drop(self._trim(tenant))
 
     def enforce_all(self) -> list[ChunkKey]:
-        """Every tenant within its limit now (a row changed); returns what :meth:`enforce`
+        """Every tenant within its limit now (a row changed); returns what :meth:`charge`
         returns."""
         victims: list[tuple[str, str]] = []
         for tenant in list(self._orders):

@@ -4,8 +4,10 @@ put's tenant, its limit in whole chunks) and what it reports per tenant."""
 from __future__ import annotations
 
 from kvtier.config.tenant_quotas import TenantLimit, parse_limit
-from kvtier.storage.policy.quotas import TenantQuotas
-from kvtier.storage.remote_quotas import ASSIGNED_KEPT, TENANTS_KEPT, RemoteQuotas
+from kvtier.storage.tenants.ledger import TENANTS_KEPT
+from kvtier.storage.tenants.quotas import TenantQuotas
+from kvtier.storage.tenants.remote import RemoteQuotas
+from kvtier.storage.tenants.rows import rows_dict
 
 UNIT = 1000
 
@@ -13,23 +15,6 @@ UNIT = 1000
 def quotas(**rows: str) -> RemoteQuotas:
     table = {t.replace("STAR", "*"): parse_limit("tenant_quotas", v) for t, v in rows.items()}
     return RemoteQuotas(TenantQuotas(table), UNIT)
-
-
-def test_a_puts_tenant_is_taken_once_and_an_unnamed_put_is_the_unsalted_tenants() -> None:
-    q = quotas()
-    q.assign(b"k", "alice")
-    assert q.take(b"k") == "alice"
-    assert q.take(b"k") == ""  # taken: a second put of it names no one
-    q.assign(b"n", None)
-    assert q.take(b"n") == ""
-
-
-def test_assignments_never_taken_are_bounded() -> None:
-    q = quotas()
-    for i in range(ASSIGNED_KEPT + 10):
-        q.assign(i.to_bytes(16, "big"), "t")
-    assert q.take((0).to_bytes(16, "big")) == ""  # the oldest went
-    assert q.take((ASSIGNED_KEPT + 9).to_bytes(16, "big")) == "t"
 
 
 def test_limits_are_whole_chunks_rounded_down_and_a_share_is_of_the_capacity() -> None:
@@ -51,7 +36,7 @@ def test_the_report_holds_what_the_ledger_said_and_explain_finds_the_evicted() -
     q = quotas(t="5000B")
     q.updated("t", 5, [b"a", b"b"], stale=1)
     q.updated("t", 4, [b"c"])
-    assert q.report() == {
+    assert rows_dict(q.rows()) == {
         "t": {
             "held_bytes": 4 * UNIT,
             "limit_bytes": 5000,

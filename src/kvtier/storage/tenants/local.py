@@ -1,14 +1,21 @@
-"""Per-tenant quotas as an eviction policy: one order per row, victims by who is most over.
+"""The ledger of a tier that holds every chunk (CPU, disk): one order per row, victims by
+who is most over.
 
-With ``tenant_quotas`` set (:mod:`kvtier.config.tenant_quotas`), a tier's policy is a
-:class:`TenantPolicy`: it keeps an eviction policy (``cache_policy``'s) per *group* and what
-each tenant holds. A tenant with a row of its own is a group (as LMCache isolates each
-``cache_salt`` in an LRU of its own); every salt the table does not name is in the ``"*"``
+With ``tenant_quotas`` set (:mod:`kvtier.config.tenant_quotas`), the CPU and disk tiers drive
+a :class:`TenantPolicy`, a *composite* over the eviction policy (not a kind of it): it keeps
+an eviction policy (``cache_policy``'s) per *group*, what each tenant holds, and answers both
+the policy seam (:class:`~kvtier.storage.policy.base.PolicySeam`, what the tier drives) and
+the ledger protocol (:class:`~kvtier.storage.tenants.ledger.TenantLedger`).
+
+A tenant with a row of its own is a group (as LMCache isolates each ``cache_salt`` in an LRU
+of its own); every salt the table does not name is in the ``"*"``
 row's one group, one limit and one guarantee for all of them (vLLM takes ``cache_salt`` from
 each request: a client spraying salts claims the row once, not once per salt); without
 ``"*"`` they share one group with no limit. A tenant is a request's ``cache_salt`` ("" for
-none); the tier names a key's tenant with :meth:`assign` just before it inserts the key (every
-other call is the plain :class:`~kvtier.storage.policy.base.EvictionPolicy` seam).
+none). The CPU tier, which has the put's tenant in hand, admits with :meth:`admit_as` and
+inserts with :meth:`charge`; the disk tier, whose index inserts when a write lands (or a
+restart finds its files), names the tenant first (:meth:`expect`) and calls :meth:`charge`
+once the file landed. Every other call is the plain seam, passed to the key's group.
 
 Accounting is in whole chunks of the tier's ``unit_bytes`` (a CPU page; a disk file of a
 whole chunk), so a tenant's bytes held are its chunks times the unit, never negative, and
@@ -21,14 +28,14 @@ most a chunk's rounding per partial chunk, never less than it holds)::
     guarantee(g)  limit(g) x min(1, capacity / sum of the limits of the groups held)
     excess(g)     held(g) - guarantee(g)           (a group with no limit: guarantee 0)
 
-(:mod:`~kvtier.storage.policy.tenant_groups` keeps the sums: "*" counts once in them.)
+(:mod:`~kvtier.storage.tenants.groups` keeps the sums: "*" counts once in them.)
 
 A tenant's limit and guarantee are its group's (shared, under "*"); its held bytes its own.
 
 Rules, in the order the tier applies them:
 
 1. After it inserts a chunk of tenant t, while t's group is over its limit the tier evicts
-   the group's own victims (:meth:`evict_over_quota`; under "*", any unnamed salt's; counted
+   the group's own victims (:meth:`charge` returns them; under "*", any unnamed salt's; counted
    as quota evictions: ``kvtier explain`` names a later miss on one). Pinned chunks are
    never victims, so a group may stay above its limit by what it has pinned, no further.
 2. When the tier is short of room (:meth:`evict`), each victim comes from the group with
@@ -36,39 +43,39 @@ Rules, in the order the tier applies them:
    evicted by others only when no group is over its own (the tier's room then went to pages
    that are not cached chunks: pins, writes in flight), so under its guarantee it keeps its
    chunks whatever another tenant stores, while its chunks come back.
-3. A group whose chunks do not come back (:mod:`~kvtier.storage.policy.tenant_reuse`: it
+3. A group whose chunks do not come back (:mod:`~kvtier.storage.tenants.reuse`: it
    lost a guarantee's worth of chunks in a row, none of them used or asked for again) has
    its guarantee lapse: its chunks that were never hit are the first victims of rule 2,
    before any other group's, until one of its chunks comes back. A scanner's quota then
    caps it without taking room from the tenants that reuse theirs, and it keeps the chunks
    it does use (a system prompt every scan shares).
 
-Limits are read from the shared :class:`~kvtier.storage.policy.quotas.TenantQuotas` on every
+Limits are read from the shared :class:`~kvtier.storage.tenants.quotas.TenantQuotas` on every
 decision; when a row changes, the tier calls :meth:`regroup` (a tenant that gained or lost
-its row moves between its own order and a shared one, in order) and then rule 1 per tenant.
+its row moves between its own order and a shared one, in order; rule 1 per tenant follows).
 Costs: one dict lookup per key inserted, touched or removed, and O(groups) per victim.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from itertools import chain, groupby
 
 from kvtier.keys import ChunkKey
 from kvtier.storage.policy.base import Evictable, EvictionPolicy
-from kvtier.storage.policy.quotas import TenantQuotas
-from kvtier.storage.policy.tenant_groups import GroupSums
-from kvtier.storage.policy.tenant_reuse import ReuseWatch, ReuseWatches
+from kvtier.storage.tenants.groups import GroupSums
+from kvtier.storage.tenants.ledger import ASSIGNED_KEPT, NO_SALT, TENANTS_KEPT, QuotaEvictions
+from kvtier.storage.tenants.quotas import TenantQuotas
+from kvtier.storage.tenants.reuse import ReuseWatch, ReuseWatches
+from kvtier.storage.tenants.rows import TenantRow
 
-NO_SALT = ""  # the tenant of requests without a cache_salt
 _SHARED = None  # the group of every tenant with no limit (no "*" row): one order among them
-QUOTA_EVICTIONS_KEPT = 65536  # keys remembered as evicted by their tenant's quota (explain)
-ASSIGNED_KEPT = 65536  # assigned keys not inserted yet (a write that failed never is)
-# Tenants remembered (their counters: stats and metrics): past this many, a tenant that
-# holds nothing more is forgotten (a salt per user must not grow the tier without bound).
-TENANTS_KEPT = 4096
+
+
+def _nothing_evictable(key: ChunkKey) -> bool:
+    return False
 
 
 @dataclass(slots=True)
@@ -81,7 +88,12 @@ class TenantUsage:
     quota_evictions: int = 0  # by rule 1: it was over its own limit
 
 
-class TenantPolicy(EvictionPolicy):
+class TenantPolicy:
+    """A composite over ``make_policy()`` orders, one per group (module docstring). Not
+    thread-safe: the tier calls it under its lock, and :meth:`bind` hands it that lock (which
+    :meth:`rows` takes, as readers call it from any thread) and the tier's answer to "may
+    this key go now" for the victims :meth:`charge` takes (until then a charge takes none)."""
+
     name = "tenants"
 
     def __init__(
@@ -91,40 +103,47 @@ class TenantPolicy(EvictionPolicy):
         unit_bytes: int,
         capacity_bytes: int,
     ) -> None:
-        super().__init__()
         self._make = make_policy
+        self.evictable: Evictable = _nothing_evictable
+        self._lock: AbstractContextManager[object] = nullcontext()
         self.quotas = quotas
         self.unit_bytes = unit_bytes
         self.capacity_bytes = capacity_bytes
         self._tenant_of: dict[ChunkKey, str] = {}
         self._groups: dict[str | None, EvictionPolicy] = {}  # by row ("*": unnamed salts)
         self._group_of_tenant: dict[str, str | None] = {}
-        self._next: dict[ChunkKey, str] = {}  # assigned, not yet inserted
+        self._next: dict[ChunkKey, str] = {}  # named (expect), not yet inserted
         self.usage: dict[str, TenantUsage] = {}
-        self.quota_evicted: OrderedDict[ChunkKey, str] = OrderedDict()
+        self._quota_evicted = QuotaEvictions()
         self._sums = GroupSums()  # chunks per group, and the guarantees' scale
         self._watch = ReuseWatches()  # of the groups with a limit: do their chunks return
 
+    def bind(self, evictable: Evictable, lock: AbstractContextManager[object]) -> None:
+        """The tier that drives this ledger, once, as it is built: its evictable test and
+        the lock it calls under."""
+        self.evictable, self._lock = evictable, lock
+
     # -- tenants ---------------------------------------------------------------------------
-    def assign(self, key: ChunkKey, tenant: str | None) -> None:
-        """The next :meth:`insert` (or :meth:`admit`) of ``key`` is ``tenant``'s. The oldest
-        of more than :data:`ASSIGNED_KEPT` pending go (their writes failed or were refused)."""
+    def expect(self, key: ChunkKey, tenant: str) -> None:
+        """The next :meth:`insert` of ``key`` (a write landing in the disk index) is
+        ``tenant``'s. The oldest of more than :data:`ASSIGNED_KEPT` pending go (their writes
+        failed or were refused)."""
         pending = self._next
-        pending[key] = tenant or NO_SALT
+        pending[key] = tenant
         if len(pending) > ASSIGNED_KEPT:
             del pending[next(iter(pending))]
 
-    def expect(self, tenants: dict[ChunkKey, str]) -> None:
-        """Assign many keys at once (a restart naming its files' tenants), unbounded until
-        :meth:`forget_expected` after the index is built."""
+    def expect_many(self, tenants: dict[ChunkKey, str]) -> None:
+        """Name many keys' tenants at once (a restart naming its files' tenants), unbounded
+        until :meth:`forget_expected` after the index is built."""
         self._next.update(tenants)
 
-    def forget_expected(self) -> None:
-        self._next.clear()
-
-    def unassign(self, key: ChunkKey) -> None:
-        """``key`` was assigned but will not be inserted (its write failed)."""
-        self._next.pop(key, None)
+    def forget_expected(self, key: ChunkKey | None = None) -> None:
+        """``key`` (None: every key) was named but will not be inserted."""
+        if key is None:
+            self._next.clear()
+        else:
+            self._next.pop(key, None)
 
     def tenant_of(self, key: ChunkKey) -> str | None:
         return self._tenant_of.get(key)
@@ -195,19 +214,69 @@ class TenantPolicy(EvictionPolicy):
             group = self._groups[name] = self._make()
         return group
 
-    # -- the EvictionPolicy seam -----------------------------------------------------------
+    # -- the ledger protocol (kvtier.storage.tenants.ledger) -------------------------------
+    def admit_as(self, key: ChunkKey, num_tokens: int, tenant: str) -> bool:
+        """Whether ``tenant``'s group keeps ``key`` at all (its policy's ``admit``)."""
+        return self._group(tenant).admit(key, num_tokens)
+
+    def charge(self, key: ChunkKey, tenant: str) -> list[ChunkKey]:
+        """``key`` is ``tenant``'s and cached: into its group's order (unless the disk index
+        inserted it already, as :meth:`expect` named it), then rule 1: the group's own
+        victims while it is over its limit, forgotten here, for the tier to drop."""
+        if key not in self._tenant_of:
+            self._insert_as(key, tenant)
+        return self.enforce(self._tenant_of[key])
+
+    def enforce(self, tenant: str) -> list[ChunkKey]:
+        """Rule 1 alone: ``tenant``'s group's own victims while it is over its limit (a store
+        let go of its new chunks' pages, which no eviction could take while it held them)."""
+        return self._over_quota_victims(tenant) if self.over_quota(tenant) else []
+
+    def release(self, key: ChunkKey) -> None:
+        self.remove(key)
+
+    def evicted_by_quota(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, str]:
+        """Of ``keys``, those rule 1 evicted (the last ``QUOTA_EVICTIONS_KEPT``), with their
+        tenant. C-level lookups: a plain ``dict.get`` per key, no lock needed."""
+        return self._quota_evicted.among(keys)
+
+    def rows(self) -> list[TenantRow]:
+        """Per tenant: bytes held, its limit and the guarantee it has now (None: no limit;
+        0: lapsed, rule 3), chunks, hits, evictions and quota evictions."""
+        with self._lock:
+            return self._rows()
+
+    def _rows(self) -> list[TenantRow]:
+        return [
+            TenantRow(
+                tenant,
+                held_bytes=usage.chunks * self.unit_bytes,
+                limit_bytes=self.limit_bytes(tenant),
+                guarantee_bytes=self._guarantee_now(tenant),
+                chunks=usage.chunks,
+                hits=usage.hits,
+                evictions=usage.evictions,
+                quota_evictions=usage.quota_evictions,
+            )
+            for tenant, usage in self.usage.items()
+        ]
+
+    # -- the policy seam (kvtier.storage.policy.base.PolicySeam) ---------------------------
     def admit(self, key: ChunkKey, num_tokens: int) -> bool:
         return self._group(self._next.get(key, NO_SALT)).admit(key, num_tokens)
 
     def insert(self, key: ChunkKey) -> None:
-        tenant = self._next.pop(key, NO_SALT)
+        """``key`` is cached, the tenant :meth:`expect` named (else the unsalted tenant's)."""
+        self._insert_as(key, self._next.pop(key, NO_SALT))
+
+    def _insert_as(self, key: ChunkKey, tenant: str) -> None:
         self._group(tenant).insert(key)
         self._tenant_of[key] = tenant
         usage = self.usage.get(tenant)
         if usage is None:
             usage = self.usage[tenant] = TenantUsage()
         self._count(tenant, usage, 1)
-        self.quota_evicted.pop(key, None)
+        self._quota_evicted.forget(key)
         name = self._group_of_tenant[tenant]
         if name is not _SHARED:
             self._watch.stored(name, key)
@@ -290,13 +359,13 @@ class TenantPolicy(EvictionPolicy):
             return (chunks - lapsed.used_held) * unit + self.capacity_bytes
         return chunks * unit - self._sums.limited.get(name or "", 0) * scale
 
-    def evict_over_quota(self, tenant: str, evictable: Evictable) -> list[ChunkKey]:
-        """Rule 1: victims of ``tenant``'s group until it is within its limit (or only pinned
-        chunks are left); the tier drops them. A group with a limit has an order of its own
-        (under ``"*"``, one order of every unnamed salt's chunks)."""
+    def _over_quota_victims(self, tenant: str) -> list[ChunkKey]:
+        """Rule 1: victims of ``tenant``'s group until it is within its limit (or only chunks
+        :attr:`evictable` refuses are left); the tier drops them. A group with a limit has an
+        order of its own (under ``"*"``, one order of every unnamed salt's chunks)."""
         victims: list[ChunkKey] = []
         while self.over_quota(tenant):
-            found = self._group(tenant).evict(1, evictable)
+            found = self._group(tenant).evict(1, self.evictable)
             if not found:
                 break
             self._forget(found[0], quota=True)
@@ -312,14 +381,13 @@ class TenantPolicy(EvictionPolicy):
         self._watch.lost(self._name(tenant), key, guarantee)
         if quota:
             usage.quota_evictions += 1
-            self.quota_evicted[key] = tenant
-            if len(self.quota_evicted) > QUOTA_EVICTIONS_KEPT:
-                self.quota_evicted.popitem(last=False)
+            self._quota_evicted.record(key, tenant)
 
-    def regroup(self) -> None:
+    def regroup(self) -> list[ChunkKey]:
         """The quota table changed: each tenant whose group changed (it gained or lost its
         row, or "*" came or went) moves there, its keys in their order, held keys held again
-        (one walk of each group left), and the kept sums are made afresh."""
+        (one walk of each group left), and the kept sums are made afresh; then rule 1 for
+        every tenant. Returns its victims, for the tier to drop."""
         moving: dict[str, str | None] = {}  # tenant -> its old group
         for tenant, old_name in self._group_of_tenant.items():
             new_name = self.quotas.row_of(tenant)
@@ -333,7 +401,7 @@ class TenantPolicy(EvictionPolicy):
             tenant_of = self._tenant_of.get
             keys = [k for k in old.order() if moving.get(tenant_of(k) or "", 0) == old_name]
             for key in keys:
-                was_held = key in old._held
+                was_held = old.is_held(key)
                 old.remove(key)
                 self._watch.removed(old_name, key)  # its hits speak no more for the old group
                 new = self._group(self._tenant_of[key])
@@ -344,29 +412,11 @@ class TenantPolicy(EvictionPolicy):
                 del self._groups[old_name]
         self._watch.keep_only(set(self._group_of_tenant.values()))
         self._recount()
-
-    def evicted_by_quota(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, str]:
-        """Of ``keys``, those rule 1 evicted (the last :data:`QUOTA_EVICTIONS_KEPT`), with
-        their tenant. C-level lookups: a plain ``dict.get`` per key, no lock needed."""
-        found = map(self.quota_evicted.get, keys)
-        return {k: t for k, t in zip(keys, found, strict=True) if t is not None}
-
-    def report(self) -> dict[str, dict[str, int | None]]:
-        """Per tenant: bytes held, its limit and the guarantee it has now (None: no limit;
-        0: lapsed, rule 3), chunks, hits, evictions and quota evictions (``stats()`` and the
-        Prometheus metrics read these names)."""
-        return {
-            tenant: {
-                "held_bytes": usage.chunks * self.unit_bytes,
-                "limit_bytes": self.limit_bytes(tenant),
-                "guarantee_bytes": self._guarantee_now(tenant),
-                "chunks": usage.chunks,
-                "hits": usage.hits,
-                "evictions": usage.evictions,
-                "quota_evictions": usage.quota_evictions,
-            }
-            for tenant, usage in self.usage.items()
-        }
+        victims: list[ChunkKey] = []
+        for tenant in list(self.usage):
+            if self.over_quota(tenant):
+                victims += self._over_quota_victims(tenant)
+        return victims
 
     def order(self) -> Iterator[ChunkKey]:
         """Each group's order in turn (victims come by excess, not by one order)."""
@@ -395,13 +445,3 @@ class TenantPolicy(EvictionPolicy):
         for usage in self.usage.values():
             usage.chunks = 0
         self._recount()
-
-    # The base class's order machinery is each group's; this policy never walks one itself.
-    def _select(self, count: int, evictable: Evictable, refused: list[ChunkKey]) -> list[ChunkKey]:
-        raise AssertionError("TenantPolicy selects through its groups")
-
-    def _leave(self, keys: Sequence[ChunkKey]) -> None:
-        raise AssertionError("TenantPolicy's groups hold their own keys")
-
-    def _rejoin(self, key: ChunkKey) -> None:
-        raise AssertionError("TenantPolicy's groups hold their own keys")

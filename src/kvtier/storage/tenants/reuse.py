@@ -1,6 +1,6 @@
 """Whether a tenant's chunks come back: what keeps its guarantee.
 
-A guarantee reserves room for a tenant (:mod:`kvtier.storage.policy.tenants`, rule 2). The
+A guarantee reserves room for a tenant (:mod:`kvtier.storage.tenants.local`, rule 2). The
 room is worth keeping only while the chunks it holds are used again: a tenant that scans
 documents it reads once would otherwise keep its whole guarantee filled with chunks nobody
 asks for, and every other tenant would lose that room for nothing.
@@ -92,7 +92,7 @@ class ReuseWatch:
 
 class ReuseWatches:
     """The watches of one tier's tenants with a limit, and which of them lapsed: what
-    :class:`~kvtier.storage.policy.tenants.TenantPolicy` asks, one call per event."""
+    :class:`~kvtier.storage.tenants.local.TenantPolicy` asks, one call per event."""
 
     __slots__ = ("_watch", "lapsed")
 

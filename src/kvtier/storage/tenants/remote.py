@@ -2,18 +2,20 @@
 what the tier reports per tenant.
 
 The CPU and disk tiers bound a tenant through their eviction policy
-(:class:`~kvtier.storage.policy.tenants.TenantPolicy`): they hold every chunk and choose
+(:class:`~kvtier.storage.tenants.local.TenantPolicy`): they hold every chunk and choose
 every victim. A remote store (Redis, S3) is shared by a fleet and evicts on its own, so its
 tier keeps a *ledger* of each tenant's chunks where the fleet can see it (Redis: a sorted set
 beside the chunks, :mod:`kvtier.storage.redis.tenant_ledger`) and, after a store of a tenant
 over its limit, deletes that tenant's oldest chunks. This module is what the ledger needs
 from the engine, whatever the store:
 
-* the put's tenant: the manager names it just before the put (``Tier.assign_tenant``);
-  :meth:`RemoteQuotas.take` hands it to the write;
+* the put's tenant rides the put (``PutJob.tenant``) and its queued write to the store's
+  ledger, which charges it when the write lands (``charge(key, tenant) -> victims``, the
+  ledger protocol of :mod:`kvtier.storage.tenants.ledger`:
+  :class:`~kvtier.storage.remote.ledger.QuotaLedger` adds it per store);
 * the tenant's limit in whole chunks of ``unit_bytes`` (the record of a full chunk as the
   identity codec writes it, so a coded chunk is charged as a whole one, never less), read
-  from the engine's one :class:`~kvtier.storage.policy.quotas.TenantQuotas` at each store,
+  from the engine's one :class:`~kvtier.storage.tenants.quotas.TenantQuotas` at each store,
   so a ``PUT /quota`` reaches the remote tier at its next store (or at once: the tier
   subscribes); a share is of ``capacity_bytes``, the store's capacity as the tier reads it;
 * the ledger a tenant is counted in (:meth:`RemoteQuotas.counted_as`): its own when it has
@@ -29,18 +31,14 @@ from the engine, whatever the store:
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.config.tenant_quotas import DEFAULT_TENANT
 from kvtier.keys import ChunkKey
-from kvtier.storage.policy.quotas import TenantQuotas
-
-NO_SALT = ""  # the tenant of requests without a cache_salt
-ASSIGNED_KEPT = 65536  # assigned keys not put yet (a put refused before the tier saw it)
-QUOTA_EVICTIONS_KEPT = 65536  # keys remembered as quota-evicted (kvtier explain)
-TENANTS_KEPT = 4096  # tenants remembered: past this, one that holds nothing is forgotten
+from kvtier.storage.tenants.ledger import TENANTS_KEPT, QuotaEvictions
+from kvtier.storage.tenants.quotas import TenantQuotas
+from kvtier.storage.tenants.rows import TenantRow
 
 
 @dataclass(slots=True)
@@ -57,23 +55,14 @@ class RemoteQuotas:
         self.quotas = quotas
         self.unit_bytes = unit_bytes
         self.capacity_bytes = 0  # 0: not read yet (a share cannot be computed)
-        self._next: dict[ChunkKey, str] = {}
         self._usage: dict[str, RemoteTenantUsage] = {}
-        self._quota_evicted: OrderedDict[ChunkKey, str] = OrderedDict()
+        self._quota_evicted = QuotaEvictions()
         self._lock = threading.Lock()
 
-    # -- a put's tenant ---------------------------------------------------------------------
-    def assign(self, key: ChunkKey, tenant: str | None) -> None:
-        """The next put of ``key`` stores a chunk of ``tenant`` (None: no salt)."""
-        with self._lock:
-            self._next[key] = tenant or NO_SALT
-            if len(self._next) > ASSIGNED_KEPT:
-                del self._next[next(iter(self._next))]
-
-    def take(self, key: ChunkKey) -> str:
-        """The tenant assigned to ``key``'s put (the unsalted tenant when none was)."""
-        with self._lock:
-            return self._next.pop(key, NO_SALT)
+    def release(self, key: ChunkKey) -> None:
+        """Nothing here: the store's ledger holds the members (a stale one is found and
+        counted at its next update)."""
+        return None
 
     # -- limits -----------------------------------------------------------------------------
     def counted_as(self, tenant: str) -> str:
@@ -126,10 +115,7 @@ class RemoteQuotas:
             usage.quota_evictions += len(evicted) + others
             usage.stale += stale
             for key in evicted:
-                self._quota_evicted[key] = tenant
-                self._quota_evicted.move_to_end(key)
-            while len(self._quota_evicted) > QUOTA_EVICTIONS_KEPT:
-                self._quota_evicted.popitem(last=False)
+                self._quota_evicted.record(key, tenant)
 
     def _forget_one_empty(self) -> None:
         for tenant, usage in self._usage.items():
@@ -144,40 +130,30 @@ class RemoteQuotas:
 
     def evicted_by_quota(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, str]:
         with self._lock:
-            found = map(self._quota_evicted.get, keys)
-            return {k: t for k, t in zip(keys, found, strict=True) if t is not None}
+            return self._quota_evicted.among(keys)
 
-    def report(self) -> dict[str, dict[str, int | None]]:
-        """Per tenant, the fields ``stats()`` and the metrics read (as the CPU tier's)."""
+    def refresh(self) -> None:
+        """Re-read what the fleet's ledgers hold, before a report; a store whose counts this
+        engine cannot see change overrides it (none by default)."""
+        return None
+
+    def rows(self) -> list[TenantRow]:
+        """Per ledger: what it held at its last update (fleet-wide), this engine's quota
+        evictions (its only evictions: the store's own are not seen), and stale members.
+        ``hits`` is None: a read does not know its tenant."""
+        self.refresh()
         with self._lock:
-            rows = list(self._usage.items())
-        return {
-            tenant: {
-                "held_bytes": usage.chunks * self.unit_bytes,
-                "limit_bytes": self.limit_bytes(tenant),
-                "chunks": usage.chunks,
-                "hits": None,
-                "evictions": usage.quota_evictions,
-                "quota_evictions": usage.quota_evictions,
-                "stale_entries": usage.stale,
-            }
-            for tenant, usage in rows
-        }
-
-
-class RemoteQuotaHooks:
-    """The :class:`~kvtier.storage.base.Tier` methods of ``tenant_quotas`` that every remote
-    tier answers the same way from its ``_quotas`` (None: quotas off). Listed before
-    ``Tier`` in a remote tier's bases, so these replace the base's no-ops."""
-
-    _quotas: RemoteQuotas | None
-
-    def assign_tenant(self, key: ChunkKey, tenant: str | None) -> None:
-        if self._quotas is not None:
-            self._quotas.assign(key, tenant)
-
-    def evicted_by_quota(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, str]:
-        return {} if self._quotas is None else self._quotas.evicted_by_quota(keys)
-
-    def tenant_report(self) -> dict[str, dict[str, int | None]]:
-        return {} if self._quotas is None else self._quotas.report()
+            usages = list(self._usage.items())
+        return [
+            TenantRow(
+                tenant,
+                held_bytes=usage.chunks * self.unit_bytes,
+                limit_bytes=self.limit_bytes(tenant),
+                chunks=usage.chunks,
+                hits=None,
+                evictions=usage.quota_evictions,
+                quota_evictions=usage.quota_evictions,
+                stale_entries=usage.stale,
+            )
+            for tenant, usage in usages
+        ]

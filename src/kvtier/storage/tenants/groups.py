@@ -1,7 +1,7 @@
-"""What each group of a :class:`~kvtier.storage.policy.tenants.TenantPolicy` holds, and the
+"""What each group of a :class:`~kvtier.storage.tenants.local.TenantPolicy` holds, and the
 scale of its guarantees.
 
-A group is a row of the quota table (:meth:`~kvtier.storage.policy.quotas.TenantQuotas.row_of`):
+A group is a row of the quota table (:meth:`~kvtier.storage.tenants.quotas.TenantQuotas.row_of`):
 a tenant with a row of its own, or every salt under ``"*"`` together (None: the salts with no
 row at all, which have no limit). The guarantees are scaled by the limits of the groups that
 hold chunks::

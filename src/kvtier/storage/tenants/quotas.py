@@ -1,9 +1,10 @@
 """The quota table every tier of one cache reads: tenant -> limit, changed at run time.
 
-One object per engine, shared by its CPU tier and its disk tier: the admin API's
-``PUT /quota`` changes it once and every tier sees the new limit at its next store (each
-tier's :class:`~kvtier.storage.policy.tenants.TenantPolicy` subscribes, so a lowered limit
-evicts at once). The rows come from ``tenant_quotas`` (:mod:`kvtier.config.tenant_quotas`);
+One object per engine, held by the engine (``Engine.quotas``) and handed to every tier that
+takes tenants when it is built (the CPU and disk tiers, Redis, S3, the PD buffer): the admin
+API's ``PUT /quota`` (and LMCache's alias) asks the engine for it and changes it once, and
+every tier sees the new limit at its next store (each tier's ledger subscribes, so a lowered
+limit evicts at once). The rows come from ``tenant_quotas`` (:mod:`kvtier.config.tenant_quotas`);
 ``"*"`` is the row of every tenant the table does not name, and it is *one* row for all of
 them together: the salts it covers share its limit (what they hold together is capped by it)
 and its guarantee, as one tenant would. vLLM takes ``cache_salt`` from each request, so a

@@ -1,4 +1,4 @@
-"""Per-tenant quotas in the CPU tier (``kvtier.storage.policy.tenants``): a flooding tenant
+"""Per-tenant quotas in the CPU tier (``kvtier.storage.tenants.local``): a flooding tenant
 stays within its limit, pins still hold (and count against their tenant), a tenant under
 its guarantee keeps its chunks, a limit changed at run time applies at once; and a
 hypothesis state machine over stores, pins, lookups and quota changes checks the accounting."""
@@ -19,9 +19,10 @@ from kvtier.keys import ChunkKey
 from kvtier.memory.block_pool import BlockPool
 from kvtier.storage.cpu import CpuTier
 from kvtier.storage.policy import POLICIES, make_policy
-from kvtier.storage.policy.quotas import TenantQuotas
-from kvtier.storage.policy.tenant_reuse import MIN_WINDOW
-from kvtier.storage.policy.tenants import TenantPolicy
+from kvtier.storage.tenants.local import TenantPolicy
+from kvtier.storage.tenants.quotas import TenantQuotas
+from kvtier.storage.tenants.reuse import MIN_WINDOW
+from tests.storage.tenant_contract import TenantContract, TenantTierFactory
 from tests.storage.tier_contract import CONTRACT_CHUNK, PAGE_BYTES, TOKEN_BYTES, random_key
 
 PAGES = 12
@@ -34,7 +35,7 @@ def quota_tier(
     tenants = TenantPolicy(
         lambda: make_policy(policy), quotas, PAGE_BYTES, pool.num_pages * PAGE_BYTES
     )
-    return CpuTier(pool, TOKEN_BYTES, tenants), tenants
+    return CpuTier(pool, TOKEN_BYTES, tenants=tenants), tenants
 
 
 def store(
@@ -78,7 +79,7 @@ def test_a_flooding_tenant_stays_within_its_quota(pool: BlockPool, policy_name: 
     usage = tenants.usage["flood"]
     assert usage.quota_evictions == usage.evictions == 37
     assert tenants.usage["quiet"].evictions == 0
-    assert set(tenants.quota_evicted.values()) == {"flood"}
+    assert set(tenants.evicted_by_quota(flood).values()) == {"flood"}
 
 
 def test_pinned_chunks_are_never_evicted_and_count_against_their_tenant(
@@ -127,7 +128,7 @@ def test_a_tenant_whose_chunks_do_not_come_back_loses_its_guarantee(pool: BlockP
         pool.release([e.page for e in tier.pin_keys(hot).values()])
         store(tier, "scan", 1)
     assert not tenants.guarantee_held("scan")
-    assert tenants.report()["scan"]["guarantee_bytes"] == 0
+    assert {r.tenant: r for r in tenants.rows()}["scan"].guarantee_bytes == 0
     chat = store(tier, "chat", PAGES - 1)  # no row: without rule 3 it could keep only 6
     assert tier.contains(chat) == [True] * (PAGES - 1)
     assert tier.contains(hot) == [True]  # the chunk it uses is the one it keeps
@@ -142,7 +143,7 @@ def test_a_lapsed_tenant_whose_chunk_comes_back_regains_its_guarantee(pool: Bloc
     assert tier.contains([lost]) == [False]
     store(tier, "t", 1, lambda: lost)  # asked for again: its chunks do come back
     assert tenants.guarantee_held("t")
-    assert tenants.report()["t"]["guarantee_bytes"] == 6 * PAGE_BYTES
+    assert {r.tenant: r for r in tenants.rows()}["t"].guarantee_bytes == 6 * PAGE_BYTES
     others = store(tier, "other", PAGES)
     assert tenants.held_bytes("t") == 6 * PAGE_BYTES  # its guarantee holds again
     assert tier.contains(others[-6:]) == [True] * 6
@@ -317,7 +318,7 @@ TestTenantAccounting.settings = settings(max_examples=60, stateful_step_count=40
 def test_tenants_that_hold_nothing_are_forgotten_past_a_bound(
     pool: BlockPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("kvtier.storage.policy.tenants.TENANTS_KEPT", 5)
+    monkeypatch.setattr("kvtier.storage.tenants.local.TENANTS_KEPT", 5)
     tier, tenants = quota_tier(pool, {"*": "100%"})
     for n in range(40):  # a salt per user: 40 tenants through a tier of 12 pages
         store(tier, f"user{n}", 1)
@@ -355,3 +356,25 @@ def test_salts_under_the_star_row_cannot_shrink_a_named_guarantee(
         tier.close()
     finally:
         pool.close()
+
+
+class TestCpuTenantContract(TenantContract):
+    unit_bytes = PAGE_BYTES
+
+    @pytest.fixture
+    def tenant_tier(self) -> Iterator[TenantTierFactory]:
+        made: list[CpuTier] = []
+
+        def make(quotas: TenantQuotas) -> CpuTier:
+            pool = BlockPool(16, PAGE_BYTES)
+            ledger = TenantPolicy(lambda: make_policy("LRU"), quotas, PAGE_BYTES, 16 * PAGE_BYTES)
+            tier = CpuTier(pool, TOKEN_BYTES, tenants=ledger)
+            tier.open()
+            made.append(tier)
+            return tier
+
+        yield make
+        for tier in made:
+            tier.close()
+            assert tier.pool.free_pages == tier.pool.num_pages
+            tier.pool.close()

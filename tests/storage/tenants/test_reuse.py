@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 
 from kvtier.keys import ChunkKey
-from kvtier.storage.policy.tenant_reuse import MIN_WINDOW, ReuseWatch
+from kvtier.storage.tenants.reuse import MIN_WINDOW, ReuseWatch
 
 
 def key(n: int) -> ChunkKey:

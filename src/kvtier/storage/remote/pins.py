@@ -3,7 +3,7 @@
 A shared store cannot hold an entry for a request: other engines, the store's own eviction
 or expiry, and a tenant's cap (``tenant_quotas``) may delete it at any time. So ``pin``
 answers True (the chunk may be used; a later read may still miss, which the manager
-tolerates by ending the hit there) and only counts, so that :meth:`clear` through this tier
+tolerates by ending the hit there) and only counts, so that ``clear`` through this tier
 spares the chunks this engine's requests are using. A count never goes below zero: a stray
 ``unpin`` is a no-op.
 """
@@ -16,22 +16,20 @@ from collections.abc import Sequence
 from kvtier.keys import ChunkKey
 
 
-class RemotePins:
-    """The pin methods of a remote tier (Redis, S3). Listed before ``Tier`` in its bases, as
-    :class:`~kvtier.storage.remote_quotas.RemoteQuotaHooks` is, so these replace the base's."""
+class PinCounts:
+    """The pin counts of one remote tier (module docstring). Thread-safe."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self._pins_lock = threading.Lock()
-        self._pin_counts: dict[ChunkKey, int] = {}
+        self._lock = threading.Lock()
+        self._counts: dict[ChunkKey, int] = {}
 
     def pin(self, key: ChunkKey) -> bool:
         """Always True: see the module docstring."""
         return self.pin_many((key,)) == 1
 
     def pin_many(self, keys: Sequence[ChunkKey]) -> int:
-        with self._pins_lock:
-            counts = self._pin_counts
+        with self._lock:
+            counts = self._counts
             for key in keys:
                 counts[key] = counts.get(key, 0) + 1
         return len(keys)
@@ -40,8 +38,8 @@ class RemotePins:
         self.unpin_many((key,))
 
     def unpin_many(self, keys: Sequence[ChunkKey]) -> None:
-        with self._pins_lock:
-            counts = self._pin_counts
+        with self._lock:
+            counts = self._counts
             for key in keys:
                 count = counts.get(key, 0)
                 if count <= 1:
@@ -50,6 +48,6 @@ class RemotePins:
                     counts[key] = count - 1
 
     def pinned(self) -> set[ChunkKey]:
-        """The keys pinned now (what :meth:`clear` keeps)."""
-        with self._pins_lock:
-            return set(self._pin_counts)
+        """The keys pinned now (what ``clear`` keeps)."""
+        with self._lock:
+            return set(self._counts)
