@@ -3,10 +3,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from kvtier import StateError
 from kvtier.lease import CallbackHold, LeaseTable
 from kvtier.memory import BlockPool
+from kvtier.memory.device import Direction
+from tests.memory.late_copies import LateCopies
 
 
 @pytest.fixture
@@ -100,3 +103,32 @@ def test_unclaimed_leases_expire_unless_claimed_or_busy(pool: BlockPool) -> None
     assert table.expire_unclaimed(10.0, now=now + 19.0) == []
     assert table.expire_unclaimed(10.0, now=now + 20.0) == ["busy"]
     assert sorted(released) == ["busy", "ghost"] and table.end("claimed")
+
+
+@pytest.mark.parametrize("lying", [False, True], ids=["fenced", "lying-fence"])
+def test_a_copy_from_a_lease_that_ended_first_lands_before_copying_returns(
+    pool: BlockPool, lying: bool
+) -> None:
+    """A load's copy out of the lease's page is reported (``copying``) after the request
+    ended and its page went back: ``copying`` waits for it there and then, so a store that
+    reuses the page next cannot write under the copy. The copy lands only when waited for
+    (tests/memory/late_copies.py); a lying fence (no wait) must see the reuse's bytes."""
+    copies = LateCopies(lying=lying)
+    table = LeaseTable(pool)
+    lease = table.open("r")
+    page = pool.allocate(1) or []
+    lease.take_pages(page)
+    view = pool.page_bytes_view(page[0], 64)
+    view.copy_(torch.arange(64, dtype=torch.uint8))
+    out = copies.mark(torch.zeros(64, dtype=torch.uint8))
+    batch = copies.begin(out, Direction.LOAD)
+    batch.copy(out, view)
+    landed = batch.close()
+    table.end("r")  # another path ended the request: its page is free
+    lease.copying(landed)
+    again = pool.allocate(4) or []
+    assert page[0] in again  # the page, reused by the next store
+    pool.page_bytes_view(page[0], 64).fill_(255)
+    copies.drain()
+    assert torch.equal(out, torch.arange(64, dtype=torch.uint8)) is not lying
+    pool.release(again)

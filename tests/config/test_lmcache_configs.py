@@ -220,19 +220,17 @@ def test_features_kvtier_lacks_are_refused_by_name(tmp_path: Path) -> None:
         load(tmp_path, REDIS.replace('"naive"', '"cachegen"'))
 
 
-def test_use_layerwise_loads_with_one_warning_saying_what_kvtier_does_instead(
+def test_use_layerwise_is_kvtiers_own_layer_wise_mode(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """LMCache's sgl_integration config: a scheduling knob, so it loads (kvtier loads whole
-    chunks in start_load_kv); switched off it asks for nothing and is not mentioned."""
+    """LMCache's sgl_integration config: ``use_layerwise`` is a shared key meaning the same
+    (loads and saves layer by layer), read without a warning; off by default."""
     with caplog.at_level(logging.INFO, logger="kvtier.config"):
-        assert load(tmp_path, LAYERWISE).local_cpu
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert "use_layerwise" in warning and "whole chunks in start_load_kv" in warning
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="kvtier.config"):
-        load(tmp_path, LAYERWISE.replace("use_layerwise: True", "use_layerwise: False"))
+        assert load(tmp_path, LAYERWISE).use_layerwise
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    off = load(tmp_path, LAYERWISE.replace("use_layerwise: True", "use_layerwise: False"))
+    assert not off.use_layerwise
+    assert not load(tmp_path, LAYERWISE.replace("use_layerwise: True\n", "")).use_layerwise
 
 
 def test_ignored_keys_are_said_once_in_one_warning(

@@ -1,39 +1,107 @@
 """A copy engine whose copies land late: a GPU's asynchronous copies, on a machine without one.
 
-Tensors marked as "device" memory (:meth:`LateCopies.mark`) behave like CUDA tensors do under
-:class:`kvtier.memory.device.DeviceCopies`: a batch's copies run ``delay`` seconds after the
-batch closes, on a thread per direction (a store stream and a load stream: no order between
-them), and the batch's fence says when they ran. Copies of unmarked tensors run at once.
+Tensors marked as "device" memory (:meth:`LateCopies.mark`, or every tensor with
+``everything=True``) behave like CUDA tensors do under :class:`kvtier.memory.device.DeviceCopies`:
+a batch's copies run late, in order, on a thread per direction (a store stream and a load
+stream: no order between them), and the batch's fence says when they ran. Copies of unmarked
+tensors run at once.
 
-``lying=True`` makes every fence claim "landed" at once while the copies still run late: the
-code that skips waiting, for proving that a scenario sees the race it guards against.
+When "late" is, is the test's to say, never a race against a timer::
+
+    LateCopies()                 held: a batch lands when code waits on its fence (the code
+                                 that waits gets its bytes, as from a GPU fast enough for it),
+                                 or when the test calls release(); code that never waits sees
+                                 nothing land until then
+    LateCopies(waits_land=False) held harder: a batch lands only at release(); a wait on its
+                                 fence blocks until then (a copy still running while the
+                                 caller goes on: proves a call returns before its copy lands)
+    LateCopies(delay=0.15)       a timer: each batch lands ``delay`` seconds after it closes
+
+A stream runs its batches in order, so landing one lands every batch queued before it in
+that direction.
+
+``lying=True`` makes every fence claim "landed" at once (and its wait lands nothing) while the
+copies still land late: the code that skips waiting, for proving that a scenario sees the race
+it guards against.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
 from kvtier.memory.device import CopyBatch, CopyEngine, DeviceCopies, Direction, Landed
 
 _HOST = DeviceCopies()  # for unmarked tensors: copied at once
-_Job = tuple[list[tuple[torch.Tensor, torch.Tensor]], threading.Event]  # copies, then landed
+_PATIENCE = 30.0  # seconds a wait for a late copy may take before the test fails
 
 
-class _EventLanded:
-    def __init__(self, event: threading.Event, lying: bool) -> None:
-        self._event = event
-        self._lying = lying
+@dataclass
+class _Job:
+    copies: list[tuple[torch.Tensor, torch.Tensor]]
+    ticket: int  # its place in its direction's queue (1, 2, ...)
+    landed: threading.Event = field(default_factory=threading.Event)
+
+
+class _Stream:
+    """One direction's queue and the thread that runs it, in order."""
+
+    def __init__(self, delay: float | None) -> None:
+        self.delay = delay
+        self.jobs: deque[_Job] = deque()
+        self.queued = 0  # tickets handed out
+        self.released = 0  # jobs with a ticket up to this may land
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def put(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> _Job:
+        with self.cond:
+            self.queued += 1
+            job = _Job(copies, self.queued)
+            self.jobs.append(job)
+            self.cond.notify_all()
+            return job
+
+    def release(self, upto: int | None = None) -> None:
+        with self.cond:
+            self.released = max(self.released, self.queued if upto is None else upto)
+            self.cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.jobs or (self.delay is None and self.jobs[0].ticket > self.released):
+                    self.cond.wait()
+                job = self.jobs.popleft()
+            if self.delay is not None and job.copies:
+                time.sleep(self.delay)
+            for dst, src in job.copies:
+                dst.copy_(src)
+            job.landed.set()
+
+
+class _JobLanded:
+    def __init__(self, engine: LateCopies, stream: _Stream, job: _Job) -> None:
+        self._engine = engine
+        self._stream = stream
+        self._job = job
 
     def wait(self) -> None:
-        if not self._lying and not self._event.wait(30.0):
-            raise AssertionError("a late copy never landed")
+        if self._engine.lying:
+            return
+        self._engine.waits += 1
+        if self._engine.waits_land:
+            self._stream.release(self._job.ticket)
+        if not self._job.landed.wait(_PATIENCE):
+            raise AssertionError("a late copy never landed (nobody released it)")
 
     def done(self) -> bool:
-        return self._lying or self._event.is_set()
+        return self._engine.lying or self._job.landed.is_set()
 
 
 class _LateBatch(CopyBatch):
@@ -50,19 +118,24 @@ class _LateBatch(CopyBatch):
 
 
 class LateCopies(CopyEngine):
-    def __init__(self, delay: float = 0.1, *, lying: bool = False) -> None:
+    """See the module docstring. ``delay``: seconds (a timer) instead of held copies."""
+
+    def __init__(
+        self,
+        delay: float | None = None,
+        *,
+        lying: bool = False,
+        waits_land: bool = True,
+        everything: bool = False,
+    ) -> None:
         self.delay = delay
         self.lying = lying
+        self.waits_land = waits_land
+        self.everything = everything  # every tensor counts as device memory
         self._marked: set[int] = set()
-        self._queues: dict[Direction, queue.Queue[_Job]] = {}
-        self._threads: list[threading.Thread] = []
-        for direction in Direction:
-            q: queue.Queue[_Job] = queue.Queue()
-            self._queues[direction] = q
-            thread = threading.Thread(target=self._run, args=(q,), daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self._streams = {direction: _Stream(delay) for direction in Direction}
         self.batches = 0  # batches that had copies to make late
+        self.waits = 0  # waits on a late batch's fence (not counting a lying one's)
 
     def mark(self, tensor: torch.Tensor) -> torch.Tensor:
         """Treat ``tensor`` (and every view of its memory) as device memory."""
@@ -70,7 +143,7 @@ class LateCopies(CopyEngine):
         return tensor
 
     def on_device(self, tensor: torch.Tensor) -> bool:
-        return tensor.untyped_storage().data_ptr() in self._marked
+        return self.everything or tensor.untyped_storage().data_ptr() in self._marked
 
     def begin(self, device_side: torch.Tensor, direction: Direction) -> CopyBatch:
         if not self.on_device(device_side):
@@ -80,26 +153,27 @@ class LateCopies(CopyEngine):
     def submit(
         self, direction: Direction, copies: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> Landed:
-        event = threading.Event()
+        stream = self._streams[direction]
         if copies:
             self.batches += 1
-            self._queues[direction].put((list(copies), event))
-        else:
-            event.set()
-        return _EventLanded(event, self.lying)
+        job = stream.put(list(copies))
+        if not copies:
+            stream.release(job.ticket)  # nothing to make late
+        return _JobLanded(self, stream, job)
+
+    def pending(self) -> int:
+        """Batches queued that have not landed yet."""
+        return sum(len(s.jobs) for s in self._streams.values())
+
+    def release(self) -> None:
+        """Land every copy queued so far and wait until they ran (a device synchronize)."""
+        for stream in self._streams.values():
+            stream.release()
+        self.drain()
 
     def drain(self) -> None:
-        """Wait until every copy queued so far has run (a device synchronize)."""
-        for q in self._queues.values():
-            event = threading.Event()
-            q.put(([], event))
-            assert event.wait(30.0)
-
-    def _run(self, q: queue.Queue[_Job]) -> None:
-        while True:
-            copies, event = q.get()
-            if copies:
-                time.sleep(self.delay)
-            for dst, src in copies:
-                dst.copy_(src)
-            event.set()
+        """Wait until every copy queued so far has run; held copies are released first."""
+        for stream in self._streams.values():
+            job = stream.put([])
+            stream.release(job.ticket)
+            assert job.landed.wait(_PATIENCE), "a late copy never landed"

@@ -2,11 +2,12 @@
 and no page is given back while a copy from it runs (kvtier.memory.device).
 
 A GPU's copies are asynchronous; these machines have none, so a copy engine whose copies land
-late (tests/memory/late_copies.py) stands in for one. Each scenario stores "device" KV and
-reads it back through a tier whose host side reads the page (a disk writer and its checksum,
-a codec, a Redis writer, the kvtier server, a PD sender), or loads into "device" memory and
-ends the request at once. Each scenario also runs with a fence that lies ("landed" at once),
-the code that does not wait: there it must see wrong bytes, so the scenario can fail.
+late (tests/memory/late_copies.py: held until code waits on their fence, never a timer) stands
+in for one. Each scenario stores "device" KV and reads it back through a tier whose host side
+reads the page (a disk writer and its checksum, a codec, a Redis writer, the kvtier server, a
+PD sender), or loads into "device" memory and ends the request at once. Each scenario also runs
+with a fence that lies ("landed" at once), the code that does not wait: there it must see wrong
+bytes, so the scenario can fail.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ PAGE = SMALL_LAYOUT.chunk_bytes(SMALL_CHUNK)
 
 
 def late(lying: bool) -> LateCopies:
-    return LateCopies(delay=0.15, lying=lying)
+    """Copies that land only when code waits on their fence, or at ``drain()``: code that does
+    not wait reads before they land, however slow the machine (no timer to race)."""
+    return LateCopies(lying=lying)
 
 
 def device_kv(copies: LateCopies, seed: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, str] = {
     "trace": "a production trace replayed through the CPU tier vs the optimum, LRU, ARC",
     "sliding": "a sliding-window model's hits per GB on a trace: every token, big chunks, "
     "lean records with whole ones at anchors",
+    "paged": "vLLM's paged KV <-> pinned host pages per layout: Triton kernel, torch, pinned DMA",
 }
 
 

@@ -157,15 +157,7 @@ LMCACHE_KEYS: tuple[LMCacheKey, ...] = (
         'lossy: docs/codecs.md); "cachegen" is refused: kvtier offers remote_codec lossless, '
         "fp8 or int8",
     ),
-    # Loading: kvtier loads whole chunks, disk and Redis hits in the background.
-    # use_layerwise only schedules loads (what is cached is the same), so it loads with a
-    # WARNING saying what kvtier does instead, until layer-wise loading exists.
-    LMCacheKey(
-        "use_layerwise",
-        IGNORED,
-        f"{WHEN_TRUE}layer-by-layer loading is not implemented; kvtier loads whole chunks in "
-        "start_load_kv, before the forward (disk and Redis hits in the background)",
-    ),
+    # use_layerwise is a shared key (kvtier.config.schema): layer-by-layer loads and saves.
     *_ignored(
         "kvtier always loads disk and Redis hits in the background (async_lower_loads in the "
         "vLLM connector)",

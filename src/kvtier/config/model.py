@@ -22,7 +22,8 @@ from kvtier.errors import ConfigError
 log = logging.getLogger(__name__)
 
 # KVTIER_* variables that are not config keys (the CLI's, the test suite's).
-_NOT_KEYS = {"CONFIG_FILE", "LOG_LEVEL", "CI", "ADMIN_URL", "QUALITY_CACHE"}
+# FAULT_LOAD_LAYER: the vLLM tests' fault hook (kvtier.integrations.vllm.layerwise).
+_NOT_KEYS = {"CONFIG_FILE", "LOG_LEVEL", "CI", "ADMIN_URL", "QUALITY_CACHE", "FAULT_LOAD_LAYER"}
 MIN_TOKEN_CHARS = 16
 
 # Set while Config.diagnose builds a config: the combination rules append every problem
@@ -65,6 +66,7 @@ class Config:
     pd_idle_timeout_sec: float = 300.0
     pd_message_timeout_sec: float = 30.0
     transfer_channel: str | None = None
+    use_layerwise: bool = False
     blocking_timeout_secs: float = 10.0
     internal_api_server_enabled: bool = False
     internal_api_server_host: str = "127.0.0.1"

@@ -38,7 +38,14 @@ from kvtier.integrations.vllm.groups import classify
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.scheduler import SchedulerSide
-from kvtier.integrations.vllm.sides import ROLES, fit_to_vllm, scheduler_side, worker_side
+from kvtier.integrations.vllm.sides import (
+    ROLES,
+    fit_to_vllm,
+    load_config,
+    quiet_config_warnings,
+    scheduler_side,
+    worker_side,
+)
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.observability.logs import join_host_logging
 
@@ -91,18 +98,28 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_side().register(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        # Whole chunks hold every layer, so a CPU-tier load is queued before the forward
-        # starts, and the forward's stream waits for its copies (kvtier.memory.device):
-        # wait_for_layer_load has nothing to wait for. Disk and Redis loads start here and
-        # finish in the background (get_finished).
+        # Whole chunks (the default): a CPU-tier load is queued before the forward starts,
+        # and the forward's stream waits for its copies (kvtier.memory.device). Layer-wise
+        # (use_layerwise): the chunks land in host staging and layer 0's copy is queued;
+        # each layer follows in wait_for_layer_load (.layerwise). Disk and Redis loads start
+        # here and finish in the background (get_finished).
         self._worker_side().load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        # Layer-wise: this layer's copy has landed in vLLM's blocks (or its requests are
+        # misses) and the next layer's is queued. Whole chunks: nothing to wait for.
+        self._worker_side().wait_layer(layer_name)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loads run Python between layers, which a full CUDA graph would skip
+        on replay: vLLM then captures piecewise graphs. Whole-chunk loads allow full ones."""
+        with quiet_config_warnings():
+            return load_config(extra_config).use_layerwise
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(ended requests whose decode saves are copied, the requests whose async load from
-        disk/Redis is done)."""
+        """(ended requests vLLM kept whose saves all landed, the requests whose async load
+        from disk/Redis is done)."""
         worker = self._worker_side()
         sent, done = worker.finished_saves(), worker.finished_loads()
         return sent or None, done or None
@@ -114,12 +131,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        return  # a chunk page needs every layer: saved once in wait_for_save
+        # A chunk page needs every layer: saved once in wait_for_save, in both modes
+        # (layer-wise saves are not built: docs/vllm.md).
+        return
 
     def wait_for_save(self) -> None:
-        # The copy into kvtier's pages has landed before this returns (a store waits for its
-        # copies' fence, kvtier.memory.device, even on a GPU where the copy is asynchronous),
-        # so vLLM may free or reuse the blocks at once (request_finished never delays them).
+        # The blocks are gathered now, in the model's stream order; on a GPU the copies into
+        # kvtier's pages are queued and land behind the step (save_drain.py): vLLM keeps an
+        # ended request's blocks until get_finished reports it (request_finished delays the
+        # free). On a CPU host they have landed before this returns.
+        self._worker_side().layers_done()  # a layer-wise load that missed a layer: a miss
         if self.has_connector_metadata():
             self._worker_side().save(self._meta())
 
@@ -163,7 +184,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        return  # saves are synchronous: nothing in flight reads a preempted request's blocks
+        # A save in flight copies from its own buffer, gathered from the blocks in the model's
+        # stream order before wait_for_save returned: no copy reads a preempted request's
+        # blocks after that.
+        return
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -207,8 +231,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """(free the blocks now: saves are done, the PD prefiller's answer for the decode
-        request or None)."""
+        """(keep the blocks until get_finished names the request: a save of it may still be
+        copying, the PD prefiller's answer for the decode request or None)."""
         return self._finished(request, (block_ids,))
 
     def request_finished_all_groups(

@@ -18,10 +18,14 @@ from kvtier.layout import KVLayout
 class CopyBuffer:
     """See the module docstring."""
 
-    def __init__(self, layout: KVLayout, chunk_size: int, device: torch.device) -> None:
+    def __init__(
+        self, layout: KVLayout, chunk_size: int, device: torch.device, *, pin: bool = False
+    ) -> None:
+        """``pin``: host memory a device copies from asynchronously (a GPU load's staging)."""
         self.layout = layout
         self.chunk_size = chunk_size
         self.device = device
+        self.pin = pin
         self._tensor: torch.Tensor | None = None
 
     @property
@@ -34,5 +38,7 @@ class CopyBuffer:
         if self._tensor is None or self._tensor.shape[2] < tokens:
             capacity = -(-tokens // self.chunk_size) * self.chunk_size
             shape = self.layout.kv_shape(capacity)
-            self._tensor = torch.zeros(shape, dtype=self.layout.dtype, device=self.device)
+            self._tensor = torch.zeros(
+                shape, dtype=self.layout.dtype, device=self.device, pin_memory=self.pin
+            )
         return self._tensor

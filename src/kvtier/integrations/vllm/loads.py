@@ -36,10 +36,12 @@ from kvtier.integrations.vllm.copy_buffer import CopyBuffer
 from kvtier.integrations.vllm.metadata import LoadSpec
 from kvtier.integrations.vllm.paged import NULL_BLOCK, PagedKV
 from kvtier.integrations.vllm.states import PagedState
+from kvtier.memory.device import LANDED, CopyEngine, DeviceCopies, Direction, Landed
 
 log = logging.getLogger(__name__)
 
 Scratch = Callable[[int], torch.Tensor]
+WINDOW_CHUNKS = 4  # device memory a load on a GPU holds: this many chunks of every layer
 
 
 class Loads:
@@ -50,9 +52,11 @@ class Loads:
         block_size: int,
         states: PagedState | None = None,
         attention_tables: Callable[[Any], Any] = lambda tables: tables,
+        copies: CopyEngine | None = None,
     ) -> None:
         """``states``: the model's state layers (the state at the load's end is restored
-        with it); ``attention_tables``: a spec's tables without the state groups'."""
+        with it); ``attention_tables``: a spec's tables without the state groups';
+        ``copies``: who copies host memory to the device (a test's may land late)."""
         self.cache = cache
         self.paged = paged
         self.block_size = block_size
@@ -66,79 +70,151 @@ class Loads:
         self._failed_requests: set[str] = set()
         self._short: dict[str, int] = {}
         self._done: set[str] = set()
-        # The loader thread's own copy buffer: the model thread's may be in use.
-        self._buffer = CopyBuffer(cache.layout, cache.config.chunk_size, paged.layers[0].device)
+        # KV on a device is loaded through host staging and a window of WINDOW_CHUNKS
+        # chunks of device memory (run's ``window``), never a prompt-sized device scratch.
+        self.copies = copies if copies is not None else DeviceCopies()
+        # Per staging buffer (one per thread), its last window's copy: it still reads it.
+        self._pending: dict[int, Landed] = {}
+        # The loader thread's own buffers: the model thread's may be in use.
+        chunk, device = cache.config.chunk_size, paged.layers[0].device
+        self._host = CopyBuffer(cache.layout, chunk, torch.device("cpu"), pin=device.type == "cuda")
+        self._window = CopyBuffer(cache.layout, chunk, device)
         # One loader thread, started by the first submit: loads queue behind each other.
         self._pool = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="kvtier-load", initializer=unpin_current_thread
         )
 
-    def run(self, spec: LoadSpec, out: torch.Tensor) -> None:
+    @property
+    def staged(self) -> bool:
+        """Whether loads go through host staging and a device window (the KV is device
+        memory, and the model keeps no states: those are restored from the whole load)."""
+        return self.states is None and self.copies.on_device(self.paged.layers[0])
+
+    @property
+    def window_tokens(self) -> int:
+        """Rows of a load's device window."""
+        return WINDOW_CHUNKS * self.cache.config.chunk_size
+
+    @property
+    def scratch_tokens(self) -> int:
+        """Device rows (every layer) the loader thread holds: its window, or its scratch."""
+        return self._window.tokens
+
+    def run(self, spec: LoadSpec, out: torch.Tensor, window: torch.Tensor | None = None) -> None:
         """Load ``spec`` now (``out``: a ``[2, layers, >=len(tokens) - base, hidden]``
         scratch whose row 0 is token ``base``, the chunk start of ``spec.start``: vLLM's own
-        prefix is neither loaded nor given room, see :func:`scratch_tokens`)."""
-        loaded = spec.start
+        prefix is neither loaded nor given room, see :func:`scratch_tokens`). With
+        ``window`` (device memory of a few chunks), ``out`` is host staging and the load
+        reaches vLLM's blocks one window at a time."""
+        chunk = self.cache.config.chunk_size
+        base = spec.start // chunk * chunk
+        # The last window copy out of this staging has landed before it is written again.
+        self._pending.pop(out.untyped_storage().data_ptr(), LANDED).wait()
+        loaded = self.fetch(spec, out)
+        tables = self._attention_tables(spec.tables)
+        if loaded > spec.start and window is not None:
+            self._scatter_windows(tables, spec.start, loaded, out, base, window)
+        elif loaded > spec.start:
+            self.paged.scatter(tables, spec.start, loaded, out, base)
+            if self.states is not None:
+                self.states.scatter(spec.group_block_ids, loaded, chunk, out, base)
+        self.record_short(spec, loaded)
+
+    def fetch(self, spec: LoadSpec, out: torch.Tensor) -> int:
+        """Copy ``spec``'s hit into ``out`` (as :meth:`run` takes it; any device) and say how
+        much of it vLLM may use: the end of the usable load (``spec.start``: none).
+        Scatters nothing and reports nothing."""
+        loaded = hit = spec.start
         chunk = self.cache.config.chunk_size
         base = spec.start // chunk * chunk
         with self.cache.loading(spec.request_id) as live:
-            if live:
-                try:
-                    hit = self.cache.retrieve_into(
-                        spec.tokens,
-                        spec.request_id,
-                        out,
-                        skip_leading_tokens=spec.start,
-                        cache_salt=spec.cache_salt,
-                        out_start=base,
-                    )
-                    loaded = max(spec.start, min(hit, spec.end))
-                    tables = self._attention_tables(spec.tables)
-                    if loaded > spec.start and not self.paged.restorable(
-                        tables,
-                        spec.start,
-                        loaded,
-                        chunk,
-                        hit,  # the last record ends there: a chunk end, or a checkpoint
-                    ):
-                        # vLLM holds a real block where a trimmed sliding group kept nothing
-                        # (never expected): recompute rather than serve zeros.
-                        log.warning(
-                            "kvtier: load for %s needs tokens a sliding-window group did "
-                            "not keep; vLLM recomputes",
-                            spec.request_id,
-                        )
-                        loaded = spec.start
-                    if self.states is not None and (
-                        loaded < spec.end or (loaded % chunk and loaded != hit)
-                    ):
-                        # A state is restored only from the record ending where the load
-                        # ends (a chunk end, or the checkpoint the hit ends at).
-                        loaded = spec.start
-                    if loaded > spec.start:
-                        self.paged.scatter(tables, spec.start, loaded, out, base)
-                    if self.states is not None and loaded > spec.start:
-                        self.states.scatter(spec.group_block_ids, loaded, chunk, out, base)
-                except KVTierError as exc:  # a tier failed outright: recompute all of it
-                    log.warning("kvtier: load for %s failed: %s", spec.request_id, exc)
-                    loaded = spec.start
-            else:
+            if not live:
                 log.warning("kvtier: load for ended request %s skipped", spec.request_id)
-        if loaded < spec.end:
-            # vLLM recomputes from the first failed block on: report every block from the
-            # one holding the first token that did not arrive.
-            first, last = loaded // self.block_size, -(-spec.end // self.block_size)
-            with self._lock:
-                self._short[spec.request_id] = loaded
-                if self.per_request:
-                    self._failed_requests.add(spec.request_id)
-                else:
-                    self._failed.update(_blocks(spec, first, last))
+                return loaded
+            try:
+                hit = self.cache.retrieve_into(
+                    spec.tokens,
+                    spec.request_id,
+                    out,
+                    skip_leading_tokens=spec.start,
+                    cache_salt=spec.cache_salt,
+                    out_start=base,
+                )
+            except KVTierError as exc:  # a tier failed outright: recompute all of it
+                log.warning("kvtier: load for %s failed: %s", spec.request_id, exc)
+                return spec.start
+        loaded = max(spec.start, min(hit, spec.end))
+        tables = self._attention_tables(spec.tables)
+        if loaded > spec.start and not self.paged.restorable(
+            tables,
+            spec.start,
+            loaded,
+            chunk,
+            hit,  # the last record ends there: a chunk end, or a checkpoint
+        ):
+            # vLLM holds a real block where a trimmed sliding group kept nothing (never
+            # expected): recompute rather than serve zeros.
             log.warning(
-                "kvtier: request %s loaded %d of %d tokens; vLLM recomputes the rest",
+                "kvtier: load for %s needs tokens a sliding-window group did not keep; "
+                "vLLM recomputes",
                 spec.request_id,
-                loaded - spec.start,
-                spec.end - spec.start,
             )
+            loaded = spec.start
+        if self.states is not None and (loaded < spec.end or (loaded % chunk and loaded != hit)):
+            # A state is restored only from the record ending where the load ends (a chunk
+            # end, or the checkpoint the hit ends at).
+            loaded = spec.start
+        return loaded
+
+    def record_short(self, spec: LoadSpec, loaded: int) -> None:
+        """Report ``spec``'s load as ending at ``loaded`` (nothing when it is whole): vLLM
+        recomputes from the block holding the first token that did not arrive. A later call
+        for the same request (a layer-wise load that failed after a short fetch) replaces
+        the delivered count and adds blocks."""
+        if loaded >= spec.end:
+            return
+        # vLLM recomputes from the first failed block on: report every block from the one
+        # holding the first token that did not arrive.
+        first, last = loaded // self.block_size, -(-spec.end // self.block_size)
+        with self._lock:
+            self._short[spec.request_id] = loaded
+            if self.per_request:
+                self._failed_requests.add(spec.request_id)
+            else:
+                self._failed.update(_blocks(spec, first, last))
+        log.warning(
+            "kvtier: request %s loaded %d of %d tokens; vLLM recomputes the rest",
+            spec.request_id,
+            loaded - spec.start,
+            spec.end - spec.start,
+        )
+
+    def _scatter_windows(
+        self,
+        tables: Any,
+        start: int,
+        end: int,
+        staging: torch.Tensor,
+        base: int,
+        window: torch.Tensor,
+    ) -> None:
+        """Tokens ``start..end-1`` of ``staging`` (row 0: token ``base``) into vLLM's blocks
+        through ``window``, as many rows at a time as it holds. Each window's copy is one
+        batch; its scatter runs after it landed: on CUDA the batch orders the model's stream
+        (and the next copy waits for that scatter), elsewhere the host waits for it."""
+        rows = int(window.shape[2])
+        ordered = window.device.type == "cuda"
+        a = start
+        while a < end:
+            b = min(end, a + rows)
+            batch = self.copies.begin(window, Direction.LOAD)
+            batch.copy(window[:, :, : b - a], staging[:, :, a - base : b - base])
+            landed = batch.close()
+            if not ordered:
+                landed.wait()
+            self.paged.scatter(tables, a, b, window, a)
+            self._pending[staging.untyped_storage().data_ptr()] = landed
+            a = b
 
     def submit(self, spec: LoadSpec) -> None:
         """Load ``spec`` on the loader thread; :meth:`finished` names it when done."""
@@ -146,7 +222,11 @@ class Loads:
 
     def _run_async(self, spec: LoadSpec) -> None:
         try:
-            self.run(spec, self._buffer.rows(scratch_tokens(spec, self.cache.config.chunk_size)))
+            rows = scratch_tokens(spec, self.cache.config.chunk_size)
+            if self.staged:
+                self.run(spec, self._host.rows(rows), self._window.rows(self.window_tokens))
+            else:
+                self.run(spec, self._window.rows(rows))
         except Exception:  # never leave vLLM waiting: report every block as failed
             log.exception("kvtier: async load for %s crashed", spec.request_id)
             with self._lock:

@@ -32,19 +32,28 @@ the slot is re-divided by the tensor's block length::
     position p ──▶ slot = block_ids[p // bs] * bs + p % bs ──▶ (slot // N, slot % N) in the tensor
 
 Both directions copy each layer once with one advanced-indexing operation; views are exact,
-so a scatter followed by a gather returns the same bytes.
+so a scatter followed by a gather returns the same bytes. On a CUDA device the same copy is
+one Triton launch for all layers (:mod:`~kvtier.integrations.vllm.paged_kernel`), which also
+reads and writes pinned host pages in place; the torch path stays for CPU hosts and for a
+chunk tensor the kernel cannot reach (another dtype, pageable host memory).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import cast
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from kvtier.errors import InputError
 from kvtier.layout import GroupKind, KVGroup, KVLayout, sliding_keep
+
+log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from kvtier.integrations.vllm.paged_kernel import PagedKernel
 
 NULL_BLOCK = 0  # vLLM's shared null block: padding for blocks a group no longer holds
 
@@ -66,6 +75,7 @@ class PagedKV:
     planes: int = 2  # 1: MLA latent [B, 1, N, D] (or [B, N, D]: viewed as [B, 1, N, D])
     layer_groups: tuple[int, ...] = ()  # per layer: its KV-cache group (block table)
     groups: tuple[KVGroup, ...] = ()  # the layout's groups (default: one of every layer)
+    kernel: PagedKernel | None = field(default=None, compare=False, repr=False)  # CUDA copies
 
     @classmethod
     def from_vllm(
@@ -120,7 +130,7 @@ class PagedKV:
                 f"length {tensor_block}"
             )
         layer_groups, kv_groups = _layer_groups(names, groups, block_size)
-        return cls(
+        paged = cls(
             layers,
             names,
             kv_first,
@@ -132,6 +142,43 @@ class PagedKV:
             layer_groups,
             kv_groups,
         )
+        if first.device.type != "cuda":
+            return paged
+        try:
+            return paged.with_kernel()
+        except ImportError as exc:  # a CUDA build without Triton: the torch path still works
+            log.warning("kvtier: no Triton (%s); vLLM's blocks are copied with torch", exc)
+            return paged
+
+    def with_kernel(self) -> PagedKV:
+        """This paged KV copying through the Triton kernel (unchanged if its layers cannot
+        share one launch). Imports Triton: on a CPU host only the tests call it, under
+        ``TRITON_INTERPRET=1``."""
+        from kvtier.integrations.vllm.paged_kernel import PagedKernel
+
+        if not PagedKernel.uniform(self.layers):
+            return self
+        s = self.layers[0].stride()
+        block, token = (s[1], s[2]) if self.kv_first and self.planes == 2 else (s[0], s[2])
+        if self.planes == 1:  # [B, 1, N, D]
+            plane, head, dim = 0, 0, s[3]
+        elif self.kv_first:  # [2, B, N, H, D]
+            plane, head, dim = s[0], s[3], s[4]
+        else:  # [B, H, N, 2D]: K then V along the last axis
+            plane, head, dim = self.head_dim * s[3], s[1], s[3]
+        kernel = PagedKernel(
+            self.layers,
+            self.layer_groups,
+            planes=self.planes,
+            heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            plane=plane,
+            head=head,
+            dim=dim,
+            block=block,
+            token=token,
+        )
+        return replace(self, kernel=kernel)
 
     def layout(self) -> KVLayout:
         return KVLayout(
@@ -253,6 +300,10 @@ class PagedKV:
         any device). The caller checks :meth:`complete` first where groups may hold the null
         block."""
         slots = self._group_slots(block_ids, start, end)
+        rows = out[:, :, start - base : end - base]
+        if self.kernel is not None and self.kernel.reaches(rows):
+            self.kernel.gather(slots, rows)
+            return
         n = end - start
         hidden = self.num_kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
@@ -275,6 +326,10 @@ class PagedKV:
         token ``base``) into the request's blocks; positions a group maps to the null block
         are skipped."""
         slots = self._group_slots(block_ids, start, end)
+        rows = src[:, :, start - base : end - base]
+        if self.kernel is not None and self.kernel.reaches(rows):
+            self.kernel.scatter(slots, rows)
+            return
         n = end - start
         device = self.layers[0].device
         for index, layer in enumerate(self.layers):

@@ -32,6 +32,16 @@ carries the save and names the request in ``finishing``; each worker reports it 
     saved at prefill  c0, c1                                              (prompt's whole chunks)
     saved at the end                       c2                             then the blocks go
 
+Saves that land after the step (``async_saves``: a GPU's copies, which the workers wait for
+behind the step, :mod:`.save_drain`): ``request_finished`` also delays the free of a request
+with any save sent, names it in the next step's ``finishing``, and each worker reports it
+once none of its saves is still copying. So vLLM frees or reuses no block of it, and hears
+of no finished send, before the copies out of its blocks landed::
+
+    step n    wait_for_save: gather, queue the copies, return      (copies in flight)
+    end       request_finished -> (True, ...)                      (vLLM keeps the blocks)
+    step n+1  finishing = [rid]; get_finished: rid only once its copies landed -> blocks go
+
 Ending a request: :meth:`finished` sends ``end`` to every worker at once, so a request
 aborted while the engine is idle releases its pins now, not at the next step. A preempted
 request keeps its lease (the pinned chunks are exactly what it reloads when it resumes) and
@@ -76,6 +86,7 @@ class SchedulerSide:
         state_chunks: bool = False,
         save_decode: bool = False,
         checkpoint_unit: int = 0,
+        async_saves: bool = False,
     ) -> None:
         """``all_async``: every load in the background, also from the CPU tier (a model with
         several KV-cache groups: vLLM takes load failures only per request, from async
@@ -85,7 +96,9 @@ class SchedulerSide:
         the generated tokens' whole chunks when a request ends (see the module docstring).
         ``checkpoint_unit``: a sliding-window model's block unit when it saves its prompts'
         checkpoints (:mod:`.checkpoints`; 0: it does not). Which saves a step carries is
-        :mod:`.step_saves`'s."""
+        :mod:`.step_saves`'s. ``async_saves``: the workers' saves land after the step (a
+        GPU's copies, :mod:`.save_drain`): vLLM keeps an ended request's blocks until its
+        workers report every save of it landed (the module docstring)."""
         self.clients = clients
         self.block_size = block_size
         self.chunk_size = chunk_size
@@ -105,6 +118,9 @@ class SchedulerSide:
             checkpoint_unit=checkpoint_unit,
         )
         self._finishing: list[SaveSpec] = []  # decode saves of ended requests, next step
+        self._ending: list[str] = []  # ended requests vLLM keeps: the next step's finishing
+        self.async_saves = async_saves
+        self._saving: set[str] = set()  # with async_saves: requests with a save sent
         # Hits are usable in whole blocks (a state model's end at chunk ends or at its
         # prompt's checkpoint, block boundaries where its states are).
         self.block_size = block_size
@@ -187,8 +203,8 @@ class SchedulerSide:
     def build_meta(self, out: Any) -> KVTierMetadata:
         """Loads and saves for the step vLLM just scheduled (``out``: SchedulerOutput)."""
         meta = KVTierMetadata(loads=self._async_loads, saves=self._finishing)
-        meta.finishing = [spec.request_id for spec in self._finishing]
-        self._async_loads, self._finishing = [], []
+        meta.finishing = self._ending
+        self._async_loads, self._finishing, self._ending = [], [], []
         for rid in out.preempted_req_ids or ():
             state = self._requests.get(rid)
             if state is not None:  # its blocks are gone; new ones come when it resumes
@@ -215,6 +231,13 @@ class SchedulerSide:
                     table.extend(more)
             done = cached.num_computed_tokens[i] + out.num_scheduled_tokens[rid]
             self._add_specs(meta, rid, state, done)
+        if self.async_saves:  # a PD prefiller's saves land in the step (the worker's .save);
+            # an ended request's answer is in ``finishing`` already
+            self._saving.update(
+                s.request_id
+                for s in meta.saves
+                if s.transfer_id is None and s.request_id in self._requests
+            )
         return meta
 
     def short_loads(self, short: dict[str, int]) -> None:
@@ -244,6 +267,7 @@ class SchedulerSide:
         here already ended, with no state: its transfer (named in ``params``) is freed now,
         not ``pd_reservation_ttl_sec`` later."""
         state = self._requests.pop(request_id, None)
+        self._saving.discard(request_id)  # save_output, called first, has read it
         if state is None:
             transfer = self._handoff.transfer(params)[0] if self.pd_sender is None else None
             ending = [transfer] if transfer is not None else []
@@ -259,13 +283,19 @@ class SchedulerSide:
     def save_output(self, request: Any, tables: Any) -> bool:
         """Before :meth:`finished`: queue the ending request's unsaved whole chunks of
         prompt + output for the next step (``tables``: every KV-cache group's blocks of its
-        computed tokens). True if one was queued: vLLM must then keep the blocks until the
-        workers report the save done (see the module docstring)."""
-        state = self._requests.get(request.request_id)
+        computed tokens). True if vLLM must keep the blocks until the workers report the
+        request (``finished_sending``): a save was queued now, or (``async_saves``) one sent
+        before may still be copying out of them (see the module docstring)."""
+        rid = request.request_id
+        state = self._requests.get(rid)
         spec = self._saves.output(request, state, tables) if state is not None else None
         if spec is not None:
             self._finishing.append(spec)
-        return spec is not None
+        keep = spec is not None or rid in self._saving
+        self._saving.discard(rid)
+        if keep:
+            self._ending.append(rid)
+        return keep
 
     def _end(self, ending: list[str]) -> None:
         for rid in ending:

@@ -50,6 +50,13 @@ def quiet_config_warnings() -> Iterator[None]:
         config_log.setLevel(saved)
 
 
+def async_saves(vllm_config: VllmConfig) -> bool:
+    """Whether the workers' saves may land after ``wait_for_save`` returns: their KV is in
+    device memory (the copies to kvtier's pages are asynchronous), not in host memory."""
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    return bool(device) and device != "cpu"
+
+
 ROLES = {"kv_both": (True, True), "kv_consumer": (True, False), "kv_producer": (False, True)}
 
 
@@ -201,6 +208,9 @@ def scheduler_side(vllm_config: VllmConfig, fitted: Fitted, kv_role: str) -> Sch
         state_chunks=bool(groups.state),
         checkpoint_unit=fitted.checkpoint_unit,
         save_decode=config.save_decode_cache,
+        # A GPU's copies land after wait_for_save returns (save_drain.py): vLLM keeps an
+        # ended request's blocks until its workers say they landed. A CPU's land before.
+        async_saves=async_saves(vllm_config),
     )
     log.info(
         "kvtier scheduler: %s, chunk %d tokens, vLLM block %d, %d worker(s), per-request "

@@ -42,8 +42,10 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtier.admin.server import AdminServer
@@ -55,17 +57,20 @@ from kvtier.errors import ConfigError, StateError
 from kvtier.integrations.vllm.copy_buffer import CopyBuffer
 from kvtier.integrations.vllm.events import EventLog
 from kvtier.integrations.vllm.groups import ModelGroups
+from kvtier.integrations.vllm.layerwise import LayerLoads
 from kvtier.integrations.vllm.loads import Loads, scratch_tokens
 from kvtier.integrations.vllm.metadata import KVTierMetadata, SaveSpec
 from kvtier.integrations.vllm.metrics import CounterDeltas
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.pd import DecoderPulls, PDEndpoint
 from kvtier.integrations.vllm.rpc import LookupServer
+from kvtier.integrations.vllm.save_drain import SaveDrain
 from kvtier.integrations.vllm.shutdown import ShutdownTally, server_line
 from kvtier.integrations.vllm.states import PagedState, with_states
 from kvtier.integrations.vllm.worker_channel import WorkerChannel
-from kvtier.keys import ChunkKey, ChunkSpan
+from kvtier.keys import ChunkKey, ChunkSpan, RequestKeys
 from kvtier.layout import KVLayout
+from kvtier.memory.device import CopyEngine, DeviceCopies
 from kvtier.request_salt import ExtraKeys
 from kvtier.server.client import ServerClient
 from kvtier.service import Service
@@ -73,6 +78,7 @@ from kvtier.storage.cpu import CpuTier
 from kvtier.tokens import as_token_array
 
 log = logging.getLogger(__name__)
+_HOST = torch.device("cpu")
 
 
 class WorkerSide:
@@ -90,7 +96,11 @@ class WorkerSide:
         events: bool = False,
         server: str | None = None,
         groups: ModelGroups | None = None,
+        copies: CopyEngine | None = None,
     ) -> None:
+        """``copies``: the owner of every copy between vLLM's memory and kvtier's pages
+        (:class:`DeviceCopies` by default; a test passes one whose copies land late). A save
+        whose copies may land late runs its store behind the step (:mod:`.save_drain`)."""
         if server is not None and config.enable_pd:
             raise ConfigError(
                 "server", server, "no server with enable_pd (PD runs in the worker's own Engine)"
@@ -116,8 +126,13 @@ class WorkerSide:
         self.checkpoint_unit = self.groups.checkpoint_unit(config.chunk_size, block_size)
         self._server: LookupServer | None = None
         self._loads: Loads | None = None
+        self._layers: LayerLoads | None = None  # use_layerwise: the step's sync loads
         self._buffer: CopyBuffer | None = None  # the model thread's (copy_buffer.py)
-        self._finished_saves: set[str] = set()  # see finished_saves
+        self._staging: CopyBuffer | None = None  # its host staging for loads to a device
+        self._finished_saves: set[str] = set()  # ended requests to report (finished_saves)
+        self.copies = copies if copies is not None else DeviceCopies()
+        self._drain: SaveDrain | None = None  # stores behind the step (save_drain.py)
+        self._late_saves = False  # copies out of vLLM's memory may land late: use the drain
         # Only rank 0 reports events: every rank stores the same chunks (its own slice).
         self.events = EventLog(block_size, config.chunk_size) if events and tp_rank == 0 else None
         self._media: list[str] = []
@@ -160,13 +175,20 @@ class WorkerSide:
         identity = CacheIdentity(
             model_name=self.model_name, tp_rank=self.tp_rank, tp_world_size=self.tp_world_size
         )
-        client = None
+        client: KVCache
         if self.server:  # the host's kvtier server holds the cache; this is its client
-            client = ServerClient(self.server, layout, config=cfg, **identity)
+            client = ServerClient(self.server, layout, config=cfg, copies=self.copies, **identity)
+        else:
+            client = Engine(cfg, layout, copies=self.copies, **identity)
         service = Service(cfg, layout, cache=client, **identity).open()
         self.service, self.paged, self.cache = service, paged, service.cache
+        device = paged.layers[0].device
+        self._drain = SaveDrain(layout, cfg.chunk_size, device).open()
+        self._late_saves = self.copies.on_device(paged.layers[0])
         cache = service.cache
-        self._loads = Loads(cache, paged, self.block_size, self.states, self._attention_tables)
+        self._loads = Loads(
+            cache, paged, self.block_size, self.states, self._attention_tables, self.copies
+        )
         engine = service.local_engine  # in-process, with its admin API and receiver
         if engine is not None:
             self.engine = engine
@@ -210,6 +232,8 @@ class WorkerSide:
         if self.pulls is not None:
             self.pulls.close()
             self.pulls = None
+        if self._drain is not None:
+            self._drain.close()  # every save queued lands and is stored before the cache closes
         if self._loads is not None:
             self._loads.close()
         if self.service is not None:
@@ -224,18 +248,55 @@ class WorkerSide:
 
     # -- the step --------------------------------------------------------------------------
     def load(self, meta: KVTierMetadata) -> None:
+        """Start the step's loads: async ones on the loader thread; CPU-tier ones now, whole
+        (before the forward), or layer by layer with ``use_layerwise`` (:mod:`.layerwise`:
+        each lands in its layer's :meth:`wait_layer`)."""
         if self.off or not meta.loads:
             return  # kvtier is off for this model, or a decode step: nothing to load
         loads = self._loads_part()
+        layers = self._layer_loads()
+        sync = []
         for spec in meta.loads:
             if spec.async_load:
                 loads.submit(spec)
+            elif layers is not None:
+                sync.append(spec)
+            elif loads.staged:  # KV on a device: a window of a few chunks, never the prompt
+                staging = self._host_staging(scratch_tokens(spec, self.config.chunk_size))
+                loads.run(spec, staging, self._scratch_for(loads.window_tokens))
             else:
                 loads.run(spec, self._scratch_for(scratch_tokens(spec, self.config.chunk_size)))
+        if layers is not None:
+            layers.begin(sync)
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Before ``layer_name`` computes (vLLM's ``wait_for_layer_load``)."""
+        if self._layers is not None:
+            self._layers.wait(layer_name)
+
+    def layers_done(self) -> None:
+        """The forward is over: a layer-wise load that missed a layer is a miss (before
+        this step's saves and load errors are read)."""
+        if self._layers is not None:
+            self._layers.finish()
+
+    def _layer_loads(self) -> LayerLoads | None:
+        """The layer-wise loader, made on first use; None when the mode is off or this
+        model's loads stay whole (:meth:`LayerLoads.serves`)."""
+        if self._layers is None and self.config.use_layerwise and self._loads is not None:
+            loads, paged = self._loads, self._parts()[1]
+            if LayerLoads.serves(paged, loads):
+                self._layers = LayerLoads(loads, paged, self.copies)
+        return self._layers
 
     def save(self, meta: KVTierMetadata) -> None:
-        # Reported after this step's saves whatever becomes of them: vLLM holds the blocks
-        # of an ended request until then, and nothing may hold them longer.
+        """Gather this step's saves out of vLLM's blocks and store them. Where the copies
+        to kvtier's pages may land late (a device), the stores run behind the step and this
+        returns before they land (:mod:`.save_drain`); else they are stored before it
+        returns."""
+        # Reported once this step's saves landed, whatever becomes of them (finished_saves):
+        # vLLM holds the blocks of an ended request until then, and nothing may hold them
+        # longer.
         self._finished_saves.update(meta.finishing)
         if not meta.saves or self.off:
             return
@@ -264,11 +325,18 @@ class WorkerSide:
                 continue  # no state kept at this chunk's end: the chunk cannot be whole
             # The scratch holds this save's chunks only (row 0: the chunk start of its first
             # token), so it is as large as a step's saves, never a whole prompt's KV: on a GPU
-            # it is memory outside vLLM's budget.
+            # it is memory outside vLLM's budget. A save behind the step has its own.
             chunk = cache.config.chunk_size
             base = spec.start // chunk * chunk
-            out = self._scratch_for(spec.end - base)
+            # A PD prefiller's save is sent before its response leaves (the decoder looks
+            # it up then): it waits for its copies here, on a GPU too.
+            late = self._late_saves and spec.transfer_id is None
+            drain = self._drain if late else None
+            buffer = drain.take() if drain is not None else None
+            out = buffer.rows(spec.end - base) if buffer else self._scratch_for(spec.end - base)
             if states is not None and not states.fits(out, spec.end, chunk, base):
+                if drain is not None and buffer is not None:
+                    drain.give_back(buffer)
                 continue  # a checkpoint too short to hold the state: its chunks still hit
             paged.gather(tables, spec.start, spec.end, out, base)
             if states is not None:
@@ -285,21 +353,42 @@ class WorkerSide:
             if events is not None and published is not None and self.engine is not None:
                 # In-process: each tier publishes what it then really holds (events.py).
                 events.expect(*published, spec.tokens)
-            stored = cache.store(
-                tokens,
-                out[:, :, : spec.end - base],
-                skip_leading_tokens=spec.start,
-                cache_salt=spec.cache_salt,
-                keys=keys,
-                kv_start=base,
-            )
-            if self.engine is not None:  # in-process: for the request's line (on its lease)
-                self.engine.record_stored(spec.request_id, stored * chunk, len(spec.tokens))
-            if spec.transfer_id is not None and self._pd is not None:
-                self._pd.send(spec.transfer_id, keys.spans[first:], out, base, spec.cache_salt)
-            if events is not None and published is not None and self.engine is None:
-                # Through a server, whose tiers this process cannot see: as submitted.
-                events.stored(*published, spec.tokens, self._media)
+            store = partial(self._store, spec, tokens, keys, out, base, published)
+            if drain is not None and buffer is not None:
+                drain.submit(spec.request_id, store, buffer)
+            else:
+                store()
+
+    def _store(
+        self,
+        spec: SaveSpec,
+        tokens: np.ndarray,
+        keys: RequestKeys,
+        out: torch.Tensor,
+        base: int,
+        published: tuple[Sequence[ChunkSpan], ChunkKey | None] | None,
+    ) -> None:
+        """Store one save gathered into ``out`` (row 0: token ``base``), send it on (PD) and
+        report it (events): on the model thread, or behind the step (:mod:`.save_drain`)."""
+        cache = self._parts()[0]
+        chunk = cache.config.chunk_size
+        first = spec.start // chunk
+        events = self.events
+        stored = cache.store(
+            tokens,
+            out[:, :, : spec.end - base],
+            skip_leading_tokens=spec.start,
+            cache_salt=spec.cache_salt,
+            keys=keys,
+            kv_start=base,
+        )
+        if self.engine is not None:  # in-process: for the request's line (on its lease)
+            self.engine.record_stored(spec.request_id, stored * chunk, len(spec.tokens))
+        if spec.transfer_id is not None and self._pd is not None:
+            self._pd.send(spec.transfer_id, keys.spans[first:], out, base, spec.cache_salt)
+        if events is not None and published is not None and self.engine is None:
+            # Through a server, whose tiers this process cannot see: as submitted.
+            events.stored(*published, spec.tokens, self._media)
 
     def _published(
         self, spec: SaveSpec, spans: Sequence[ChunkSpan], first: int
@@ -325,8 +414,11 @@ class WorkerSide:
         return self._loads.failed_requests(done) if self._loads is not None else set()
 
     def finished_saves(self) -> set[str]:
-        """Ended requests whose decode saves are copied (vLLM's finished_sending)."""
-        done, self._finished_saves = self._finished_saves, set()
+        """Ended requests (``finishing``) with no save left copying out of their blocks
+        (vLLM's finished_sending; each reported once): vLLM frees their blocks then."""
+        drain = self._drain
+        done = {r for r in self._finished_saves if drain is None or not drain.saving(r)}
+        self._finished_saves -= done
         return done
 
     def finished_loads(self) -> set[str]:
@@ -367,9 +459,31 @@ class WorkerSide:
 
     @property
     def scratch_tokens(self) -> int:
-        """Token rows of the model thread's copy buffer (0 before the first save or load):
-        on a GPU, memory this worker holds outside vLLM's budget (:mod:`.copy_buffer`)."""
-        return 0 if self._buffer is None else self._buffer.tokens
+        """Token rows (all layers) of the model thread's copy buffer and the layer-wise
+        loads' slots (0 before the first save or load): on a GPU, memory this worker holds
+        outside vLLM's budget (:mod:`.copy_buffer`, :mod:`.layerwise`)."""
+        held = 0 if self._buffer is None else self._buffer.tokens
+        held += self._drain.tokens if self._drain is not None else 0  # saves behind the step
+        held += self._loads.scratch_tokens if self._loads is not None else 0  # loader thread's
+        return held + (self._layers.scratch_tokens if self._layers is not None else 0)
+
+    def stats(self) -> dict[str, int]:
+        """This worker's own figures (the probe's ``stats()["worker"]``)."""
+        layers = self._layers
+        return {
+            "scratch_tokens": self.scratch_tokens,
+            "layerwise_loads": layers.loads if layers is not None else 0,
+            "layerwise_failures": layers.failures if layers is not None else 0,
+        }
+
+    def _host_staging(self, tokens: int) -> torch.Tensor:
+        """The model thread's host staging for loads to a device (pinned on CUDA)."""
+        cache, paged = self._parts()
+        if self._staging is None:
+            device = paged.layers[0].device
+            pin = device.type == "cuda"
+            self._staging = CopyBuffer(cache.layout, cache.config.chunk_size, _HOST, pin=pin)
+        return self._staging.rows(tokens)
 
     def _scratch_for(self, tokens: int) -> torch.Tensor:
         """The model thread's copy buffer, with at least ``tokens`` rows."""

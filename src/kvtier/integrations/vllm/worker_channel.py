@@ -28,6 +28,8 @@ class ServedWorker(Protocol):
 
     def _parts(self) -> tuple[KVCache, Any]: ...
 
+    def stats(self) -> dict[str, int]: ...
+
 
 class WorkerChannel:
     """What the worker serves on its lookup channel (:class:`~.rpc.LookupHandler`): the
@@ -66,6 +68,7 @@ class WorkerChannel:
             stats["pd_source"] = source  # where decoders pull from (xPyD), and its buffer
         if self._worker.pulls is not None:
             stats["pd_pulls"] = self._worker.pulls.stats()  # a decoder's (xPyD)
+        stats["worker"] = self._worker.stats()  # its scratch, its layer-wise loads
         return stats
 
     def check(self) -> list[str]:
