@@ -16,6 +16,8 @@ BENCHMARKS: dict[str, str] = {
     "families": "bytes stored per token per KV-cache group kind vs naive full KV, per family; "
     "state families: tokens reused through kvtier vs vLLM's prefix cache",
     "fleet": "2 vLLM behind vllm-router: prefill computed vs ideal per policy, with/without kvtier",
+    "replicas": "2 vLLM replicas on one host sharing one kvtier server vs a CPU tier each and "
+    "vLLM alone: prefill computed vs ideal, TTFT on the replica that never saw a prefix",
     "fleet-share": "N kvtier servers, one engine each: prefill computed vs ideal with no "
     "sharing, Redis, S3 and P2P",
     "pd-fleet": "xPyD behind vllm-router (PD), concurrent: TTFT, tokens/s vs 1P1D and one vLLM",

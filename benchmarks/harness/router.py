@@ -95,6 +95,7 @@ class VllmServer:
     events: bool = True
     prefix_cache: bool = True
     extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)  # more environment for its processes
     port: int = field(default_factory=free_port)
     pub_port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
@@ -115,6 +116,11 @@ class VllmServer:
     @property
     def log(self) -> Path:
         return self.work / f"vllm-{self.name}.log"
+
+    @property
+    def engine_id(self) -> str:
+        """kvtier's name for this instance (its worker's lookup channel is named after it)."""
+        return f"fleet-{self.name}-{self.port}"
 
     def command(self) -> list[str]:
         cmd = [
@@ -148,7 +154,7 @@ class VllmServer:
                 "kv_connector_module_path": "kvtier.integrations.vllm",
                 "kv_load_failure_policy": "recompute",
                 "kv_role": "kv_both",
-                "engine_id": f"fleet-{self.name}-{self.port}",
+                "engine_id": self.engine_id,
                 "kv_connector_extra_config": self.kvtier,
             }
             cmd += ["--kv-transfer-config", json.dumps(transfer)]
@@ -158,6 +164,7 @@ class VllmServer:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
         if self.core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.core
+        env.update(self.env)
         self.work.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
@@ -188,6 +195,30 @@ class VllmServer:
         """SIGKILL the whole group at once: a crash, as far as the router can tell."""
         if self.proc is not None:
             _stop_group(self.proc, signal.SIGKILL, 30)
+
+    def flush(self, timeout: float = 120.0) -> bool:
+        """Wait until kvtier's tiers hold everything this instance stored so far (its worker's
+        lookup channel; a no-op without kvtier): the next request, here or on another
+        instance, then finds it whatever the timing."""
+        if self.kvtier is None:
+            return True
+        from kvtier.integrations.vllm.rpc import LookupClient
+
+        client = LookupClient(self.engine_id)
+        try:
+            return client.flush(timeout, timeout=timeout + 60)
+        finally:
+            client.close()
+
+    def reset_prefix_cache(self, attempts: int = 20) -> None:
+        """Empty vLLM's own prefix cache (not kvtier's: ``reset_external`` stays false), so the
+        next request's hit comes from kvtier. The endpoint exists with ``VLLM_SERVER_DEV_MODE=1``
+        in :attr:`env`; vLLM refuses while blocks are held, so this retries."""
+        for _ in range(attempts):
+            if post(f"{self.url}/reset_prefix_cache", {}, timeout=30).get("success"):
+                return
+            time.sleep(0.25)
+        raise RuntimeError(f"vLLM {self.name} kept refusing to reset its prefix cache")
 
     def prompt_tokens(self) -> dict[str, int]:
         """This instance's prompt tokens so far by source: ``local_compute`` (prefilled),

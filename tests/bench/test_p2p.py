@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.bench.bench_checks import assert_ratio
+from tests.bench.bench_checks import assert_spread
 from tests.cli.test_main import run_cli
 
 
@@ -16,4 +16,5 @@ def test_bench_p2p_prints_every_field() -> None:
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["chunks"] == 3 and data["bytes"] == 3 * data["chunk_bytes"]
-    assert_ratio(data, "ratio", "pull_gbps", "raw_gbps")
+    assert_spread(data, "ratio", "pull_gbps", "raw_gbps")
+    assert data["pairs"] == 1 and data["load_1m"] >= 0

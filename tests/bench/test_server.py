@@ -20,25 +20,31 @@ from kvtier.bench.server import (
 )
 from kvtier.config import Config
 from kvtier.server.client import connect
-from tests.bench.bench_checks import assert_ratio
+from tests.bench.bench_checks import assert_spread
 from tests.cli.test_main import run_cli
 
 
 def test_bench_server_prints_every_field() -> None:
     result = run_cli(
         "bench", "server", "--json", "--chunks", "2", "--repeats", "1", "--chunk-size", "16",
-        "--seconds", "0.2", "--clients", "1,2",
+        "--seconds", "0.2", "--clients", "1,2", "--rounds", "1",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    # Client over in-process, the same prompts: each ratio is the quotient printed beside it.
-    assert_ratio(data, "store_ratio", "store_server_gbps", "store_inproc_gbps")
-    assert_ratio(data, "retrieve_ratio", "retrieve_server_gbps", "retrieve_inproc_gbps")
+    # Client over in-process, the same prompts: the median of the pairs, with their spread.
+    assert_spread(data, "store_ratio", "store_server_gbps", "store_inproc_gbps")
+    assert_spread(data, "retrieve_ratio", "retrieve_server_gbps", "retrieve_inproc_gbps")
+    assert data["pairs"] == 1 and data["load_1m"] >= 0
     for field in ("store_cpu_ratio", "retrieve_cpu_ratio", "lookup_rtt_us", "lookup_inproc_us"):
         assert data[field] > 0, field
     # One figure per client count asked for, no other.
     per_clients = {key for key in data if key.startswith("retrieve_gbps_")}
     assert per_clients == {"retrieve_gbps_1_clients", "retrieve_gbps_2_clients"}
+    # 2 clients against 1 in the same round: the pair's ratio, with its spread.
+    assert_spread(
+        data, "retrieve_2_vs_1_clients", "retrieve_gbps_2_clients", "retrieve_gbps_1_clients"
+    )
+    assert data["rounds"] == 1
     assert data["chunk_bytes"] == 2 * 32 * 16 * 1024 * 2
 
 

@@ -1,10 +1,15 @@
 """``kvtier bench cpu``: store and retrieve through the CPU tier against a plain tensor copy.
 
 Baseline: ``memcpy_gbps`` is one ``Tensor.copy_`` of the same bytes into memory that was
-touched beforehand, the best of one and two torch threads, measured in the same run, the
-same way (best of N). A store is a hash of the tokens, a page allocation and one copy per
-chunk into the page; a retrieve is a lookup, pins and one copy per chunk out of the page, so
-the ratios show the cost kvtier adds.
+touched beforehand, the faster of one and two torch threads in each round. A store is a hash
+of the tokens, a page allocation and one copy per chunk into the page; a retrieve is a lookup,
+pins and one copy per chunk out of the page, so the ratios show the cost kvtier adds.
+
+Each phase alternates the path and its baseline for ``--repeats`` pairs
+(:func:`kvtier.bench.timing.alternate`); ``store_ratio`` / ``retrieve_ratio`` are the median
+of the pairs' ratios, ``*_ratio_min`` / ``*_ratio_max`` the lowest and highest pair. The GB/s
+figures are medians of the rounds (``memcpy_gbps`` over both phases' rounds), ``load_1m`` the
+host's load average when the bench ended.
 
 After timing, the buffer the retrieves wrote into is zeroed and the prompt retrieved once
 more the same way; the bench fails unless those bytes equal the stored KV (with a lossy
@@ -26,6 +31,7 @@ plus index probe plus pinning of a fully cached 131072-token prompt.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +40,7 @@ import numpy as np
 import torch
 
 from kvtier.bench.checks import require
-from kvtier.bench.timing import best_interleaved, best_seconds, gbps
+from kvtier.bench.timing import alternate, best_seconds, gbps, host_load
 from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.fingerprint import Fingerprint
@@ -49,7 +55,9 @@ LOOKUP_LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=16, dtype=torch.
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", type=int, default=16, help="chunks per store (16 = 512 MiB)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs; best is reported")
+    parser.add_argument(
+        "--repeats", type=int, default=9, help="path/baseline pairs; their median is reported"
+    )
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk")
     parser.add_argument(
         "--codec",
@@ -132,15 +140,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             store_base, retrieve_base = _pinned_copies(kv, dst, sync)
         # Half the buffer holds the retrieve's chunks, half the fresh stores' (see max size).
-        stores = best_interleaved({**store_base, "store": store_fresh}, repeats)
+        stores = alternate({**store_base, "store": store_fresh}, repeats)
         engine.store(tokens, kv)
-        retrieves = best_interleaved({**retrieve_base, "retrieve": retrieve_once}, repeats)
-        store_base_s = min(stores[b] for b in store_base)
-        retrieve_base_s = min(retrieves[b] for b in retrieve_base)
-        memcpy_s = min(store_base_s, retrieve_base_s)
-        if device.type == "cpu":  # one memcpy, its best run of both phases, for both ratios
-            store_base_s = retrieve_base_s = memcpy_s
-        store_s, retrieve_s = stores["store"], retrieves["retrieve"]
+        retrieves = alternate({**retrieve_base, "retrieve": retrieve_once}, repeats)
         # The check: the timed path once more into a zeroed buffer, so bytes a retrieve did
         # not write (or wrote wrong) cannot pass for the ones the timing loop left there.
         out.zero_()
@@ -150,14 +152,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise AssertionError(f"bench cpu: retrieved bytes differ from the stored KV ({error})")
 
     lookup_ms, hash_rate = _lookup_cost(chunk_size, repeats)
-    memcpy = gbps(nbytes, memcpy_s)
-    store = gbps(nbytes, store_s)
-    retrieve = gbps(nbytes, retrieve_s)
-    store_vs, retrieve_vs = gbps(nbytes, store_base_s), gbps(nbytes, retrieve_base_s)
+    base_s = stores.per_round(list(store_base)) + retrieves.per_round(list(retrieve_base))
+    memcpy = gbps(nbytes, statistics.median(base_s))
+    store = stores.gbps("store", nbytes)
+    retrieve = retrieves.gbps("retrieve", nbytes)
     by_device: dict[str, Any] = {}
     if device.type != "cpu":
-        by_device = {"device": str(device), "d2h_gbps": round(store_vs, 3)}
-        by_device["h2d_gbps"] = round(retrieve_vs, 3)
+        by_device = {"device": str(device)}
+        by_device["d2h_gbps"] = round(stores.gbps(list(store_base), nbytes), 3)
+        by_device["h2d_gbps"] = round(retrieves.gbps(list(retrieve_base), nbytes), 3)
     return {
         "codec": codec.name,
         **by_device,
@@ -168,11 +171,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "memcpy_gbps": round(memcpy, 3),
         "store_gbps": round(store, 3),
         "retrieve_gbps": round(retrieve, 3),
-        "store_ratio": round(store / store_vs, 3),
-        "retrieve_ratio": round(retrieve / retrieve_vs, 3),
+        **stores.ratio("store", list(store_base)).fields("store_ratio"),
+        **retrieves.ratio("retrieve", list(retrieve_base)).fields("retrieve_ratio"),
+        "pairs": repeats,
         "lookup_128k_ms": round(lookup_ms, 4),
         "hash_tokens_per_s": round(hash_rate),
         "torch_threads": torch.get_num_threads(),
+        **host_load(),
     }
 
 

@@ -7,10 +7,12 @@ once per connection, a Fetch per pull, each chunk read out of A's CPU tier into 
 page, checksummed, sent, received straight into B's page and checked). On loopback here;
 across hosts the network sets the pace.
 
-- ``pull_gbps``: the chunks' bytes over the pull's wall time (best of ``--repeats``);
+- ``pull_gbps``: the chunks' bytes over the pull's wall time (median of ``--repeats``);
 - ``raw_gbps``: the same bytes in the same pieces over one loopback TCP connection, received
   into the same pages (nothing read out of a tier, nothing checksummed): the floor;
-- ``ratio``: pull over raw.
+- ``ratio``: pull over raw, the median of ``--repeats`` alternating pull/raw pairs
+  (:func:`kvtier.bench.timing.alternate`), ``ratio_min`` / ``ratio_max`` the lowest and
+  highest pair; ``load_1m`` the host's load average when it ended.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 
 from kvtier.bench.checks import require
-from kvtier.bench.timing import best_interleaved, gbps
+from kvtier.bench.timing import alternate, host_load
 from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.layout import KVLayout
@@ -38,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", type=int, default=16, help="chunks per pull")
     parser.add_argument("--chunk-size", type=int, default=64, help="tokens (64: 8 MiB chunks)")
     parser.add_argument(
-        "--repeats", type=int, default=5, help="pulls timed against the raw socket (best of)"
+        "--repeats", type=int, default=9, help="pull/raw-socket pairs; their median is reported"
     )
 
 
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         raw = _RawSocket(chunk_bytes, args.chunks)
         try:
-            best = best_interleaved({"pull": pull, "raw": lambda: raw.receive(pages)}, args.repeats)
+            rounds = alternate({"pull": pull, "raw": lambda: raw.receive(pages)}, args.repeats)
         finally:
             raw.close()
         expected = torch.empty(chunk_bytes, dtype=torch.uint8)
@@ -96,14 +98,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         a.close()
         engine.close()
     nbytes = args.chunks * LAYOUT.payload_bytes(args.chunk_size)
-    pull_gbps, raw_gbps = gbps(nbytes, best["pull"]), gbps(nbytes, best["raw"])
     return {
         "chunks": args.chunks,
         "chunk_bytes": chunk_bytes,
         "bytes": nbytes,
-        "pull_gbps": round(pull_gbps, 3),
-        "raw_gbps": round(raw_gbps, 3),
-        "ratio": round(pull_gbps / raw_gbps, 3),
+        "pull_gbps": round(rounds.gbps("pull", nbytes), 3),
+        "raw_gbps": round(rounds.gbps("raw", nbytes), 3),
+        **rounds.ratio("pull", "raw").fields("ratio"),
+        "pairs": args.repeats,
+        **host_load(),
     }
 
 

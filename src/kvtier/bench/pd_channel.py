@@ -19,8 +19,8 @@ import torch
 
 from kvtier.bench.pd_baselines import sink_process
 from kvtier.bench.pd_check import check_transfer
-from kvtier.bench.pd_decoder import CHUNK_TOKENS, LAYOUT, decoder_process
-from kvtier.bench.timing import best_interleaved
+from kvtier.bench.pd_decoder import CHUNK_TOKENS, LAYOUT, ServeCheck, decoder_process
+from kvtier.bench.timing import Rounds, alternate
 from kvtier.pd.sender import OutChunk, PDSender
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -34,9 +34,10 @@ def measure_channel(
     per_request: int,
     baselines: dict[str, Callable[[], None]],
     chunk_bytes: int,
-) -> dict[str, float]:
-    """Best seconds for ``channel`` and its baselines, with only this channel's decoder (and,
-    for tcp, the raw-socket sink) alive."""
+) -> tuple[Rounds, ServeCheck]:
+    """``channel`` and its baselines timed in alternating rounds, and the decoder's answer to
+    the byte check (its serve timed in pairs with a memcpy), with only this channel's decoder
+    (and, for tcp, the raw-socket sink) alive."""
     chunks: int = args.chunks
     procs: list[BaseProcess] = []
     stop = SPAWN.Event()  # the decoder closes (and removes its shm segment) once it is set
@@ -63,13 +64,11 @@ def measure_channel(
 
             timed["raw"] = raw_socket
         try:
-            best = best_interleaved(timed, args.repeats)
+            rounds = alternate(timed, args.repeats)
             served = check_transfer(
                 channel, sender, f"b{next(request_ids)}", control, fingerprint, per_request, args
             )
-            best[f"{channel}_serve"] = served.serve_s
-            best[f"{channel}_serve_memcpy"] = served.memcpy_s
-            return best
+            return rounds, served
         finally:
             sender.close()
             if raw is not None:

@@ -54,9 +54,9 @@ def decoder_process(
     multiprocessing Event) is set; it then closes, removing its receive segment. When the sender
     has announced a check on ``control`` (before sending that request: a pipe's send is
     written by the time it returns), the decoder first serves the request as a real one
-    would be: lookup, then ``retrieve_into`` a zeroed buffer, timed, ``repeats`` times; it
-    answers with the tokens found and loaded, the best serve time and a digest of each
-    retrieve's bytes."""
+    would be: lookup, then ``retrieve_into`` a zeroed buffer, timed, ``repeats`` times, each
+    paired with a memcpy of as many bytes; it answers with the tokens found and loaded, the
+    seconds of each serve and each memcpy and a digest of each retrieve's bytes."""
     # The Service opens the engine, then its PD receiver (pd_role receiver, 127.0.0.1, a free
     # port: no pd_peer_* keys set), and closes them in reverse.
     with Service(_config(channel, pages), LAYOUT, model_name=MODEL) as service:
@@ -93,17 +93,20 @@ def _serve_check(
     source, target = buffer[:span].numpy(), np.ones(span, dtype=np.uint8)
     loaded: list[int] = []
     digests: list[str] = []
-    best = best_copy = float("inf")
-    for _ in range(max(1, repeats)):
+    serves: list[float] = []
+    copies: list[float] = []
+    for _ in range(max(1, repeats)):  # pairs: a serve, then the memcpy of as many bytes
         out.zero_()
         start = time.perf_counter()
         loaded.append(engine.retrieve_into(tokens, rid, out))
-        best = min(best, time.perf_counter() - start)
+        serves.append(time.perf_counter() - start)
         digests.append(digest(out))
         start = time.perf_counter()
         np.copyto(target, source)
-        best_copy = min(best_copy, (time.perf_counter() - start) * nbytes / span)
-    return ServeCheck(transfer_ok, hit.tokens, min(loaded), best, best_copy, tuple(digests))
+        copies.append((time.perf_counter() - start) * nbytes / span)
+    return ServeCheck(
+        transfer_ok, hit.tokens, min(loaded), tuple(serves), tuple(copies), tuple(digests)
+    )
 
 
 @dataclass(frozen=True)
@@ -113,8 +116,8 @@ class ServeCheck:
     transfer_ok: bool
     hit_tokens: int
     loaded_tokens: int  # the fewest any retrieve returned
-    serve_s: float  # best seconds of one lookup-free retrieve_into (verify + copy out)
-    memcpy_s: float  # best seconds of a memcpy of as many bytes, interleaved with the serves
+    serve_s: tuple[float, ...]  # seconds of each lookup-free retrieve_into (verify + copy)
+    memcpy_s: tuple[float, ...]  # seconds of a memcpy of as many bytes after each serve
     digests: tuple[str, ...]  # blake2b of each retrieve's whole buffer
 
 

@@ -10,8 +10,11 @@ as the tier's writers; ``raw_get_gbps`` is obstore's GET of the same objects wit
 flight as the tier's readers, each object left in obstore's own buffer (no copy, no check).
 The tier's put includes the record header and checksum and the completion callbacks; its get
 includes the header check, the payload checksum and landing the bytes in a page. Every round
-puts fresh keys (a key the tier already holds would be EXISTS, sending nothing). Each figure is
-the best of ``--repeats`` rounds, tier and baseline taking turns in every round.
+puts fresh keys (a key the tier already holds would be EXISTS, sending nothing). Tier and
+baseline alternate for ``--repeats`` pairs (:func:`kvtier.bench.timing.alternate`): each GB/s
+figure is the median of its rounds, ``put_ratio`` / ``get_ratio`` the median of the pairs'
+ratios, ``*_min`` / ``*_max`` the lowest and highest pair; ``load_1m`` is the host's load
+average when the bench ended.
 
 ``lookup_ms`` is ``Engine.lookup`` of a 131072-token prompt (512 chunks of 256 tokens) whose
 chunks are all in the bucket and not in CPU memory, by a fresh engine (its index from the
@@ -41,7 +44,7 @@ import torch
 from kvtier.bench.checks import require
 from kvtier.bench.seaweedfs import SeaweedFS
 from kvtier.bench.tier_puts import put_all
-from kvtier.bench.timing import best_interleaved, gbps
+from kvtier.bench.timing import alternate, host_load
 from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.fingerprint import Fingerprint
@@ -68,7 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chunk-size", type=int, default=32, help="tokens per chunk (32 = 4 MiB objects)"
     )
     parser.add_argument("--chunks", type=int, default=16, help="objects per round")
-    parser.add_argument("--repeats", type=int, default=10, help="rounds; best is reported")
+    parser.add_argument(
+        "--repeats", type=int, default=10, help="tier/raw pairs; their median is reported"
+    )
     parser.add_argument(
         "--put-threads", type=int, default=4, help="tier writers, raw PUTs in flight"
     )
@@ -178,8 +183,8 @@ def _throughput(
             got = list(get_pool.map(lambda n: obstore.get(raw.store, n).bytes(), names))
             require(all(len(g) == len(got[0]) for g in got), "a raw get came back short")
 
-        puts = best_interleaved({"tier": tier_put, "raw": raw_put}, repeats)
-        gets = best_interleaved({"tier": tier_get, "raw": raw_get}, repeats)
+        puts = alternate({"tier": tier_put, "raw": raw_put}, repeats)
+        gets = alternate({"tier": tier_get, "raw": raw_get}, repeats)
         require(torch.equal(outs, pages), "the tier read back other bytes than it stored")
         tier.clear()
         for names in raw_names:
@@ -188,20 +193,20 @@ def _throughput(
         put_pool.shutdown()
         get_pool.shutdown()
         tier.close()
-    put, get = gbps(nbytes, puts["tier"]), gbps(nbytes, gets["tier"])
-    raw_put_rate, raw_get_rate = gbps(nbytes, puts["raw"]), gbps(nbytes, gets["raw"])
     return {
         "object_bytes": chunk_bytes + records.header_size(),
         "objects": chunks,
         "bytes": nbytes,
         "put_threads": put_threads,
         "get_threads": get_threads,
-        "put_gbps": round(put, 3),
-        "get_gbps": round(get, 3),
-        "raw_put_gbps": round(raw_put_rate, 3),
-        "raw_get_gbps": round(raw_get_rate, 3),
-        "put_ratio": round(put / raw_put_rate, 3),
-        "get_ratio": round(get / raw_get_rate, 3),
+        "put_gbps": round(puts.gbps("tier", nbytes), 3),
+        "get_gbps": round(gets.gbps("tier", nbytes), 3),
+        "raw_put_gbps": round(puts.gbps("raw", nbytes), 3),
+        "raw_get_gbps": round(gets.gbps("raw", nbytes), 3),
+        **puts.ratio("tier", "raw").fields("put_ratio"),
+        **gets.ratio("tier", "raw").fields("get_ratio"),
+        "pairs": repeats,
+        **host_load(),
     }
 
 
@@ -234,7 +239,7 @@ def _lookup(endpoint: str, bucket: str, credentials: dict[str, str]) -> dict[str
     tier = engine.tier("s3")
     if not isinstance(tier, S3Tier):  # kept under python -O, as require()
         raise AssertionError(f"the lookup engine has no s3 tier: {tier!r}")
-    requests = _count_requests(tier.client)
+    requests = _count_requests(tier.store.client)
     try:
         timings = []
         for i in range(20):

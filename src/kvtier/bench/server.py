@@ -2,8 +2,10 @@
 calls on an in-process Engine, in the same run.
 
 - ``store_ratio`` / ``retrieve_ratio``: client GB/s over in-process GB/s, the same prompts,
-  the same layout, interleaved best-of-N (the target is >= 0.9: the data path is one copy
-  into or out of shared memory either way; the server adds two or one round trips).
+  the same layout: the median of ``--repeats`` alternating client/in-process pairs
+  (:func:`kvtier.bench.timing.alternate`), ``*_min`` / ``*_max`` the lowest and highest pair
+  (the target is >= 0.9: the data path is one copy into or out of shared memory either way;
+  the server adds two or one round trips). The GB/s figures are medians of the rounds.
   ``store_cpu_ratio`` / ``retrieve_cpu_ratio``: in-process CPU seconds per call over the
   client's plus the server's, the same calls: steadier than wall time on a busy machine.
 - ``lookup_rtt_us``: median round trip of a lookup of a fully cached 2,048-token prompt
@@ -12,7 +14,10 @@ calls on an in-process Engine, in the same run.
 - ``retrieve_gbps_{1,2,4}_clients``: aggregate retrieve GB/s of 1, 2 and 4 client processes
   reading the same cached prompt at once (bounded by memory bandwidth and cores). Only the
   tokens each retrieve returned count: a miss (the client's answer to server trouble) moves
-  nothing.
+  nothing. Each count runs ``--rounds`` times, the counts taking turns; the figure is the
+  median, and ``retrieve_{2,4}_vs_1_clients`` the median (``_min`` / ``_max``: the spread) of
+  each round's ratio to the 1-client figure of the same round (the target: >= 1 at 2).
+  ``load_1m`` is the host's load average when the bench ended.
 
 The server runs as ``kvtier server`` in a child process, its socket in a temporary directory.
 """
@@ -24,6 +29,7 @@ import multiprocessing
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +43,7 @@ import numpy as np
 import torch
 
 from kvtier.bench.checks import require
-from kvtier.bench.timing import best_interleaved, gbps
+from kvtier.bench.timing import alternate, gbps, host_load, spread
 from kvtier.config import Config
 from kvtier.engine import Engine
 from kvtier.errors import InputError
@@ -54,13 +60,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Short calls, many repeats: on a shared machine the best of many short runs is the one
     # least disturbed, for the server and the in-process baseline alike.
     parser.add_argument("--chunks", type=int, default=4, help="chunks per store (4 = 128 MiB)")
-    parser.add_argument("--repeats", type=int, default=9, help="timed runs; best is reported")
+    parser.add_argument(
+        "--repeats", type=int, default=9, help="client/in-process pairs; their median is reported"
+    )
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk")
     parser.add_argument(
         "--seconds", type=float, default=2.0, help="duration of each concurrent-clients run"
     )
     parser.add_argument(
         "--clients", default="1,2,4", help="client process counts to measure together (1,2,4)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of every client count, taking turns"
     )
 
 
@@ -82,11 +93,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         result.update(_transfer(url, config, chunks, args.repeats, server.pid))
         result.update(_lookup(url, config))
-        for clients in _counts(args.clients):
-            result[f"retrieve_gbps_{clients}_clients"] = round(
-                _concurrent(url, config, chunks, clients, args.seconds), 3
-            )
+        result.update(_many_clients(url, config, chunks, _counts(args.clients), args))
         result["torch_threads"] = torch.get_num_threads()
+        result.update(host_load())
         return result
     finally:
         server.terminate()
@@ -193,7 +202,7 @@ def _transfer(
             require(loaded == num_tokens, f"loaded {loaded} of {num_tokens} tokens")
 
         cpu = _CpuMeter(server_pid)
-        stores = best_interleaved(
+        stores = alternate(
             {
                 "engine": cpu.measure("store_engine", lambda: store_fresh(engine), remote=False),
                 "server": cpu.measure("store_server", lambda: store_fresh(client), remote=True),
@@ -202,7 +211,7 @@ def _transfer(
         )
         engine.store(tokens, kv)
         client.store(tokens, kv)
-        retrieves = best_interleaved(
+        retrieves = alternate(
             {
                 "engine": cpu.measure("retrieve_engine", lambda: retrieve(engine), remote=False),
                 "server": cpu.measure("retrieve_server", lambda: retrieve(client), remote=True),
@@ -213,15 +222,14 @@ def _transfer(
         retrieve(client)
         if not torch.equal(out, kv):
             raise AssertionError("bytes retrieved through the server differ from those stored")
-    store_engine, store_server = gbps(nbytes, stores["engine"]), gbps(nbytes, stores["server"])
-    ret_engine, ret_server = gbps(nbytes, retrieves["engine"]), gbps(nbytes, retrieves["server"])
     return {
-        "store_inproc_gbps": round(store_engine, 3),
-        "store_server_gbps": round(store_server, 3),
-        "store_ratio": round(store_server / store_engine, 3),
-        "retrieve_inproc_gbps": round(ret_engine, 3),
-        "retrieve_server_gbps": round(ret_server, 3),
-        "retrieve_ratio": round(ret_server / ret_engine, 3),
+        "store_inproc_gbps": round(stores.gbps("engine", nbytes), 3),
+        "store_server_gbps": round(stores.gbps("server", nbytes), 3),
+        **stores.ratio("server", "engine").fields("store_ratio"),
+        "retrieve_inproc_gbps": round(retrieves.gbps("engine", nbytes), 3),
+        "retrieve_server_gbps": round(retrieves.gbps("server", nbytes), 3),
+        **retrieves.ratio("server", "engine").fields("retrieve_ratio"),
+        "pairs": repeats,
         "store_cpu_ratio": round(cpu.per_call("store_engine") / cpu.per_call("store_server"), 3),
         "retrieve_cpu_ratio": round(
             cpu.per_call("retrieve_engine") / cpu.per_call("retrieve_server"), 3
@@ -251,6 +259,27 @@ def _lookup(url: str, config: Config) -> dict[str, Any]:
         "lookup_rtt_us": round(medians["server"], 1),
         "lookup_inproc_us": round(medians["inproc"], 1),
     }
+
+
+def _many_clients(
+    url: str, config: Config, chunks: int, counts: list[int], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Each client count's aggregate GB/s in ``--rounds`` rounds, the counts taking turns
+    (their order flipped every round, as :func:`kvtier.bench.timing.alternate` does), and
+    each count's ratio to the first count's in the same round (median and spread)."""
+    rates: dict[int, list[float]] = {n: [] for n in counts}
+    for i in range(max(1, args.rounds)):
+        for n in counts if i % 2 == 0 else counts[::-1]:
+            rates[n].append(_concurrent(url, config, chunks, n, args.seconds))
+    result: dict[str, Any] = {}
+    first = counts[0]
+    for n in counts:
+        result[f"retrieve_gbps_{n}_clients"] = round(statistics.median(rates[n]), 3)
+        if n != first:  # rates, not seconds: the pair's ratio is this count's over the first's
+            pairs = spread(rates[first], rates[n])
+            result.update(pairs.fields(f"retrieve_{n}_vs_{first}_clients"))
+    result["rounds"] = max(1, args.rounds)
+    return result
 
 
 def _concurrent(url: str, config: Config, chunks: int, clients: int, seconds: float) -> float:

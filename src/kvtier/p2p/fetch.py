@@ -2,7 +2,9 @@
 
 One :meth:`Fetcher.fetch` is one transfer (a fresh single-use id) of one peer's run of a
 prompt's chunks. Each chunk's payload is received into the page the engine gave for it
-(``out``, no staging copy) and checked against the peer's checksum there; a mismatch, a
+(``out``, no staging copy), a checksum block (1 MiB) at a time, each block hashed as soon as
+it landed, while it is still in the cache (:func:`receive_checked`: the check costs no second
+pass over memory), and checked against the peer's checksum; a mismatch, a
 ``Missing``, a dead or silent peer, or the deadline (``blocking_timeout_secs`` from the
 start of the engine's read) ends the transfer, and every chunk not yet verified is a miss.
 The deadline is for the whole pull, every byte of it: a peer that sends its payload a few
@@ -33,7 +35,7 @@ from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.p2p import protocol as wire
 from kvtier.p2p.address import parse_address
-from kvtier.pd.checksum import checksum
+from kvtier.pd.checksum import BLOCK_BYTES, BlockHasher
 from kvtier.trust.dial import connect
 from kvtier.trust.handshake import Credentials
 from kvtier.trust.peer_text import peer_text
@@ -98,9 +100,7 @@ class Fetcher:
                         f"P2P peer {peer}: chunk of {msg.num_tokens} tokens in {msg.nbytes} "
                         f"bytes (this layout: {expected}, page {out.numel()})"
                     )
-                payload = out[: msg.nbytes]
-                recv_exact(sock, memoryview(payload.numpy()), deadline)  # type: ignore[arg-type]
-                if checksum(payload) != msg.checksum:
+                if receive_checked(sock, out[: msg.nbytes], deadline) != msg.checksum:
                     self.counters.corrupt += 1
                     log.warning("P2P %s: chunk %d failed its checksum: a miss", peer, msg.index)
                     continue
@@ -147,6 +147,20 @@ class Fetcher:
                 idle.append(sock)
                 return
         sock.close()
+
+
+def receive_checked(sock: socket.socket, payload: torch.Tensor, deadline: float) -> int:
+    """Receive ``payload``'s bytes straight into it, a checksum block at a time, hashing
+    each block as soon as it landed (still in the core's cache: no second pass over memory
+    for the check); returns the chunk checksum (:mod:`kvtier.pd.checksum`) of what came.
+    ``deadline`` is for the whole payload, every block of it."""
+    view = memoryview(payload.numpy()).cast("B")  # type: ignore[arg-type]
+    hasher = BlockHasher()
+    for start in range(0, view.nbytes, BLOCK_BYTES):
+        block = view[start : start + BLOCK_BYTES]
+        recv_exact(sock, block, deadline)
+        hasher.update(block)
+    return hasher.intdigest()
 
 
 def _alive(sock: socket.socket) -> bool:

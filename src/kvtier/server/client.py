@@ -43,6 +43,7 @@ from kvtier.observability.logs import request_log
 from kvtier.request_salt import RequestSalt
 from kvtier.server import protocol as wire
 from kvtier.server.endpoint import is_default, socket_path
+from kvtier.server.host_copy import HostCopies, Pair
 from kvtier.server.link import ServerLink
 from kvtier.validation import Prompt, check_out
 
@@ -100,6 +101,11 @@ class ServerClient(KVCache):
         self._state = Lifecycle.NEW
         self.unserved = 0  # calls answered locally as a miss: no server, or it broke
         self._copies = copies if copies is not None else DeviceCopies()
+        # Host-to-host copies on threads of its own, not torch's (kvtier.server.host_copy),
+        # where the default engine would copy them at once anyway; a copy engine of the
+        # caller's own kind (a test's late copies, say) makes every copy.
+        default = type(self._copies) is DeviceCopies
+        self._host = HostCopies(torch.get_num_threads()) if default else None
         # Per live request: copies out of its server pages that may still run.
         self._loading: dict[str, LandedSet] = {}
 
@@ -111,6 +117,8 @@ class ServerClient(KVCache):
                 raise StateError("this ServerClient is closed; create a new one")
             if self._state is Lifecycle.NEW:
                 self._state = Lifecycle.OPEN
+                if self._host is not None:
+                    self._host.open()
                 self._link.ensure()
         return self
 
@@ -120,6 +128,8 @@ class ServerClient(KVCache):
             self._state = Lifecycle.CLOSED
             self._land_loads()  # the server reuses the pages once the connection goes
             self._link.close()
+            if self._host is not None:
+                self._host.close()
 
     @property
     def state(self) -> Lifecycle:
@@ -308,6 +318,13 @@ class ServerClient(KVCache):
     def _copy_out(self, request_id: str, pages: wire.Pages, out: torch.Tensor, base: int) -> None:
         """Out of the pages ``request_id``'s server lease holds (``out``'s row 0: token
         ``base``); the copies may land later (a device ``out``): ``end_request`` waits."""
+        if self._host is not None and out.device.type == "cpu":
+            pairs: list[Pair] = []
+            for page, start, count in zip(pages.pages, pages.starts, pages.counts, strict=True):
+                dst = out[:, :, start - base : start - base + count, :]
+                self.layout.unpack(self._page(page, count), dst, lambda d, s: pairs.append((d, s)))
+            self._host.run(pairs)
+            return
         batch = self._copies.begin(out, Direction.LOAD)
         try:
             for page, start, count in zip(pages.pages, pages.starts, pages.counts, strict=True):
@@ -322,6 +339,13 @@ class ServerClient(KVCache):
     def _copy_in(self, slots: wire.Pages, kv: torch.Tensor, base: int) -> None:
         """Into the reserved pages (``kv``'s row 0: token ``base``); landed when this returns
         (the server reads them next)."""
+        if self._host is not None and kv.device.type == "cpu":
+            pairs: list[Pair] = []
+            for page, start, count in zip(slots.pages, slots.starts, slots.counts, strict=True):
+                src = kv[:, :, start - base : start - base + count, :]
+                self.layout.pack(src, self._page(page, count), lambda d, s: pairs.append((d, s)))
+            self._host.run(pairs)
+            return
         batch = self._copies.begin(kv, Direction.STORE)
         try:
             for page, start, count in zip(slots.pages, slots.starts, slots.counts, strict=True):
