@@ -41,6 +41,7 @@ VLLM_REFERENCE_UNIT = tuple(
         "test_vllm_connector",
         "test_vllm_no_prefix_cache",
         "test_vllm_server",
+        "test_layerwise_vllm",  # layer-wise outputs against the same reference
         "test_model_families",  # no reference outputs: evens out the two units
         "test_sliding_windows",  # the same (about 75 s, two vLLM starts)
     )
