@@ -109,7 +109,7 @@ def build(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=32, help="attention layers (8B: 32)")
     parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (8B: 8)")
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--head-dim", type=int, default=128, help="head dimension (8B: 128)")
     parser.add_argument("--block", type=int, default=16, help="vLLM block size in tokens")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per save and load")
     parser.add_argument("--repeats", type=int, default=9, help="rounds; medians are reported")

@@ -41,11 +41,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
-from functools import partial
+from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvtier.admin.server import AdminServer
@@ -59,7 +57,7 @@ from kvtier.integrations.vllm.events import EventLog
 from kvtier.integrations.vllm.groups import ModelGroups
 from kvtier.integrations.vllm.layerwise import LayerLoads
 from kvtier.integrations.vllm.loads import Loads, scratch_tokens
-from kvtier.integrations.vllm.metadata import KVTierMetadata, SaveSpec
+from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.metrics import CounterDeltas
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.pd import DecoderPulls, PDEndpoint
@@ -68,14 +66,12 @@ from kvtier.integrations.vllm.save_drain import SaveDrain
 from kvtier.integrations.vllm.shutdown import ShutdownTally, server_line
 from kvtier.integrations.vllm.states import PagedState, with_states
 from kvtier.integrations.vllm.worker_channel import WorkerChannel
-from kvtier.keys import ChunkKey, ChunkSpan, RequestKeys
+from kvtier.integrations.vllm.worker_saves import WorkerSaves
 from kvtier.layout import KVLayout
 from kvtier.memory.device import CopyEngine, DeviceCopies
-from kvtier.request_salt import ExtraKeys
 from kvtier.server.client import ServerClient
 from kvtier.service import Service
 from kvtier.storage.cpu import CpuTier
-from kvtier.tokens import as_token_array
 
 log = logging.getLogger(__name__)
 _HOST = torch.device("cpu")
@@ -132,7 +128,7 @@ class WorkerSide:
         self._finished_saves: set[str] = set()  # ended requests to report (finished_saves)
         self.copies = copies if copies is not None else DeviceCopies()
         self._drain: SaveDrain | None = None  # stores behind the step (save_drain.py)
-        self._late_saves = False  # copies out of vLLM's memory may land late: use the drain
+        self._saves: WorkerSaves | None = None  # the save path (worker_saves.py), once open
         # Only rank 0 reports events: every rank stores the same chunks (its own slice).
         self.events = EventLog(block_size, config.chunk_size) if events and tp_rank == 0 else None
         self._media: list[str] = []
@@ -184,7 +180,6 @@ class WorkerSide:
         self.service, self.paged, self.cache = service, paged, service.cache
         device = paged.layers[0].device
         self._drain = SaveDrain(layout, cfg.chunk_size, device).open()
-        self._late_saves = self.copies.on_device(paged.layers[0])
         cache = service.cache
         self._loads = Loads(
             cache, paged, self.block_size, self.states, self._attention_tables, self.copies
@@ -206,6 +201,20 @@ class WorkerSide:
             media = cache.stats().get("tier_media", {})
             cpu = CpuTier.medium
             self._media = list(media.values()) or ([cpu] if cpu is not None else [])
+        self._saves = WorkerSaves(
+            cache,
+            paged,
+            self._loads,
+            self._drain,
+            late=self.copies.on_device(paged.layers[0]),
+            scratch_for=self._scratch_for,
+            attention_tables=self._attention_tables,
+            states=self.states,
+            events=self.events,
+            engine=self.engine,
+            pd=self._pd,
+            media=self._media,
+        )
         self._server = LookupServer(self.engine_id, self.tp_rank, WorkerChannel(self)).open()
         log.info(
             "kvtier worker %d: %s%s, cache %s, channel %s, threads on CPUs %s",
@@ -290,119 +299,17 @@ class WorkerSide:
         return self._layers
 
     def save(self, meta: KVTierMetadata) -> None:
-        """Gather this step's saves out of vLLM's blocks and store them. Where the copies
-        to kvtier's pages may land late (a device), the stores run behind the step and this
-        returns before they land (:mod:`.save_drain`); else they are stored before it
-        returns."""
+        """Gather this step's saves out of vLLM's blocks and store them (:mod:`.worker_saves`:
+        behind the step where the copies may land late, else before this returns)."""
         # Reported once this step's saves landed, whatever becomes of them (finished_saves):
         # vLLM holds the blocks of an ended request until then, and nothing may hold them
         # longer.
         self._finished_saves.update(meta.finishing)
         if not meta.saves or self.off:
             return
-        cache, paged = self._parts()
-        loads = self._loads_part()
-        for spec in meta.saves:
-            if spec.from_cache:  # a state model's PD prefiller's hit: its states are in kvtier
-                if self._pd is not None and spec.transfer_id is not None:
-                    out = self._scratch_for(spec.end)
-                    self._pd.send_from_cache(
-                        cache, spec.transfer_id, spec.tokens, spec.cache_salt, out
-                    )
-                continue
-            if loads.is_short(spec.request_id):
-                # This step computed the request on top of blocks its load could not fill:
-                # vLLM throws that away and recomputes, and so must kvtier (never store KV
-                # that attended to garbage). The scheduler re-offers the chunks later.
-                continue
-            tables = self._attention_tables(spec.tables)
-            if not paged.complete(tables, spec.start, spec.end, cache.config.chunk_size):
-                # A sliding-window group already dropped blocks it stores of this range (its
-                # chunk began in an earlier step): nothing whole to store, so store nothing.
-                continue
-            states = self.states
-            if states is not None and not states.present(spec.group_block_ids, spec.end):
-                continue  # no state kept at this chunk's end: the chunk cannot be whole
-            # The scratch holds this save's chunks only (row 0: the chunk start of its first
-            # token), so it is as large as a step's saves, never a whole prompt's KV: on a GPU
-            # it is memory outside vLLM's budget. A save behind the step has its own.
-            chunk = cache.config.chunk_size
-            base = spec.start // chunk * chunk
-            # A PD prefiller's save is sent before its response leaves (the decoder looks
-            # it up then): it waits for its copies here, on a GPU too.
-            late = self._late_saves and spec.transfer_id is None
-            drain = self._drain if late else None
-            buffer = drain.take() if drain is not None else None
-            out = buffer.rows(spec.end - base) if buffer else self._scratch_for(spec.end - base)
-            if states is not None and not states.fits(out, spec.end, chunk, base):
-                if drain is not None and buffer is not None:
-                    drain.give_back(buffer)
-                continue  # a checkpoint too short to hold the state: its chunks still hit
-            paged.gather(tables, spec.start, spec.end, out, base)
-            if states is not None:
-                # The scheduler sends one chunk per save (or a prompt's checkpoint), ending
-                # where this step ended.
-                states.gather(spec.group_block_ids, spec.end, chunk, out, base)
-            # One token array for the keys and the store (each would convert the list).
-            tokens = as_token_array(spec.tokens)
-            # The keys its lookup hashed, extended by the new chunks only.
-            keys = cache.request_keys(tokens, spec.request_id, cache_salt=spec.cache_salt)
-            first = spec.start // cache.config.chunk_size
-            events = self.events
-            published = self._published(spec, keys.spans, first) if events else None
-            if events is not None and published is not None and self.engine is not None:
-                # In-process: each tier publishes what it then really holds (events.py).
-                events.expect(*published, spec.tokens)
-            store = partial(self._store, spec, tokens, keys, out, base, published)
-            if drain is not None and buffer is not None:
-                drain.submit(spec.request_id, store, buffer)
-            else:
-                store()
-
-    def _store(
-        self,
-        spec: SaveSpec,
-        tokens: np.ndarray,
-        keys: RequestKeys,
-        out: torch.Tensor,
-        base: int,
-        published: tuple[Sequence[ChunkSpan], ChunkKey | None] | None,
-    ) -> None:
-        """Store one save gathered into ``out`` (row 0: token ``base``), send it on (PD) and
-        report it (events): on the model thread, or behind the step (:mod:`.save_drain`)."""
-        cache = self._parts()[0]
-        chunk = cache.config.chunk_size
-        first = spec.start // chunk
-        events = self.events
-        stored = cache.store(
-            tokens,
-            out[:, :, : spec.end - base],
-            skip_leading_tokens=spec.start,
-            cache_salt=spec.cache_salt,
-            keys=keys,
-            kv_start=base,
-        )
-        if self.engine is not None:  # in-process: for the request's line (on its lease)
-            self.engine.record_stored(spec.request_id, stored * chunk, len(spec.tokens))
-        if spec.transfer_id is not None and self._pd is not None:
-            self._pd.send(spec.transfer_id, keys.spans[first:], out, base, spec.cache_salt)
-        if events is not None and published is not None and self.engine is None:
-            # Through a server, whose tiers this process cannot see: as submitted.
-            events.stored(*published, spec.tokens, self._media)
-
-    def _published(
-        self, spec: SaveSpec, spans: Sequence[ChunkSpan], first: int
-    ) -> tuple[Sequence[ChunkSpan], ChunkKey | None] | None:
-        """The save's chunks from ``first`` on that events may name, and the key of the chunk
-        before them; None if none. The router matches an event by its tokens alone: a chunk
-        keyed by an adapter or an image is not published, or it would be credited to a
-        text-only prompt of the same tokens."""
-        plain = spec.cache_salt
-        last = plain.plain_chunks(self.config.chunk_size) if isinstance(plain, ExtraKeys) else None
-        published = spans[first:last]
-        if not published:
-            return None
-        return published, spans[first - 1].key if first else None
+        if self._saves is None:
+            raise StateError("kvtier worker: vLLM has not registered its KV caches yet")
+        self._saves.save(meta)
 
     def failed_blocks(self) -> set[int]:
         if self.off:
@@ -416,8 +323,8 @@ class WorkerSide:
     def finished_saves(self) -> set[str]:
         """Ended requests (``finishing``) with no save left copying out of their blocks
         (vLLM's finished_sending; each reported once): vLLM frees their blocks then."""
-        drain = self._drain
-        done = {r for r in self._finished_saves if drain is None or not drain.saving(r)}
+        saves = self._saves
+        done = {r for r in self._finished_saves if saves is None or not saves.saving(r)}
         self._finished_saves -= done
         return done
 
