@@ -86,13 +86,14 @@ def test_the_kernels_compile_for_a_hopper_gpu_and_move_16_byte_vectors(
     types = ["*i16", "*i64", "*i32", "*i64", "*i16"] + ["i32"] * 10
     signature = dict(zip(args, types, strict=True))
     signature.update(BLOCK_T="constexpr", BLOCK_H="constexpr", BLOCK_D="constexpr")
-    signature["VEC"] = "constexpr"
+    signature.update(VEC="constexpr", GATHER="constexpr")
     aligned = {"layers", "layer_offsets", "layer_group", "offsets", "chunk", "head_dim"}
     aligned |= {"s_plane", "s_head", "c_plane", "c_layer", "c_row"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(args) if arg in aligned}
     constants = {"BLOCK_T": 4, "BLOCK_H": 8, "BLOCK_D": 128, "VEC": 8, "s_dim": 1, "c_col": 1}
-    for fn in (kernels._gather, kernels._scatter):
-        source = compiler.ASTSource(fn, signature, constexprs=constants, attrs=attrs)
+    for gather in (True, False):
+        constants["GATHER"] = gather
+        source = compiler.ASTSource(kernels._copy, signature, constexprs=constants, attrs=attrs)
         try:
             compiled = compiler.compile(source, target=backends.GPUTarget("cuda", 90, 32))
         except Exception as exc:  # no NVIDIA backend or ptxas in this Triton build

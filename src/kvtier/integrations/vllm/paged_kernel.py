@@ -99,7 +99,7 @@ def _addresses(  # type: ignore[no-untyped-def]
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _gather(  # type: ignore[no-untyped-def]
+def _copy(  # type: ignore[no-untyped-def]
     layers,
     layer_offsets,
     layer_group,
@@ -119,43 +119,17 @@ def _gather(  # type: ignore[no-untyped-def]
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     VEC: tl.constexpr,
+    GATHER: tl.constexpr,  # True: paged blocks -> chunk rows; False: the reverse
 ):
     paged, rows, mask = _addresses(
         layers, layer_offsets, layer_group, offsets, chunk, n, heads, head_dim,
         s_plane, s_head, s_dim, c_plane, c_layer, c_row, c_col,
         BLOCK_T, BLOCK_H, BLOCK_D, VEC,
     )  # fmt: skip
-    tl.store(rows, tl.load(paged, mask=mask), mask=mask)
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def _scatter(  # type: ignore[no-untyped-def]
-    layers,
-    layer_offsets,
-    layer_group,
-    offsets,
-    chunk,
-    n,
-    heads,
-    head_dim,
-    s_plane,
-    s_head,
-    s_dim,
-    c_plane,
-    c_layer,
-    c_row,
-    c_col,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    VEC: tl.constexpr,
-):
-    paged, rows, mask = _addresses(
-        layers, layer_offsets, layer_group, offsets, chunk, n, heads, head_dim,
-        s_plane, s_head, s_dim, c_plane, c_layer, c_row, c_col,
-        BLOCK_T, BLOCK_H, BLOCK_D, VEC,
-    )  # fmt: skip
-    tl.store(paged, tl.load(rows, mask=mask), mask=mask)
+    if GATHER:
+        tl.store(rows, tl.load(paged, mask=mask), mask=mask)
+    else:
+        tl.store(paged, tl.load(rows, mask=mask), mask=mask)
 
 
 class PagedKernel:
@@ -233,12 +207,12 @@ class PagedKernel:
         """``rows[p, l, t] = layer l's plane p of token t`` (``rows``: ``[planes, layers, n,
         heads*head_dim]``; ``slots``: per KV-cache group, each token's (tensor block, offset
         in it, real) on the layers' device, as paged.py draws them)."""
-        self._launch(_gather, self._offsets(slots, skip_null=False), rows)
+        self._launch(True, self._offsets(slots, skip_null=False), rows)
 
     def scatter(self, slots: Sequence[Slots], rows: torch.Tensor) -> None:
         """The reverse of :meth:`gather`; tokens in vLLM's null block (not ``real``) are not
         written."""
-        self._launch(_scatter, self._offsets(slots, skip_null=True), rows)
+        self._launch(False, self._offsets(slots, skip_null=True), rows)
 
     def _offsets(self, slots: Sequence[Slots], skip_null: bool) -> torch.Tensor:
         """``[groups, n]`` element offsets of each token's slot in a layer (-1: skipped)."""
@@ -249,9 +223,7 @@ class PagedKernel:
             rows.append(torch.where(real, offsets, -1) if skip_null else offsets)
         return torch.stack(rows)
 
-    def _launch(
-        self, kernel: triton.JITFunction, offsets: torch.Tensor, rows: torch.Tensor
-    ) -> None:
+    def _launch(self, gather: bool, offsets: torch.Tensor, rows: torch.Tensor) -> None:
         n = int(rows.shape[2])
         if n == 0:
             return
@@ -263,7 +235,7 @@ class PagedKernel:
         plane, head, dim = self.strides
         on_cuda = self.device.type == "cuda"
         with torch.cuda.device(self.device) if on_cuda else contextlib.nullcontext():
-            kernel[grid](
+            _copy[grid](
                 self._first,
                 self._layer_offsets,
                 self._groups,
@@ -280,6 +252,7 @@ class PagedKernel:
                 BLOCK_H=block_h,
                 BLOCK_D=block_d,
                 VEC=self.vec,
+                GATHER=gather,
             )
 
 
