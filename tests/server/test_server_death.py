@@ -9,6 +9,7 @@ import torch
 
 from tests.conftest import SMALL_LAYOUT, make_kv, make_tokens
 from tests.server.server_helpers import (
+    InProcess,
     ServerProcess,
     open_client,
     remove_tempdir,
@@ -68,3 +69,33 @@ def test_clients_survive_a_server_killed_mid_call() -> None:
         proc.stop()
         remove_tempdir(directory)
     assert errors == []
+
+
+def test_a_request_whose_lookup_found_no_server_loads_nothing_once_one_listens() -> None:
+    # A request loads what its lookup said. Asked of a server that came (or came back) after
+    # the lookup, a retrieve would be a fresh lookup there, and could return more.
+    directory = short_tempdir()
+    url = f"unix://{directory}/kvtier.sock"
+    tokens, kv = make_tokens(96, 7), make_kv(96, 7)
+    client = open_client(url, max_backoff=0.05)
+    server = None
+    try:
+        assert client.lookup(tokens, "early").tokens == 0  # no server: answered here
+        server = InProcess(directory)
+        writer = open_client(url)
+        writer.store(tokens, kv)
+        writer.close()
+        wait_until(lambda: client.lookup(tokens, "probe").tokens == 96, what="the server's hit")
+        client.end_request("probe")
+        out = torch.empty(SMALL_LAYOUT.kv_shape(96), dtype=SMALL_LAYOUT.dtype)
+        assert client.retrieve_into(tokens, "early", out) == 0
+        assert client.retrieve(tokens, "early").shape[2] == 0
+        client.end_request("early")
+        with client.request("late"):  # a request looked up now hits, and loads it
+            assert client.lookup(tokens, "late").tokens == 96
+            assert torch.equal(client.retrieve(tokens, "late"), kv)
+    finally:
+        client.close()
+        if server is not None:
+            server.close()
+        remove_tempdir(directory)

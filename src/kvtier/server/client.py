@@ -96,6 +96,11 @@ class ServerClient(KVCache):
         self._lock = threading.Lock()
         # Requests this client looked up and has not ended: they hold a lease in the server.
         self._live: set[str] = set()
+        # Requests whose lookup this client answered itself (a miss: no server, or the
+        # connection broke) or whose lease went with a lost connection, not ended yet: their
+        # retrieve is a miss too. Asking the server would make a fresh lookup there, which
+        # may find more than the request's lookup said (a request loads what it was told).
+        self._unanswered: set[str] = set()
         self._live_lock = threading.Lock()
         self._store_ids = itertools.count(1)
         self._state = Lifecycle.NEW
@@ -155,7 +160,13 @@ class ServerClient(KVCache):
                 self._live.add(request_id)
             return found
 
-        return self._exchange(request, hit, Hit(held, held))
+        found = self._exchange(request, hit, Hit(held, held))
+        with self._live_lock:
+            if request_id in self._live:
+                self._unanswered.discard(request_id)
+            else:
+                self._unanswered.add(request_id)
+        return found
 
     def _retrieve(self, request_id: str, prompt: Prompt) -> torch.Tensor:
         """Hit 0 without a server."""
@@ -168,6 +179,8 @@ class ServerClient(KVCache):
             return out
 
         nothing = torch.empty(self.layout.kv_shape(0), dtype=self.layout.dtype)
+        if self._unanswered_lookup(request_id):
+            return nothing
         return self._exchange(request, copy, nothing)
 
     def _retrieve_into(self, request_id: str, prompt: Prompt, out: torch.Tensor) -> int:
@@ -181,7 +194,14 @@ class ServerClient(KVCache):
             self._copy_out(request_id, pages, out, prompt.base)
             return pages.end
 
-        return self._exchange(request, copy, self._held(len(array), prompt.skip))
+        miss = self._held(len(array), prompt.skip)
+        if self._unanswered_lookup(request_id):
+            return miss
+        return self._exchange(request, copy, miss)
+
+    def _unanswered_lookup(self, request_id: str) -> bool:
+        with self._live_lock:
+            return request_id in self._unanswered
 
     def _store(self, prompt: Prompt, kv: torch.Tensor, keys: RequestKeys | None) -> int:
         """The server gives pages for the chunks it lacks, this process copies into them
@@ -214,6 +234,7 @@ class ServerClient(KVCache):
         """False if it held nothing (or the server is gone, which released it already)."""
         with self._live_lock:
             self._live.discard(request_id)
+            self._unanswered.discard(request_id)
             loading = self._loading.pop(request_id, None)
         if loading is not None:
             loading.wait()  # the server reuses the pages once the lease ends
@@ -289,7 +310,8 @@ class ServerClient(KVCache):
         self._land_loads()  # before the drop: the server then reuses the pages at once
         self._link.drop(str(exc))
         with self._live_lock:
-            self._live.clear()  # the server released the connection's leases
+            self._unanswered |= self._live  # the server released the connection's leases
+            self._live.clear()
 
     def _land_loads(self) -> None:
         """Wait for every copy still running out of this connection's server pages."""
