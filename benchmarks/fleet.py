@@ -74,6 +74,20 @@ def trace(args: argparse.Namespace, seed: int) -> list[list[int]]:
     return out
 
 
+def prefill_row(prompts: list[list[int]], delta: dict[str, int], ideal: int) -> dict[str, Any]:
+    """A row's token counts: what the fleet computed (``delta``: vLLM's prompt tokens by
+    source over the row) against the ideal, and where the rest came from."""
+    return {
+        "requests": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "prefill_tokens": delta["local_compute"],
+        "ideal_tokens": ideal,
+        "computed_over_ideal": round(delta["local_compute"] / ideal, 3),
+        "device_hit_tokens": delta["local_cache_hit"],
+        "kvtier_hit_tokens": delta["external_kv_transfer"],
+    }
+
+
 def ideal_tokens(prompts: list[list[int]]) -> int:
     """Tokens in the trie of all prompts: each distinct prefix computed once."""
     root: dict[int, Any] = {}
@@ -178,13 +192,7 @@ def _one_policy(
         "policy": policy,
         "kvtier": kvtier,
         "redis": redis,
-        "requests": len(prompts),
-        "prompt_tokens": sum(len(p) for p in prompts),
-        "prefill_tokens": delta["local_compute"],
-        "ideal_tokens": ideal,
-        "computed_over_ideal": round(delta["local_compute"] / ideal, 3),
-        "device_hit_tokens": delta["local_cache_hit"],
-        "kvtier_hit_tokens": delta["external_kv_transfer"],
+        **prefill_row(prompts, delta, ideal),
         "ttft_p50_ms": round(float(np.percentile(ms, 50)), 1),
         "ttft_p99_ms": round(float(np.percentile(ms, 99)), 1),
     }

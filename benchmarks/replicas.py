@@ -57,7 +57,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.fleet import POLICIES, ideal_tokens
+from benchmarks.fleet import POLICIES, ideal_tokens, prefill_row
 from benchmarks.harness.router import SERVED_NAME, Router, VllmServer, post
 from benchmarks.isolation import stdout_to_stderr, work_dir
 from benchmarks.serving import KVTierServer
@@ -302,13 +302,7 @@ def _routed(
     ideal = ideal_tokens(prompts)
     return {
         "policy": policy,
-        "requests": len(prompts),
-        "prompt_tokens": sum(len(p) for p in prompts),
-        "prefill_tokens": delta["local_compute"],
-        "ideal_tokens": ideal,
-        "computed_over_ideal": round(delta["local_compute"] / ideal, 3),
-        "device_hit_tokens": delta["local_cache_hit"],
-        "kvtier_hit_tokens": delta["external_kv_transfer"],
+        **prefill_row(prompts, delta, ideal),
         "latency_p50_ms": round(statistics.median(wall) * 1e3, 1),
     }, texts
 
