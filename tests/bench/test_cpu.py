@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvtier.bench import cpu
-from kvtier.keys import ChunkSpan
-from kvtier.memory.device import CopyBatch
+from kvtier.lease import Lease
 from kvtier.storage.loads import PlanLoader
+from kvtier.storage.lookup import LookupPlan
 from tests.bench.bench_checks import assert_spread
 from tests.cli.test_main import run_cli
 
@@ -53,22 +53,25 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_bench_cpu_fails_when_the_timed_retrieve_flips_a_byte(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The timed retrieve copies each chunk out of its CPU page (``_copy_out``); one byte
-    wrong there must end the bench with an error, not a GB/s figure."""
-    copy_out = PlanLoader._copy_out
+    """The timed retrieve copies each chunk out of its CPU page (``_copy_out``, one batch
+    per load); one byte wrong there, after the batch landed, must end the bench with an
+    error, not a GB/s figure."""
+    load = PlanLoader.load
 
     def flipping(
         self: PlanLoader,
-        page: int,
-        span: ChunkSpan,
-        out: torch.Tensor,
-        batch: CopyBatch,
-        base: int,
-    ) -> None:
-        copy_out(self, page, span, out, batch, base)  # a host out: copied at once
-        out[1, 0, span.start - base].view(torch.uint8)[1] ^= 0x10  # one byte of the chunk
+        plan: LookupPlan,
+        lease: Lease[LookupPlan],
+        out: torch.Tensor | None,
+        start_token: int,
+        base: int = 0,
+    ) -> int:
+        end = load(self, plan, lease, out, start_token, base)  # a host out: landed now
+        assert out is not None
+        out[1, 0, start_token - base].view(torch.uint8)[1] ^= 0x10  # one byte of the chunk
+        return end
 
-    monkeypatch.setattr(PlanLoader, "_copy_out", flipping)
+    monkeypatch.setattr(PlanLoader, "load", flipping)
     with pytest.raises(AssertionError, match="retrieved bytes differ"):
         cpu.run(_args())
 

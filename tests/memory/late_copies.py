@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.memory.device import CopyBatch, CopyEngine, DeviceCopies, Direction, Landed
+from kvtier.memory.device import CopyBatch, CopyEngine, DeviceCopies, Direction, Fence
 
-_HOST = DeviceCopies()  # for unmarked tensors: copied at once
+_HOST = DeviceCopies()  # for unmarked tensors: landed when their batch closes
 _PATIENCE = 30.0  # seconds a wait for a late copy may take before the test fails
 
 
@@ -55,6 +55,7 @@ class _Stream:
         self.jobs: deque[_Job] = deque()
         self.queued = 0  # tickets handed out
         self.released = 0  # jobs with a ticket up to this may land
+        self.landed = 0  # jobs that ran
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -82,6 +83,9 @@ class _Stream:
                 time.sleep(self.delay)
             for dst, src in job.copies:
                 dst.copy_(src)
+            with self.cond:
+                self.landed = job.ticket
+                self.cond.notify_all()
             job.landed.set()
 
 
@@ -103,6 +107,9 @@ class _JobLanded:
     def done(self) -> bool:
         return self._engine.lying or self._job.landed.is_set()
 
+    def order_current_stream(self) -> None:
+        return None  # no stream: the host waits with wait()
+
 
 class _LateBatch(CopyBatch):
     def __init__(self, engine: LateCopies, direction: Direction) -> None:
@@ -113,7 +120,7 @@ class _LateBatch(CopyBatch):
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._copies.append((dst, src))
 
-    def close(self) -> Landed:
+    def close(self, *, order_caller: bool = True) -> Fence:
         return self._engine.submit(self._direction, self._copies)
 
 
@@ -152,7 +159,7 @@ class LateCopies(CopyEngine):
 
     def submit(
         self, direction: Direction, copies: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> Landed:
+    ) -> Fence:
         stream = self._streams[direction]
         if copies:
             self.batches += 1
@@ -164,6 +171,16 @@ class LateCopies(CopyEngine):
     def pending(self) -> int:
         """Batches queued that have not landed yet."""
         return sum(len(s.jobs) for s in self._streams.values())
+
+    def land_next(self, direction: Direction) -> None:
+        """Land the next batch held in ``direction`` (one fence: one layer's copy) and wait
+        until it ran; later batches stay held."""
+        stream = self._streams[direction]
+        with stream.cond:
+            ticket = stream.released + 1
+            assert ticket <= stream.queued, f"no {direction} batch is held"
+            stream.release(ticket)
+            assert stream.cond.wait_for(lambda: stream.landed >= ticket, _PATIENCE)
 
     def release(self) -> None:
         """Land every copy queued so far and wait until they ran (a device synchronize)."""

@@ -196,12 +196,24 @@ def test_a_page_is_reused_only_after_the_load_from_it_landed(lying: bool) -> Non
 # -- the default engine -----------------------------------------------------------------
 
 
-def test_host_tensors_are_copied_at_once() -> None:
+def test_host_tensors_have_landed_when_their_batch_closes() -> None:
     src, dst = torch.arange(8.0), torch.zeros(8)
     batch = DeviceCopies().begin(src, Direction.STORE)
     batch.copy(dst, src)
-    assert torch.equal(dst, src)  # before the fence: nothing was left in flight
-    assert batch.close() is LANDED
+    assert batch.close() is LANDED  # made on the host copy threads, all done at close
+    assert torch.equal(dst, src)
+
+
+def test_a_host_load_closed_without_ordering_the_caller_has_landed() -> None:
+    """``close(order_caller=False)`` on a host: copied at once, and its fence orders no
+    stream (there is none)."""
+    src, dst = torch.arange(8.0), torch.zeros(8)
+    batch = DeviceCopies().begin(dst, Direction.LOAD)
+    batch.copy(dst, src)
+    landed = batch.close(order_caller=False)
+    assert landed is LANDED and torch.equal(dst, src)
+    landed.order_current_stream()  # a no-op
+    assert landed.done()
 
 
 def busy_device_kv(want: torch.Tensor) -> torch.Tensor:
@@ -256,3 +268,22 @@ def test_a_load_into_the_gpu_is_exact_when_its_request_ends_at_once() -> None:
         engine.end_request("a")
         engine.store(b_tokens, b_kv)  # A's pages, written again
         assert torch.equal(out.cpu(), a_kv)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_load_closed_without_ordering_the_caller_orders_it_when_asked() -> None:
+    """A layer-wise load's fence: closed without ordering the model's stream, then ordered
+    before the compute that reads it. That compute (a clone) sees every byte, though the
+    copy was queued behind a long kernel on the caller's stream."""
+    want = make_kv(TOKENS, 12)
+    src = want.pin_memory()
+    out = torch.zeros_like(want, device="cuda")
+    busy_device_kv(want)  # the copy waits for this first
+    batch = DeviceCopies().begin(out, Direction.LOAD)
+    batch.copy(out, src)
+    landed = batch.close(order_caller=False)
+    landed.order_current_stream()
+    seen = out.clone()  # on the current stream, after the copy
+    assert torch.equal(seen.cpu(), want)
+    assert landed.done()

@@ -20,10 +20,23 @@ On CUDA each device has two streams of kvtier's own (stores, loads). A batch fir
 caller's current stream (the kernels that produced ``kv``, or that last used ``out``), makes its
 copies on kvtier's stream, records one event, and tells the caching allocator that its stream
 uses the device tensor (``record_stream``), so the tensor's memory is not reused under the copy.
-A host tensor (no device involved) is copied at once: its batch has landed when it closes.
+A host tensor (no device involved) is copied when its batch closes, on kvtier's host copy
+threads (:mod:`kvtier.memory.host_copy`, the why is there): its batch has landed when it closes.
 
 The copy engine is a seam (:class:`CopyEngine`): tests inject one whose copies land late, on
 machines without a GPU, to prove every host reader waits for "landed".
+
+A LOAD orders the caller's stream after its event when it closes (the default), or later::
+
+    landed = batch.close()                     the caller's stream waits on the event now:
+                                               all it queues next runs after the copies
+    landed = batch.close(order_caller=False)   nothing waits yet (the caller may queue more
+    ...                                        copies, and compute that does not read them)
+    landed.order_current_stream()              the current stream waits on the event now
+
+A layer-wise load needs the second form: layer i+1's copy is queued before layer i computes,
+and layer i's compute must wait for layer i's event only. Where nothing is queued on a stream
+(a host, a test's engine) ``order_current_stream`` is a no-op: the host waits with ``wait``.
 """
 
 from __future__ import annotations
@@ -35,6 +48,8 @@ from typing import Protocol
 
 import torch
 
+from kvtier.memory import host_copy
+
 
 class Landed(Protocol):
     """A fence after a batch of copies: ``wait()`` returns once every copy of the batch has
@@ -43,6 +58,15 @@ class Landed(Protocol):
     def wait(self) -> None: ...
 
     def done(self) -> bool: ...
+
+
+class Fence(Landed, Protocol):
+    """What a batch's :meth:`~CopyBatch.close` returns: a :class:`Landed` that can also order
+    the device's current stream after it, the host not waiting (``order_current_stream``:
+    what is queued on that stream next runs after the copies; a no-op where nothing is
+    queued on a stream)."""
+
+    def order_current_stream(self) -> None: ...
 
 
 class _AlreadyLanded:
@@ -54,8 +78,11 @@ class _AlreadyLanded:
     def done(self) -> bool:
         return True
 
+    def order_current_stream(self) -> None:
+        return None
 
-LANDED: Landed = _AlreadyLanded()
+
+LANDED: Fence = _AlreadyLanded()
 
 
 class CopyBatch(ABC):
@@ -66,8 +93,12 @@ class CopyBatch(ABC):
         """Queue ``dst.copy_(src)``; it may land after this returns."""
 
     @abstractmethod
-    def close(self) -> Landed:
-        """The fence after every copy of this batch (no more copies after it)."""
+    def close(self, *, order_caller: bool = True) -> Fence:
+        """The fence after every copy of this batch (no more copies after it).
+
+        ``order_caller`` (a LOAD into a device): the caller's current stream waits on the
+        fence now. False leaves that to :meth:`Fence.order_current_stream`, called when
+        the compute that reads the copies is about to be queued (the module docstring)."""
 
 
 class Direction(StrEnum):
@@ -89,24 +120,41 @@ class CopyEngine(ABC):
 
 
 class _HostBatch(CopyBatch):
-    """Copies made at once: nothing is left in flight when ``copy`` returns."""
+    """Host-to-host copies: gathered by ``copy``, made by ``close`` on the process's host copy
+    threads (:func:`kvtier.memory.host_copy.shared`: contiguous pieces shared out among the
+    caller and helpers, not one strided ``Tensor.copy_`` each on torch's OpenMP pool), all of
+    a batch in one run: the caller waits for the helpers once per batch, not once per chunk.
+    Every copy has landed when ``close`` returns (its fence: LANDED)."""
+
+    def __init__(self) -> None:
+        self._pairs: list[host_copy.Pair] = []
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
+        if dst.shape == src.shape and dst.device.type == src.device.type == "cpu":
+            self._pairs.append((dst, src))
+        else:  # a broadcast, or a device no batch of this engine owns: torch's, at once
+            dst.copy_(src)
 
-    def close(self) -> Landed:
+    def close(self, *, order_caller: bool = True) -> Fence:
+        pairs, self._pairs = self._pairs, []
+        if pairs:
+            host_copy.shared().run(pairs)
         return LANDED
 
 
 class _CudaEventLanded:
-    def __init__(self, event: torch.cuda.Event) -> None:
+    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
         self._event = event
+        self._device = device
 
     def wait(self) -> None:
         self._event.synchronize()
 
     def done(self) -> bool:
         return bool(self._event.query())  # type: ignore[no-untyped-call]
+
+    def order_current_stream(self) -> None:
+        torch.cuda.current_stream(self._device).wait_event(self._event)
 
 
 class _CudaBatch(CopyBatch):
@@ -127,7 +175,7 @@ class _CudaBatch(CopyBatch):
             dst.copy_(src, non_blocking=True)
         self._copied = True
 
-    def close(self) -> Landed:
+    def close(self, *, order_caller: bool = True) -> Fence:
         if not self._copied:
             return LANDED
         # The caching allocator must not hand the device tensor's memory to anyone else
@@ -135,17 +183,18 @@ class _CudaBatch(CopyBatch):
         self._device_side.record_stream(self._stream)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(self._stream)
-        if self._direction is Direction.LOAD:
+        if self._direction is Direction.LOAD and order_caller:
             # Whatever the caller queues next on its stream (the layer that reads the load)
             # runs after the copies. A store needs no such wait: its host side waits for
             # "landed" before any reader, and the caller's later kernels may overlap it.
             self._caller.wait_event(event)
-        return _CudaEventLanded(event)
+        return _CudaEventLanded(event, self._device_side.device)
 
 
 class DeviceCopies(CopyEngine):
     """The default engine: CUDA tensors on kvtier's own streams (one for stores and one for
-    loads per device, made on first use), anything else copied at once."""
+    loads per device, made on first use), host tensors on the host copy threads when their
+    batch closes."""
 
     def __init__(self) -> None:
         self._streams: dict[tuple[int, Direction], torch.cuda.Stream] = {}

@@ -31,6 +31,7 @@ import torch
 
 from kvtier.errors import CorruptRecord
 from kvtier.keys import ChunkKey
+from kvtier.memory import host_copy
 from kvtier.memory.block_pool import BlockPool
 from kvtier.storage.base import PutJob, PutOutcome, Tier, TierUsage
 from kvtier.storage.cpu_entries import PAGE_OF, CpuEntry, Entries, PageEntries
@@ -343,7 +344,8 @@ class CpuTier(Tier):
             self.counters.dropped += 1
             job.done(PutOutcome.DROPPED, "no free page")
             return
-        self.pool.page_bytes_view(pages[0], job.payload.numel()).copy_(job.payload)
+        page = self.pool.page_bytes_view(pages[0], job.payload.numel())
+        host_copy.copy_now(page, job.payload)  # on kvtier's copy threads, as a store's chunks
         if not self.insert(key, pages[0], job.num_tokens, job.tenant):
             self.pool.release(pages)
             stored = self.contains([key])[0]

@@ -341,3 +341,20 @@ def test_puts_queued_when_the_store_goes_down_drop_at_once(
     assert {r.outcome for r in results} <= {PutOutcome.DROPPED, PutOutcome.FAILED}
     assert sum(r.outcome is PutOutcome.DROPPED for r in results) >= 44
     assert took < TIMEOUT_S * 2 + 1.0 and tier.counters.outages == 1
+
+
+@pytest.mark.parametrize("change", ["cut", "longer", "empty"])
+def test_a_body_not_the_length_its_header_says_is_corrupt(
+    tier: S3Tier, seaweedfs: SeaweedFS, bucket: str, change: str
+) -> None:
+    """An object a byte short of its record, a byte over it, or empty: a corrupt miss (the
+    length check the get makes before the payload's checksum), never an oversized one."""
+    key, data = random_key(), payload(CONTRACT_CHUNK, 72)
+    put_and_wait(tier, key, data, CONTRACT_CHUNK)
+    record = records.encode_record(key, FINGERPRINT, CONTRACT_CHUNK, data)
+    body = {"cut": record[:-1], "longer": record + b"\0", "empty": b""}[change]
+    raw_client(seaweedfs, bucket).put(tier.store.name_of(key), body)
+    assert tier.get_into(key, torch.zeros(PAGE_BYTES, dtype=torch.uint8)) is None
+    assert tier.counters.corrupt == 1 and tier.counters.oversized == 0
+    why = tier.corruption(key) or ""
+    assert ("truncated" if change == "empty" else "header says") in why
