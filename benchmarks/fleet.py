@@ -34,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness.router import Router, VllmServer
+from benchmarks.harness.router import Router
+from benchmarks.harness.vllm_server import VllmServer
 from benchmarks.isolation import stdout_to_stderr, work_dir
 from kvtier.bench.redis import _server as redis_server
 from kvtier.demo.checkpoint import TinyLlama, words_for, write_tiny_llama

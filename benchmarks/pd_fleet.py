@@ -48,7 +48,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.harness.pd import documented_router, documented_transfer, settled_problems, stats_of
-from benchmarks.harness.router import SERVED_NAME, RouterProcess, VllmServer, free_port
+from benchmarks.harness.router import RouterProcess
+from benchmarks.harness.vllm_server import SERVED_NAME, VllmServer, free_port
 from benchmarks.isolation import stdout_to_stderr, work_dir
 from kvtier.demo.checkpoint import TinyLlama, words_for, write_tiny_llama
 

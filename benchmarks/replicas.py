@@ -58,7 +58,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.fleet import POLICIES, ideal_tokens, prefill_row
-from benchmarks.harness.router import SERVED_NAME, Router, VllmServer, post
+from benchmarks.harness.router import Router
+from benchmarks.harness.vllm_server import SERVED_NAME, VllmServer, post
 from benchmarks.isolation import stdout_to_stderr, work_dir
 from benchmarks.serving import KVTierServer
 from kvtier.bench.redis import _server as redis_server

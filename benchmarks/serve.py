@@ -25,21 +25,7 @@ every configuration; ``vllm`` leaves vLLM's default, which on 2 cores with a con
 configured gives the worker the scheduler's core too (docs/vllm.md, "Decode with a connector
 configured").
 
-Top-level fields (``cold`` is ``none``; the headline workload is ``prefix`` if it ran)::
-
-    ttft_efficiency_<c>  = (cold - c) / (cold - apc)  pass-2 mean TTFT; 1.0: as good as vLLM's
-    ttft_vs_apc_<c>      = c / apc                    pass-2 mean TTFT of a hit against vLLM's
-                                                       own hit (what the efficiency hides when
-                                                       the cold prefill is long)
-    server_vs_inprocess  = ttft_efficiency_server / ttft_efficiency_cpu
-    e2e_throughput_vs_example = cpu / example   output tokens/s of the decode workload (no
-    e2e_throughput_vs_none    = cpu / none      hit anywhere), or of pass 1 without it
-    outputs_equal_<c>    share of pass-2 completions identical to ``none``'s (greedy)
-    hit_share_<c>        share of pass-2 prompt tokens served from a cache (vLLM's or the
-                         connector's, from vLLM's /metrics)
-    problems             every pass whose counters disagree with what its row claims (kvtier
-                         served nothing, or from another tier; a cache hit with no cache;
-                         failed requests): empty when every figure measured what it says
+Top-level fields, ``problems`` and the medians over rounds: :mod:`benchmarks.serve_figures`.
 
 ``--repeats N`` runs every configuration N times, in rounds of alternating order (forward,
 backward, ...), each round on empty tiers of its own: every figure is then the median over
@@ -59,8 +45,6 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,18 +52,16 @@ from benchmarks import conversation
 from benchmarks import workloads as wl
 from benchmarks.harness.shapes import SHAPES, write_shape
 from benchmarks.isolation import stdout_to_stderr, work_dir
+from benchmarks.serve_figures import (
+    merge_rounds,
+    per_round,
+    problems,
+    top_level,
+    unequal_outputs,
+)
+from benchmarks.serve_plans import CONFIGS, KVTIER_CONFIGS, Plan, plan_for
 from benchmarks.serving import SERVED_NAME, KVTierServer, VLLMServer, counter_delta
 from kvtier.bench.redis import _server as redis_server
-
-CONFIGS = ("none", "apc", "cpu", "disk", "redis", "server", "example")
-FRESH = {"disk", "redis", "server"}  # pass 2 in a new vLLM process
-KVTIER_CONFIGS = {"cpu": "cpu", "disk": "disk", "redis": "redis", "server": None}
-KVTIER = {
-    "kv_connector": "KVTierConnector",
-    "kv_connector_module_path": "kvtier.integrations.vllm",
-    "kv_role": "kv_both",
-    "kv_load_failure_policy": "recompute",
-}
 
 
 def _names(text: str) -> list[str]:
@@ -126,82 +108,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-@dataclass
-class Plan:
-    """One configuration: how to start vLLM (and what it needs beside it)."""
-
-    name: str
-    prefix_cache: bool = False
-    transfer: dict[str, Any] | None = None
-    fresh: bool = False
-    needs_redis: bool = False
-    needs_server: bool = False
-    env: dict[str, str] = field(default_factory=dict)
-
-
-def plan_for(
-    name: str,
-    work: Path,
-    cpu_size: str,
-    redis_url: str = "",
-    sock: str = "",
-    chunk_size: int | None = None,
-    save_decode_cache: bool | None = None,
-    codec: str | None = None,
-) -> Plan:
-    """The vLLM settings of configuration ``name`` (see the module docstring);
-    ``chunk_size``: kvtier's chunk (None: kvtier's default); ``save_decode_cache``: whether
-    kvtier also stores the answers, what the conversation workload's next rounds reuse
-    (None: kvtier's default); ``codec``: the payload codec of the disk configuration's disk
-    tier and the redis configuration's Redis tier (the CPU tier has none)."""
-    if name == "none":
-        return Plan(name)
-    if name == "apc":
-        return Plan(name, prefix_cache=True)
-    if name == "cpu":
-        extra: dict[str, Any] = {"max_local_cpu_size": cpu_size}
-    elif name == "disk":
-        extra = {
-            "local_cpu": False,
-            "max_local_cpu_size": cpu_size,
-            "local_disk": str(work / "disk"),
-            "max_local_disk_size": "32GiB",
-        }
-    elif name == "redis":
-        extra = {"local_cpu": False, "max_local_cpu_size": cpu_size, "remote_url": redis_url}
-    elif name == "server":
-        extra = {"server": f"unix://{sock}"}
-    elif name == "example":
-        transfer = {
-            "kv_connector": "ExampleConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": str(work / "example")},
-        }
-        return Plan(name, transfer=transfer)
-    else:
-        raise ValueError(f"configuration {name!r} is unknown; use {', '.join(CONFIGS)}")
-    if chunk_size is not None:
-        extra["chunk_size"] = chunk_size
-    if save_decode_cache is not None:
-        extra["save_decode_cache"] = save_decode_cache
-    if codec is not None and name in ("disk", "redis"):
-        extra["disk_codec" if name == "disk" else "remote_codec"] = codec
-    transfer = {**KVTIER, "kv_connector_extra_config": extra}
-    return Plan(
-        name,
-        transfer=transfer,
-        fresh=name in FRESH,
-        needs_redis=name == "redis",
-        needs_server=name == "server",
-    )
-
-
-def efficiency(cold: float, cached: float, ideal: float) -> float:
-    """(cold - cached) / (cold - ideal): the share of the ideal saving that ``cached`` gets."""
-    saved = cold - ideal
-    return round((cold - cached) / saved, 3) if saved > 0 else float("nan")
-
-
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """The fields of one vLLM serving-benchmark result that the table keeps."""
     keys = (
@@ -219,85 +125,6 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "failed",
     )
     return {k: round(float(result[k]), 3) for k in keys if result.get(k) is not None}
-
-
-def top_level(
-    table: dict[str, dict[str, Any]],
-    texts: dict[str, list[str]],
-    throughput_table: dict[str, dict[str, Any]] | None = None,
-    measured: str = "pass2",
-) -> dict[str, Any]:
-    """The headline ratios from one workload's table (config -> pass -> summary), compared
-    in its ``measured`` pass; throughput from ``throughput_table`` (the hit-free decode
-    workload) when given, else pass 1."""
-    out: dict[str, Any] = {}
-
-    def ttft(config: str) -> float | None:
-        row = table.get(config, {}).get(measured)
-        return None if row is None else float(row["mean_ttft_ms"])
-
-    def throughput(config: str) -> float | None:
-        row = (throughput_table or table).get(config, {}).get("pass1")
-        return None if row is None else float(row["output_throughput"])
-
-    cold, ideal = ttft("none"), ttft("apc")
-    for config in ("cpu", "disk", "redis", "server", "example"):
-        value = ttft(config)
-        if ideal is None or value is None:
-            continue
-        if cold is not None:  # the efficiency needs the cold run; the ratio to apc does not
-            out[f"ttft_efficiency_{config}"] = efficiency(cold, value, ideal)
-        out[f"ttft_vs_apc_{config}"] = round(value / ideal, 3) if ideal else float("nan")
-    if "ttft_efficiency_server" in out and out.get("ttft_efficiency_cpu"):
-        out["server_vs_inprocess"] = round(
-            out["ttft_efficiency_server"] / out["ttft_efficiency_cpu"], 3
-        )
-    cpu = throughput("cpu")
-    for other in ("example", "none"):
-        base = throughput(other)
-        if cpu is not None and base:
-            out[f"e2e_throughput_vs_{other}"] = round(cpu / base, 3)
-    reference = texts.get("none")
-    for config, generated in texts.items():
-        if config != "none" and reference:
-            same = sum(a == b for a, b in zip(generated, reference, strict=False))
-            out[f"outputs_equal_{config}"] = round(same / len(reference), 3)
-    for config, passes in table.items():
-        row = passes.get(measured, {})
-        if row.get("prompt_tokens"):
-            hit = row.get("vllm_cached_tokens", 0) + row.get("connector_tokens", 0)
-            out[f"hit_share_{config}"] = round(hit / row["prompt_tokens"], 3)
-    return out
-
-
-def problems(
-    table: dict[str, dict[str, dict[str, Any]]], measured: dict[str, str] | None = None
-) -> list[str]:
-    """Every pass whose counters say its figure measured something else (see the module
-    docstring); each as a sentence naming the workload, configuration and pass.
-    ``measured``: a workload's measured pass where it is not pass 2."""
-    out: list[str] = []
-    for workload, configs in table.items():
-        for config, passes in configs.items():
-            for name, row in passes.items():
-                where = f"{workload}/{config}/{name}"
-                if row.get("failed"):
-                    out.append(f"{where}: {row['failed']:g} requests failed")
-                if config != "apc" and row.get("vllm_cached_tokens"):
-                    out.append(f"{where}: vLLM's prefix cache served with it off")
-                if config in ("none", "apc") and row.get("connector_tokens"):
-                    out.append(f"{where}: a connector served with none configured")
-                if config not in KVTIER_CONFIGS or name != (measured or {}).get(workload, "pass2"):
-                    continue
-                served = row.get("kvtier_tokens", 0)
-                if not served:
-                    out.append(f"{where}: kvtier served no token in pass {name[-1]}")
-                    continue
-                tier = KVTIER_CONFIGS[config]
-                by_tier = row.get("kvtier_tokens_by_tier", {})
-                if tier is not None and by_tier.get(tier, 0) < served:
-                    out.append(f"{where}: {tier} served {by_tier.get(tier, 0)} of {served}")
-    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -368,7 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result[workload] = top_level(
                 merged[workload], texts[workload], merged.get("decode"), measured[workload]
             )
-    result["problems"] = failed + _unequal_outputs(result, args.dtype)
+    result["problems"] = failed + unequal_outputs(result, args.dtype)
     for index, table in enumerate(rounds):
         label = f"round {index + 1}: " if args.repeats > 1 else ""
         result["problems"] += [label + p for p in problems(table, measured)]
@@ -377,38 +204,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["rounds"] = rounds
     result["table"] = merged
     return result
-
-
-def merge_rounds(tables: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """One table (config -> pass -> row) from several rounds' tables: each number is its
-    median over the rounds that have it (the counters' dicts are the first round's)."""
-    merged: dict[str, dict[str, Any]] = {}
-    for table in tables:
-        for config, passes in table.items():
-            for name in passes:
-                merged.setdefault(config, {}).setdefault(name, None)
-    for config, passes in merged.items():
-        for name in passes:
-            rows = [t[config][name] for t in tables if name in t.get(config, {})]
-            row: dict[str, Any] = dict(rows[0])
-            for key, value in rows[0].items():
-                values = [r[key] for r in rows if isinstance(r.get(key), int | float)]
-                if isinstance(value, int | float) and len(values) == len(rows):
-                    row[key] = round(statistics.median(values), 3)
-            passes[name] = row
-    return merged
-
-
-def per_round(rounds: list[dict[str, dict[str, dict[str, Any]]]], headline: str) -> dict[str, Any]:
-    """Each headline ratio as measured within each round alone (configurations of one round
-    ran minutes apart, so a round's ratio is the least disturbed by the machine's drift)."""
-    out: dict[str, list[float]] = {}
-    for table in rounds:
-        figures = top_level(table.get(headline, {}), {}, table.get("decode"))
-        for key, value in figures.items():
-            if not key.startswith(("hit_share_", "outputs_equal_")):
-                out.setdefault(key, []).append(value)
-    return out
 
 
 def _configuration(
@@ -532,19 +327,3 @@ def benchmark_arguments(
         ]
     )  # fmt: skip
     return parsed
-
-
-def _unequal_outputs(result: dict[str, Any], dtype: str) -> list[str]:
-    """kvtier's configurations whose greedy completions differ from vLLM alone's: a failure in
-    float32, where loaded KV is bit-exact (in bf16 the reference is vLLM's own prefix cache at
-    the same hit length, which this workload does not pin down, so it is only reported)."""
-    if dtype != "float32":
-        return []
-    kvtier_configs = ("cpu", "disk", "redis", "server")
-    return [
-        f"{key}={value}: kvtier's completions differ from vLLM alone's"
-        for key, value in result.items()
-        if key.startswith("outputs_equal_")
-        and key.removeprefix("outputs_equal_") in kvtier_configs
-        and value < 1.0
-    ]

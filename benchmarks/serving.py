@@ -9,7 +9,7 @@
                   server's Engine for this model)
 
 A pass's figure only means what the table says if its counters agree: the bench records them
-per pass and names every disagreement (see ``benchmarks.serve.problems``).
+per pass and names every disagreement (see ``benchmarks.serve_figures.problems``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from kvtier.server.spawn import spawn_server
 
 SERVED_NAME = "kvtier-bench"
 START_TIMEOUT_S = 900.0  # a 24-layer model on a loaded 2-core machine starts slowly
@@ -177,12 +179,9 @@ class KVTierServer:
             env["KVTIER_CHUNK_SIZE"] = str(chunk_size)
         self.log = work / "kvtier-server.log"
         with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtier.cli.main", "server", "--socket", sock],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
+            # A child that dies with the bench: one killed by a timeout leaves no server.
+            self.proc = spawn_server(
+                sock, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
         deadline = time.monotonic() + 120
         while not os.path.exists(sock):

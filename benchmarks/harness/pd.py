@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.harness.docs import block_after
-from benchmarks.harness.router import free_port, router_binary
+from benchmarks.harness.router import router_binary
+from benchmarks.harness.vllm_server import free_port
 from kvtier.integrations.vllm.rpc import LookupClient
 
 DOC = "docs/fleet.md"

@@ -13,7 +13,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -25,6 +24,7 @@ import torch
 from kvtier import Config, KVLayout
 from kvtier.server.client import ServerClient
 from kvtier.server.daemon import KVTierServer
+from kvtier.server.spawn import spawn_server
 from tests.conftest import SMALL_CHUNK, SMALL_LAYOUT
 from tests.hosts import needs_root
 
@@ -56,12 +56,8 @@ class ServerProcess:
 
     def start(self, timeout: float = 60.0) -> ServerProcess:
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtier.cli.main", "server", "--socket", self.path],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+            # A child that dies with the test run: a run killed by a timeout leaves no server.
+            self.proc = spawn_server(self.path, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while not self._answers():
             if self.proc.poll() is not None:

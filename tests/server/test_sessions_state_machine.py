@@ -100,13 +100,13 @@ class Clients(RuleBasedStateMachine):
         def fail(slots: object, kv: torch.Tensor, base: int) -> None:
             raise RuntimeError("device copy failed")
 
-        client._copy_in = fail  # type: ignore[method-assign]
+        client._pages.copy_in = fail  # type: ignore[method-assign]
         try:
             client.store(prompt + [7777], kv_for(prompt + [7777]))
         except RuntimeError:
             pass
         finally:
-            del client._copy_in
+            del client._pages.copy_in
 
     @precondition(_has_live)
     @rule(data=st.data())

@@ -49,7 +49,7 @@ def hold_store(url: str, num_tokens: int, seed: int, out: Queue[Any]) -> None:
         out.put(len(slots.pages))
         time.sleep(3600)
 
-    client._copy_in = stall  # type: ignore[method-assign]
+    client._pages.copy_in = stall  # type: ignore[method-assign]
     client.store(make_tokens(num_tokens, seed), make_kv(num_tokens, seed))
 
 

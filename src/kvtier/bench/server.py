@@ -19,7 +19,8 @@ calls on an in-process Engine, in the same run.
   each round's ratio to the 1-client figure of the same round (the target: >= 1 at 2).
   ``load_1m`` is the host's load average when the bench ended.
 
-The server runs as ``kvtier server`` in a child process, its socket in a temporary directory.
+The server runs as ``kvtier server`` in a child process that dies with the bench
+(:mod:`kvtier.server.spawn`), its socket in a temporary directory.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import shutil
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -49,6 +49,7 @@ from kvtier.engine import Engine
 from kvtier.errors import InputError
 from kvtier.layout import KVLayout
 from kvtier.server.client import ServerClient, connect
+from kvtier.server.spawn import spawn_server
 
 BIG_LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 LOOKUP_LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=16, dtype=torch.bfloat16)
@@ -117,12 +118,8 @@ def _start_server(url: str, config: Config) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "LMCACHE_"))}
     env["KVTIER_MAX_LOCAL_CPU_SIZE"] = f"{config.max_local_cpu_size}B"
     path = url.removeprefix("unix://")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli.main", "server", "--socket", path],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    # A child that dies with this process: a bench killed by a timeout leaves no server.
+    proc = spawn_server(path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while True:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -9,12 +9,12 @@ address in ``p2p_peers`` (itself skipped, so one list serves the whole fleet)::
                                                    every add/remove, heartbeats ──▶ B's Directory
     serves Fetch(fp, id, keys) from CPU  ◀──────── B's P2P tier (a lookup miss on B's own tiers)
 
-A follower's stream that ends, fails or stays silent past ``p2p_lease_secs`` (heartbeats come
+What a node announces, and how a follower hears it, is :mod:`kvtier.p2p.announce`. A
+follower's stream that ends, fails or stays silent past ``p2p_lease_secs`` (heartbeats come
 every third of it) drops that peer from the directory at once, and it is dialed again after a
 backoff (1 s, doubling to 30 s while it keeps failing; each distinct failure logged once per
 interval, naming its cause): a dead peer costs misses for at most the lease, a peer restarted
-empty announces an empty snapshot. A subscriber that cannot keep up (its queue of changes
-full) is disconnected rather than told a partial story; it reconnects to a fresh snapshot.
+empty announces an empty snapshot.
 
 Who may connect: kvtier's handshake (:mod:`kvtier.trust`, protocol ``p2p``) proves
 ``p2p_auth_token`` both ways; a node without one does not start, on loopback either (the
@@ -31,14 +31,12 @@ import contextlib
 import dataclasses
 import logging
 import math
-import queue
 import secrets
 import socket
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.config import Config
@@ -50,16 +48,16 @@ from kvtier.errors import (
     StateError,
     TransferError,
 )
-from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.p2p import protocol as wire
 from kvtier.p2p.address import parse_address
+from kvtier.p2p.announce import Announcer
 from kvtier.p2p.directory import Directory
 from kvtier.p2p.fetch import Fetcher
 from kvtier.p2p.serve import FetchServer
 from kvtier.p2p.tier import P2PTier
 from kvtier.repeated_log import RepeatedLog
-from kvtier.storage.base import Membership, Tier
+from kvtier.storage.base import Tier
 from kvtier.trust.dial import Backoff, connect
 from kvtier.trust.guard import Connection, ConnectionGuard
 from kvtier.trust.handshake import Credentials
@@ -74,26 +72,8 @@ log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 256
 MAX_PENDING = 16
 FOLLOW_LOG_INTERVAL = 60.0  # one line per peer and cause per this many seconds
-SUBSCRIBER_QUEUE = 4096  # changes a slow subscriber may lag before it is cut off
 IDLE_S = 300.0  # a pulling connection idle this long is closed (the puller redials)
 SERVED_IDS_KEPT = 65536  # transfer ids remembered as used (single use)
-_Change = tuple[str, Membership, list[ChunkKey]]
-
-
-@dataclass(eq=False)
-class _Subscriber:
-    changes: queue.Queue[_Change | None] = field(
-        default_factory=lambda: queue.Queue(SUBSCRIBER_QUEUE)
-    )
-    lost: bool = False  # a change did not fit: its stream must end, never go on partial
-
-
-@dataclass
-class _Model:
-    cpu: Tier
-    layout: KVLayout
-    page_bytes: int
-    held: set[ChunkKey] = field(default_factory=set)
 
 
 class P2PNode:
@@ -115,11 +95,10 @@ class P2PNode:
         self.timeout = timeout
         self.directory = Directory()
         self.fetcher = Fetcher(listen, token)
-        self._models: dict[str, _Model] = {}
-        self._subscribers: list[_Subscriber] = []
-        self._served: OrderedDict[str, None] = OrderedDict()
-        self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.announcer = Announcer(timeout=timeout, lease_secs=lease_secs, stop=self._stop)
+        self._served: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()  # _served and _open_socks
         self._port: TrustedPort | None = None
         self.guard = ConnectionGuard(
             max_connections=MAX_CONNECTIONS,
@@ -211,10 +190,8 @@ class P2PNode:
         port, self._port = self._port, None
         if port is not None:
             port.close()  # shuts its connections down: subscriptions and pulls served end
+        self.announcer.close()
         with self._lock:
-            for sub in self._subscribers:
-                with contextlib.suppress(queue.Full):
-                    sub.changes.put_nowait(None)
             socks = list(self._open_socks)
         for sock in socks:
             with contextlib.suppress(OSError):
@@ -231,39 +208,11 @@ class P2PNode:
     def attach(self, fingerprint: str, cpu: Tier, layout: KVLayout, page_bytes: int) -> None:
         """Announce what ``cpu`` (that engine's CPU tier of ``page_bytes`` pages, before any
         client uses it) holds from now on, and serve pulls from it."""
-        with self._lock:
-            self._models[fingerprint] = _Model(cpu, layout, page_bytes)
-
-        def report(change: Membership, keys: Sequence[ChunkKey]) -> None:
-            self._changed(fingerprint, cpu, change, list(keys))
-
-        cpu.add_membership_listener(report)
+        self.announcer.attach(fingerprint, cpu, layout, page_bytes)
 
     def detach(self, fingerprint: str) -> None:
         """The engine closes: its chunks are announced gone."""
-        with self._lock:
-            model = self._models.pop(fingerprint, None)
-            if model is not None and model.held:
-                self._broadcast((fingerprint, Membership.REMOVED, list(model.held)))
-
-    def _changed(self, fp: str, cpu: Tier, change: Membership, keys: list[ChunkKey]) -> None:
-        with self._lock:
-            model = self._models.get(fp)
-            if model is None or model.cpu is not cpu:
-                return
-            if change is Membership.ADDED:
-                model.held.update(keys)
-            else:
-                model.held.difference_update(keys)
-            self._broadcast((fp, change, keys))
-
-    def _broadcast(self, item: _Change) -> None:
-        """Under the lock: every subscriber hears every change in order, or is cut off."""
-        for sub in self._subscribers:
-            try:
-                sub.changes.put_nowait(item)
-            except queue.Full:
-                sub.lost = True  # its stream ends (see _announce)
+        self.announcer.detach(fingerprint)
 
     # -- serving -----------------------------------------------------------------------------
     def _refused(self, state: Connection, exc: KVTierError) -> None:
@@ -283,7 +232,7 @@ class P2PNode:
                     return
                 if isinstance(msg, wire.Subscribe):
                     self.guard.expect(state, math.inf, "")  # each message sent has a deadline
-                    self._announce(sock)
+                    self.announcer.stream(sock)
                     return
                 if not isinstance(msg, wire.Fetch):
                     raise ProtocolError(f"expected Subscribe or Fetch, got {type(msg).__name__}")
@@ -301,46 +250,6 @@ class P2PNode:
             if server is not None:
                 server.close()
 
-    def _announce(self, sock: socket.socket) -> None:
-        """Stream this node's holdings to a follower: a snapshot, then each change. Each
-        message must be taken within ``blocking_timeout_secs``: a follower that stops
-        reading is cut off, never holds the thread."""
-
-        def send(message: wire.Message) -> None:
-            wire.send(sock, message, time.monotonic() + self.timeout)
-
-        sub = _Subscriber()
-        changes = sub.changes
-        with self._lock:
-            snapshot = {fp: list(m.held) for fp, m in self._models.items()}
-            self._subscribers.append(sub)
-        try:
-            for fp, keys in snapshot.items():
-                for start in range(0, max(len(keys), 1), wire.KEYS_PER_MESSAGE):
-                    batch = keys[start : start + wire.KEYS_PER_MESSAGE]
-                    send(wire.Holdings(fp, batch, [], reset=start == 0))
-            send(wire.Holdings("", [], [], reset=False))  # caught up
-            while not self._stop.is_set():
-                if sub.lost:
-                    log.warning("P2P follower lagged %d changes: cut off", SUBSCRIBER_QUEUE)
-                    return
-                try:
-                    item = changes.get(timeout=self.lease_secs / 3)
-                except queue.Empty:
-                    send(wire.Holdings("", [], []))  # heartbeat
-                    continue
-                if item is None:
-                    return
-                fp, change, keys = item
-                for start in range(0, len(keys), wire.KEYS_PER_MESSAGE):
-                    batch = keys[start : start + wire.KEYS_PER_MESSAGE]
-                    added = batch if change is Membership.ADDED else []
-                    removed = batch if change is Membership.REMOVED else []
-                    send(wire.Holdings(fp, added, removed))
-        finally:
-            with self._lock:
-                self._subscribers.remove(sub)
-
     def _serve_fetch(
         self, sock: socket.socket, fetch: wire.Fetch, server: FetchServer, deadline: float
     ) -> None:
@@ -349,7 +258,7 @@ class P2PNode:
             self._served[fetch.transfer_id] = None
             while len(self._served) > SERVED_IDS_KEPT:
                 self._served.popitem(last=False)
-            model = self._models.get(fetch.fingerprint)
+        model = self.announcer.model(fetch.fingerprint)
         if used:
             tid = peer_text(fetch.transfer_id)
             raise ProtocolError(f"transfer {tid} was used already (single use)")

@@ -47,6 +47,7 @@ from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.lease import LeaseTable
 from kvtier.memory.block_pool import BlockPool, pages_for_capacity
+from kvtier.pd.buffer_audit import page_problems
 from kvtier.pd.channels import receiver_channel
 from kvtier.pd.channels.base import ReceiverChannel
 from kvtier.pd.checksum import checksum
@@ -368,23 +369,10 @@ class PDBuffer(Tier):
 
     def check_invariants(self, expected_refs: dict[int, int] | None = None) -> list[str]:
         """Problems as sentences (empty when fine): free list vs refcounts, index entries on
-        free pages, and (given the owners' view) refcounts vs ``expected_refs``."""
+        free pages, and (given the owners' view) refcounts vs ``expected_refs``
+        (:mod:`kvtier.pd.buffer_audit`)."""
         with self._cond:
-            pool = self.pool
-            refs = pool.refcounts()
-            problems: list[str] = []
-            if pool.free_pages != refs.count(0):
-                problems.append(
-                    f"{pool.free_pages} free pages listed, {refs.count(0)} with refcount 0"
-                )
-            problems += self._index.on_free_pages(refs)
-            if expected_refs is not None:
-                for page, ref in enumerate(refs):
-                    pins = self._key_pins.references_to(page)
-                    want = expected_refs.get(page, 0) + pins
-                    if ref != want:
-                        problems.append(f"page {page}: refcount {ref}, owners {want}")
-            return problems
+            return page_problems(self.pool, self._index, self._key_pins, expected_refs)
 
     def audit(self, leases: LeaseTable[Any]) -> list[str]:
         """The engine's reference audit for this buffer: every page reference is owned by a

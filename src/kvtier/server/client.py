@@ -5,10 +5,10 @@ cache lives:
 
 - data never crosses the socket. A store asks the server for pages (``Reserve``), copies the
   KV straight into those pages of the shared buffer, then ``Commit``; a retrieve gets the
-  pages its lease holds (``Retrieve``) and copies out of them. One copy each way, made by the
-  device-copy owner (:mod:`kvtier.memory.device`): a store's copies land before its
-  ``Commit`` (the server reads the pages on the host), and a retrieve's land before its
-  ``EndRequest`` lets the server reuse the pages.
+  pages its lease holds (``Retrieve``) and copies out of them. One copy each way
+  (:mod:`kvtier.server.page_copies`): a store's copies land before its ``Commit`` (the
+  server reads the pages on the host), and a retrieve's land before its ``EndRequest`` lets
+  the server reuse the pages.
 - the cache outlives this process, and a client that dies releases what it held: the server
   ends the connection's leases when its socket closes.
 - a server that is down, dies or restarts never fails a request: lookups hit 0 tokens,
@@ -16,7 +16,8 @@ cache lives:
   (:mod:`kvtier.server.link`). Bad arguments still raise :class:`InputError`, as in-process.
 
 Thread-safe: one lock serializes this client's requests on its one connection (each is one
-round trip); processes or threads that need parallel transfers open a client each.
+round trip); processes or threads that need parallel transfers open a client each. A store
+holds it for its two round trips, not while its copies land: see :meth:`ServerClient._store`.
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ from kvtier.hit import Hit
 from kvtier.keys import RequestKeys
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.lifecycle import Lifecycle
-from kvtier.memory.device import CopyEngine, DeviceCopies, Direction, LandedSet
+from kvtier.memory.device import CopyEngine
 from kvtier.observability.logs import request_log
 from kvtier.request_salt import RequestSalt
 from kvtier.server import protocol as wire
 from kvtier.server.endpoint import is_default, socket_path
-from kvtier.server.host_copy import HostCopies, Pair
 from kvtier.server.link import ServerLink
+from kvtier.server.page_copies import PageCopies
 from kvtier.validation import Prompt, check_out
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,9 @@ class ServerClient(KVCache):
             path, hello, self.config.blocking_timeout_secs, max_backoff=max_backoff, locate=locate
         )
         self._lock = threading.Lock()
+        # One store at a time on the connection: the server takes no Reserve before the
+        # last one's Commit, and a store lets go of _lock while its copies land.
+        self._store_lock = threading.Lock()
         # Requests this client looked up and has not ended: they hold a lease in the server.
         self._live: set[str] = set()
         # Requests whose lookup this client answered itself (a miss: no server, or the
@@ -105,14 +109,7 @@ class ServerClient(KVCache):
         self._store_ids = itertools.count(1)
         self._state = Lifecycle.NEW
         self.unserved = 0  # calls answered locally as a miss: no server, or it broke
-        self._copies = copies if copies is not None else DeviceCopies()
-        # Host-to-host copies on threads of its own, not torch's (kvtier.server.host_copy),
-        # where the default engine would copy them at once anyway; a copy engine of the
-        # caller's own kind (a test's late copies, say) makes every copy.
-        default = type(self._copies) is DeviceCopies
-        self._host = HostCopies(torch.get_num_threads()) if default else None
-        # Per live request: copies out of its server pages that may still run.
-        self._loading: dict[str, LandedSet] = {}
+        self._pages = PageCopies(self._link, layout, copies)
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> Self:
@@ -122,8 +119,7 @@ class ServerClient(KVCache):
                 raise StateError("this ServerClient is closed; create a new one")
             if self._state is Lifecycle.NEW:
                 self._state = Lifecycle.OPEN
-                if self._host is not None:
-                    self._host.open()
+                self._pages.open()
                 self._link.ensure()
         return self
 
@@ -131,10 +127,9 @@ class ServerClient(KVCache):
         """Disconnect (the server releases everything this client held). Idempotent."""
         with self._lock:
             self._state = Lifecycle.CLOSED
-            self._land_loads()  # the server reuses the pages once the connection goes
+            self._pages.land_all()  # the server reuses the pages once the connection goes
             self._link.close()
-            if self._host is not None:
-                self._host.close()
+            self._pages.close()
 
     @property
     def state(self) -> Lifecycle:
@@ -175,7 +170,7 @@ class ServerClient(KVCache):
         def copy(reply: wire.Reply) -> torch.Tensor:
             pages = _expect(reply, wire.Pages)
             out = torch.empty(self.layout.kv_shape(pages.end), dtype=self.layout.dtype)
-            self._copy_out(request_id, pages, out, 0)
+            self._pages.copy_out(request_id, pages, out, 0)
             return out
 
         nothing = torch.empty(self.layout.kv_shape(0), dtype=self.layout.dtype)
@@ -191,7 +186,7 @@ class ServerClient(KVCache):
         def copy(reply: wire.Reply) -> int:
             pages = _expect(reply, wire.Pages)
             check_out(out, self.layout, pages.end - prompt.base)
-            self._copy_out(request_id, pages, out, prompt.base)
+            self._pages.copy_out(request_id, pages, out, prompt.base)
             return pages.end
 
         miss = self._held(len(array), prompt.skip)
@@ -204,40 +199,77 @@ class ServerClient(KVCache):
             return request_id in self._unanswered
 
     def _store(self, prompt: Prompt, kv: torch.Tensor, keys: RequestKeys | None) -> int:
-        """The server gives pages for the chunks it lacks, this process copies into them
-        (0 without a server: the store is dropped)."""
+        """The server gives pages for the chunks it lacks, this process copies into them, and
+        commits them (0 without a server: the store is dropped).
+
+        The connection's lock is held for the two round trips, not while the copies land (a
+        device's copies: this client's lookups and retrieves on other threads go on). What
+        the lock kept in order still holds: one store at a time on the connection
+        (``_store_lock``); the Commit only once the copies landed; and only on the
+        connection that reserved: one closed or lost meanwhile released the reservation,
+        after ``land_all`` waited for these copies too, and the store is dropped."""
         store_id = next(self._store_ids)
-        with self._lock:
-            if not self._ready():
-                return 0
-            try:
-                tokens = prompt.tokens.tobytes()
-                reserve = wire.Reserve(store_id, tokens, prompt.skip, prompt.salt)
-                slots = _expect(_raise_failed(self._link.call(reserve)), wire.Pages)
+        failed: BaseException | None = None  # the copy's error: raised after the pages go back
+        with self._store_lock:
+            with self._lock:
+                if not self._ready():
+                    return 0
                 try:
-                    self._copy_in(slots, kv, prompt.base)
-                except BaseException:
-                    try:
-                        self._link.call(wire.Commit(store_id, ok=False))  # pages go back
-                    except TransferError as exc:  # the copy's error is the one to raise
-                        self._lost(exc)
-                    raise
-                return _expect(self._link.call(wire.Commit(store_id)), wire.Stored).chunks
-            except _Unserved:
-                self.unserved += 1
-                return 0
-            except TransferError as exc:
-                self._lost(exc)
-                return 0
+                    tokens = prompt.tokens.tobytes()
+                    reserve = wire.Reserve(store_id, tokens, prompt.skip, prompt.salt)
+                    slots = _expect(_raise_failed(self._link.call(reserve)), wire.Pages)
+                except _Unserved:
+                    self.unserved += 1
+                    return 0
+                except TransferError as exc:
+                    self._lost(exc)
+                    return 0
+                connection = self._link.connects
+                try:
+                    self._pages.copy_in(slots, kv, prompt.base)
+                except BaseException as exc:
+                    failed = exc
+            try:
+                self._pages.land_stores()
+            except BaseException as exc:
+                failed = failed or exc
+            with self._lock:
+                same = self._link.connected and self._link.connects == connection
+                if self._state is Lifecycle.OPEN and same:
+                    return self._commit(store_id, failed)
+            # Closed or lost meanwhile: the reservation went with its connection. A copy's
+            # error is raised, as it would have been; the server's (a page it named wrong)
+            # is a miss, as on the connection it broke.
+            if failed is not None and not isinstance(failed, TransferError):
+                raise failed
+            self.unserved += 1
+            return 0
+
+    def _commit(self, store_id: int, failed: BaseException | None) -> int:
+        """Under the lock, the copies landed: the pages go in, or back after a failed copy,
+        whose error is then raised (the server's own, a page it named wrong, breaks the
+        connection: a miss)."""
+        try:
+            if failed is not None:
+                try:
+                    self._link.call(wire.Commit(store_id, ok=False))  # pages go back
+                except TransferError as exc:  # the copy's error is the one to raise
+                    self._lost(exc)
+                raise failed
+            return _expect(self._link.call(wire.Commit(store_id)), wire.Stored).chunks
+        except _Unserved:
+            self.unserved += 1
+            return 0
+        except TransferError as exc:
+            self._lost(exc)
+            return 0
 
     def _end_request(self, request_id: str) -> bool:
         """False if it held nothing (or the server is gone, which released it already)."""
         with self._live_lock:
             self._live.discard(request_id)
             self._unanswered.discard(request_id)
-            loading = self._loading.pop(request_id, None)
-        if loading is not None:
-            loading.wait()  # the server reuses the pages once the lease ends
+        self._pages.land(request_id)  # the server reuses the pages once the lease ends
         return self._exchange(wire.EndRequest(request_id), _log_request_line, False)
 
     def _request_keys(
@@ -307,74 +339,16 @@ class ServerClient(KVCache):
 
     def _lost(self, exc: Exception) -> None:
         self.unserved += 1
-        self._land_loads()  # before the drop: the server then reuses the pages at once
+        self._pages.land_all()  # before the drop: the server then reuses the pages at once
         self._link.drop(str(exc))
         with self._live_lock:
             self._unanswered |= self._live  # the server released the connection's leases
             self._live.clear()
 
-    def _land_loads(self) -> None:
-        """Wait for every copy still running out of this connection's server pages."""
-        with self._live_lock:
-            loading, self._loading = list(self._loading.values()), {}
-        for copies in loading:
-            copies.wait()
-
     def _held(self, num_tokens: int, skip: int) -> int:
         """What a miss reports: the whole chunks the engine already holds (the skip)."""
         size = self.config.chunk_size
         return min(skip // size, num_tokens // size) * size
-
-    def _page(self, page: int, num_tokens: int) -> torch.Tensor:
-        """The bytes of a chunk of ``num_tokens`` in shared page ``page`` (flat uint8)."""
-        buffer = self._link.pages
-        assert buffer is not None
-        start = page * self._link.page_bytes
-        nbytes = self.layout.payload_bytes(num_tokens) if num_tokens > 0 else 0
-        if page < 0 or start + self._link.page_bytes > buffer.numel():
-            raise TransferError(f"the server named page {page}, outside the shared buffer")
-        if not 0 < nbytes <= self._link.page_bytes:
-            raise TransferError(f"the server named {num_tokens} tokens for one page")
-        return buffer[start : start + nbytes]
-
-    def _copy_out(self, request_id: str, pages: wire.Pages, out: torch.Tensor, base: int) -> None:
-        """Out of the pages ``request_id``'s server lease holds (``out``'s row 0: token
-        ``base``); the copies may land later (a device ``out``): ``end_request`` waits."""
-        if self._host is not None and out.device.type == "cpu":
-            pairs: list[Pair] = []
-            for page, start, count in zip(pages.pages, pages.starts, pages.counts, strict=True):
-                dst = out[:, :, start - base : start - base + count, :]
-                self.layout.unpack(self._page(page, count), dst, lambda d, s: pairs.append((d, s)))
-            self._host.run(pairs)
-            return
-        batch = self._copies.begin(out, Direction.LOAD)
-        try:
-            for page, start, count in zip(pages.pages, pages.starts, pages.counts, strict=True):
-                dst = out[:, :, start - base : start - base + count, :]
-                self.layout.unpack(self._page(page, count), dst, batch.copy)
-        finally:
-            landed = batch.close()
-            if not landed.done():
-                with self._live_lock:
-                    self._loading.setdefault(request_id, LandedSet()).add(landed)
-
-    def _copy_in(self, slots: wire.Pages, kv: torch.Tensor, base: int) -> None:
-        """Into the reserved pages (``kv``'s row 0: token ``base``); landed when this returns
-        (the server reads them next)."""
-        if self._host is not None and kv.device.type == "cpu":
-            pairs: list[Pair] = []
-            for page, start, count in zip(slots.pages, slots.starts, slots.counts, strict=True):
-                src = kv[:, :, start - base : start - base + count, :]
-                self.layout.pack(src, self._page(page, count), lambda d, s: pairs.append((d, s)))
-            self._host.run(pairs)
-            return
-        batch = self._copies.begin(kv, Direction.STORE)
-        try:
-            for page, start, count in zip(slots.pages, slots.starts, slots.counts, strict=True):
-                src = kv[:, :, start - base : start - base + count, :]
-                self.layout.pack(src, self._page(page, count), batch.copy)
-        finally:
-            batch.close().wait()
 
 
 def _raise_failed(reply: wire.Reply) -> wire.Reply:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from benchmarks.harness.router import LossyLink, Router, VllmServer, post
+from benchmarks.harness.router import LossyLink, Router
+from benchmarks.harness.vllm_server import VllmServer, post
 
 from kvtier.demo.checkpoint import words_for
 from tests.redis_servers import RedisServer
