@@ -3,7 +3,8 @@
 Gemma-3 (sliding-window layers: a sliding group that keeps the last ``window`` tokens of a
 chunk) and DeepSeek-V2 (MLA: transformers caches the normed latent and the rope key, kvtier
 stores them as one 576-wide latent). With kvtier, later prompts sharing a long prefix hit, and
-the greedy tokens equal those of the same model without kvtier (fp32)."""
+the greedy tokens equal those of the same model without kvtier (fp32), with whole-chunk and
+with layer-wise loads."""
 
 from __future__ import annotations
 
@@ -62,6 +63,24 @@ def test_family_hits_give_the_tokens_of_the_model_alone(model: Any, engine: Engi
         got = cached.generate(again, NEW)
         assert got.reused_tokens == reused
         assert got.tokens == plain.generate(again, NEW).tokens
+
+
+def test_family_layerwise_loads_give_the_tokens_of_the_model_alone(
+    model: Any, engine: Engine
+) -> None:
+    """Layer by layer through device-like slots (copies that land late): the sliding group's
+    kept tokens and MLA's split latent reach each layer as a whole-chunk load gives them."""
+    from tests.memory.late_copies import LateCopies
+
+    plain = HFConnector(None, model)
+    cached = HFConnector(engine, model, layerwise=True, copies=LateCopies(everything=True))
+    cached.generate(P1, NEW)
+    for again, reused in ((P2, 512), (P3, 511)):
+        got = cached.generate(again, NEW)
+        assert got.reused_tokens == reused
+        assert got.tokens == plain.generate(again, NEW).tokens
+    assert cached.layerwise is not None
+    assert cached.layerwise.loads == 2 and cached.layerwise.failures == 0
 
 
 def test_each_family_stores_what_its_cache_holds(model: Any) -> None:

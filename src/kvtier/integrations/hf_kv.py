@@ -126,20 +126,25 @@ def cache_from_kv(
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    if tokens == 0:
-        return cache
-    if layout.planes == 1:  # MLA: keys | values of one latent row (module docstring)
-        split = _split(layout, latent_split_at)
-        for layer in range(layout.num_layers):
-            row = kv[0, layer, :tokens].unsqueeze(0).unsqueeze(0)  # [1, 1, tokens, latent]
-            cache.update(row[..., :split], row[..., split:], layer)
-        return cache
-    shape = (tokens, layout.num_kv_heads, layout.head_dim)
-    for layer in range(layout.num_layers):
-        keys = kv[0, layer, :tokens].view(shape).permute(1, 0, 2).unsqueeze(0)
-        values = kv[1, layer, :tokens].view(shape).permute(1, 0, 2).unsqueeze(0)
+    for layer in range(layout.num_layers if tokens else 0):
+        keys, values = layer_kv(kv[:, layer], layout, tokens, latent_split_at=latent_split_at)
         cache.update(keys, values, layer)
     return cache
+
+
+def layer_kv(
+    kv_layer: torch.Tensor, layout: KVLayout, tokens: int, *, latent_split_at: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's first ``tokens`` tokens as transformers caches them: strided views of
+    ``kv_layer`` (``[planes, >=tokens, hidden]``, i.e. ``kv[:, layer]``), no copy."""
+    if layout.planes == 1:  # MLA: keys | values of one latent row (module docstring)
+        split = _split(layout, latent_split_at)
+        row = kv_layer[0, :tokens].unsqueeze(0).unsqueeze(0)  # [1, 1, tokens, latent]
+        return row[..., :split], row[..., split:]
+    shape = (tokens, layout.num_kv_heads, layout.head_dim)
+    keys = kv_layer[0, :tokens].view(shape).permute(1, 0, 2).unsqueeze(0)
+    values = kv_layer[1, :tokens].view(shape).permute(1, 0, 2).unsqueeze(0)
+    return keys, values
 
 
 def kv_from_cache(

@@ -17,6 +17,11 @@ afterwards (stopping early, raising in a callback, abandoning a stream) can leav
 A prompt that is entirely cached still needs the last token's logits, so at most
 ``len(prompt) - 1`` tokens are reused and the last one is recomputed (its KV is identical).
 
+Layer-wise loads (``layerwise=True``, :mod:`kvtier.integrations.hf_layerwise`): the hit lands
+in host staging instead of the device scratch, and each layer's KV is copied to the device while
+the layer before it computes; a copy that fails or comes late makes the request a miss (the
+whole prompt is recomputed), never a half-loaded KV.
+
 One connector serves one model and is not thread-safe (it reuses a scratch buffer); use one
 per thread, sharing the :class:`~kvtier.Engine`.
 """
@@ -40,7 +45,9 @@ from kvtier.integrations.hf_kv import (
     latent_split,
     layout_from_model,
 )
+from kvtier.integrations.hf_layerwise import LayerLoadFailed, LayerwiseLoads
 from kvtier.integrations.sampling import Sampling, pick_token
+from kvtier.memory.device import CopyEngine, DeviceCopies
 
 
 @dataclass
@@ -82,9 +89,21 @@ class HFConnector:
 
     ``engine=None`` runs the very same prefill/decode loop with no cache at all: the baseline
     that ``kvtier demo`` and ``python -m benchmarks ttft`` compare against.
+
+    ``layerwise``: load a hit layer by layer behind the forward (module docstring);
+    ``copies``: who copies host staging to the device then (a test's may land late);
+    ``late_after_s``: how long a layer waits for its copy before the request is recomputed.
     """
 
-    def __init__(self, engine: Engine | None, model: Any) -> None:
+    def __init__(
+        self,
+        engine: Engine | None,
+        model: Any,
+        *,
+        layerwise: bool = False,
+        copies: CopyEngine | None = None,
+        late_after_s: float = 30.0,
+    ) -> None:
         layout = layout_from_model(model)
         if engine is not None and engine.layout != layout:
             raise InputError(
@@ -98,6 +117,16 @@ class HFConnector:
         self.chunk_size = engine.config.chunk_size if engine is not None else 1
         self.device = _model_device(model)
         self._scratch: torch.Tensor | None = None
+        self.layerwise: LayerwiseLoads | None = None
+        if layerwise and engine is not None:
+            self.layerwise = LayerwiseLoads(
+                layout,
+                self.device,
+                copies if copies is not None else DeviceCopies(),
+                chunk_size=self.chunk_size,
+                latent_split_at=self.latent_split,
+                late_after_s=late_after_s,
+            )
         self._ids = itertools.count()
         self._prefix = f"hf-{os.getpid()}-{id(self):x}"
 
@@ -120,16 +149,32 @@ class HFConnector:
             try:
                 hit = self.engine.lookup(tokens, rid).tokens
                 if hit:
-                    out = self._scratch_for(hit)
+                    layerwise = self.layerwise
+                    out = (
+                        self._scratch_for(hit) if layerwise is None else layerwise.staging_for(hit)
+                    )
                     loaded = self.engine.retrieve_into(tokens, rid, out)
                     reused = min(loaded, len(tokens) - 1)
-                    cache = cache_from_kv(
-                        out, self.layout, reused, latent_split_at=self.latent_split
-                    )
+                    if layerwise is not None and reused:
+                        cache = layerwise.begin(out, reused)  # loads as the forward asks
+                    else:
+                        cache = cache_from_kv(
+                            out, self.layout, reused, latent_split_at=self.latent_split
+                        )
             finally:
                 self.engine.end_request(rid)
         loaded_at = time.perf_counter()
-        logits, cache = self._forward(tokens[reused:], cache, reused)
+        try:
+            logits, cache = self._forward(tokens[reused:], cache, reused)
+            load = getattr(cache, "kvtier_load", None)
+            if load is not None:
+                load.finish()  # every layer loaded, or LayerLoadFailed
+                cache.kvtier_load = None
+        except LayerLoadFailed:
+            # A layer's KV never arrived: the whole prompt is a miss (the layers before it
+            # computed over the cached prefix, so nothing of this forward is kept).
+            loaded = reused = 0
+            logits, cache = self._forward(tokens, DynamicCache(), 0)
         return Prefill(
             request_id=rid,
             tokens=tokens,
