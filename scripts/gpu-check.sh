@@ -10,7 +10,8 @@
 #   1. bytes exact through the tiers behind a busy stream  gpu-tests.txt     (pytest -m gpu)
 #   2. kvtier bench cpu --device cuda: store/retrieve     bench-cpu-cuda.json
 #   3. paged save/load per layout: the Triton kernel vs   bench-paged-cuda.json
-#      torch vs a pinned DMA, bit-exactness, scratch
+#      torch vs a pinned DMA, bit-exactness, scratch;
+#      the worker's one-copy path (kernel <-> pages)      one-copy.txt
 #   4. TTFT efficiency, 8B shape, 16k and 32k tokens,     ttft-<tokens>-<mode>.json
 #      90 % cached, layer-wise off and on
 #   5. GPU memory kvtier allocates                        in 3 (scratch_*_bytes) and
@@ -48,7 +49,8 @@ want() { [[ ",${STEPS:-1,2,3,4,5}," == *",$1,"* ]]; }
 #    CPU tier behind a queue of kernels, a load whose request ends at once, the kernel's
 #    gather into and scatter from pinned pages, the engine and transformers round trips).
 GPU_TESTS="tests/memory/test_device.py tests/integrations/vllm/test_paged_kernel_gpu.py
-  tests/engine/test_core.py tests/integrations/test_transformers.py tests/test_hosts.py
+  tests/engine/test_core.py tests/integrations/test_transformers.py
+  tests/integrations/test_transformers_layerwise.py tests/test_hosts.py
   tests/bench/test_cpu.py"
 if ! want 1; then :
 elif [ "$DEVICE" = cuda ]; then
@@ -99,33 +101,33 @@ for k, v in r.items():
         print(f"   {k} = {v}")
 PY
 )"
+# The worker's one-copy path itself (integrations/vllm/one_copy.py): blocks <-> the engine's
+# pinned pages through the kernel, bytes exact behind a busy stream, no payload copy_, less
+# than a chunk of GPU memory (a dry run only collects it: it needs CUDA).
+ONE_COPY=(-m gpu tests/integrations/vllm/test_one_copy_gpu.py)
+[ "$DEVICE" = cuda ] || ONE_COPY+=(--collect-only)
+timeout 120 $PY -m pytest -q -p no:cacheprovider "${ONE_COPY[@]}" > "$OUT/one-copy.txt" 2>&1
+note "3. one-copy worker path rc=$? ($(tail -1 "$OUT/one-copy.txt"))"
 }
 
-# 4. TTFT efficiency: 8B shape (32 layers, 8 KV heads of 128, bf16), 90 % cached, with
-#    layer-wise loads off and on. The flags are those `python -m benchmarks ttft` has: a
-#    flag it lacks is named here and its figure left unmeasured, never guessed.
+# 4. TTFT efficiency: 8B shape (32 layers, 32 query heads, 8 KV heads of 128, hidden 4096,
+#    random bf16 weights made on the GPU), 16k and 32k tokens, 90 % cached, layer-wise loads
+#    off and on: one process per run (each builds its model). Estimated on an H100/H200:
+#    ~25 s to start and build the model, then 2 warm-ups, one 90 % prefill + store and 3
+#    repeats of (full, cached, ideal): ~30 s at 16k, ~60 s at 32k, so the four runs take
+#    ~3.5 minutes (a timeout of 150 s each bounds them at 10). A dry run: the tiny model on
+#    the CPU, one short prompt, both modes.
 want 4 && {
-TTFT_HELP=$($PY -m benchmarks ttft --help 2>&1)
-has() { grep -q -- "$1" <<< "$TTFT_HELP"; }
-TTFT_ARGS="--dtype bfloat16 --chunk-size 256"
-SIZES="512"; REPEATS=1; MODES="off"; TTFT_RUN=1
+TTFT_ARGS="--dtype bfloat16 --chunk-size 256 --fractions 90 --device $DEVICE"
 if [ "$DEVICE" = cuda ]; then
-  SIZES="16384 32768"; REPEATS=3
-  if has "8b"; then TTFT_ARGS="$TTFT_ARGS --model-size 8b"; else
-    note "4. ttft: --model-size has no 8b shape: TTFT unmeasured"; TTFT_RUN=0; fi
+  SIZES="16384 32768"; REPEATS=3; TTFT_ARGS="$TTFT_ARGS --model-size 8b"
 else
-  TTFT_ARGS="$TTFT_ARGS --model-size tiny"
+  SIZES="512"; REPEATS=1; TTFT_ARGS="$TTFT_ARGS --model-size tiny"
 fi
-if has "--device"; then TTFT_ARGS="$TTFT_ARGS --device $DEVICE"; elif [ "$DEVICE" = cuda ]; then
-  note "4. ttft: no --device flag (it would run on the CPU): TTFT unmeasured"; TTFT_RUN=0; fi
-if has "--layerwise"; then MODES="off on"; else
-  note "4. ttft: no --layerwise flag (part 2): layer-wise TTFT unmeasured"; fi
-[ "$TTFT_RUN" = 1 ] || SIZES=""
 for tokens in $SIZES; do
-  for mode in $MODES; do
-    extra=""; [ "$mode" = on ] && extra="--layerwise"
+  for mode in off on; do
     # shellcheck disable=SC2086
-    timeout 150 $PY -m benchmarks ttft $TTFT_ARGS $extra --prompt-tokens "$tokens" \
+    timeout 150 $PY -m benchmarks ttft $TTFT_ARGS --layerwise "$mode" --prompt-tokens "$tokens" \
       --repeats "$REPEATS" --json > "$OUT/ttft-$tokens-$mode.json" 2> "$OUT/ttft-$tokens-$mode.err"
     rc=$?
     note "4. ttft $tokens tokens, layer-wise $mode: rc=$rc $($PY - "$OUT/ttft-$tokens-$mode.json" <<'PY'
@@ -134,7 +136,9 @@ try:
     r = json.load(open(sys.argv[1]))
 except Exception as exc:  # noqa: BLE001
     print(f"(no result: {exc})"); raise SystemExit
-print({k: r.get(k) for k in ("efficiency_90", "ttft_full_ms", "ttft_cached_90_ms", "model")})
+keys = ("efficiency_90", "ttft_full_ms", "ttft_cached_90_ms", "ttft_ideal_90_ms", "load_90_ms",
+        "layerwise_scratch_bytes", "device", "model")
+print({k: r.get(k) for k in keys})
 PY
 )"
   done

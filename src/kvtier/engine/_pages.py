@@ -9,6 +9,8 @@ copying KV in or out, a caller that shares the engine's page memory is handed pa
                                  held by rid's lease                    -> [StoreSlot]
         ... the caller fills the pages ...
     commit_pages(rid, slots)     publish them, then end rid             -> chunks stored
+    copying(rid, landed)         the caller's device copies into or out of rid's pages land
+                                 at ``landed``: the lease gives the pages back only after it
 
 Ending ``rid`` before the commit gives reserved pages back unstored. Every call runs under the
 engine's call guard, like the engine's own public calls.
@@ -20,10 +22,12 @@ import time
 
 from kvtier.engine._core import EngineCore
 from kvtier.errors import StateError
+from kvtier.keys import RequestKeys
+from kvtier.memory.device import Landed
 from kvtier.request_salt import RequestSalt, tenant_of
 from kvtier.storage.lookup import ENGINE
 from kvtier.storage.writes import StoreSlot
-from kvtier.validation import check_prompt, check_request_id
+from kvtier.validation import check_keys, check_prompt, check_request_id
 
 
 class EnginePages:
@@ -66,10 +70,12 @@ class EnginePages:
         *,
         skip_leading_tokens: int = 0,
         cache_salt: RequestSalt | None = None,
+        keys: RequestKeys | None = None,
     ) -> list[StoreSlot]:
         """``Engine.store`` without the copy: a page for each chunk of ``tokens`` not yet held
         (from the skip on), held by ``request_id``'s lease. Fill them, then
-        :meth:`commit_pages`; ending the request first gives them back unstored."""
+        :meth:`commit_pages`; ending the request first gives them back unstored. ``keys``:
+        the tokens' keys from ``request_keys`` (as ``Engine.store`` takes them)."""
         core = self._core
         with core.call():
             started = time.perf_counter()
@@ -78,7 +84,9 @@ class EnginePages:
             check_request_id(request_id)
             prompt = check_prompt(tokens, skip_leading_tokens, cache_salt)
             array = prompt.tokens
-            spans = core.keys_for(array, prompt.salt, None).spans
+            if keys is not None:
+                check_keys(keys, core.keychain, prompt)
+            spans = (keys if keys is not None else core.keys_for(array, prompt.salt, None)).spans
             core.counters.add(stores=1)
             offered = spans[prompt.skip // core.config.chunk_size :]
             slots, dropped = manager.reserve(offered, tenant_of(prompt.salt))
@@ -100,3 +108,14 @@ class EnginePages:
             core.end_request(request_id)
             manager.cpu.enforce_quota(slots[0].tenant if slots else None)  # pages let go
             return stored
+
+    def copying(self, request_id: str, landed: Landed) -> None:
+        """Device copies into or out of pages ``request_id``'s lease holds (a kernel that
+        reads them in place) land at ``landed``: the lease waits for it before it gives the
+        pages back. A request that ended already waits now."""
+        with self._core.call():
+            lease = self._core.parts().leases.get(request_id)
+            if lease is None:
+                landed.wait()
+                return
+            lease.copying(landed)

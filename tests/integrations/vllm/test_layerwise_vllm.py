@@ -1,5 +1,6 @@
-"""Layer-wise loads (``use_layerwise: true``) in a real vLLM (its CPU build calls
-``wait_for_layer_load`` before every attention layer): greedy outputs equal vLLM alone's, and
+"""Layer-wise loads and saves (``use_layerwise: true``) in a real vLLM (its CPU build calls
+``wait_for_layer_load`` before and ``save_kv_layer`` after every attention layer): greedy
+outputs equal vLLM alone's, a prompt sharing a prefix loads what layer-wise saves stored, and
 a failure injected at one layer makes the request a miss that vLLM recomputes, with the same
 outputs.
 
@@ -77,6 +78,31 @@ def test_layer_wise_loads_give_the_same_tokens(
     assert worker(s3, "layerwise_loads") - worker(s2, "layerwise_loads") == 3
     assert worker(s3, "layerwise_failures") == 0
     assert delta(s3, s2, "hit_tokens") == 768 + 512 + 512
+    main.assert_clean()
+
+
+@pytest.mark.timeout(900, func_only=True)
+def test_a_shared_prefix_loads_what_layer_wise_saves_stored(
+    reference: dict[str, list[list[int]]], model_dir: Path, instances: Instances
+) -> None:
+    """ "b" shares "a"'s first 2 chunks: with kvtier emptied first, what "b" loads is what
+    "a"'s layer-wise saves (save_kv_layer, layer by layer) stored."""
+    main = instances.get("layerwise", lambda: start(model_dir, "layerwise"))
+    assert main.probe is not None
+    main.llm.reset_prefix_cache()
+    main.probe.clear()
+    s0 = main.stats()
+    assert main.generate([PROMPTS["a"]]) == reference["a"]
+    s1 = main.stats()
+    assert delta(s1, s0, "stored_chunks") == 3
+    assert worker(s1, "layerwise_saves") > worker(s0, "layerwise_saves")
+    assert worker(s1, "layerwise_save_skips") == 0
+
+    main.llm.reset_prefix_cache()  # so "b"'s prefix comes from kvtier
+    assert main.generate([PROMPTS["b"]]) == reference["b"]
+    s2 = main.stats()
+    assert delta(s2, s1, "hit_tokens") == 512
+    assert worker(s2, "layerwise_loads") - worker(s1, "layerwise_loads") == 1
     main.assert_clean()
 
 

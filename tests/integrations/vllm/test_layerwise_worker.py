@@ -20,7 +20,7 @@ from kvtier.integrations.vllm.connector import KVTierConnector
 from kvtier.integrations.vllm.layerwise import FAULT_ENV, LayerLoads
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.worker import WorkerSide
-from kvtier.memory.device import CopyBatch, CopyEngine, DeviceCopies, Direction, Landed
+from kvtier.memory.device import CopyBatch, CopyEngine, DeviceCopies, Direction, Fence
 from tests.integrations.vllm.worker_helpers import BLOCK, LAYERS, fill, make_worker, scheduler_for
 
 TOKENS = list(range(100, 180))  # 80 tokens: 2 whole chunks of 32 + 16
@@ -52,6 +52,9 @@ class _Gate:
     def done(self) -> bool:
         return self._landed.is_set()
 
+    def order_current_stream(self) -> None:
+        return None  # no stream: the host waits
+
 
 class _GatedBatch(CopyBatch):
     def __init__(self, engine: Gated) -> None:
@@ -61,7 +64,7 @@ class _GatedBatch(CopyBatch):
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._copies.append((dst, src))
 
-    def close(self) -> Landed:
+    def close(self, *, order_caller: bool = True) -> Fence:
         gate = _Gate(self._copies, self._engine.lazy)
         self._engine.gates.append(gate)
         return gate
@@ -186,6 +189,89 @@ def test_each_layer_waits_for_its_own_copy_only(worker: WorkerSide) -> None:
     # of all layers, counted with the model thread's buffer.
     assert worker._layers is not None and worker._layers.scratch_tokens == 2 * 64 // LAYERS
     assert stats["scratch_tokens"] >= worker._layers.scratch_tokens
+
+
+class _Ordered:
+    """A fence that lands at once and logs when a stream is ordered after it."""
+
+    def __init__(self, log: list[tuple[str, int]], layer: int) -> None:
+        self._log = log
+        self._layer = layer
+
+    def wait(self) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+    def order_current_stream(self) -> None:
+        self._log.append(("ordered", self._layer))
+
+
+class _OrderedBatch(CopyBatch):
+    def __init__(self, engine: Ordering) -> None:
+        self._engine = engine
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def close(self, *, order_caller: bool = True) -> Fence:
+        fence = _Ordered(self._engine.log, self._engine.batches)
+        self._engine.batches += 1
+        if order_caller:  # what a CUDA LOAD batch does when it closes
+            fence.order_current_stream()
+        return fence
+
+
+class Ordering(CopyEngine):
+    """A CUDA stream's order, recorded: each LOAD batch into a marked ("device") tensor is
+    one layer's copy (batch n: layer n), and the log says when the model's stream was
+    ordered after it (at close, as CUDA's default, or later by its fence)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+        self.batches = 0
+        self._marked: set[int] = set()
+
+    def mark(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._marked.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    def on_device(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self._marked
+
+    def begin(self, device_side: torch.Tensor, direction: Direction) -> CopyBatch:
+        if not self.on_device(device_side):
+            return DeviceCopies().begin(device_side, direction)
+        return _OrderedBatch(self)
+
+
+def test_each_layers_compute_is_ordered_after_its_own_copy_only(worker: WorkerSide) -> None:
+    """On CUDA a fence orders the model's stream: everything queued after that runs after
+    the copy. Layer i+1's copy is queued before layer i computes, so its fence must order the
+    stream only in layer i+1's own wait, or layer i's compute would wait for it too."""
+    assert worker.paged is not None and worker._loads is not None
+    meta = _load_meta(worker)
+    ordering = Ordering()
+    for layer in worker.paged.layers:
+        ordering.mark(layer)
+    worker._layers = LayerLoads(
+        worker._loads,
+        worker.paged,
+        ordering,
+        device_memory=lambda shape, dtype, device: ordering.mark(torch.zeros(shape, dtype=dtype)),
+    )
+    worker.load(meta)
+    for i, name in enumerate(_names(worker)):
+        worker.wait_layer(name)
+        ordering.log.append(("compute", i))
+    worker.layers_done()
+    expected = [(what, i) for i in range(LAYERS) for what in ("ordered", "compute")]
+    assert ordering.log == expected
+    layers = worker.paged.layers
+    for layer in layers:
+        assert torch.equal(layer[LOADED], layer[SRC[1:4]])
+    assert worker.failed_blocks() == set() and worker.short_loads() == {}
 
 
 def test_a_late_layer_turns_the_request_into_a_miss(worker: WorkerSide) -> None:

@@ -131,15 +131,19 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        # A chunk page needs every layer: saved once in wait_for_save, in both modes
-        # (layer-wise saves are not built: docs/vllm.md).
-        return
+        # Layer-wise (use_layerwise): this layer's part of the step's saves is gathered out
+        # of its blocks and, on a GPU, queued to host memory on kvtier's store stream; it
+        # returns without waiting (.layerwise_saves). Whole chunks: saved in wait_for_save.
+        if self.has_connector_metadata():
+            self._worker_side().save_layer(layer_name, self._meta())
 
     def wait_for_save(self) -> None:
         # The blocks are gathered now, in the model's stream order; on a GPU the copies into
         # kvtier's pages are queued and land behind the step (save_drain.py): vLLM keeps an
         # ended request's blocks until get_finished reports it (request_finished delays the
-        # free). On a CPU host they have landed before this returns.
+        # free). On a CPU host they have landed before this returns. Layer-wise, the layers
+        # were copied in save_kv_layer: here the step's stores go behind it (or are skipped
+        # whole if a layer was never copied).
         self._worker_side().layers_done()  # a layer-wise load that missed a layer: a miss
         if self.has_connector_metadata():
             self._worker_side().save(self._meta())

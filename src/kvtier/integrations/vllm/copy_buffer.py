@@ -5,7 +5,8 @@ On a GPU host it is memory outside vLLM's budget, so it holds only the tokens on
 (a save: its step's chunks; a load: the prompt past vLLM's own prefix; see ``kv_start`` /
 ``out_start`` in :mod:`kvtier.cache`). Fresh memory is slow to touch (~30 ms of page faults
 for 96 MiB on a host), so it grows in whole chunks and is kept. One per thread that copies:
-the model thread's and the loader thread's.
+the model thread's and the loader thread's. Where the kernel reaches kvtier's pages
+(:mod:`.one_copy`), none is made: the bytes go straight between vLLM's blocks and the pages.
 """
 
 from __future__ import annotations
@@ -42,3 +43,18 @@ class CopyBuffer:
                 shape, dtype=self.layout.dtype, device=self.device, pin_memory=self.pin
             )
         return self._tensor
+
+
+class ModelThreadBuffers:
+    """The model thread's buffers: its copy buffer on the KV's device (a save's gather, a
+    load's window) and, where that is a device, pinned host staging a load lands in first.
+    Both are empty until first used."""
+
+    def __init__(self, layout: KVLayout, chunk_size: int, device: torch.device) -> None:
+        self.scratch = CopyBuffer(layout, chunk_size, device)
+        self.staging = CopyBuffer(
+            layout, chunk_size, torch.device("cpu"), pin=device.type == "cuda"
+        )
+
+    def scratch_rows(self, tokens: int) -> torch.Tensor:
+        return self.scratch.rows(tokens)

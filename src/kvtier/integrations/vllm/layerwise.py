@@ -9,7 +9,8 @@ too). For the step's CPU-tier loads::
                       chunks; a disk/Redis hit would land there the same way), then layer 0's
                       copy staging -> device slot 0 is queued: one batch, one fence
     wait(layer i)     layer i+1's copy is queued (slot (i+1) % 2) while layer i computes;
-                      layer i's fence is waited (on a host; on CUDA the stream orders it),
+                      layer i's fence is waited (on a host) or ordered before the model's
+                      stream (on CUDA: ``order_current_stream``, layer i's event only),
                       and slot i % 2 is scattered into layer i's blocks
     last layer /      anything not scattered by then fails its request (see below)
     wait_for_save
@@ -17,6 +18,11 @@ too). For the step's CPU-tier loads::
                   layer:   0        1        2       ...
     copy stream   [c0][c1]     [c2]     [c3]
     compute            w0 [L0] w1 [L1] w2 [L2] ...     wi: layer i's own fence only
+
+Each copy is closed without ordering the model's stream (``close(order_caller=False)``,
+:mod:`kvtier.memory.device`): closing layer i+1's batch before layer i computes would
+otherwise make layer i wait for layer i+1's copy too. Layer i's fence orders the stream in
+its own wait, just before its scatter and its compute are queued.
 
 Failure: a copy that fails, or has not landed ``late_after_s`` after its layer asked for it,
 turns every request of the step's layer-wise load into a miss from its first loaded token
@@ -32,6 +38,8 @@ Not layer-wise (whole chunks, as with the mode off): async loads (disk/Redis hit
 while the request waits, before any forward reads them), models with several KV-cache
 groups or with state layers, and a worker whose KV is host memory needs no slots at all
 (the scatter reads the staging).
+
+Saves go layer by layer in the same mode: :mod:`.layerwise_saves`.
 
 Test hook: ``KVTIER_FAULT_LOAD_LAYER=k`` fails every layer-wise load at layer ``k`` (the
 vLLM tests' way to inject a failure into a spawned worker).
@@ -52,7 +60,7 @@ from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.loads import Loads, scratch_tokens
 from kvtier.integrations.vllm.metadata import LoadSpec
 from kvtier.integrations.vllm.paged import PagedKV
-from kvtier.memory.device import LANDED, CopyEngine, Direction, Landed
+from kvtier.memory.device import LANDED, CopyEngine, Direction, Fence, Landed
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +84,16 @@ class _Piece:
     loaded: int  # tokens [spec.start, loaded) go to vLLM's blocks
 
 
+def layer_views(paged: PagedKV) -> list[PagedKV]:
+    """One single-layer view per layer: its scatter or gather touches that layer only (on
+    CUDA through a kernel of its own one layer: the model's kernel moves every layer)."""
+    views = [
+        replace(paged, layers=(t,), layer_names=(n,), layer_groups=(), kernel=None)
+        for t, n in zip(paged.layers, paged.layer_names, strict=True)
+    ]
+    return views if paged.kernel is None else [view.with_kernel() for view in views]
+
+
 class LayerLoads:
     """See the module docstring. Used by vLLM's model thread only."""
 
@@ -94,27 +112,22 @@ class LayerLoads:
         self.late_after_s = late_after_s
         self._device_memory = device_memory
         self._index = {name: i for i, name in enumerate(paged.layer_names)}
-        # One single-layer view per layer: its scatter writes that layer only.
-        self._views = [
-            replace(paged, layers=(t,), layer_names=(n,), layer_groups=())
-            for t, n in zip(paged.layers, paged.layer_names, strict=True)
-        ]
+        self._views = layer_views(paged)
         self._device = paged.layers[0].device
         # Copies that may land after they return need slots of device memory; on a host the
         # scatter reads the staging itself.
         self._via_slots = copies.on_device(paged.layers[0])
-        # On CUDA a LOAD batch already orders the caller's stream after its copies: the
+        # On CUDA a layer's fence orders the model's stream (order_current_stream): the
         # host never waits (and cannot see "late").
         self._stream_ordered = self._device.type == "cuda"
         self._slots: list[torch.Tensor] = []
         self._staging: torch.Tensor | None = None  # flat host bytes, grown and kept
         self._pieces: list[_Piece] = []
-        self._landed: dict[int, Landed] = {}
+        self._landed: dict[int, Fence] = {}
         self._unsettled: list[Landed] = []
         self._next = 0  # the next layer whose copy to queue
         self._waited = 0  # layers waited for, in order
-        fault = os.environ.get(FAULT_ENV)
-        self._fault_layer = int(fault) if fault else None
+        self._fault_layer: int | None = None  # read each step: a test sets it after opening
         self.loads = 0  # requests loaded layer by layer, whole
         self.failures = 0  # requests whose layer-wise load failed
 
@@ -156,6 +169,8 @@ class LayerLoads:
                 rows += loaded - base
         if not self._pieces:
             return
+        fault = os.environ.get(FAULT_ENV)
+        self._fault_layer = int(fault) if fault else None
         if self._via_slots:
             self._slots_for(rows)
         self._next, self._waited = 0, 0
@@ -189,6 +204,8 @@ class LayerLoads:
         if i == self._fault_layer:
             self._fail(f"layer {i}: fault injected ({FAULT_ENV})")
             return
+        # The scatter and layer i's compute, queued next, wait for layer i's copy only.
+        landed.order_current_stream()
         self._scatter(i)
         self._waited = i + 1
         if self._waited == len(self._views):
@@ -219,7 +236,8 @@ class LayerLoads:
             first, n = piece.spec.start - piece.base, piece.loaded - piece.base
             rows = slice(piece.offset + first, piece.offset + n)
             batch.copy(slot[:, rows], piece.host[:, i, first:n])
-        self._landed[i] = batch.close()
+        # Not ordered now: the model's stream waits for it in layer i's own wait.
+        self._landed[i] = batch.close(order_caller=False)
 
     def _land(self, landed: Landed) -> bool:
         """Whether ``landed`` landed within ``late_after_s`` (polled: a host copy's fence

@@ -7,6 +7,10 @@ background.
                                            WAITING_FOR_REMOTE_KVS until :meth:`finished`
                                            names it
 
+Where the kernel reaches kvtier's pages (:mod:`.one_copy`), a load scatters straight from
+the pages into vLLM's blocks: no staging, no device window (``one_copy``). Otherwise, on a
+device, it goes through pinned host staging and a window of ``WINDOW_CHUNKS`` chunks.
+
 A load that comes up short (a chunk failed its checksum or vanished) reports the blocks from
 the first one it could not fill (:meth:`failed_blocks`: vLLM recomputes them) and the tokens
 it did deliver (:meth:`short_loads`: the scheduler re-saves the recomputed chunks). For an
@@ -31,9 +35,10 @@ import torch
 
 from kvtier.cache import KVCache
 from kvtier.cpu_affinity import unpin_current_thread
-from kvtier.errors import KVTierError
+from kvtier.errors import KVTierError, StateError
 from kvtier.integrations.vllm.copy_buffer import CopyBuffer
 from kvtier.integrations.vllm.metadata import LoadSpec
+from kvtier.integrations.vllm.one_copy import OneCopy
 from kvtier.integrations.vllm.paged import NULL_BLOCK, PagedKV
 from kvtier.integrations.vllm.states import PagedState
 from kvtier.memory.device import LANDED, CopyEngine, DeviceCopies, Direction, Landed
@@ -53,14 +58,18 @@ class Loads:
         states: PagedState | None = None,
         attention_tables: Callable[[Any], Any] = lambda tables: tables,
         copies: CopyEngine | None = None,
+        one_copy: OneCopy | None = None,
     ) -> None:
         """``states``: the model's state layers (the state at the load's end is restored
         with it); ``attention_tables``: a spec's tables without the state groups';
-        ``copies``: who copies host memory to the device (a test's may land late)."""
+        ``copies``: who copies host memory to the device (a test's may land late);
+        ``one_copy``: the kernel's path straight from the pages (:meth:`run` without a
+        buffer)."""
         self.cache = cache
         self.paged = paged
         self.block_size = block_size
         self.states = states
+        self.one_copy = one_copy
         self._attention_tables = attention_tables
         self._lock = threading.Lock()  # guards the three result fields
         self._failed: set[int] = set()
@@ -88,7 +97,11 @@ class Loads:
     def staged(self) -> bool:
         """Whether loads go through host staging and a device window (the KV is device
         memory, and the model keeps no states: those are restored from the whole load)."""
-        return self.states is None and self.copies.on_device(self.paged.layers[0])
+        return (
+            self.one_copy is None
+            and self.states is None
+            and self.copies.on_device(self.paged.layers[0])
+        )
 
     @property
     def window_tokens(self) -> int:
@@ -100,12 +113,21 @@ class Loads:
         """Device rows (every layer) the loader thread holds: its window, or its scratch."""
         return self._window.tokens
 
-    def run(self, spec: LoadSpec, out: torch.Tensor, window: torch.Tensor | None = None) -> None:
+    def run(
+        self, spec: LoadSpec, out: torch.Tensor | None = None, window: torch.Tensor | None = None
+    ) -> None:
         """Load ``spec`` now (``out``: a ``[2, layers, >=len(tokens) - base, hidden]``
         scratch whose row 0 is token ``base``, the chunk start of ``spec.start``: vLLM's own
         prefix is neither loaded nor given room, see :func:`scratch_tokens`). With
         ``window`` (device memory of a few chunks), ``out`` is host staging and the load
-        reaches vLLM's blocks one window at a time."""
+        reaches vLLM's blocks one window at a time. Without ``out`` (``one_copy`` only) the
+        kernel scatters from the pages themselves."""
+        if out is None:
+            if self.one_copy is None:
+                raise StateError("kvtier worker: a load without a buffer needs the one-copy path")
+            tables = self._attention_tables(spec.tables)
+            self.record_short(spec, self.one_copy.load(spec, tables))
+            return
         chunk = self.cache.config.chunk_size
         base = spec.start // chunk * chunk
         # The last window copy out of this staging has landed before it is written again.
@@ -223,7 +245,10 @@ class Loads:
     def _run_async(self, spec: LoadSpec) -> None:
         try:
             rows = scratch_tokens(spec, self.cache.config.chunk_size)
-            if self.staged:
+            if self.one_copy is not None:
+                self.run(spec)
+                self.one_copy.fence().wait()  # landed before vLLM is told it is finished
+            elif self.staged:
                 self.run(spec, self._host.rows(rows), self._window.rows(self.window_tokens))
             else:
                 self.run(spec, self._window.rows(rows))

@@ -41,6 +41,8 @@ import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
+from kvtier.memory.device import LANDED, Landed
+
 Slots = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (tensor block, offset, real)
 _AS_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _TILE_ELEMENTS = 4096  # elements per program: enough work per launch, registers to spare
@@ -214,6 +216,16 @@ class PagedKernel:
         written."""
         self._launch(False, self._offsets(slots, skip_null=True), rows)
 
+    def fence(self) -> Landed:
+        """The fence after every launch queued so far on the caller's current stream: a host
+        reader of a gathered page, or whoever gives back a page a scatter reads, waits for it.
+        Off CUDA (the interpreter) a launch has run when it returns."""
+        if self.device.type != "cuda":
+            return LANDED
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.device))
+        return _EventLanded(event)
+
     def _offsets(self, slots: Sequence[Slots], skip_null: bool) -> torch.Tensor:
         """``[groups, n]`` element offsets of each token's slot in a layer (-1: skipped)."""
         block, token = self.slot_strides
@@ -254,6 +266,19 @@ class PagedKernel:
                 VEC=self.vec,
                 GATHER=gather,
             )
+
+
+class _EventLanded:
+    """A CUDA event recorded after launches, as :class:`~kvtier.memory.device.Landed`."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self._event = event
+
+    def wait(self) -> None:
+        self._event.synchronize()
+
+    def done(self) -> bool:
+        return bool(self._event.query())  # type: ignore[no-untyped-call]
 
 
 def _layer_offsets(layers: Sequence[torch.Tensor]) -> list[int]:

@@ -21,6 +21,10 @@ steps makes the model thread wait for one: the bound on memory outside vLLM's bu
 
 A save that fails is logged and counts as done: the blocks are vLLM's and must go back.
 :meth:`close` drains every save queued before it.
+
+Layer-wise saves (:mod:`.layerwise_saves`) gather into a buffer layer by layer and copy each
+layer into the buffer's host twin (:meth:`host_twin`) as they go; their jobs (one per request,
+the last one giving the buffer back) store from the twin once every layer's copy landed.
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ log = logging.getLogger(__name__)
 
 IN_FLIGHT = 4  # copy buffers of saves still copying, at most
 
-_Job = tuple[str, Callable[[], None], CopyBuffer, Callable[[], AbstractContextManager[object]]]
+_Job = tuple[
+    str, Callable[[], None], CopyBuffer | None, Callable[[], AbstractContextManager[object]]
+]
 
 
 class SaveDrain:
@@ -54,6 +60,7 @@ class SaveDrain:
         self._device = device
         self._free: queue.Queue[CopyBuffer] = queue.Queue()
         self._made: list[CopyBuffer] = []  # every buffer, free or copying (IN_FLIGHT at most)
+        self._twins: dict[int, CopyBuffer] = {}  # id(buffer) -> its host twin (layer-wise)
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._in_flight: Counter[str] = Counter()  # saves queued, not landed yet, per request
@@ -78,14 +85,27 @@ class SaveDrain:
                 return made
         return self._free.get()
 
-    def submit(self, request_id: str, job: Callable[[], None], buffer: CopyBuffer) -> None:
-        """Run ``job`` (a store from ``buffer``, which :meth:`take` gave) behind the step."""
+    def submit(self, request_id: str, job: Callable[[], None], buffer: CopyBuffer | None) -> None:
+        """Run ``job`` (a store from ``buffer``, which :meth:`take` gave; None: a save that
+        gathered straight into pages, :mod:`.one_copy`) behind the step."""
         if self._closed or self._thread is None:
-            self._free.put(buffer)
+            if buffer is not None:
+                self._free.put(buffer)
             raise StateError("kvtier worker: saves are closed")
         with self._lock:
             self._in_flight[request_id] += 1
         self._jobs.put((request_id, job, buffer, self._after_gather()))
+
+    def host_twin(self, buffer: CopyBuffer) -> CopyBuffer:
+        """The host buffer that goes with ``buffer`` (pinned on CUDA), free exactly when
+        ``buffer`` is and kept as long: a layer-wise save copies into it and stores from it."""
+        with self._lock:
+            twin = self._twins.get(id(buffer))
+            if twin is None:
+                pin = self._device.type == "cuda"
+                twin = CopyBuffer(self._layout, self._chunk_size, torch.device("cpu"), pin=pin)
+                self._twins[id(buffer)] = twin
+            return twin
 
     def give_back(self, buffer: CopyBuffer) -> None:
         """A buffer :meth:`take` gave that no save used."""
@@ -142,7 +162,8 @@ class SaveDrain:
                 log.exception("kvtier: a save of request %s failed; its chunks are not stored",
                               request_id)  # fmt: skip
             finally:
-                self._free.put(buffer)
+                if buffer is not None:
+                    self._free.put(buffer)
                 with self._lock:
                     self._in_flight[request_id] -= 1
                     if not self._in_flight[request_id]:

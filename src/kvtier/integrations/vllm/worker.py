@@ -52,13 +52,14 @@ from kvtier.config import Config
 from kvtier.cpu_affinity import engine_cpus, unpinned, use_cpus
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError, StateError
-from kvtier.integrations.vllm.copy_buffer import CopyBuffer
+from kvtier.integrations.vllm.copy_buffer import ModelThreadBuffers
 from kvtier.integrations.vllm.events import EventLog
 from kvtier.integrations.vllm.groups import ModelGroups
 from kvtier.integrations.vllm.layerwise import LayerLoads
 from kvtier.integrations.vllm.loads import Loads, scratch_tokens
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.metrics import CounterDeltas
+from kvtier.integrations.vllm.one_copy import OneCopy
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.pd import DecoderPulls, PDEndpoint
 from kvtier.integrations.vllm.rpc import LookupServer
@@ -74,7 +75,6 @@ from kvtier.service import Service
 from kvtier.storage.cpu import CpuTier
 
 log = logging.getLogger(__name__)
-_HOST = torch.device("cpu")
 
 
 class WorkerSide:
@@ -93,10 +93,14 @@ class WorkerSide:
         server: str | None = None,
         groups: ModelGroups | None = None,
         copies: CopyEngine | None = None,
+        one_copy: bool | None = None,
     ) -> None:
         """``copies``: the owner of every copy between vLLM's memory and kvtier's pages
         (:class:`DeviceCopies` by default; a test passes one whose copies land late). A save
-        whose copies may land late runs its store behind the step (:mod:`.save_drain`)."""
+        whose copies may land late runs its store behind the step (:mod:`.save_drain`).
+        ``one_copy``: the kernel between vLLM's blocks and kvtier's pages, no scratch
+        (:mod:`.one_copy`): None where it can run on CUDA, True also on CPU tensors (tests,
+        under ``TRITON_INTERPRET=1``), False never."""
         if server is not None and config.enable_pd:
             raise ConfigError(
                 "server", server, "no server with enable_pd (PD runs in the worker's own Engine)"
@@ -123,10 +127,11 @@ class WorkerSide:
         self._server: LookupServer | None = None
         self._loads: Loads | None = None
         self._layers: LayerLoads | None = None  # use_layerwise: the step's sync loads
-        self._buffer: CopyBuffer | None = None  # the model thread's (copy_buffer.py)
-        self._staging: CopyBuffer | None = None  # its host staging for loads to a device
+        self._buffers: ModelThreadBuffers | None = None  # the model thread's (copy_buffer.py)
         self._finished_saves: set[str] = set()  # ended requests to report (finished_saves)
         self.copies = copies if copies is not None else DeviceCopies()
+        self.one_copy_mode = one_copy
+        self._one_copy: OneCopy | None = None
         self._drain: SaveDrain | None = None  # stores behind the step (save_drain.py)
         self._saves: WorkerSaves | None = None  # the save path (worker_saves.py), once open
         # Only rank 0 reports events: every rank stores the same chunks (its own slice).
@@ -177,13 +182,25 @@ class WorkerSide:
         else:
             client = Engine(cfg, layout, copies=self.copies, **identity)
         service = Service(cfg, layout, cache=client, **identity).open()
+        paged, self._one_copy = OneCopy.build(
+            service.local_engine, paged, states=self.states is not None, force=self.one_copy_mode
+        )
         self.service, self.paged, self.cache = service, paged, service.cache
         device = paged.layers[0].device
         self._drain = SaveDrain(layout, cfg.chunk_size, device).open()
         cache = service.cache
+        self._buffers = buffers = ModelThreadBuffers(cache.layout, cfg.chunk_size, device)
         self._loads = Loads(
-            cache, paged, self.block_size, self.states, self._attention_tables, self.copies
+            cache,
+            paged,
+            self.block_size,
+            self.states,
+            self._attention_tables,
+            self.copies,
+            self._one_copy,
         )
+        if cfg.use_layerwise and LayerLoads.serves(paged, self._loads):  # else whole chunks
+            self._layers = LayerLoads(self._loads, paged, self.copies)
         engine = service.local_engine  # in-process, with its admin API and receiver
         if engine is not None:
             self.engine = engine
@@ -207,13 +224,15 @@ class WorkerSide:
             self._loads,
             self._drain,
             late=self.copies.on_device(paged.layers[0]),
-            scratch_for=self._scratch_for,
+            scratch_for=buffers.scratch_rows,
             attention_tables=self._attention_tables,
             states=self.states,
             events=self.events,
             engine=self.engine,
             pd=self._pd,
             media=self._media,
+            one_copy=self._one_copy,
+            copies=self.copies,  # use_layerwise: saves layer by layer (layerwise_saves.py)
         )
         self._server = LookupServer(self.engine_id, self.tp_rank, WorkerChannel(self)).open()
         log.info(
@@ -262,19 +281,21 @@ class WorkerSide:
         each lands in its layer's :meth:`wait_layer`)."""
         if self.off or not meta.loads:
             return  # kvtier is off for this model, or a decode step: nothing to load
-        loads = self._loads_part()
-        layers = self._layer_loads()
+        loads, buffers = self._loads_part(), self._buffers_part()
+        layers, chunk = self._layers, self.config.chunk_size
         sync = []
         for spec in meta.loads:
             if spec.async_load:
                 loads.submit(spec)
             elif layers is not None:
                 sync.append(spec)
+            elif loads.one_copy is not None:  # the kernel straight from the pages
+                loads.run(spec)
             elif loads.staged:  # KV on a device: a window of a few chunks, never the prompt
-                staging = self._host_staging(scratch_tokens(spec, self.config.chunk_size))
-                loads.run(spec, staging, self._scratch_for(loads.window_tokens))
+                staging = buffers.staging.rows(scratch_tokens(spec, chunk))
+                loads.run(spec, staging, buffers.scratch.rows(loads.window_tokens))
             else:
-                loads.run(spec, self._scratch_for(scratch_tokens(spec, self.config.chunk_size)))
+                loads.run(spec, buffers.scratch.rows(scratch_tokens(spec, chunk)))
         if layers is not None:
             layers.begin(sync)
 
@@ -289,14 +310,10 @@ class WorkerSide:
         if self._layers is not None:
             self._layers.finish()
 
-    def _layer_loads(self) -> LayerLoads | None:
-        """The layer-wise loader, made on first use; None when the mode is off or this
-        model's loads stay whole (:meth:`LayerLoads.serves`)."""
-        if self._layers is None and self.config.use_layerwise and self._loads is not None:
-            loads, paged = self._loads, self._parts()[1]
-            if LayerLoads.serves(paged, loads):
-                self._layers = LayerLoads(loads, paged, self.copies)
-        return self._layers
+    def save_layer(self, layer_name: str, meta: KVTierMetadata) -> None:
+        """After ``layer_name`` computed (vLLM's ``save_kv_layer``; :mod:`.layerwise_saves`)."""
+        if self._saves is not None:
+            self._saves.save_layer(layer_name, meta)
 
     def save(self, meta: KVTierMetadata) -> None:
         """Gather this step's saves out of vLLM's blocks and store them (:mod:`.worker_saves`:
@@ -359,6 +376,11 @@ class WorkerSide:
             raise StateError("kvtier worker: vLLM has not registered its KV caches yet")
         return self._loads
 
+    def _buffers_part(self) -> ModelThreadBuffers:
+        if self._buffers is None:
+            raise StateError("kvtier worker: vLLM has not registered its KV caches yet")
+        return self._buffers
+
     def _parts(self) -> tuple[KVCache, PagedKV]:
         if self.cache is None or self.paged is None:
             raise StateError("kvtier worker: vLLM has not registered its KV caches yet")
@@ -369,32 +391,21 @@ class WorkerSide:
         """Token rows (all layers) of the model thread's copy buffer and the layer-wise
         loads' slots (0 before the first save or load): on a GPU, memory this worker holds
         outside vLLM's budget (:mod:`.copy_buffer`, :mod:`.layerwise`)."""
-        held = 0 if self._buffer is None else self._buffer.tokens
+        held = 0 if self._buffers is None else self._buffers.scratch.tokens
         held += self._drain.tokens if self._drain is not None else 0  # saves behind the step
         held += self._loads.scratch_tokens if self._loads is not None else 0  # loader thread's
         return held + (self._layers.scratch_tokens if self._layers is not None else 0)
 
     def stats(self) -> dict[str, int]:
         """This worker's own figures (the probe's ``stats()["worker"]``)."""
-        layers = self._layers
+        layers, tokens = self._layers, self.scratch_tokens
+        # The copy buffers are chunk tensors of the cache's layout (copy_buffer.py).
+        per_token = self.cache.layout.token_bytes() if self.cache is not None else 0
         return {
-            "scratch_tokens": self.scratch_tokens,
+            "scratch_tokens": tokens,
+            "scratch_bytes": tokens * per_token,
+            "one_copy": int(self._one_copy is not None),  # the kernel on kvtier's pages
             "layerwise_loads": layers.loads if layers is not None else 0,
             "layerwise_failures": layers.failures if layers is not None else 0,
+            **(self._saves.stats() if self._saves is not None else {}),  # layer-wise saves
         }
-
-    def _host_staging(self, tokens: int) -> torch.Tensor:
-        """The model thread's host staging for loads to a device (pinned on CUDA)."""
-        cache, paged = self._parts()
-        if self._staging is None:
-            device = paged.layers[0].device
-            pin = device.type == "cuda"
-            self._staging = CopyBuffer(cache.layout, cache.config.chunk_size, _HOST, pin=pin)
-        return self._staging.rows(tokens)
-
-    def _scratch_for(self, tokens: int) -> torch.Tensor:
-        """The model thread's copy buffer, with at least ``tokens`` rows."""
-        cache, paged = self._parts()
-        if self._buffer is None:
-            self._buffer = CopyBuffer(cache.layout, cache.config.chunk_size, paged.layers[0].device)
-        return self._buffer.rows(tokens)

@@ -13,12 +13,16 @@ skipped, never half-stored, when its chunk cannot be whole::
 
 A PD prefiller's save (``transfer_id``) is stored and sent inside the step, on a GPU too:
 the decoder looks it up as soon as the response leaves.
+
+With ``use_layerwise`` (where loads go layer by layer too), the step's other saves leave the
+blocks in vLLM's ``save_kv_layer`` hooks, one layer at a time (:mod:`.layerwise_saves`, held
+to the same skip rules); :meth:`save` then only closes them, and saves whole-chunk the rest.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -28,13 +32,17 @@ import torch
 from kvtier.cache import KVCache
 from kvtier.engine import Engine
 from kvtier.integrations.vllm.events import EventLog
+from kvtier.integrations.vllm.layerwise import LayerLoads
+from kvtier.integrations.vllm.layerwise_saves import LayerSaves
 from kvtier.integrations.vllm.loads import Loads
 from kvtier.integrations.vllm.metadata import KVTierMetadata, SaveSpec
+from kvtier.integrations.vllm.one_copy import OneCopy
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.pd import PDEndpoint
 from kvtier.integrations.vllm.save_drain import SaveDrain
 from kvtier.integrations.vllm.states import PagedState
 from kvtier.keys import ChunkKey, ChunkSpan, RequestKeys
+from kvtier.memory.device import CopyEngine
 from kvtier.request_salt import ExtraKeys
 from kvtier.tokens import as_token_array
 
@@ -57,10 +65,36 @@ class WorkerSaves:
     engine: Engine | None = None  # in-process: tiers publish their own events
     pd: PDEndpoint | None = None  # a PD prefiller's sender
     media: Sequence[str] = ()  # where stores through a server are published
+    one_copy: OneCopy | None = None  # saves gathered straight into kvtier's pages
+    copies: CopyEngine | None = None  # with use_layerwise: the per-layer copies' engine
+    layers: LayerSaves | None = field(default=None, init=False)  # use_layerwise's saves
+
+    def __post_init__(self) -> None:
+        cache, copies = self.cache, self.copies
+        # Saves go layer by layer where loads can (one KV-cache group, no state layers).
+        if cache.config.use_layerwise and copies and LayerLoads.serves(self.paged, self.loads):
+            chunk = cache.config.chunk_size
+            self.layers = LayerSaves(self, self.paged, cache.layout, chunk, self.drain, copies)
+
+    def save_layer(self, layer_name: str, meta: KVTierMetadata) -> None:
+        """After ``layer_name`` computed: its part of the step's saves (:mod:`.layerwise_saves`)."""
+        if self.layers is not None and meta.saves:
+            self.layers.layer(layer_name, meta)
+
+    def stats(self) -> dict[str, int]:
+        layers = self.layers
+        return {
+            "layerwise_saves": layers.saves if layers is not None else 0,
+            "layerwise_save_skips": layers.skips if layers is not None else 0,
+        }
 
     def save(self, meta: KVTierMetadata) -> None:
         cache, paged, chunk = self.cache, self.paged, self.cache.config.chunk_size
+        # Saves that went layer by layer (stored or skipped there); the rest, whole chunks.
+        layered = {id(s) for s in self.layers.close(meta)} if self.layers is not None else set()
         for spec in meta.saves:
+            if id(spec) in layered:
+                continue
             if spec.from_cache:
                 if self.pd is not None and spec.transfer_id is not None:
                     out = self.scratch_for(spec.end)
@@ -68,17 +102,19 @@ class WorkerSaves:
                         cache, spec.transfer_id, spec.tokens, spec.cache_salt, out
                     )
                 continue
-            if self.loads.is_short(spec.request_id):
-                # This step computed the request on top of blocks its load could not fill:
-                # vLLM throws that away and recomputes, and so must kvtier (never store KV
-                # that attended to garbage). The scheduler re-offers the chunks later.
-                continue
+            if not self.wanted(spec):
+                continue  # the skip rules (the module docstring)
             tables = self.attention_tables(spec.tables)
-            if not paged.complete(tables, spec.start, spec.end, chunk):
-                continue  # a sliding-window group dropped blocks of this range: not whole
             states = self.states
-            if states is not None and not states.present(spec.group_block_ids, spec.end):
-                continue  # no state kept at this chunk's end: the chunk cannot be whole
+            if self.one_copy is not None and spec.transfer_id is None:
+                # Straight into kvtier's pages, no copy buffer (one_copy.py; in-process only).
+                tokens = as_token_array(spec.tokens)
+                keys = cache.request_keys(tokens, spec.request_id, cache_salt=spec.cache_salt)
+                published = self._published(spec, keys.spans, spec.start // chunk)
+                if self.events is not None and published is not None:
+                    self.events.expect(*published, spec.tokens)  # the tiers publish them
+                self.one_copy.save(spec, tables, tokens, keys, self.drain if self.late else None)
+                continue
             # The buffer holds this save's chunks only (row 0: the chunk start of its first
             # token), so it is as large as a step's saves, never a whole prompt's KV: on a GPU
             # it is memory outside vLLM's budget. A save behind the step has its own.
@@ -94,19 +130,41 @@ class WorkerSaves:
             if states is not None:
                 # One chunk per save (or a prompt's checkpoint), ending where the step ended.
                 states.gather(spec.group_block_ids, spec.end, chunk, out, base)
-            # One token array for the keys and the store (each would convert the list).
-            tokens = as_token_array(spec.tokens)
-            # The keys its lookup hashed, extended by the new chunks only.
-            keys = cache.request_keys(tokens, spec.request_id, cache_salt=spec.cache_salt)
-            published = self._published(spec, keys.spans, spec.start // chunk)
-            if self.events is not None and published is not None and self.engine is not None:
-                # In-process: each tier publishes what it then really holds (events.py).
-                self.events.expect(*published, spec.tokens)
-            store = partial(self._store, spec, tokens, keys, out, base, published)
+            store = self.job(spec, out, base)
             if drain is not None and buffer is not None:
                 drain.submit(spec.request_id, store, buffer)
             else:
                 store()
+
+    def wanted(self, spec: SaveSpec) -> bool:
+        """Whether ``spec``'s chunks can be saved whole (the skip rules, but ``from_cache``
+        and a state too long for its checkpoint, which :meth:`save` sees)."""
+        if self.loads.is_short(spec.request_id):
+            # This step computed the request on top of blocks its load could not fill:
+            # vLLM throws that away and recomputes, and so must kvtier (never store KV
+            # that attended to garbage). The scheduler re-offers the chunks later.
+            return False
+        tables = self.attention_tables(spec.tables)
+        chunk = self.cache.config.chunk_size
+        if not self.paged.complete(tables, spec.start, spec.end, chunk):
+            return False  # a sliding-window group dropped blocks of this range: not whole
+        states = self.states
+        # No state kept at this chunk's end: the chunk cannot be whole.
+        return states is None or states.present(spec.group_block_ids, spec.end)
+
+    def job(self, spec: SaveSpec, out: torch.Tensor, base: int) -> Callable[[], None]:
+        """The store of ``spec`` once ``out`` (row 0: token ``base``) holds its chunks; its
+        keys and events are made now, on the model thread."""
+        cache, chunk = self.cache, self.cache.config.chunk_size
+        # One token array for the keys and the store (each would convert the list).
+        tokens = as_token_array(spec.tokens)
+        # The keys its lookup hashed, extended by the new chunks only.
+        keys = cache.request_keys(tokens, spec.request_id, cache_salt=spec.cache_salt)
+        published = self._published(spec, keys.spans, spec.start // chunk)
+        if self.events is not None and published is not None and self.engine is not None:
+            # In-process: each tier publishes what it then really holds (events.py).
+            self.events.expect(*published, spec.tokens)
+        return partial(self._store, spec, tokens, keys, out, base, published)
 
     def saving(self, request_id: str) -> bool:
         """Whether a save of ``request_id`` is still copying out of its blocks."""
