@@ -35,7 +35,8 @@ def test_a_long_load_holds_a_window_of_device_memory_not_the_prompt() -> None:
         for layer in worker.paged.layers:
             gated.mark(layer)
         window = WINDOW_CHUNKS * CHUNK
-        gated.mark(worker._scratch_for(window))  # the model thread's device buffer
+        assert worker._buffers is not None
+        gated.mark(worker._buffers.scratch_rows(window))  # the model thread's device buffer
         worker._loads.copies = gated
 
         scheduler = scheduler_for(worker)
