@@ -40,6 +40,11 @@ def test_bench_cpu_prints_every_field() -> None:
     # Each ratio is the median of its phase's path/memcpy pairs, with their spread.
     assert_spread(data, "store_ratio")
     assert_spread(data, "retrieve_ratio")
+    # And against a streaming copy of the same bytes in the same rounds (the CPU tier's own
+    # kind of copy, the fastest on a host).
+    assert data["streaming_copy_gbps"] > 0
+    assert_spread(data, "store_ratio_streaming")
+    assert_spread(data, "retrieve_ratio_streaming")
     assert data["pairs"] == 1 and data["load_1m"] >= 0 and data["cpus"] >= 1
     assert data["lookup_128k_ms"] > 0 and data["hash_tokens_per_s"] > 0
 
