@@ -18,19 +18,13 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from kvtier.config import Config
 from kvtier.integrations.vllm.metadata import KVTierMetadata, SaveSpec
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.memory.device import CopyEngine, Direction
 from tests.integrations.vllm.worker_helpers import (
-    BLOCK,
-    CHUNK,
-    CHUNK_BYTES,
-    DIM,
-    HEADS,
     LAYERS,
     fill,
-    kv_caches,
+    make_worker,
 )
 from tests.memory.late_copies import LateCopies
 
@@ -42,25 +36,7 @@ B_BLOCKS = [10, 11, 12]
 
 def make(copies: CopyEngine | None = None, *, layerwise: bool = True) -> WorkerSide:
     """A registered worker (``copies``: its copy engine; a late one makes its KV "device")."""
-    overrides = {
-        "chunk_size": CHUNK,
-        "max_local_cpu_size": f"{8 * CHUNK_BYTES}B",
-        "use_layerwise": layerwise,
-    }
-    side = WorkerSide(
-        Config.load(overrides=overrides, env={}),
-        model_name="tiny",
-        engine_id=f"test-{uuid.uuid4().hex}",
-        tp_rank=0,
-        tp_world_size=1,
-        block_size=BLOCK,
-        num_kv_heads=HEADS,
-        head_dim=DIM,
-        events=True,
-        copies=copies,
-    )
-    side.register(kv_caches())
-    return side
+    return make_worker(copies=copies, use_layerwise=layerwise)
 
 
 @pytest.fixture

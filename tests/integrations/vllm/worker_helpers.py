@@ -16,6 +16,7 @@ from kvtier.integrations.vllm.groups import ModelGroups
 from kvtier.integrations.vllm.rpc import LookupClient
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
+from kvtier.memory.device import CopyEngine
 
 LAYERS, HEADS, DIM, BLOCK, BLOCKS, CHUNK = 2, 2, 8, 16, 64, 32
 CHUNK_BYTES = 2 * LAYERS * CHUNK * HEADS * DIM * 4
@@ -39,10 +40,12 @@ def make_worker(
     model_name: str = "tiny",
     groups: ModelGroups | None = None,
     server: str | None = None,
+    copies: CopyEngine | None = None,
     **overrides: object,
 ) -> WorkerSide:
     """A registered worker with events on; ``groups``: vLLM's KV-cache groups (None: one);
-    ``server``: the kvtier server it is a client of (None: an Engine of its own)."""
+    ``server``: the kvtier server it is a client of (None: an Engine of its own);
+    ``copies``: its copy engine (a late one makes its KV "device")."""
     values = {"chunk_size": CHUNK, "max_local_cpu_size": f"{8 * CHUNK_BYTES}B", **overrides}
     side = WorkerSide(
         Config.load(overrides=values, env={}),
@@ -56,6 +59,7 @@ def make_worker(
         events=True,
         groups=groups,
         server=server,
+        copies=copies,
     )
     side.register(kv_caches())
     return side
