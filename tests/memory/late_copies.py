@@ -30,6 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -194,3 +195,22 @@ class LateCopies(CopyEngine):
             job = stream.put([])
             stream.release(job.ticket)
             assert job.landed.wait(_PATIENCE), "a late copy never landed"
+
+
+def returns_within(seconds: float, call: Callable[[], object]) -> bool:
+    """Run ``call`` on a thread: whether it returned within ``seconds`` (a call that waits
+    for a held copy waits until the test releases it)."""
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive()
+
+
+def eventually(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
+    """Whether ``condition`` holds within ``seconds`` (polled: work behind a drain thread)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

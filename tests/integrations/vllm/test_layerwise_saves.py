@@ -10,10 +10,9 @@ save whose layers were not all copied is skipped, never half-stored.
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from tests.integrations.vllm.worker_helpers import (
     fill,
     make_worker,
 )
-from tests.memory.late_copies import LateCopies
+from tests.memory.late_copies import LateCopies, eventually, returns_within
 
 A = list(range(300, 370))  # 70 tokens: 2 whole chunks
 B = list(range(700, 740))  # 40 tokens: 1 whole chunk
@@ -57,22 +56,6 @@ def step() -> KVTierMetadata:
 def names(worker: WorkerSide) -> tuple[str, ...]:
     assert worker.paged is not None
     return worker.paged.layer_names
-
-
-def returns_within(seconds: float, call: Callable[[], None]) -> bool:
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    return not thread.is_alive()
-
-
-def eventually(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def all_reported(worker: WorkerSide, want: set[str]) -> bool:

@@ -8,10 +8,8 @@ channel; the engine is real."""
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
-from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -34,7 +32,7 @@ from tests.integrations.vllm.worker_helpers import (
     kv_caches,
     step_of_new,
 )
-from tests.memory.late_copies import LateCopies
+from tests.memory.late_copies import LateCopies, eventually, returns_within
 
 
 def late_worker(copies: LateCopies) -> WorkerSide:
@@ -53,25 +51,6 @@ def late_worker(copies: LateCopies) -> WorkerSide:
     )  # fmt: skip
     side.register(kv_caches())
     return side
-
-
-def returns_within(seconds: float, call: object) -> bool:
-    """Run ``call`` on a thread: whether it returned within ``seconds`` (a call that waits
-    for a held copy would wait until the test releases it)."""
-    assert callable(call)
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    return not thread.is_alive()
-
-
-def eventually(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def reported(worker: WorkerSide, seconds: float = 10.0) -> set[str]:
